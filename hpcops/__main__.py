@@ -1,0 +1,3 @@
+from hpcops.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,127 @@
+"""Run a suite: build each case, gate it on correctness, time every implementation in one process."""
+
+from __future__ import annotations
+
+import gc
+import platform
+import sys
+import traceback
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from hpcops.bench import timing
+from hpcops.bench.progress import Progress
+from hpcops.bench.registry import Case, PeerUnavailable, get_suite
+
+
+@dataclass
+class Row:
+    suite: str
+    case: str
+    impl: str
+    ours: bool
+    us: float | None
+    status: str  # "ok", "check-failed", "unavailable: ...", "error: ..."
+    layers: int = 0
+    bytes: int = 0
+    flops: int = 0
+    params: dict[str, Any] = field(default_factory=dict)
+    command: str = ""
+    note: str = ""
+
+    @property
+    def gbps(self) -> float | None:
+        return self.bytes / (self.us * 1e-6) / 1e9 if self.us and self.bytes else None
+
+    @property
+    def tflops(self) -> float | None:
+        return self.flops / (self.us * 1e-6) / 1e12 if self.us and self.flops else None
+
+
+@dataclass
+class SuiteResult:
+    suite: str
+    rows: list[Row]
+    machine: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        rows = []
+        for r in self.rows:
+            d = asdict(r)
+            d["gbps"], d["tflops"] = r.gbps, r.tflops
+            rows.append(d)
+        return {"suite": self.suite, "machine": self.machine, "rows": rows}
+
+
+def machine_info(measure: bool = True) -> dict[str, Any]:
+    info: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:  # pragma: no cover
+        pass
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        info.update(gpu=p.name, sms=p.multi_processor_count, gpu_mem_gb=round(p.total_memory / 2**30, 1))
+        if measure:
+            info["copy_gbps"] = round(timing.copy_bandwidth_gbps(), 1)
+    return info
+
+
+def _time_impl(case: Case, impl, inputs: list[Any]) -> float:
+    fns = [impl.prepare(x) for x in inputs]
+    if getattr(impl, "per_step", False):
+        return timing.eager_time_us(fns[0])
+    return timing.graph_time_us(fns)
+
+
+def run_suite(name: str, opts: dict[str, Any] | None = None, *, check: bool = True, only: str | None = None,
+              progress: bool = True, machine: dict[str, Any] | None = None) -> SuiteResult:
+    """Run every case of suite `name` (those whose name contains `only`, if given)."""
+    opts = dict(opts or {})
+    if not torch.cuda.is_available():
+        raise RuntimeError("hpcops bench times on a CUDA GPU; none is visible (run `hpcops demo` on the CPU)")
+    cases = [c for c in get_suite(name)(opts) if only is None or only in c.name]
+    machine = machine if machine is not None else machine_info()
+    bar = Progress(sum(len(c.impls) for c in cases), f"bench {name}", enabled=progress)
+    rows: list[Row] = []
+    for case in cases:
+        layers = case.layers or opts.get("layers") or timing.layers_for(case.bytes)
+        base = dict(suite=name, case=case.name, layers=layers, bytes=case.bytes, flops=case.flops,
+                    params=case.params, command=case.command)
+        try:
+            inputs = [case.make_inputs(i) for i in range(layers)]
+        except Exception as exc:  # a case that cannot be built is reported, not fatal
+            for impl in case.impls:
+                rows.append(Row(impl=impl.name, ours=impl.ours, us=None, status=f"error: inputs: {exc}", **base))
+                bar.step(f"{case.name} {impl.name}: inputs failed")
+            continue
+        gate_ok = True
+        if check and case.check is not None:
+            try:
+                case.check(inputs[0])
+            except AssertionError as exc:
+                gate_ok = False
+                print(f"\n[check failed] {name}/{case.name}: {exc}", file=sys.stderr)
+        for impl in case.impls:
+            status, us = "ok", None
+            if impl.ours and not gate_ok:
+                status = "check-failed"
+            else:
+                try:
+                    us = _time_impl(case, impl, inputs)
+                except PeerUnavailable as exc:
+                    status = f"unavailable: {exc}"
+                except Exception as exc:  # keep going: one broken peer must not hide the others
+                    status = f"error: {type(exc).__name__}: {exc}"[:300]
+                    traceback.print_exc(file=sys.stderr)
+            rows.append(Row(impl=impl.name, ours=impl.ours, us=us, status=status, note=impl.note, **base))
+            bar.step(f"{case.name} {impl.name}: " + (f"{us:.1f} us" if us is not None else status[:40]))
+        del inputs
+        gc.collect()
+        torch.cuda.empty_cache()
+    bar.close()
+    return SuiteResult(name, rows, machine)

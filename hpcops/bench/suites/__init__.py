@@ -1,0 +1,1 @@
+"""One module per suite, each exposing `cases(opts) -> Iterator[hpcops.bench.Case]`."""

@@ -1,0 +1,86 @@
+"""Timing the way a model runs: several layers, each with its own inputs, in one CUDA graph."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+
+import torch
+
+L2_BYTES = 60 * 1024 * 1024  # H200 L2; inputs of all layers together should exceed a few times this
+
+
+def layers_for(bytes_per_layer: int, *, minimum: int = 8, maximum: int = 64, cold_factor: int = 3,
+               memory_budget: int = 40 << 30) -> int:
+    """Layers per graph: enough that all layers' inputs exceed `cold_factor` × L2, within memory."""
+    if bytes_per_layer <= 0:
+        return minimum
+    want = -(-cold_factor * L2_BYTES // bytes_per_layer)
+    fit = max(1, memory_budget // max(bytes_per_layer, 1))
+    return int(max(1, min(max(minimum, want), maximum, fit)))
+
+
+def graph_time_us(fns: Sequence[Callable[[], object]], *, replays: int = 50, warmup: int = 3) -> float:
+    """Median replay time of one CUDA graph holding every `fn` in order, divided by len(fns), in µs."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in fns:  # compile / autotune / lazy allocation outside the capture
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    for _ in range(warmup):
+        graph.replay()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
+    for s, e in zip(starts, ends):
+        s.record()
+        graph.replay()
+        e.record()
+    torch.cuda.synchronize()
+    times = [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
+    del graph
+    return statistics.median(times) / len(fns)
+
+
+def eager_time_us(fn: Callable[[], object], *, replays: int = 50, warmup: int = 3) -> float:
+    """Median time of `fn` launched eagerly (for steps that run once per decode step), in µs."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) * 1e3)
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbps(nbytes: int = 1 << 30) -> float:
+    """Measured device-to-device copy bandwidth (bytes read + written per second), in GB/s."""
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    t = graph_time_us([lambda: dst.copy_(src)], replays=20)
+    return 2 * src.numel() / (t * 1e-6) / 1e9
+
+
+def gemm_tflops(dtype: torch.dtype = torch.bfloat16, n: int = 8192) -> float:
+    """Measured dense GEMM throughput through torch (the compute ceiling), in TFLOP/s."""
+    a = torch.randn(n, n, device="cuda").to(dtype)
+    b = torch.randn(n, n, device="cuda").to(dtype)
+    if dtype == torch.float8_e4m3fn:
+        one = torch.ones((), device="cuda")
+        bt = b.t().contiguous().t()
+        fn = lambda: torch._scaled_mm(a, bt, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    else:
+        fn = lambda: a @ b
+    t = eager_time_us(fn, replays=10)
+    return 2 * n**3 / (t * 1e-6) / 1e12
