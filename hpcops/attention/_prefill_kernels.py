@@ -1,0 +1,284 @@
+"""Triton kernels of `hpcops.prefill_attention` (only @triton.jit code; the launcher is prefill.py).
+
+One program computes one (query tile, kv head) pair. A query tile holds `BLOCK_M // GROUP`
+consecutive new tokens of one request times the `GROUP` query heads that share the kv head
+(GQA packing), so each K/V tile is read once for the whole group. The tiles of every request are
+enumerated from a flat list built in-kernel from `cu_seqlens_q` with a prefix sum (no host sync),
+heaviest (last, causal) tile of each request first. See PREFILL.md.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _prefill_kv_tile(
+    acc,
+    m_i,
+    l_i,
+    q,
+    q_row_scale,
+    start_n,
+    kv_limit,
+    seq_len,
+    bt_row,
+    max_blocks,
+    k_ptr,
+    v_ptr,
+    stride_kb,
+    stride_kt,
+    stride_kd,
+    stride_vb,
+    stride_vt,
+    stride_vd,
+    k_head_off,
+    v_head_off,
+    k_scale,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    Q_FP8: tl.constexpr,
+    PV_FP8: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """One online-softmax step over keys [start_n, start_n + BLOCK_N) of the paged cache."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    if PAGE % BLOCK_N == 0:
+        # the whole tile lies in one page: one block id, contiguous slots
+        blk = tl.load(bt_row + tl.minimum(start_n // PAGE, max_blocks - 1)).to(tl.int64)
+        slot = (offs_n % PAGE).to(tl.int64)
+        k_rows = blk * stride_kb + slot * stride_kt
+        v_rows = blk * stride_vb + slot * stride_vt
+        kv_mask = offs_n < seq_len
+    else:
+        page_idx = offs_n // PAGE
+        kv_mask = (offs_n < seq_len) & (page_idx < max_blocks)
+        blk = tl.load(bt_row + page_idx, mask=kv_mask, other=0).to(tl.int64)  # [BLOCK_N]
+        slot = (offs_n % PAGE).to(tl.int64)
+        k_rows = blk * stride_kb + slot * stride_kt
+        v_rows = blk * stride_vb + slot * stride_vt
+    k_ptrs = k_ptr + k_head_off + k_rows[:, None] + offs_d[None, :] * stride_kd
+    v_ptrs = v_ptr + v_head_off + v_rows[:, None] + offs_d[None, :] * stride_vd
+    if MASKED:
+        k = tl.load(k_ptrs, mask=kv_mask[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
+    else:
+        k = tl.load(k_ptrs)
+    if KV_FP8 and not Q_FP8:
+        k = k.to(q.dtype)
+    s = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N] fp32
+    if Q_FP8:
+        s = s * (q_row_scale * k_scale * qk_scale)[:, None]
+    elif KV_FP8:
+        s = s * (k_scale * qk_scale)
+    else:
+        s = s * qk_scale
+    if MASKED:
+        visible = (offs_n[None, :] <= kv_limit[:, None]) & (offs_n[None, :] < seq_len)
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # a row whose keys are all masked so far keeps m = -inf; subtract 0 there instead of NaN
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])  # [BLOCK_M, BLOCK_N]
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if MASKED:
+        v = tl.load(v_ptrs, mask=kv_mask[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
+    else:
+        v = tl.load(v_ptrs)
+    if PV_FP8:
+        # P in [0, 1] is scaled by 256 into e4m3's normal range; the epilogue divides it out
+        acc = tl.dot((p * 256.0).to(v.dtype), v, acc)
+    elif Q_FP8:
+        acc = tl.dot(p.to(tl.bfloat16), v.to(tl.bfloat16), acc)
+    elif KV_FP8:
+        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc)
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def prefill_attention_fwd_kernel(
+    q_ptr,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    q_scale_ptr,
+    stride_qst,
+    stride_qsh,
+    k_ptr,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    v_ptr,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    block_table_ptr,
+    stride_bt,
+    max_blocks,
+    seq_lens_ptr,
+    cu_seqlens_q_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    out_ptr,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    sm_scale,
+    num_reqs,
+    tiles_per_head,
+    HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    Q_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    PV_FP8: tl.constexpr,
+):
+    TOKENS: tl.constexpr = BLOCK_M // GROUP  # new tokens per query tile
+    pid = tl.program_id(0)
+    kv_head = pid // tiles_per_head
+    tile = pid % tiles_per_head
+
+    # flat tile list: request b owns tiles [cum[b] - n[b], cum[b]) with n[b] = cdiv(q_len[b], TOKENS)
+    offs_b = tl.arange(0, BLOCK_B)
+    b_mask = offs_b < num_reqs
+    q_lo = tl.load(cu_seqlens_q_ptr + offs_b, mask=b_mask, other=0)
+    q_hi = tl.load(cu_seqlens_q_ptr + offs_b + 1, mask=b_mask, other=0)
+    n_tiles = (q_hi - q_lo + TOKENS - 1) // TOKENS  # [BLOCK_B]
+    cum = tl.cumsum(n_tiles, 0)
+    if tile >= tl.sum(n_tiles, 0):
+        return
+    req = tl.sum((cum <= tile).to(tl.int32), 0)
+    sel = offs_b == req
+    req_tiles = tl.sum(tl.where(sel, n_tiles, 0), 0)
+    req_first = tl.sum(tl.where(sel, cum, 0), 0) - req_tiles
+    # heaviest (last) tile of each request first
+    m_blk = req_tiles - 1 - (tile - req_first)
+
+    q_start = tl.load(cu_seqlens_q_ptr + req)
+    q_len = tl.load(cu_seqlens_q_ptr + req + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + req)
+    ctx_len = seq_len - q_len  # keys before the first new token
+
+    offs_m = tl.arange(0, BLOCK_M)
+    tok = m_blk * TOKENS + offs_m // GROUP  # [BLOCK_M] token index within the request
+    head = kv_head * GROUP + offs_m % GROUP  # [BLOCK_M] query head
+    row_mask = (offs_m < TOKENS * GROUP) & (tok < q_len)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_rows = (q_start + tok).to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
+    q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :] * stride_qd, mask=row_mask[:, None], other=0.0)
+    if Q_FP8:
+        q_row_scale = tl.load(
+            q_scale_ptr + (q_start + tok).to(tl.int64) * stride_qst + head * stride_qsh,
+            mask=row_mask,
+            other=0.0,
+        )
+    else:
+        q_row_scale = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if KV_FP8:
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
+    else:
+        k_scale = 1.0
+        v_scale = 1.0
+    qk_scale = sm_scale * 1.4426950408889634  # exp2 domain
+
+    # query at token t sees keys [0, ctx_len + t]; rows past q_len are clamped to the last token
+    kv_limit = ctx_len + tl.minimum(tok, q_len - 1)  # [BLOCK_M]
+    first_tok = m_blk * TOKENS
+    last_tok = tl.minimum(first_tok + TOKENS, q_len) - 1
+    full_end = ((ctx_len + first_tok + 1) // BLOCK_N) * BLOCK_N  # tiles every row sees entirely
+    kv_end = ctx_len + last_tok + 1  # keys past this are masked for every row: skipped
+
+    bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    k_head_off = kv_head.to(tl.int64) * stride_kh
+    v_head_off = kv_head.to(tl.int64) * stride_vh
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for start_n in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = _prefill_kv_tile(
+            acc,
+            m_i,
+            l_i,
+            q,
+            q_row_scale,
+            start_n,
+            kv_limit,
+            seq_len,
+            bt_row,
+            max_blocks,
+            k_ptr,
+            v_ptr,
+            stride_kb,
+            stride_kt,
+            stride_kd,
+            stride_vb,
+            stride_vt,
+            stride_vd,
+            k_head_off,
+            v_head_off,
+            k_scale,
+            qk_scale,
+            HEAD_DIM,
+            BLOCK_N,
+            PAGE,
+            KV_FP8,
+            Q_FP8,
+            PV_FP8,
+            False,
+        )
+    for start_n in range(full_end, kv_end, BLOCK_N):
+        acc, m_i, l_i = _prefill_kv_tile(
+            acc,
+            m_i,
+            l_i,
+            q,
+            q_row_scale,
+            start_n,
+            kv_limit,
+            seq_len,
+            bt_row,
+            max_blocks,
+            k_ptr,
+            v_ptr,
+            stride_kb,
+            stride_kt,
+            stride_kd,
+            stride_vb,
+            stride_vt,
+            stride_vd,
+            k_head_off,
+            v_head_off,
+            k_scale,
+            qk_scale,
+            HEAD_DIM,
+            BLOCK_N,
+            PAGE,
+            KV_FP8,
+            Q_FP8,
+            PV_FP8,
+            True,
+        )
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    if PV_FP8:
+        out_scale = v_scale * (1.0 / 256.0) / l_safe
+    else:
+        out_scale = v_scale / l_safe
+    o = acc * out_scale[:, None]  # [BLOCK_M, HEAD_DIM]
+    o_rows = (q_start + tok).to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
+    o_ptrs = out_ptr + o_rows[:, None] + offs_d[None, :] * stride_od
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])

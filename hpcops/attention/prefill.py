@@ -1,0 +1,360 @@
+"""`prefill_attention`: varlen causal prefill/extend attention over a paged KV cache (see PREFILL.md)."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from hpcops._checks import FP8_E4M3, HALF_DTYPES, check_scale, check_tensor
+from hpcops._library import register
+from hpcops.attention._prefill_kernels import prefill_attention_fwd_kernel
+
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """Launch parameters of the prefill kernel.
+
+    `block_m`: rows of a query tile (tokens × the query heads of one kv group; a power of two ≥ the
+    group size); `block_n`: keys per KV tile; `pv_fp8`: with fp8 q and fp8 KV, run P·V as an fp8
+    dot (P scaled by 256) instead of upcasting V to bf16.
+    """
+
+    block_m: int = 128
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 2
+    pv_fp8: bool = False
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"PrefillConfig.{name} must be a power of two >= 16, got {v}")
+
+
+def prefill_config(
+    *, head_dim: int, group: int, max_seqlen_q: int, q_dtype: torch.dtype, kv_dtype: torch.dtype
+) -> PrefillConfig:
+    """The heuristic config: 128×64 tiles, 8 warps on Hopper; smaller M tiles for short queries."""
+    fp8 = kv_dtype == FP8_E4M3 and q_dtype == FP8_E4M3
+    if head_dim <= 64:
+        block_m, block_n, warps, stages = 128, 64, 8, 3
+    elif head_dim <= 128:
+        block_m, block_n, warps, stages = 128, 128 if fp8 else 64, 8, 2
+    else:
+        block_m, block_n, warps, stages = 64, 64, 4, 2
+    rows = group * max(int(max_seqlen_q), 1)
+    block_m = min(block_m, max(16, triton.next_power_of_2(rows)))
+    block_m = max(block_m, triton.next_power_of_2(group))
+    if block_m <= 64:
+        warps = 4
+    return PrefillConfig(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages)
+
+
+def _check_mode(check: bool | None) -> bool:
+    if check is not None:
+        return bool(check)
+    return os.environ.get("HPCOPS_CHECK", "0") not in ("", "0")
+
+
+def _check_metadata(q, k_cache, block_table, seq_lens, cu_seqlens_q) -> None:
+    """Value checks on the metadata (a host copy: free on the CPU, a sync on the GPU)."""
+    cu = cu_seqlens_q.cpu().long()
+    sl = seq_lens.cpu().long()
+    if cu.numel() and int(cu[0]) != 0:
+        raise ValueError(f"cu_seqlens_q must start at 0, got {int(cu[0])}")
+    q_lens = cu[1:] - cu[:-1]
+    if bool((q_lens < 0).any()):
+        raise ValueError("cu_seqlens_q must be non-decreasing")
+    if cu.numel() and int(cu[-1]) > q.shape[0]:
+        raise ValueError(f"cu_seqlens_q[-1] = {int(cu[-1])} exceeds the {q.shape[0]} rows of q")
+    if bool((q_lens > sl).any()):
+        b = int((q_lens > sl).nonzero()[0])
+        raise ValueError(
+            f"request {b}: q_len {int(q_lens[b])} > seq_lens {int(sl[b])} "
+            "(seq_lens counts the whole sequence, new tokens included)"
+        )
+    page = k_cache.shape[1]
+    need = int(((sl + page - 1) // page).max()) if sl.numel() else 0
+    if need > block_table.shape[1]:
+        raise ValueError(
+            f"block_table has {block_table.shape[1]} columns but seq_lens needs {need} pages of {page} tokens"
+        )
+
+
+def _validate(
+    q,
+    k_cache,
+    v_cache,
+    block_table,
+    seq_lens,
+    cu_seqlens_q,
+    max_seqlen_q,
+    k_scale,
+    v_scale,
+    q_scale,
+    out,
+    check,
+):
+    check_tensor("q", q, dtypes=(*HALF_DTYPES, FP8_E4M3), ndim=3)
+    total_q, hq, d = q.shape
+    if d not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {d}")
+    dev = q.device
+    q_fp8 = q.dtype == FP8_E4M3
+    kv_dtypes = (FP8_E4M3,) if q_fp8 else (q.dtype, FP8_E4M3)
+    check_tensor("k_cache", k_cache, dtypes=kv_dtypes, ndim=4, device=dev)
+    nb, page, hkv, _ = k_cache.shape
+    check_tensor("k_cache", k_cache, shape=(None, None, None, d))
+    check_tensor("v_cache", v_cache, dtypes=(k_cache.dtype,), shape=tuple(k_cache.shape), device=dev)
+    if hkv < 1 or hq % hkv:
+        raise ValueError(f"the number of query heads ({hq}) must be a multiple of num_kv_heads ({hkv})")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache must have a contiguous last (head_dim) dimension")
+    check_tensor("block_table", block_table, dtypes=(torch.int32,), ndim=2, device=dev)
+    b = block_table.shape[0]
+    check_tensor("seq_lens", seq_lens, dtypes=(torch.int32,), shape=(b,), device=dev)
+    check_tensor("cu_seqlens_q", cu_seqlens_q, dtypes=(torch.int32,), ndim=1, device=dev)
+    if cu_seqlens_q.shape[0] != b + 1:
+        raise ValueError(
+            f"cu_seqlens_q must have B+1 = {b + 1} entries (B = block_table.shape[0]), "
+            f"got {cu_seqlens_q.shape[0]}"
+        )
+    if isinstance(max_seqlen_q, torch.Tensor) or not isinstance(max_seqlen_q, int) or max_seqlen_q < 0:
+        raise TypeError(f"max_seqlen_q must be a non-negative host int, got {max_seqlen_q!r}")
+    kv_fp8 = k_cache.dtype == FP8_E4M3
+    if kv_fp8:
+        if k_scale is None or v_scale is None:
+            raise ValueError("an fp8 KV cache needs k_scale and v_scale (fp32 tensors of one element)")
+        check_scale("k_scale", k_scale, device=dev)
+        check_scale("v_scale", v_scale, device=dev)
+    if q_fp8:
+        if q_scale is None:
+            raise ValueError("fp8 q needs q_scale (fp32 [total_q, num_heads], per token per head)")
+        check_tensor("q_scale", q_scale, dtypes=(torch.float32,), shape=(total_q, hq), device=dev)
+    out_dtype = torch.bfloat16 if q_fp8 else q.dtype
+    if out is not None:
+        check_tensor("out", out, dtypes=(out_dtype,), shape=(total_q, hq, d), device=dev)
+    if dev.type == "cpu" or _check_mode(check):
+        _check_metadata(q, k_cache, block_table, seq_lens, cu_seqlens_q)
+    return out_dtype
+
+
+def _launch(
+    q,
+    k_cache,
+    v_cache,
+    block_table,
+    seq_lens,
+    cu_seqlens_q,
+    out,
+    max_seqlen_q,
+    scale,
+    k_scale,
+    v_scale,
+    q_scale,
+    config: PrefillConfig | None,
+) -> None:
+    total_q, hq, d = q.shape
+    page, hkv = k_cache.shape[1], k_cache.shape[2]
+    group = hq // hkv
+    b = block_table.shape[0]
+    q_fp8 = q.dtype == FP8_E4M3
+    kv_fp8 = k_cache.dtype == FP8_E4M3
+    if config is None:
+        config = prefill_config(
+            head_dim=d, group=group, max_seqlen_q=max_seqlen_q, q_dtype=q.dtype, kv_dtype=k_cache.dtype
+        )
+    if config.block_m < group:
+        raise ValueError(f"PrefillConfig.block_m ({config.block_m}) must be >= the GQA group size ({group})")
+    if total_q == 0 or b == 0:
+        return
+    tokens = config.block_m // group
+    # Σ_b cdiv(q_len_b, T) <= (Σ q_len_b + B (T - 1)) / T: a bound from host shapes, no sync
+    tiles_per_head = (total_q + b * (tokens - 1)) // tokens
+    block_b = max(16, triton.next_power_of_2(b))
+    sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
+    dummy = k_cache  # stands in for absent optional pointers (never read)
+    qs = q_scale if q_fp8 else dummy
+    qs_strides = (q_scale.stride(0), q_scale.stride(1)) if q_fp8 else (0, 0)
+    grid = (tiles_per_head * hkv,)
+    prefill_attention_fwd_kernel[grid](
+        q,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        qs,
+        *qs_strides,
+        k_cache,
+        *k_cache.stride(),
+        v_cache,
+        *v_cache.stride(),
+        block_table,
+        block_table.stride(0),
+        block_table.shape[1],
+        seq_lens,
+        cu_seqlens_q,
+        k_scale if kv_fp8 else dummy,
+        v_scale if kv_fp8 else dummy,
+        out,
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        sm_scale,
+        b,
+        tiles_per_head,
+        HEAD_DIM=d,
+        GROUP=group,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        PAGE=page,
+        BLOCK_B=block_b,
+        Q_FP8=q_fp8,
+        KV_FP8=kv_fp8,
+        PV_FP8=bool(config.pv_fp8 and q_fp8 and kv_fp8),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    *,
+    max_seqlen_q: int,
+    scale: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    q_scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    check: bool | None = None,
+    config: PrefillConfig | None = None,
+) -> torch.Tensor:
+    """Causal attention of the new tokens of each request over its whole paged sequence.
+
+    q: [total_q, Hq, D] bf16/fp16, or fp8 e4m3 with `q_scale` fp32 [total_q, Hq] (per token, per
+    head); rows of request b are q[cu_seqlens_q[b]:cu_seqlens_q[b+1]] and are the *last* tokens of
+    its sequence (causal mask aligned bottom-right). Rows past cu_seqlens_q[-1] (CUDA-graph padding)
+    are not written. D in {64, 128, 256}.
+    k_cache, v_cache: [num_blocks, block_size, Hkv, D], any strides with a contiguous D, q's dtype
+    or fp8 e4m3 with `k_scale`, `v_scale` fp32 [1] (dequantization multipliers). Hq % Hkv == 0.
+    block_table: int32 [B, max_blocks]; seq_lens: int32 [B], total KV length including the new
+    tokens; cu_seqlens_q: int32 [B+1]. max_seqlen_q: host int (only picks the tile shape).
+    scale: softmax scale, default 1/sqrt(D). out: [total_q, Hq, D] in q's dtype (bf16 for fp8 q).
+    check: validate metadata values (a device sync on the GPU; default: env HPCOPS_CHECK=1; always on
+    CPU tensors). config: override the launch heuristic.
+    Returns `out`.
+    """
+    out_dtype = _validate(
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        cu_seqlens_q,
+        max_seqlen_q,
+        k_scale,
+        v_scale,
+        q_scale,
+        out,
+        check,
+    )
+    if out is None:
+        out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
+    _launch(
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        cu_seqlens_q,
+        out,
+        max_seqlen_q,
+        scale,
+        k_scale,
+        v_scale,
+        q_scale,
+        config,
+    )
+    return out
+
+
+def _prefill_attention_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    out: torch.Tensor,
+    max_seqlen_q: int,
+    scale: float | None,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    q_scale: torch.Tensor | None,
+) -> None:
+    _validate(
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        cu_seqlens_q,
+        max_seqlen_q,
+        k_scale,
+        v_scale,
+        q_scale,
+        out,
+        None,
+    )
+    _launch(
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        cu_seqlens_q,
+        out,
+        max_seqlen_q,
+        scale,
+        k_scale,
+        v_scale,
+        q_scale,
+        None,
+    )
+
+
+def _prefill_attention_fake(
+    q,
+    k_cache,
+    v_cache,
+    block_table,
+    seq_lens,
+    cu_seqlens_q,
+    out,
+    max_seqlen_q,
+    scale,
+    k_scale,
+    v_scale,
+    q_scale,
+) -> None:
+    return None
+
+
+# torch.ops.hpcops.prefill_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, out,
+# max_seqlen_q, scale, k_scale, v_scale, q_scale): the mutating out= form, for torch.compile and graphs
+prefill_attention_op = register(
+    "prefill_attention", _prefill_attention_op, mutates_args=("out",), fake=_prefill_attention_fake
+)
+
+__all__ = ["PrefillConfig", "prefill_attention", "prefill_config", "prefill_attention_op"]
