@@ -65,3 +65,33 @@ def quantize_per_token_group(x: torch.Tensor, group: int = 128) -> tuple[torch.T
     scale = xf.abs().amax(dim=-1).clamp_min(1e-12) / FP8_MAX
     q = (xf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).view(t, ng * group)[:, :k].to(FP8)
     return q, scale
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [T, K] → (fp8 [T, K], scale fp32 [T]) with scale = max|x[t]| / 448 (dynamic per token)."""
+    q, scale = quantize_per_token_group(x, max(x.shape[-1], 1))
+    return q, scale[:, 0] if scale.shape[-1] else scale.reshape(x.shape[0])
+
+
+def expand_block_scale(scale: torch.Tensor, shape: tuple[int, int], block: int = 128) -> torch.Tensor:
+    """Block scales [..., ceil(R/b), ceil(C/b)] → per-element scales [..., R, C] (for dequantizing)."""
+    r, c = shape
+    s = scale.float().repeat_interleave(block, dim=-2).repeat_interleave(block, dim=-1)
+    return s[..., :r, :c]
+
+
+def dequantize_block128(w: torch.Tensor, scale: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """fp8 weights [..., R, C] with 128×128 block scales [..., ceil(R/b), ceil(C/b)] → fp32."""
+    return w.float() * expand_block_scale(scale, tuple(w.shape[-2:]), block)
+
+
+def quantize_block128(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """w: [..., R, C] → (fp8 [..., R, C], scale fp32 [..., ceil(R/b), ceil(C/b)]), amax/448 per block."""
+    *lead, r, c = w.shape
+    rb, cb = -(-r // block), -(-c // block)
+    wf = torch.nn.functional.pad(w.float(), (0, cb * block - c, 0, rb * block - r))
+    blocks = wf.reshape(*lead, rb, block, cb, block)
+    scale = blocks.abs().amax(dim=(-3, -1)).clamp_min(1e-12) / FP8_MAX
+    q = (blocks / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
+    q = q.reshape(*lead, rb * block, cb * block)
+    return q[..., :r, :c].to(FP8), scale

@@ -1,0 +1,303 @@
+"""Triton kernels of the fused MoE (only @triton.jit code; launchers live in routing.py / fused_moe.py).
+
+Conventions: a "pair" is one (token, slot) of topk_ids, flat id p = t·top_k + j. Pairs routed to local
+experts are sorted by expert into rows [offsets[e], offsets[e+1]). The task map holds one M tile per
+entry: tasks[0, s] = local expert (−1 = sentinel, program exits), tasks[1, s] = first sorted row.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+FP8_MAX = 448.0
+
+
+@triton.jit
+def _local_expert(ids_ptr, map_ptr, offs, mask, E_GLOBAL, E_LOCAL, HAS_MAP: tl.constexpr):
+    """Local expert of each pair, E_LOCAL (a spare bin) when remote or out of range; and the valid mask."""
+    gid = tl.load(ids_ptr + offs, mask=mask, other=-1)
+    ok = mask & (gid >= 0) & (gid < E_GLOBAL)
+    if HAS_MAP:
+        e = tl.load(map_ptr + gid, mask=ok, other=-1)
+    else:
+        e = gid
+    ok = ok & (e >= 0) & (e < E_LOCAL)
+    e = tl.where(ok, e, E_LOCAL)
+    return e, ok
+
+
+@triton.jit
+def _write_offsets_and_tasks(counts, offsets_ptr, tasks_ptr, E_LOCAL, CAP,
+                             E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CAP_BLOCK: tl.constexpr):
+    """From per-expert counts [E_PAD] (zero past E_LOCAL): row offsets [E_LOCAL+1] and the task map."""
+    eidx = tl.arange(0, E_PAD)
+    ends = tl.cumsum(counts, 0)
+    starts = ends - counts
+    tl.store(offsets_ptr + eidx, starts, mask=eidx <= E_LOCAL)
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    tend = tl.cumsum(tiles, 0)
+    tstart = tend - tiles
+    for c in range(0, CAP, CAP_BLOCK):
+        s = c + tl.arange(0, CAP_BLOCK)
+        # [CAP_BLOCK, E_PAD]: slot s belongs to expert e
+        inside = (tstart[None, :] <= s[:, None]) & (s[:, None] < tend[None, :])
+        ex = tl.sum(tl.where(inside, eidx[None, :], 0), 1)
+        has = tl.sum(inside.to(tl.int32), 1) > 0
+        row = tl.sum(tl.where(inside, starts[None, :] + (s[:, None] - tstart[None, :]) * BLOCK_M, 0), 1)
+        smask = s < CAP
+        tl.store(tasks_ptr + s, tl.where(has, ex, -1), mask=smask)
+        tl.store(tasks_ptr + CAP + s, tl.where(has, row, 0), mask=smask)
+
+
+@triton.jit
+def moe_index_small_kernel(ids_ptr, map_ptr, offsets_ptr, sorted_ptr, pos_ptr, tasks_ptr,
+                           N, E_GLOBAL, E_LOCAL, CAP,
+                           HAS_MAP: tl.constexpr, N_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                           BLOCK_M: tl.constexpr, CAP_BLOCK: tl.constexpr):
+    """Whole index in one program (small batches): sort pairs by (expert, pair id), deterministic."""
+    offs = tl.arange(0, N_PAD)
+    mask = offs < N
+    e, ok = _local_expert(ids_ptr, map_ptr, offs, mask, E_GLOBAL, E_LOCAL, HAS_MAP)
+    key = tl.sort(e * N_PAD + offs)
+    s_e = key // N_PAD
+    s_pair = key % N_PAD
+    s_ok = s_e < E_LOCAL
+    tl.store(sorted_ptr + offs, tl.where(s_ok, s_pair, -1), mask=mask)
+    tl.store(pos_ptr + s_pair, tl.where(s_ok, offs, -1), mask=s_pair < N)
+    counts = tl.histogram(e, E_PAD, mask=ok)
+    _write_offsets_and_tasks(counts, offsets_ptr, tasks_ptr, E_LOCAL, CAP, E_PAD, BLOCK_M, CAP_BLOCK)
+
+
+@triton.jit
+def moe_index_count_kernel(ids_ptr, map_ptr, counts_ptr, pos_ptr, N, E_GLOBAL, E_LOCAL,
+                           HAS_MAP: tl.constexpr, BLOCK: tl.constexpr):
+    """Large batches, step 1: per-expert counts (zeroed before) and each pair's slot inside its expert."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    e, ok = _local_expert(ids_ptr, map_ptr, offs, mask, E_GLOBAL, E_LOCAL, HAS_MAP)
+    slot = tl.atomic_add(counts_ptr + e, 1, mask=ok)
+    tl.store(pos_ptr + offs, tl.where(ok, slot, -1), mask=mask)
+
+
+@triton.jit
+def moe_index_scan_kernel(counts_ptr, offsets_ptr, tasks_ptr, E_LOCAL, CAP,
+                          E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CAP_BLOCK: tl.constexpr):
+    """Large batches, step 2 (one program): offsets and the task map from the counts."""
+    eidx = tl.arange(0, E_PAD)
+    counts = tl.load(counts_ptr + eidx, mask=eidx < E_LOCAL, other=0)
+    _write_offsets_and_tasks(counts, offsets_ptr, tasks_ptr, E_LOCAL, CAP, E_PAD, BLOCK_M, CAP_BLOCK)
+
+
+@triton.jit
+def moe_index_scatter_kernel(ids_ptr, map_ptr, offsets_ptr, sorted_ptr, pos_ptr, N, E_GLOBAL, E_LOCAL,
+                             HAS_MAP: tl.constexpr, BLOCK: tl.constexpr):
+    """Large batches, step 3: sorted row of each pair (pos) and pair of each sorted row."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    e, ok = _local_expert(ids_ptr, map_ptr, offs, mask, E_GLOBAL, E_LOCAL, HAS_MAP)
+    slot = tl.load(pos_ptr + offs, mask=ok, other=0)
+    start = tl.load(offsets_ptr + e, mask=ok, other=0)
+    row = start + slot
+    tl.store(sorted_ptr + row, offs, mask=ok)
+    tl.store(pos_ptr + offs, tl.where(ok, row, -1), mask=mask)
+
+
+@triton.jit
+def moe_quant_rows_kernel(x_ptr, q_ptr, s_ptr, H, stride_x, stride_q, BLOCK_H: tl.constexpr):
+    """Dynamic per-token fp8: s[t] = max|x[t]| / 448, q[t] = fp8(x[t] / s[t])."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    cmask = cols < H
+    x = tl.load(x_ptr + t * stride_x + cols, mask=cmask, other=0.0).to(tl.float32)
+    s = tl.maximum(tl.max(tl.abs(x), 0), 1e-12) / FP8_MAX
+    q = tl.minimum(tl.maximum(x / s, -FP8_MAX), FP8_MAX)
+    tl.store(q_ptr + t * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=cmask)
+    tl.store(s_ptr + t, s)
+
+
+@triton.jit
+def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets_ptr, sorted_ptr,
+                       act_ptr, act_s_ptr, a2_ptr, rowmax_ptr,
+                       H, I, CAP, TOP_K,
+                       stride_xt, stride_xst, stride_xsg,
+                       stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk,
+                       stride_act, stride_acts,
+                       QUANT: tl.constexpr, X_FP8: tl.constexpr, ACT_OUT: tl.constexpr,
+                       ACT_DT: tl.constexpr, BF16_MUL: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """act[r, n] = silu(x[tok(r)]·w13[e, n]) · (x[tok(r)]·w13[e, I+n]) for one (M tile, N tile) task.
+
+    QUANT: 0 none (16-bit dot), 1 fp8 per-tensor weights (w13 scale per expert, applied in the epilogue),
+    2 fp8 128×128 blocks (scales per K tile). X_FP8: x arrives quantized (xs holds its scale, per row
+    through strides, or per row and 128-group); otherwise it is quantized while loading (QUANT 1: static
+    a13 scale; QUANT 2: dynamic per row and 128-group). ACT_OUT: 0 16-bit; 1 fp8 with the static a2
+    scale; 2 16-bit and the row amax (atomic max, for dynamic per-token a2); 3 fp8 per row and 128-group.
+    """
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(I, BLOCK_N)
+    task = pid // n_tiles
+    pid_n = pid % n_tiles
+    e = tl.load(tasks_ptr + task)
+    if e < 0:
+        return
+    row0 = tl.load(tasks_ptr + CAP + task)
+    row_end = tl.load(offsets_ptr + e + 1)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    rmask = rows < row_end
+    pair = tl.load(sorted_ptr + rows, mask=rmask, other=0)
+    tok = (pair // TOP_K).to(tl.int64)
+    n0 = pid_n * BLOCK_N
+    cols = n0 + tl.arange(0, BLOCK_N)
+    cmask = cols < I
+    offs_k = tl.arange(0, BLOCK_K)
+    e64 = e.to(tl.int64)
+    x_rows = x_ptr + tok[:, None] * stride_xt
+    wg_rows = w_ptr + e64 * stride_we + cols.to(tl.int64)[:, None] * stride_wn
+    wu_rows = w_ptr + e64 * stride_we + (cols + I).to(tl.int64)[:, None] * stride_wn
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if QUANT == 1:
+        if not X_FP8:
+            a13 = tl.load(a13_ptr)
+    for k0 in range(0, H, BLOCK_K):
+        kk = k0 + offs_k
+        kmask = kk < H
+        a = tl.load(x_rows + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        wg = tl.load(wg_rows + kk[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0)
+        wu = tl.load(wu_rows + kk[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0)
+        if QUANT == 0:
+            acc_g = tl.dot(a, tl.trans(wg), acc_g)
+            acc_u = tl.dot(a, tl.trans(wu), acc_u)
+        elif QUANT == 1:
+            if not X_FP8:
+                a = tl.minimum(tl.maximum(a.to(tl.float32) / a13, -FP8_MAX), FP8_MAX).to(tl.float8e4nv)
+            acc_g = tl.dot(a, tl.trans(wg), acc_g)
+            acc_u = tl.dot(a, tl.trans(wu), acc_u)
+        else:
+            if X_FP8:
+                a_s = tl.load(xs_ptr + tok * stride_xst + (k0 // 128) * stride_xsg, mask=rmask, other=0.0)
+            else:
+                af = a.to(tl.float32)
+                a_s = tl.maximum(tl.max(tl.abs(af), 1), 1e-12) / FP8_MAX
+                a = tl.minimum(tl.maximum(af / a_s[:, None], -FP8_MAX), FP8_MAX).to(tl.float8e4nv)
+            ws_k = ws_ptr + e64 * stride_wse + (k0 // 128) * stride_wsk
+            wsg = tl.load(ws_k + (n0 // 128) * stride_wsn)
+            wsu = tl.load(ws_k + ((I + n0) // 128) * stride_wsn)
+            acc_g += tl.dot(a, tl.trans(wg)) * (a_s[:, None] * wsg)
+            acc_u += tl.dot(a, tl.trans(wu)) * (a_s[:, None] * wsu)
+    if QUANT == 1:
+        ws = tl.load(ws_ptr + e64 * stride_wse)
+        if X_FP8:
+            a_s = tl.load(xs_ptr + tok * stride_xst, mask=rmask, other=0.0)
+            acc_g = acc_g * (a_s[:, None] * ws)
+            acc_u = acc_u * (a_s[:, None] * ws)
+        else:
+            acc_g = acc_g * (a13 * ws)
+            acc_u = acc_u * (a13 * ws)
+    DT: tl.constexpr = ACT_DT
+    if BF16_MUL:
+        g = acc_g.to(DT).to(tl.float32)
+        u = acc_u.to(DT).to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(DT).to(tl.float32)
+        act = (s * u).to(DT).to(tl.float32)
+    else:
+        act = (acc_g / (1.0 + tl.exp(-acc_g)) * acc_u).to(DT).to(tl.float32)
+    # [BLOCK_M, BLOCK_N]
+    out_ptrs = act_ptr + rows.to(tl.int64)[:, None] * stride_act + cols[None, :]
+    omask = rmask[:, None] & cmask[None, :]
+    if ACT_OUT == 0:
+        tl.store(out_ptrs, act.to(DT), mask=omask)
+    elif ACT_OUT == 1:
+        a2 = tl.load(a2_ptr)
+        q = tl.minimum(tl.maximum(act / a2, -FP8_MAX), FP8_MAX)
+        tl.store(out_ptrs, q.to(tl.float8e4nv), mask=omask)
+    elif ACT_OUT == 2:
+        tl.store(out_ptrs, act.to(DT), mask=omask)
+        amax = tl.max(tl.where(omask, tl.abs(act), 0.0), 1)
+        tl.atomic_max(rowmax_ptr + rows, amax, mask=rmask)
+    else:
+        amax = tl.max(tl.where(omask, tl.abs(act), 0.0), 1)
+        s2 = tl.maximum(amax, 1e-12) / FP8_MAX
+        q = tl.minimum(tl.maximum(act / s2[:, None], -FP8_MAX), FP8_MAX)
+        tl.store(out_ptrs, q.to(tl.float8e4nv), mask=omask)
+        tl.store(act_s_ptr + rows.to(tl.int64) * stride_acts + n0 // 128, s2, mask=rmask)
+
+
+@triton.jit
+def moe_down_kernel(act_ptr, act_s_ptr, a2_ptr, rowmax_ptr, w_ptr, ws_ptr, tasks_ptr, offsets_ptr, y_ptr,
+                    H, I, CAP,
+                    stride_act, stride_acts, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk,
+                    stride_y,
+                    QUANT: tl.constexpr, ACT_IN: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y[r, n] = act[r]·w2[e, n] for one (M tile, N tile) task, rows in expert-sorted order.
+
+    ACT_IN: 0 16-bit; 1 fp8 with the static a2 scale; 2 16-bit quantized here per row from the row amax;
+    3 fp8 with per row and 128-group scales (QUANT 2).
+    """
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(H, BLOCK_N)
+    task = pid // n_tiles
+    pid_n = pid % n_tiles
+    e = tl.load(tasks_ptr + task)
+    if e < 0:
+        return
+    row0 = tl.load(tasks_ptr + CAP + task)
+    row_end = tl.load(offsets_ptr + e + 1)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    rmask = rows < row_end
+    rows64 = rows.to(tl.int64)
+    n0 = pid_n * BLOCK_N
+    cols = n0 + tl.arange(0, BLOCK_N)
+    cmask = cols < H
+    offs_k = tl.arange(0, BLOCK_K)
+    e64 = e.to(tl.int64)
+    a_rows = act_ptr + rows64[:, None] * stride_act
+    w_rows = w_ptr + e64 * stride_we + cols.to(tl.int64)[:, None] * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if ACT_IN == 2:
+        r_s = tl.maximum(tl.load(rowmax_ptr + rows, mask=rmask, other=0.0), 1e-12) / FP8_MAX
+    for k0 in range(0, I, BLOCK_K):
+        kk = k0 + offs_k
+        kmask = kk < I
+        a = tl.load(a_rows + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        w = tl.load(w_rows + kk[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0)
+        if QUANT == 0:
+            acc = tl.dot(a, tl.trans(w), acc)
+        elif QUANT == 1:
+            if ACT_IN == 2:
+                a = tl.minimum(tl.maximum(a.to(tl.float32) / r_s[:, None], -FP8_MAX), FP8_MAX)
+                a = a.to(tl.float8e4nv)
+            acc = tl.dot(a, tl.trans(w), acc)
+        else:
+            a_s = tl.load(act_s_ptr + rows64 * stride_acts + k0 // 128, mask=rmask, other=0.0)
+            ws = tl.load(ws_ptr + e64 * stride_wse + (n0 // 128) * stride_wsn + (k0 // 128) * stride_wsk)
+            acc += tl.dot(a, tl.trans(w)) * (a_s[:, None] * ws)
+    if QUANT == 1:
+        ws = tl.load(ws_ptr + e64 * stride_wse)
+        if ACT_IN == 1:
+            acc = acc * (tl.load(a2_ptr) * ws)
+        else:
+            acc = acc * (r_s[:, None] * ws)
+    y_ptrs = y_ptr + rows64[:, None] * stride_y + cols[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def moe_reduce_kernel(y_ptr, pos_ptr, tw_ptr, shared_ptr, out_ptr, H,
+                      stride_y, stride_tw, stride_sh, stride_out,
+                      TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t] = Σ_j topk_weights[t, j] · y[pos[t, j]] (+ shared_output[t]), in fp32; pos −1 skipped."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    cmask = cols < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        p = tl.load(pos_ptr + t * TOP_K + j)
+        w = tl.load(tw_ptr + t * stride_tw + j)
+        v = tl.load(y_ptr + p.to(tl.int64) * stride_y + cols, mask=cmask & (p >= 0), other=0.0)
+        acc += w * v.to(tl.float32)
+    if HAS_SHARED:
+        acc += tl.load(shared_ptr + t * stride_sh + cols, mask=cmask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)

@@ -1,0 +1,126 @@
+"""Router top-k (`select_experts`) and the device-side routing index of the fused MoE (`build_moe_index`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from hpcops._checks import check_choice, check_tensor
+from hpcops.moe import _moe_kernels as K
+
+INDEX_BLOCK = 1024  # pairs per program of the multi-program index build
+CAP_BLOCK = 64  # task-map slots per iteration of the scan
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, *, scoring: str = "softmax",
+                   bias: torch.Tensor | None = None, renormalize: bool = True,
+                   scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routing.
+
+    Args:
+        router_logits: `[T, E]`, any float dtype (computed in fp32).
+        top_k: experts per token (≤ E).
+        scoring: "softmax" (weights = softmax probabilities of the chosen experts) or "sigmoid"
+            (Hy3 / DeepSeek-V3: weights = sigmoid(logits); `bias` [E] is added for the *selection only*).
+        renormalize: divide the chosen weights by their sum.
+        scale: multiply the final weights (Hy3: 2.826).
+
+    Returns:
+        (topk_weights fp32 `[T, top_k]`, topk_ids int32 `[T, top_k]`).
+
+    A torch implementation: for E ≤ 512 it is a handful of small launches, inside a CUDA graph a few µs,
+    and it is not worth a kernel next to the MoE itself.
+    """
+    check_tensor("router_logits", router_logits, ndim=2)
+    if not router_logits.is_floating_point():
+        raise TypeError(f"router_logits must be a floating tensor, got {router_logits.dtype}")
+    check_choice("scoring", scoring, ("softmax", "sigmoid"))
+    E = router_logits.shape[1]
+    if not isinstance(top_k, int) or not 1 <= top_k <= E:
+        raise ValueError(f"top_k must be an int in [1, {E}] (the number of experts), got {top_k!r}")
+    if bias is not None:
+        check_tensor("bias", bias, shape=(E,), device=router_logits.device)
+        if scoring != "sigmoid":
+            raise ValueError("bias (selection-only correction) is supported with scoring='sigmoid' only")
+    logits = router_logits.float()
+    if scoring == "softmax":
+        scores = torch.softmax(logits, dim=-1)
+        weights, ids = torch.topk(scores, top_k, dim=-1)
+    else:
+        scores = torch.sigmoid(logits)
+        choose = scores + bias.float() if bias is not None else scores
+        _, ids = torch.topk(choose, top_k, dim=-1)
+        weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+    if scale != 1.0:
+        weights = weights * scale
+    return weights.contiguous(), ids.to(torch.int32).contiguous()
+
+
+@dataclass
+class MoeIndex:
+    """The routing index (all device tensors, sized from shapes only: CUDA-graph safe).
+
+    `offsets` int32 [E_local+1]: expert e owns sorted rows [offsets[e], offsets[e+1]); offsets[E_local]
+    is the number of locally routed pairs. `sorted_pair` int32 [N]: the pair (t·k + j) of each sorted
+    row (rows ≥ offsets[E_local] are unused). `pair_pos` int32 [N]: the sorted row of each pair, −1 when
+    its expert is remote (EP) or out of range. `tasks` int32 [2, cap]: per M tile (expert, first row);
+    expert −1 marks the end. `cap` = min(N, N // block_m + E_local) bounds the number of tiles.
+    """
+
+    offsets: torch.Tensor
+    sorted_pair: torch.Tensor
+    pair_pos: torch.Tensor
+    tasks: torch.Tensor
+    block_m: int
+    cap: int
+
+    @property
+    def counts(self) -> torch.Tensor:
+        return self.offsets[1:] - self.offsets[:-1]
+
+
+def task_capacity(num_pairs: int, num_local_experts: int, block_m: int) -> int:
+    """Worst-case number of M tiles: Σ_e ceil(c_e / bm) ≤ N // bm + E (and ≤ N, each tile has a row)."""
+    return max(1, min(num_pairs, num_pairs // block_m + num_local_experts))
+
+
+def build_moe_index(topk_ids: torch.Tensor, num_local_experts: int, block_m: int, *,
+                    expert_map: torch.Tensor | None = None, small_max: int = 1024) -> MoeIndex:
+    """Counting sort of the (token, slot) pairs by local expert, on the device, without a host sync.
+
+    `topk_ids`: int32 [T, k] global expert ids; `expert_map`: int32 [E_global] (local id or −1).
+    Up to `small_max` pairs one program sorts everything (deterministic order inside an expert); above,
+    three kernels (atomic count, scan, scatter; order inside an expert is then arbitrary).
+    """
+    ids = topk_ids.contiguous()
+    dev = ids.device
+    n = ids.numel()
+    e_local = num_local_experts
+    e_global = expert_map.shape[0] if expert_map is not None else e_local
+    cap = task_capacity(n, e_local, block_m)
+    offsets = torch.empty(e_local + 1, dtype=torch.int32, device=dev)
+    sorted_pair = torch.empty(max(n, 1), dtype=torch.int32, device=dev)
+    pair_pos = torch.empty(max(n, 1), dtype=torch.int32, device=dev)
+    tasks = torch.empty((2, cap), dtype=torch.int32, device=dev)
+    has_map = expert_map is not None
+    emap = expert_map if has_map else ids  # dummy pointer when there is no map
+    e_pad = triton.next_power_of_2(e_local + 1)
+    if n <= small_max:
+        n_pad = max(16, triton.next_power_of_2(max(n, 1)))
+        K.moe_index_small_kernel[(1,)](ids, emap, offsets, sorted_pair, pair_pos, tasks, n, e_global, e_local,
+                                       cap, HAS_MAP=has_map, N_PAD=n_pad, E_PAD=e_pad, BLOCK_M=block_m,
+                                       CAP_BLOCK=CAP_BLOCK, num_warps=8 if n_pad >= 1024 else 4)
+    else:
+        counts = torch.zeros(e_local, dtype=torch.int32, device=dev)
+        grid = (triton.cdiv(n, INDEX_BLOCK),)
+        K.moe_index_count_kernel[grid](ids, emap, counts, pair_pos, n, e_global, e_local, HAS_MAP=has_map,
+                                       BLOCK=INDEX_BLOCK, num_warps=4)
+        K.moe_index_scan_kernel[(1,)](counts, offsets, tasks, e_local, cap, E_PAD=e_pad, BLOCK_M=block_m,
+                                      CAP_BLOCK=CAP_BLOCK, num_warps=4)
+        K.moe_index_scatter_kernel[grid](ids, emap, offsets, sorted_pair, pair_pos, n, e_global, e_local,
+                                         HAS_MAP=has_map, BLOCK=INDEX_BLOCK, num_warps=4)
+    return MoeIndex(offsets, sorted_pair, pair_pos, tasks, block_m, cap)
