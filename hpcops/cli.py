@@ -35,8 +35,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _bench(args) -> int:
-    from hpcops.bench import SUITES, run_suite
-    from hpcops.bench import report
+    from hpcops.bench import SUITES, report, run_suite
     from hpcops.bench.runner import machine_info
 
     names = sorted(SUITES) if args.suites == ["all"] else args.suites

@@ -4,14 +4,12 @@ If a canary fails, upstream Triton fixed that defect: drop the matching repair."
 
 from __future__ import annotations
 
+import interp_fidelity
 import pytest
 import torch
 import triton
 import triton.language as tl
-
 from conftest import HAS_CUDA
-
-import interp_fidelity
 
 pytestmark = pytest.mark.skipif(HAS_CUDA, reason="interpreter-only checks")
 

@@ -1,0 +1,1 @@
+"""Paged attention for decode (load-balanced persistent schedule) and prefill/extend."""

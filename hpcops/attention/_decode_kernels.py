@@ -1,0 +1,273 @@
+"""Triton kernels of paged decode attention. Only @triton.jit code lives here.
+
+Rows of a program's M tile are the (query token j, query head g) pairs of one KV head:
+row = j·G + g, so one K/V tile load serves every query head of the group and every new token.
+Scores live in the log2 domain: s = (q·k) · sm_scale · log2(e) (· q_scale · k_scale for fp8).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _load_q(q_ptr, q_scale_ptr, b, h, offs_m, offs_d, stride_qt, stride_qh, num_q_heads,
+            Q_LEN: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, Q_FP8: tl.constexpr):
+    """The [M, D] query tile of (request b, kv head h) and its per-row log2-domain scale factor."""
+    j = offs_m // G
+    g = offs_m % G
+    row_ok = offs_m < Q_LEN * G
+    tok = (b * Q_LEN + j).to(tl.int64)
+    head = h * G + g
+    ptrs = q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    if Q_FP8:
+        qs = tl.load(q_scale_ptr + tok * num_q_heads + head, mask=row_ok, other=0.0)
+    else:
+        qs = tl.full([offs_m.shape[0]], 1.0, tl.float32)
+    return q, qs, j
+
+
+@triton.jit
+def _attend_tiles(acc, m_i, l_i, q, s_scale, last_pos, k_ptr, v_ptr, bt_row_ptr, bt_width, num_blocks,
+                  stride_kb, stride_kt, stride_vb, stride_vt, kv_len, tile_lo, tile_hi,
+                  offs_d, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+                  KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """Online softmax over KV tiles [tile_lo, tile_hi) of one (request, kv head).
+
+    acc [M, D], m_i [M], l_i [M] fp32 running state; last_pos [M]: last key each row may see.
+    """
+    offs_n = tl.arange(0, TILE)
+    d_ok = offs_d < HEAD_DIM
+    for t in tl.range(tile_lo, tile_hi, num_stages=NUM_STAGES):
+        tok = t * TILE + offs_n  # [TILE]
+        col = tok // BLOCK_SIZE
+        in_seq = tok < kv_len
+        page = tl.load(bt_row_ptr + col, mask=in_seq & (col < bt_width), other=-1)
+        ok = in_seq & (page >= 0) & (page < num_blocks)
+        page = tl.where(ok, page, 0).to(tl.int64)
+        slot = (tok % BLOCK_SIZE).to(tl.int64)
+        kv_mask = ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_kt + offs_d[None, :],
+                    mask=kv_mask, other=0.0)  # [TILE, D]
+        if KV_FP8:
+            if not Q_FP8:
+                k = k.to(q.dtype)
+        s = tl.dot(q, tl.trans(k)) * s_scale[:, None]  # [M, TILE]
+        visible = (tok[None, :] <= last_pos[:, None]) & ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + page[:, None] * stride_vb + slot[:, None] * stride_vt + offs_d[None, :],
+                    mask=kv_mask, other=0.0)  # [TILE, D]
+        if KV_FP8:
+            v = v.to(tl.bfloat16)
+            pv = tl.dot(p.to(tl.bfloat16), v)
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _finish_task(acc, m_i, l_i, v_scale, split, slot, b, h, offs_m, offs_d, out_ptr, part_o_ptr, part_lse_ptr,
+                 stride_ot, stride_oh, Q_LEN: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 ROWS: tl.constexpr):
+    """Write the normalized output (unsplit task) or the fp32 partial + log2-sum-exp (split task)."""
+    row_ok = offs_m < Q_LEN * G
+    d_ok = offs_d < HEAD_DIM
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    o = acc / l_safe[:, None] * v_scale
+    if split:
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+        base = slot.to(tl.int64) * ROWS
+        tl.store(part_o_ptr + (base + offs_m)[:, None] * HEAD_DIM + offs_d[None, :], o,
+                 mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(part_lse_ptr + base + offs_m, lse, mask=row_ok)
+    else:
+        j = offs_m // G
+        g = offs_m % G
+        tok = (b * Q_LEN + j).to(tl.int64)
+        ptrs = out_ptr + tok[:, None] * stride_ot + (h * G + g)[:, None] * stride_oh + offs_d[None, :]
+        tl.store(ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def decode_persistent_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    header_ptr, cum_ptr, first_b_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
+    sm_scale_log2, B, num_q_heads, bt_width, num_blocks,
+    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_bt, stride_ot, stride_oh,
+    Q_LEN: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    M_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+    KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    """One persistent program walks its bucket of the plan's tile stream, task by task."""
+    pid = tl.program_id(0)
+    bucket = tl.load(header_ptr)
+    s_tiles = tl.load(header_ptr + 1)
+    total = tl.load(header_ptr + 2)
+    b = tl.load(first_b_ptr + pid)
+    p0 = pid * bucket
+    p1 = tl.minimum(p0 + bucket, total)
+    p = tl.where(b >= 0, p0, p1)
+    offs_m = tl.arange(0, M_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    kv_scale = 1.0
+    v_scale = 1.0
+    if KV_FP8:
+        kv_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
+    while p < p1:
+        h = p // s_tiles
+        r = p - h * s_tiles
+        start_b = tl.load(cum_ptr + b)
+        end_b = tl.load(cum_ptr + b + 1)
+        n = tl.minimum(p1 - p, end_b - r)
+        kv_len = tl.load(seq_lens_ptr + b)
+        q, qs, j = _load_q(q_ptr, q_scale_ptr, b, h, offs_m, offs_d, stride_qt, stride_qh, num_q_heads,
+                           Q_LEN, G, HEAD_DIM, Q_FP8)
+        s_scale = qs * (sm_scale_log2 * kv_scale)
+        last_pos = kv_len - Q_LEN + j
+        acc = tl.zeros([M_PAD, D_PAD], dtype=tl.float32)
+        m_i = tl.full([M_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([M_PAD], dtype=tl.float32)
+        acc, m_i, l_i = _attend_tiles(
+            acc, m_i, l_i, q, s_scale, last_pos,
+            k_ptr + h.to(tl.int64) * stride_kh, v_ptr + h.to(tl.int64) * stride_vh,
+            bt_ptr + b.to(tl.int64) * stride_bt, bt_width, num_blocks,
+            stride_kb, stride_kt, stride_vb, stride_vt, kv_len, r - start_b, r - start_b + n,
+            offs_d, HEAD_DIM, BLOCK_SIZE, TILE, KV_FP8, Q_FP8, NUM_STAGES)
+        pair_lo = h * s_tiles + start_b
+        pair_hi = h * s_tiles + end_b
+        split = (pair_lo // bucket) != ((pair_hi - 1) // bucket)
+        slot = 2 * pid + tl.where(p == p0, 0, 1)
+        _finish_task(acc, m_i, l_i, v_scale, split, slot, b, h, offs_m, offs_d, out_ptr, part_o_ptr,
+                     part_lse_ptr, stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, Q_LEN * G)
+        p += n
+        b = tl.where(b + 1 == B, 0, b + 1)
+
+
+@triton.jit
+def _merge_chunks(part_o_ptr, part_lse_ptr, first_slot, rest_base, rest_step, n_chunks, b, h, out_ptr,
+                  stride_ot, stride_oh, Q_LEN: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  D_PAD: tl.constexpr, M_PAD: tl.constexpr):
+    """out = Σ_c 2^(lse_c − m) · O_c / Σ_c 2^(lse_c − m) over chunk slots first_slot, rest_base + c·rest_step."""
+    ROWS: tl.constexpr = Q_LEN * G
+    offs_m = tl.arange(0, M_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    row_ok = offs_m < ROWS
+    d_ok = offs_d < HEAD_DIM
+    acc = tl.zeros([M_PAD, D_PAD], dtype=tl.float32)
+    m_i = tl.full([M_PAD], float("-inf"), tl.float32)
+    w_i = tl.zeros([M_PAD], dtype=tl.float32)
+    for c in tl.range(0, n_chunks, num_stages=2):
+        slot = tl.where(c == 0, first_slot, rest_base + c * rest_step).to(tl.int64)
+        lse = tl.load(part_lse_ptr + slot * ROWS + offs_m, mask=row_ok, other=float("-inf"))
+        o = tl.load(part_o_ptr + (slot * ROWS + offs_m)[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        m_new = tl.maximum(m_i, lse)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_ref)
+        w = tl.exp2(lse - m_ref)
+        acc = acc * alpha[:, None] + o * w[:, None]
+        w_i = w_i * alpha + w
+        m_i = m_new
+    w_safe = tl.where(w_i == 0.0, 1.0, w_i)
+    res = acc / w_safe[:, None]
+    j = offs_m // G
+    g = offs_m % G
+    tok = (b * Q_LEN + j).to(tl.int64)
+    ptrs = out_ptr + tok[:, None] * stride_ot + (h * G + g)[:, None] * stride_oh + offs_d[None, :]
+    tl.store(ptrs, res.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def decode_combine_kernel(
+    part_o_ptr, part_lse_ptr, out_ptr, header_ptr, cum_ptr, last_b_ptr, stride_ot, stride_oh,
+    Q_LEN: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, M_PAD: tl.constexpr,
+):
+    """Program k merges the split (head, request) that starts in program k's bucket and leaves it."""
+    k = tl.program_id(0)
+    b = tl.load(last_b_ptr + k)
+    if b >= 0:
+        bucket = tl.load(header_ptr)
+        s_tiles = tl.load(header_ptr + 1)
+        total = tl.load(header_ptr + 2)
+        p_last = tl.minimum((k + 1) * bucket, total) - 1
+        h = p_last // s_tiles
+        pair_lo = h * s_tiles + tl.load(cum_ptr + b)
+        pair_hi = h * s_tiles + tl.load(cum_ptr + b + 1)
+        first = pair_lo // bucket
+        last = (pair_hi - 1) // bucket
+        if (first == k) & (last > first):
+            first_slot = 2 * k + tl.where(pair_lo == k * bucket, 0, 1)
+            _merge_chunks(part_o_ptr, part_lse_ptr, first_slot, 2 * k, 2, last - first + 1, b, h, out_ptr,
+                          stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, M_PAD)
+
+
+@triton.jit
+def decode_static_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    q_scale_ptr, k_scale_ptr, v_scale_ptr,
+    sm_scale_log2, num_kv_heads, num_q_heads, bt_width, num_blocks,
+    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_bt, stride_ot, stride_oh,
+    SPLITS: tl.constexpr, Q_LEN: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    M_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+    KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    """Classic static split-KV: program (b, h, s) takes the s-th of SPLITS equal chunks of request b."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    kv_len = tl.load(seq_lens_ptr + b)
+    n_tiles = tl.maximum((kv_len + TILE - 1) // TILE, 1)
+    chunk = (n_tiles + SPLITS - 1) // SPLITS
+    lo = s * chunk
+    if lo < n_tiles:
+        hi = tl.minimum(lo + chunk, n_tiles)
+        offs_m = tl.arange(0, M_PAD)
+        offs_d = tl.arange(0, D_PAD)
+        kv_scale = 1.0
+        v_scale = 1.0
+        if KV_FP8:
+            kv_scale = tl.load(k_scale_ptr)
+            v_scale = tl.load(v_scale_ptr)
+        q, qs, j = _load_q(q_ptr, q_scale_ptr, b, h, offs_m, offs_d, stride_qt, stride_qh, num_q_heads,
+                           Q_LEN, G, HEAD_DIM, Q_FP8)
+        acc = tl.zeros([M_PAD, D_PAD], dtype=tl.float32)
+        m_i = tl.full([M_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([M_PAD], dtype=tl.float32)
+        acc, m_i, l_i = _attend_tiles(
+            acc, m_i, l_i, q, qs * (sm_scale_log2 * kv_scale), kv_len - Q_LEN + j,
+            k_ptr + h.to(tl.int64) * stride_kh, v_ptr + h.to(tl.int64) * stride_vh,
+            bt_ptr + b.to(tl.int64) * stride_bt, bt_width, num_blocks,
+            stride_kb, stride_kt, stride_vb, stride_vt, kv_len, lo, hi,
+            offs_d, HEAD_DIM, BLOCK_SIZE, TILE, KV_FP8, Q_FP8, NUM_STAGES)
+        split = chunk < n_tiles
+        slot = (b * num_kv_heads + h) * SPLITS + s
+        _finish_task(acc, m_i, l_i, v_scale, split, slot, b, h, offs_m, offs_d, out_ptr, part_o_ptr,
+                     part_lse_ptr, stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, Q_LEN * G)
+
+
+@triton.jit
+def decode_static_combine_kernel(
+    part_o_ptr, part_lse_ptr, out_ptr, seq_lens_ptr, num_kv_heads, stride_ot, stride_oh,
+    SPLITS: tl.constexpr, Q_LEN: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    M_PAD: tl.constexpr, TILE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    kv_len = tl.load(seq_lens_ptr + b)
+    n_tiles = tl.maximum((kv_len + TILE - 1) // TILE, 1)
+    chunk = (n_tiles + SPLITS - 1) // SPLITS
+    n_chunks = (n_tiles + chunk - 1) // chunk
+    if n_chunks > 1:
+        base = (b * num_kv_heads + h) * SPLITS
+        _merge_chunks(part_o_ptr, part_lse_ptr, base, base, 1, n_chunks, b, h, out_ptr, stride_ot, stride_oh,
+                      Q_LEN, G, HEAD_DIM, D_PAD, M_PAD)

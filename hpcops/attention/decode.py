@@ -1,0 +1,193 @@
+"""Paged decode attention over a load-balanced plan (``schedule="dynamic"``) or a classic static
+split-KV grid (``schedule="static"``, the ablation), sharing one inner loop."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from hpcops import _platform
+from hpcops._checks import FP8_E4M3, check_choice, check_scale, check_tensor
+from hpcops._library import register
+from hpcops.attention.plan import MAX_Q_LEN, TILE, DecodePlan, checking_enabled, plan_decode
+
+SUPPORTED_HEAD_DIMS = (64, 96, 128, 256)
+MAX_GQA = 16
+LOG2E = 1.4426950408889634
+
+
+def _num_stages() -> int:
+    return 1 if _platform.is_interpreter() else 3
+
+
+def _validate(q, k_cache, v_cache, block_table, seq_lens, plan, schedule, k_scale, v_scale, q_scale, out):
+    check_tensor("q", q, dtypes=(torch.bfloat16, torch.float16, FP8_E4M3), ndim=3)
+    check_tensor("k_cache", k_cache, dtypes=(torch.bfloat16, torch.float16, FP8_E4M3), ndim=4)
+    check_tensor("v_cache", v_cache, dtypes=(k_cache.dtype,), ndim=4)
+    check_tensor("block_table", block_table, dtypes=(torch.int32,), ndim=2)
+    check_tensor("seq_lens", seq_lens, dtypes=(torch.int32,), ndim=1)
+    check_choice("schedule", schedule, ("dynamic", "static"))
+    nb, bs, hkv, d = k_cache.shape
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache shape {list(v_cache.shape)} != k_cache shape {list(k_cache.shape)}")
+    if d not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim {d} is not supported; supported: {SUPPORTED_HEAD_DIMS}")
+    if bs & (bs - 1) or bs > 256:
+        raise ValueError(f"k_cache block size {bs} must be a power of two ≤ 256")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache must be contiguous in head_dim (stride(-1) == 1); other strides are free")
+    if q.stride(-1) != 1:
+        raise ValueError("q must be contiguous in head_dim (stride(-1) == 1)")
+    total_q, hq, dq = q.shape
+    if dq != d:
+        raise ValueError(f"q head_dim {dq} != k_cache head_dim {d}")
+    if hq % hkv or not 1 <= hq // hkv <= MAX_GQA:
+        raise ValueError(f"q heads ({hq}) must be a multiple of kv heads ({hkv}) with ratio 1..{MAX_GQA}")
+    b = seq_lens.shape[0]
+    if block_table.shape[0] < b:
+        raise ValueError(f"block_table has {block_table.shape[0]} rows for {b} requests")
+    if b and total_q % b:
+        raise ValueError(f"q has {total_q} tokens, not a multiple of the batch size {b} (q_len × B must match q)")
+    q_len = total_q // b if b else 1
+    if b and not 1 <= q_len <= MAX_Q_LEN:
+        raise ValueError(f"q_len = q tokens / batch = {q_len} must be in 1..{MAX_Q_LEN}")
+    kv_fp8 = k_cache.dtype == FP8_E4M3
+    if kv_fp8:
+        if k_scale is None or v_scale is None:
+            raise ValueError("fp8 k_cache/v_cache need k_scale and v_scale (one-element float32 tensors)")
+        check_scale("k_scale", k_scale)
+        check_scale("v_scale", v_scale)
+    if q.dtype == FP8_E4M3:
+        if not kv_fp8:
+            raise TypeError("fp8 q needs an fp8 KV cache (use a bf16/fp16 q with a bf16/fp16 cache)")
+        if q_scale is None:
+            raise ValueError("fp8 q needs q_scale (float32 [B*q_len, Hq], per token per head)")
+        check_tensor("q_scale", q_scale, dtypes=(torch.float32,), shape=(total_q, hq))
+        if not q_scale.is_contiguous():
+            raise ValueError("q_scale must be contiguous")
+    elif kv_fp8 and q.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError("q must be bf16/fp16 or fp8")
+    elif not kv_fp8 and q.dtype != k_cache.dtype:
+        raise TypeError(f"q dtype {q.dtype} must match the KV cache dtype {k_cache.dtype}")
+    if out is not None:
+        check_tensor("out", out, dtypes=(torch.bfloat16, torch.float16), shape=(total_q, hq, d))
+        if out.stride(-1) != 1:
+            raise ValueError("out must be contiguous in head_dim")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("block_table", block_table),
+                    ("seq_lens", seq_lens)):
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+    if plan is not None:
+        if not isinstance(plan, DecodePlan):
+            raise TypeError(f"plan must be a DecodePlan from hpcops.plan_decode, got {type(plan).__name__}")
+        if plan.num_kv_heads != hkv or plan.q_len != q_len or plan.batch != b:
+            raise ValueError(f"plan was built for (num_kv_heads, q_len, batch) = "
+                             f"{(plan.num_kv_heads, plan.q_len, plan.batch)}, got {(hkv, q_len, b)}")
+    # Block-table width: checked where the lengths are on the host, or always in checking mode.
+    if b and (seq_lens.device.type == "cpu" or checking_enabled()):
+        need = math.ceil(int(seq_lens.max()) / bs)
+        if need > block_table.shape[1]:
+            raise ValueError(f"block_table has {block_table.shape[1]} columns but the longest sequence "
+                             f"({int(seq_lens.max())} tokens) needs {need} blocks of {bs}")
+        if int(seq_lens.min()) < 0:
+            raise ValueError("seq_lens must be ≥ 0")
+    return q_len, hkv, hq // hkv, kv_fp8
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                     seq_lens: torch.Tensor, *, plan: DecodePlan | None = None, schedule: str = "dynamic",
+                     scale: float | None = None, k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None, q_scale: torch.Tensor | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """Paged decode attention (q_len 1..8 new tokens per request, causal among them).
+
+    Args:
+        q: `[B·q_len, Hq, D]` bf16/fp16, or fp8 e4m3 with `q_scale` (fp8 KV only).
+        k_cache, v_cache: `[num_blocks, block_size, Hkv, D]`, any strides with stride(-1) == 1
+            (vLLM's packed K|V views work); bf16/fp16, or fp8 e4m3 with `k_scale`, `v_scale`.
+        block_table: int32 `[B, max_blocks]`; seq_lens: int32 `[B]`, KV length incl. the new tokens.
+        plan: from `hpcops.plan_decode` (computed here when None; pass it to share it across layers).
+        schedule: "dynamic" (load-balanced persistent) or "static" (classic split-KV ablation).
+        scale: softmax scale (default 1/sqrt(D)); q_scale: float32 `[B·q_len, Hq]` for fp8 q.
+        out: optional `[B·q_len, Hq, D]` bf16/fp16 output (default: q's dtype, bf16 for fp8 q).
+
+    Returns `out`. No host sync, no data-dependent allocation: capturable in a CUDA graph.
+    """
+    q_len, hkv, g, kv_fp8 = _validate(q, k_cache, v_cache, block_table, seq_lens, plan, schedule,
+                                      k_scale, v_scale, q_scale, out)
+    total_q, hq, d = q.shape
+    if out is None:
+        out = torch.empty((total_q, hq, d), dtype=torch.bfloat16 if q.dtype == FP8_E4M3 else q.dtype,
+                          device=q.device)
+    b = seq_lens.shape[0]
+    if b == 0 or total_q == 0:
+        return out
+    sm_scale = (1.0 / math.sqrt(d)) if scale is None else float(scale)
+    q_fp8 = q.dtype == FP8_E4M3
+    rows = q_len * g
+    common = dict(Q_LEN=q_len, G=g, HEAD_DIM=d, D_PAD=triton.next_power_of_2(d),
+                  M_PAD=max(16, triton.next_power_of_2(rows)))
+    dummy = seq_lens  # placeholder pointer for absent optional tensors (never read)
+    nb, bs, _, _ = k_cache.shape
+    args_kv = (k_scale if kv_fp8 else dummy, v_scale if kv_fp8 else dummy)
+    strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+               v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
+               out.stride(0), out.stride(1))
+    num_warps = 4 if d <= 128 else 8
+    if schedule == "static":
+        splits = static_splits(b, hkv, q.device)
+        part_o = torch.empty((b * hkv * splits, rows, d), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((b * hkv * splits, rows), dtype=torch.float32, device=q.device)
+        from hpcops.attention._decode_kernels import decode_static_combine_kernel, decode_static_kernel
+
+        decode_static_kernel[(b, hkv, splits)](
+            q, k_cache, v_cache, block_table, seq_lens, out, part_o, part_lse,
+            q_scale if q_fp8 else dummy, *args_kv,
+            sm_scale * LOG2E, hkv, hq, block_table.shape[1], nb, *strides,
+            SPLITS=splits, BLOCK_SIZE=bs, TILE=TILE, KV_FP8=kv_fp8, Q_FP8=q_fp8,
+            NUM_STAGES=_num_stages(), num_warps=num_warps, **common)
+        if splits > 1:
+            decode_static_combine_kernel[(b, hkv)](
+                part_o, part_lse, out, seq_lens, hkv, out.stride(0), out.stride(1),
+                SPLITS=splits, TILE=TILE, num_warps=4, **common)
+        return out
+    if plan is None:
+        plan = plan_decode(seq_lens, num_kv_heads=hkv, q_len=q_len, block_size=bs)
+    part_o, part_lse = plan.workspace(rows, d)
+    from hpcops.attention._decode_kernels import decode_combine_kernel, decode_persistent_kernel
+
+    decode_persistent_kernel[(plan.num_programs,)](
+        q, k_cache, v_cache, block_table, seq_lens, out, part_o, part_lse,
+        plan.header, plan.cum, plan.first_b, q_scale if q_fp8 else dummy, *args_kv,
+        sm_scale * LOG2E, b, hq, block_table.shape[1], nb, *strides,
+        BLOCK_SIZE=bs, TILE=TILE, KV_FP8=kv_fp8, Q_FP8=q_fp8, NUM_STAGES=_num_stages(),
+        num_warps=num_warps, **common)
+    decode_combine_kernel[(plan.num_programs,)](
+        part_o, part_lse, out, plan.header, plan.cum, plan.last_b, out.stride(0), out.stride(1),
+        num_warps=4, **common)
+    return out
+
+
+def static_splits(batch: int, num_kv_heads: int, device=None) -> int:
+    """Splits per (request, head) of the static schedule: fill the machine assuming equal lengths
+    (what a length-oblivious static split-KV does), at most 64."""
+    target = 2 * _platform.num_sms(device)
+    return int(max(1, min(64, -(-target // max(1, batch * num_kv_heads)))))
+
+
+# torch.library: the mutating form, for torch.compile and graph-capturing frameworks.
+def _decode_out(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                seq_lens: torch.Tensor, out: torch.Tensor, scale: float, k_scale: torch.Tensor | None,
+                v_scale: torch.Tensor | None, q_scale: torch.Tensor | None, static: bool) -> None:
+    decode_attention(q, k_cache, v_cache, block_table, seq_lens, schedule="static" if static else "dynamic",
+                     scale=scale, k_scale=k_scale, v_scale=v_scale, q_scale=q_scale, out=out)
+
+
+def _decode_out_fake(q, k_cache, v_cache, block_table, seq_lens, out, scale, k_scale, v_scale, q_scale,
+                     static) -> None:
+    return None
+
+
+decode_attention_out = register("decode_attention_out", _decode_out, mutates_args=("out",), fake=_decode_out_fake)

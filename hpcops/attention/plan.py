@@ -1,0 +1,204 @@
+"""The decode plan: a load-balanced split of the KV tile stream over persistent programs.
+
+Every sequence is cut into 64-token tiles. The tile stream is laid out kv-head-major,
+request-minor (all tiles of head 0 for requests 0..B-1, then head 1, ...) and cut into equal
+buckets of ``bucket = max(ceil(total / num_programs), min_tiles)`` tiles, one per persistent
+program. A program walks its bucket; each maximal run of tiles of one (head, request) inside it
+is a *task*. A (head, request) whose tiles span several buckets is *split*: its programs write
+fp32 partial outputs + log-sum-exp into task-slot-indexed buffers and a combine kernel merges
+them; an unsplit one writes the output directly.
+
+Everything the kernels need follows from four numbers and two small tables, computed on the
+device in O(B) work by one launch (no host sync, no cross-program waits) into buffers allocated
+once for ``max_batch``, so that one decode step (plan + every layer) can be captured in a CUDA graph
+and replayed with new lengths:
+
+* ``header`` int32 [4]: bucket, S (tiles of one kv head = Σ_b T_b), total = Hkv·S, active programs;
+* ``cum`` int32 [max_batch + 1]: prefix sums of T_b = max(1, ceil(L_b / 64));
+* ``first_b`` / ``last_b`` int32 [num_programs]: the request holding each program's first / last
+  tile (−1 for an idle program).
+
+Program i covers stream positions [i·bucket, min((i+1)·bucket, total)). The split partials of
+program i live in slots 2i (its first task) and 2i+1 (its last task, when that differs).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from hpcops import _platform
+from hpcops._checks import check_tensor
+
+TILE = 64
+MAX_Q_LEN = 8
+# Persistent programs per SM and the minimum tiles per program. Defaults from the H200 sweep
+# (bench/results/decode_sweep.md): enough programs to keep ~2 tile loads in flight per SM, and a
+# floor of 4 tiles (256 tokens) per program so small batches are not over-split.
+DEFAULT_PROGRAMS_PER_SM = 2
+DEFAULT_MIN_TILES = 4
+
+
+def checking_enabled() -> bool:
+    """Opt-in validation that needs a host sync (block-table width against device seq_lens)."""
+    return os.environ.get("HPCOPS_CHECK", "0") not in ("", "0")
+
+
+@dataclass
+class DecodePlan:
+    """A decode schedule in fixed-capacity device buffers (see the module docstring).
+
+    Build it with `plan_decode`; re-plan a new step into the same buffers with
+    ``plan_decode(seq_lens, ..., out=plan)`` (CUDA-graph safe). `batch` is the batch size of the
+    last plan (a host int; replays under a graph keep it fixed).
+    """
+
+    num_kv_heads: int
+    q_len: int
+    block_size: int
+    num_programs: int
+    min_tiles: int
+    max_batch: int
+    batch: int
+    header: torch.Tensor
+    cum: torch.Tensor
+    first_b: torch.Tensor
+    last_b: torch.Tensor
+    _workspace: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.header.device
+
+    def workspace(self, rows: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Partial-output and LSE buffers for 2 slots per program, allocated once per shape."""
+        key = (rows, head_dim)
+        if key not in self._workspace:
+            slots = 2 * self.num_programs
+            self._workspace[key] = (
+                torch.empty((slots, rows, head_dim), dtype=torch.float32, device=self.device),
+                torch.empty((slots, rows), dtype=torch.float32, device=self.device),
+            )
+        return self._workspace[key]
+
+    def host_tables(self) -> dict[str, list[int]]:
+        """The plan's tables on the host (syncs; for display and tests)."""
+        return {"header": self.header.tolist(), "cum": self.cum[: self.batch + 1].tolist(),
+                "first_b": self.first_b.tolist(), "last_b": self.last_b.tolist()}
+
+    def tasks(self) -> list[tuple[int, int, int, int, int, bool]]:
+        """Every task as (program, kv_head, request, first_tile, num_tiles, split) (host-side, syncs)."""
+        t = self.host_tables()
+        bucket, s, total, _ = t["header"]
+        return enumerate_tasks(t["cum"], bucket, s, total, self.num_programs)
+
+
+def enumerate_tasks(cum: list[int], bucket: int, s: int, total: int, num_programs: int):
+    """Walk the plan the way the persistent kernel does (pure Python)."""
+    out = []
+    nb = len(cum) - 1
+    b = 0
+    for prog in range(num_programs):
+        p, p1 = prog * bucket, min((prog + 1) * bucket, total)
+        if p >= p1:
+            break
+        h, r = divmod(p, s)
+        while not (cum[b] <= r < cum[b + 1]):
+            b = (b + 1) % nb
+        while p < p1:
+            h, r = divmod(p, s)
+            n = min(p1 - p, cum[b + 1] - r)
+            start, end = h * s + cum[b], h * s + cum[b + 1]
+            split = start // bucket != (end - 1) // bucket
+            out.append((prog, h, b, r - cum[b], n, split))
+            p += n
+            b = (b + 1) % nb
+    return out
+
+
+def default_num_programs(q_len: int = 1, device: torch.device | str | None = None,
+                         programs_per_sm: int | None = None) -> int:
+    per_sm = programs_per_sm or int(os.environ.get("HPCOPS_DECODE_PROGRAMS_PER_SM", DEFAULT_PROGRAMS_PER_SM))
+    return max(1, per_sm * _platform.num_sms(device))
+
+
+def _validate_plan_args(seq_lens, num_kv_heads, q_len, block_size, max_batch):
+    check_tensor("seq_lens", seq_lens, dtypes=(torch.int32,), ndim=1)
+    if not isinstance(num_kv_heads, int) or num_kv_heads < 1:
+        raise ValueError(f"num_kv_heads must be a positive int, got {num_kv_heads!r}")
+    if not isinstance(q_len, int) or not 1 <= q_len <= MAX_Q_LEN:
+        raise ValueError(f"q_len must be an int in 1..{MAX_Q_LEN}, got {q_len!r}")
+    if not isinstance(block_size, int) or block_size < 1 or block_size & (block_size - 1) or block_size > 256:
+        raise ValueError(f"block_size must be a power of two in 1..256, got {block_size!r}")
+    if max_batch is not None and seq_lens.shape[0] > max_batch:
+        raise ValueError(f"seq_lens has {seq_lens.shape[0]} requests, more than the plan's max_batch={max_batch}")
+
+
+def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, block_size: int = 64,
+                max_batch: int | None = None, max_seq_len: int | None = None, num_programs: int | None = None,
+                min_tiles: int | None = None, out: DecodePlan | None = None) -> DecodePlan:
+    """Compute the load-balanced decode schedule for one step on the device.
+
+    Args:
+        seq_lens: int32 `[B]`, KV length of each request including its new tokens (0 = padding).
+        num_kv_heads: KV heads of the layer (the plan is shared by all layers of a step).
+        q_len: query tokens per request (1..8; speculative decode > 1).
+        block_size: KV page size (validated here, used by `decode_attention`).
+        max_batch: capacity of the plan's buffers (default: B); re-plan with `out=`.
+        max_seq_len: accepted for API symmetry with capacity planning; buffers do not depend on it.
+        num_programs: persistent programs (default: programs-per-SM × SMs).
+        min_tiles: minimum 64-token tiles per program (default `DEFAULT_MIN_TILES`).
+        out: an existing plan whose buffers are reused (CUDA-graph replay with new lengths).
+    """
+    del max_seq_len  # buffers are sized by batch and program count only
+    if out is not None:
+        _validate_plan_args(seq_lens, num_kv_heads, q_len, block_size, out.max_batch)
+        if (num_kv_heads, q_len, block_size) != (out.num_kv_heads, out.q_len, out.block_size):
+            raise ValueError("out= plan was built for (num_kv_heads, q_len, block_size) = "
+                             f"{(out.num_kv_heads, out.q_len, out.block_size)}, got "
+                             f"{(num_kv_heads, q_len, block_size)}")
+        if seq_lens.device != out.device:
+            raise ValueError(f"seq_lens is on {seq_lens.device} but the plan's buffers are on {out.device}")
+        plan = out
+        plan.batch = seq_lens.shape[0]
+    else:
+        _validate_plan_args(seq_lens, num_kv_heads, q_len, block_size, max_batch)
+        dev = seq_lens.device
+        cap = max(max_batch or seq_lens.shape[0], 1)
+        c = num_programs or default_num_programs(q_len, dev)
+        plan = DecodePlan(
+            num_kv_heads=num_kv_heads, q_len=q_len, block_size=block_size, num_programs=c,
+            min_tiles=max(1, min_tiles if min_tiles is not None else DEFAULT_MIN_TILES), max_batch=cap,
+            batch=seq_lens.shape[0],
+            header=torch.zeros(4, dtype=torch.int32, device=dev),
+            cum=torch.zeros(cap + 1, dtype=torch.int32, device=dev),
+            first_b=torch.full((c,), -1, dtype=torch.int32, device=dev),
+            last_b=torch.full((c,), -1, dtype=torch.int32, device=dev),
+        )
+    _launch_plan(plan, seq_lens)
+    return plan
+
+
+def _launch_plan(plan: DecodePlan, seq_lens: torch.Tensor) -> None:
+    from hpcops.attention._plan_kernels import plan_decode_kernel
+
+    b = seq_lens.shape[0]
+    if b == 0:
+        plan.header.zero_()
+        plan.first_b.fill_(-1)
+        plan.last_b.fill_(-1)
+        return
+    block_b = 256 if b > 128 else max(16, 1 << (b - 1).bit_length())
+    block_c = 128
+    grid = (triton_cdiv(plan.num_programs, block_c),)
+    plan_decode_kernel[grid](
+        seq_lens, plan.cum, plan.header, plan.first_b, plan.last_b,
+        b, plan.num_kv_heads, plan.num_programs, plan.min_tiles,
+        TILE=TILE, BLOCK_B=block_b, BLOCK_C=block_c, num_warps=4,
+    )
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)

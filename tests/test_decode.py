@@ -1,0 +1,205 @@
+"""Decode attention and its plan: kernels (interpreted on the CPU tier) vs torch references."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import hpcops
+from hpcops.attention import reference as ref
+from hpcops.attention.plan import enumerate_tasks
+from hpcops.quant import quantize_per_token_head
+from hpcops.testing import assert_close, make_paged_kv, nan_like
+
+FP8 = torch.float8_e4m3fn
+
+
+# ---------------------------------------------------------------- plan
+def _tables(plan):
+    t = plan.host_tables()
+    return t["header"], t["cum"], t["first_b"], t["last_b"]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_plan_matches_reference(seed, device):
+    rng = random.Random(seed)
+    b = rng.choice([1, 2, 5, 17, 64, 300])
+    lens = [rng.choice([0, 1, 63, 64, 65, rng.randint(1, 5000)]) for _ in range(b)]
+    hkv = rng.choice([1, 2, 8])
+    c = rng.choice([1, 7, 132, 528])
+    mt = rng.choice([1, 2, 8])
+    sl = torch.tensor(lens, dtype=torch.int32, device=device)
+    got = hpcops.plan_decode(sl, num_kv_heads=hkv, num_programs=c, min_tiles=mt)
+    want = ref.plan_decode(sl.cpu(), num_kv_heads=hkv, num_programs=c, min_tiles=mt)
+    assert _tables(got) == _tables(want)
+    # every tile of every (head, request) is covered exactly once, by contiguous tasks
+    bucket, s, total, active = want.host_tables()["header"]
+    tasks = enumerate_tasks(want.host_tables()["cum"], bucket, s, total, c)
+    tiles = {}
+    for prog, h, req, t0, n, _ in tasks:
+        assert n >= 1 and prog < c
+        for t in range(t0, t0 + n):
+            assert (h, req, t) not in tiles
+            tiles[(h, req, t)] = prog
+    assert len(tiles) == total == hkv * sum(max(1, -(-n // 64)) for n in lens)
+    assert max(sum(n for p, *_, n, _ in tasks if p == i) for i in range(active)) <= bucket
+
+
+def test_plan_replan_into_same_buffers(device):
+    sl = torch.tensor([5000, 10, 300], dtype=torch.int32, device=device)
+    plan = hpcops.plan_decode(sl, num_kv_heads=2, max_batch=8, num_programs=16)
+    bufs = (plan.header.data_ptr(), plan.cum.data_ptr(), plan.first_b.data_ptr())
+    sl2 = torch.tensor([7, 7, 9000, 1, 64], dtype=torch.int32, device=device)
+    again = hpcops.plan_decode(sl2, num_kv_heads=2, out=plan)
+    assert again is plan and (plan.header.data_ptr(), plan.cum.data_ptr(), plan.first_b.data_ptr()) == bufs
+    want = ref.plan_decode(sl2.cpu(), num_kv_heads=2, num_programs=16, max_batch=8)
+    assert _tables(plan) == _tables(want)
+    with pytest.raises(ValueError, match="max_batch"):
+        hpcops.plan_decode(torch.ones(9, dtype=torch.int32, device=device), num_kv_heads=2, out=plan)
+
+
+def test_plan_min_tiles_floor_prevents_oversplitting(device):
+    sl = torch.tensor([256] * 4, dtype=torch.int32, device=device)  # 16 tiles in all
+    plan = ref.plan_decode(sl, num_kv_heads=1, num_programs=528, min_tiles=8)
+    assert plan.host_tables()["header"] == [8, 16, 16, 2]
+
+
+def test_plan_errors(device):
+    with pytest.raises(TypeError, match="seq_lens"):
+        hpcops.plan_decode(torch.ones(3, dtype=torch.int64), num_kv_heads=1)
+    with pytest.raises(ValueError, match="q_len"):
+        hpcops.plan_decode(torch.ones(3, dtype=torch.int32), num_kv_heads=1, q_len=9)
+    with pytest.raises(ValueError, match="block_size"):
+        hpcops.plan_decode(torch.ones(3, dtype=torch.int32), num_kv_heads=1, block_size=48)
+
+
+# ---------------------------------------------------------------- decode
+@dataclass(frozen=True)
+class Case:
+    lens: tuple[int, ...]
+    hq: int
+    hkv: int
+    d: int
+    bs: int
+    q_len: int = 1
+    kv: str = "bf16"  # bf16 | fp16 | fp8 | fp8q (fp8 KV and fp8 query)
+    packed: bool = True
+    programs: int = 6
+    min_tiles: int = 1
+
+    @property
+    def id(self):
+        lens = "+".join(map(str, self.lens)) if len(self.lens) < 5 else f"{len(self.lens)}seqs"
+        packed = "-packed" if self.packed else ""
+        return f"{lens}-h{self.hq}/{self.hkv}-d{self.d}-bs{self.bs}-q{self.q_len}-{self.kv}{packed}"
+
+
+CASES = [
+    Case((1, 63, 65, 200), 8, 2, 64, 16),                       # GQA 4, page ±1
+    Case((129, 1, 0, 64), 8, 8, 64, 32, kv="fp16"),             # MHA, empty + 1-token sequences
+    Case((300, 17), 6, 2, 128, 64, q_len=3, kv="fp8"),          # odd GQA 3, speculative decode
+    Case((127, 128, 129), 16, 1, 64, 64, q_len=1, kv="fp8q"),   # GQA 16, fp8 query
+    Case((90, 33), 4, 1, 96, 16, q_len=8, packed=False),        # head_dim 96, q_len 8
+    Case((257, 5), 2, 2, 256, 256, q_len=2, kv="fp16"),         # head_dim 256, page 256
+    Case((70, 1, 2, 3, 4, 140), 4, 4, 64, 16, programs=4, min_tiles=2),  # many tasks per program
+    Case((1000,), 8, 1, 64, 64, programs=5, min_tiles=1, kv="fp8"),       # one long sequence split 5 ways
+]
+
+
+def _inputs(case: Case, device):
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": FP8, "fp8q": FP8}[case.kv]
+    kv = make_paged_kv(list(case.lens), num_kv_heads=case.hkv, head_dim=case.d, block_size=case.bs,
+                       dtype=dtype, device=device, packed=case.packed, extra_cols=1)
+    qdt = torch.bfloat16 if case.kv in ("bf16", "fp8", "fp8q") else torch.float16
+    q = torch.randn(len(case.lens) * case.q_len, case.hq, case.d, device=device).to(qdt)
+    q_scale = None
+    if case.kv == "fp8q":
+        q, q_scale = quantize_per_token_head(q)
+    return q, q_scale, kv
+
+
+@pytest.mark.parametrize("schedule", ["dynamic", "static"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_decode_matches_reference(case, schedule, device):
+    q, q_scale, kv = _inputs(case, device)
+    plan = None
+    if schedule == "dynamic":
+        plan = hpcops.plan_decode(kv.seq_lens, num_kv_heads=case.hkv, q_len=case.q_len, block_size=case.bs,
+                                  num_programs=case.programs, min_tiles=case.min_tiles)
+    out_dtype = torch.bfloat16 if q.dtype == FP8 else q.dtype
+    out = nan_like(torch.empty(q.shape, dtype=out_dtype, device=device))
+    got = hpcops.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, plan=plan,
+                                  schedule=schedule, k_scale=kv.k_scale, v_scale=kv.v_scale, q_scale=q_scale,
+                                  out=out)
+    assert got is out
+    want = ref.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, k_scale=kv.k_scale,
+                                v_scale=kv.v_scale, q_scale=q_scale)
+    assert_close(want, got)
+    if 0 in case.lens:
+        empty = [i for i, n in enumerate(case.lens) if n == 0]
+        for i in empty:
+            assert torch.all(got[i * case.q_len:(i + 1) * case.q_len] == 0)
+
+
+def test_decode_default_plan_and_scale(device):
+    kv = make_paged_kv([40, 100], num_kv_heads=1, head_dim=64, block_size=16, device=device)
+    q = torch.randn(2, 4, 64, device=device).bfloat16()
+    got = hpcops.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, scale=0.3)
+    want = ref.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, scale=0.3)
+    assert_close(want, got)
+
+
+def test_empty_batch(device):
+    kv = make_paged_kv([], num_kv_heads=1, head_dim=64, block_size=16, device=device)
+    q = torch.empty(0, 4, 64, device=device, dtype=torch.bfloat16)
+    out = hpcops.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_table[:0], kv.seq_lens)
+    assert out.shape == (0, 4, 64)
+
+
+def test_opcheck(device):
+    kv = make_paged_kv([20, 70], num_kv_heads=1, head_dim=64, block_size=16, device=device)
+    q = torch.randn(2, 2, 64, device=device).half()
+    kv.k_cache, kv.v_cache = kv.k_cache.half(), kv.v_cache.half()
+    out = torch.empty_like(q)
+    from hpcops.attention.decode import decode_attention_out
+
+    torch.library.opcheck(decode_attention_out, (q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, out,
+                                                 0.125, None, None, None, False),
+                          test_utils=("test_schema", "test_faketensor"))
+    decode_attention_out(q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, out, 0.125, None, None, None,
+                         True)
+    want = ref.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, scale=0.125)
+    assert_close(want, out)
+
+
+# ---------------------------------------------------------------- errors
+def _good(device):
+    kv = make_paged_kv([30, 50], num_kv_heads=2, head_dim=64, block_size=16, device=device)
+    q = torch.randn(2, 4, 64, device=device).bfloat16()
+    return q, kv
+
+
+@pytest.mark.parametrize("mutate, exc, match", [
+    (lambda a: a.update(q=a["q"].float()), TypeError, "q must have dtype"),
+    (lambda a: a.update(k_cache=a["k_cache"][..., :48].contiguous(), v_cache=a["v_cache"][..., :48].contiguous(),
+                        q=a["q"][..., :48].contiguous()), ValueError, "head_dim 48"),
+    (lambda a: a.update(k_cache=a["k_cache"].to(FP8), v_cache=a["v_cache"].to(FP8)), ValueError, "k_scale"),
+    (lambda a: a.update(block_table=a["block_table"].long()), TypeError, "block_table"),
+    (lambda a: a.update(seq_lens=a["seq_lens"].long()), TypeError, "seq_lens"),
+    (lambda a: a.update(q=torch.randn(3, 4, 64).bfloat16()), ValueError, "multiple of the batch"),
+    (lambda a: a.update(block_table=a["block_table"][:, :2]), ValueError, "block_table has 2 columns"),
+    (lambda a: a.update(q=torch.randn(2, 3, 64).bfloat16()), ValueError, "multiple of kv heads"),
+    (lambda a: a.update(v_cache=a["v_cache"].half()), TypeError, "v_cache"),
+    (lambda a: a.update(schedule="greedy"), ValueError, "schedule"),
+])
+def test_bad_input(mutate, exc, match, device):
+    q, kv = _good(device)
+    args = dict(q=q, k_cache=kv.k_cache, v_cache=kv.v_cache, block_table=kv.block_table, seq_lens=kv.seq_lens,
+                schedule="dynamic")
+    mutate(args)
+    with pytest.raises(exc, match=match):
+        hpcops.decode_attention(args.pop("q"), args.pop("k_cache"), args.pop("v_cache"),
+                                args.pop("block_table"), args.pop("seq_lens"), **args)
