@@ -1,0 +1,298 @@
+"""Bench suite `prefill`: causal prefill / extend attention over a paged KV cache (blog table 4).
+
+Batches use vLLM's batch-spec grammar `[count]q<q_len>[k][s<seq_len>[k]]` (k = 1024; without `s`
+the request is a pure prefill, seq_len = q_len; several specs joined by `_`). Heads h64/8 (Hy3) and
+h8/1 (one TP8 rank), head_dim 128, page 64, bf16 and fp8 KV. FLOPs are those of causal attention:
+4·D·Hq·Σ over queries of visible keys. Peers, each on the same inputs:
+- `flashinfer`: FlashInfer's BatchPrefillWithPagedKVCacheWrapper (backend auto; FA3 on Hopper), plan
+  outside the timed region;
+- `sdpa-cudnn`, `sdpa-flash`: torch SDPA on the dense-equivalent problem (K/V gathered to contiguous
+  tensors and expanded to Hq heads beforehand), bottom-right causal mask.
+With fp8 KV we time bf16 q (`hpcops`) and fp8 q with per-token-head scales (`hpcops-fp8q`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hpcops.bench.registry import Case, Impl, PeerUnavailable
+
+FP8 = torch.float8_e4m3fn
+PAGE = 64
+HEAD_DIM = 128
+SPECS = ("q512", "q1ks2k", "q2k", "q4k", "q8k", "2q1ks4k")
+QUICK_SPECS = ("q2k", "2q1ks4k")
+HEADS = ((64, 8), (8, 1))
+_SPEC = re.compile(r"^(\d*)q(\d+)(k?)(?:s(\d+)(k?))?$")
+
+
+def parse_batch_spec(spec: str) -> list[tuple[int, int]]:
+    """`2q1ks4k_q512` → [(1024, 4096), (1024, 4096), (512, 512)]: one (q_len, seq_len) per request."""
+    reqs: list[tuple[int, int]] = []
+    for part in spec.split("_"):
+        m = _SPEC.match(part.strip())
+        if m is None:
+            raise ValueError(f"bad batch spec {part!r}: expected [count]q<q_len>[k][s<seq_len>[k]]")
+        count = int(m.group(1)) if m.group(1) else 1
+        q_len = int(m.group(2)) * (1024 if m.group(3) else 1)
+        seq_len = q_len if m.group(4) is None else int(m.group(4)) * (1024 if m.group(5) else 1)
+        if seq_len < q_len:
+            raise ValueError(f"bad batch spec {part!r}: seq_len {seq_len} < q_len {q_len}")
+        reqs += [(q_len, seq_len)] * count
+    return reqs
+
+
+def causal_flops(reqs: list[tuple[int, int]], hq: int, head_dim: int) -> int:
+    """4·D·Hq·Σ_queries(visible keys): QKᵀ and PV, 2 FLOPs per multiply-add each."""
+    keys = sum(q * (s - q) + q * (q + 1) // 2 for q, s in reqs)
+    return 4 * head_dim * hq * keys
+
+
+@dataclass(frozen=True)
+class Scenario:
+    spec: str
+    hq: int
+    hkv: int
+    fp8: bool
+
+    @property
+    def name(self) -> str:
+        return f"h{self.hq}x{self.hkv}-{'fp8' if self.fp8 else 'bf16'}-{self.spec}"
+
+    @property
+    def reqs(self) -> list[tuple[int, int]]:
+        return parse_batch_spec(self.spec)
+
+    @property
+    def bytes(self) -> int:
+        total_q = sum(q for q, _ in self.reqs)
+        kv_elem = 1 if self.fp8 else 2
+        kv = sum(s for _, s in self.reqs) * 2 * self.hkv * HEAD_DIM * kv_elem
+        return 2 * total_q * self.hq * HEAD_DIM * 2 + kv
+
+
+def _make_inputs(s: Scenario, layer: int, device: str = "cuda") -> dict[str, Any]:
+    from hpcops.quant import quantize_per_token_head
+    from hpcops.testing import make_paged_kv
+
+    g = torch.Generator().manual_seed(1000 * layer + 17)
+    reqs = s.reqs
+    kv = make_paged_kv(
+        [sl for _, sl in reqs],
+        num_kv_heads=s.hkv,
+        head_dim=HEAD_DIM,
+        block_size=PAGE,
+        dtype=FP8 if s.fp8 else torch.bfloat16,
+        device=device,
+        generator=g,
+    )
+    q_lens = [ql for ql, _ in reqs]
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    gq = torch.Generator(device=device).manual_seed(1000 * layer + 18)
+    q = torch.randn((sum(q_lens), s.hq, HEAD_DIM), generator=gq, device=device).to(torch.bfloat16)
+    x = {
+        "q": q,
+        "kv": kv,
+        "cu": cu.to(device),
+        "cu_cpu": cu,
+        "reqs": reqs,
+        "max_q": max(q_lens),
+        "scale": 1.0 / math.sqrt(HEAD_DIM),
+    }
+    if s.fp8:
+        x["q8"], x["q_scale"] = quantize_per_token_head(q)
+    return x
+
+
+def _ours(fp8_q: bool):
+    def prepare(x):
+        from hpcops.attention.prefill import prefill_attention
+
+        kv = x["kv"]
+        q, q_scale = (x["q8"], x["q_scale"]) if fp8_q else (x["q"], None)
+        out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
+        args = (q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, x["cu"])
+        kw = dict(max_seqlen_q=x["max_q"], k_scale=kv.k_scale, v_scale=kv.v_scale, q_scale=q_scale, out=out)
+        x["out_fp8q" if fp8_q else "out"] = out
+        return lambda: prefill_attention(*args, **kw)
+
+    return prepare
+
+
+def _flashinfer(x):
+    try:
+        import flashinfer
+    except Exception as exc:  # not installed, or its import fails on this machine
+        raise PeerUnavailable(f"flashinfer not importable: {exc}") from exc
+    kv, reqs = x["kv"], x["reqs"]
+    q = x["q"]
+    pages = [-(-sl // PAGE) for _, sl in reqs]
+    kv_indptr = torch.tensor([0] + torch.tensor(pages).cumsum(0).tolist(), dtype=torch.int32)
+    bt = kv.block_table.cpu()
+    kv_indices = torch.cat([bt[b, :n] for b, n in enumerate(pages)]).to(q.device)
+    last = torch.tensor([sl - (n - 1) * PAGE for (_, sl), n in zip(reqs, pages)], dtype=torch.int32)
+    out = torch.empty_like(q)
+    try:
+        ws = torch.empty(128 << 20, dtype=torch.uint8, device=q.device)
+        wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
+        wrapper.plan(
+            x["cu_cpu"],
+            kv_indptr,
+            kv_indices,
+            last,
+            q.shape[1],
+            kv.k_cache.shape[2],
+            HEAD_DIM,
+            PAGE,
+            causal=True,
+            sm_scale=x["scale"],
+            q_data_type=q.dtype,
+            kv_data_type=kv.k_cache.dtype,
+        )
+        scales = {}
+        if kv.k_scale is not None:
+            scales = dict(k_scale=float(kv.k_scale), v_scale=float(kv.v_scale))
+
+        def fn():
+            return wrapper.run(q, (kv.k_cache, kv.v_cache), out=out, **scales)
+
+        fn()
+        torch.cuda.synchronize()
+    except Exception as exc:
+        raise PeerUnavailable(f"flashinfer failed: {type(exc).__name__}: {exc}"[:200]) from exc
+    x["_fi_keep"] = (ws, wrapper)
+    return fn
+
+
+def _dense_kv(x, hq: int):
+    """K/V of every request gathered to contiguous [B, Hq, seq, D] bf16 (GQA expanded), outside timing."""
+    kv, reqs = x["kv"], x["reqs"]
+    group = hq // kv.k_cache.shape[2]
+    ks, vs = [], []
+    for b, (_, sl) in enumerate(reqs):
+        n = -(-sl // PAGE)
+        pages = kv.block_table[b, :n].long()
+        k = kv.k_cache[pages].reshape(-1, kv.k_cache.shape[2], HEAD_DIM)[:sl]
+        v = kv.v_cache[pages].reshape(-1, kv.v_cache.shape[2], HEAD_DIM)[:sl]
+        if kv.k_scale is not None:
+            k, v = k.float() * kv.k_scale, v.float() * kv.v_scale
+        ks.append(k.to(torch.bfloat16).repeat_interleave(group, dim=1).transpose(0, 1))
+        vs.append(v.to(torch.bfloat16).repeat_interleave(group, dim=1).transpose(0, 1))
+    return ks, vs
+
+
+def _sdpa(backend_name: str):
+    def prepare(x):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.attention.bias import causal_lower_right
+
+        backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[backend_name]
+        q, reqs = x["q"], x["reqs"]
+        ks, vs = _dense_kv(x, q.shape[1])
+        cu = x["cu_cpu"].tolist()
+        calls = []
+        for b, (ql, sl) in enumerate(reqs):
+            qb = q[cu[b] : cu[b + 1]].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
+            kb, vb = ks[b].unsqueeze(0).contiguous(), vs[b].unsqueeze(0).contiguous()
+            mask = None if ql == sl else causal_lower_right(ql, sl)
+            calls.append((qb, kb, vb, mask))
+
+        def fn():
+            with sdpa_kernel([backend]):
+                return [
+                    torch.nn.functional.scaled_dot_product_attention(
+                        qb, kb, vb, attn_mask=mask, is_causal=mask is None, scale=x["scale"]
+                    )
+                    for qb, kb, vb, mask in calls
+                ]
+
+        try:
+            fn()
+            torch.cuda.synchronize()
+        except Exception as exc:
+            raise PeerUnavailable(f"sdpa {backend_name}: {type(exc).__name__}: {exc}"[:200]) from exc
+        return fn
+
+    return prepare
+
+
+def _sampled_reference(x, q, q_scale, *, rows_per_req: int = 192, heads: int = 16) -> tuple:
+    """Reference rows for a sample of queries and query heads of each request (fp32, dequantized)."""
+    kv, reqs = x["kv"], x["reqs"]
+    hq, hkv = q.shape[1], kv.k_cache.shape[2]
+    group = hq // hkv
+    head_idx = torch.unique(torch.cat([torch.arange(min(heads // 2, hq)), torch.arange(hq - heads // 2, hq)]))
+    head_idx = head_idx.clamp(0, hq - 1).unique().to(q.device)
+    cu = x["cu_cpu"].tolist()
+    qf = q.float() * (q_scale[..., None] if q_scale is not None else 1.0)
+    rows, want = [], []
+    for b, (ql, sl) in enumerate(reqs):
+        n = -(-sl // PAGE)
+        pages = kv.block_table[b, :n].long()
+        k = kv.k_cache[pages].reshape(-1, hkv, HEAD_DIM)[:sl].float()
+        v = kv.v_cache[pages].reshape(-1, hkv, HEAD_DIM)[:sl].float()
+        if kv.k_scale is not None:
+            k, v = k * kv.k_scale, v * kv.v_scale
+        i = torch.unique(torch.cat([torch.linspace(0, ql - 1, rows_per_req).long(), torch.tensor([0, ql - 1])]))
+        i = i.to(q.device)
+        kh, vh = k[:, head_idx // group].transpose(0, 1), v[:, head_idx // group].transpose(0, 1)  # [h, s, D]
+        qb = qf[cu[b] + i][:, head_idx].transpose(0, 1)  # [h, r, D]
+        logits = (qb @ kh.transpose(1, 2)) * x["scale"]
+        limit = (sl - ql) + i[:, None]
+        logits = logits.masked_fill(torch.arange(sl, device=q.device)[None, :] > limit, float("-inf"))
+        want.append((torch.softmax(logits, -1) @ vh).transpose(0, 1))  # [r, h, D]
+        rows.append(cu[b] + i)
+    return torch.cat(rows), head_idx, torch.cat(want)
+
+
+def _check(x) -> None:
+    from hpcops.testing import assert_close
+
+    _ours(False)(x)()
+    rows, heads, want = _sampled_reference(x, x["q"], None)
+    assert_close(want, x["out"][rows][:, heads], name="prefill bf16 q")
+    if "q8" in x:
+        _ours(True)(x)()
+        rows, heads, want = _sampled_reference(x, x["q8"], x["q_scale"])
+        assert_close(want, x["out_fp8q"][rows][:, heads], name="prefill fp8 q")
+
+
+def cases(opts: dict) -> Iterator[Case]:
+    specs = QUICK_SPECS if opts.get("quick") else SPECS
+    heads = HEADS[:1] if opts.get("quick") else HEADS
+    for fp8 in (False, True):
+        for hq, hkv in heads:
+            for spec in specs:
+                s = Scenario(spec, hq, hkv, fp8)
+                impls = [Impl("hpcops", _ours(False), ours=True, note="bf16 q, fp8 KV" if fp8 else "")]
+                if fp8:
+                    impls.append(Impl("hpcops-fp8q", _ours(True), ours=True, note="fp8 q per token-head"))
+                impls += [
+                    Impl("flashinfer", _flashinfer, note="BatchPrefillWithPagedKVCacheWrapper"),
+                    Impl("sdpa-cudnn", _sdpa("cudnn"), note="dense, bf16 (fp8 KV dequantized)"),
+                    Impl("sdpa-flash", _sdpa("flash"), note="dense, bf16 (fp8 KV dequantized)"),
+                ]
+                yield Case(
+                    suite="prefill",
+                    name=s.name,
+                    make_inputs=lambda layer, s=s: _make_inputs(s, layer),
+                    impls=impls,
+                    check=_check,
+                    bytes=s.bytes,
+                    flops=causal_flops(s.reqs, hq, HEAD_DIM),
+                    params={
+                        "spec": s.spec,
+                        "hq": hq,
+                        "hkv": hkv,
+                        "head_dim": HEAD_DIM,
+                        "page": PAGE,
+                        "kv": "fp8" if fp8 else "bf16",
+                    },
+                    command=f"python -m hpcops bench prefill --only {s.name}",
+                )

@@ -1,0 +1,43 @@
+"""The `prefill` bench suite's pure parts on the CPU: batch-spec grammar, FLOP count, case list, and the
+correctness gate (sampled reference) on a tiny batch through the interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hpcops.bench.suites import prefill as suite
+
+
+def test_parse_batch_spec():
+    assert suite.parse_batch_spec("q512") == [(512, 512)]
+    assert suite.parse_batch_spec("q1ks2k") == [(1024, 2048)]
+    assert suite.parse_batch_spec("2q1ks4k") == [(1024, 4096)] * 2
+    assert suite.parse_batch_spec("8q1s1k_q3") == [(1, 1024)] * 8 + [(3, 3)]
+    for bad in ("x3", "q", "q4s2", "2q1ks"):
+        with pytest.raises(ValueError, match="batch spec"):
+            suite.parse_batch_spec(bad)
+
+
+def test_causal_flops():
+    # q_len 2 over seq 5: the queries see 4 and 5 keys
+    assert suite.causal_flops([(2, 5)], hq=3, head_dim=8) == 4 * 8 * 3 * 9
+    assert suite.causal_flops([(4, 4)], hq=1, head_dim=1) == 4 * 10
+
+
+def test_cases_list():
+    names = [c.name for c in suite.cases({})]
+    assert len(names) == len(set(names)) == 2 * len(suite.HEADS) * len(suite.SPECS)
+    assert "h64x8-bf16-q8k" in names and "h8x1-fp8-2q1ks4k" in names
+    quick = list(suite.cases({"quick": True}))
+    assert all(c.check is not None and c.flops > 0 and c.bytes > 0 for c in quick)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_gate_on_tiny_batch(fp8: bool, device: str):
+    s = suite.Scenario("2q5s40_q17", 4, 2, fp8)
+    x = suite._make_inputs(s, 0, device=device)
+    suite._check(x)  # raises AssertionError on a mismatch
+    x["out"].fill_(0.0)
+    rows, heads, want = suite._sampled_reference(x, x["q"], None)
+    assert want.abs().max() > 0 and not torch.equal(x["out"][rows][:, heads], want)
