@@ -140,24 +140,24 @@ CPU_CASES = [
 
 
 @pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: c.id)
-def test_matches_reference(case):
-    run_and_compare(case, config=RopeConfig(block_t=case.block_t, num_warps=4))
+def test_matches_reference(case, device):
+    run_and_compare(case, device=device, config=RopeConfig(block_t=case.block_t, num_warps=4))
 
 
-def test_default_config_and_q_out():
+def test_default_config_and_q_out(device):
     c = Case(t=3, hq=2, hkv=1)
-    args, kwargs = make_inputs(c)
+    args, kwargs = make_inputs(c, device)
     ref_args = clone_caches(args)
     q_ref, _ = reference.rope_norm_store_kv(*ref_args, **kwargs)
-    q_out = nan_like(torch.empty(c.t, c.hq, 2 * c.d, dtype=c.dtype))[..., : c.d]  # strided output
+    q_out = nan_like(torch.empty(c.t, c.hq, 2 * c.d, dtype=c.dtype, device=device))[..., : c.d]  # strided output
     q, _ = prologue.rope_norm_store_kv(*args, **kwargs, q_out=q_out)
     assert q.data_ptr() == q_out.data_ptr()
     assert_close(q_ref, q, name="q")
 
 
-def test_int32_indices():
+def test_int32_indices(device):
     c = Case(t=4, hq=2, hkv=1)
-    args, kwargs = make_inputs(c)
+    args, kwargs = make_inputs(c, device)
     ref_args = clone_caches(args)
     q_ref, _ = reference.rope_norm_store_kv(*ref_args, **kwargs)
     args = (args[0], args[1].int(), args[2], args[3], args[4], args[5].int())
@@ -166,15 +166,15 @@ def test_int32_indices():
     assert_close(ref_args[3], args[3], name="k_cache")
 
 
-def test_zero_tokens():
+def test_zero_tokens(device):
     c = Case(t=0)
-    args, kwargs = make_inputs(c)
+    args, kwargs = make_inputs(c, device)
     before = args[3].clone()
     q, qs = prologue.rope_norm_store_kv(*args, **kwargs)
     assert q.shape == (0, c.hq, c.d) and qs is None
     assert torch.equal(args[3], before)
     c = Case(t=0, kv=FP8, quantize_q=True)
-    args, kwargs = make_inputs(c)
+    args, kwargs = make_inputs(c, device)
     q, qs = prologue.rope_norm_store_kv(*args, **kwargs)
     assert q.shape == (0, c.hq, c.d) and qs.shape == (0, c.hq)
 
@@ -192,22 +192,22 @@ def test_default_config_heuristic():
     assert big.block_t >= 4 and big.num_warps in (2, 4, 8)
 
 
-def test_opcheck():
+def test_opcheck(device):
     # opcheck compares outputs with torch ops that fp8 lacks, so it runs on a bf16 cache and bf16 q;
     # the fp8 variant of the registered op is checked against its fake below.
     c = Case(t=2, hq=2, hkv=1, skip=False)
-    args, kwargs = make_inputs(c)
+    args, kwargs = make_inputs(c, device)
     op_args = (*args, c.hq, c.hkv, c.d, kwargs["q_norm_weight"], kwargs["k_norm_weight"], 1e-5, c.order,
                c.style, None, None, None, False)
     torch.library.opcheck(prologue.rope_norm_store_kv_op, op_args,
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 
-def test_registered_op_fp8_matches_fake():
+def test_registered_op_fp8_matches_fake(device):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     c = Case(t=3, hq=2, hkv=1, kv=FP8, quantize_q=True)
-    args, kwargs = make_inputs(c)
+    args, kwargs = make_inputs(c, device)
     op_args = (*args, c.hq, c.hkv, c.d, kwargs["q_norm_weight"], kwargs["k_norm_weight"], 1e-5, c.order,
                c.style, None, kwargs["k_scale"], kwargs["v_scale"], True)
     q, qs = prologue.rope_norm_store_kv_op(*op_args)
@@ -215,7 +215,7 @@ def test_registered_op_fp8_matches_fake():
         fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in op_args]
         fq, fqs = prologue.rope_norm_store_kv_op(*fake_args)
     assert (fq.shape, fq.dtype, fqs.shape, fqs.dtype) == (q.shape, q.dtype, qs.shape, qs.dtype)
-    ref_args = clone_caches(make_inputs(c)[0])
+    ref_args = clone_caches(make_inputs(c, device)[0])
     q_ref, qs_ref = reference.rope_norm_store_kv(*ref_args, **kwargs)
     assert_close(q_ref, q, name="q")
     assert_close(qs_ref, qs, name="q_scale", maxtol=1e-5, rmstol=1e-6)

@@ -12,6 +12,7 @@ prefill (requests of 2048 new tokens). Peers, each on the same inputs:
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -139,13 +140,25 @@ def _args(x: dict[str, Any], k_cache=None, v_cache=None):
             x["v_cache"] if v_cache is None else v_cache, x["slot_mapping"])
 
 
-def _ours(s: Scenario):
+def _ours(s: Scenario, config: tuple[int, int] | None = None):
     def prepare(x):
-        from hpcops.rope.prologue import rope_norm_store_kv
+        from hpcops.rope.prologue import RopeConfig, rope_norm_store_kv
 
         args, kw = _args(x), _kwargs(s, x)
-        return lambda: rope_norm_store_kv(*args, **kw, q_out=x["q_out"])
+        cfg = RopeConfig(*config) if config else None
+        return lambda: rope_norm_store_kv(*args, **kw, q_out=x["q_out"], config=cfg)
     return prepare
+
+
+def _sweep_configs() -> list[tuple[int, int]]:
+    """Extra launch shapes to time beside the default, from HPCOPS_ROPE_CONFIGS="4x8,8x4,16x8"
+    (block_t x num_warps): a tuning aid, reported as extra rows `hpcops-bt<B>w<W>`."""
+    spec = os.environ.get("HPCOPS_ROPE_CONFIGS", "").strip()
+    out = []
+    for item in filter(None, (p.strip() for p in spec.split(","))):
+        bt, w = item.lower().split("x")
+        out.append((int(bt), int(w)))
+    return out
 
 
 def _torch(s: Scenario):
@@ -210,6 +223,7 @@ def _check(s: Scenario):
 
 def cases(opts: dict[str, Any]) -> Iterator[Case]:
     quick = bool(opts.get("quick"))
+    sweep = _sweep_configs()
     for hq, hkv in HEADS[:1] if quick else HEADS:
         for fp8 in (False, True):
             for t in QUICK_TOKENS if quick else TOKENS:
@@ -217,6 +231,8 @@ def cases(opts: dict[str, Any]) -> Iterator[Case]:
                 yield Case(
                     suite="rope", name=s.name, make_inputs=lambda layer, s=s: _make_inputs(s, layer),
                     impls=[Impl("hpcops", _ours(s), ours=True),
+                           *[Impl(f"hpcops-bt{bt}w{w}", _ours(s, (bt, w)), note="config sweep")
+                             for bt, w in sweep],
                            Impl("torch-unfused", _torch(s),
                                 note="reference sequence, eager ops in the graph"),
                            Impl("flashinfer", _flashinfer(s),
