@@ -88,6 +88,22 @@ CPU_CASES = [
 ]
 
 
+def _poison_unused_slots(kv, seq_lens: list[int]) -> None:
+    """NaN into every cache slot no request owns (tails of last pages, spare blocks): must never leak."""
+    nb, bs = kv.k_cache.shape[:2]
+    unused = torch.ones((nb, bs), dtype=torch.bool)
+    table = kv.block_table.cpu()
+    for b, s in enumerate(seq_lens):
+        for p in range(-(-s // bs)):
+            unused[int(table[b, p]), : min(bs, s - p * bs)] = False
+    unused = unused.to(kv.k_cache.device)
+    for cache in (kv.k_cache, kv.v_cache):
+        if cache.dtype == FP8:
+            cache.view(torch.uint8)[unused] = 0x7F  # e4m3fn NaN
+        else:
+            cache[unused] = float("nan")
+
+
 def _inputs(case: Case, device: str, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     kv = make_paged_kv(
@@ -100,6 +116,7 @@ def _inputs(case: Case, device: str, seed: int = 0):
         packed=case.packed,
         generator=gen,
     )
+    _poison_unused_slots(kv, case.seq_lens)
     total = sum(case.q_lens)
     cu = torch.tensor([0] + torch.tensor(case.q_lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
     q = (
