@@ -59,8 +59,20 @@ def _bench(args) -> int:
     return status
 
 
+def _use_interpreter_without_gpu() -> None:
+    """Without a GPU, kernels run through Triton's interpreter; it must be chosen before triton loads."""
+    import os
+
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.cmd in ("demo", "plan"):
+        _use_interpreter_without_gpu()
     if args.cmd == "demo":
         from hpcops.demo import run_demo
 

@@ -4,6 +4,7 @@ split-KV grid (``schedule="static"``, the ablation), sharing one inner loop."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -18,8 +19,30 @@ MAX_GQA = 16
 LOG2E = 1.4426950408889634
 
 
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch knobs of the decode kernels (defaults from the H200 sweep, bench/results/decode_sweep.md).
+
+    num_stages: software-pipelining depth of the KV tile loop; num_warps: None = 4 for D ≤ 128, else 8.
+    """
+
+    num_stages: int = 3
+    num_warps: int | None = None
+
+
+_CONFIG = DecodeConfig()
+
+
+def set_decode_config(**changes) -> DecodeConfig:
+    """Replace fields of the process-wide decode config (for sweeps and tests); returns the previous one."""
+    global _CONFIG
+    old = _CONFIG
+    _CONFIG = replace(_CONFIG, **changes)
+    return old
+
+
 def _num_stages() -> int:
-    return 1 if _platform.is_interpreter() else 3
+    return 1 if _platform.is_interpreter() else _CONFIG.num_stages
 
 
 def _validate(q, k_cache, v_cache, block_table, seq_lens, plan, schedule, k_scale, v_scale, q_scale, out):
@@ -135,7 +158,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
                out.stride(0), out.stride(1))
-    num_warps = 4 if d <= 128 else 8
+    num_warps = _CONFIG.num_warps or (4 if d <= 128 else 8)
     if schedule == "static":
         splits = static_splits(b, hkv, q.device)
         part_o = torch.empty((b * hkv * splits, rows, d), dtype=torch.float32, device=q.device)

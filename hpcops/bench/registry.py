@@ -27,13 +27,15 @@ class Impl:
 
     `prepare(inputs)` runs outside the timed graph (host-side planning, allocation) and returns a
     zero-argument callable that launches the per-layer work on `inputs`; it must be capturable in
-    a CUDA graph. `ours` marks the hpcops implementation the ratios are computed for.
+    a CUDA graph. `ours` marks an hpcops implementation (the first is the one ratios are computed
+    for). `per_step` work (the decode plan) runs once per model step: it is timed eagerly, alone.
     """
 
     name: str
     prepare: Callable[[Any], Callable[[], Any]]
     ours: bool = False
     note: str = ""
+    per_step: bool = False
 
 
 @dataclass

@@ -73,7 +73,7 @@ def machine_info(measure: bool = True) -> dict[str, Any]:
 
 def _time_impl(case: Case, impl, inputs: list[Any]) -> float:
     fns = [impl.prepare(x) for x in inputs]
-    if getattr(impl, "per_step", False):
+    if impl.per_step:
         return timing.eager_time_us(fns[0])
     return timing.graph_time_us(fns)
 
@@ -118,7 +118,8 @@ def run_suite(name: str, opts: dict[str, Any] | None = None, *, check: bool = Tr
                 except Exception as exc:  # keep going: one broken peer must not hide the others
                     status = f"error: {type(exc).__name__}: {exc}"[:300]
                     traceback.print_exc(file=sys.stderr)
-            rows.append(Row(impl=impl.name, ours=impl.ours, us=us, status=status, note=impl.note, **base))
+            note = "per-step" if impl.per_step else impl.note
+            rows.append(Row(impl=impl.name, ours=impl.ours, us=us, status=status, note=note, **base))
             bar.step(f"{case.name} {impl.name}: " + (f"{us:.1f} us" if us is not None else status[:40]))
         del inputs
         gc.collect()

@@ -1,0 +1,163 @@
+"""Bench suite `decode`: the blog's six decode scenarios (DESIGN.md), h8/1 and h64/8, fp8 and bf16
+KV, page 64, head_dim 128.
+
+Implementations, each timed on the same inputs in the same run (L2-cold, one CUDA graph of layers):
+- `hpcops` — load-balanced persistent schedule (plan computed once per step, outside the graph);
+- `hpcops-static` — the same inner loop over a classic static split-KV grid (the blog's ablation);
+- `hpcops-fp8q` — fp8 KV with an fp8 query (as the fused prologue emits it);
+- `hpcops-plan` — the plan step alone (once per decode step, not per layer);
+- `flashinfer-decode` / `flashinfer-tc` — FlashInfer's BatchDecodeWithPagedKVCacheWrapper without
+  and with tensor cores (its two decode paths), planned outside the graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import hpcops
+from hpcops.attention import reference as ref
+from hpcops.bench.registry import Case, Impl, PeerUnavailable
+from hpcops.bench.scenarios import DECODE_HEADS, DECODE_SCENARIOS, parse_lengths
+from hpcops.quant import quantize_per_token_head
+from hpcops.testing import assert_close
+
+FP8 = torch.float8_e4m3fn
+PAGE = 64
+HEAD_DIM = 128
+K_SCALE, V_SCALE = 0.02, 0.03
+
+
+@dataclass(frozen=True)
+class Scenario:
+    spec: str
+    hq: int
+    hkv: int
+    fp8: bool
+
+    @property
+    def name(self) -> str:
+        return f"{self.spec} h{self.hq}/{self.hkv} {'fp8' if self.fp8 else 'bf16'}"
+
+    @property
+    def lens(self) -> list[int]:
+        return parse_lengths(self.spec)
+
+    @property
+    def bytes(self) -> int:
+        elem = 1 if self.fp8 else 2
+        kv = sum(self.lens) * self.hkv * HEAD_DIM * 2 * elem
+        qo = len(self.lens) * self.hq * HEAD_DIM * 2 * 2
+        return kv + qo
+
+
+def make_decode_inputs(lens: list[int], hq: int, hkv: int, fp8: bool, seed: int, device: str = "cuda") -> dict:
+    """Random paged caches (vLLM's packed K|V layout), shuffled pages, bf16 q (and its fp8 quantization)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    nblk = [-(-n // PAGE) for n in lens]
+    num_blocks = sum(nblk) + 1
+    packed = torch.randn((num_blocks, PAGE, hkv, 2 * HEAD_DIM), generator=g, device=device, dtype=torch.bfloat16)
+    if fp8:
+        packed[..., :HEAD_DIM] /= K_SCALE
+        packed[..., HEAD_DIM:] /= V_SCALE
+        packed = packed.to(FP8)
+    perm = torch.randperm(num_blocks, generator=g, device=device).to(torch.int32)
+    table = torch.zeros((len(lens), max(nblk)), dtype=torch.int32, device=device)
+    cursor = 0
+    for b, n in enumerate(nblk):
+        table[b, :n] = perm[cursor:cursor + n]
+        cursor += n
+    q = torch.randn((len(lens), hq, HEAD_DIM), generator=g, device=device, dtype=torch.bfloat16)
+    x = dict(q=q, k_cache=packed[..., :HEAD_DIM], v_cache=packed[..., HEAD_DIM:], block_table=table,
+             seq_lens=torch.tensor(lens, dtype=torch.int32, device=device), packed=packed,
+             k_scale=torch.tensor([K_SCALE], device=device) if fp8 else None,
+             v_scale=torch.tensor([V_SCALE], device=device) if fp8 else None)
+    if fp8:
+        x["q8"], x["q_scale"] = quantize_per_token_head(q)
+    x["out"] = torch.empty_like(q)
+    return x
+
+
+def _ours(schedule: str, fp8q: bool = False):
+    def prepare(x):
+        plan = None
+        if schedule == "dynamic":  # planned outside the graph, as once per step in a model
+            plan = hpcops.plan_decode(x["seq_lens"], num_kv_heads=x["k_cache"].shape[2], block_size=PAGE)
+        q, qs = (x["q8"], x["q_scale"]) if fp8q else (x["q"], None)
+        return lambda: hpcops.decode_attention(q, x["k_cache"], x["v_cache"], x["block_table"], x["seq_lens"],
+                                               plan=plan, schedule=schedule, k_scale=x["k_scale"],
+                                               v_scale=x["v_scale"], q_scale=qs, out=x["out"])
+    return prepare
+
+
+def _plan_step(x):
+    plan = hpcops.plan_decode(x["seq_lens"], num_kv_heads=x["k_cache"].shape[2], block_size=PAGE)
+    return lambda: hpcops.plan_decode(x["seq_lens"], num_kv_heads=x["k_cache"].shape[2], block_size=PAGE, out=plan)
+
+
+_FI_WORKSPACE: dict[str, torch.Tensor] = {}
+
+
+def _flashinfer(tensor_cores: bool):
+    def prepare(x):
+        try:
+            import flashinfer
+        except Exception as exc:  # noqa: BLE001 - any import failure means the peer is absent
+            raise PeerUnavailable(f"flashinfer not importable: {exc}") from exc
+        lens = x["seq_lens"]
+        b = lens.shape[0]
+        nblk = (lens + PAGE - 1) // PAGE
+        indptr = torch.zeros(b + 1, dtype=torch.int32, device=lens.device)
+        indptr[1:] = torch.cumsum(nblk, 0)
+        cols = torch.arange(x["block_table"].shape[1], device=lens.device)[None, :]
+        indices = x["block_table"][cols < nblk[:, None]].contiguous()
+        last = (lens - (nblk - 1) * PAGE).to(torch.int32)
+        ws = _FI_WORKSPACE.setdefault("ws", torch.empty(256 << 20, dtype=torch.uint8, device=lens.device))
+        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            ws, "NHD", use_cuda_graph=True, use_tensor_cores=tensor_cores,
+            paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last)
+        hq, hkv = x["q"].shape[1], x["k_cache"].shape[2]
+        w.plan(indptr, indices, last, hq, hkv, HEAD_DIM, PAGE, q_data_type=torch.bfloat16,
+               kv_data_type=x["k_cache"].dtype)
+        kw = {}
+        if x["k_scale"] is not None:
+            kw = dict(k_scale=K_SCALE, v_scale=V_SCALE)
+        cache = (x["k_cache"], x["v_cache"])
+        return lambda: w.run(x["q"], cache, out=x["out"], **kw)
+    return prepare
+
+
+def _check(x):
+    got = hpcops.decode_attention(x["q"], x["k_cache"], x["v_cache"], x["block_table"], x["seq_lens"],
+                                  k_scale=x["k_scale"], v_scale=x["v_scale"])
+    want = ref.decode_attention(x["q"], x["k_cache"], x["v_cache"], x["block_table"], x["seq_lens"],
+                                k_scale=x["k_scale"], v_scale=x["v_scale"])
+    assert_close(want, got, name="decode (dynamic)")
+    got = hpcops.decode_attention(x["q"], x["k_cache"], x["v_cache"], x["block_table"], x["seq_lens"],
+                                  schedule="static", k_scale=x["k_scale"], v_scale=x["v_scale"])
+    assert_close(want, got, name="decode (static)")
+
+
+def scenarios(quick: bool = False) -> list[Scenario]:
+    specs = DECODE_SCENARIOS if not quick else ("64x4K", "1x128K+31x4K")
+    return [Scenario(s, hq, hkv, fp8) for hq, hkv in DECODE_HEADS for fp8 in (True, False) for s in specs]
+
+
+def cases(opts: dict[str, Any]) -> Iterator[Case]:
+    for sc in scenarios(opts.get("quick", False)):
+        impls = [Impl("hpcops", _ours("dynamic"), ours=True),
+                 Impl("hpcops-static", _ours("static"), ours=True)]
+        if sc.fp8:
+            impls.append(Impl("hpcops-fp8q", _ours("dynamic", fp8q=True), ours=True))
+        impls += [Impl("hpcops-plan", _plan_step, ours=True, per_step=True),
+                  Impl("flashinfer-decode", _flashinfer(False)),
+                  Impl("flashinfer-tc", _flashinfer(True))]
+        yield Case(
+            suite="decode", name=sc.name, impls=impls, bytes=sc.bytes, check=_check,
+            make_inputs=lambda layer, sc=sc: make_decode_inputs(sc.lens, sc.hq, sc.hkv, sc.fp8, seed=layer),
+            params=dict(spec=sc.spec, hq=sc.hq, hkv=sc.hkv, kv="fp8" if sc.fp8 else "bf16", page=PAGE, d=HEAD_DIM),
+            command=f"hpcops bench decode --only '{sc.name}'",
+        )

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The GPU tier in one call on the H200 (through the device tool): tests + benchmarks + sweeps.
+#   bash scripts/gpu_check.sh [STAGE ...]     stages: tests, bench:<suite>[,<suite>...], sweep:<name>
+# Default: tests bench:decode,moe,rope,prefill. Results go to $OUT (or ./out): logs, and one
+# results.tar.gz holding bench/results/*.{json,md,png} to unpack into bench/results/.
+# FlashInfer (a peer) is installed from .whl/ when present (carry it: ../shared/tools/peer_wheels.sh .whl).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT" "$OUT/results"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || true
+stages=("$@")
+[ ${#stages[@]} -gt 0 ] || stages=(tests bench:decode,moe,rope,prefill)
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" 2>&1 | tail -1 | tee -a "$OUT/gpu.txt"
+status=0
+for st in "${stages[@]}"; do
+  case "$st" in
+    tests)
+      # Every test natively on the GPU: the CPU tier's cases plus the @pytest.mark.gpu ones. One
+      # process per file, in parallel: Triton compilation is CPU-bound and the machine has 16 cores.
+      pids=()
+      for f in tests/test_*.py; do
+        n=$(basename "$f" .py)
+        timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider "$f" > "$OUT/results/$n.log" 2>&1 &
+        pids+=($!)
+      done
+      for p in "${pids[@]}"; do wait "$p" || status=1; done
+      for f in "$OUT"/results/test_*.log; do echo "== $(basename "$f")"; tail -4 "$f"; done | tee "$OUT/tests.log"
+      grep -h -E "^(FAILED|ERROR)" "$OUT"/results/test_*.log | head -40 ;;
+    tests:*)
+      timeout 420 python3 -m pytest -q -p no:cacheprovider ${st#tests:} 2>&1 | tee -a "$OUT/tests.log" | tail -25 \
+        || status=1 ;;
+    bench:*)
+      IFS=, read -ra suites <<< "${st#bench:}"
+      for s in "${suites[@]}"; do
+        python3 -m hpcops bench "$s" --out "$OUT/results" --no-progress ${BENCH_ARGS:-} 2>&1 \
+          | tee -a "$OUT/bench.log" | grep -v '^\[' | tail -60 || status=1
+      done ;;
+    sweep:*)
+      python3 "scripts/sweep_${st#sweep:}.py" --out "$OUT/results" 2>&1 | tee -a "$OUT/sweep.log" | tail -40 \
+        || status=1 ;;
+    *) echo "unknown stage $st"; status=2 ;;
+  esac
+done
+tar -czf "$OUT/results.tar.gz" -C "$OUT" results && rm -rf "$OUT/results"
+exit $status
