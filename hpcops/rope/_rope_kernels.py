@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-FP8_MAX: tl.constexpr = 448.0
+FP8_MAX = tl.constexpr(448.0)
 
 
 @triton.jit
@@ -47,8 +47,10 @@ def _transform_head(lo, hi, tail, cos, sin, w_lo, w_hi, w_tail, eps,
 
 
 @triton.jit
-def _fp8_saturate(x):
-    return tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)
+def _fp8_quant(x, scale):
+    """clamp(x / scale, ±448) with IEEE division (plain `/` is div.full.f32, up to 2 ulp off torch)."""
+    y = tl.math.div_rn(x, tl.zeros_like(x) + scale)
+    return tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
 
 
 @triton.jit
@@ -134,13 +136,13 @@ def rope_norm_store_kv_fused_kernel(
         amax = tl.maximum(tl.max(tl.abs(q_lo), axis=2), tl.max(tl.abs(q_hi), axis=2))  # [BLOCK_T, GROUP_P]
         if HAS_TAIL:
             amax = tl.maximum(amax, tl.max(tl.abs(q_tail), axis=2))
-        scale = tl.maximum(amax, 1e-12) / FP8_MAX
+        scale = tl.math.div_rn(tl.maximum(amax, 1e-12), tl.full(amax.shape, FP8_MAX, tl.float32))
         tl.store(qs_ptr + (tok * s_qs_t)[:, None] + (qh * s_qs_h)[None, :], scale,
                  mask=t_mask[:, None] & g_mask[None, :])
-        q_lo = _fp8_saturate(q_lo / scale[:, :, None])
-        q_hi = _fp8_saturate(q_hi / scale[:, :, None])
+        q_lo = _fp8_quant(q_lo, scale[:, :, None])
+        q_hi = _fp8_quant(q_hi, scale[:, :, None])
         if HAS_TAIL:
-            q_tail = _fp8_saturate(q_tail / scale[:, :, None])
+            q_tail = _fp8_quant(q_tail, scale[:, :, None])
     out_ty = q_ptr.dtype.element_ty
     tl.store(qo_base + d_lo[None, None, :] * s_q_d, q_lo.to(out_ty), mask=tq_mask & i_mask[None, None, :])
     tl.store(qo_base + d_hi[None, None, :] * s_q_d, q_hi.to(out_ty), mask=tq_mask & i_mask[None, None, :])
@@ -171,11 +173,11 @@ def rope_norm_store_kv_fused_kernel(
     wk_mask = kv_mask[:, None, None]
     kc_ty = kc_ptr.dtype.element_ty
     if KV_FP8:
-        k_inv = tl.load(ks_ptr).to(tl.float32)
-        k_lo = _fp8_saturate(k_lo / k_inv)
-        k_hi = _fp8_saturate(k_hi / k_inv)
+        k_scale = tl.load(ks_ptr).to(tl.float32)
+        k_lo = _fp8_quant(k_lo, k_scale)
+        k_hi = _fp8_quant(k_hi, k_scale)
         if HAS_TAIL:
-            k_tail = _fp8_saturate(k_tail / k_inv)
+            k_tail = _fp8_quant(k_tail, k_scale)
     tl.store(kc_base + d_lo[None, None, :] * s_kc_d, k_lo.to(kc_ty), mask=wk_mask & i_mask[None, None, :])
     tl.store(kc_base + d_hi[None, None, :] * s_kc_d, k_hi.to(kc_ty), mask=wk_mask & i_mask[None, None, :])
     if HAS_TAIL:
@@ -188,7 +190,7 @@ def rope_norm_store_kv_fused_kernel(
                 mask=t_mask[:, None] & dv_mask[None, :], other=0.0)
     vc_ty = vc_ptr.dtype.element_ty
     if KV_FP8:
-        v_inv = tl.load(vs_ptr).to(tl.float32)
-        v = _fp8_saturate(v.to(tl.float32) / v_inv)
+        v_scale = tl.load(vs_ptr).to(tl.float32)
+        v = _fp8_quant(v.to(tl.float32), v_scale)
     vc_ptrs = vc_ptr + (blk * s_vc_b + off * s_vc_s + kvh * s_vc_h)[:, None] + dv[None, :] * s_vc_d
     tl.store(vc_ptrs, v.to(vc_ty), mask=kv_mask[:, None] & dv_mask[None, :])
