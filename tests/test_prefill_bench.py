@@ -41,3 +41,11 @@ def test_gate_on_tiny_batch(fp8: bool, device: str):
     x["out"].fill_(0.0)
     rows, heads, want = suite._sampled_reference(x, x["q"], None)
     assert want.abs().max() > 0 and not torch.equal(x["out"][rows][:, heads], want)
+
+
+def test_config_override(monkeypatch):
+    monkeypatch.delenv("HPCOPS_PREFILL_CONFIG", raising=False)
+    assert suite.config_override() is None
+    assert suite.config_override({"tma": True}) == {"tma": True}
+    monkeypatch.setenv("HPCOPS_PREFILL_CONFIG", "block_m=64, num_stages=3,tma=1")
+    assert suite.config_override({"pv_fp8": True}) == {"block_m": 64, "num_stages": 3, "tma": True, "pv_fp8": True}

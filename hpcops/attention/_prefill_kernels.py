@@ -27,6 +27,10 @@ def _prefill_kv_tile(
     max_blocks,
     k_ptr,
     v_ptr,
+    k_desc,
+    v_desc,
+    k_col,
+    v_col,
     stride_kb,
     stride_kt,
     stride_kd,
@@ -44,30 +48,35 @@ def _prefill_kv_tile(
     Q_FP8: tl.constexpr,
     PV_FP8: tl.constexpr,
     MASKED: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     """One online-softmax step over keys [start_n, start_n + BLOCK_N) of the paged cache."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    if PAGE % BLOCK_N == 0:
-        # the whole tile lies in one page: one block id, contiguous slots
-        blk = tl.load(bt_row + tl.minimum(start_n // PAGE, max_blocks - 1)).to(tl.int64)
-        slot = (offs_n % PAGE).to(tl.int64)
+    kv_mask = offs_n < seq_len
+    if USE_TMA:
+        # one page per tile; the cache is seen as 2-D [num_blocks * PAGE, row] with kv heads as columns
+        blk = tl.load(bt_row + tl.minimum(start_n // PAGE, max_blocks - 1))
+        row0 = blk * PAGE + start_n % PAGE
+        k = k_desc.load([row0, k_col])  # [BLOCK_N, HEAD_DIM]
+    else:
+        if PAGE % BLOCK_N == 0:
+            # the whole tile lies in one page: one block id, contiguous slots
+            blk = tl.load(bt_row + tl.minimum(start_n // PAGE, max_blocks - 1)).to(tl.int64)
+            slot = (offs_n % PAGE).to(tl.int64)
+        else:
+            page_idx = offs_n // PAGE
+            kv_mask = kv_mask & (page_idx < max_blocks)
+            blk = tl.load(bt_row + page_idx, mask=kv_mask, other=0).to(tl.int64)  # [BLOCK_N]
+            slot = (offs_n % PAGE).to(tl.int64)
         k_rows = blk * stride_kb + slot * stride_kt
         v_rows = blk * stride_vb + slot * stride_vt
-        kv_mask = offs_n < seq_len
-    else:
-        page_idx = offs_n // PAGE
-        kv_mask = (offs_n < seq_len) & (page_idx < max_blocks)
-        blk = tl.load(bt_row + page_idx, mask=kv_mask, other=0).to(tl.int64)  # [BLOCK_N]
-        slot = (offs_n % PAGE).to(tl.int64)
-        k_rows = blk * stride_kb + slot * stride_kt
-        v_rows = blk * stride_vb + slot * stride_vt
-    k_ptrs = k_ptr + k_head_off + k_rows[:, None] + offs_d[None, :] * stride_kd
-    v_ptrs = v_ptr + v_head_off + v_rows[:, None] + offs_d[None, :] * stride_vd
-    if MASKED:
-        k = tl.load(k_ptrs, mask=kv_mask[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
-    else:
-        k = tl.load(k_ptrs)
+        k_ptrs = k_ptr + k_head_off + k_rows[:, None] + offs_d[None, :] * stride_kd
+        v_ptrs = v_ptr + v_head_off + v_rows[:, None] + offs_d[None, :] * stride_vd
+        if MASKED:
+            k = tl.load(k_ptrs, mask=kv_mask[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
+        else:
+            k = tl.load(k_ptrs)
     if KV_FP8 and not Q_FP8:
         k = k.to(q.dtype)
     s = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N] fp32
@@ -87,7 +96,12 @@ def _prefill_kv_tile(
     p = tl.exp2(s - m_safe[:, None])  # [BLOCK_M, BLOCK_N]
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
-    if MASKED:
+    if USE_TMA:
+        v = v_desc.load([row0, v_col])  # [BLOCK_N, HEAD_DIM]
+        if MASKED:
+            # slots past seq_len in the last page may hold anything (NaN): P = 0 there is not enough
+            v = tl.where(kv_mask[:, None], v, tl.zeros_like(v))
+    elif MASKED:
         v = tl.load(v_ptrs, mask=kv_mask[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
     else:
         v = tl.load(v_ptrs)
@@ -129,6 +143,8 @@ def prefill_attention_fwd_kernel(
     cu_seqlens_q_ptr,
     k_scale_ptr,
     v_scale_ptr,
+    k_desc,
+    v_desc,
     out_ptr,
     stride_ot,
     stride_oh,
@@ -145,6 +161,7 @@ def prefill_attention_fwd_kernel(
     Q_FP8: tl.constexpr,
     KV_FP8: tl.constexpr,
     PV_FP8: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     TOKENS: tl.constexpr = BLOCK_M // GROUP  # new tokens per query tile
     pid = tl.program_id(0)
@@ -222,6 +239,10 @@ def prefill_attention_fwd_kernel(
             max_blocks,
             k_ptr,
             v_ptr,
+            k_desc,
+            v_desc,
+            kv_head * stride_kh,
+            kv_head * stride_vh,
             stride_kb,
             stride_kt,
             stride_kd,
@@ -239,6 +260,7 @@ def prefill_attention_fwd_kernel(
             Q_FP8,
             PV_FP8,
             False,
+            USE_TMA,
         )
     for start_n in range(full_end, kv_end, BLOCK_N):
         acc, m_i, l_i = _prefill_kv_tile(
@@ -254,6 +276,10 @@ def prefill_attention_fwd_kernel(
             max_blocks,
             k_ptr,
             v_ptr,
+            k_desc,
+            v_desc,
+            kv_head * stride_kh,
+            kv_head * stride_vh,
             stride_kb,
             stride_kt,
             stride_kd,
@@ -271,6 +297,7 @@ def prefill_attention_fwd_kernel(
             Q_FP8,
             PV_FP8,
             True,
+            USE_TMA,
         )
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)

@@ -22,7 +22,10 @@ class PrefillConfig:
 
     `block_m`: rows of a query tile (tokens × the query heads of one kv group; a power of two ≥ the
     group size); `block_n`: keys per KV tile; `pv_fp8`: with fp8 q and fp8 KV, run P·V as an fp8
-    dot (P scaled by 256) instead of upcasting V to bf16.
+    dot (P scaled by 256) instead of upcasting V to bf16; `tma`: load K/V tiles with TMA descriptors
+    (host TensorDescriptor over the cache seen as 2-D [num_blocks·block_size, token row]) when the
+    layout allows it (block_size % block_n == 0, blocks laid out back to back, 16-byte aligned);
+    otherwise the pointer path runs.
     """
 
     block_m: int = 128
@@ -30,6 +33,7 @@ class PrefillConfig:
     num_warps: int = 8
     num_stages: int = 2
     pv_fp8: bool = False
+    tma: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
@@ -123,8 +127,7 @@ def _validate(
     check_tensor("cu_seqlens_q", cu_seqlens_q, dtypes=(torch.int32,), ndim=1, device=dev)
     if cu_seqlens_q.shape[0] != b + 1:
         raise ValueError(
-            f"cu_seqlens_q must have B+1 = {b + 1} entries (B = block_table.shape[0]), "
-            f"got {cu_seqlens_q.shape[0]}"
+            f"cu_seqlens_q must have B+1 = {b + 1} entries (B = block_table.shape[0]), got {cu_seqlens_q.shape[0]}"
         )
     if isinstance(max_seqlen_q, torch.Tensor) or not isinstance(max_seqlen_q, int) or max_seqlen_q < 0:
         raise TypeError(f"max_seqlen_q must be a non-negative host int, got {max_seqlen_q!r}")
@@ -144,6 +147,30 @@ def _validate(
     if dev.type == "cpu" or _check_mode(check):
         _check_metadata(q, k_cache, block_table, seq_lens, cu_seqlens_q)
     return out_dtype
+
+
+def _tma_ok(cache: torch.Tensor, config: PrefillConfig) -> bool:
+    nb, page, hkv, d = cache.shape
+    sb, st, sh, sd = cache.stride()
+    e = cache.element_size()
+    return (
+        page % config.block_n == 0
+        and sd == 1
+        and (sb == page * st or nb == 1)
+        and (st * e) % 16 == 0
+        and (sh * e) % 16 == 0
+        and cache.data_ptr() % 16 == 0
+        and nb * page < 2**31
+    )
+
+
+def _kv_descriptor(cache: torch.Tensor, config: PrefillConfig):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    nb, page, hkv, d = cache.shape
+    _, st, sh, _ = cache.stride()
+    # rows: (block, slot); columns: the token's row, kv head h at column h·stride_h
+    return TensorDescriptor(cache, [nb * page, (hkv - 1) * sh + d], [st, 1], [config.block_n, d])
 
 
 def _launch(
@@ -181,6 +208,11 @@ def _launch(
     block_b = max(16, triton.next_power_of_2(b))
     sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
     dummy = k_cache  # stands in for absent optional pointers (never read)
+    use_tma = config.tma and _tma_ok(k_cache, config) and _tma_ok(v_cache, config)
+    if use_tma:
+        k_desc, v_desc = _kv_descriptor(k_cache, config), _kv_descriptor(v_cache, config)
+    else:
+        k_desc, v_desc = dummy, dummy
     qs = q_scale if q_fp8 else dummy
     qs_strides = (q_scale.stride(0), q_scale.stride(1)) if q_fp8 else (0, 0)
     grid = (tiles_per_head * hkv,)
@@ -202,6 +234,8 @@ def _launch(
         cu_seqlens_q,
         k_scale if kv_fp8 else dummy,
         v_scale if kv_fp8 else dummy,
+        k_desc,
+        v_desc,
         out,
         out.stride(0),
         out.stride(1),
@@ -218,6 +252,7 @@ def _launch(
         Q_FP8=q_fp8,
         KV_FP8=kv_fp8,
         PV_FP8=bool(config.pv_fp8 and q_fp8 and kv_fp8),
+        USE_TMA=use_tma,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

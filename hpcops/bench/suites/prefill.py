@@ -110,16 +110,46 @@ def _make_inputs(s: Scenario, layer: int, device: str = "cuda") -> dict[str, Any
     return x
 
 
-def _ours(fp8_q: bool):
+def config_override(variant: dict | None = None):
+    """A PrefillConfig from the heuristic's fields updated by env HPCOPS_PREFILL_CONFIG
+    ("block_m=128,block_n=64,num_warps=8,num_stages=3,tma=1,pv_fp8=0") and `variant`; None = heuristic."""
+    import os
+
+    text = os.environ.get("HPCOPS_PREFILL_CONFIG", "").strip()
+    fields: dict[str, Any] = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        key, _, value = item.partition("=")
+        fields[key.strip()] = bool(int(value)) if key.strip() in ("tma", "pv_fp8") else int(value)
+    fields.update(variant or {})
+    return fields or None
+
+
+def _ours(fp8_q: bool, variant: dict | None = None):
     def prepare(x):
-        from hpcops.attention.prefill import prefill_attention
+        import dataclasses
+
+        from hpcops.attention.prefill import prefill_attention, prefill_config
 
         kv = x["kv"]
         q, q_scale = (x["q8"], x["q_scale"]) if fp8_q else (x["q"], None)
         out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
         args = (q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, x["cu"])
-        kw = dict(max_seqlen_q=x["max_q"], k_scale=kv.k_scale, v_scale=kv.v_scale, q_scale=q_scale, out=out)
-        x["out_fp8q" if fp8_q else "out"] = out
+        config = None
+        fields = config_override(variant)
+        if fields:
+            base = prefill_config(
+                head_dim=HEAD_DIM,
+                group=q.shape[1] // kv.k_cache.shape[2],
+                max_seqlen_q=x["max_q"],
+                q_dtype=q.dtype,
+                kv_dtype=kv.k_cache.dtype,
+            )
+            config = dataclasses.replace(base, **fields)
+        kw = dict(
+            max_seqlen_q=x["max_q"], k_scale=kv.k_scale, v_scale=kv.v_scale, q_scale=q_scale, out=out, config=config
+        )
+        if variant is None:
+            x["out_fp8q" if fp8_q else "out"] = out
         return lambda: prefill_attention(*args, **kw)
 
     return prepare
@@ -273,6 +303,14 @@ def cases(opts: dict) -> Iterator[Case]:
                 impls = [Impl("hpcops", _ours(False), ours=True, note="bf16 q, fp8 KV" if fp8 else "")]
                 if fp8:
                     impls.append(Impl("hpcops-fp8q", _ours(True), ours=True, note="fp8 q per token-head"))
+                # a variant timed in the same run, to decide the default of PrefillConfig.tma
+                impls.append(
+                    Impl(
+                        "hpcops-tma",
+                        _ours(fp8, {"tma": True}),
+                        note="variant: PrefillConfig(tma=True)" + (", fp8 q" if fp8 else ""),
+                    )
+                )
                 impls += [
                     Impl("flashinfer", _flashinfer, note="BatchPrefillWithPagedKVCacheWrapper"),
                     Impl("sdpa-cudnn", _sdpa("cudnn"), note="dense, bf16 (fp8 KV dequantized)"),
