@@ -123,6 +123,8 @@ def _validate(
         raise ValueError("k_cache and v_cache must have a contiguous last (head_dim) dimension")
     check_tensor("block_table", block_table, dtypes=(torch.int32,), ndim=2, device=dev)
     b = block_table.shape[0]
+    if b and block_table.shape[1] == 0:
+        raise ValueError("block_table must have at least one column")
     check_tensor("seq_lens", seq_lens, dtypes=(torch.int32,), shape=(b,), device=dev)
     check_tensor("cu_seqlens_q", cu_seqlens_q, dtypes=(torch.int32,), ndim=1, device=dev)
     if cu_seqlens_q.shape[0] != b + 1:
