@@ -119,8 +119,9 @@ def run_and_compare(c: Case, device="cpu", config: RopeConfig | None = None):
         written = torch.zeros(out.shape[0] * out.shape[1], dtype=torch.bool, device=out.device)
         valid = args[5][args[5] >= 0]
         written[valid] = True
-        untouched = out.reshape(-1, *out.shape[2:])[~written]
-        assert (untouched.float() == SENTINEL).all(), f"{name}: a slot outside slot_mapping was written"
+        sentinel = torch.tensor([SENTINEL]).to(out.dtype).view(torch.uint8).to(out.device)
+        untouched = out.view(torch.uint8).reshape(written.numel(), -1, out.element_size())[~written]
+        assert (untouched == sentinel).all(), f"{name}: a slot outside slot_mapping was written"
     return q, qs
 
 

@@ -44,7 +44,8 @@ def _write(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, scale: 
     else:
         rows = rows.to(cache.dtype)
     bs = cache.shape[1]
-    cache[slots // bs, slots % bs] = rows
+    # scatter the raw bytes: index_put_ on float8 tensors is not implemented on every backend
+    cache.view(torch.uint8)[slots // bs, slots % bs] = rows.view(torch.uint8)
 
 
 def unfused_sequence(qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, *, num_q_heads,

@@ -214,9 +214,10 @@ def _check(s: Scenario):
         slots = x["slot_mapping"]
         rows = (slots // PAGE, slots % PAGE)
         for name, out, want in (("k_cache", kc, rkc), ("v_cache", vc, rvc)):
-            assert_close(want[rows], out[rows], name=name + " (written rows)")
-            out[rows] = want[rows]  # every other row must be untouched, bit for bit
-            if not torch.equal(out.view(torch.uint8), want.view(torch.uint8)):
+            out8, want8 = out.view(torch.uint8), want.view(torch.uint8)  # byte views: fp8 indexing
+            assert_close(want8[rows].view(want.dtype), out8[rows].view(out.dtype), name=name + " (written rows)")
+            out8[rows] = want8[rows]  # every other row must be untouched, bit for bit
+            if not torch.equal(out8, want8):
                 raise AssertionError(f"{name}: rows outside slot_mapping were written")
     return check
 
