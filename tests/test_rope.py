@@ -95,7 +95,8 @@ def make_inputs(c: Case, device="cpu", max_pos: int = 300):
 def clone_caches(args):
     qkv, positions, cs, k_cache, v_cache, slots = args
     if k_cache.data_ptr() + k_cache.shape[-1] * k_cache.element_size() == v_cache.data_ptr():
-        buf = torch.cat([k_cache, v_cache], dim=-1).clone()  # keep the packed layout
+        # keep the packed layout; concatenate raw bytes (cat has no float8 kernel on every backend)
+        buf = torch.cat([k_cache.view(torch.uint8), v_cache.view(torch.uint8)], dim=-1).view(k_cache.dtype)
         d = k_cache.shape[-1]
         return (qkv, positions, cs, buf[..., :d], buf[..., d:], slots)
     return (qkv, positions, cs, k_cache.clone(), v_cache.clone(), slots)
