@@ -140,6 +140,7 @@ class Case:
     use_out: bool = False
     act_mul: str = "fp32"
     small_max: int | None = None  # force the multi-program index build with 0
+    prequant: bool | None = None  # force config.prequant_x
 
     @property
     def id(self) -> str:
@@ -152,6 +153,8 @@ class Case:
             s += "-mul" + self.act_mul
         if self.small_max is not None:
             s += f"-small{self.small_max}"
+        if self.prequant is not None:
+            s += f"-prequant{int(self.prequant)}"
         return s
 
 
@@ -169,6 +172,8 @@ CASES = [
     Case(7, quant="fp8_tensor", act_mul="bf16"),
     Case(7, act_mul="bf16", dtype=torch.float16),
     Case(20, quant="fp8_tensor", small_max=0, ep=True, E=8),
+    Case(7, quant="fp8_tensor", prequant=True, shared=True),
+    Case(7, quant="fp8_block", prequant=True, H=200),
     Case(0, quant="fp8_tensor", shared=True, use_out=True),
     Case(0, use_out=True),
 ]
@@ -197,6 +202,8 @@ def run_case(case: Case, device: str):
     cfg = cfg.with_(act_mul=case.act_mul)
     if case.small_max is not None:
         cfg = cfg.with_(index_small_max=case.small_max)
+    if case.prequant is not None:
+        cfg = cfg.with_(prequant_x=case.prequant)
     out = nan_like(torch.empty(case.T, case.H, dtype=case.dtype, device=device)) if case.use_out else None
     got = fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap, shared_output=shared,
                     out=out, config=cfg)

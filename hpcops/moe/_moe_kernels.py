@@ -104,16 +104,32 @@ def moe_index_scatter_kernel(ids_ptr, map_ptr, offsets_ptr, sorted_ptr, pos_ptr,
 
 
 @triton.jit
-def moe_quant_rows_kernel(x_ptr, q_ptr, s_ptr, H, stride_x, stride_q, BLOCK_H: tl.constexpr):
-    """Dynamic per-token fp8: s[t] = max|x[t]| / 448, q[t] = fp8(x[t] / s[t])."""
+def moe_quant_x_kernel(x_ptr, q_ptr, s_ptr, in_scale_ptr, H, stride_x, stride_q, stride_s,
+                       MODE: tl.constexpr, BLOCK_H: tl.constexpr):
+    """fp8 x, one program per token. MODE 0: static scale (in_scale); 1: dynamic per token,
+    s[t] = max|x[t]| / 448; 2: dynamic per token and group of 128, s[t, g]."""
     t = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_H)
-    cmask = cols < H
-    x = tl.load(x_ptr + t * stride_x + cols, mask=cmask, other=0.0).to(tl.float32)
-    s = tl.maximum(tl.max(tl.abs(x), 0), 1e-12) / FP8_MAX
-    q = tl.minimum(tl.maximum(x / s, -FP8_MAX), FP8_MAX)
-    tl.store(q_ptr + t * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=cmask)
-    tl.store(s_ptr + t, s)
+    if MODE == 2:
+        cols = tl.arange(0, 128)
+        for g in range(0, tl.cdiv(H, 128)):
+            c = g * 128 + cols
+            cmask = c < H
+            x = tl.load(x_ptr + t * stride_x + c, mask=cmask, other=0.0).to(tl.float32)
+            s = tl.maximum(tl.max(tl.abs(x), 0), 1e-12) / FP8_MAX
+            q = tl.minimum(tl.maximum(x / s, -FP8_MAX), FP8_MAX)
+            tl.store(q_ptr + t * stride_q + c, q.to(q_ptr.dtype.element_ty), mask=cmask)
+            tl.store(s_ptr + t * stride_s + g, s)
+    else:
+        cols = tl.arange(0, BLOCK_H)
+        cmask = cols < H
+        x = tl.load(x_ptr + t * stride_x + cols, mask=cmask, other=0.0).to(tl.float32)
+        if MODE == 0:
+            s = tl.load(in_scale_ptr)
+        else:
+            s = tl.maximum(tl.max(tl.abs(x), 0), 1e-12) / FP8_MAX
+            tl.store(s_ptr + t * stride_s, s)
+        q = tl.minimum(tl.maximum(x / s, -FP8_MAX), FP8_MAX)
+        tl.store(q_ptr + t * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=cmask)
 
 
 @triton.jit

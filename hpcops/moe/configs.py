@@ -24,6 +24,8 @@ class MoeConfig:
     above it by count (atomics) / scan / scatter kernels.
     `act_mul`: "fp32" computes silu(gate)·up on the fp32 accumulators; "bf16" rounds gate and up to the
     16-bit activation dtype first and rounds silu(gate) before the product, as torch does in bf16.
+    `prequant_x`: quantize a bf16/fp16 x to fp8 in a separate pass (one read of x) instead of inside
+    every gate-up program's loader (which re-reads bf16 rows once per N tile): pays for large batches.
     `validate_ids`: check topk_ids values on the host (a device sync) when not capturing a CUDA graph.
     """
 
@@ -38,6 +40,7 @@ class MoeConfig:
     down_num_stages: int = 3
     reduce_block_h: int = 1024
     index_small_max: int = 1024
+    prequant_x: bool = False
     act_mul: str = "fp32"
     validate_ids: bool = True
 
@@ -88,6 +91,7 @@ def get_config(*, num_tokens: int, top_k: int, num_experts: int, hidden: int, in
         cfg = MoeConfig(block_m=128, block_n=64, block_k=128 if fp8 else 64, num_warps=8, num_stages=3,
                         down_block_n=128, down_block_k=_k_tile(inter), down_num_warps=8,
                         down_num_stages=3)
+    cfg = replace(cfg, prequant_x=bm >= 64)
     if quant == "fp8_block":
         cfg = replace(cfg, block_n=128, block_k=128, down_block_k=128,
                       block_m=min(cfg.block_m, 64), down_block_n=min(cfg.down_block_n, 128))

@@ -126,7 +126,7 @@ def _validate_ids(topk_ids: torch.Tensor, n_global: int) -> None:
         return
     if topk_ids.is_cuda and torch.cuda.is_current_stream_capturing():
         return
-    lo, hi = int(topk_ids.min()), int(topk_ids.max())
+    lo, hi = torch.stack(torch.aminmax(topk_ids)).tolist()  # one sync
     if lo < 0 or hi >= n_global:
         raise ValueError(f"topk_ids must lie in [0, {n_global}) (global expert ids), got values in [{lo}, {hi}]")
 
@@ -196,16 +196,24 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
             xs = x_scale if x_scale is not None else quant.a13_scale
             stride_xst = 1 if xs.numel() == T and xs.numel() > 1 else 0
             xs = xs.reshape(-1)
-        elif quant.a13_scale is not None:
-            a13 = quant.a13_scale
-        else:  # dynamic per token: quantize x once (a full-row amax is needed before the K loop)
+        elif quant.a13_scale is not None and not cfg.prequant_x:
+            a13 = quant.a13_scale  # quantized while loading the gate-up A tiles
+        else:  # dynamic per token (a full-row amax is needed before the K loop), or prequant_x
+            static = quant.a13_scale is not None
             xq = torch.empty((T, H), dtype=FP8_E4M3, device=dev)
-            xs = torch.empty(T, dtype=f32, device=dev)
-            K.moe_quant_rows_kernel[(T,)](x, xq, xs, H, x.stride(0), xq.stride(0),
-                                          BLOCK_H=triton.next_power_of_2(H), num_warps=8 if H >= 4096 else 4)
-            x, x_fp8, stride_xst = xq, True, 1
-    elif kind == "fp8_block" and x_fp8:
-        xs, stride_xst, stride_xsg = x_scale, x_scale.stride(0), 1
+            xs = quant.a13_scale if static else torch.empty(T, dtype=f32, device=dev)
+            K.moe_quant_x_kernel[(T,)](x, xq, xs, xs, H, x.stride(0), xq.stride(0), 1, MODE=0 if static else 1,
+                                       BLOCK_H=triton.next_power_of_2(H), num_warps=8 if H >= 4096 else 4)
+            x, x_fp8, stride_xst = xq, True, 0 if static else 1
+    elif kind == "fp8_block":
+        if x_fp8:
+            xs, stride_xst, stride_xsg = x_scale, x_scale.stride(0), 1
+        elif cfg.prequant_x:
+            xq = torch.empty((T, H), dtype=FP8_E4M3, device=dev)
+            xs = torch.empty((T, triton.cdiv(H, 128)), dtype=f32, device=dev)
+            K.moe_quant_x_kernel[(T,)](x, xq, xs, xs, H, x.stride(0), xq.stride(0), xs.stride(0), MODE=2,
+                                       BLOCK_H=128, num_warps=4)
+            x, x_fp8, stride_xst, stride_xsg = xq, True, xs.stride(0), 1
 
     # intermediate activation [N, I] in expert-sorted row order
     act_dt = out_dt
