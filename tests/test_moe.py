@@ -143,6 +143,7 @@ class Case:
     act_mul: str = "fp32"
     small_max: int | None = None  # force the multi-program index build with 0
     prequant: bool | None = None  # force config.prequant_x
+    block_n: int | None = None  # force the gate-up N tile (fp8_block: 128 quantizes in the epilogue)
 
     @property
     def id(self) -> str:
@@ -157,6 +158,8 @@ class Case:
             s += f"-small{self.small_max}"
         if self.prequant is not None:
             s += f"-prequant{int(self.prequant)}"
+        if self.block_n is not None:
+            s += f"-bn{self.block_n}"
         return s
 
 
@@ -175,7 +178,7 @@ CASES = [
     Case(7, act_mul="bf16", dtype=torch.float16),
     Case(20, quant="fp8_tensor", small_max=0, ep=True, E=8),
     Case(7, quant="fp8_tensor", prequant=True, shared=True),
-    Case(7, quant="fp8_block", prequant=True, H=200),
+    Case(7, quant="fp8_block", prequant=True, H=200, block_n=128, shared=True),
     Case(0, quant="fp8_tensor", shared=True, use_out=True),
     Case(0, use_out=True),
 ]
@@ -206,6 +209,8 @@ def run_case(case: Case, device: str):
         cfg = cfg.with_(index_small_max=case.small_max)
     if case.prequant is not None:
         cfg = cfg.with_(prequant_x=case.prequant)
+    if case.block_n is not None:
+        cfg = cfg.with_(block_n=case.block_n)
     out = nan_like(torch.empty(case.T, case.H, dtype=case.dtype, device=device)) if case.use_out else None
     got = fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap, shared_output=shared,
                     out=out, config=cfg)
@@ -324,7 +329,7 @@ def _bad_inputs(device):
                                                        torch.ones(E, 2, 2, device=device)))),
         ("x_scale", ValueError, dict(bk, x=x.to(FP8))),
         ("x", TypeError, dict(base, x=x.to(FP8))),
-        ("config", ValueError, dict(bk, config=MoeConfig(block_n=64))),
+        ("config", ValueError, dict(bk, config=MoeConfig(block_k=64))),
         ("config.act_mul", ValueError, dict(base, config=MoeConfig(act_mul="fp16"))),
     ]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-FP8_MAX = 448.0
+FP8_MAX = tl.constexpr(448.0)  # a constexpr global: compiled kernels may read it
 
 
 @triton.jit
@@ -148,7 +148,8 @@ def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets
     2 fp8 128×128 blocks (scales per K tile). X_FP8: x arrives quantized (xs holds its scale, per row
     through strides, or per row and 128-group); otherwise it is quantized while loading (QUANT 1: static
     a13 scale; QUANT 2: dynamic per row and 128-group). ACT_OUT: 0 16-bit; 1 fp8 with the static a2
-    scale; 2 16-bit and the row amax (atomic max, for dynamic per-token a2); 3 fp8 per row and 128-group.
+    scale; 2 16-bit and the row amax (atomic max, for dynamic per-token a2); 3 fp8 per row and 128-group
+    (BLOCK_N = 128); 4 16-bit and the per row and 128-group amax (atomic max, BLOCK_N < 128).
     """
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(I, BLOCK_N)
@@ -211,27 +212,30 @@ def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets
         else:
             acc_g = acc_g * (a13 * ws)
             acc_u = acc_u * (a13 * ws)
-    DT: tl.constexpr = ACT_DT
     if BF16_MUL:
-        g = acc_g.to(DT).to(tl.float32)
-        u = acc_u.to(DT).to(tl.float32)
-        s = (g / (1.0 + tl.exp(-g))).to(DT).to(tl.float32)
-        act = (s * u).to(DT).to(tl.float32)
+        g = acc_g.to(ACT_DT).to(tl.float32)
+        u = acc_u.to(ACT_DT).to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(ACT_DT).to(tl.float32)
+        act = (s * u).to(ACT_DT).to(tl.float32)
     else:
-        act = (acc_g / (1.0 + tl.exp(-acc_g)) * acc_u).to(DT).to(tl.float32)
+        act = (acc_g / (1.0 + tl.exp(-acc_g)) * acc_u).to(ACT_DT).to(tl.float32)
     # [BLOCK_M, BLOCK_N]
     out_ptrs = act_ptr + rows.to(tl.int64)[:, None] * stride_act + cols[None, :]
     omask = rmask[:, None] & cmask[None, :]
     if ACT_OUT == 0:
-        tl.store(out_ptrs, act.to(DT), mask=omask)
+        tl.store(out_ptrs, act.to(ACT_DT), mask=omask)
     elif ACT_OUT == 1:
         a2 = tl.load(a2_ptr)
         q = tl.minimum(tl.maximum(act / a2, -FP8_MAX), FP8_MAX)
         tl.store(out_ptrs, q.to(tl.float8e4nv), mask=omask)
     elif ACT_OUT == 2:
-        tl.store(out_ptrs, act.to(DT), mask=omask)
+        tl.store(out_ptrs, act.to(ACT_DT), mask=omask)
         amax = tl.max(tl.where(omask, tl.abs(act), 0.0), 1)
         tl.atomic_max(rowmax_ptr + rows, amax, mask=rmask)
+    elif ACT_OUT == 4:
+        tl.store(out_ptrs, act.to(ACT_DT), mask=omask)
+        amax = tl.max(tl.where(omask, tl.abs(act), 0.0), 1)
+        tl.atomic_max(act_s_ptr + rows.to(tl.int64) * stride_acts + n0 // 128, amax, mask=rmask)
     else:
         amax = tl.max(tl.where(omask, tl.abs(act), 0.0), 1)
         s2 = tl.maximum(amax, 1e-12) / FP8_MAX
@@ -250,7 +254,8 @@ def moe_down_kernel(act_ptr, act_s_ptr, a2_ptr, rowmax_ptr, w_ptr, ws_ptr, tasks
     """y[r, n] = act[r]·w2[e, n] for one (M tile, N tile) task, rows in expert-sorted order.
 
     ACT_IN: 0 16-bit; 1 fp8 with the static a2 scale; 2 16-bit quantized here per row from the row amax;
-    3 fp8 with per row and 128-group scales (QUANT 2).
+    3 fp8 with per row and 128-group scales (QUANT 2); 4 16-bit quantized here per row and 128-group from
+    the group amax (QUANT 2).
     """
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(H, BLOCK_N)
@@ -288,6 +293,10 @@ def moe_down_kernel(act_ptr, act_s_ptr, a2_ptr, rowmax_ptr, w_ptr, ws_ptr, tasks
             acc = tl.dot(a, tl.trans(w), acc)
         else:
             a_s = tl.load(act_s_ptr + rows64 * stride_acts + k0 // 128, mask=rmask, other=0.0)
+            if ACT_IN == 4:
+                a_s = tl.maximum(a_s, 1e-12) / FP8_MAX
+                a = tl.minimum(tl.maximum(a.to(tl.float32) / a_s[:, None], -FP8_MAX), FP8_MAX)
+                a = a.to(tl.float8e4nv)
             ws = tl.load(ws_ptr + e64 * stride_wse + (n0 // 128) * stride_wsn + (k0 // 128) * stride_wsk)
             acc += tl.dot(a, tl.trans(w)) * (a_s[:, None] * ws)
     if QUANT == 1:

@@ -18,7 +18,7 @@ class MoeConfig:
     Gate-up GEMM: a program computes `block_m` expert-sorted rows × `block_n` activation columns, i.e.
     reads `2·block_n` rows of w13 (the gate rows and the matching up rows), looping over H by `block_k`.
     Down GEMM: `block_m` rows × `down_block_n` output columns, looping over I by `down_block_k`.
-    For `Fp8Block128`, `block_n` and both K tiles must be 128 and `down_block_n` must divide 128.
+    For `Fp8Block128`, both K tiles must be 128 and `block_n`, `down_block_n` must divide 128.
 
     `index_small_max`: up to this many (token, slot) pairs the index is built by one program (sort);
     above it by count (atomics) / scan / scatter kernels.
@@ -93,7 +93,9 @@ def get_config(*, num_tokens: int, top_k: int, num_experts: int, hidden: int, in
                         down_num_stages=3)
     cfg = replace(cfg, prequant_x=bm >= 64)
     if quant == "fp8_block":
-        cfg = replace(cfg, block_n=128, block_k=128, down_block_k=128,
+        # block_n 128 lets the gate-up epilogue quantize whole 128-groups; decode keeps narrow N tiles
+        # for parallelism (the down GEMM then quantizes the 16-bit activation per group while loading)
+        cfg = replace(cfg, block_n=128 if bm >= 64 else 64, block_k=128, down_block_k=128,
                       block_m=min(cfg.block_m, 64), down_block_n=min(cfg.down_block_n, 128))
     if interpreter:
         cfg = replace(cfg, block_n=max(cfg.block_n, 64), down_block_n=max(cfg.down_block_n, 128),

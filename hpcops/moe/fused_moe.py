@@ -113,8 +113,8 @@ def _validate(x, w13, w2, topk_weights, topk_ids, quant, expert_map, shared_outp
                 raise ValueError("x_scale must be contiguous along its last dimension")
         elif x_scale is not None:
             raise ValueError("x_scale is only meaningful for an fp8 x (a bf16/fp16 x is quantized inside)")
-        if cfg.block_n != 128 or cfg.block_k != 128 or cfg.down_block_k != 128 or 128 % cfg.down_block_n:
-            raise ValueError("config: Fp8Block128 needs block_n = block_k = down_block_k = 128 and "
+        if cfg.block_k != 128 or cfg.down_block_k != 128 or 128 % cfg.block_n or 128 % cfg.down_block_n:
+            raise ValueError("config: Fp8Block128 needs block_k = down_block_k = 128 and block_n, "
                              f"down_block_n dividing 128, got {cfg}")
     check_choice("config.act_mul", cfg.act_mul, ACT_MUL_MODES)
     return kind, T, H, E, inter, k, out_dt
@@ -229,10 +229,15 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
             act_out = 2
             act = torch.empty((n, inter), dtype=act_dt, device=dev)
             rowmax = torch.zeros(n, dtype=f32, device=dev)
-    else:
+    elif cfg.block_n == 128:  # each program owns whole 128-groups: quantize in the epilogue
         act_out = 3
         act = torch.empty((n, inter), dtype=FP8_E4M3, device=dev)
         act_s = torch.empty((n, inter // 128), dtype=f32, device=dev)
+        stride_acts = act_s.stride(0)
+    else:  # narrower N tiles (decode): 16-bit act + group amax, quantized by the down GEMM's loader
+        act_out = 4
+        act = torch.empty((n, inter), dtype=act_dt, device=dev)
+        act_s = torch.zeros((n, inter // 128), dtype=f32, device=dev)
         stride_acts = act_s.stride(0)
     quant_id = {"none": 0, "fp8_tensor": 1, "fp8_block": 2}[kind]
     ws13, ws2 = (quant.w13_scale, quant.w2_scale) if kind != "none" else (dummy, dummy)
