@@ -88,13 +88,16 @@ def install() -> None:
         return interp.TensorHandle(bits, tl.bfloat16)
 
     def bool_mask(mask):
+        # tensor-descriptor loads hand in a raw numpy mask; ordinary loads a TensorHandle
+        if not isinstance(mask, interp.TensorHandle):
+            return mask
         return interp.TensorHandle(mask.data.astype(np.bool_), tl.int1)
 
-    def masked_load(self, ptrs, mask, other, *rest):
-        return orig["load"](self, ptrs, bool_mask(mask), other, *rest)
+    def masked_load(self, ptrs, mask, other, *rest, **kw):
+        return orig["load"](self, ptrs, bool_mask(mask), other, *rest, **kw)
 
-    def masked_store(self, ptrs, value, mask, *rest):
-        return orig["store"](self, ptrs, value, bool_mask(mask), *rest)
+    def masked_store(self, ptrs, value, mask, *rest, **kw):
+        return orig["store"](self, ptrs, value, bool_mask(mask), *rest, **kw)
 
     interp._convert_float = convert_float
     builder.create_dot = create_dot

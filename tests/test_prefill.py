@@ -149,31 +149,8 @@ def _run_case(case: Case, device: str) -> None:
         assert torch.isnan(got[real:].float()).all(), "rows past cu_seqlens_q[-1] must not be written"
 
 
-@pytest.fixture
-def descriptor_loads(monkeypatch, device):
-    """tests/interp_fidelity.py's masked_load wrapper takes no keyword arguments and expects a TensorHandle
-    mask, but the interpreter's descriptor load passes a raw numpy mask and cache_modifier=... by
-    keyword: send those calls to upstream's load while a TMA case runs (remove once interp_fidelity
-    handles them)."""
-    if device != "cpu":
-        return
-    import interp_fidelity
-    import triton.runtime.interpreter as interp
-
-    current = interp.InterpreterBuilder.create_masked_load
-    upstream = interp_fidelity._INSTALLED.get("load", current)
-
-    def load(self, ptrs, mask, other, cache_modifier=None, eviction_policy=None, is_volatile=False):
-        fn = current if isinstance(mask, interp.TensorHandle) else upstream
-        return fn(self, ptrs, mask, other, cache_modifier, eviction_policy, is_volatile)
-
-    monkeypatch.setattr(interp.InterpreterBuilder, "create_masked_load", load)
-
-
 @pytest.mark.parametrize("case", CPU_CASES, ids=str)
-def test_prefill_matches_reference(case: Case, device: str, request):
-    if case.config is not None and case.config.tma:
-        request.getfixturevalue("descriptor_loads")
+def test_prefill_matches_reference(case: Case, device: str):
     _run_case(case, device)
 
 

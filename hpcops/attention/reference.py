@@ -1,5 +1,7 @@
 """Pure-torch references with the same signatures as the public attention ops.
 
+`prefill_attention` lives in `_prefill_reference` and is re-exported here.
+
 `plan_decode` here builds the identical tables as the device kernel (tested for equality);
 `decode_attention` computes attention per request in fp32 over dequantized KV.
 """
@@ -10,6 +12,7 @@ import math
 
 import torch
 
+from hpcops.attention._prefill_reference import prefill_attention
 from hpcops.attention.plan import (
     DEFAULT_MIN_TILES,
     TILE,
@@ -17,6 +20,8 @@ from hpcops.attention.plan import (
     _validate_plan_args,
     default_num_programs,
 )
+
+__all__ = ["decode_attention", "plan_decode", "prefill_attention"]
 
 
 def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, block_size: int = 64,
