@@ -36,6 +36,14 @@ def time_variant(inputs, pps: int, min_tiles: int) -> float:
     return timing.graph_time_us(fns)
 
 
+def _variant(inputs, stages, warps, bn, pps, mt):
+    dec.set_decode_config(num_stages=stages, num_warps=warps, block_n=bn)
+    try:
+        return time_variant(inputs, pps, mt)
+    finally:
+        dec.set_decode_config(num_stages=3, num_warps=None, block_n=64)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results")
@@ -45,32 +53,40 @@ def main() -> int:
     for sc in SCENARIOS:
         inputs = [make_decode_inputs(sc.lens, sc.hq, sc.hkv, sc.fp8, seed=i) for i in range(args.layers)]
         rows = {}
-        for stages in (2, 3, 4):
-            dec.set_decode_config(num_stages=stages)
+
+        def run(key, sc=sc, inputs=inputs, rows=rows):
+            if key in rows:
+                return
+            try:
+                rows[key] = us = _variant(inputs, *key)
+            except Exception as exc:  # noqa: BLE001 - report and keep sweeping
+                print(f"{sc.name} {key}: {type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr)
+                return
+            stages, warps, bn, pps, mt = key
+            results.append(dict(case=sc.name, stages=stages, warps=warps, block_n=bn, pps=pps, min_tiles=mt,
+                                us=us, gbps=sc.bytes / us / 1e3))
+
+        for bn in (64, 128):
             for pps in (1, 2, 3, 4):
                 for mt in (2, 4, 8, 16):
-                    if stages != 3 and (pps, mt) not in ((1, 4), (2, 4), (2, 8)):
-                        continue
-                    try:
-                        us = time_variant(inputs, pps, mt)
-                    except Exception as exc:  # noqa: BLE001
-                        print(f"{sc.name} stages={stages} pps={pps} mt={mt}: {exc}", file=sys.stderr)
-                        continue
-                    rows[(stages, pps, mt)] = us
-                    results.append(dict(case=sc.name, stages=stages, pps=pps, min_tiles=mt, us=us,
-                                        gbps=sc.bytes / us / 1e3))
-        dec.set_decode_config(num_stages=3)
+                    run((3, 4, bn, pps, mt))
         best = min(rows, key=rows.get)
-        print(f"{sc.name:32s} best stages={best[0]} pps={best[1]} min_tiles={best[2]}: {rows[best]:.1f} us; "
-              + " ".join(f"{k[1]}/{k[2]}:{v:.1f}" for k, v in rows.items() if k[0] == 3))
+        for stages in (2, 4):
+            run((stages, 4) + best[2:])
+        for warps in (8,):
+            run((best[0], warps) + best[2:])
+        best = min(rows, key=rows.get)
+        print(f"{sc.name:30s} best (stages, warps, block_n, programs/SM, min_tiles) = {best}: {rows[best]:.1f} us"
+              f" | default (3,4,64,2,4): {rows.get((3, 4, 64, 2, 4), float('nan')):.1f} us", flush=True)
         del inputs
         torch.cuda.empty_cache()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "decode_sweep.json").write_text(json.dumps(results, indent=1))
-    lines = ["| case | stages | programs/SM | min tiles | µs | GB/s |", "|---|---:|---:|---:|---:|---:|"]
-    lines += [f"| {r['case']} | {r['stages']} | {r['pps']} | {r['min_tiles']} | {r['us']:.1f} | {r['gbps']:.0f} |"
-              for r in results]
+    lines = ["| case | stages | warps | block_n | programs/SM | min tiles | µs | GB/s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['case']} | {r['stages']} | {r['warps']} | {r['block_n']} | {r['pps']} | {r['min_tiles']} | "
+              f"{r['us']:.1f} | {r['gbps']:.0f} |" for r in results]
     (out / "decode_sweep.md").write_text("# decode sweep (H200)\n\n" + "\n".join(lines) + "\n")
     return 0
 

@@ -204,3 +204,15 @@ def test_bad_input(mutate, exc, match, device, monkeypatch):
     with pytest.raises(exc, match=match):
         hpcops.decode_attention(args.pop("q"), args.pop("k_cache"), args.pop("v_cache"),
                                 args.pop("block_table"), args.pop("seq_lens"), **args)
+
+
+@pytest.mark.parametrize("block_n", [128])
+def test_decode_block_n_config(block_n, device):
+    from hpcops.attention import decode as dec
+
+    old = dec.set_decode_config(block_n=block_n)
+    try:
+        for case in (CASES[0], CASES[7], CASES[6]):
+            test_decode_matches_reference(case, "dynamic", device)
+    finally:
+        dec.set_decode_config(**old.__dict__)

@@ -11,7 +11,8 @@ import triton.language as tl
 
 @triton.jit
 def _load_q(q_ptr, q_scale_ptr, b, h, offs_m, offs_d, stride_qt, stride_qh, num_q_heads,
-            Q_LEN: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, Q_FP8: tl.constexpr):
+            Q_LEN: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, KV_FP8: tl.constexpr,
+            Q_FP8: tl.constexpr):
     """The [M, D] query tile of (request b, kv head h) and its per-row log2-domain scale factor."""
     j = offs_m // G
     g = offs_m % G
@@ -20,6 +21,9 @@ def _load_q(q_ptr, q_scale_ptr, b, h, offs_m, offs_d, stride_qt, stride_qh, num_
     head = h * G + g
     ptrs = q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    if KV_FP8:
+        if not Q_FP8:
+            q = q.to(tl.float16)
     if Q_FP8:
         qs = tl.load(q_scale_ptr + tok * num_q_heads + head, mask=row_ok, other=0.0)
     else:
@@ -31,28 +35,37 @@ def _load_q(q_ptr, q_scale_ptr, b, h, offs_m, offs_d, stride_qt, stride_qh, num_
 def _attend_tiles(acc, m_i, l_i, q, s_scale, last_pos, k_ptr, v_ptr, bt_row_ptr, bt_width, num_blocks,
                   stride_kb, stride_kt, stride_vb, stride_vt, kv_len, tile_lo, tile_hi,
                   offs_d, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
-                  KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """Online softmax over KV tiles [tile_lo, tile_hi) of one (request, kv head).
+                  BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """Online softmax over KV tiles [tile_lo, tile_hi) of one (request, kv head), BLOCK_N keys a step.
 
     acc [M, D], m_i [M], l_i [M] fp32 running state; last_pos [M]: last key each row may see.
+    fp8 KV is widened to fp16 (one cvt per pair of values on sm90) and q is fp16 then.
     """
-    offs_n = tl.arange(0, TILE)
+    offs_n = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEAD_DIM
-    for t in tl.range(tile_lo, tile_hi, num_stages=NUM_STAGES):
-        tok = t * TILE + offs_n  # [TILE]
-        col = tok // BLOCK_SIZE
-        in_seq = tok < kv_len
-        page = tl.load(bt_row_ptr + col, mask=in_seq & (col < bt_width), other=-1)
-        ok = in_seq & (page >= 0) & (page < num_blocks)
-        page = tl.where(ok, page, 0).to(tl.int64)
+    stop = tl.minimum(tile_hi * TILE, kv_len)
+    for start in tl.range(tile_lo * TILE, tile_hi * TILE, BLOCK_N, num_stages=NUM_STAGES):
+        tok = start + offs_n  # [BLOCK_N]
+        in_seq = tok < stop
+        if BLOCK_SIZE >= BLOCK_N:
+            # the whole step lies in one page: one block-table load
+            col = start // BLOCK_SIZE
+            page_s = tl.load(bt_row_ptr + col, mask=col < bt_width, other=-1)
+            ok = in_seq & (page_s >= 0) & (page_s < num_blocks)
+            page = tl.where(ok, page_s, 0).to(tl.int64)
+        else:
+            col = tok // BLOCK_SIZE
+            page = tl.load(bt_row_ptr + col, mask=in_seq & (col < bt_width), other=-1)
+            ok = in_seq & (page >= 0) & (page < num_blocks)
+            page = tl.where(ok, page, 0).to(tl.int64)
         slot = (tok % BLOCK_SIZE).to(tl.int64)
         kv_mask = ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_kt + offs_d[None, :],
-                    mask=kv_mask, other=0.0)  # [TILE, D]
+                    mask=kv_mask, other=0.0)  # [BLOCK_N, D]
         if KV_FP8:
             if not Q_FP8:
-                k = k.to(q.dtype)
-        s = tl.dot(q, tl.trans(k)) * s_scale[:, None]  # [M, TILE]
+                k = k.to(tl.float16)
+        s = tl.dot(q, tl.trans(k)) * s_scale[:, None]  # [M, BLOCK_N]
         visible = (tok[None, :] <= last_pos[:, None]) & ok[None, :]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -61,10 +74,9 @@ def _attend_tiles(acc, m_i, l_i, q, s_scale, last_pos, k_ptr, v_ptr, bt_row_ptr,
         p = tl.exp2(s - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_ptr + page[:, None] * stride_vb + slot[:, None] * stride_vt + offs_d[None, :],
-                    mask=kv_mask, other=0.0)  # [TILE, D]
+                    mask=kv_mask, other=0.0)  # [BLOCK_N, D]
         if KV_FP8:
-            v = v.to(tl.bfloat16)
-            pv = tl.dot(p.to(tl.bfloat16), v)
+            pv = tl.dot(p.to(tl.float16), v.to(tl.float16))
         else:
             pv = tl.dot(p.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
@@ -103,7 +115,7 @@ def decode_persistent_kernel(
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_bt, stride_ot, stride_oh,
     Q_LEN: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    M_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+    M_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr,
     KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """One persistent program walks its bucket of the plan's tile stream, task by task."""
@@ -130,7 +142,7 @@ def decode_persistent_kernel(
         n = tl.minimum(p1 - p, end_b - r)
         kv_len = tl.load(seq_lens_ptr + b)
         q, qs, j = _load_q(q_ptr, q_scale_ptr, b, h, offs_m, offs_d, stride_qt, stride_qh, num_q_heads,
-                           Q_LEN, G, HEAD_DIM, Q_FP8)
+                           Q_LEN, G, HEAD_DIM, KV_FP8, Q_FP8)
         s_scale = qs * (sm_scale_log2 * kv_scale)
         last_pos = kv_len - Q_LEN + j
         acc = tl.zeros([M_PAD, D_PAD], dtype=tl.float32)
@@ -141,7 +153,7 @@ def decode_persistent_kernel(
             k_ptr + h.to(tl.int64) * stride_kh, v_ptr + h.to(tl.int64) * stride_vh,
             bt_ptr + b.to(tl.int64) * stride_bt, bt_width, num_blocks,
             stride_kb, stride_kt, stride_vb, stride_vt, kv_len, r - start_b, r - start_b + n,
-            offs_d, HEAD_DIM, BLOCK_SIZE, TILE, KV_FP8, Q_FP8, NUM_STAGES)
+            offs_d, HEAD_DIM, BLOCK_SIZE, TILE, BLOCK_N, KV_FP8, Q_FP8, NUM_STAGES)
         pair_lo = h * s_tiles + start_b
         pair_hi = h * s_tiles + end_b
         split = (pair_lo // bucket) != ((pair_hi - 1) // bucket)
@@ -153,46 +165,54 @@ def decode_persistent_kernel(
 
 
 @triton.jit
-def _merge_chunks(part_o_ptr, part_lse_ptr, first_slot, rest_base, rest_step, n_chunks, b, h, out_ptr,
+def _merge_chunks(part_o_ptr, part_lse_ptr, first_slot, rest_base, rest_step, n_chunks, b, h, row, out_ptr,
                   stride_ot, stride_oh, Q_LEN: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  D_PAD: tl.constexpr, M_PAD: tl.constexpr):
-    """out = Σ_c 2^(lse_c − m) · O_c / Σ_c 2^(lse_c − m) over chunk slots first_slot, rest_base + c·rest_step."""
+                  D_PAD: tl.constexpr, CB: tl.constexpr):
+    """out[row] = Σ_c 2^(lse_c − m) · O_c / Σ_c 2^(lse_c − m) over chunk slots first_slot, rest_base + c·rest_step.
+
+    Two passes over the chunks in blocks of CB (max, then weighted sum): independent loads, no chain.
+    """
     ROWS: tl.constexpr = Q_LEN * G
-    offs_m = tl.arange(0, M_PAD)
+    offs_c = tl.arange(0, CB)
     offs_d = tl.arange(0, D_PAD)
-    row_ok = offs_m < ROWS
     d_ok = offs_d < HEAD_DIM
-    acc = tl.zeros([M_PAD, D_PAD], dtype=tl.float32)
-    m_i = tl.full([M_PAD], float("-inf"), tl.float32)
-    w_i = tl.zeros([M_PAD], dtype=tl.float32)
-    for c in tl.range(0, n_chunks, num_stages=2):
+    m = tl.full([CB], float("-inf"), tl.float32)
+    for c0 in range(0, n_chunks, CB):
+        c = c0 + offs_c
         slot = tl.where(c == 0, first_slot, rest_base + c * rest_step).to(tl.int64)
-        lse = tl.load(part_lse_ptr + slot * ROWS + offs_m, mask=row_ok, other=float("-inf"))
-        o = tl.load(part_o_ptr + (slot * ROWS + offs_m)[:, None] * HEAD_DIM + offs_d[None, :],
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        m_new = tl.maximum(m_i, lse)
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_ref)
-        w = tl.exp2(lse - m_ref)
-        acc = acc * alpha[:, None] + o * w[:, None]
-        w_i = w_i * alpha + w
-        m_i = m_new
-    w_safe = tl.where(w_i == 0.0, 1.0, w_i)
-    res = acc / w_safe[:, None]
-    j = offs_m // G
-    g = offs_m % G
+        lse = tl.load(part_lse_ptr + slot * ROWS + row, mask=c < n_chunks, other=float("-inf"))
+        m = tl.maximum(m, lse)
+    m_all = tl.max(m, axis=0)
+    m_ref = tl.where(m_all == float("-inf"), 0.0, m_all)
+    acc = tl.zeros([CB, D_PAD], dtype=tl.float32)
+    w = tl.zeros([CB], dtype=tl.float32)
+    for c0 in range(0, n_chunks, CB):
+        c = c0 + offs_c
+        c_ok = c < n_chunks
+        slot = tl.where(c == 0, first_slot, rest_base + c * rest_step).to(tl.int64)
+        lse = tl.load(part_lse_ptr + slot * ROWS + row, mask=c_ok, other=float("-inf"))
+        wc = tl.exp2(lse - m_ref)  # [CB]
+        o = tl.load(part_o_ptr + (slot * ROWS + row)[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=c_ok[:, None] & d_ok[None, :], other=0.0)  # [CB, D]
+        acc += o * wc[:, None]
+        w += wc
+    total_w = tl.sum(w, axis=0)
+    res = tl.sum(acc, axis=0) / tl.where(total_w == 0.0, 1.0, total_w)
+    j = row // G
+    g = row % G
     tok = (b * Q_LEN + j).to(tl.int64)
-    ptrs = out_ptr + tok[:, None] * stride_ot + (h * G + g)[:, None] * stride_oh + offs_d[None, :]
-    tl.store(ptrs, res.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(out_ptr + tok * stride_ot + (h * G + g) * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty),
+             mask=d_ok)
 
 
 @triton.jit
 def decode_combine_kernel(
     part_o_ptr, part_lse_ptr, out_ptr, header_ptr, cum_ptr, last_b_ptr, stride_ot, stride_oh,
-    Q_LEN: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, M_PAD: tl.constexpr,
+    Q_LEN: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CB: tl.constexpr,
 ):
-    """Program k merges the split (head, request) that starts in program k's bucket and leaves it."""
+    """Program (k, row) merges `row` of the split (head, request) that starts in program k's bucket and leaves it."""
     k = tl.program_id(0)
+    row = tl.program_id(1)
     b = tl.load(last_b_ptr + k)
     if b >= 0:
         bucket = tl.load(header_ptr)
@@ -206,8 +226,8 @@ def decode_combine_kernel(
         last = (pair_hi - 1) // bucket
         if (first == k) & (last > first):
             first_slot = 2 * k + tl.where(pair_lo == k * bucket, 0, 1)
-            _merge_chunks(part_o_ptr, part_lse_ptr, first_slot, 2 * k, 2, last - first + 1, b, h, out_ptr,
-                          stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, M_PAD)
+            _merge_chunks(part_o_ptr, part_lse_ptr, first_slot, 2 * k, 2, last - first + 1, b, h, row, out_ptr,
+                          stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, CB)
 
 
 @triton.jit
@@ -218,7 +238,7 @@ def decode_static_kernel(
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_bt, stride_ot, stride_oh,
     SPLITS: tl.constexpr, Q_LEN: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    M_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+    M_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr,
     KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """Classic static split-KV: program (b, h, s) takes the s-th of SPLITS equal chunks of request b."""
@@ -239,7 +259,7 @@ def decode_static_kernel(
             kv_scale = tl.load(k_scale_ptr)
             v_scale = tl.load(v_scale_ptr)
         q, qs, j = _load_q(q_ptr, q_scale_ptr, b, h, offs_m, offs_d, stride_qt, stride_qh, num_q_heads,
-                           Q_LEN, G, HEAD_DIM, Q_FP8)
+                           Q_LEN, G, HEAD_DIM, KV_FP8, Q_FP8)
         acc = tl.zeros([M_PAD, D_PAD], dtype=tl.float32)
         m_i = tl.full([M_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([M_PAD], dtype=tl.float32)
@@ -248,7 +268,7 @@ def decode_static_kernel(
             k_ptr + h.to(tl.int64) * stride_kh, v_ptr + h.to(tl.int64) * stride_vh,
             bt_ptr + b.to(tl.int64) * stride_bt, bt_width, num_blocks,
             stride_kb, stride_kt, stride_vb, stride_vt, kv_len, lo, hi,
-            offs_d, HEAD_DIM, BLOCK_SIZE, TILE, KV_FP8, Q_FP8, NUM_STAGES)
+            offs_d, HEAD_DIM, BLOCK_SIZE, TILE, BLOCK_N, KV_FP8, Q_FP8, NUM_STAGES)
         split = chunk < n_tiles
         slot = (b * num_kv_heads + h) * SPLITS + s
         _finish_task(acc, m_i, l_i, v_scale, split, slot, b, h, offs_m, offs_d, out_ptr, part_o_ptr,
@@ -259,15 +279,16 @@ def decode_static_kernel(
 def decode_static_combine_kernel(
     part_o_ptr, part_lse_ptr, out_ptr, seq_lens_ptr, num_kv_heads, stride_ot, stride_oh,
     SPLITS: tl.constexpr, Q_LEN: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    M_PAD: tl.constexpr, TILE: tl.constexpr,
+    CB: tl.constexpr, TILE: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
+    row = tl.program_id(2)
     kv_len = tl.load(seq_lens_ptr + b)
     n_tiles = tl.maximum((kv_len + TILE - 1) // TILE, 1)
     chunk = (n_tiles + SPLITS - 1) // SPLITS
     n_chunks = (n_tiles + chunk - 1) // chunk
     if n_chunks > 1:
         base = (b * num_kv_heads + h) * SPLITS
-        _merge_chunks(part_o_ptr, part_lse_ptr, base, base, 1, n_chunks, b, h, out_ptr, stride_ot, stride_oh,
-                      Q_LEN, G, HEAD_DIM, D_PAD, M_PAD)
+        _merge_chunks(part_o_ptr, part_lse_ptr, base, base, 1, n_chunks, b, h, row, out_ptr, stride_ot, stride_oh,
+                      Q_LEN, G, HEAD_DIM, D_PAD, CB)

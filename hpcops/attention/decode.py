@@ -23,11 +23,15 @@ LOG2E = 1.4426950408889634
 class DecodeConfig:
     """Launch knobs of the decode kernels (defaults from the H200 sweep, bench/results/decode_sweep.md).
 
-    num_stages: software-pipelining depth of the KV tile loop; num_warps: None = 4 for D ≤ 128, else 8.
+    num_stages: software-pipelining depth of the KV loop; num_warps: None = 4 for D ≤ 128, else 8;
+    block_n: keys per step of the KV loop (a multiple of the 64-token tile; 64 or 128);
+    combine_chunks: chunks merged per step by the combine kernel.
     """
 
     num_stages: int = 3
     num_warps: int | None = None
+    block_n: int = 64
+    combine_chunks: int = 16
 
 
 _CONFIG = DecodeConfig()
@@ -150,8 +154,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     sm_scale = (1.0 / math.sqrt(d)) if scale is None else float(scale)
     q_fp8 = q.dtype == FP8_E4M3
     rows = q_len * g
-    common = dict(Q_LEN=q_len, G=g, HEAD_DIM=d, D_PAD=triton.next_power_of_2(d),
-                  M_PAD=max(16, triton.next_power_of_2(rows)))
+    common = dict(Q_LEN=q_len, G=g, HEAD_DIM=d, D_PAD=triton.next_power_of_2(d))
+    m_pad = max(16, triton.next_power_of_2(rows))
+    block_n = _CONFIG.block_n if d <= 128 else 64
     dummy = seq_lens  # placeholder pointer for absent optional tensors (never read)
     nb, bs, _, _ = k_cache.shape
     args_kv = (k_scale if kv_fp8 else dummy, v_scale if kv_fp8 else dummy)
@@ -169,12 +174,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             q, k_cache, v_cache, block_table, seq_lens, out, part_o, part_lse,
             q_scale if q_fp8 else dummy, *args_kv,
             sm_scale * LOG2E, hkv, hq, block_table.shape[1], nb, *strides,
-            SPLITS=splits, BLOCK_SIZE=bs, TILE=TILE, KV_FP8=kv_fp8, Q_FP8=q_fp8,
-            NUM_STAGES=_num_stages(), num_warps=num_warps, **common)
+            SPLITS=splits, BLOCK_SIZE=bs, TILE=TILE, BLOCK_N=block_n, KV_FP8=kv_fp8, Q_FP8=q_fp8,
+            NUM_STAGES=_num_stages(), num_warps=num_warps, M_PAD=m_pad, **common)
         if splits > 1:
-            decode_static_combine_kernel[(b, hkv)](
+            decode_static_combine_kernel[(b, hkv, rows)](
                 part_o, part_lse, out, seq_lens, hkv, out.stride(0), out.stride(1),
-                SPLITS=splits, TILE=TILE, num_warps=4, **common)
+                SPLITS=splits, TILE=TILE, CB=_CONFIG.combine_chunks, num_warps=4, **common)
         return out
     if plan is None:
         plan = plan_decode(seq_lens, num_kv_heads=hkv, q_len=q_len, block_size=bs)
@@ -185,11 +190,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, k_cache, v_cache, block_table, seq_lens, out, part_o, part_lse,
         plan.header, plan.cum, plan.first_b, q_scale if q_fp8 else dummy, *args_kv,
         sm_scale * LOG2E, b, hq, block_table.shape[1], nb, *strides,
-        BLOCK_SIZE=bs, TILE=TILE, KV_FP8=kv_fp8, Q_FP8=q_fp8, NUM_STAGES=_num_stages(),
-        num_warps=num_warps, **common)
-    decode_combine_kernel[(plan.num_programs,)](
+        BLOCK_SIZE=bs, TILE=TILE, BLOCK_N=block_n, KV_FP8=kv_fp8, Q_FP8=q_fp8, NUM_STAGES=_num_stages(),
+        num_warps=num_warps, M_PAD=m_pad, **common)
+    decode_combine_kernel[(plan.num_programs, rows)](
         part_o, part_lse, out, plan.header, plan.cum, plan.last_b, out.stride(0), out.stride(1),
-        num_warps=4, **common)
+        CB=_CONFIG.combine_chunks, num_warps=4, **common)
     return out
 
 

@@ -64,12 +64,15 @@ def eager_time_us(fn: Callable[[], object], *, replays: int = 50, warmup: int = 
     return statistics.median(times)
 
 
-def copy_bandwidth_gbps(nbytes: int = 1 << 30) -> float:
-    """Measured device-to-device copy bandwidth (bytes read + written per second), in GB/s."""
-    src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda").random_(0, 255)
+def copy_bandwidth_gbps(nbytes: int = 2 << 30) -> float:
+    """Measured device-to-device copy bandwidth (bytes read + written per second), in GB/s.
+
+    A 1 GiB fp32 tensor copied into another (16-byte vector accesses), median of graph replays.
+    """
+    src = torch.randn(nbytes // 8, device="cuda")
     dst = torch.empty_like(src)
     t = graph_time_us([lambda: dst.copy_(src)], replays=20)
-    return 2 * src.numel() / (t * 1e-6) / 1e9
+    return 2 * src.numel() * src.element_size() / (t * 1e-6) / 1e9
 
 
 def gemm_tflops(dtype: torch.dtype = torch.bfloat16, n: int = 8192) -> float:
