@@ -48,6 +48,7 @@ for st in "${stages[@]}"; do
         || status=1 ;;
     *) echo "unknown stage $st"; status=2 ;;
   esac
+  tar -czf "$OUT/results.tar.gz" -C "$OUT" results  # after every stage: a later timeout loses nothing
 done
-tar -czf "$OUT/results.tar.gz" -C "$OUT" results && rm -rf "$OUT/results"
+rm -rf "$OUT/results"
 exit $status
