@@ -36,12 +36,12 @@ def time_variant(inputs, pps: int, min_tiles: int) -> float:
     return timing.graph_time_us(fns)
 
 
-def _variant(inputs, stages, warps, pb, pps, mt):
-    old = dec.set_decode_config(num_stages=stages, num_warps=warps, page_block=pb)
+def _variant(inputs, stages, warps, bn, pps, mt):
+    dec.set_decode_config(num_stages=stages, num_warps=warps, block_n=bn)
     try:
         return time_variant(inputs, pps, mt)
     finally:
-        dec.set_decode_config(**old.__dict__)
+        dec.set_decode_config(num_stages=3, num_warps=None, block_n=64)
 
 
 def main() -> int:
@@ -62,29 +62,30 @@ def main() -> int:
             except Exception as exc:  # noqa: BLE001 - report and keep sweeping
                 print(f"{sc.name} {key}: {type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr)
                 return
-            stages, warps, pb, pps, mt = key
-            results.append(dict(case=sc.name, stages=stages, warps=warps, page_block=pb, pps=pps, min_tiles=mt,
+            stages, warps, bn, pps, mt = key
+            results.append(dict(case=sc.name, stages=stages, warps=warps, block_n=bn, pps=pps, min_tiles=mt,
                                 us=us, gbps=sc.bytes / us / 1e3))
 
-        for pps in (1, 2, 3):
-            for mt in (2, 4, 8):
-                run((3, 4, 16, pps, mt))
+        for bn in (64, 128):
+            for pps in (1, 2, 3, 4):
+                for mt in (2, 4, 8, 16):
+                    run((3, 4, bn, pps, mt))
         best = min(rows, key=rows.get)
         for stages in (2, 4):
             run((stages, 4) + best[2:])
-        run((best[0], 8) + best[2:])
-        run(best[:2] + (32,) + best[3:])
+        for warps in (8,):
+            run((best[0], warps) + best[2:])
         best = min(rows, key=rows.get)
-        print(f"{sc.name:30s} best (stages, warps, page_block, programs/SM, min_tiles) = {best}: {rows[best]:.1f} us"
-              f" | default (3,4,16,2,4): {rows.get((3, 4, 16, 2, 4), float('nan')):.1f} us", flush=True)
+        print(f"{sc.name:30s} best (stages, warps, block_n, programs/SM, min_tiles) = {best}: {rows[best]:.1f} us"
+              f" | default (3,4,64,2,4): {rows.get((3, 4, 64, 2, 4), float('nan')):.1f} us", flush=True)
         del inputs
         torch.cuda.empty_cache()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "decode_sweep.json").write_text(json.dumps(results, indent=1))
-    lines = ["| case | stages | warps | page block | programs/SM | min tiles | µs | GB/s |",
+    lines = ["| case | stages | warps | block_n | programs/SM | min tiles | µs | GB/s |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    lines += [f"| {r['case']} | {r['stages']} | {r['warps']} | {r['page_block']} | {r['pps']} | {r['min_tiles']} | "
+    lines += [f"| {r['case']} | {r['stages']} | {r['warps']} | {r['block_n']} | {r['pps']} | {r['min_tiles']} | "
               f"{r['us']:.1f} | {r['gbps']:.0f} |" for r in results]
     (out / "decode_sweep.md").write_text("# decode sweep (H200)\n\n" + "\n".join(lines) + "\n")
     return 0

@@ -206,12 +206,11 @@ def test_bad_input(mutate, exc, match, device, monkeypatch):
                                 args.pop("block_table"), args.pop("seq_lens"), **args)
 
 
-@pytest.mark.parametrize("page_block", [2])
-def test_decode_page_block_config(page_block, device):
-    """A page block smaller than a task's tile count: the outer page-block loop runs several times."""
+@pytest.mark.parametrize("block_n", [128])
+def test_decode_block_n_config(block_n, device):
     from hpcops.attention import decode as dec
 
-    old = dec.set_decode_config(page_block=page_block)
+    old = dec.set_decode_config(block_n=block_n)
     try:
         for case in (CASES[0], CASES[7], CASES[6]):
             test_decode_matches_reference(case, "dynamic", device)

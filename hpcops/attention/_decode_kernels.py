@@ -35,59 +35,52 @@ def _load_q(q_ptr, q_scale_ptr, b, h, offs_m, offs_d, stride_qt, stride_qh, num_
 def _attend_tiles(acc, m_i, l_i, q, s_scale, last_pos, k_ptr, v_ptr, bt_row_ptr, bt_width, num_blocks,
                   stride_kb, stride_kt, stride_vb, stride_vt, kv_len, tile_lo, tile_hi,
                   offs_d, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
-                  KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, NUM_STAGES: tl.constexpr, PB: tl.constexpr):
-    """Online softmax over KV tiles [tile_lo, tile_hi) of one (request, kv head), one tile a step.
+                  BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """Online softmax over KV tiles [tile_lo, tile_hi) of one (request, kv head), BLOCK_N keys a step.
 
     acc [M, D], m_i [M], l_i [M] fp32 running state; last_pos [M]: last key each row may see.
-    The page ids of PB tiles are fetched in one vector load before the pipelined inner loop, so no
-    K/V load waits on a block-table load. fp8 KV is widened to fp16 (and q is fp16 then).
+    fp8 KV is widened to fp16 (one cvt per pair of values on sm90) and q is fp16 then.
     """
-    PPS: tl.constexpr = TILE // BLOCK_SIZE if BLOCK_SIZE < TILE else 1  # pages per tile
-    offs_n = tl.arange(0, TILE)
-    offs_b = tl.arange(0, PB)
-    offs_p = tl.arange(0, PPS)
+    offs_n = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEAD_DIM
     stop = tl.minimum(tile_hi * TILE, kv_len)
-    page_of_tok = (offs_n // BLOCK_SIZE) % PPS  # [TILE] index into the tile's pages
-    for t_blk in range(tile_lo, tile_hi, PB):
-        tile_tok = (t_blk + offs_b) * TILE  # [PB] first token of each tile of the block
-        if BLOCK_SIZE < TILE:
-            cols = (tile_tok // BLOCK_SIZE)[:, None] + offs_p[None, :]  # [PB, PPS]
-            col_ok = ((tile_tok < stop)[:, None]) & (cols * BLOCK_SIZE < stop) & (cols < bt_width)
+    for start in tl.range(tile_lo * TILE, tile_hi * TILE, BLOCK_N, num_stages=NUM_STAGES):
+        tok = start + offs_n  # [BLOCK_N]
+        in_seq = tok < stop
+        if BLOCK_SIZE >= BLOCK_N:
+            # the whole step lies in one page: one block-table load
+            col = start // BLOCK_SIZE
+            page_s = tl.load(bt_row_ptr + col, mask=col < bt_width, other=-1)
+            ok = in_seq & (page_s >= 0) & (page_s < num_blocks)
+            page = tl.where(ok, page_s, 0).to(tl.int64)
         else:
-            cols = (tile_tok // BLOCK_SIZE)[:, None] + offs_p[None, :] * 0
-            col_ok = ((tile_tok < stop)[:, None]) & (cols < bt_width)
-        pages = tl.load(bt_row_ptr + cols, mask=col_ok, other=-1)  # [PB, PPS]
-        n_in = tl.minimum(PB, tile_hi - t_blk)
-        for j in tl.range(0, n_in, num_stages=NUM_STAGES):
-            tok = (t_blk + j) * TILE + offs_n  # [TILE]
-            prow = tl.sum(tl.where((offs_b == j)[:, None], pages, 0), axis=0)  # [PPS]
-            page = tl.sum(tl.where(page_of_tok[:, None] == offs_p[None, :], prow[None, :], 0), axis=1)  # [TILE]
-            ok = (tok < stop) & (page >= 0) & (page < num_blocks)
+            col = tok // BLOCK_SIZE
+            page = tl.load(bt_row_ptr + col, mask=in_seq & (col < bt_width), other=-1)
+            ok = in_seq & (page >= 0) & (page < num_blocks)
             page = tl.where(ok, page, 0).to(tl.int64)
-            slot = (tok % BLOCK_SIZE).to(tl.int64)
-            kv_mask = ok[:, None] & d_ok[None, :]
-            k = tl.load(k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_kt + offs_d[None, :],
-                        mask=kv_mask, other=0.0)  # [TILE, D]
-            v = tl.load(v_ptr + page[:, None] * stride_vb + slot[:, None] * stride_vt + offs_d[None, :],
-                        mask=kv_mask, other=0.0)  # [TILE, D]
-            if KV_FP8:
-                if not Q_FP8:
-                    k = k.to(tl.float16)
-            s = tl.dot(q, tl.trans(k)) * s_scale[:, None]  # [M, TILE]
-            visible = (tok[None, :] <= last_pos[:, None]) & ok[None, :]
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_ref)
-            p = tl.exp2(s - m_ref[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if KV_FP8:
-                pv = tl.dot(p.to(tl.float16), v.to(tl.float16))
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+        slot = (tok % BLOCK_SIZE).to(tl.int64)
+        kv_mask = ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_kt + offs_d[None, :],
+                    mask=kv_mask, other=0.0)  # [BLOCK_N, D]
+        if KV_FP8:
+            if not Q_FP8:
+                k = k.to(tl.float16)
+        s = tl.dot(q, tl.trans(k)) * s_scale[:, None]  # [M, BLOCK_N]
+        visible = (tok[None, :] <= last_pos[:, None]) & ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + page[:, None] * stride_vb + slot[:, None] * stride_vt + offs_d[None, :],
+                    mask=kv_mask, other=0.0)  # [BLOCK_N, D]
+        if KV_FP8:
+            pv = tl.dot(p.to(tl.float16), v.to(tl.float16))
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
     return acc, m_i, l_i
 
 
@@ -122,7 +115,7 @@ def decode_persistent_kernel(
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_bt, stride_ot, stride_oh,
     Q_LEN: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    M_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, PB: tl.constexpr,
+    M_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr,
     KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """One persistent program walks its bucket of the plan's tile stream, task by task."""
@@ -160,7 +153,7 @@ def decode_persistent_kernel(
             k_ptr + h.to(tl.int64) * stride_kh, v_ptr + h.to(tl.int64) * stride_vh,
             bt_ptr + b.to(tl.int64) * stride_bt, bt_width, num_blocks,
             stride_kb, stride_kt, stride_vb, stride_vt, kv_len, r - start_b, r - start_b + n,
-            offs_d, HEAD_DIM, BLOCK_SIZE, TILE, KV_FP8, Q_FP8, NUM_STAGES, PB)
+            offs_d, HEAD_DIM, BLOCK_SIZE, TILE, BLOCK_N, KV_FP8, Q_FP8, NUM_STAGES)
         pair_lo = h * s_tiles + start_b
         pair_hi = h * s_tiles + end_b
         split = (pair_lo // bucket) != ((pair_hi - 1) // bucket)
@@ -245,7 +238,7 @@ def decode_static_kernel(
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_bt, stride_ot, stride_oh,
     SPLITS: tl.constexpr, Q_LEN: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    M_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, PB: tl.constexpr,
+    M_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr,
     KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """Classic static split-KV: program (b, h, s) takes the s-th of SPLITS equal chunks of request b."""
@@ -275,7 +268,7 @@ def decode_static_kernel(
             k_ptr + h.to(tl.int64) * stride_kh, v_ptr + h.to(tl.int64) * stride_vh,
             bt_ptr + b.to(tl.int64) * stride_bt, bt_width, num_blocks,
             stride_kb, stride_kt, stride_vb, stride_vt, kv_len, lo, hi,
-            offs_d, HEAD_DIM, BLOCK_SIZE, TILE, KV_FP8, Q_FP8, NUM_STAGES, PB)
+            offs_d, HEAD_DIM, BLOCK_SIZE, TILE, BLOCK_N, KV_FP8, Q_FP8, NUM_STAGES)
         split = chunk < n_tiles
         slot = (b * num_kv_heads + h) * SPLITS + s
         _finish_task(acc, m_i, l_i, v_scale, split, slot, b, h, offs_m, offs_d, out_ptr, part_o_ptr,

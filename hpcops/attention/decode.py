@@ -24,13 +24,13 @@ class DecodeConfig:
     """Launch knobs of the decode kernels (defaults from the H200 sweep, bench/results/decode_sweep.md).
 
     num_stages: software-pipelining depth of the KV loop; num_warps: None = 4 for D ≤ 128, else 8;
-    page_block: tiles whose page ids are fetched in one load ahead of the pipelined KV loop;
+    block_n: keys per step of the KV loop (a multiple of the 64-token tile; 64 or 128);
     combine_chunks: chunks merged per step by the combine kernel.
     """
 
     num_stages: int = 3
     num_warps: int | None = None
-    page_block: int = 16
+    block_n: int = 64
     combine_chunks: int = 16
 
 
@@ -156,6 +156,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     rows = q_len * g
     common = dict(Q_LEN=q_len, G=g, HEAD_DIM=d, D_PAD=triton.next_power_of_2(d))
     m_pad = max(16, triton.next_power_of_2(rows))
+    block_n = _CONFIG.block_n if d <= 128 else 64
     dummy = seq_lens  # placeholder pointer for absent optional tensors (never read)
     nb, bs, _, _ = k_cache.shape
     args_kv = (k_scale if kv_fp8 else dummy, v_scale if kv_fp8 else dummy)
@@ -173,7 +174,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             q, k_cache, v_cache, block_table, seq_lens, out, part_o, part_lse,
             q_scale if q_fp8 else dummy, *args_kv,
             sm_scale * LOG2E, hkv, hq, block_table.shape[1], nb, *strides,
-            SPLITS=splits, BLOCK_SIZE=bs, TILE=TILE, PB=_CONFIG.page_block, KV_FP8=kv_fp8, Q_FP8=q_fp8,
+            SPLITS=splits, BLOCK_SIZE=bs, TILE=TILE, BLOCK_N=block_n, KV_FP8=kv_fp8, Q_FP8=q_fp8,
             NUM_STAGES=_num_stages(), num_warps=num_warps, M_PAD=m_pad, **common)
         if splits > 1:
             decode_static_combine_kernel[(b, hkv, rows)](
@@ -189,7 +190,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, k_cache, v_cache, block_table, seq_lens, out, part_o, part_lse,
         plan.header, plan.cum, plan.first_b, q_scale if q_fp8 else dummy, *args_kv,
         sm_scale * LOG2E, b, hq, block_table.shape[1], nb, *strides,
-        BLOCK_SIZE=bs, TILE=TILE, PB=_CONFIG.page_block, KV_FP8=kv_fp8, Q_FP8=q_fp8, NUM_STAGES=_num_stages(),
+        BLOCK_SIZE=bs, TILE=TILE, BLOCK_N=block_n, KV_FP8=kv_fp8, Q_FP8=q_fp8, NUM_STAGES=_num_stages(),
         num_warps=num_warps, M_PAD=m_pad, **common)
     decode_combine_kernel[(plan.num_programs, rows)](
         part_o, part_lse, out, plan.header, plan.cum, plan.last_b, out.stride(0), out.stride(1),
