@@ -50,7 +50,7 @@ def _bench(args) -> int:
     status = 0
     for n in names:
         result = run_suite(n, opts, check=not args.no_check, only=args.only, progress=not args.no_progress,
-                           machine=machine)
+                           machine=machine, on_case=lambda partial: report.write(partial, args.out))
         paths = report.write(result, args.out)
         print(report.markdown(result))
         print("wrote " + ", ".join(str(p) for p in paths))

@@ -6,6 +6,7 @@ import gc
 import platform
 import sys
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -79,8 +80,13 @@ def _time_impl(case: Case, impl, inputs: list[Any]) -> float:
 
 
 def run_suite(name: str, opts: dict[str, Any] | None = None, *, check: bool = True, only: str | None = None,
-              progress: bool = True, machine: dict[str, Any] | None = None) -> SuiteResult:
-    """Run every case of suite `name` (those whose name contains `only`, if given)."""
+              progress: bool = True, machine: dict[str, Any] | None = None,
+              on_case: Callable[[SuiteResult], None] | None = None) -> SuiteResult:
+    """Run every case of suite `name` (those whose name contains `only`, if given).
+
+    `on_case(partial_result)` runs after every case (the CLI rewrites its reports, so a run cut
+    short by a time limit keeps what it measured).
+    """
     opts = dict(opts or {})
     if not torch.cuda.is_available():
         raise RuntimeError("hpcops bench times on a CUDA GPU; none is visible (run `hpcops demo` on the CPU)")
@@ -122,6 +128,8 @@ def run_suite(name: str, opts: dict[str, Any] | None = None, *, check: bool = Tr
             rows.append(Row(impl=impl.name, ours=impl.ours, us=us, status=status, note=note, **base))
             bar.step(f"{case.name} {impl.name}: " + (f"{us:.1f} us" if us is not None else status[:40]))
         del inputs
+        if on_case is not None:
+            on_case(SuiteResult(name, list(rows), machine))
         gc.collect()
         torch.cuda.empty_cache()
     bar.close()
