@@ -82,6 +82,16 @@ def plot(result: SuiteResult, path: Path) -> bool:
     return True
 
 
+def load(path: str | Path) -> SuiteResult:
+    """Read a suite's JSON report back (to re-render its table and plot)."""
+    from hpcops.bench.runner import Row
+
+    d = json.loads(Path(path).read_text())
+    fields = set(Row.__dataclass_fields__)
+    rows = [Row(**{k: v for k, v in r.items() if k in fields}) for r in d["rows"]]
+    return SuiteResult(d["suite"], rows, d["machine"])
+
+
 def write(result: SuiteResult, out_dir: str | Path) -> list[Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
