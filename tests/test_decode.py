@@ -212,7 +212,22 @@ def test_decode_block_n_config(block_n, device):
 
     old = dec.set_decode_config(block_n=block_n)
     try:
-        for case in (CASES[0], CASES[7], CASES[6]):
+        # page 128 with tasks starting on odd tiles: a 128-key step straddles two pages
+        straddle = Case((300, 129), 4, 2, 64, 128, kv="fp16", programs=6, min_tiles=1)
+        for case in (CASES[0], CASES[7], CASES[6], straddle):
             test_decode_matches_reference(case, "dynamic", device)
+    finally:
+        dec.set_decode_config(**old.__dict__)
+
+
+@pytest.mark.parametrize("case", [CASES[2], CASES[3], CASES[5], CASES[7]], ids=lambda c: c.id)
+def test_decode_tma_config(case, device):
+    """TMA descriptor loads (pages ≥ 64 tokens; other cases fall back to pointer loads)."""
+    from hpcops.attention import decode as dec
+
+    old = dec.set_decode_config(use_tma=True)
+    try:
+        for schedule in ("dynamic", "static"):
+            test_decode_matches_reference(case, schedule, device)
     finally:
         dec.set_decode_config(**old.__dict__)

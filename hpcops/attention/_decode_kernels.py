@@ -32,14 +32,18 @@ def _load_q(q_ptr, q_scale_ptr, b, h, offs_m, offs_d, stride_qt, stride_qh, num_
 
 
 @triton.jit
-def _attend_tiles(acc, m_i, l_i, q, s_scale, last_pos, k_ptr, v_ptr, bt_row_ptr, bt_width, num_blocks,
+def _attend_tiles(acc, m_i, l_i, q, s_scale, last_pos, k_ptr, v_ptr, k_desc, v_desc, k_col, v_col,
+                  bt_row_ptr, bt_width, num_blocks,
                   stride_kb, stride_kt, stride_vb, stride_vt, kv_len, tile_lo, tile_hi,
                   offs_d, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
-                  BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, NUM_STAGES: tl.constexpr):
+                  BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, NUM_STAGES: tl.constexpr,
+                  USE_TMA: tl.constexpr):
     """Online softmax over KV tiles [tile_lo, tile_hi) of one (request, kv head), BLOCK_N keys a step.
 
     acc [M, D], m_i [M], l_i [M] fp32 running state; last_pos [M]: last key each row may see.
     fp8 KV is widened to fp16 (one cvt per pair of values on sm90) and q is fp16 then.
+    USE_TMA (pages ≥ BLOCK_N): K/V tiles come through TMA descriptors over the cache seen as 2-D
+    [num_blocks·block_size, token row], the kv head at columns k_col / v_col.
     """
     offs_n = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEAD_DIM
@@ -47,8 +51,8 @@ def _attend_tiles(acc, m_i, l_i, q, s_scale, last_pos, k_ptr, v_ptr, bt_row_ptr,
     for start in tl.range(tile_lo * TILE, tile_hi * TILE, BLOCK_N, num_stages=NUM_STAGES):
         tok = start + offs_n  # [BLOCK_N]
         in_seq = tok < stop
-        if BLOCK_SIZE >= BLOCK_N:
-            # the whole step lies in one page: one block-table load
+        if (BLOCK_SIZE >= BLOCK_N) and (BLOCK_N == TILE):
+            # steps start on tile boundaries, so a one-tile step lies in one page: one block-table load
             col = start // BLOCK_SIZE
             page_s = tl.load(bt_row_ptr + col, mask=col < bt_width, other=-1)
             ok = in_seq & (page_s >= 0) & (page_s < num_blocks)
@@ -60,8 +64,12 @@ def _attend_tiles(acc, m_i, l_i, q, s_scale, last_pos, k_ptr, v_ptr, bt_row_ptr,
             page = tl.where(ok, page, 0).to(tl.int64)
         slot = (tok % BLOCK_SIZE).to(tl.int64)
         kv_mask = ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_kt + offs_d[None, :],
-                    mask=kv_mask, other=0.0)  # [BLOCK_N, D]
+        if USE_TMA:
+            row0 = (tl.where(page_s >= 0, page_s, 0) * BLOCK_SIZE + start % BLOCK_SIZE).to(tl.int32)
+            k = k_desc.load([row0, k_col])  # [BLOCK_N, D]
+        else:
+            k = tl.load(k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_kt + offs_d[None, :],
+                        mask=kv_mask, other=0.0)  # [BLOCK_N, D]
         if KV_FP8:
             if not Q_FP8:
                 k = k.to(tl.float16)
@@ -73,8 +81,12 @@ def _attend_tiles(acc, m_i, l_i, q, s_scale, last_pos, k_ptr, v_ptr, bt_row_ptr,
         alpha = tl.exp2(m_i - m_ref)
         p = tl.exp2(s - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + page[:, None] * stride_vb + slot[:, None] * stride_vt + offs_d[None, :],
-                    mask=kv_mask, other=0.0)  # [BLOCK_N, D]
+        if USE_TMA:
+            v = v_desc.load([row0, v_col])  # [BLOCK_N, D]; rows past the sequence may hold anything
+            v = tl.where(ok[:, None], v, 0.0)
+        else:
+            v = tl.load(v_ptr + page[:, None] * stride_vb + slot[:, None] * stride_vt + offs_d[None, :],
+                        mask=kv_mask, other=0.0)  # [BLOCK_N, D]
         if KV_FP8:
             pv = tl.dot(p.to(tl.float16), v.to(tl.float16))
         else:
@@ -109,14 +121,14 @@ def _finish_task(acc, m_i, l_i, v_scale, split, slot, b, h, offs_m, offs_d, out_
 
 @triton.jit
 def decode_persistent_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    q_ptr, k_ptr, v_ptr, k_desc, v_desc, bt_ptr, seq_lens_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     header_ptr, cum_ptr, first_b_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
     sm_scale_log2, B, num_q_heads, bt_width, num_blocks,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_bt, stride_ot, stride_oh,
     Q_LEN: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     M_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr,
-    KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, NUM_STAGES: tl.constexpr,
+    KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, NUM_STAGES: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """One persistent program walks its bucket of the plan's tile stream, task by task."""
     pid = tl.program_id(0)
@@ -151,9 +163,10 @@ def decode_persistent_kernel(
         acc, m_i, l_i = _attend_tiles(
             acc, m_i, l_i, q, s_scale, last_pos,
             k_ptr + h.to(tl.int64) * stride_kh, v_ptr + h.to(tl.int64) * stride_vh,
+            k_desc, v_desc, h * stride_kh, h * stride_vh,
             bt_ptr + b.to(tl.int64) * stride_bt, bt_width, num_blocks,
             stride_kb, stride_kt, stride_vb, stride_vt, kv_len, r - start_b, r - start_b + n,
-            offs_d, HEAD_DIM, BLOCK_SIZE, TILE, BLOCK_N, KV_FP8, Q_FP8, NUM_STAGES)
+            offs_d, HEAD_DIM, BLOCK_SIZE, TILE, BLOCK_N, KV_FP8, Q_FP8, NUM_STAGES, USE_TMA)
         pair_lo = h * s_tiles + start_b
         pair_hi = h * s_tiles + end_b
         split = (pair_lo // bucket) != ((pair_hi - 1) // bucket)
@@ -232,14 +245,14 @@ def decode_combine_kernel(
 
 @triton.jit
 def decode_static_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    q_ptr, k_ptr, v_ptr, k_desc, v_desc, bt_ptr, seq_lens_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     q_scale_ptr, k_scale_ptr, v_scale_ptr,
     sm_scale_log2, num_kv_heads, num_q_heads, bt_width, num_blocks,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_bt, stride_ot, stride_oh,
     SPLITS: tl.constexpr, Q_LEN: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     M_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr,
-    KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, NUM_STAGES: tl.constexpr,
+    KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, NUM_STAGES: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """Classic static split-KV: program (b, h, s) takes the s-th of SPLITS equal chunks of request b."""
     b = tl.program_id(0)
@@ -266,9 +279,10 @@ def decode_static_kernel(
         acc, m_i, l_i = _attend_tiles(
             acc, m_i, l_i, q, qs * (sm_scale_log2 * kv_scale), kv_len - Q_LEN + j,
             k_ptr + h.to(tl.int64) * stride_kh, v_ptr + h.to(tl.int64) * stride_vh,
+            k_desc, v_desc, h * stride_kh, h * stride_vh,
             bt_ptr + b.to(tl.int64) * stride_bt, bt_width, num_blocks,
             stride_kb, stride_kt, stride_vb, stride_vt, kv_len, lo, hi,
-            offs_d, HEAD_DIM, BLOCK_SIZE, TILE, BLOCK_N, KV_FP8, Q_FP8, NUM_STAGES)
+            offs_d, HEAD_DIM, BLOCK_SIZE, TILE, BLOCK_N, KV_FP8, Q_FP8, NUM_STAGES, USE_TMA)
         split = chunk < n_tiles
         slot = (b * num_kv_heads + h) * SPLITS + s
         _finish_task(acc, m_i, l_i, v_scale, split, slot, b, h, offs_m, offs_d, out_ptr, part_o_ptr,

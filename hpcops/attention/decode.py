@@ -25,13 +25,16 @@ class DecodeConfig:
 
     num_stages: software-pipelining depth of the KV loop; num_warps: None = 4 for D ≤ 128, else 8;
     block_n: keys per step of the KV loop (a multiple of the 64-token tile; 64 or 128);
-    combine_chunks: chunks merged per step by the combine kernel.
+    combine_chunks: chunks merged per step by the combine kernel;
+    use_tma: load K/V tiles with TMA descriptors where the layout allows it (pages ≥ 64 tokens,
+        pages contiguous, 16-byte aligned rows, power-of-two head_dim). Off until measured.
     """
 
     num_stages: int = 3
     num_warps: int | None = None
     block_n: int = 64
     combine_chunks: int = 16
+    use_tma: bool = False
 
 
 _CONFIG = DecodeConfig()
@@ -123,6 +126,23 @@ def _validate(q, k_cache, v_cache, block_table, seq_lens, plan, schedule, k_scal
     return q_len, hkv, hq // hkv, kv_fp8
 
 
+def _tma_ok(cache: torch.Tensor, block_n: int) -> bool:
+    nb, bs, _, d = cache.shape
+    sb, st, sh, _ = cache.stride()
+    e = cache.element_size()
+    return (bs % block_n == 0 and d & (d - 1) == 0 and (sb == bs * st or nb == 1) and (st * e) % 16 == 0
+            and (sh * e) % 16 == 0 and cache.data_ptr() % 16 == 0 and nb * bs < 2**31)
+
+
+def _kv_descriptor(cache: torch.Tensor, block_n: int):
+    """The cache as 2-D [num_blocks·block_size, token row] (kv head h at column h·stride_h), box [block_n, D]."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    nb, bs, hkv, d = cache.shape
+    _, st, sh, _ = cache.stride()
+    return TensorDescriptor(cache, [nb * bs, (hkv - 1) * sh + d], [st, 1], [block_n, d])
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                      seq_lens: torch.Tensor, *, plan: DecodePlan | None = None, schedule: str = "dynamic",
                      scale: float | None = None, k_scale: torch.Tensor | None = None,
@@ -164,6 +184,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
                out.stride(0), out.stride(1))
     num_warps = _CONFIG.num_warps or (4 if d <= 128 else 8)
+    use_tma = _CONFIG.use_tma and _tma_ok(k_cache, TILE) and _tma_ok(v_cache, TILE)
+    if use_tma:
+        block_n = TILE
+        descs = (_kv_descriptor(k_cache, TILE), _kv_descriptor(v_cache, TILE))
+    else:
+        descs = (k_cache, v_cache)
     if schedule == "static":
         splits = static_splits(b, hkv, q.device)
         part_o = torch.empty((b * hkv * splits, rows, d), dtype=torch.float32, device=q.device)
@@ -171,11 +197,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         from hpcops.attention._decode_kernels import decode_static_combine_kernel, decode_static_kernel
 
         decode_static_kernel[(b, hkv, splits)](
-            q, k_cache, v_cache, block_table, seq_lens, out, part_o, part_lse,
+            q, k_cache, v_cache, *descs, block_table, seq_lens, out, part_o, part_lse,
             q_scale if q_fp8 else dummy, *args_kv,
             sm_scale * LOG2E, hkv, hq, block_table.shape[1], nb, *strides,
             SPLITS=splits, BLOCK_SIZE=bs, TILE=TILE, BLOCK_N=block_n, KV_FP8=kv_fp8, Q_FP8=q_fp8,
-            NUM_STAGES=_num_stages(), num_warps=num_warps, M_PAD=m_pad, **common)
+            NUM_STAGES=_num_stages(), num_warps=num_warps, M_PAD=m_pad, USE_TMA=use_tma, **common)
         if splits > 1:
             decode_static_combine_kernel[(b, hkv, rows)](
                 part_o, part_lse, out, seq_lens, hkv, out.stride(0), out.stride(1),
@@ -187,11 +213,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     from hpcops.attention._decode_kernels import decode_combine_kernel, decode_persistent_kernel
 
     decode_persistent_kernel[(plan.num_programs,)](
-        q, k_cache, v_cache, block_table, seq_lens, out, part_o, part_lse,
+        q, k_cache, v_cache, *descs, block_table, seq_lens, out, part_o, part_lse,
         plan.header, plan.cum, plan.first_b, q_scale if q_fp8 else dummy, *args_kv,
         sm_scale * LOG2E, b, hq, block_table.shape[1], nb, *strides,
         BLOCK_SIZE=bs, TILE=TILE, BLOCK_N=block_n, KV_FP8=kv_fp8, Q_FP8=q_fp8, NUM_STAGES=_num_stages(),
-        num_warps=num_warps, M_PAD=m_pad, **common)
+        num_warps=num_warps, M_PAD=m_pad, USE_TMA=use_tma, **common)
     decode_combine_kernel[(plan.num_programs, rows)](
         part_o, part_lse, out, plan.header, plan.cum, plan.last_b, out.stride(0), out.stride(1),
         CB=_CONFIG.combine_chunks, num_warps=4, **common)
