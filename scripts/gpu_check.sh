@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU tier in one call on the H200 (through the device tool): tests + benchmarks + sweeps.
-#   bash scripts/gpu_check.sh [STAGE ...]     stages: tests, bench:<suite>[,<suite>...], sweep:<name>
+#   bash scripts/gpu_check.sh [STAGE ...]     stages: tests, tests:<paths>, bench:<suite>[,<suite>...],
+#                                             sweep:<name> (scripts/sweep_<name>.py), profile:decode (ncu)
 # Default: tests bench:decode,moe,rope,prefill. Results go to $OUT (or ./out): logs, and one
 # results.tar.gz holding bench/results/*.{json,md,png} to unpack into bench/results/.
 # FlashInfer (a peer) is installed from .whl/ when present (carry it: ../shared/tools/peer_wheels.sh .whl).
@@ -42,6 +43,14 @@ for st in "${stages[@]}"; do
       for s in "${suites[@]}"; do
         python3 -m hpcops bench "$s" --out "$OUT/results" --no-progress ${BENCH_ARGS:-} 2>&1 \
           | tee -a "$OUT/bench.log" | grep -v '^\[' | tail -60 || status=1
+      done ;;
+    profile:decode)
+      # Nsight Compute on the persistent decode kernel: stall reasons, memory throughput, occupancy.
+      for args in "--spec 64x4K --kv fp8" "--spec 64x4K --kv bf16"; do
+        timeout 240 ncu --kernel-name regex:decode_persistent --launch-skip 1 --launch-count 1 \
+          --section LaunchStats --section Occupancy --section SpeedOfLight --section MemoryWorkloadAnalysis \
+          --section SchedulerStats --section WarpStateStats \
+          python3 scripts/profile_decode.py $args 2>&1 | tee -a "$OUT/results/ncu_decode.txt" | tail -60
       done ;;
     sweep:*)
       python3 "scripts/sweep_${st#sweep:}.py" --out "$OUT/results" 2>&1 | tee -a "$OUT/sweep.log" | tail -40 \

@@ -1,0 +1,33 @@
+"""Run one decode scenario eagerly a few times, for Nsight Compute to profile (see gpu_check.sh's
+`profile:decode` stage): ncu --kernel-name regex:decode_persistent ... python3 scripts/profile_decode.py"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import hpcops
+from hpcops.bench.suites.decode import PAGE, Scenario, make_decode_inputs
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--spec", default="64x4K")
+    ap.add_argument("--heads", default="8/1")
+    ap.add_argument("--kv", default="fp8", choices=("fp8", "bf16"))
+    args = ap.parse_args()
+    hq, hkv = (int(x) for x in args.heads.split("/"))
+    sc = Scenario(args.spec, hq, hkv, args.kv == "fp8")
+    x = make_decode_inputs(sc.lens, hq, hkv, sc.fp8, seed=0)
+    plan = hpcops.plan_decode(x["seq_lens"], num_kv_heads=hkv, block_size=PAGE)
+    for _ in range(3):
+        hpcops.decode_attention(x["q"], x["k_cache"], x["v_cache"], x["block_table"], x["seq_lens"], plan=plan,
+                                k_scale=x["k_scale"], v_scale=x["v_scale"], out=x["out"])
+    torch.cuda.synchronize()
+    print(f"profiled {sc.name}: {sc.bytes / 1e6:.1f} MB of KV per layer")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
