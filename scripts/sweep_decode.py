@@ -27,7 +27,8 @@ SCENARIOS = [Scenario(s, 8, 1, True) for s in
 SCENARIOS += [Scenario("64x4K", 8, 1, False), Scenario("64x4K", 64, 8, False),
               Scenario("32x0.125K+32x4K", 64, 8, True), Scenario("1x128K+31x4K", 64, 8, True)]
 
-DEFAULT = dict(num_stages=3, num_warps=None, use_tma=False, pps=DEFAULT_PROGRAMS_PER_SM, min_tiles=DEFAULT_MIN_TILES)
+DEFAULT = dict(num_stages=3, num_warps=None, use_tma=False, pdl=False, pps=DEFAULT_PROGRAMS_PER_SM,
+               min_tiles=DEFAULT_MIN_TILES)
 
 
 def variants() -> list[dict]:
@@ -39,6 +40,7 @@ def variants() -> list[dict]:
         for stages in (2, 4):
             out.append(dict(DEFAULT, use_tma=tma, num_stages=stages))
         out.append(dict(DEFAULT, use_tma=tma, num_warps=8))
+        out.append(dict(DEFAULT, use_tma=tma, pdl=True))
     unique = []
     for v in out:
         if v not in unique:
@@ -48,7 +50,8 @@ def variants() -> list[dict]:
 
 def time_variant(inputs, v: dict) -> float:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    old = dec.set_decode_config(num_stages=v["num_stages"], num_warps=v["num_warps"], use_tma=v["use_tma"])
+    old = dec.set_decode_config(num_stages=v["num_stages"], num_warps=v["num_warps"], use_tma=v["use_tma"],
+                                pdl=v["pdl"])
     try:
         fns = []
         for x in inputs:
@@ -63,7 +66,7 @@ def time_variant(inputs, v: dict) -> float:
 
 
 def _key(v: dict) -> str:
-    return (f"stages={v['num_stages']} warps={v['num_warps'] or 'auto'} tma={int(v['use_tma'])} "
+    return (f"stages={v['num_stages']} warps={v['num_warps'] or 'auto'} tma={int(v['use_tma'])} pdl={int(v['pdl'])} "
             f"pps={v['pps']} min_tiles={v['min_tiles']}")
 
 
@@ -98,10 +101,10 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "decode_sweep.json").write_text(json.dumps(results, indent=1))
-    lines = ["| case | stages | warps | tma | programs/SM | min tiles | µs | GB/s |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    lines += [f"| {r['case']} | {r['num_stages']} | {r['num_warps'] or 'auto'} | {int(r['use_tma'])} | {r['pps']} | "
-              f"{r['min_tiles']} | {r['us']:.1f} | {r['gbps']:.0f} |" for r in results]
+    lines = ["| case | stages | warps | tma | pdl | programs/SM | min tiles | µs | GB/s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['case']} | {r['num_stages']} | {r['num_warps'] or 'auto'} | {int(r['use_tma'])} | "
+              f"{int(r['pdl'])} | {r['pps']} | {r['min_tiles']} | {r['us']:.1f} | {r['gbps']:.0f} |" for r in results]
     (out / "decode_sweep.md").write_text("# decode sweep (H200)\n\n" + "\n".join(lines) + "\n")
     return 0
 

@@ -48,7 +48,7 @@ def build(kernel, q, kv, tma, const, warps, stages):
     cc = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
     ptx = cc.asm["ptx"]
     return {"cp_async": ptx.count("cp.async.c"), "tma": ptx.count("cp.async.bulk.tensor"),
-            "local": ptx.count("st.local"), "smem": cc.metadata.shared}
+            "local": ptx.count("st.local"), "smem": cc.metadata.shared, "griddep": ptx.count("griddepcontrol")}
 
 out = {}
 for name, v in json.loads(sys.argv[1]).items():
@@ -76,7 +76,9 @@ VARIANTS = {
     "persistent-fp8kv-tma": _attn(kv="fp8e4nv", tma=True),
     "persistent-fp16-page16-d96": _attn(q="fp16", kv="fp16", d=96, bs=16),
     "static-bf16-d256": _attn("decode_static_kernel", d=256, g=2, bs=256, SPLITS=4),
+    "persistent-bf16-pdl": _attn(USE_PDL=True),
     "combine": _combine("decode_combine_kernel"),
+    "combine-pdl": _combine("decode_combine_kernel", USE_PDL=True),
     "static-combine": _combine("decode_static_combine_kernel", SPLITS=4, TILE=64),
 }
 VARIANTS["persistent-fp16-page16-d96"]["const"]["D_PAD"] = 128
@@ -93,5 +95,7 @@ def test_compiles_for_sm90():
     for name, r in res.items():
         assert r["local"] == 0, f"{name} spills registers: {r}"
         assert r["smem"] <= 227 * 1024, (name, r)
+        if "pdl" in name:
+            assert r["griddep"] > 0, f"{name}: no griddepcontrol instruction: {r}"
         if name.startswith(("persistent", "static-bf16")):
             assert (r["tma"] if "tma" in name else r["cp_async"]) > 0, f"{name}: KV loop not pipelined: {r}"

@@ -7,6 +7,7 @@ Scores live in the log2 domain: s = (q·k) · sm_scale · log2(e) (· q_scale ·
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -129,9 +130,16 @@ def decode_persistent_kernel(
     Q_LEN: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     M_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr,
     KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, NUM_STAGES: tl.constexpr, USE_TMA: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
-    """One persistent program walks its bucket of the plan's tile stream, task by task."""
+    """One persistent program walks its bucket of the plan's tile stream, task by task.
+
+    USE_PDL: let the combine kernel (launched with programmatic dependent launch) start early;
+    it waits (griddepcontrol.wait) for this grid's writes before reading them.
+    """
     pid = tl.program_id(0)
+    if USE_PDL:
+        gdc_launch_dependents()
     bucket = tl.load(header_ptr)
     s_tiles = tl.load(header_ptr + 1)
     total = tl.load(header_ptr + 2)
@@ -222,8 +230,13 @@ def _merge_chunks(part_o_ptr, part_lse_ptr, first_slot, rest_base, rest_step, n_
 def decode_combine_kernel(
     part_o_ptr, part_lse_ptr, out_ptr, header_ptr, cum_ptr, last_b_ptr, stride_ot, stride_oh,
     Q_LEN: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CB: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
-    """Program (k, row) merges `row` of the split (head, request) that starts in program k's bucket and leaves it."""
+    """Program (k, row) merges `row` of the split (head, request) that starts in program k's bucket and leaves it.
+
+    The plan tables were written before the attention kernel started, so they are read before the
+    USE_PDL wait; the partials only after it.
+    """
     k = tl.program_id(0)
     row = tl.program_id(1)
     b = tl.load(last_b_ptr + k)
@@ -238,6 +251,8 @@ def decode_combine_kernel(
         first = pair_lo // bucket
         last = (pair_hi - 1) // bucket
         if (first == k) & (last > first):
+            if USE_PDL:
+                gdc_wait()
             first_slot = 2 * k + tl.where(pair_lo == k * bucket, 0, 1)
             _merge_chunks(part_o_ptr, part_lse_ptr, first_slot, 2 * k, 2, last - first + 1, b, h, row, out_ptr,
                           stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, CB)

@@ -19,7 +19,7 @@ def _prefill_kv_tile(
     m_i,
     l_i,
     q,
-    q_row_scale,
+    row_scale,
     start_n,
     kv_limit,
     seq_len,
@@ -39,18 +39,22 @@ def _prefill_kv_tile(
     stride_vd,
     k_head_off,
     v_head_off,
-    k_scale,
-    qk_scale,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr,
     KV_FP8: tl.constexpr,
-    Q_FP8: tl.constexpr,
+    QK_FP8: tl.constexpr,
     PV_FP8: tl.constexpr,
     MASKED: tl.constexpr,
     USE_TMA: tl.constexpr,
+    FMA_SCALE: tl.constexpr,
 ):
-    """One online-softmax step over keys [start_n, start_n + BLOCK_N) of the paged cache."""
+    """One online-softmax step over keys [start_n, start_n + BLOCK_N) of the paged cache.
+
+    `row_scale` [BLOCK_M]: the logit scale of each row in the exp2 domain (softmax scale · log2 e, times
+    k_scale with fp8 KV and q's row scale with fp8 q). With FMA_SCALE (all row scales > 0) the max is
+    taken on the raw dot product and the scale is applied inside exp2's argument (one FFMA per logit).
+    """
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     kv_mask = offs_n < seq_len
@@ -77,23 +81,25 @@ def _prefill_kv_tile(
             k = tl.load(k_ptrs, mask=kv_mask[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
         else:
             k = tl.load(k_ptrs)
-    if KV_FP8 and not Q_FP8:
+    if KV_FP8 and not QK_FP8:
         k = k.to(q.dtype)
     s = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N] fp32
-    if Q_FP8:
-        s = s * (q_row_scale * k_scale * qk_scale)[:, None]
-    elif KV_FP8:
-        s = s * (k_scale * qk_scale)
+    # kv_limit <= seq_len - 1, so the causal test also masks the slots past seq_len
+    if FMA_SCALE:
+        if MASKED:
+            s = tl.where(offs_n[None, :] <= kv_limit[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * row_scale)
+        # a row whose keys are all masked so far keeps m = -inf; subtract 0 there instead of NaN
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s * row_scale[:, None] - m_safe[:, None])  # [BLOCK_M, BLOCK_N]
     else:
-        s = s * qk_scale
-    if MASKED:
-        visible = (offs_n[None, :] <= kv_limit[:, None]) & (offs_n[None, :] < seq_len)
-        s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    # a row whose keys are all masked so far keeps m = -inf; subtract 0 there instead of NaN
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s = s * row_scale[:, None]
+        if MASKED:
+            s = tl.where(offs_n[None, :] <= kv_limit[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])  # [BLOCK_M, BLOCK_N]
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     if USE_TMA:
@@ -108,7 +114,7 @@ def _prefill_kv_tile(
     if PV_FP8:
         # P in [0, 1] is scaled by 256 into e4m3's normal range; the epilogue divides it out
         acc = tl.dot((p * 256.0).to(v.dtype), v, acc)
-    elif Q_FP8:
+    elif QK_FP8:
         acc = tl.dot(p.to(tl.bfloat16), v.to(tl.bfloat16), acc)
     elif KV_FP8:
         acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc)
@@ -152,6 +158,7 @@ def prefill_attention_fwd_kernel(
     sm_scale,
     num_reqs,
     tiles_per_head,
+    num_kv_heads,
     HEAD_DIM: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -162,11 +169,24 @@ def prefill_attention_fwd_kernel(
     KV_FP8: tl.constexpr,
     PV_FP8: tl.constexpr,
     USE_TMA: tl.constexpr,
+    QUANT_Q: tl.constexpr,
+    FMA_SCALE: tl.constexpr,
+    HEADS_INNER: tl.constexpr,
 ):
+    # an fp8 P·V dot has K = BLOCK_N; fp8 MMAs (mma.sync and wgmma) need K >= 32 (the interpreter
+    # accepts any K, so this is asserted here rather than found by the GPU compile)
+    tl.static_assert(not PV_FP8 or BLOCK_N >= 32, "PV_FP8 needs BLOCK_N >= 32")
     TOKENS: tl.constexpr = BLOCK_M // GROUP  # new tokens per query tile
+    QK_FP8: tl.constexpr = Q_FP8 or QUANT_Q  # an fp8 q tile (given, or quantized here)
     pid = tl.program_id(0)
-    kv_head = pid // tiles_per_head
-    tile = pid % tiles_per_head
+    if HEADS_INNER:
+        # tile-major: the heaviest tiles of every kv head first (longest-first over the whole launch)
+        kv_head = pid % num_kv_heads
+        tile = pid // num_kv_heads
+    else:
+        # head-major: one kv head's tiles after another (its K/V stay hot in L2)
+        kv_head = pid // tiles_per_head
+        tile = pid % tiles_per_head
 
     # flat tile list: request b owns tiles [cum[b] - n[b], cum[b]) with n[b] = cdiv(q_len[b], TOKENS)
     offs_b = tl.arange(0, BLOCK_B)
@@ -196,21 +216,31 @@ def prefill_attention_fwd_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     q_rows = (q_start + tok).to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
     q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :] * stride_qd, mask=row_mask[:, None], other=0.0)
+    qk_scale = sm_scale * 1.4426950408889634  # exp2 domain
+    if KV_FP8:
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
+        qk_scale = qk_scale * k_scale
+    else:
+        v_scale = 1.0
     if Q_FP8:
         q_row_scale = tl.load(
             q_scale_ptr + (q_start + tok).to(tl.int64) * stride_qst + head * stride_qsh,
             mask=row_mask,
             other=0.0,
         )
+        row_scale = q_row_scale * qk_scale
+    elif QUANT_Q:
+        # q (bf16/fp16) to e4m3 per row (token, head) with scale amax / 448, as quantize_per_token_head
+        qf = q.to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(qf), 1), 1e-12)
+        q = tl.clamp(qf * (448.0 / amax)[:, None], -448.0, 448.0).to(tl.float8e4nv)
+        row_scale = amax * (1.0 / 448.0) * qk_scale
     else:
-        q_row_scale = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if KV_FP8:
-        k_scale = tl.load(k_scale_ptr)
-        v_scale = tl.load(v_scale_ptr)
-    else:
-        k_scale = 1.0
-        v_scale = 1.0
-    qk_scale = sm_scale * 1.4426950408889634  # exp2 domain
+        row_scale = tl.full([BLOCK_M], 1.0, dtype=tl.float32) * qk_scale
+    if FMA_SCALE:
+        # FMA_SCALE needs row_scale > 0 (-inf · 0 would be NaN); a zero q scale only zeroes the logits
+        row_scale = tl.maximum(row_scale, 1e-30)
 
     # query at token t sees keys [0, ctx_len + t]; rows past q_len are clamped to the last token
     kv_limit = ctx_len + tl.minimum(tok, q_len - 1)  # [BLOCK_M]
@@ -231,7 +261,7 @@ def prefill_attention_fwd_kernel(
             m_i,
             l_i,
             q,
-            q_row_scale,
+            row_scale,
             start_n,
             kv_limit,
             seq_len,
@@ -251,16 +281,15 @@ def prefill_attention_fwd_kernel(
             stride_vd,
             k_head_off,
             v_head_off,
-            k_scale,
-            qk_scale,
             HEAD_DIM,
             BLOCK_N,
             PAGE,
             KV_FP8,
-            Q_FP8,
+            QK_FP8,
             PV_FP8,
             False,
             USE_TMA,
+            FMA_SCALE,
         )
     for start_n in range(full_end, kv_end, BLOCK_N):
         acc, m_i, l_i = _prefill_kv_tile(
@@ -268,7 +297,7 @@ def prefill_attention_fwd_kernel(
             m_i,
             l_i,
             q,
-            q_row_scale,
+            row_scale,
             start_n,
             kv_limit,
             seq_len,
@@ -288,16 +317,15 @@ def prefill_attention_fwd_kernel(
             stride_vd,
             k_head_off,
             v_head_off,
-            k_scale,
-            qk_scale,
             HEAD_DIM,
             BLOCK_N,
             PAGE,
             KV_FP8,
-            Q_FP8,
+            QK_FP8,
             PV_FP8,
             True,
             USE_TMA,
+            FMA_SCALE,
         )
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)

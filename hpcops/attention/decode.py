@@ -28,6 +28,8 @@ class DecodeConfig:
     combine_chunks: chunks merged per step by the combine kernel;
     use_tma: load K/V tiles with TMA descriptors where the layout allows it (pages ≥ 64 tokens,
         pages contiguous, 16-byte aligned rows, power-of-two head_dim). Off until measured.
+    pdl: launch the combine kernel with programmatic dependent launch (sm90), overlapping its
+        launch with the attention kernel's tail. Off until measured; never under the interpreter.
     """
 
     num_stages: int = 3
@@ -35,6 +37,7 @@ class DecodeConfig:
     block_n: int = 64
     combine_chunks: int = 16
     use_tma: bool = False
+    pdl: bool = False
 
 
 _CONFIG = DecodeConfig()
@@ -212,15 +215,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     part_o, part_lse = plan.workspace(rows, d)
     from hpcops.attention._decode_kernels import decode_combine_kernel, decode_persistent_kernel
 
+    pdl = _CONFIG.pdl and not _platform.is_interpreter() and q.is_cuda
+    pdl_launch = {"launch_pdl": True} if pdl else {}
     decode_persistent_kernel[(plan.num_programs,)](
         q, k_cache, v_cache, *descs, block_table, seq_lens, out, part_o, part_lse,
         plan.header, plan.cum, plan.first_b, q_scale if q_fp8 else dummy, *args_kv,
         sm_scale * LOG2E, b, hq, block_table.shape[1], nb, *strides,
         BLOCK_SIZE=bs, TILE=TILE, BLOCK_N=block_n, KV_FP8=kv_fp8, Q_FP8=q_fp8, NUM_STAGES=_num_stages(),
-        num_warps=num_warps, M_PAD=m_pad, USE_TMA=use_tma, **common)
+        num_warps=num_warps, M_PAD=m_pad, USE_TMA=use_tma, USE_PDL=pdl, **common)
     decode_combine_kernel[(plan.num_programs, rows)](
         part_o, part_lse, out, plan.header, plan.cum, plan.last_b, out.stride(0), out.stride(1),
-        CB=_CONFIG.combine_chunks, num_warps=4, **common)
+        CB=_CONFIG.combine_chunks, USE_PDL=pdl, num_warps=4, **common, **pdl_launch)
     return out
 
 

@@ -21,11 +21,20 @@ class PrefillConfig:
     """Launch parameters of the prefill kernel.
 
     `block_m`: rows of a query tile (tokens × the query heads of one kv group; a power of two ≥ the
-    group size); `block_n`: keys per KV tile; `pv_fp8`: with fp8 q and fp8 KV, run P·V as an fp8
-    dot (P scaled by 256) instead of upcasting V to bf16; `tma`: load K/V tiles with TMA descriptors
-    (host TensorDescriptor over the cache seen as 2-D [num_blocks·block_size, token row]) when the
-    layout allows it (block_size % block_n == 0, blocks laid out back to back, 16-byte aligned);
-    otherwise the pointer path runs.
+    group size); `block_n`: keys per KV tile; `num_warps`, `num_stages`: as for any Triton kernel.
+    `pv_fp8`: with fp8 q (given, or from `quant_q`) and fp8 KV, run P·V as an fp8 dot (P scaled by
+    256) instead of upcasting V to bf16 (needs block_n ≥ 32: fp8 MMAs take K ≥ 32).
+    `tma`: load K/V tiles with TMA descriptors (host TensorDescriptor over the cache seen as 2-D
+    [num_blocks·block_size, token row]). `None` (default) uses TMA whenever the layout allows it
+    (block_size % block_n == 0, blocks laid out back to back, 16-byte aligned rows and base) and the
+    pointer path otherwise; `True` requires TMA (ValueError naming the reason when the layout does
+    not allow it); `False` always runs the pointer path.
+    `quant_q`: with bf16/fp16 q and fp8 KV, quantize each q row (token, head) to e4m3 in the kernel
+    (scale amax/448, like `quantize_per_token_head`) and run the fp8 QK dot instead of upcasting K
+    (fp8-q accuracy; off by default). `fma_scale`: apply the softmax scale inside exp2's argument (one
+    FFMA per logit) instead of scaling the logits first; used when the scale is positive.
+    `heads_inner`: launch order tile-major (pid = tile·Hkv + kv_head: the heaviest tiles of all kv
+    heads first) instead of head-major (one kv head's tiles after another).
     """
 
     block_m: int = 128
@@ -33,13 +42,21 @@ class PrefillConfig:
     num_warps: int = 8
     num_stages: int = 2
     pv_fp8: bool = False
-    tma: bool = False
+    tma: bool | None = None
+    quant_q: bool = False
+    fma_scale: bool = True
+    heads_inner: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"PrefillConfig.{name} must be a power of two >= 16, got {v}")
+        if self.pv_fp8 and self.block_n < 32:
+            raise ValueError(
+                f"PrefillConfig.pv_fp8 needs block_n >= 32 (an fp8 P·V dot has K = block_n and fp8 MMAs "
+                f"take K >= 32), got block_n={self.block_n}"
+            )
 
 
 def prefill_config(
@@ -151,19 +168,36 @@ def _validate(
     return out_dtype
 
 
-def _tma_ok(cache: torch.Tensor, config: PrefillConfig) -> bool:
+def tma_unsupported_reason(cache: torch.Tensor, block_n: int) -> str | None:
+    """Why a K or V cache cannot be read with TMA tiles of `block_n` keys (None: it can)."""
     nb, page, hkv, d = cache.shape
     sb, st, sh, sd = cache.stride()
     e = cache.element_size()
-    return (
-        page % config.block_n == 0
-        and sd == 1
-        and (sb == page * st or nb == 1)
-        and (st * e) % 16 == 0
-        and (sh * e) % 16 == 0
-        and cache.data_ptr() % 16 == 0
-        and nb * page < 2**31
-    )
+    if page % block_n:
+        return f"block_size {page} is not a multiple of block_n {block_n} (a TMA tile must lie in one page)"
+    if sd != 1:
+        return "head_dim is not contiguous"
+    if sb != page * st and nb > 1:
+        return f"blocks are not back to back (stride(0) {sb} != block_size·stride(1) {page * st})"
+    if (st * e) % 16 or (sh * e) % 16:
+        return f"token/head strides ({st}, {sh} elements) are not multiples of 16 bytes"
+    if cache.data_ptr() % 16:
+        return "the cache base address is not 16-byte aligned"
+    if nb * page >= 2**31:
+        return "more than 2^31 cache slots"
+    return None
+
+
+def _use_tma(k_cache: torch.Tensor, v_cache: torch.Tensor, config: PrefillConfig) -> bool:
+    """TMA when `config.tma` is None and the layout allows it; always / never for True / False."""
+    if config.tma is False:
+        return False
+    why = tma_unsupported_reason(k_cache, config.block_n) or tma_unsupported_reason(v_cache, config.block_n)
+    if why is None:
+        return True
+    if config.tma:
+        raise ValueError(f"PrefillConfig(tma=True) but the KV cache cannot be read with TMA: {why}")
+    return False
 
 
 def _kv_descriptor(cache: torch.Tensor, config: PrefillConfig):
@@ -210,11 +244,12 @@ def _launch(
     block_b = max(16, triton.next_power_of_2(b))
     sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
     dummy = k_cache  # stands in for absent optional pointers (never read)
-    use_tma = config.tma and _tma_ok(k_cache, config) and _tma_ok(v_cache, config)
+    use_tma = _use_tma(k_cache, v_cache, config)
     if use_tma:
         k_desc, v_desc = _kv_descriptor(k_cache, config), _kv_descriptor(v_cache, config)
     else:
         k_desc, v_desc = dummy, dummy
+    quant_q = bool(config.quant_q and kv_fp8 and not q_fp8)
     qs = q_scale if q_fp8 else dummy
     qs_strides = (q_scale.stride(0), q_scale.stride(1)) if q_fp8 else (0, 0)
     grid = (tiles_per_head * hkv,)
@@ -245,6 +280,7 @@ def _launch(
         sm_scale,
         b,
         tiles_per_head,
+        hkv,
         HEAD_DIM=d,
         GROUP=group,
         BLOCK_M=config.block_m,
@@ -253,8 +289,11 @@ def _launch(
         BLOCK_B=block_b,
         Q_FP8=q_fp8,
         KV_FP8=kv_fp8,
-        PV_FP8=bool(config.pv_fp8 and q_fp8 and kv_fp8),
+        PV_FP8=bool(config.pv_fp8 and (q_fp8 or quant_q) and kv_fp8),
         USE_TMA=use_tma,
+        QUANT_Q=quant_q,
+        FMA_SCALE=bool(config.fma_scale and sm_scale > 0),
+        HEADS_INNER=bool(config.heads_inner),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
