@@ -75,14 +75,19 @@ def main() -> int:
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="3 scenarios x {default, tma, pdl, tma+pdl}")
     args = ap.parse_args()
     vs = variants()
+    scenarios = SCENARIOS
+    if args.quick:
+        vs = [dict(DEFAULT, use_tma=tma, pdl=pdl) for tma in (False, True) for pdl in (False, True)]
+        scenarios = [SCENARIOS[1], SCENARIOS[5], SCENARIOS[7]]
     if args.dry_run:
         print("\n".join(_key(v) for v in vs))
-        print(f"{len(vs)} variants x {len(SCENARIOS)} scenarios")
+        print(f"{len(vs)} variants x {len(scenarios)} scenarios")
         return 0
     results = []
-    for sc in SCENARIOS:
+    for sc in scenarios:
         inputs = [make_decode_inputs(sc.lens, sc.hq, sc.hkv, sc.fp8, seed=i) for i in range(args.layers)]
         times = {}
         for v in vs:
