@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import pytest
@@ -14,8 +15,9 @@ from hpcops.quant import quantize_per_token_head
 from hpcops.testing import assert_close, make_paged_kv, nan_like
 
 FP8 = torch.float8_e4m3fn
-SMALL = PrefillConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)
+SMALL = PrefillConfig(block_m=32, block_n=16, num_warps=4, num_stages=1, tma=False)  # pointer path
 TMA = PrefillConfig(block_m=32, block_n=16, num_warps=4, num_stages=1, tma=True)
+AUTO = PrefillConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)  # tma=None: TMA where the layout allows
 
 
 @dataclass
@@ -81,11 +83,58 @@ CPU_CASES = [
         hkv=2,
         kv_dtype=FP8,
         q_fp8=True,
-        config=PrefillConfig(block_m=32, block_n=16, num_warps=4, num_stages=1, pv_fp8=True),
+        # block_n 32: an fp8 P·V dot needs K = block_n >= 32 on the GPU (block_n 16 failed to compile on the
+        # H200 while the interpreter ran it); page 16 < block_n, so this is also the gather path
+        config=PrefillConfig(block_m=32, block_n=32, num_warps=4, num_stages=1, pv_fp8=True),
     ),
     Case("tma-packed-gqa3", [45, 16, 3], [45, 2, 3], hq=6, hkv=2, packed=True, config=TMA),
     Case("tma-fp8kv-fp8q-page32", [33, 64], [9, 64], hq=4, hkv=1, block_size=32, kv_dtype=FP8, q_fp8=True, config=TMA),
     Case("heuristic-config-padded-rows", [70, 3], [6, 3], hq=8, hkv=2, block_size=32, config=None, pad_rows=3),
+    Case("auto-tma-fp8kv-bf16q", [40, 17], [23, 17], hq=8, hkv=2, kv_dtype=FP8, config=AUTO),
+    Case(
+        "quant-q-fp8kv-fp16q",
+        [39, 26],
+        [13, 26],
+        q_dtype=torch.float16,
+        kv_dtype=FP8,
+        config=dataclasses.replace(AUTO, quant_q=True),
+    ),
+    Case(
+        "quant-q-pvfp8-tma-gqa4",
+        [50, 33],
+        [50, 4],
+        hq=8,
+        hkv=2,
+        block_size=32,
+        kv_dtype=FP8,
+        config=PrefillConfig(block_m=32, block_n=32, num_warps=4, num_stages=1, quant_q=True, pv_fp8=True),
+    ),
+    Case(
+        "heads-inner-no-fma-scale",
+        [45, 16, 3],
+        [30, 2, 3],
+        hq=6,
+        hkv=3,
+        config=dataclasses.replace(SMALL, heads_inner=True, fma_scale=False),
+    ),
+    Case(
+        "heads-inner-tma-fp8q",
+        [33, 64],
+        [9, 64],
+        hq=8,
+        hkv=4,
+        kv_dtype=FP8,
+        q_fp8=True,
+        config=dataclasses.replace(TMA, heads_inner=True),
+    ),
+    Case(
+        "auto-falls-back-page16-bn32",
+        [40, 5],
+        [40, 2],
+        hq=4,
+        hkv=2,
+        config=PrefillConfig(block_m=32, block_n=32, num_warps=4, num_stages=1),
+    ),
 ]
 
 
@@ -128,7 +177,7 @@ def _inputs(case: Case, device: str, seed: int = 0):
 
 
 def _tolerance(case: Case) -> dict:
-    if case.q_fp8 and case.config is not None and case.config.pv_fp8:
+    if case.config is not None and case.config.pv_fp8 and (case.q_fp8 or case.config.quant_q):
         # P is rounded to e4m3 (3 mantissa bits) before P·V: ~2^-5 relative error per weight
         return {"maxtol": 6e-2, "rmstol": 3e-2}  # measured 1.8e-2 / 1.6e-2 on the CPU case
     return {}
@@ -142,7 +191,12 @@ def _run_case(case: Case, device: str) -> None:
     out = torch.full(q.shape, float("nan"), dtype=out_dtype, device=device)
     got = prefill_attention(*args, **kw, out=out, config=case.config)
     assert got is out
-    want = reference(*args, **kw)
+    if case.config is not None and case.config.quant_q and not case.q_fp8:
+        # the kernel quantizes q per (token, head) as quantize_per_token_head does: compare with that q
+        q8, qs8 = quantize_per_token_head(q)
+        want = reference(q8, *args[1:], **dict(kw, q_scale=qs8)).to(out_dtype)
+    else:
+        want = reference(*args, **kw)
     real = sum(case.q_lens)
     assert_close(want[:real], got[:real], name=case.name, **_tolerance(case))
     if case.pad_rows:
@@ -161,6 +215,8 @@ def test_default_out_and_scale(device: str):
     got = prefill_attention(*args, max_seqlen_q=7, scale=0.3, config=SMALL)
     assert got.dtype == q.dtype and got.shape == q.shape
     assert_close(reference(*args, max_seqlen_q=7, scale=0.3), got)
+    # a negative scale turns fma_scale off (the row max no longer commutes with the scale)
+    assert_close(reference(*args, max_seqlen_q=7, scale=-0.2), prefill_attention(*args, max_seqlen_q=7, scale=-0.2))
 
 
 def test_config_heuristic():
@@ -174,6 +230,34 @@ def test_config_heuristic():
     assert odd.block_m >= 3
     with pytest.raises(ValueError, match="block_m"):
         PrefillConfig(block_m=48)
+
+
+def test_tma_choice():
+    """tma=None takes TMA exactly where the layout allows it; True insists (naming why not); False never."""
+    from hpcops.attention.prefill import _use_tma, tma_unsupported_reason
+    from hpcops.testing import make_paged_kv
+
+    kv = make_paged_kv([40], num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.bfloat16, device="cpu")
+    packed = make_paged_kv([40], num_kv_heads=2, head_dim=64, block_size=16, dtype=FP8, device="cpu", packed=True)
+    bn16, bn32 = PrefillConfig(block_n=16), PrefillConfig(block_n=32)
+    assert tma_unsupported_reason(kv.k_cache, 16) is None
+    assert tma_unsupported_reason(packed.k_cache, 16) is None and tma_unsupported_reason(packed.v_cache, 16) is None
+    assert "multiple of block_n" in tma_unsupported_reason(kv.k_cache, 32)
+    assert "back to back" in tma_unsupported_reason(kv.k_cache[:, :8], 8)
+    odd = torch.zeros(3, 16, 2, 68, dtype=torch.bfloat16)[..., :64]  # head stride 68 bf16 = 136 bytes
+    assert "16 bytes" in tma_unsupported_reason(odd, 16)
+    assert _use_tma(kv.k_cache, kv.v_cache, bn16) and _use_tma(packed.k_cache, packed.v_cache, bn16)
+    assert not _use_tma(kv.k_cache, kv.v_cache, bn32)
+    assert not _use_tma(kv.k_cache, kv.v_cache, dataclasses.replace(bn16, tma=False))
+    assert _use_tma(kv.k_cache, kv.v_cache, dataclasses.replace(bn16, tma=True))
+    with pytest.raises(ValueError, match="tma=True.*multiple of block_n"):
+        _use_tma(kv.k_cache, kv.v_cache, dataclasses.replace(bn32, tma=True))
+
+
+def test_pv_fp8_needs_block_n_32():
+    with pytest.raises(ValueError, match="pv_fp8 needs block_n >= 32"):
+        PrefillConfig(block_n=16, pv_fp8=True)
+    PrefillConfig(block_n=32, pv_fp8=True)
 
 
 # ---- argument errors -------------------------------------------------------------------------------------

@@ -49,3 +49,12 @@ def test_config_override(monkeypatch):
     assert suite.config_override({"tma": True}) == {"tma": True}
     monkeypatch.setenv("HPCOPS_PREFILL_CONFIG", "block_m=64, num_stages=3,tma=1")
     assert suite.config_override({"pv_fp8": True}) == {"block_m": 64, "num_stages": 3, "tma": True, "pv_fp8": True}
+    monkeypatch.setenv("HPCOPS_PREFILL_CONFIG", "tma=auto,heads_inner=1,quant_q=0")
+    assert suite.config_override() == {"tma": None, "heads_inner": True, "quant_q": False}
+
+
+def test_flashinfer_backend_choice():
+    """bf16 q over an fp8 cache must not reach FlashInfer's FA3 templates (they fail to compile)."""
+    q = torch.zeros(1, 1, 8, dtype=torch.bfloat16)
+    assert suite.flashinfer_backend(q, torch.zeros(1, 1, 1, 8, dtype=torch.float8_e4m3fn)) == "fa2"
+    assert suite.flashinfer_backend(q, torch.zeros(1, 1, 1, 8, dtype=torch.bfloat16)) == "auto"

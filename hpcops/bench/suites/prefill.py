@@ -4,11 +4,17 @@ Batches use vLLM's batch-spec grammar `[count]q<q_len>[k][s<seq_len>[k]]` (k = 1
 the request is a pure prefill, seq_len = q_len; several specs joined by `_`). Heads h64/8 (Hy3) and
 h8/1 (one TP8 rank), head_dim 128, page 64, bf16 and fp8 KV. FLOPs are those of causal attention:
 4·D·Hq·Σ over queries of visible keys. Peers, each on the same inputs:
-- `flashinfer`: FlashInfer's BatchPrefillWithPagedKVCacheWrapper (backend auto; FA3 on Hopper), plan
-  outside the timed region;
+- `flashinfer`: FlashInfer's BatchPrefillWithPagedKVCacheWrapper, plan outside the timed region;
+  backend auto (FA3 on Hopper) when q and KV share a dtype, FA2 for bf16 q + fp8 KV: FlashInfer 0.5.3's
+  auto picks FA3 there too, whose SM90 templates do not compile for mixed q/KV dtypes ("Ninja build
+  failed", MajorB static_assert; flashinfer-ai/flashinfer#2348), while FA2 upcasts fp8 K/V in-kernel.
+  Its FA3 fp8 path (fp8 q + fp8 KV) is not usable through the 0.5.3 wrapper: `run` passes no
+  scale_q/scale_k/scale_v tensors to a kernel that reads them;
 - `sdpa-cudnn`, `sdpa-flash`: torch SDPA on the dense-equivalent problem (K/V gathered to contiguous
   tensors and expanded to Hq heads beforehand), bottom-right causal mask.
-With fp8 KV we time bf16 q (`hpcops`) and fp8 q with per-token-head scales (`hpcops-fp8q`).
+With fp8 KV we time bf16 q (`hpcops`) and fp8 q with per-token-head scales (`hpcops-fp8q`), plus the
+variant `hpcops-quant-q` (bf16 q quantized per row inside the kernel, PrefillConfig(quant_q=True)).
+`hpcops-notma` (PrefillConfig(tma=False)) tracks the pointer path now that TMA is the default.
 """
 
 from __future__ import annotations
@@ -110,16 +116,26 @@ def _make_inputs(s: Scenario, layer: int, device: str = "cuda") -> dict[str, Any
     return x
 
 
+BOOL_FIELDS = ("pv_fp8", "quant_q", "fma_scale", "heads_inner")
+
+
 def config_override(variant: dict | None = None):
     """A PrefillConfig from the heuristic's fields updated by env HPCOPS_PREFILL_CONFIG
-    ("block_m=128,block_n=64,num_warps=8,num_stages=3,tma=1,pv_fp8=0") and `variant`; None = heuristic."""
+    ("block_m=128,block_n=64,num_warps=8,num_stages=3,tma=1,pv_fp8=0"; tma=auto for the automatic
+    choice) and `variant`; None = heuristic."""
     import os
 
     text = os.environ.get("HPCOPS_PREFILL_CONFIG", "").strip()
     fields: dict[str, Any] = {}
     for item in filter(None, (t.strip() for t in text.split(","))):
         key, _, value = item.partition("=")
-        fields[key.strip()] = bool(int(value)) if key.strip() in ("tma", "pv_fp8") else int(value)
+        key, value = key.strip(), value.strip()
+        if key == "tma":
+            fields[key] = None if value.lower() in ("auto", "none") else bool(int(value))
+        elif key in BOOL_FIELDS:
+            fields[key] = bool(int(value))
+        else:
+            fields[key] = int(value)
     fields.update(variant or {})
     return fields or None
 
@@ -155,6 +171,11 @@ def _ours(fp8_q: bool, variant: dict | None = None):
     return prepare
 
 
+def flashinfer_backend(q: torch.Tensor, k_cache: torch.Tensor) -> str:
+    """FA2 for a 16-bit q over an fp8 cache (FlashInfer's FA3 templates need q and KV of one dtype)."""
+    return "fa2" if q.dtype != k_cache.dtype else "auto"
+
+
 def _flashinfer(x):
     try:
         import flashinfer
@@ -170,7 +191,7 @@ def _flashinfer(x):
     out = torch.empty_like(q)
     try:
         ws = torch.empty(128 << 20, dtype=torch.uint8, device=q.device)
-        wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
+        wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=flashinfer_backend(q, kv.k_cache))
         wrapper.plan(
             x["cu_cpu"],
             kv_indptr,
@@ -303,16 +324,23 @@ def cases(opts: dict) -> Iterator[Case]:
                 impls = [Impl("hpcops", _ours(False), ours=True, note="bf16 q, fp8 KV" if fp8 else "")]
                 if fp8:
                     impls.append(Impl("hpcops-fp8q", _ours(True), ours=True, note="fp8 q per token-head"))
-                # a variant timed in the same run, to decide the default of PrefillConfig.tma
+                    impls.append(
+                        Impl("hpcops-quant-q", _ours(False, {"quant_q": True}), note="variant: bf16 q, quant_q=True")
+                    )
+                # variants timed in the same run: the pointer path (TMA is the default where the layout allows)
                 impls.append(
                     Impl(
-                        "hpcops-tma",
-                        _ours(fp8, {"tma": True}),
-                        note="variant: PrefillConfig(tma=True)" + (", fp8 q" if fp8 else ""),
+                        "hpcops-notma",
+                        _ours(False, {"tma": False}),
+                        note="variant: PrefillConfig(tma=False)" + (", bf16 q" if fp8 else ""),
                     )
                 )
                 impls += [
-                    Impl("flashinfer", _flashinfer, note="BatchPrefillWithPagedKVCacheWrapper"),
+                    Impl(
+                        "flashinfer",
+                        _flashinfer,
+                        note="BatchPrefillWithPagedKVCacheWrapper" + (", backend fa2 (bf16 q)" if fp8 else ""),
+                    ),
                     Impl("sdpa-cudnn", _sdpa("cudnn"), note="dense, bf16 (fp8 KV dequantized)"),
                     Impl("sdpa-flash", _sdpa("flash"), note="dense, bf16 (fp8 KV dequantized)"),
                 ]
