@@ -27,9 +27,11 @@ class DecodeConfig:
     block_n: keys per step of the KV loop (a multiple of the 64-token tile; 64 or 128);
     combine_chunks: chunks merged per step by the combine kernel;
     use_tma: load K/V tiles with TMA descriptors where the layout allows it (pages ≥ 64 tokens,
-        pages contiguous, 16-byte aligned rows, power-of-two head_dim). Off until measured.
+        pages contiguous, 16-byte aligned rows, power-of-two head_dim). Off: 1–4% slower on the H200
+        (bench/results/decode_sweep_tma_pdl.md).
     pdl: launch the combine kernel with programmatic dependent launch (sm90), overlapping its
-        launch with the attention kernel's tail. Off until measured; never under the interpreter.
+        launch with the attention kernel's tail. Measured 0.6–6% faster on the H200; off until the
+        GPU tier has run with it on. Never under the interpreter.
     """
 
     num_stages: int = 3
