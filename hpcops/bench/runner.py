@@ -68,7 +68,9 @@ def machine_info(measure: bool = True) -> dict[str, Any]:
         p = torch.cuda.get_device_properties(0)
         info.update(gpu=p.name, sms=p.multi_processor_count, gpu_mem_gb=round(p.total_memory / 2**30, 1))
         if measure:
-            info["copy_gbps"] = round(timing.copy_bandwidth_gbps(), 1)
+            copy = timing.copy_bandwidth_gbps()
+            info["copy_gbps_by_method"] = {k: round(v, 1) for k, v in copy.items()}
+            info["copy_gbps"] = round(max(copy.values()), 1)
     return info
 
 
