@@ -6,6 +6,7 @@ Hy3 shapes (E 192, k 8, H 4096, I 192; EP8: 24 local of 192 experts, I 1536) and
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import pytest
@@ -144,6 +145,8 @@ class Case:
     small_max: int | None = None  # force the multi-program index build with 0
     prequant: bool | None = None  # force config.prequant_x
     block_n: int | None = None  # force the gate-up N tile (fp8_block: 128 quantizes in the epilogue)
+    fused: bool | None = None  # force config.fuse_reduce (and inline_index = `inline`)
+    inline: bool = True
 
     @property
     def id(self) -> str:
@@ -160,6 +163,8 @@ class Case:
             s += f"-prequant{int(self.prequant)}"
         if self.block_n is not None:
             s += f"-bn{self.block_n}"
+        if self.fused is not None:
+            s += f"-fused{int(self.fused)}" + ("" if self.inline or not self.fused else "-indexed")
         return s
 
 
@@ -181,6 +186,18 @@ CASES = [
     Case(7, quant="fp8_block", prequant=True, H=200, block_n=128, shared=True),
     Case(0, quant="fp8_tensor", shared=True, use_out=True),
     Case(0, use_out=True),
+    # the small-batch path: gate-up with the index inline, down GEMM with the top-k reduction
+    Case(2, shared=True, use_out=True, fused=True),
+    Case(5, k=4, inter=192, dtype=torch.float16, fused=True),
+    Case(3, quant="fp8_tensor", shared=True, fused=True),
+    Case(5, quant="fp8_tensor", static=False, ep=True, E=8, shared=True, use_out=True, fused=True),
+    Case(4, quant="fp8_tensor", inter=192, act_mul="bf16", fused=True),
+    Case(3, quant="fp8_block", shared=True, fused=True),
+    Case(6, k=3, quant="fp8_block", inter=256, H=200, ep=True, E=8, fused=True),
+    Case(7, quant="fp8_tensor", prequant=True, ep=True, E=8, fused=True),
+    Case(20, quant="fp8_tensor", ep=True, E=8, shared=True, fused=True, inline=False),
+    Case(9, k=2, fused=True, inline=False, small_max=0),
+    Case(1, k=1, quant="fp8_tensor", fused=False),  # get_config picks the small path here: force the other
 ]
 
 
@@ -211,6 +228,8 @@ def run_case(case: Case, device: str):
         cfg = cfg.with_(prequant_x=case.prequant)
     if case.block_n is not None:
         cfg = cfg.with_(block_n=case.block_n)
+    if case.fused is not None:
+        cfg = cfg.with_(fuse_reduce=case.fused, inline_index=case.fused and case.inline)
     out = nan_like(torch.empty(case.T, case.H, dtype=case.dtype, device=device)) if case.use_out else None
     got = fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap, shared_output=shared,
                     out=out, config=cfg)
@@ -228,8 +247,9 @@ def test_fused_moe(case, device):
     assert_close(ref, got, **_tolerance(case))
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["sorted", "fused"])
 @pytest.mark.parametrize("mode", ["tensor-static", "tensor-per-token", "block"])
-def test_fused_moe_fp8_input(mode, device):
+def test_fused_moe_fp8_input(mode, fused, device):
     """x arrives already quantized (x_scale); the output is bf16."""
     T, k, E, H, inter = 7, 3, 6, 256, 128
     kind = "fp8_block" if mode == "block" else "fp8_tensor"
@@ -246,13 +266,16 @@ def test_fused_moe_fp8_input(mode, device):
         xq, xs = quantize_per_token_group(x16, 128)
         x_scale = xs.to(device)
     xq = xq.to(device)
-    got = fused_moe(xq, wts.w13, wts.w2, tw, ids, quant=wts.quant, x_scale=x_scale)
+    cfg = get_config(num_tokens=T, top_k=k, num_experts=E, hidden=H, inter=inter, quant=kind,
+                     interpreter=device == "cpu").with_(fuse_reduce=fused, inline_index=fused)
+    got = fused_moe(xq, wts.w13, wts.w2, tw, ids, quant=wts.quant, x_scale=x_scale, config=cfg)
     ref = R.fused_moe(xq, wts.w13, wts.w2, tw, ids, quant=wts.quant, x_scale=x_scale)
     assert got.dtype == torch.bfloat16
     assert_close(ref, got, maxtol=4e-2, rmstol=1.5e-2)  # fp8 tolerance, see _tolerance
 
 
-def test_all_experts_remote_gives_shared_output(device):
+@pytest.mark.parametrize("fused", [False, True], ids=["sorted", "fused"])
+def test_all_experts_remote_gives_shared_output(fused, device):
     """EP: tokens whose experts all live on other ranks → exactly shared_output (zeros without it)."""
     T, H, inter = 5, 256, 128
     wts = make_weights(3, H, inter, "none", device=device)
@@ -260,10 +283,12 @@ def test_all_experts_remote_gives_shared_output(device):
     emap = make_expert_map(8, [], device)
     shared = torch.randn(T, H).bfloat16().to(device)
     x = torch.randn(T, H).bfloat16().to(device)
+    cfg = get_config(num_tokens=T, top_k=2, num_experts=8, hidden=H, inter=inter,
+                     interpreter=device == "cpu").with_(fuse_reduce=fused, inline_index=fused)
     out = fused_moe(x, wts.w13, wts.w2, tw, ids, expert_map=emap, shared_output=shared,
-                    out=nan_like(shared))
+                    out=nan_like(shared), config=cfg)
     assert torch.equal(out.cpu(), shared.cpu())
-    out = fused_moe(x, wts.w13, wts.w2, tw, ids, expert_map=emap, out=nan_like(shared))
+    out = fused_moe(x, wts.w13, wts.w2, tw, ids, expert_map=emap, out=nan_like(shared), config=cfg)
     assert (out.cpu() == 0).all()
 
 
@@ -447,6 +472,33 @@ def test_gpu_hy3(shape, T, kind):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["none", "fp8_tensor", "fp8_tensor_dyn", "fp8_block"])
+@pytest.mark.parametrize("T", [1, 4, 16, 64])
+@pytest.mark.parametrize("shape", ["tp8", "ep8"])
+def test_gpu_small_path(shape, T, kind):
+    """The small path (inline index + fused reduce) and the sorted path agree with the reference at Hy3
+    shapes, whichever get_config would pick."""
+    inter, n_local = (192, None) if shape == "tp8" else (1536, 24)
+    base = kind.replace("_dyn", "")
+    if base == "fp8_block" and inter % 128:
+        pytest.skip("Fp8Block128 needs I % 128 == 0 (Hy3 TP8 has I = 192)")
+    E, k, H = HY3["E"], HY3["k"], HY3["H"]
+    local = list(range(n_local)) if n_local else list(range(E))
+    wts = make_weights(len(local), H, inter, base, device="cuda", static=kind == "fp8_tensor")
+    tw, ids = make_routing(T, k, E, "cuda")
+    emap = make_expert_map(E, local, "cuda") if n_local else None
+    x = torch.randn(T, H, device="cuda").bfloat16()
+    shared = torch.randn_like(x)
+    ref = R.fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap, shared_output=shared)
+    cfg = get_config(num_tokens=T, top_k=k, num_experts=E, hidden=H, inter=inter, quant=base)
+    tol = {} if kind == "none" else {"maxtol": 4e-2, "rmstol": 1.5e-2}  # fp8 tolerance, see _tolerance
+    for fused, inline in ((True, True), (True, False), (False, False)):
+        got = fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap, shared_output=shared,
+                        out=nan_like(x), config=cfg.with_(fuse_reduce=fused, inline_index=inline))
+        assert_close(ref, got, name=f"fused={fused} inline={inline}", **tol)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["fp8_tensor", "none"])
 def test_gpu_ep8_ranks_sum_to_full(kind):
     """Eight simulated EP ranks (24 local experts each, I 1536) sum to the single-rank computation."""
@@ -497,3 +549,109 @@ def test_gpu_cuda_graph_replay(kind, T):
         torch.cuda.synchronize()
         eager = fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap)
         assert torch.equal(out, eager) or assert_close(eager, out) is None
+
+
+# ---------------------------------------------------------------------------------------------------
+# configs: the small-batch path, launch counts, the tuned table
+
+HY3_CFG = dict(top_k=8, num_experts=192, hidden=4096)
+
+
+@pytest.mark.parametrize("T,inter,small", [(1, 192, True), (4, 192, True), (12, 1536, True), (16, 192, False),
+                                           (512, 192, False)])
+def test_get_config_small_path(T, inter, small):
+    cfg = get_config(num_tokens=T, inter=inter, quant="fp8_tensor", **HY3_CFG)
+    assert cfg.fuse_reduce == small and cfg.inline_index == small
+
+
+class _Recorder:
+    def __init__(self, name, calls):
+        self.name, self.calls = name, calls
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.calls.append(self.name)
+
+
+@pytest.mark.parametrize("kind,fused,want", [
+    ("fp8_tensor", False, ["moe_index_small_kernel", "moe_gate_up_kernel", "moe_down_kernel", "moe_reduce_kernel"]),
+    ("fp8_tensor", True, ["moe_gate_up_kernel", "moe_down_reduce_kernel"]),
+    ("fp8_tensor_dyn", True, ["moe_quant_x_kernel", "moe_gate_up_kernel", "moe_down_reduce_kernel"]),
+    ("fp8_block", True, ["moe_gate_up_kernel", "moe_down_reduce_kernel"]),
+    ("none", True, ["moe_gate_up_kernel", "moe_down_reduce_kernel"]),
+])
+def test_small_batch_launches(monkeypatch, kind, fused, want):
+    """Everything a decode-size call puts on the stream (Triton launches and torch ops that run kernels):
+    the small path is two launches (B=4 Hy3 static fp8: 4 before), no memsets."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hpcops.moe import _moe_kernels as K
+
+    calls: list[str] = []
+    for n in dir(K):
+        if n.startswith("moe_") and n.endswith("_kernel"):
+            monkeypatch.setattr(K, n, _Recorder(n, calls))
+
+    class TorchOps(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "empty" not in str(func):  # allocations launch nothing
+                calls.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    E, H, inter, T, k = 4, 256, 128, 4, 8
+    base = kind.replace("_dyn", "")
+    wts = make_weights(E, H, inter, base, static=kind == "fp8_tensor")
+    x = torch.zeros(T, H, dtype=torch.bfloat16)
+    ids = torch.zeros(T, k, dtype=torch.int32)
+    tw = torch.zeros(T, k)
+    cfg = get_config(num_tokens=T, inter=192, quant=base, **HY3_CFG)  # the GPU heuristic at B=4
+    cfg = cfg.with_(validate_ids=False, fuse_reduce=fused, inline_index=fused)
+    with TorchOps():
+        fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, shared_output=x, out=torch.empty_like(x),
+                  config=cfg)
+    assert calls == want
+
+
+def _entry(T, **cfg):
+    return {"E": 192, "E_local": 192, "H": 4096, "I": 192, "quant": "fp8_tensor", "T": T, "config": cfg}
+
+
+def test_tuned_table(monkeypatch, tmp_path):
+    from hpcops.moe import configs as C
+    from hpcops.moe import tuned
+
+    monkeypatch.delenv("HPCOPS_MOE_TUNED", raising=False)
+    monkeypatch.setattr(tuned, "TUNED", {"GPU-A": [_entry(4, block_n=16), _entry(64, block_n=64, block_m=32)]})
+    kw = dict(top_k=8, num_experts=192, hidden=4096, inter=192, quant="fp8_tensor", num_local_experts=192)
+    heur = get_config(num_tokens=4, **kw)
+    assert get_config(num_tokens=4, device_name="GPU-A", **kw) == heur.with_(block_n=16)
+    assert get_config(num_tokens=2, device_name="GPU-A", **kw).block_n == 16
+    assert get_config(num_tokens=16, device_name="GPU-A", **kw).block_n == 16  # log2: 16 is as near 4 as 64
+    assert get_config(num_tokens=17, device_name="GPU-A", **kw).block_m == 32
+    assert get_config(num_tokens=129, device_name="GPU-A", **kw) == get_config(num_tokens=129, **kw)  # > 2·64
+    assert get_config(num_tokens=4, device_name="GPU-B", **kw) == heur  # another device
+    assert get_config(num_tokens=4, device_name="GPU-A", interpreter=True, **kw) == \
+        get_config(num_tokens=4, interpreter=True, **kw)  # the interpreter keeps its own tiles
+    assert get_config(num_tokens=4, device_name="GPU-A", **dict(kw, num_local_experts=24)) == heur  # EP shape
+    # a sweep output named by HPCOPS_MOE_TUNED comes first
+    f = tmp_path / "moe_sweep.json"
+    f.write_text(json.dumps({"device": "GPU-A", "entries": [_entry(4, block_n=64, fuse_reduce=False)]}))
+    monkeypatch.setenv("HPCOPS_MOE_TUNED", str(f))
+    got = get_config(num_tokens=4, device_name="GPU-A", **kw)
+    assert got.block_n == 64 and not got.fuse_reduce
+    C._env_entries.cache_clear()
+    f.write_text(json.dumps({"device": "GPU-A", "entries": [_entry(4, blocc_n=64)]}))
+    with pytest.raises(ValueError, match="blocc_n"):
+        get_config(num_tokens=4, device_name="GPU-A", **kw)
+    C._env_entries.cache_clear()
+
+
+def test_inline_index_falls_back_to_the_index_build(monkeypatch, device):
+    """fuse_reduce + inline_index above INLINE_INDEX_MAX pairs: the index is built (same result)."""
+    from hpcops.moe import configs as C
+    from hpcops.moe import fused_moe as F
+
+    monkeypatch.setattr(F, "INLINE_INDEX_MAX", 8)
+    assert C.INLINE_INDEX_MAX >= 1024
+    case = Case(5, quant="fp8_tensor", fused=True)  # 15 pairs > 8
+    got, ref = run_case(case, device)
+    assert_close(ref, got, **_tolerance(case))

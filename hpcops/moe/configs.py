@@ -1,14 +1,23 @@
-"""Tile configurations for the fused MoE, chosen by a heuristic from the average tokens per expert.
+"""Tile configurations for the fused MoE: a heuristic from the average tokens per expert, overridden by
+measured entries of a tuned table (`hpcops/moe/tuned.py`, or a JSON file named by `HPCOPS_MOE_TUNED`).
 
-No autotuning: `get_config` maps (tokens, top-k, experts, H, I, quantization) to a frozen `MoeConfig`;
-tests and benchmarks pass their own `MoeConfig` to `fused_moe(..., config=...)` to force a shape.
+No autotuning at run time: `get_config` maps (tokens, top-k, experts, H, I, quantization, device) to a
+frozen `MoeConfig`; tests and benchmarks pass their own `MoeConfig` to `fused_moe(..., config=...)`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import functools
+import json
+import math
+import os
+from dataclasses import dataclass, fields, replace
 
 ACT_MUL_MODES = ("fp32", "bf16")
+# the small-batch path (fuse_reduce + inline_index) up to this many routed rows per expert on average
+SMALL_PATH_MAX_AVG = 0.5
+# inline_index needs every (token, slot) pair in registers: above this many pairs the index is built
+INLINE_INDEX_MAX = 1024
 
 
 @dataclass(frozen=True)
@@ -27,6 +36,13 @@ class MoeConfig:
     `prequant_x`: quantize a bf16/fp16 x to fp8 in a separate pass (one read of x) instead of inside
     every gate-up program's loader (which re-reads bf16 rows once per N tile): pays for large batches.
     `validate_ids`: check topk_ids values on the host (a device sync) when not capturing a CUDA graph.
+    `fuse_reduce`: small batches: the gate-up GEMM writes act rows in pair order and the down GEMM runs
+    per (token, N tile), summing the token's k weighted rows in its epilogue (`moe_down_reduce_kernel`):
+    no y buffer, no reduce launch, and no amax buffers to zero (dynamic activation scales are computed
+    by the down GEMM's loader). An expert used by several tokens is read once per token (from L2 when
+    they run together), so it pays while experts see about one token.
+    `inline_index` (with `fuse_reduce`): each gate-up program derives its M tile from topk_ids itself
+    (histogram + prefix sums in registers), so no index launch; up to `INLINE_INDEX_MAX` pairs.
     """
 
     block_m: int = 16
@@ -43,6 +59,8 @@ class MoeConfig:
     prequant_x: bool = False
     act_mul: str = "fp32"
     validate_ids: bool = True
+    fuse_reduce: bool = False
+    inline_index: bool = False
 
     def with_(self, **kw) -> MoeConfig:
         return replace(self, **kw)
@@ -68,9 +86,25 @@ def block_m_for(avg_tokens_per_expert: float) -> int:
 
 
 def get_config(*, num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
-               quant: str = "none", interpreter: bool = False) -> MoeConfig:
-    """Heuristic config. `num_experts` is the global count (the routing spreads over all of them);
-    `quant` is "none", "fp8_tensor" or "fp8_block"."""
+               quant: str = "none", interpreter: bool = False, num_local_experts: int | None = None,
+               device_name: str | None = None) -> MoeConfig:
+    """Config for one call. `num_experts` is the global count (the routing spreads over all of them),
+    `num_local_experts` the experts this rank holds (default: all); `quant` is "none", "fp8_tensor" or
+    "fp8_block". A tuned entry for `device_name` (`torch.cuda.get_device_name()`) and this shape replaces
+    the heuristic's tiles (see `tuned_entry`); the interpreter always uses the heuristic."""
+    cfg = heuristic_config(num_tokens=num_tokens, top_k=top_k, num_experts=num_experts, hidden=hidden,
+                           inter=inter, quant=quant, interpreter=interpreter)
+    if interpreter or not device_name:
+        return cfg
+    entry = tuned_entry(device_name, num_tokens=num_tokens, num_experts=num_experts,
+                        num_local_experts=num_local_experts or num_experts, hidden=hidden, inter=inter,
+                        quant=quant)
+    return replace(cfg, **entry) if entry else cfg
+
+
+def heuristic_config(*, num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
+                     quant: str = "none", interpreter: bool = False) -> MoeConfig:
+    """The untuned heuristic: tiles from the average rows per expert `num_tokens·top_k / num_experts`."""
     avg = num_tokens * top_k / max(num_experts, 1)
     bm = block_m_for(avg)
     fp8 = quant != "none"
@@ -97,7 +131,65 @@ def get_config(*, num_tokens: int, top_k: int, num_experts: int, hidden: int, in
         # for parallelism (the down GEMM then quantizes the 16-bit activation per group while loading)
         cfg = replace(cfg, block_n=128 if bm >= 64 else 64, block_k=128, down_block_k=128,
                       block_m=min(cfg.block_m, 64), down_block_n=min(cfg.down_block_n, 128))
+    if avg <= SMALL_PATH_MAX_AVG:
+        # about one token per touched expert: two launches (gate-up with the index inline, down GEMM
+        # with the top-k reduction) instead of index + gate-up + down + reduce
+        cfg = replace(cfg, fuse_reduce=True, inline_index=True)
     if interpreter:
         cfg = replace(cfg, block_n=max(cfg.block_n, 64), down_block_n=max(cfg.down_block_n, 128),
                       block_k=128, down_block_k=128 if quant == "fp8_block" else _k_tile(inter))
+    return cfg
+
+
+# ---- tuned table ----------------------------------------------------------------------------------
+# An entry is a dict: {"E": global experts, "E_local": local experts, "H": hidden, "I": intermediate,
+# "quant": "none" | "fp8_tensor" | "fp8_block", "T": the batch it was measured at, "config": {MoeConfig
+# fields}} (extra keys such as "us" are kept as documentation). `scripts/sweep_moe.py` writes them.
+
+TUNABLE = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "down_block_n", "down_block_k",
+           "down_num_warps", "down_num_stages", "reduce_block_h", "index_small_max", "prequant_x",
+           "fuse_reduce", "inline_index")
+
+
+@functools.cache
+def _env_entries(path: str) -> tuple[str, tuple[dict, ...]]:
+    with open(path) as f:
+        data = json.load(f)
+    return data.get("device", ""), tuple(data.get("entries", ()))
+
+
+def tuned_entries(device_name: str) -> list[dict]:
+    """Entries for `device_name`: `HPCOPS_MOE_TUNED` (a JSON file {"device": name, "entries": [...]},
+    e.g. the sweep's moe_sweep.json) first, then `hpcops.moe.tuned.TUNED[device_name]`."""
+    from hpcops.moe.tuned import TUNED
+
+    out: list[dict] = []
+    path = os.environ.get("HPCOPS_MOE_TUNED", "").strip()
+    if path:
+        dev, entries = _env_entries(path)
+        if not dev or dev == device_name:
+            out += list(entries)
+    return out + list(TUNED.get(device_name, ()))
+
+
+def tuned_entry(device_name: str, *, num_tokens: int, num_experts: int, num_local_experts: int, hidden: int,
+                inter: int, quant: str) -> dict | None:
+    """MoeConfig fields of the entry for this shape measured at the batch nearest to `num_tokens` (in
+    log2; ties to the smaller batch), or None. Batches beyond half the smallest / twice the largest
+    measured one keep the heuristic: nothing was measured near them."""
+    key = (num_experts, num_local_experts, hidden, inter, quant)
+    cands = [e for e in tuned_entries(device_name)
+             if (e["E"], e.get("E_local", e["E"]), e["H"], e["I"], e["quant"]) == key]
+    if not cands or num_tokens <= 0:
+        return None
+    ts = sorted({int(e["T"]) for e in cands})
+    if not ts[0] / 2 <= num_tokens <= ts[-1] * 2:
+        return None
+    best_t = min(ts, key=lambda t: (abs(math.log2(t) - math.log2(num_tokens)), t))
+    entry = next(e for e in cands if int(e["T"]) == best_t)  # the first listed wins (env file first)
+    known = {f.name for f in fields(MoeConfig)}
+    cfg = {k: v for k, v in entry["config"].items() if k in TUNABLE}
+    bad = set(entry["config"]) - known
+    if bad:
+        raise ValueError(f"tuned MoE entry {key} T={best_t}: unknown MoeConfig fields {sorted(bad)}")
     return cfg

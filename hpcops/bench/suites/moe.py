@@ -130,7 +130,8 @@ def _config_overrides() -> list[dict[str, Any]]:
             key, val = pair.split("=")
             if key not in names:
                 raise ValueError(f"HPCOPS_MOE_CONFIGS: unknown MoeConfig field {key!r}")
-            kw[key] = val if key == "act_mul" else int(val)
+            kind = names[key]
+            kw[key] = val if key == "act_mul" else bool(int(val)) if kind in (bool, "bool") else int(val)
         out.append(kw)
     return out
 
@@ -145,10 +146,11 @@ def _ours(s: Scenario, overrides: dict[str, Any] | None = None):
     def prepare(x):
         from hpcops._platform import is_interpreter
         from hpcops.moe.configs import get_config
-        from hpcops.moe.fused_moe import fused_moe
+        from hpcops.moe.fused_moe import device_name, fused_moe
 
         cfg = get_config(num_tokens=s.t, top_k=TOP_K, num_experts=E_GLOBAL, hidden=HIDDEN, inter=s.inter,
-                         quant=s.kind, interpreter=is_interpreter())
+                         quant=s.kind, interpreter=is_interpreter(), num_local_experts=s.n_local,
+                         device_name=device_name(x["x"].device))
         cfg = cfg.with_(validate_ids=False, **(overrides or {}))
         args = (x["x"], x["w13"], x["w2"], x["tw"], x["ids"])
         kw = {"quant": x["quant"], "expert_map": x["emap"], "shared_output": x["shared"], "out": x["out"],
@@ -227,15 +229,26 @@ def _torch_loop(s: Scenario):
             raise PeerUnavailable("sanity row for T <= 64 only")
         if s.kind == "fp8_block":
             raise PeerUnavailable("no block-scaled torch matmul")
-        E, inter = s.n_local, s.inter
+        E, inter, T = s.n_local, s.inter, s.t
         ids, tw, emap = x["ids"].long(), x["tw"], x["emap"]
         quant = x["quant"]
+        if quant is not None:
+            # cuBLASLt fp8 (torch._scaled_mm): rows padded to a multiple of 16 and every scale its own
+            # fresh [1] fp32 allocation (views into the per-expert scale vector sit at 4-byte offsets;
+            # the H200 run failed with CUBLAS_STATUS_NOT_SUPPORTED at T = 4, 16, 64 before this)
+            t_pad = max(16, -(-T // 16) * 16)
+            one = lambda v: v.detach().float().reshape(1).clone()
+            sa13, sa2 = one(quant.a13_scale), one(quant.a2_scale)
+            sb13 = [one(quant.w13_scale[e]) for e in range(E)]
+            sb2 = [one(quant.w2_scale[e]) for e in range(E)]
+            xpad = torch.zeros(t_pad, x["x"].shape[1], dtype=torch.float32, device=x["x"].device)
 
         def run():
             loc = emap[ids].long() if emap is not None else ids
             acc = x["shared"].float()
             if quant is not None:
-                xq = (x["x"].float() / quant.a13_scale).clamp(-448, 448).to(FP8)
+                xpad[:T] = x["x"].float()
+                xq = (xpad / sa13).clamp(-448, 448).to(FP8)
             for e in range(E):
                 wt = (tw * (loc == e)).sum(-1, keepdim=True)
                 if quant is None:
@@ -243,19 +256,22 @@ def _torch_loop(s: Scenario):
                     act = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
                     y = act @ x["w2"][e].t()
                 else:
-                    h = torch._scaled_mm(xq, x["w13"][e].t(), scale_a=quant.a13_scale,
-                                         scale_b=quant.w13_scale[e].reshape(1), out_dtype=torch.bfloat16)
+                    h = torch._scaled_mm(xq, x["w13"][e].t(), scale_a=sa13, scale_b=sb13[e],
+                                         out_dtype=torch.bfloat16)
                     act = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
-                    aq = (act.float() / quant.a2_scale).clamp(-448, 448).to(FP8)
-                    y = torch._scaled_mm(aq, x["w2"][e].t(), scale_a=quant.a2_scale,
-                                         scale_b=quant.w2_scale[e].reshape(1), out_dtype=torch.bfloat16)
+                    aq = (act.float() / sa2).clamp(-448, 448).to(FP8)
+                    y = torch._scaled_mm(aq, x["w2"][e].t(), scale_a=sa2, scale_b=sb2[e],
+                                         out_dtype=torch.bfloat16)[:T]
                 acc = acc + wt * y.float()
             return x["out"].copy_(acc)
         try:
-            if run().is_cuda:
+            got = run()
+            if got.is_cuda:
                 torch.cuda.synchronize()
         except Exception as exc:
-            raise PeerUnavailable(f"torch loop failed: {type(exc).__name__}: {str(exc)[:120]}") from exc
+            raise PeerUnavailable(f"torch loop failed: {type(exc).__name__}: {str(exc)[:200]}") from exc
+        if x["layer"] == 0 and got.is_cuda and quant is not None:
+            _assert_matches(s, x, got, "torch-loop")  # the padded fp8 path agrees with the reference
         return run
     return prepare
 
