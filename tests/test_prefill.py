@@ -228,6 +228,11 @@ def test_config_heuristic():
     assert wide_group.block_m == 32
     odd = prefill_config(head_dim=64, group=3, max_seqlen_q=1, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16)
     assert odd.block_m >= 3
+    d256 = prefill_config(head_dim=256, group=2, max_seqlen_q=4096, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16)
+    assert (d256.block_m, d256.block_n, d256.num_warps) == (64, 32, 8)
+    d256_short = prefill_config(head_dim=256, group=2, max_seqlen_q=8, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16)
+    assert (d256_short.block_m, d256_short.num_warps) == (16, 4)
+    assert big.tma is None and big.fma_scale and not (big.pv_fp8 or big.quant_q or big.heads_inner)
     with pytest.raises(ValueError, match="block_m"):
         PrefillConfig(block_m=48)
 

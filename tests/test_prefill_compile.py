@@ -1,7 +1,8 @@
 """The prefill kernel compiles for sm_90 (H200) on the CPU: ahead-of-time through Triton's NVIDIA backend
 in a subprocess without TRITON_INTERPRET, so GPU-only compile errors (layouts, fp8 wgmma, TMA
-descriptors, register spills) show up in CI. Asserts wgmma is used, nothing spills to local memory,
-and the TMA variant issues bulk tensor copies."""
+descriptors, register spills) show up in CI. Asserts wgmma is used (mma.sync below 64 rows), nothing
+spills (PTX local memory, and ptxas -v on the PTX for sm_90a), and exactly the TMA variants issue bulk tensor
+copies."""
 
 from __future__ import annotations
 
@@ -56,7 +57,21 @@ def build(d, group, bm, bn, page, q, kv, pv_fp8, tma, warps, stages, quant_q=Fal
     ptx = cc.asm["ptx"]
     return {"wgmma": len(re.findall(r"wgmma\.mma_async", ptx)), "mma_sync": ptx.count("mma.sync"),
             "cp_async": ptx.count("cp.async.cg") + ptx.count("cp.async.ca"), "tma": ptx.count("cp.async.bulk.tensor"),
-            "local": ptx.count("st.local"), "smem": cc.metadata.shared}
+            "local": ptx.count("st.local"), "smem": cc.metadata.shared, **ptxas_stats(ptx)}
+
+def ptxas_stats(ptx):
+    # register allocation happens in ptxas: PTX without st.local can still spill there
+    import os, subprocess, tempfile
+    from triton.backends.nvidia.compiler import get_ptxas
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        log = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", src, "-o", os.path.join(tmp, "k.cubin")],
+                             capture_output=True, text=True, check=True).stderr
+    spill = re.search(r"(\d+) bytes spill stores", log)
+    regs = re.search(r"Used (\d+) registers", log)
+    return {"spill": int(spill.group(1)) if spill else -1, "regs": int(regs.group(1)) if regs else -1}
 
 out = {}
 for name, cfg in json.loads(sys.argv[1]).items():
@@ -79,7 +94,9 @@ VARIANTS = {
     "fp8-pvfp8": _v(bn=128, page=128, q="fp8e4nv", kv="fp8e4nv", pv_fp8=True),
     "tma-bf16-s3": _v(tma=True, stages=3),
     "gather-page16-fp16-gqa3": _v(group=3, page=16, q="fp16", kv="fp16"),
-    "d256-64x64": _v(d=256, group=2, bm=64, warps=4),
+    # the D = 256 default (64x64 with 4 warps spilled 536 bytes in ptxas; 64x32 with 8 warps spills none)
+    "d256-64x32-w8": _v(d=256, group=2, bm=64, bn=32, warps=8),
+    "d256-64x32-w8-tma-fp8kv": _v(d=256, group=2, bm=64, bn=32, warps=8, kv="fp8e4nv", tma=True),
     # the CPU-tier case test_prefill_matches_reference[fp8kv-fp8q-pvfp8]: with block_n 16 its fp8 P·V dot
     # (K = 16 < 32) failed to compile on the H200; block_m 32 < 64 runs mma.sync, not wgmma
     "fp8-pvfp8-cpu-case-bm32-bn32-page16": _v(
@@ -92,6 +109,12 @@ VARIANTS = {
 }
 
 
+# bytes of ptxas spill stores tolerated: the fp8 q+KV default tile (128×128, 8 warps) sits at 255 registers
+# (12 bytes with fma_scale, 16 before it, 40 without it); the tiny CPU-tier case runs on mma.sync with an
+# 8-byte stack frame at 128 registers
+SPILL_OK = {"fp8-128x128": 16, "fp8-pvfp8-cpu-case-bm32-bn32-page16": 8}
+
+
 def test_compiles_for_sm90():
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -101,12 +124,13 @@ def test_compiles_for_sm90():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(json.dumps(res, indent=1))
     for name, r in res.items():
         if VARIANTS[name]["bm"] >= 64:
             assert r["wgmma"] > 0, (name, r)
         else:  # a warpgroup MMA needs M >= 64 rows
             assert r["mma_sync"] > 0, (name, r)
-        assert r["local"] == 0, f"{name} spills registers: {r}"
+        assert r["local"] == 0 and r["spill"] <= SPILL_OK.get(name, 0), f"{name} spills registers: {r}"
         assert r["smem"] <= 227 * 1024, (name, r)
     for name, cfg in VARIANTS.items():
         assert (res[name]["tma"] > 0) == cfg["tma"], (name, res[name])
