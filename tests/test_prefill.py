@@ -452,6 +452,17 @@ GPU_CASES = [
         config=PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, tma=True),
     ),
     Case(
+        "gpu-fp8kv-quant-q-pvfp8",
+        [3000, 700],
+        [1024, 11],
+        hq=64,
+        hkv=8,
+        head_dim=128,
+        block_size=64,
+        kv_dtype=FP8,
+        config=PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, quant_q=True, pv_fp8=True),
+    ),
+    Case(
         "gpu-fp16-h8/1-page32",
         [1500, 1],
         [1500, 1],
@@ -476,13 +487,18 @@ def test_prefill_gpu(case: Case):
 @pytest.mark.parametrize(
     "config",
     [
-        PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
+        PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, tma=False),
         PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=2),
-        PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=3),
+        PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, tma=False),
+        PrefillConfig(block_m=64, block_n=64, num_warps=8, num_stages=4, tma=True),
         PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, tma=True),
-        PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, tma=True),
+        PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, tma=True, heads_inner=True),
+        PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, fma_scale=False),
     ],
-    ids=lambda c: f"m{c.block_m}n{c.block_n}w{c.num_warps}s{c.num_stages}{'-tma' if c.tma else ''}",
+    ids=lambda c: (
+        f"m{c.block_m}n{c.block_n}w{c.num_warps}s{c.num_stages}{'-tma' if c.tma else ''}"
+        f"{'-inner' if c.heads_inner else ''}{'-nofma' if not c.fma_scale else ''}"
+    ),
 )
 def test_prefill_gpu_configs(config: PrefillConfig):
     _run_case(
