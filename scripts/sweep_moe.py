@@ -8,7 +8,7 @@ checked against the torch reference (a wrong variant is reported, never ranked).
 
 The grid is a staged (coordinate) search around the heuristic config, per scenario:
   A1  path (fuse_reduce / inline_index) × gate-up block_n
-  A2  around the best of A1: block_m, block_k, num_stages, num_warps, prequant_x
+  A2  around the best of A1: block_m, block_k, num_stages, num_warps, prequant_x, pdl (small path)
   B1  down GEMM: down_block_n × down_block_k
   B2  down_num_warps × down_num_stages around the best of B1
 Kernels of a stage are compiled first by `--jobs` worker processes (Triton's disk cache is shared), so
@@ -32,6 +32,8 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, also in the spawned workers
 
 SCENARIOS = [("tp8", 4), ("tp8", 16), ("tp8", 64), ("tp8", 512), ("tp8", 2048), ("ep8", 4), ("ep8", 64), ("ep8", 512)]
 KIND = "fp8_tensor"
@@ -107,6 +109,8 @@ def stage_a2(s, best: dict) -> list[dict]:
     out.append(dict(best, num_warps=8 if best["num_warps"] == 4 else 4))
     if s.t >= 64:
         out.append(dict(best, prequant_x=not best["prequant_x"]))
+    if best["fuse_reduce"]:
+        out.append(dict(best, pdl=not best["pdl"]))
     return out
 
 
@@ -135,12 +139,12 @@ def _worker_run(layout: str, t: int, variant: dict) -> str | None:
     from hpcops.bench.suites import moe as suite
 
     s = _scenario(layout, t)
-    if (layout, t) not in _WORKER_INPUTS:
-        while len(_WORKER_INPUTS) >= 2:  # keep two scenarios' layer-0 inputs (< 2 GB)
-            _WORKER_INPUTS.pop(next(iter(_WORKER_INPUTS)))
-        torch.cuda.empty_cache()
-        _WORKER_INPUTS[(layout, t)] = suite._make_inputs(s, 0)
     try:
+        if (layout, t) not in _WORKER_INPUTS:
+            while len(_WORKER_INPUTS) >= 2:  # keep two scenarios' layer-0 inputs (< 2 GB)
+                _WORKER_INPUTS.pop(next(iter(_WORKER_INPUTS)))
+            torch.cuda.empty_cache()
+            _WORKER_INPUTS[(layout, t)] = suite._make_inputs(s, 0)
         suite._ours(s, variant)(_WORKER_INPUTS[(layout, t)])()
         torch.cuda.synchronize()
     except Exception as exc:  # noqa: BLE001 - reported by the parent
@@ -152,21 +156,40 @@ class Warmer:
     """Compiles variants in `jobs` spawned processes (the parent then loads them from Triton's disk cache)."""
 
     def __init__(self, jobs: int):
+        self.jobs = jobs
         self.pool = None
         if jobs > 0:
-            self.pool = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"))
+            self._start()
+
+    def _start(self):
+        self.pool = ProcessPoolExecutor(max_workers=self.jobs, mp_context=multiprocessing.get_context("spawn"))
+
+    def _batch(self, items) -> dict[tuple[str, str], str]:
+        futs = [(s, v, self.pool.submit(_worker_run, s.layout, s.t, v)) for s, v in items]
+        errors = {}
+        for s, v, f in futs:
+            err = f.result(timeout=300)
+            if err:
+                errors[(s.name, _key(v))] = err
+        return errors
 
     def warm(self, items: list[tuple[object, dict]]) -> dict[tuple[str, str], str]:
-        """{(scenario name, variant key): error} for the variants that failed in a worker."""
+        """{(scenario name, variant key): error} for the variants that failed in a worker. Variants that
+        fail there are never run in this process (a faulting kernel would end the sweep)."""
         if self.pool is None or not items:
             return {}
         try:
-            futs = [(s, v, self.pool.submit(_worker_run, s.layout, s.t, v)) for s, v in items]
-            errors = {}
-            for s, v, f in futs:
-                err = f.result(timeout=300)
-                if err:
-                    errors[(s.name, _key(v))] = err
+            errors = self._batch(items)
+            if any("CUDA error" in e for e in errors.values()):
+                # a kernel fault poisons its worker's context: later variants on that worker fail too;
+                # retry the failures once on fresh workers
+                self.close()
+                self._start()
+                retry = [(s, v) for s, v in items if (s.name, _key(v)) in errors]
+                again = self._batch(retry)
+                errors = again
+                self.close()
+                self._start()
             return errors
         except Exception as exc:  # noqa: BLE001 - a broken pool: compile in this process instead
             print(f"[sweep] compile workers failed ({type(exc).__name__}: {exc}); compiling in-process",

@@ -492,10 +492,48 @@ def test_gpu_small_path(shape, T, kind):
     ref = R.fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap, shared_output=shared)
     cfg = get_config(num_tokens=T, top_k=k, num_experts=E, hidden=H, inter=inter, quant=base)
     tol = {} if kind == "none" else {"maxtol": 4e-2, "rmstol": 1.5e-2}  # fp8 tolerance, see _tolerance
-    for fused, inline in ((True, True), (True, False), (False, False)):
+    for fused, inline, pdl in ((True, True, False), (True, True, True), (True, False, False),
+                               (False, False, False)):
         got = fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap, shared_output=shared,
-                        out=nan_like(x), config=cfg.with_(fuse_reduce=fused, inline_index=inline))
-        assert_close(ref, got, name=f"fused={fused} inline={inline}", **tol)
+                        out=nan_like(x), config=cfg.with_(fuse_reduce=fused, inline_index=inline, pdl=pdl))
+        assert_close(ref, got, name=f"fused={fused} inline={inline} pdl={pdl}", **tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pdl", [False, True])
+def test_gpu_small_path_graph_replay(pdl):
+    """The small path (with and without programmatic dependent launch) captured in a CUDA graph after
+    other work on the stream, replayed with new routing: equals eager."""
+    T, inter = 4, 192
+    wts, tw, ids, emap, x = _hy3_inputs(T, inter, "fp8_tensor")
+    cfg = get_config(num_tokens=T, top_k=HY3["k"], num_experts=HY3["E"], hidden=HY3["H"], inter=inter,
+                     quant="fp8_tensor").with_(pdl=pdl, validate_ids=False)
+    assert cfg.fuse_reduce and cfg.inline_index
+    out = torch.empty_like(x)
+    x_in = torch.empty_like(x)
+
+    def step():
+        x.copy_(x_in * 2)  # a producer kernel right before the MoE (PDL must wait for it)
+        fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, out=out, config=cfg)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        x_in.normal_()
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for seed in (5, 6, 7):
+        tw2, ids2 = make_routing(T, HY3["k"], HY3["E"], "cuda", seed=seed)
+        tw.copy_(tw2)
+        ids.copy_(ids2)
+        x_in.normal_()
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = fused_moe(x_in * 2, wts.w13, wts.w2, tw, ids, quant=wts.quant, config=cfg.with_(pdl=False))
+        assert_close(eager, out)
 
 
 @pytest.mark.gpu

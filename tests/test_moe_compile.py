@@ -52,25 +52,28 @@ def _describe(name, args, kw):
             if v % 16 == 0 and v != 0:
                 div16.append(a)  # the JIT specializes integers divisible by 16 the same way
     for a, v in kw.items():
-        if a in ("num_warps", "num_stages"):
+        if a in ("num_warps", "num_stages", "launch_pdl"):
             continue
         if a == "ACT_DT":
             v = {"bf16": "bfloat16", "fp16": "float16"}.get(str(v), str(v))
         consts[a] = v
     return {"kernel": name, "sig": sig, "consts": consts, "div16": div16, "num_warps": kw.get("num_warps", 4),
-            "num_stages": kw.get("num_stages", 3)}
+            "num_stages": kw.get("num_stages", 3), "launch_pdl": kw.get("launch_pdl", False)}
 
 
 def _record(monkeypatch) -> list[dict]:
+    from hpcops.moe import fused_moe as F
+
     calls: list = []
     for n in KERNELS:
         monkeypatch.setattr(K, n, _Recorder(n, calls))
+    monkeypatch.setattr(F, "is_interpreter", lambda: False)  # record the GPU launches (PDL included)
     E, H, k = 4, 4096, 8
     for inter in (192, 1536):
         for kind in ("none", "fp8_tensor", "fp8_tensor_dyn", "fp8_block"):
             if kind == "fp8_block" and inter % 128:
                 continue
-            for T_cfg in (4, 64, 512, 2048, 4096):  # small path; block_m 16 (+ fused, indexed), 32, 64, 128
+            for T_cfg in (1, 4, 64, 512, 2048, 4096):  # small path (+ PDL); block_m 16 (+ fused, indexed), 32, …
                 T = 3
                 x = torch.zeros(T, H, dtype=torch.bfloat16)
                 ids = torch.zeros(T, k, dtype=torch.int32)
@@ -89,6 +92,8 @@ def _record(monkeypatch) -> list[dict]:
                 cfg = cfg.with_(index_small_max=1024 if T_cfg < 512 else 0)
                 if T_cfg == 64:  # fused reduce over the built index (inline_index off)
                     cfg = cfg.with_(fuse_reduce=True, inline_index=False)
+                if T_cfg == 1:
+                    cfg = cfg.with_(pdl=True)
                 emap = torch.zeros(192, dtype=torch.int32) if inter == 1536 else None
                 fused_moe(x, w13, w2, tw, ids, quant=quant, expert_map=emap, shared_output=torch.zeros_like(x),
                           config=cfg)
@@ -112,13 +117,16 @@ for d in json.load(sys.stdin):
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a in d["div16"]}
     try:
         k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=target,
-                           options={"num_warps": d["num_warps"], "num_stages": d["num_stages"]})
+                           options={"num_warps": d["num_warps"], "num_stages": d["num_stages"],
+                                    "launch_pdl": d["launch_pdl"]})
     except Exception as exc:
         bad.append(f"{d['kernel']} {d['consts']}: {type(exc).__name__}: {str(exc)[-400:]}")
         continue
     ptx = k.asm["ptx"]
     if ("gate_up" in d["kernel"] or "down" in d["kernel"]) and "cp.async" not in ptx:
         bad.append(f"{d['kernel']} {d['consts']}: K loop not pipelined (no cp.async)")
+    if d["consts"].get("PDL") and "griddepcontrol.wait" not in ptx:
+        bad.append(f"{d['kernel']} {d['consts']}: PDL without griddepcontrol.wait")
 print(json.dumps(bad))
 """
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 FP8_MAX = tl.constexpr(448.0)  # a constexpr global: compiled kernels may read it
 
@@ -170,7 +171,7 @@ def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets
                        QUANT: tl.constexpr, X_FP8: tl.constexpr, ACT_OUT: tl.constexpr,
                        ACT_DT: tl.constexpr, BF16_MUL: tl.constexpr,
                        INLINE_INDEX: tl.constexpr, ACT_BY_PAIR: tl.constexpr, HAS_MAP: tl.constexpr,
-                       N_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                       N_PAD: tl.constexpr, E_PAD: tl.constexpr, PDL: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """act[r, n] = silu(x[tok(r)]·w13[e, n]) · (x[tok(r)]·w13[e, I+n]) for one (M tile, N tile) task.
 
@@ -183,7 +184,13 @@ def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets
     INLINE_INDEX: the task's expert and rows come from topk_ids (`_inline_task`) instead of the index
     (tasks / offsets / sorted_pair, unused then). ACT_BY_PAIR: act row = pair id (t·k + j) instead of the
     sorted row (for `moe_down_reduce_kernel`); rows of remote pairs are not written.
+    PDL (launched with programmatic dependent launch): wait for the previous kernels before reading
+    anything, then let the dependent down GEMM launch at once (its programs get resident and run their
+    prologue while this grid works).
     """
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(I, BLOCK_N)
     task = pid // n_tiles
@@ -377,7 +384,7 @@ def moe_down_reduce_kernel(act_ptr, a2_ptr, w_ptr, ws_ptr, ids_ptr, map_ptr, tw_
                            stride_tw, stride_sh, stride_out,
                            QUANT: tl.constexpr, ACT_IN: tl.constexpr, HAS_MAP: tl.constexpr,
                            HAS_SHARED: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                           PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Down GEMM with the top-k reduction in its epilogue, for small batches (no y buffer, no reduce launch):
     out[t, n] = Σ_j topk_weights[t, j] · act[t·k + j] · w2[e(t, j), n] (+ shared_output[t, n]).
 
@@ -389,6 +396,9 @@ def moe_down_reduce_kernel(act_ptr, a2_ptr, w_ptr, ws_ptr, ids_ptr, map_ptr, tw_
     ACT_IN: 0 16-bit (QUANT 0); 1 fp8 with the static a2 scale; 2 16-bit, quantized here per row (row
     amax from a first pass over the row); 4 16-bit, quantized here per row and 128-group (QUANT 2,
     BLOCK_K = 128).
+    PDL: launched as a programmatic dependent of the gate-up GEMM, which triggers only after its own
+    wait on the kernels before it: topk_ids / weights / expert_map are complete then, so the routing
+    prologue runs before `gdc_wait`, which guards the first read of act.
     """
     pid = tl.program_id(0)
     t = pid % T
@@ -406,6 +416,8 @@ def moe_down_reduce_kernel(act_ptr, a2_ptr, w_ptr, ws_ptr, ids_ptr, map_ptr, tw_
     r16 = tl.arange(0, 16)
     row0 = (r16 == 0)[:, None]
     offs_k = tl.arange(0, BLOCK_K)
+    if PDL:
+        gdc_wait()
     if QUANT == 1:
         if ACT_IN == 2:
             # per-row dynamic scale of each local pair: amax over its whole (16-bit, L2-resident) row

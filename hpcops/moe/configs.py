@@ -43,6 +43,9 @@ class MoeConfig:
     they run together), so it pays while experts see about one token.
     `inline_index` (with `fuse_reduce`): each gate-up program derives its M tile from topk_ids itself
     (histogram + prefix sums in registers), so no index launch; up to `INLINE_INDEX_MAX` pairs.
+    `pdl` (with `fuse_reduce`, CUDA only): launch the gate-up and down GEMMs with programmatic dependent
+    launch (sm90 griddepcontrol): each grid launches while the one before finishes and waits on the
+    device, hiding the launch gap; also inside CUDA graphs (CUDA ≥ 12.3). Off until measured.
     """
 
     block_m: int = 16
@@ -61,6 +64,7 @@ class MoeConfig:
     validate_ids: bool = True
     fuse_reduce: bool = False
     inline_index: bool = False
+    pdl: bool = False
 
     def with_(self, **kw) -> MoeConfig:
         return replace(self, **kw)
@@ -148,7 +152,7 @@ def heuristic_config(*, num_tokens: int, top_k: int, num_experts: int, hidden: i
 
 TUNABLE = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "down_block_n", "down_block_k",
            "down_num_warps", "down_num_stages", "reduce_block_h", "index_small_max", "prequant_x",
-           "fuse_reduce", "inline_index")
+           "fuse_reduce", "inline_index", "pdl")
 
 
 @functools.cache

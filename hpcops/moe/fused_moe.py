@@ -284,6 +284,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     wb13 = ws13.stride() if kind == "fp8_block" else (wse13, 0, 0)
     wb2 = ws2.stride() if kind == "fp8_block" else (wse2, 0, 0)
 
+    # programmatic dependent launch (small path, opt-in): gate-up and down GEMM launch early and wait
+    # on the device (griddepcontrol) instead of between launches; not in the interpreter
+    pdl = bool(cfg.pdl and fused and not is_interpreter())
+    launch = {"launch_pdl": True} if pdl else {}
     grid1 = (cap * triton.cdiv(inter, cfg.block_n),)
     K.moe_gate_up_kernel[grid1](
         x, xs, w13, ws13, a13, tasks, offsets, sorted_pair,
@@ -295,9 +299,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         QUANT=quant_id, X_FP8=x_fp8, ACT_OUT=act_out, ACT_DT=_TL_DTYPE[act_dt],
         BF16_MUL=cfg.act_mul == "bf16", INLINE_INDEX=inline, ACT_BY_PAIR=fused, HAS_MAP=has_map,
         N_PAD=max(16, triton.next_power_of_2(n)) if inline else 16,
-        E_PAD=triton.next_power_of_2(E + 1) if inline else 16,
+        E_PAD=triton.next_power_of_2(E + 1) if inline else 16, PDL=pdl,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
 
     has_shared = shared_output is not None
     sh = shared_output if has_shared else out
@@ -308,8 +312,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
             act.stride(0), w2.stride(0), w2.stride(1), wb2[0], wb2[1], wb2[2],
             topk_weights.stride(0), sh.stride(0), out.stride(0),
             QUANT=quant_id, ACT_IN=act_in, HAS_MAP=has_map, HAS_SHARED=has_shared, TOP_K=k,
-            K_PAD=triton.next_power_of_2(k), BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
-            num_warps=cfg.down_num_warps, num_stages=cfg.down_num_stages)
+            K_PAD=triton.next_power_of_2(k), PDL=pdl, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
+            num_warps=cfg.down_num_warps, num_stages=cfg.down_num_stages, **launch)
         return out
 
     y = torch.empty((n, H), dtype=out_dt, device=dev)
