@@ -249,6 +249,9 @@ def test_tma_choice():
     assert tma_unsupported_reason(packed.k_cache, 16) is None and tma_unsupported_reason(packed.v_cache, 16) is None
     assert "multiple of block_n" in tma_unsupported_reason(kv.k_cache, 32)
     assert "back to back" in tma_unsupported_reason(kv.k_cache[:, :8], 8)
+    hnd = torch.zeros(3, 2, 16, 64, dtype=torch.bfloat16).transpose(1, 2)  # [blocks, heads, slots, D] storage
+    assert "back to back" in tma_unsupported_reason(hnd, 16)
+    assert "does not hold all kv heads" in tma_unsupported_reason(hnd[:1], 16)
     odd = torch.zeros(3, 16, 2, 68, dtype=torch.bfloat16)[..., :64]  # head stride 68 bf16 = 136 bytes
     assert "16 bytes" in tma_unsupported_reason(odd, 16)
     assert _use_tma(kv.k_cache, kv.v_cache, bn16) and _use_tma(packed.k_cache, packed.v_cache, bn16)

@@ -32,7 +32,8 @@ class PrefillConfig:
     `quant_q`: with bf16/fp16 q and fp8 KV, quantize each q row (token, head) to e4m3 in the kernel
     (scale amax/448, like `quantize_per_token_head`) and run the fp8 QK dot instead of upcasting K
     (fp8-q accuracy; off by default). `fma_scale`: apply the softmax scale inside exp2's argument (one
-    FFMA per logit) instead of scaling the logits first; used when the scale is positive.
+    FFMA per logit) instead of scaling the logits first; used when the softmax scale is positive (the
+    fp8 dequantization scales k_scale, q_scale are taken as ≥ 0).
     `heads_inner`: launch order tile-major (pid = tile·Hkv + kv_head: the heaviest tiles of all kv
     heads first) instead of head-major (one kv head's tiles after another).
     """
@@ -180,6 +181,8 @@ def tma_unsupported_reason(cache: torch.Tensor, block_n: int) -> str | None:
         return "head_dim is not contiguous"
     if sb != page * st and nb > 1:
         return f"blocks are not back to back (stride(0) {sb} != block_size·stride(1) {page * st})"
+    if (hkv - 1) * sh + d > st:
+        return f"a token row (stride(1) {st}) does not hold all kv heads (stride(2) {sh})"
     if (st * e) % 16 or (sh * e) % 16:
         return f"token/head strides ({st}, {sh} elements) are not multiples of 16 bytes"
     if cache.data_ptr() % 16:
