@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 import torch
@@ -47,3 +48,12 @@ def check_choice(name: str, value, choices: Iterable) -> None:
     choices = tuple(choices)
     if value not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def checking_enabled() -> bool:
+    """Opt-in validation that needs a device sync (values of device tensors): env HPCOPS_CHECK=1.
+
+    Without it, checks of device-tensor values run only where the values are on the host; the
+    kernels still mask every access, so bad values cannot cause an illegal memory access.
+    """
+    return os.environ.get("HPCOPS_CHECK", "0") not in ("", "0")

@@ -359,7 +359,8 @@ def _bad_inputs(device):
     ]
 
 
-def test_bad_inputs(device):
+def test_bad_inputs(device, monkeypatch):
+    monkeypatch.setenv("HPCOPS_CHECK", "1")  # topk_ids values on a GPU are checked in checking mode only
     for name, exc, kw in _bad_inputs(device):
         with pytest.raises(exc) as info:
             fused_moe(**kw)
@@ -693,3 +694,25 @@ def test_inline_index_falls_back_to_the_index_build(monkeypatch, device):
     case = Case(5, quant="fp8_tensor", fused=True)  # 15 pairs > 8
     got, ref = run_case(case, device)
     assert_close(ref, got, **_tolerance(case))
+
+
+@pytest.mark.gpu
+def test_gpu_out_of_range_ids_are_dropped_without_checking(monkeypatch):
+    """Without HPCOPS_CHECK, device topk_ids are not synced to the host: out-of-range ids are dropped
+    like remote experts (no out-of-bounds access), so the result is the reference without them."""
+    monkeypatch.delenv("HPCOPS_CHECK", raising=False)
+    t, k, e, h, inter = 9, 2, 4, 256, 128
+    w = make_weights(e, h, inter, "none", device="cuda")
+    tw0, ids0 = make_routing(t, k, e, "cuda")
+    base = dict(x=torch.randn(t, h, device="cuda").bfloat16(), w13=w.w13, w2=w.w2, topk_weights=tw0,
+                topk_ids=ids0)
+    ids = base["topk_ids"].clone()
+    ids[::2, 0] += 5 * e  # out of range
+    got = fused_moe(**dict(base, topk_ids=ids))
+    tw = base["topk_weights"].clone()
+    tw[::2, 0] = 0.0
+    from hpcops.moe.reference import fused_moe as ref_moe
+
+    want = ref_moe(**dict(base, topk_weights=tw))
+    torch.cuda.synchronize()
+    assert_close(want, got)

@@ -10,9 +10,9 @@ import torch
 import triton
 
 from hpcops import _platform
-from hpcops._checks import FP8_E4M3, check_choice, check_scale, check_tensor
+from hpcops._checks import FP8_E4M3, check_choice, check_scale, check_tensor, checking_enabled
 from hpcops._library import register
-from hpcops.attention.plan import MAX_Q_LEN, TILE, DecodePlan, checking_enabled, plan_decode
+from hpcops.attention.plan import MAX_Q_LEN, TILE, DecodePlan, plan_decode
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 256)
 MAX_GQA = 16

@@ -41,11 +41,6 @@ DEFAULT_PROGRAMS_PER_SM = 2
 DEFAULT_MIN_TILES = 4
 
 
-def checking_enabled() -> bool:
-    """Opt-in validation that needs a host sync (block-table width against device seq_lens)."""
-    return os.environ.get("HPCOPS_CHECK", "0") not in ("", "0")
-
-
 @dataclass
 class DecodePlan:
     """A decode schedule in fixed-capacity device buffers (see the module docstring).

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 
-from hpcops._checks import FP8_E4M3, HALF_DTYPES, check_scale, check_tensor
+from hpcops._checks import FP8_E4M3, HALF_DTYPES, check_scale, check_tensor, checking_enabled
 from hpcops._library import register
 from hpcops.attention._prefill_kernels import prefill_attention_fwd_kernel
 
@@ -83,7 +82,7 @@ def prefill_config(
 def _check_mode(check: bool | None) -> bool:
     if check is not None:
         return bool(check)
-    return os.environ.get("HPCOPS_CHECK", "0") not in ("", "0")
+    return checking_enabled()
 
 
 def _check_metadata(q, k_cache, block_table, seq_lens, cu_seqlens_q) -> None:
