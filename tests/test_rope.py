@@ -32,6 +32,8 @@ class Case:
     cs_dtype: torch.dtype = torch.float32
     block_size: int = 16
     block_t: int = 4
+    block_kv: int | None = None  # kv programs' tokens (None: the launcher's default)
+    strided_blocks: bool = False  # cache blocks not adjacent: block stride != block_size * slot stride
     pad_cols: int = 24  # qkv row stride = width + pad_cols
 
     @property
@@ -49,6 +51,10 @@ class Case:
         if self.cs_dtype != torch.float32:
             parts.append("cs-half")
         parts.append(f"bt{self.block_t}")
+        if self.block_kv is not None:
+            parts.append(f"bkv{self.block_kv}")
+        if self.strided_blocks:
+            parts.append("strided-blocks")
         return "-".join(parts)
 
 
@@ -72,12 +78,13 @@ def make_inputs(c: Case, device="cpu", max_pos: int = 300):
     nslots = max(c.t, 1) + 5
     nblocks = -(-nslots // c.block_size) + 1
     store = FP8 if c.kv == FP8 else c.dtype
+    every = 2 if c.strided_blocks else 1
     if c.packed:
-        buf = torch.full((nblocks, c.block_size, c.hkv, 2 * c.d), SENTINEL).to(store).to(device)
+        buf = torch.full((nblocks * every, c.block_size, c.hkv, 2 * c.d), SENTINEL).to(store).to(device)[::every]
         k_cache, v_cache = buf[..., : c.d], buf[..., c.d:]
     else:
-        k_cache = torch.full((nblocks, c.block_size, c.hkv, c.d), SENTINEL).to(store).to(device)
-        v_cache = k_cache.clone()
+        k_cache = torch.full((nblocks * every, c.block_size, c.hkv, c.d), SENTINEL).to(store).to(device)[::every]
+        v_cache = torch.full((nblocks * every, c.block_size, c.hkv, c.d), SENTINEL).to(store).to(device)[::every]
     slots = torch.randperm(nblocks * c.block_size, generator=g)[: c.t]
     if c.skip and c.t > 1:
         slots[1::3] = -1
@@ -138,12 +145,42 @@ CPU_CASES = [
     Case(t=7, hq=6, hkv=2, d=64, packed=True, dtype=torch.float16, cs_dtype=torch.float16),
     Case(t=1, hq=4, hkv=1, d=64, skip=False, block_t=1),
     Case(t=2, hq=2, hkv=1, d=256, kv=FP8, quantize_q=True, block_t=2),
+    # kv programs of other sizes than the default; caches whose blocks are not adjacent (slot → block
+    # and offset by division, not slot · stride)
+    Case(t=9, hq=8, hkv=2, d=64, block_kv=1),
+    Case(t=10, hq=8, hkv=1, d=128, kv=FP8, quantize_q=True, block_t=2, block_kv=8, strided_blocks=True),
+    Case(t=7, hq=6, hkv=3, d=64, style="gptj", rot=32, packed=True, strided_blocks=True, block_kv=4),
 ]
 
 
 @pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: c.id)
 def test_matches_reference(case, device):
-    run_and_compare(case, device=device, config=RopeConfig(block_t=case.block_t, num_warps=4))
+    run_and_compare(case, device=device,
+                    config=RopeConfig(block_t=case.block_t, num_warps=4, block_kv=case.block_kv))
+
+
+@pytest.mark.parametrize("case", [Case(t=6, hq=8, hkv=2, d=64, kv=FP8, quantize_q=True, block_kv=2),
+                                  Case(t=5, style="gptj", rot=48, strided_blocks=True),
+                                  Case(t=4, hq=3, hkv=1, order="rope_norm", packed=True)],
+                         ids=lambda c: c.id)
+def test_int64_index_paths(case, device, monkeypatch):
+    """The int64 index arithmetic (tensors spanning ≥ 2^31 elements) computes the same thing."""
+    monkeypatch.setattr(prologue, "I32_LIMIT", 0)  # every tensor "too large" for int32 offsets
+    run_and_compare(case, device=device,
+                    config=RopeConfig(block_t=case.block_t, num_warps=4, block_kv=case.block_kv))
+
+
+def test_index_width_and_slot_flags():
+    """int32 offsets exactly when every offset fits; slot · stride addressing exactly when linear."""
+    qkv = torch.empty(0, 1)
+    assert prologue._max_offset(torch.empty(3, 5)) == 2 * 5 + 4
+    assert prologue._max_offset(torch.empty(3, 5), extra_rows=2) == 14 + 2 * 5
+    assert prologue._max_offset(qkv) == 0
+    cache = torch.empty(4, 16, 2, 8)
+    assert prologue._slot_linear(cache)
+    assert prologue._slot_linear(torch.empty(4, 16, 2, 16)[..., :8])  # packed K|V view
+    assert not prologue._slot_linear(torch.empty(8, 16, 2, 8)[::2])
+    assert prologue._slot_linear(torch.empty(2, 16, 2, 8)[:1])  # one block: any block stride
 
 
 def test_default_config_and_q_out(device):

@@ -1,9 +1,27 @@
 """Triton kernels of the fused attention prologue (only `@triton.jit` code; launcher: prologue.py).
 
-One program handles BLOCK_T tokens of one KV group: its GROUP query heads as one 3-D tile
-[BLOCK_T, GROUP_P, HALF_P], the key head and the value head. Each head is held as three pieces:
-`lo` and `hi` (the two members of every rotary pair; NeoX: d and d + R/2, GPT-J: 2i and 2i + 1)
-and `tail` (dims R..D that pass through the rotation). All maths in fp32.
+One launch, a 1-D grid of two kinds of programs:
+- q programs (the first `cdiv(T, BLOCK_T) · HKV`): BLOCK_T tokens × the GROUP query heads of one KV
+  group, one 3-D tile [BLOCK_T, GROUP_P, HALF_P] per piece;
+- kv programs (the rest, `cdiv(T, BLOCK_KV)`): BLOCK_KV tokens × all HKV key heads (normed,
+  rotated) and value heads (copied), written into the paged cache at slot_mapping (-1: skip).
+Splitting the roles gives the key/value rows tiles as wide as the query tiles (16-byte accesses, no
+cross-warp reductions on a one-head tile) and keeps slot handling out of the q programs.
+
+Each rotary head is held as three pieces: `lo` and `hi` (the two members of every rotary pair; NeoX:
+d and d + R/2, GPT-J: 2i and 2i + 1) and `tail` (dims R..D that pass through). All maths in fp32.
+Every program issues its big loads first (q / k / v rows), then the positions → cos/sin gather, so
+the dependent gather never delays the bulk traffic.
+
+Cost notes (the kernel is bandwidth- and issue-bound, every instruction per element counts):
+- index arithmetic is int32 unless the launcher says a tensor spans ≥ 2^31 elements (IDX64 for
+  qkv/q/q_scale/cos_sin/positions, CACHE_I64 for the KV cache);
+- SLOT_LINEAR (block stride == block_size · slot stride, true for vLLM's caches, packed or not):
+  a slot's row is `slot · slot stride`, no integer division;
+- the RMS factor r is applied once at the end (x·w is rotated, then scaled by r, or by r / q_scale
+  for fp8 q: amax(|r·u|) = r·amax(|u|)), so fp8 q costs one multiply per element, and one
+  reciprocal per (token, head); the per-tensor K/V scales one reciprocal per program; the ±448
+  clamp is the conversion's own saturation (`cvt.rn.satfinite`, also in the test interpreter).
 """
 
 from __future__ import annotations
@@ -15,42 +33,259 @@ FP8_MAX = tl.constexpr(448.0)
 
 
 @triton.jit
-def _rms_scale(lo, hi, tail, eps, D: tl.constexpr, HAS_TAIL: tl.constexpr):
-    """1 / rms over the last axis of a head held as (lo, hi, tail); returns [..., 1]-broadcastable."""
+def _rms_factor(lo, hi, tail, eps, D: tl.constexpr, HAS_TAIL: tl.constexpr):
+    """1 / rms over the last axis of a head held as (lo, hi, tail): [BLOCK, H]."""
     ss = tl.sum(lo * lo, axis=2) + tl.sum(hi * hi, axis=2)
     if HAS_TAIL:
         ss += tl.sum(tail * tail, axis=2)
-    return tl.rsqrt(ss / D + eps)[:, :, None]
+    return tl.rsqrt(ss * (1.0 / D) + eps)
 
 
 @triton.jit
-def _transform_head(lo, hi, tail, cos, sin, w_lo, w_hi, w_tail, eps,
-                    D: tl.constexpr, HAS_TAIL: tl.constexpr, ORDER: tl.constexpr):
-    """ORDER 0: rope; 1: rmsnorm then rope; 2: rope then rmsnorm. lo/hi/tail: [BLOCK_T, H, *]."""
+def _rotate(lo, hi, tail, cos, sin, w_lo, w_hi, w_tail, eps,
+            D: tl.constexpr, HAS_TAIL: tl.constexpr, ORDER: tl.constexpr):
+    """ORDER 0: rope; 1: rmsnorm then rope; 2: rope then rmsnorm. lo/hi/tail: [BLOCK, H, *].
+
+    Returns (lo, hi, tail, r): the result is (lo, hi, tail) · r[:, :, None] (r: [BLOCK, H]; ORDER 0:
+    r is not used by the callers). r is left out so that callers fold it into one final multiply.
+    """
     if ORDER == 1:
-        r = _rms_scale(lo, hi, tail, eps, D, HAS_TAIL)
-        lo = lo * r * w_lo
-        hi = hi * r * w_hi
+        r = _rms_factor(lo, hi, tail, eps, D, HAS_TAIL)
+        lo = lo * w_lo
+        hi = hi * w_hi
         if HAS_TAIL:
-            tail = tail * r * w_tail
+            tail = tail * w_tail
     new_lo = lo * cos - hi * sin
     new_hi = hi * cos + lo * sin
-    lo = new_lo
-    hi = new_hi
     if ORDER == 2:
-        r = _rms_scale(lo, hi, tail, eps, D, HAS_TAIL)
-        lo = lo * r * w_lo
-        hi = hi * r * w_hi
+        r = _rms_factor(new_lo, new_hi, tail, eps, D, HAS_TAIL)
+        new_lo = new_lo * w_lo
+        new_hi = new_hi * w_hi
         if HAS_TAIL:
-            tail = tail * r * w_tail
+            tail = tail * w_tail
+    if ORDER == 0:
+        r = 1.0
+    return new_lo, new_hi, tail, r
+
+
+@triton.jit
+def _cos_sin(pos_ptr, cs_ptr, tok, t_mask, s_cs_p, s_cs_d, H: tl.constexpr,
+             HALF: tl.constexpr, HALF_P: tl.constexpr, IDX64: tl.constexpr):
+    """cos, sin of every token, [BLOCK, H, HALF_P] fp32: gathered straight into the layout of the
+    [BLOCK, H, HALF_P] head tiles (the H copies come from L1), not converted through shared memory."""
+    i = tl.arange(0, HALF_P)
+    pos = tl.load(pos_ptr + tok, mask=t_mask, other=0)
+    if IDX64:
+        pos = pos.to(tl.int64)
+    else:
+        pos = pos.to(tl.int32)
+    zero = tl.zeros([1, H, 1], dtype=pos.dtype)
+    off = (pos * s_cs_p)[:, None, None] + zero + (i * s_cs_d)[None, None, :]
+    if HALF == HALF_P:  # masked tokens read the row of position 0: no mask, no zero-fill
+        cos = tl.load(cs_ptr + off).to(tl.float32)
+        sin = tl.load(cs_ptr + off + HALF * s_cs_d).to(tl.float32)
+    else:
+        m = (zero == 0) & (i < HALF)[None, None, :]
+        cos = tl.load(cs_ptr + off, mask=m, other=0.0).to(tl.float32)
+        sin = tl.load(cs_ptr + off + HALF * s_cs_d, mask=m, other=0.0).to(tl.float32)
+    return cos, sin
+
+
+@triton.jit
+def _norm_weights(w_ptr, s_w, HALF: tl.constexpr, HALF_P: tl.constexpr, TAIL_P: tl.constexpr,
+                  D: tl.constexpr, NEOX: tl.constexpr, ORDER: tl.constexpr):
+    """The norm weight as (lo, hi, tail) pieces, [1, 1, *] fp32 (1.0 without a norm)."""
+    if ORDER != 0:
+        i = tl.arange(0, HALF_P)
+        if NEOX:
+            d_lo = i
+            d_hi = i + HALF
+        else:
+            d_lo = 2 * i
+            d_hi = 2 * i + 1
+        j = 2 * HALF + tl.arange(0, TAIL_P)
+        w_lo = tl.load(w_ptr + d_lo * s_w, mask=i < HALF, other=0.0).to(tl.float32)[None, None, :]
+        w_hi = tl.load(w_ptr + d_hi * s_w, mask=i < HALF, other=0.0).to(tl.float32)[None, None, :]
+        w_tail = tl.load(w_ptr + j * s_w, mask=j < D, other=0.0).to(tl.float32)[None, None, :]
+    else:
+        w_lo = 1.0
+        w_hi = 1.0
+        w_tail = 1.0
+    return w_lo, w_hi, w_tail
+
+
+@triton.jit
+def _load_heads(base, mask, s_d, HALF: tl.constexpr, HALF_P: tl.constexpr, TAIL_P: tl.constexpr,
+                D: tl.constexpr, NEOX: tl.constexpr, HAS_TAIL: tl.constexpr):
+    """(lo, hi, tail) fp32 pieces of the heads at `base` [BLOCK, H, 1] (tail: zeros without one)."""
+    i = tl.arange(0, HALF_P)
+    if NEOX:
+        d_lo = i
+        d_hi = i + HALF
+    else:
+        d_lo = 2 * i
+        d_hi = 2 * i + 1
+    # rows outside `mask` are never stored and reduce only among themselves: they need no zero-fill;
+    # padded dims (HALF < HALF_P, tail < TAIL_P) must read 0 for the row reductions
+    if HALF == HALF_P:
+        lo = tl.load(base + (d_lo * s_d)[None, None, :], mask=mask).to(tl.float32)
+        hi = tl.load(base + (d_hi * s_d)[None, None, :], mask=mask).to(tl.float32)
+    else:
+        m = mask & (i < HALF)[None, None, :]
+        lo = tl.load(base + (d_lo * s_d)[None, None, :], mask=m, other=0.0).to(tl.float32)
+        hi = tl.load(base + (d_hi * s_d)[None, None, :], mask=m, other=0.0).to(tl.float32)
+    if HAS_TAIL:
+        j = 2 * HALF + tl.arange(0, TAIL_P)
+        tail = tl.load(base + (j * s_d)[None, None, :], mask=mask & (j < D)[None, None, :],
+                       other=0.0).to(tl.float32)
+    else:
+        tail = tl.zeros(lo.shape, dtype=tl.float32)
     return lo, hi, tail
 
 
 @triton.jit
-def _fp8_quant(x, scale):
-    """clamp(x / scale, ±448) with IEEE division (plain `/` is div.full.f32, up to 2 ulp off torch)."""
-    y = tl.math.div_rn(x, tl.zeros_like(x) + scale)
-    return tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
+def _store_heads(base, mask, s_d, lo, hi, tail, HALF: tl.constexpr, HALF_P: tl.constexpr,
+                 TAIL_P: tl.constexpr, D: tl.constexpr, NEOX: tl.constexpr, HAS_TAIL: tl.constexpr):
+    i = tl.arange(0, HALF_P)
+    if NEOX:
+        d_lo = i
+        d_hi = i + HALF
+    else:
+        d_lo = 2 * i
+        d_hi = 2 * i + 1
+    ty = base.dtype.element_ty
+    m = mask & (i < HALF)[None, None, :]
+    tl.store(base + (d_lo * s_d)[None, None, :], lo.to(ty), mask=m)
+    tl.store(base + (d_hi * s_d)[None, None, :], hi.to(ty), mask=m)
+    if HAS_TAIL:
+        j = 2 * HALF + tl.arange(0, TAIL_P)
+        tl.store(base + (j * s_d)[None, None, :], tail.to(ty), mask=mask & (j < D)[None, None, :])
+
+
+@triton.jit
+def _q_program(tb, kvh, qkv_ptr, pos_ptr, cs_ptr, qw_ptr, q_ptr, qs_ptr, num_tokens, eps,
+               s_qkv_t, s_qkv_d, s_cs_p, s_cs_d, s_qw, s_q_t, s_q_h, s_q_d, s_qs_t, s_qs_h,
+               D: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
+               HALF: tl.constexpr, HALF_P: tl.constexpr, TAIL_P: tl.constexpr, HAS_TAIL: tl.constexpr,
+               NEOX: tl.constexpr, ORDER: tl.constexpr, Q_FP8: tl.constexpr,
+               BLOCK_T: tl.constexpr, IDX64: tl.constexpr):
+    """Query heads kvh·GROUP .. + GROUP of tokens tb·BLOCK_T .. + BLOCK_T."""
+    if IDX64:
+        tok = tb.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    else:
+        tok = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = tok < num_tokens
+    g = tl.arange(0, GROUP_P)
+    g_mask = g < GROUP
+    qh = kvh * GROUP + g
+    m = t_mask[:, None, None] & g_mask[None, :, None]
+    base = qkv_ptr + (tok * s_qkv_t)[:, None, None] + (qh * (D * s_qkv_d))[None, :, None]
+    lo, hi, tail = _load_heads(base, m, s_qkv_d, HALF, HALF_P, TAIL_P, D, NEOX, HAS_TAIL)
+    cos, sin = _cos_sin(pos_ptr, cs_ptr, tok, t_mask, s_cs_p, s_cs_d, GROUP_P, HALF, HALF_P, IDX64)
+    w_lo, w_hi, w_tail = _norm_weights(qw_ptr, s_qw, HALF, HALF_P, TAIL_P, D, NEOX, ORDER)
+    lo, hi, tail, r = _rotate(lo, hi, tail, cos, sin, w_lo, w_hi, w_tail, eps, D, HAS_TAIL, ORDER)
+
+    if Q_FP8:
+        amax = tl.maximum(tl.max(tl.abs(lo), axis=2), tl.max(tl.abs(hi), axis=2))  # [BLOCK_T, GROUP_P]
+        if HAS_TAIL:
+            amax = tl.maximum(amax, tl.max(tl.abs(tail), axis=2))
+        if ORDER != 0:
+            amax = amax * r  # r > 0 and rounding is monotonic: this is amax(|u · r|)
+        scale = tl.math.div_rn(tl.maximum(amax, 1e-12), tl.full(amax.shape, FP8_MAX, tl.float32))
+        tl.store(qs_ptr + (tok * s_qs_t)[:, None] + (qh * s_qs_h)[None, :], scale,
+                 mask=t_mask[:, None] & g_mask[None, :])
+        if ORDER != 0:
+            f = r / scale  # one division per (token, head), then a multiply per element
+        else:
+            f = 1.0 / scale
+        f = f[:, :, None]
+        lo = lo * f
+        hi = hi * f
+        if HAS_TAIL:
+            tail = tail * f
+    elif ORDER != 0:
+        f = r[:, :, None]
+        lo = lo * f
+        hi = hi * f
+        if HAS_TAIL:
+            tail = tail * f
+    qo = q_ptr + (tok * s_q_t)[:, None, None] + (qh * s_q_h)[None, :, None]
+    _store_heads(qo, m, s_q_d, lo, hi, tail, HALF, HALF_P, TAIL_P, D, NEOX, HAS_TAIL)
+
+
+@triton.jit
+def _kv_program(kb, qkv_ptr, pos_ptr, cs_ptr, kw_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr,
+                num_tokens, eps, block_size, s_qkv_t, s_qkv_d, s_cs_p, s_cs_d, s_kw,
+                s_kc_b, s_kc_s, s_kc_h, s_kc_d, s_vc_b, s_vc_s, s_vc_h, s_vc_d,
+                HQ: tl.constexpr, HKV: tl.constexpr, HKV_P: tl.constexpr, D: tl.constexpr,
+                D_P: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr, TAIL_P: tl.constexpr,
+                HAS_TAIL: tl.constexpr, NEOX: tl.constexpr, ORDER: tl.constexpr, KV_FP8: tl.constexpr,
+                BLOCK_KV: tl.constexpr, IDX64: tl.constexpr, CACHE_I64: tl.constexpr,
+                SLOT_LINEAR: tl.constexpr):
+    """All key and value heads of tokens kb·BLOCK_KV .. + BLOCK_KV, into the cache at their slots."""
+    if IDX64:
+        tok = kb.to(tl.int64) * BLOCK_KV + tl.arange(0, BLOCK_KV)
+    else:
+        tok = kb * BLOCK_KV + tl.arange(0, BLOCK_KV)
+    t_mask = tok < num_tokens
+    h = tl.arange(0, HKV_P)
+    h_mask = h < HKV
+    m = t_mask[:, None, None] & h_mask[None, :, None]
+    row = (tok * s_qkv_t)[:, None, None]
+    # the v rows first, pinned in flight by a barrier (nothing before it waits on a load; ptxas
+    # would otherwise sink this load below the k maths), then the k pieces, slots, cos/sin gather
+    dv = tl.arange(0, D_P)
+    dv_mask = (dv < D)[None, None, :]
+    v = tl.load(qkv_ptr + row + ((HQ + HKV + h) * (D * s_qkv_d))[None, :, None] + (dv * s_qkv_d)[None, None, :],
+                mask=m & dv_mask)
+    slot = tl.load(slot_ptr + tok, mask=t_mask, other=-1)
+    tl.debug_barrier()
+    k_base = qkv_ptr + row + ((HQ + h) * (D * s_qkv_d))[None, :, None]
+    lo, hi, tail = _load_heads(k_base, m, s_qkv_d, HALF, HALF_P, TAIL_P, D, NEOX, HAS_TAIL)
+    if CACHE_I64:
+        slot = slot.to(tl.int64)
+    else:
+        slot = slot.to(tl.int32)
+    cos, sin = _cos_sin(pos_ptr, cs_ptr, tok, t_mask, s_cs_p, s_cs_d, HKV_P, HALF, HALF_P, IDX64)
+    w_lo, w_hi, w_tail = _norm_weights(kw_ptr, s_kw, HALF, HALF_P, TAIL_P, D, NEOX, ORDER)
+    if KV_FP8:  # loaded before any store (ptxas keeps loads below the stores that precede them)
+        k_scale = tl.load(ks_ptr).to(tl.float32)
+        v_scale = tl.load(vs_ptr).to(tl.float32)
+    lo, hi, tail, r = _rotate(lo, hi, tail, cos, sin, w_lo, w_hi, w_tail, eps, D, HAS_TAIL, ORDER)
+
+    kv_mask = t_mask & (slot >= 0)
+    slot = tl.where(kv_mask, slot, 0)
+    if SLOT_LINEAR:  # block stride == block_size · slot stride: the row is slot · slot stride
+        kc_row = slot * s_kc_s
+        vc_row = slot * s_vc_s
+    else:
+        blk = slot // block_size
+        off = slot - blk * block_size
+        kc_row = blk * s_kc_b + off * s_kc_s
+        vc_row = blk * s_vc_b + off * s_vc_s
+    wm = kv_mask[:, None, None] & h_mask[None, :, None]
+
+    if KV_FP8:
+        f = 1.0 / k_scale
+        if ORDER != 0:
+            f = r[:, :, None] * f
+        lo = lo * f
+        hi = hi * f
+        if HAS_TAIL:
+            tail = tail * f
+    elif ORDER != 0:
+        f = r[:, :, None]
+        lo = lo * f
+        hi = hi * f
+        if HAS_TAIL:
+            tail = tail * f
+    kc = kc_ptr + kc_row[:, None, None] + (h * s_kc_h)[None, :, None]
+    _store_heads(kc, wm, s_kc_d, lo, hi, tail, HALF, HALF_P, TAIL_P, D, NEOX, HAS_TAIL)
+
+    if KV_FP8:
+        v = v.to(tl.float32) * (1.0 / v_scale)
+    vc = vc_ptr + vc_row[:, None, None] + (h * s_vc_h)[None, :, None] + (dv * s_vc_d)[None, None, :]
+    tl.store(vc, v.to(vc_ptr.dtype.element_ty), mask=wm & dv_mask)
 
 
 @triton.jit
@@ -64,133 +299,22 @@ def rope_norm_store_kv_fused_kernel(
     s_vc_b, s_vc_s, s_vc_h, s_vc_d,
     s_q_t, s_q_h, s_q_d,
     s_qs_t, s_qs_h,
-    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
+    HQ: tl.constexpr, HKV: tl.constexpr, HKV_P: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr,
     HALF: tl.constexpr, HALF_P: tl.constexpr, TAIL_P: tl.constexpr, HAS_TAIL: tl.constexpr,
     NEOX: tl.constexpr, ORDER: tl.constexpr, KV_FP8: tl.constexpr, Q_FP8: tl.constexpr,
-    BLOCK_T: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_KV: tl.constexpr, IDX64: tl.constexpr, CACHE_I64: tl.constexpr,
+    SLOT_LINEAR: tl.constexpr,
 ):
-    pid_t = tl.program_id(0)
-    kvh = tl.program_id(1)
-
-    tok = pid_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
-    t_mask = tok < num_tokens
-    row = tok * s_qkv_t  # [BLOCK_T] int64
-
-    i = tl.arange(0, HALF_P)  # [HALF_P]
-    i_mask = i < HALF
-    if NEOX:
-        d_lo = i
-        d_hi = i + HALF
+    pid = tl.program_id(0)
+    num_q = tl.cdiv(num_tokens, BLOCK_T) * HKV
+    if pid < num_q:
+        _q_program(pid // HKV, pid % HKV, qkv_ptr, pos_ptr, cs_ptr, qw_ptr, q_ptr, qs_ptr, num_tokens, eps,
+                   s_qkv_t, s_qkv_d, s_cs_p, s_cs_d, s_qw, s_q_t, s_q_h, s_q_d, s_qs_t, s_qs_h,
+                   D, GROUP, GROUP_P, HALF, HALF_P, TAIL_P, HAS_TAIL, NEOX, ORDER, Q_FP8, BLOCK_T, IDX64)
     else:
-        d_lo = 2 * i
-        d_hi = 2 * i + 1
-    j = 2 * HALF + tl.arange(0, TAIL_P)  # [TAIL_P]
-    j_mask = j < D
-
-    # cos/sin of every token: [BLOCK_T, 1, HALF_P], shared by the group's q heads and its k head
-    pos = tl.load(pos_ptr + tok, mask=t_mask, other=0).to(tl.int64)
-    cs_row = pos * s_cs_p
-    cs_mask = t_mask[:, None] & i_mask[None, :]
-    cos = tl.load(cs_ptr + cs_row[:, None] + i[None, :] * s_cs_d, mask=cs_mask, other=0.0).to(tl.float32)
-    sin = tl.load(cs_ptr + cs_row[:, None] + (HALF + i)[None, :] * s_cs_d, mask=cs_mask,
-                  other=0.0).to(tl.float32)
-    cos = cos[:, None, :]
-    sin = sin[:, None, :]
-
-    if ORDER != 0:
-        qw_lo = tl.load(qw_ptr + d_lo * s_qw, mask=i_mask, other=0.0).to(tl.float32)[None, None, :]
-        qw_hi = tl.load(qw_ptr + d_hi * s_qw, mask=i_mask, other=0.0).to(tl.float32)[None, None, :]
-        kw_lo = tl.load(kw_ptr + d_lo * s_kw, mask=i_mask, other=0.0).to(tl.float32)[None, None, :]
-        kw_hi = tl.load(kw_ptr + d_hi * s_kw, mask=i_mask, other=0.0).to(tl.float32)[None, None, :]
-        qw_tail = tl.load(qw_ptr + j * s_qw, mask=j_mask, other=0.0).to(tl.float32)[None, None, :]
-        kw_tail = tl.load(kw_ptr + j * s_kw, mask=j_mask, other=0.0).to(tl.float32)[None, None, :]
-    else:
-        qw_lo = 1.0
-        qw_hi = 1.0
-        qw_tail = 1.0
-        kw_lo = 1.0
-        kw_hi = 1.0
-        kw_tail = 1.0
-
-    # ---- query heads of this group: [BLOCK_T, GROUP_P, *]
-    g = tl.arange(0, GROUP_P)
-    g_mask = g < GROUP
-    qh = kvh * GROUP + g  # [GROUP_P]
-    tq_mask = t_mask[:, None, None] & g_mask[None, :, None]
-    q_base = qkv_ptr + row[:, None, None] + (qh * D)[None, :, None] * s_qkv_d
-    q_lo = tl.load(q_base + d_lo[None, None, :] * s_qkv_d, mask=tq_mask & i_mask[None, None, :],
-                   other=0.0).to(tl.float32)
-    q_hi = tl.load(q_base + d_hi[None, None, :] * s_qkv_d, mask=tq_mask & i_mask[None, None, :],
-                   other=0.0).to(tl.float32)
-    if HAS_TAIL:
-        q_tail = tl.load(q_base + j[None, None, :] * s_qkv_d, mask=tq_mask & j_mask[None, None, :],
-                         other=0.0).to(tl.float32)
-    else:
-        q_tail = tl.zeros([BLOCK_T, GROUP_P, TAIL_P], dtype=tl.float32)
-    q_lo, q_hi, q_tail = _transform_head(q_lo, q_hi, q_tail, cos, sin, qw_lo, qw_hi, qw_tail, eps,
-                                         D, HAS_TAIL, ORDER)
-
-    qo_base = q_ptr + (tok * s_q_t)[:, None, None] + (qh.to(tl.int64) * s_q_h)[None, :, None]
-    if Q_FP8:
-        amax = tl.maximum(tl.max(tl.abs(q_lo), axis=2), tl.max(tl.abs(q_hi), axis=2))  # [BLOCK_T, GROUP_P]
-        if HAS_TAIL:
-            amax = tl.maximum(amax, tl.max(tl.abs(q_tail), axis=2))
-        scale = tl.math.div_rn(tl.maximum(amax, 1e-12), tl.full(amax.shape, FP8_MAX, tl.float32))
-        tl.store(qs_ptr + (tok * s_qs_t)[:, None] + (qh * s_qs_h)[None, :], scale,
-                 mask=t_mask[:, None] & g_mask[None, :])
-        q_lo = _fp8_quant(q_lo, scale[:, :, None])
-        q_hi = _fp8_quant(q_hi, scale[:, :, None])
-        if HAS_TAIL:
-            q_tail = _fp8_quant(q_tail, scale[:, :, None])
-    out_ty = q_ptr.dtype.element_ty
-    tl.store(qo_base + d_lo[None, None, :] * s_q_d, q_lo.to(out_ty), mask=tq_mask & i_mask[None, None, :])
-    tl.store(qo_base + d_hi[None, None, :] * s_q_d, q_hi.to(out_ty), mask=tq_mask & i_mask[None, None, :])
-    if HAS_TAIL:
-        tl.store(qo_base + j[None, None, :] * s_q_d, q_tail.to(out_ty), mask=tq_mask & j_mask[None, None, :])
-
-    # ---- key head: [BLOCK_T, 1, *], written to the paged cache at slot_mapping (-1: skip)
-    slot = tl.load(slot_ptr + tok, mask=t_mask, other=-1).to(tl.int64)
-    kv_mask = t_mask & (slot >= 0)
-    slot = tl.where(kv_mask, slot, 0)
-    blk = slot // block_size
-    off = slot - blk * block_size
-
-    k_base = qkv_ptr + row[:, None, None] + (HQ + kvh) * D * s_qkv_d
-    tk_mask = t_mask[:, None, None]
-    k_lo = tl.load(k_base + d_lo[None, None, :] * s_qkv_d, mask=tk_mask & i_mask[None, None, :],
-                   other=0.0).to(tl.float32)
-    k_hi = tl.load(k_base + d_hi[None, None, :] * s_qkv_d, mask=tk_mask & i_mask[None, None, :],
-                   other=0.0).to(tl.float32)
-    if HAS_TAIL:
-        k_tail = tl.load(k_base + j[None, None, :] * s_qkv_d, mask=tk_mask & j_mask[None, None, :],
-                         other=0.0).to(tl.float32)
-    else:
-        k_tail = tl.zeros([BLOCK_T, 1, TAIL_P], dtype=tl.float32)
-    k_lo, k_hi, k_tail = _transform_head(k_lo, k_hi, k_tail, cos, sin, kw_lo, kw_hi, kw_tail, eps,
-                                         D, HAS_TAIL, ORDER)
-    kc_base = kc_ptr + (blk * s_kc_b + off * s_kc_s)[:, None, None] + kvh * s_kc_h
-    wk_mask = kv_mask[:, None, None]
-    kc_ty = kc_ptr.dtype.element_ty
-    if KV_FP8:
-        k_scale = tl.load(ks_ptr).to(tl.float32)
-        k_lo = _fp8_quant(k_lo, k_scale)
-        k_hi = _fp8_quant(k_hi, k_scale)
-        if HAS_TAIL:
-            k_tail = _fp8_quant(k_tail, k_scale)
-    tl.store(kc_base + d_lo[None, None, :] * s_kc_d, k_lo.to(kc_ty), mask=wk_mask & i_mask[None, None, :])
-    tl.store(kc_base + d_hi[None, None, :] * s_kc_d, k_hi.to(kc_ty), mask=wk_mask & i_mask[None, None, :])
-    if HAS_TAIL:
-        tl.store(kc_base + j[None, None, :] * s_kc_d, k_tail.to(kc_ty), mask=wk_mask & j_mask[None, None, :])
-
-    # ---- value head: [BLOCK_T, D_P], copied (or quantized) into the cache
-    dv = tl.arange(0, D_P)
-    dv_mask = dv < D
-    v = tl.load(qkv_ptr + row[:, None] + ((HQ + HKV + kvh) * D + dv)[None, :] * s_qkv_d,
-                mask=t_mask[:, None] & dv_mask[None, :], other=0.0)
-    vc_ty = vc_ptr.dtype.element_ty
-    if KV_FP8:
-        v_scale = tl.load(vs_ptr).to(tl.float32)
-        v = _fp8_quant(v.to(tl.float32), v_scale)
-    vc_ptrs = vc_ptr + (blk * s_vc_b + off * s_vc_s + kvh * s_vc_h)[:, None] + dv[None, :] * s_vc_d
-    tl.store(vc_ptrs, v.to(vc_ty), mask=kv_mask[:, None] & dv_mask[None, :])
+        _kv_program(pid - num_q, qkv_ptr, pos_ptr, cs_ptr, kw_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr,
+                    num_tokens, eps, block_size, s_qkv_t, s_qkv_d, s_cs_p, s_cs_d, s_kw,
+                    s_kc_b, s_kc_s, s_kc_h, s_kc_d, s_vc_b, s_vc_s, s_vc_h, s_vc_d,
+                    HQ, HKV, HKV_P, D, D_P, HALF, HALF_P, TAIL_P, HAS_TAIL, NEOX, ORDER, KV_FP8,
+                    BLOCK_KV, IDX64, CACHE_I64, SLOT_LINEAR)

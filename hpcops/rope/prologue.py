@@ -21,18 +21,31 @@ _ORDER_CODE = {"rope": 0, "norm_rope": 1, "rope_norm": 2}
 INDEX_DTYPES = (torch.int64, torch.int32)
 
 
+I32_LIMIT = 2**31 - 1
+
+
 @dataclass(frozen=True)
 class RopeConfig:
-    """Launch shape: `block_t` tokens × one KV group per program."""
+    """Launch shape: q programs of `block_t` tokens × one KV group's query heads; kv programs of
+    `block_kv` tokens × all key and value heads (None: `default_block_kv`)."""
 
     block_t: int
     num_warps: int
+    block_kv: int | None = None
+
+
+def default_block_kv(block_t: int, num_tokens: int, num_q_heads: int, num_kv_heads: int) -> int:
+    """kv tiles about as large as the q tiles: block_kv · Hkv_p · 2D ≈ block_t · group_p · D."""
+    group_p = triton.next_power_of_2(num_q_heads // num_kv_heads)
+    hkv_p = triton.next_power_of_2(num_kv_heads)
+    block_kv = max(1, block_t * group_p // (2 * hkv_p))
+    return max(1, min(block_kv, 64, triton.next_power_of_2(max(num_tokens, 1))))
 
 
 def default_config(num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                    device: torch.device | None = None) -> RopeConfig:
-    """Tiles of ~`8K` fp32 elements per program when the grid is large (bandwidth-bound), smaller
-    tiles while the grid would not fill the SMs twice (launch/latency-bound)."""
+    """Tiles of ~`8K` fp32 elements per KV group (q heads + k + v) when the grid is large
+    (bandwidth-bound), smaller tiles while the grid would not fill the SMs twice (launch/latency-bound)."""
     group_p = triton.next_power_of_2(num_q_heads // num_kv_heads)
     per_token = (group_p + 2) * head_dim
     block_t = max(1, triton.next_power_of_2(max(1, 8192 // per_token) + 1) // 2)  # largest pow2 ≤ quotient
@@ -42,7 +55,20 @@ def default_config(num_tokens: int, num_q_heads: int, num_kv_heads: int, head_di
         block_t //= 2
     elems = block_t * per_token
     num_warps = 2 if elems <= 1024 else 4 if elems <= 4096 else 8
-    return RopeConfig(block_t=block_t, num_warps=num_warps)
+    return RopeConfig(block_t=block_t, num_warps=num_warps,
+                      block_kv=default_block_kv(block_t, num_tokens, num_q_heads, num_kv_heads))
+
+
+def _max_offset(t: torch.Tensor, extra_rows: int = 0) -> int:
+    """Largest element offset a kernel may form into `t` (plus `extra_rows` rows past the end)."""
+    if t.numel() == 0:
+        return 0
+    return sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride())) + extra_rows * abs(t.stride(0))
+
+
+def _slot_linear(c: torch.Tensor) -> bool:
+    """Slot s of the cache sits at s · stride(1) (block stride == block_size · slot stride)."""
+    return c.shape[0] == 1 or c.stride(0) == c.shape[1] * c.stride(1)
 
 
 def _check(qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_q_heads, num_kv_heads,
@@ -114,6 +140,13 @@ def _launch(qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_q
     half = rot // 2
     tail = head_dim - rot
     cfg = config or default_config(t, num_q_heads, num_kv_heads, head_dim, qkv.device)
+    block_kv = cfg.block_kv or default_block_kv(cfg.block_t, t, num_q_heads, num_kv_heads)
+    # int32 index arithmetic where every offset provably fits (shapes only: no host sync)
+    pad = max(cfg.block_t, block_kv)
+    idx64 = max(_max_offset(qkv, pad), _max_offset(q_out, pad), _max_offset(cos_sin_cache),
+                _max_offset(q_scale, pad) if quantize_q else 0) > I32_LIMIT
+    cache_i64 = max(_max_offset(k_cache), _max_offset(v_cache),
+                    k_cache.shape[0] * k_cache.shape[1]) > I32_LIMIT
     kv_fp8 = k_cache.dtype == FP8_E4M3
     norm = order != "rope"
     qw = q_norm_weight if norm else qkv
@@ -122,7 +155,7 @@ def _launch(qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_q
     vs = v_scale if kv_fp8 else qkv
     qs = q_scale if quantize_q else q_out
     qs_strides = q_scale.stride() if quantize_q else (0, 0)
-    grid = (triton.cdiv(t, cfg.block_t), num_kv_heads)
+    grid = (triton.cdiv(t, cfg.block_t) * num_kv_heads + triton.cdiv(t, block_kv),)
     rope_norm_store_kv_fused_kernel[grid](
         qkv, positions, cos_sin_cache, qw, kw, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs,
         t, float(eps), k_cache.shape[1],
@@ -132,11 +165,13 @@ def _launch(qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_q
         *k_cache.stride(), *v_cache.stride(),
         *q_out.stride(),
         *qs_strides,
-        HQ=num_q_heads, HKV=num_kv_heads, D=head_dim, D_P=triton.next_power_of_2(head_dim),
+        HQ=num_q_heads, HKV=num_kv_heads, HKV_P=triton.next_power_of_2(num_kv_heads), D=head_dim,
+        D_P=triton.next_power_of_2(head_dim),
         GROUP=group, GROUP_P=triton.next_power_of_2(group),
         HALF=half, HALF_P=triton.next_power_of_2(half), TAIL_P=triton.next_power_of_2(max(tail, 1)),
         HAS_TAIL=tail > 0, NEOX=style == "neox", ORDER=_ORDER_CODE[order], KV_FP8=kv_fp8, Q_FP8=quantize_q,
-        BLOCK_T=cfg.block_t, num_warps=cfg.num_warps,
+        BLOCK_T=cfg.block_t, BLOCK_KV=block_kv, IDX64=idx64, CACHE_I64=cache_i64,
+        SLOT_LINEAR=_slot_linear(k_cache) and _slot_linear(v_cache), num_warps=cfg.num_warps,
     )
 
 

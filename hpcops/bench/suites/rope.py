@@ -140,7 +140,7 @@ def _args(x: dict[str, Any], k_cache=None, v_cache=None):
             x["v_cache"] if v_cache is None else v_cache, x["slot_mapping"])
 
 
-def _ours(s: Scenario, config: tuple[int, int] | None = None):
+def _ours(s: Scenario, config: tuple[int, ...] | None = None):
     def prepare(x):
         from hpcops.rope.prologue import RopeConfig, rope_norm_store_kv
 
@@ -150,15 +150,19 @@ def _ours(s: Scenario, config: tuple[int, int] | None = None):
     return prepare
 
 
-def _sweep_configs() -> list[tuple[int, int]]:
-    """Extra launch shapes to time beside the default, from HPCOPS_ROPE_CONFIGS="4x8,8x4,16x8"
-    (block_t x num_warps): a tuning aid, reported as extra rows `hpcops-bt<B>w<W>`."""
+def _sweep_configs() -> list[tuple[int, ...]]:
+    """Extra launch shapes to time beside the default, from HPCOPS_ROPE_CONFIGS="4x8,8x4,4x8x4"
+    (block_t x num_warps [x block_kv]): a tuning aid, reported as extra rows `hpcops-bt<B>w<W>[kv<K>]`
+    (scripts/sweep_rope.py sweeps them all in one process)."""
     spec = os.environ.get("HPCOPS_ROPE_CONFIGS", "").strip()
     out = []
     for item in filter(None, (p.strip() for p in spec.split(","))):
-        bt, w = item.lower().split("x")
-        out.append((int(bt), int(w)))
+        out.append(tuple(int(v) for v in item.lower().split("x")))
     return out
+
+
+def _config_name(config: tuple[int, ...]) -> str:
+    return f"hpcops-bt{config[0]}w{config[1]}" + (f"kv{config[2]}" if len(config) > 2 else "")
 
 
 def _torch(s: Scenario):
@@ -232,8 +236,7 @@ def cases(opts: dict[str, Any]) -> Iterator[Case]:
                 yield Case(
                     suite="rope", name=s.name, make_inputs=lambda layer, s=s: _make_inputs(s, layer),
                     impls=[Impl("hpcops", _ours(s), ours=True),
-                           *[Impl(f"hpcops-bt{bt}w{w}", _ours(s, (bt, w)), note="config sweep")
-                             for bt, w in sweep],
+                           *[Impl(_config_name(c), _ours(s, c), note="config sweep") for c in sweep],
                            Impl("torch-unfused", _torch(s),
                                 note="reference sequence, eager ops in the graph"),
                            Impl("flashinfer", _flashinfer(s),
