@@ -32,13 +32,17 @@ CHECK_T = 2048
 DEVICE = "cuda"  # the CPU smoke test (tests/test_rope_bench.py) runs the plumbing on "cpu"
 # (block_t, num_warps): q tiles of 8..64 elements per thread (32·block_t/num_warps for GROUP 8)
 SHAPES = [(1, 2), (1, 4), (2, 2), (2, 4), (2, 8), (4, 2), (4, 4), (4, 8), (8, 4), (8, 8), (16, 8)]
+SMEM_SHAPES = [(2, 4), (4, 4), (4, 8), (8, 8)]  # also timed with RopeConfig.cos_sin_smem
 
 
-def _default(t: int, hq: int, hkv: int) -> tuple[int, int, int]:
+Variant = tuple[int, int, int, bool]  # RopeConfig(block_t, num_warps, block_kv, cos_sin_smem)
+
+
+def _default(t: int, hq: int, hkv: int) -> Variant:
     from hpcops.rope.prologue import default_config
 
     c = default_config(t, hq, hkv, HEAD_DIM, "cuda" if _has_gpu() else None)
-    return (c.block_t, c.num_warps, c.block_kv)
+    return (c.block_t, c.num_warps, c.block_kv, c.cos_sin_smem)
 
 
 def _has_gpu() -> bool:
@@ -47,26 +51,28 @@ def _has_gpu() -> bool:
     return torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
 
 
-def variants(hq: int, hkv: int) -> list[tuple[int, int, int]]:
-    """(block_t, num_warps, block_kv) for one head layout: the shapes × the default block_kv, the
-    block_kv neighbours (½×, 2×, 4×) of the large-T default and of (4, 4), and every T's default."""
+def variants(hq: int, hkv: int) -> list[Variant]:
+    """RopeConfig fields for one head layout: the shapes × the default block_kv; the block_kv
+    neighbours (½×, 2×, 4×) of the large-T default (4, 8) and of (4, 4); cos/sin through shared
+    memory for a few shapes; every T's default."""
     from hpcops.rope.prologue import default_block_kv
 
     big = 1 << 20
-    out = [(bt, w, default_block_kv(bt, big, hq, hkv)) for bt, w in SHAPES]
+    kv = lambda bt: default_block_kv(bt, big, hq, hkv)
+    out = [(bt, w, kv(bt), False) for bt, w in SHAPES]
     for bt, w in ((4, 8), (4, 4)):
-        kv = default_block_kv(bt, big, hq, hkv)
-        out += [(bt, w, k) for k in (kv // 2, kv * 2, kv * 4) if 1 <= k <= 64]
+        out += [(bt, w, k, False) for k in (kv(bt) // 2, kv(bt) * 2, kv(bt) * 4) if 1 <= k <= 64]
+    out += [(bt, w, kv(bt), True) for bt, w in SMEM_SHAPES]
     out += [_default(t, hq, hkv) for t in TOKENS]
-    unique: list[tuple[int, int, int]] = []
+    unique: list[Variant] = []
     for v in out:
         if v not in unique:
             unique.append(v)
     return unique
 
 
-def _name(v: tuple[int, int, int]) -> str:
-    return f"bt{v[0]}w{v[1]}kv{v[2]}"
+def _name(v: Variant) -> str:
+    return f"bt{v[0]}w{v[1]}kv{v[2]}" + ("-smem" if v[3] else "")
 
 
 # ---- compile ahead (worker processes fill Triton's on-disk cache)
@@ -79,7 +85,7 @@ def _tiny_inputs(hq: int, hkv: int, fp8: bool, t: int = 16):
     return s, suite._make_inputs(s, 0, device=DEVICE)
 
 
-def _compile_job(job: tuple[int, int, bool, list[tuple[int, int, int]]]) -> list[tuple[str, str]]:
+def _compile_job(job: tuple[int, int, bool, list[Variant]]) -> list[tuple[str, str]]:
     hq, hkv, fp8, vs = job
     import torch
 
@@ -151,7 +157,7 @@ def _inputs(hq: int, hkv: int, t: int, layers: int) -> tuple[list[dict], list[di
     return bf16, fp8
 
 
-def _time(scenario, inputs: list[dict], v: tuple[int, int, int]) -> float:
+def _time(scenario, inputs: list[dict], v: Variant) -> float:
     from hpcops.bench import timing
     from hpcops.bench.suites import rope as suite
 
@@ -209,7 +215,8 @@ def run(out: Path, jobs: int) -> int:
                         continue
                     times[v] = us
                     results.append(dict(case=s.name, hq=hq, hkv=hkv, kv="fp8" if fp8 else "bf16", T=t,
-                                        block_t=v[0], num_warps=v[1], block_kv=v[2], default=v == default,
+                                        block_t=v[0], num_warps=v[1], block_kv=v[2], cos_sin_smem=v[3],
+                                        variant=_name(v), default=v == default,
                                         layers=layers, us=us, gbps=s.bytes / us / 1e3,
                                         pct_copy=(s.bytes / us / 1e3 / copy) if copy else None))
                 if not times:
@@ -229,7 +236,7 @@ def run(out: Path, jobs: int) -> int:
     return 0
 
 
-def _check_variant(s, x: dict, v: tuple[int, int, int]) -> None:
+def _check_variant(s, x: dict, v: Variant) -> None:
     """The bench gate (ours vs the torch reference, untouched cache rows) with this config."""
     from hpcops.bench.suites import rope as suite
     from hpcops.rope import prologue
@@ -255,7 +262,7 @@ def _write(out: Path, results: list[dict], bad: dict, copy: float | None, second
     lines = ["# rope sweep (H200)", "",
              f"Copy bandwidth {copy:.0f} GB/s. " if copy else "",
              "Per shape: the default launch shape against the fastest (µs per layer, CUDA-graph replay, "
-             "L2-cold). `btBwWkvK` = block_t B, num_warps W, block_kv K.", "",
+             "L2-cold). `btBwWkvK` = block_t B, num_warps W, block_kv K; `-smem`: cos_sin_smem.", "",
              "| case | default | µs | GB/s | best | µs | GB/s | % copy | speedup |",
              "|---|---|---:|---:|---|---:|---:|---:|---:|"]
     cases = sorted({r["case"] for r in results}, key=lambda c: [r["case"] for r in results].index(c))
@@ -263,17 +270,16 @@ def _write(out: Path, results: list[dict], bad: dict, copy: float | None, second
         rows = [r for r in results if r["case"] == c]
         best = min(rows, key=lambda r: r["us"])
         d = next((r for r in rows if r["default"]), None)
-        name = lambda r: f"bt{r['block_t']}w{r['num_warps']}kv{r['block_kv']}"
+        name = lambda r: r["variant"]
         pct = f"{100 * best['pct_copy']:.0f}%" if best["pct_copy"] else ""
         if d:
             lines.append(f"| {c} | {name(d)} | {d['us']:.1f} | {d['gbps']:.0f} | {name(best)} | {best['us']:.1f} | "
                          f"{best['gbps']:.0f} | {pct} | {d['us'] / best['us']:.2f} |")
         else:
             lines.append(f"| {c} | (failed) | | | {name(best)} | {best['us']:.1f} | {best['gbps']:.0f} | {pct} | |")
-    lines += ["", "## All variants", "", "| case | block_t | warps | block_kv | µs | GB/s | default |",
-              "|---|---:|---:|---:|---:|---:|---|"]
-    lines += [f"| {r['case']} | {r['block_t']} | {r['num_warps']} | {r['block_kv']} | {r['us']:.1f} | "
-              f"{r['gbps']:.0f} | {'yes' if r['default'] else ''} |" for r in results]
+    lines += ["", "## All variants", "", "| case | variant | µs | GB/s | default |", "|---|---|---:|---:|---|"]
+    lines += [f"| {r['case']} | {r['variant']} | {r['us']:.1f} | {r['gbps']:.0f} | {'yes' if r['default'] else ''} |"
+              for r in results]
     if skipped:
         lines += ["", "## Skipped", ""] + [f"- h{s['hq']}x{s['hkv']} {s['kv']} {s['variant']}: {s['reason']}"
                                            for s in skipped]
@@ -286,7 +292,7 @@ def _write(out: Path, results: list[dict], bad: dict, copy: float | None, second
 def dry_run(ptx: bool) -> int:
     for hq, hkv in HEADS:
         vs = variants(hq, hkv)
-        defaults: dict[tuple[int, int, int], list[int]] = {}
+        defaults: dict[Variant, list[int]] = {}
         for t in TOKENS:
             defaults.setdefault(_default(t, hq, hkv), []).append(t)
         print(f"h{hq}/{hkv}: {len(vs)} variants × bf16/fp8 × T {list(TOKENS)}")
@@ -301,7 +307,7 @@ def dry_run(ptx: bool) -> int:
     return 0
 
 
-def _ptx_summary(hq: int, hkv: int, fp8: bool, v: tuple[int, int, int]) -> str:
+def _ptx_summary(hq: int, hkv: int, fp8: bool, v: Variant) -> str:
     try:
         s = ptx_stats(hq, hkv, fp8, v)
     except Exception as exc:  # noqa: BLE001
@@ -310,7 +316,7 @@ def _ptx_summary(hq: int, hkv: int, fp8: bool, v: tuple[int, int, int]) -> str:
             f"kv {s['kv_sass']:4d} SASS, ld/st.v4 {s['ld_v4']}/{s['st_v4']}")
 
 
-def ptx_stats(hq: int, hkv: int, fp8: bool, v: tuple[int, int, int], roles: bool = True) -> dict:
+def ptx_stats(hq: int, hkv: int, fp8: bool, v: Variant, roles: bool = True) -> dict:
     """sm_90 compile of one variant (as the launcher specializes it at large T): registers, spills,
     16-byte global accesses, and the SASS length of each program kind (the q / kv branches compiled
     alone: the executed length of one program, up to its last EXIT)."""
@@ -336,7 +342,7 @@ def ptx_stats(hq: int, hkv: int, fp8: bool, v: tuple[int, int, int], roles: bool
         const = dict(HQ=hq, HKV=hkv, HKV_P=triton.next_power_of_2(hkv), D=HEAD_DIM, D_P=HEAD_DIM, GROUP=g,
                      GROUP_P=triton.next_power_of_2(g), HALF=HEAD_DIM // 2, HALF_P=HEAD_DIM // 2, TAIL_P=1,
                      HAS_TAIL=False, NEOX=True, ORDER=1, KV_FP8=fp8, Q_FP8=fp8, BLOCK_T=v[0], BLOCK_KV=v[2],
-                     IDX64=False, CACHE_I64=False, SLOT_LINEAR=True)
+                     IDX64=False, CACHE_I64=False, SLOT_LINEAR=True, CS_SMEM=v[3])
         const.update(dict.fromkeys(("s_qkv_d", "s_cs_d", "s_qw", "s_kw", "s_kc_d", "s_vc_d", "s_q_d", "s_qs_h"), 1))
         sig = {p: "*" + ptr[p] if p in ptr else "constexpr" if p in const else "fp32" if p == "eps" else "i32"
                for p in params}

@@ -34,6 +34,7 @@ class Case:
     block_t: int = 4
     block_kv: int | None = None  # kv programs' tokens (None: the launcher's default)
     strided_blocks: bool = False  # cache blocks not adjacent: block stride != block_size * slot stride
+    cs_smem: bool = False  # RopeConfig.cos_sin_smem
     pad_cols: int = 24  # qkv row stride = width + pad_cols
 
     @property
@@ -55,6 +56,8 @@ class Case:
             parts.append(f"bkv{self.block_kv}")
         if self.strided_blocks:
             parts.append("strided-blocks")
+        if self.cs_smem:
+            parts.append("cs-smem")
         return "-".join(parts)
 
 
@@ -150,13 +153,17 @@ CPU_CASES = [
     Case(t=9, hq=8, hkv=2, d=64, block_kv=1),
     Case(t=10, hq=8, hkv=1, d=128, kv=FP8, quantize_q=True, block_t=2, block_kv=8, strided_blocks=True),
     Case(t=7, hq=6, hkv=3, d=64, style="gptj", rot=32, packed=True, strided_blocks=True, block_kv=4),
+    # cos/sin gathered once per program and broadcast through shared memory
+    Case(t=6, hq=8, hkv=2, d=64, kv=FP8, quantize_q=True, cs_smem=True),
+    Case(t=5, hq=4, hkv=1, d=64, style="gptj", rot=40, order="rope_norm", cs_smem=True),
 ]
 
 
 @pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: c.id)
 def test_matches_reference(case, device):
     run_and_compare(case, device=device,
-                    config=RopeConfig(block_t=case.block_t, num_warps=4, block_kv=case.block_kv))
+                    config=RopeConfig(block_t=case.block_t, num_warps=4, block_kv=case.block_kv,
+                                      cos_sin_smem=case.cs_smem))
 
 
 @pytest.mark.parametrize("case", [Case(t=6, hq=8, hkv=2, d=64, kv=FP8, quantize_q=True, block_kv=2),
@@ -167,7 +174,8 @@ def test_int64_index_paths(case, device, monkeypatch):
     """The int64 index arithmetic (tensors spanning ≥ 2^31 elements) computes the same thing."""
     monkeypatch.setattr(prologue, "I32_LIMIT", 0)  # every tensor "too large" for int32 offsets
     run_and_compare(case, device=device,
-                    config=RopeConfig(block_t=case.block_t, num_warps=4, block_kv=case.block_kv))
+                    config=RopeConfig(block_t=case.block_t, num_warps=4, block_kv=case.block_kv,
+                                      cos_sin_smem=case.cs_smem))
 
 
 def test_index_width_and_slot_flags():

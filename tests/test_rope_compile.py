@@ -28,7 +28,7 @@ SCRIPT = textwrap.dedent(r'''
     ALIGNED = ("s_qkv_t", "s_kc_b", "s_kc_s", "s_kc_h", "s_vc_b", "s_vc_s", "s_vc_h", "s_q_t", "s_q_h",
                "s_cs_p", "block_size")
 
-    def build(hq, hkv, d, rot, fp8, neox, order, bt, bkv, warps, idx64=False, linear=True):
+    def build(hq, hkv, d, rot, fp8, neox, order, bt, bkv, warps, idx64=False, linear=True, smem=False):
         params = list(inspect.signature(k.fn).parameters)
         kv = "fp8e4nv" if fp8 else "bf16"
         ptr = {"qkv_ptr": "bf16", "pos_ptr": "i64", "cs_ptr": "fp32", "qw_ptr": "fp32", "kw_ptr": "fp32",
@@ -39,7 +39,7 @@ SCRIPT = textwrap.dedent(r'''
                      GROUP_P=triton.next_power_of_2(g), HALF=half, HALF_P=triton.next_power_of_2(half),
                      TAIL_P=triton.next_power_of_2(max(tail, 1)), HAS_TAIL=tail > 0, NEOX=neox, ORDER=order,
                      KV_FP8=fp8, Q_FP8=fp8, BLOCK_T=bt, BLOCK_KV=bkv, IDX64=idx64, CACHE_I64=idx64,
-                     SLOT_LINEAR=linear, **{u: 1 for u in UNIT})
+                     SLOT_LINEAR=linear, CS_SMEM=smem, **{u: 1 for u in UNIT})
         missing = [p for p in params if p.isupper() and p not in const]
         assert not missing, f"constexprs the test does not set: {missing}"
         sig = {}
@@ -77,6 +77,7 @@ VARIANTS = {
     "hy3-full-fp8": dict(hq=64, hkv=8, fp8=True, bt=4, bkv=2, warps=8, **HY3),
     "hy3-rank-fp8": dict(hq=8, hkv=1, fp8=True, bt=4, bkv=16, warps=8, **HY3),
     "hy3-full-bf16-bt8w4": dict(hq=64, hkv=8, fp8=False, bt=8, bkv=4, warps=4, **HY3),
+    "hy3-rank-fp8-smem": dict(hq=8, hkv=1, fp8=True, bt=4, bkv=16, warps=8, smem=True, **HY3),
     # the general paths: int64 offsets, a cache whose blocks are not adjacent, GPT-J, partial rotary
     "gptj-partial-d256-i64": dict(hq=6, hkv=2, d=256, rot=96, fp8=True, neox=False, order=2, bt=2, bkv=2,
                                   warps=4, idx64=True, linear=False),
@@ -100,7 +101,7 @@ def test_compiles_for_sm90():
         assert r["int64_mul"] == 0 and r["int_div"] == 0, f"{name}: 64-bit or divided index maths ({r})"
     for name in ("hy3-full-bf16", "hy3-full-bf16-bt8w4"):
         assert res[name]["st_v4"] >= 3, f"{name}: q/v rows no longer stored 16 bytes per thread"
-    for name in ("hy3-full-fp8", "hy3-rank-fp8"):
+    for name in ("hy3-full-fp8", "hy3-rank-fp8", "hy3-rank-fp8-smem"):
         r = res[name]
         assert r["div_rn"] <= 1, f"{name}: more than the one IEEE division (q_scale = amax / 448) per thread"
         assert r["div_any"] <= 4, f"{name}: per-element divisions are back ({r})"

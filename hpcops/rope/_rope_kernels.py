@@ -70,24 +70,44 @@ def _rotate(lo, hi, tail, cos, sin, w_lo, w_hi, w_tail, eps,
 
 @triton.jit
 def _cos_sin(pos_ptr, cs_ptr, tok, t_mask, s_cs_p, s_cs_d, H: tl.constexpr,
-             HALF: tl.constexpr, HALF_P: tl.constexpr, IDX64: tl.constexpr):
-    """cos, sin of every token, [BLOCK, H, HALF_P] fp32: gathered straight into the layout of the
-    [BLOCK, H, HALF_P] head tiles (the H copies come from L1), not converted through shared memory."""
+             HALF: tl.constexpr, HALF_P: tl.constexpr, IDX64: tl.constexpr, CS_SMEM: tl.constexpr):
+    """cos, sin of every token for [BLOCK, H, HALF_P] head tiles, fp32.
+
+    Default: gathered straight into the tiles' layout, [BLOCK, H, HALF_P] (each warp reads the rows
+    its heads need, the copies come from L1; a thread holding several heads loads a row once), no
+    shared memory, no barrier. CS_SMEM: one [BLOCK, HALF_P] gather per program, broadcast over the
+    heads through shared memory (fewer L1 requests, a layout conversion with barriers).
+    """
     i = tl.arange(0, HALF_P)
-    pos = tl.load(pos_ptr + tok, mask=t_mask, other=0)
+    pos = tl.load(pos_ptr + tok, mask=t_mask, other=0)  # masked tokens read the row of position 0
     if IDX64:
         pos = pos.to(tl.int64)
     else:
         pos = pos.to(tl.int32)
-    zero = tl.zeros([1, H, 1], dtype=pos.dtype)
-    off = (pos * s_cs_p)[:, None, None] + zero + (i * s_cs_d)[None, None, :]
-    if HALF == HALF_P:  # masked tokens read the row of position 0: no mask, no zero-fill
-        cos = tl.load(cs_ptr + off).to(tl.float32)
-        sin = tl.load(cs_ptr + off + HALF * s_cs_d).to(tl.float32)
+    if CS_SMEM:
+        # the callers' bulk loads are issued above: keep them there (ptxas would otherwise hoist this
+        # pos → cos chain and the layout conversion's barriers in front of them)
+        tl.debug_barrier()
+        off = (pos * s_cs_p)[:, None] + (i * s_cs_d)[None, :]
+        if HALF == HALF_P:
+            cos = tl.load(cs_ptr + off).to(tl.float32)
+            sin = tl.load(cs_ptr + off + HALF * s_cs_d).to(tl.float32)
+        else:
+            m = (i < HALF)[None, :]
+            cos = tl.load(cs_ptr + off, mask=m, other=0.0).to(tl.float32)
+            sin = tl.load(cs_ptr + off + HALF * s_cs_d, mask=m, other=0.0).to(tl.float32)
+        cos = cos[:, None, :]
+        sin = sin[:, None, :]
     else:
-        m = (zero == 0) & (i < HALF)[None, None, :]
-        cos = tl.load(cs_ptr + off, mask=m, other=0.0).to(tl.float32)
-        sin = tl.load(cs_ptr + off + HALF * s_cs_d, mask=m, other=0.0).to(tl.float32)
+        zero = tl.zeros([1, H, 1], dtype=pos.dtype)
+        off = (pos * s_cs_p)[:, None, None] + zero + (i * s_cs_d)[None, None, :]
+        if HALF == HALF_P:
+            cos = tl.load(cs_ptr + off).to(tl.float32)
+            sin = tl.load(cs_ptr + off + HALF * s_cs_d).to(tl.float32)
+        else:
+            m = (zero == 0) & (i < HALF)[None, None, :]
+            cos = tl.load(cs_ptr + off, mask=m, other=0.0).to(tl.float32)
+            sin = tl.load(cs_ptr + off + HALF * s_cs_d, mask=m, other=0.0).to(tl.float32)
     return cos, sin
 
 
@@ -168,7 +188,7 @@ def _q_program(tb, kvh, qkv_ptr, pos_ptr, cs_ptr, qw_ptr, q_ptr, qs_ptr, num_tok
                D: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
                HALF: tl.constexpr, HALF_P: tl.constexpr, TAIL_P: tl.constexpr, HAS_TAIL: tl.constexpr,
                NEOX: tl.constexpr, ORDER: tl.constexpr, Q_FP8: tl.constexpr,
-               BLOCK_T: tl.constexpr, IDX64: tl.constexpr):
+               BLOCK_T: tl.constexpr, IDX64: tl.constexpr, CS_SMEM: tl.constexpr):
     """Query heads kvh·GROUP .. + GROUP of tokens tb·BLOCK_T .. + BLOCK_T."""
     if IDX64:
         tok = tb.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -181,7 +201,7 @@ def _q_program(tb, kvh, qkv_ptr, pos_ptr, cs_ptr, qw_ptr, q_ptr, qs_ptr, num_tok
     m = t_mask[:, None, None] & g_mask[None, :, None]
     base = qkv_ptr + (tok * s_qkv_t)[:, None, None] + (qh * (D * s_qkv_d))[None, :, None]
     lo, hi, tail = _load_heads(base, m, s_qkv_d, HALF, HALF_P, TAIL_P, D, NEOX, HAS_TAIL)
-    cos, sin = _cos_sin(pos_ptr, cs_ptr, tok, t_mask, s_cs_p, s_cs_d, GROUP_P, HALF, HALF_P, IDX64)
+    cos, sin = _cos_sin(pos_ptr, cs_ptr, tok, t_mask, s_cs_p, s_cs_d, GROUP_P, HALF, HALF_P, IDX64, CS_SMEM)
     w_lo, w_hi, w_tail = _norm_weights(qw_ptr, s_qw, HALF, HALF_P, TAIL_P, D, NEOX, ORDER)
     lo, hi, tail, r = _rotate(lo, hi, tail, cos, sin, w_lo, w_hi, w_tail, eps, D, HAS_TAIL, ORDER)
 
@@ -221,7 +241,7 @@ def _kv_program(kb, qkv_ptr, pos_ptr, cs_ptr, kw_ptr, kc_ptr, vc_ptr, slot_ptr, 
                 D_P: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr, TAIL_P: tl.constexpr,
                 HAS_TAIL: tl.constexpr, NEOX: tl.constexpr, ORDER: tl.constexpr, KV_FP8: tl.constexpr,
                 BLOCK_KV: tl.constexpr, IDX64: tl.constexpr, CACHE_I64: tl.constexpr,
-                SLOT_LINEAR: tl.constexpr):
+                SLOT_LINEAR: tl.constexpr, CS_SMEM: tl.constexpr):
     """All key and value heads of tokens kb·BLOCK_KV .. + BLOCK_KV, into the cache at their slots."""
     if IDX64:
         tok = kb.to(tl.int64) * BLOCK_KV + tl.arange(0, BLOCK_KV)
@@ -246,7 +266,7 @@ def _kv_program(kb, qkv_ptr, pos_ptr, cs_ptr, kw_ptr, kc_ptr, vc_ptr, slot_ptr, 
         slot = slot.to(tl.int64)
     else:
         slot = slot.to(tl.int32)
-    cos, sin = _cos_sin(pos_ptr, cs_ptr, tok, t_mask, s_cs_p, s_cs_d, HKV_P, HALF, HALF_P, IDX64)
+    cos, sin = _cos_sin(pos_ptr, cs_ptr, tok, t_mask, s_cs_p, s_cs_d, HKV_P, HALF, HALF_P, IDX64, CS_SMEM)
     w_lo, w_hi, w_tail = _norm_weights(kw_ptr, s_kw, HALF, HALF_P, TAIL_P, D, NEOX, ORDER)
     if KV_FP8:  # loaded before any store (ptxas keeps loads below the stores that precede them)
         k_scale = tl.load(ks_ptr).to(tl.float32)
@@ -304,17 +324,17 @@ def rope_norm_store_kv_fused_kernel(
     HALF: tl.constexpr, HALF_P: tl.constexpr, TAIL_P: tl.constexpr, HAS_TAIL: tl.constexpr,
     NEOX: tl.constexpr, ORDER: tl.constexpr, KV_FP8: tl.constexpr, Q_FP8: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_KV: tl.constexpr, IDX64: tl.constexpr, CACHE_I64: tl.constexpr,
-    SLOT_LINEAR: tl.constexpr,
+    SLOT_LINEAR: tl.constexpr, CS_SMEM: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_q = tl.cdiv(num_tokens, BLOCK_T) * HKV
     if pid < num_q:
         _q_program(pid // HKV, pid % HKV, qkv_ptr, pos_ptr, cs_ptr, qw_ptr, q_ptr, qs_ptr, num_tokens, eps,
                    s_qkv_t, s_qkv_d, s_cs_p, s_cs_d, s_qw, s_q_t, s_q_h, s_q_d, s_qs_t, s_qs_h,
-                   D, GROUP, GROUP_P, HALF, HALF_P, TAIL_P, HAS_TAIL, NEOX, ORDER, Q_FP8, BLOCK_T, IDX64)
+                   D, GROUP, GROUP_P, HALF, HALF_P, TAIL_P, HAS_TAIL, NEOX, ORDER, Q_FP8, BLOCK_T, IDX64, CS_SMEM)
     else:
         _kv_program(pid - num_q, qkv_ptr, pos_ptr, cs_ptr, kw_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr,
                     num_tokens, eps, block_size, s_qkv_t, s_qkv_d, s_cs_p, s_cs_d, s_kw,
                     s_kc_b, s_kc_s, s_kc_h, s_kc_d, s_vc_b, s_vc_s, s_vc_h, s_vc_d,
                     HQ, HKV, HKV_P, D, D_P, HALF, HALF_P, TAIL_P, HAS_TAIL, NEOX, ORDER, KV_FP8,
-                    BLOCK_KV, IDX64, CACHE_I64, SLOT_LINEAR)
+                    BLOCK_KV, IDX64, CACHE_I64, SLOT_LINEAR, CS_SMEM)

@@ -27,11 +27,14 @@ I32_LIMIT = 2**31 - 1
 @dataclass(frozen=True)
 class RopeConfig:
     """Launch shape: q programs of `block_t` tokens × one KV group's query heads; kv programs of
-    `block_kv` tokens × all key and value heads (None: `default_block_kv`)."""
+    `block_kv` tokens × all key and value heads (None: `default_block_kv`). `cos_sin_smem`: gather
+    cos/sin once per program and broadcast it over the heads through shared memory (default: each
+    warp gathers the rows of its heads from L1, no barrier)."""
 
     block_t: int
     num_warps: int
     block_kv: int | None = None
+    cos_sin_smem: bool = False
 
 
 def default_block_kv(block_t: int, num_tokens: int, num_q_heads: int, num_kv_heads: int) -> int:
@@ -171,7 +174,8 @@ def _launch(qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_q
         HALF=half, HALF_P=triton.next_power_of_2(half), TAIL_P=triton.next_power_of_2(max(tail, 1)),
         HAS_TAIL=tail > 0, NEOX=style == "neox", ORDER=_ORDER_CODE[order], KV_FP8=kv_fp8, Q_FP8=quantize_q,
         BLOCK_T=cfg.block_t, BLOCK_KV=block_kv, IDX64=idx64, CACHE_I64=cache_i64,
-        SLOT_LINEAR=_slot_linear(k_cache) and _slot_linear(v_cache), num_warps=cfg.num_warps,
+        SLOT_LINEAR=_slot_linear(k_cache) and _slot_linear(v_cache), CS_SMEM=bool(cfg.cos_sin_smem),
+        num_warps=cfg.num_warps,
     )
 
 
