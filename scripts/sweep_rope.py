@@ -7,6 +7,7 @@ a variant that fails to compile or to match is reported and skipped. Prints the 
 shape against the default and writes rope_sweep.{json,md} under --out.
 
     python scripts/sweep_rope.py --out bench/results          # ~2-3 min on an H200
+    python scripts/sweep_rope.py --tokens 32768 --out /tmp/s  # one T only
     python scripts/sweep_rope.py --dry-run                    # list the variants (CPU)
     python scripts/sweep_rope.py --dry-run --ptx              # + sm_90 compile stats per variant (CPU)
 
@@ -393,13 +394,17 @@ def ptx_stats(hq: int, hkv: int, fp8: bool, v: Variant, roles: bool = True) -> d
 
 
 def main(argv: Iterable[str] | None = None) -> int:
+    global TOKENS
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),
                     help="processes compiling ahead (1: compile in the timing loop's process)")
     ap.add_argument("--dry-run", action="store_true", help="list the variants; no GPU needed")
     ap.add_argument("--ptx", action="store_true", help="with --dry-run: sm_90 compile statistics per variant")
+    ap.add_argument("--tokens", default=None, help=f"comma-separated T values (default {','.join(map(str, TOKENS))})")
     args = ap.parse_args(list(argv) if argv is not None else None)
+    if args.tokens:
+        TOKENS = tuple(int(t) for t in args.tokens.split(","))
     if args.dry_run:
         if args.ptx:
             os.environ.pop("TRITON_INTERPRET", None)
