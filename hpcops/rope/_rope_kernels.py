@@ -252,8 +252,8 @@ def _kv_program(kb, qkv_ptr, pos_ptr, cs_ptr, kw_ptr, kc_ptr, vc_ptr, slot_ptr, 
     h_mask = h < HKV
     m = t_mask[:, None, None] & h_mask[None, :, None]
     row = (tok * s_qkv_t)[:, None, None]
-    # the v rows first, pinned in flight by a barrier (nothing before it waits on a load; ptxas
-    # would otherwise sink this load below the k maths), then the k pieces, slots, cos/sin gather
+    # the v rows and the slots first, pinned in flight by a barrier (nothing before it waits on a
+    # load; ptxas would otherwise sink the v load below the k maths), then the k pieces, cos/sin
     dv = tl.arange(0, D_P)
     dv_mask = (dv < D)[None, None, :]
     v = tl.load(qkv_ptr + row + ((HQ + HKV + h) * (D * s_qkv_d))[None, :, None] + (dv * s_qkv_d)[None, None, :],
