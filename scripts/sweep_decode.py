@@ -41,6 +41,13 @@ def variants() -> list[dict]:
             out.append(dict(DEFAULT, use_tma=tma, num_stages=stages))
         out.append(dict(DEFAULT, use_tma=tma, num_warps=8))
         out.append(dict(DEFAULT, use_tma=tma, pdl=True))
+    # One or two warps per program keep each score row inside a warp: the 4-warp tile splits the 64
+    # keys across warps and its softmax reductions cost ~9 block barriers per tile (sm_90 SASS).
+    # Fewer warps need more programs per SM (shared memory: ~70 KB/program bf16 at 3 stages).
+    for warps in (1, 2):
+        for pps in (3, 4, 6):
+            for stages in (2, 3):
+                out.append(dict(DEFAULT, num_warps=warps, pps=pps, num_stages=stages, pdl=True))
     unique = []
     for v in out:
         if v not in unique:
@@ -81,6 +88,7 @@ def main() -> int:
     scenarios = SCENARIOS
     if args.quick:
         vs = [dict(DEFAULT, use_tma=tma, pdl=pdl) for tma in (False, True) for pdl in (False, True)]
+        vs += [dict(DEFAULT, num_warps=w, pps=p, num_stages=2, pdl=True) for w in (1, 2) for p in (4, 6)]
         scenarios = [SCENARIOS[1], SCENARIOS[5], SCENARIOS[7]]
     if args.dry_run:
         print("\n".join(_key(v) for v in vs))

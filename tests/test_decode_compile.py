@@ -57,10 +57,12 @@ print(json.dumps(out))
 """)
 
 
-def _attn(kernel="decode_persistent_kernel", q="bf16", kv="bf16", tma=False, g=8, q_len=1, d=128, bs=64, **extra):
+def _attn(kernel="decode_persistent_kernel", q="bf16", kv="bf16", tma=False, g=8, q_len=1, d=128, bs=64, warps=None,
+          stages=3, **extra):
     const = dict(Q_LEN=q_len, G=g, HEAD_DIM=d, D_PAD=d, M_PAD=max(16, q_len * g), BLOCK_SIZE=bs, TILE=64,
-                 BLOCK_N=64, KV_FP8=kv == "fp8e4nv", Q_FP8=q == "fp8e4nv", NUM_STAGES=3, USE_TMA=tma, **extra)
-    return dict(kernel=kernel, q=q, kv=kv, tma=tma, const=const, warps=4 if d <= 128 else 8, stages=3)
+                 BLOCK_N=64, KV_FP8=kv == "fp8e4nv", Q_FP8=q == "fp8e4nv", NUM_STAGES=stages, USE_TMA=tma, **extra)
+    return dict(kernel=kernel, q=q, kv=kv, tma=tma, const=const, warps=warps or (4 if d <= 128 else 8),
+                stages=stages)
 
 
 def _combine(kernel, **extra):
@@ -77,6 +79,8 @@ VARIANTS = {
     "persistent-fp16-page16-d96": _attn(q="fp16", kv="fp16", d=96, bs=16),
     "static-bf16-d256": _attn("decode_static_kernel", d=256, g=2, bs=256, SPLITS=4),
     "persistent-bf16-pdl": _attn(USE_PDL=True),
+    "persistent-fp8kv-1warp-s2": _attn(kv="fp8e4nv", warps=1, stages=2),
+    "persistent-bf16-2warps": _attn(warps=2),
     "combine": _combine("decode_combine_kernel"),
     "combine-pdl": _combine("decode_combine_kernel", USE_PDL=True),
     "static-combine": _combine("decode_static_combine_kernel", SPLITS=4, TILE=64),
