@@ -27,7 +27,7 @@ SCENARIOS = [Scenario(s, 8, 1, True) for s in
 SCENARIOS += [Scenario("64x4K", 8, 1, False), Scenario("64x4K", 64, 8, False),
               Scenario("32x0.125K+32x4K", 64, 8, True), Scenario("1x128K+31x4K", 64, 8, True)]
 
-DEFAULT = dict(num_stages=3, num_warps=None, use_tma=False, pdl=False, pps=DEFAULT_PROGRAMS_PER_SM,
+DEFAULT = dict(num_stages=3, num_warps=None, use_tma=False, pdl=False, min_rows=16, pps=DEFAULT_PROGRAMS_PER_SM,
                min_tiles=DEFAULT_MIN_TILES)
 
 
@@ -48,6 +48,9 @@ def variants() -> list[dict]:
         for pps in (3, 4, 6):
             for stages in (2, 3):
                 out.append(dict(DEFAULT, num_warps=warps, pps=pps, num_stages=stages, pdl=True))
+    # or 4 warps over a 64-row tile (rows padded): warps split rows, reductions stay in a warp
+    for pps in (2, 3):
+        out.append(dict(DEFAULT, min_rows=64, pps=pps, pdl=True))
     unique = []
     for v in out:
         if v not in unique:
@@ -58,7 +61,7 @@ def variants() -> list[dict]:
 def time_variant(inputs, v: dict) -> float:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     old = dec.set_decode_config(num_stages=v["num_stages"], num_warps=v["num_warps"], use_tma=v["use_tma"],
-                                pdl=v["pdl"])
+                                pdl=v["pdl"], min_rows=v["min_rows"])
     try:
         fns = []
         for x in inputs:
@@ -74,6 +77,7 @@ def time_variant(inputs, v: dict) -> float:
 
 def _key(v: dict) -> str:
     return (f"stages={v['num_stages']} warps={v['num_warps'] or 'auto'} tma={int(v['use_tma'])} pdl={int(v['pdl'])} "
+            f"rows={v['min_rows']} "
             f"pps={v['pps']} min_tiles={v['min_tiles']}")
 
 
@@ -89,6 +93,7 @@ def main() -> int:
     if args.quick:
         vs = [dict(DEFAULT, use_tma=tma, pdl=pdl) for tma in (False, True) for pdl in (False, True)]
         vs += [dict(DEFAULT, num_warps=w, pps=p, num_stages=2, pdl=True) for w in (1, 2) for p in (4, 6)]
+        vs += [dict(DEFAULT, min_rows=64, pdl=True)]
         scenarios = [SCENARIOS[1], SCENARIOS[5], SCENARIOS[7]]
     if args.dry_run:
         print("\n".join(_key(v) for v in vs))

@@ -321,3 +321,16 @@ def test_gpu_compute_sanitizer(schedule):
         pytest.skip("compute-sanitizer does not support this device/runtime (gVisor)")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "ERROR SUMMARY: 0 errors" in proc.stdout + proc.stderr
+
+
+def test_decode_min_rows_config(device):
+    """A 64-row score tile (rows padded past q_len·G): same results."""
+    from hpcops.attention import decode as dec
+
+    old = dec.set_decode_config(min_rows=64)
+    try:
+        for case in (CASES[2], CASES[7]):
+            for schedule in ("dynamic", "static"):
+                test_decode_matches_reference(case, schedule, device)
+    finally:
+        dec.set_decode_config(**old.__dict__)

@@ -59,7 +59,8 @@ print(json.dumps(out))
 
 def _attn(kernel="decode_persistent_kernel", q="bf16", kv="bf16", tma=False, g=8, q_len=1, d=128, bs=64, warps=None,
           stages=3, **extra):
-    const = dict(Q_LEN=q_len, G=g, HEAD_DIM=d, D_PAD=d, M_PAD=max(16, q_len * g), BLOCK_SIZE=bs, TILE=64,
+    m_pad = extra.pop("M_PAD_OVERRIDE", max(16, q_len * g))
+    const = dict(Q_LEN=q_len, G=g, HEAD_DIM=d, D_PAD=d, M_PAD=m_pad, BLOCK_SIZE=bs, TILE=64,
                  BLOCK_N=64, KV_FP8=kv == "fp8e4nv", Q_FP8=q == "fp8e4nv", NUM_STAGES=stages, USE_TMA=tma, **extra)
     return dict(kernel=kernel, q=q, kv=kv, tma=tma, const=const, warps=warps or (4 if d <= 128 else 8),
                 stages=stages)
@@ -81,6 +82,7 @@ VARIANTS = {
     "persistent-bf16-pdl": _attn(USE_PDL=True),
     "persistent-fp8kv-1warp-s2": _attn(kv="fp8e4nv", warps=1, stages=2),
     "persistent-bf16-2warps": _attn(warps=2),
+    "persistent-fp8kv-64rows": _attn(kv="fp8e4nv", M_PAD_OVERRIDE=64),
     "combine": _combine("decode_combine_kernel"),
     "combine-pdl": _combine("decode_combine_kernel", USE_PDL=True),
     "static-combine": _combine("decode_static_combine_kernel", SPLITS=4, TILE=64),

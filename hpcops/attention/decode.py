@@ -32,6 +32,8 @@ class DecodeConfig:
     pdl: launch the combine kernel with programmatic dependent launch (sm90), overlapping its
         launch with the attention kernel's tail. Measured 0.6–6% faster on the H200; off until the
         GPU tier has run with it on. Never under the interpreter.
+    min_rows: the score tile has max(min_rows, next_pow2(q_len·G)) rows. 64 lets 4 warps split rows
+        instead of keys, so the softmax reductions stay inside a warp (padded rows cost MMA work).
     """
 
     num_stages: int = 3
@@ -40,6 +42,7 @@ class DecodeConfig:
     combine_chunks: int = 16
     use_tma: bool = False
     pdl: bool = False
+    min_rows: int = 16
 
 
 _CONFIG = DecodeConfig()
@@ -180,7 +183,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     q_fp8 = q.dtype == FP8_E4M3
     rows = q_len * g
     common = dict(Q_LEN=q_len, G=g, HEAD_DIM=d, D_PAD=triton.next_power_of_2(d))
-    m_pad = max(16, triton.next_power_of_2(rows))
+    m_pad = max(_CONFIG.min_rows, 16, triton.next_power_of_2(rows))
     block_n = _CONFIG.block_n if d <= 128 else 64
     dummy = seq_lens  # placeholder pointer for absent optional tensors (never read)
     nb, bs, _, _ = k_cache.shape
