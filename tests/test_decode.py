@@ -334,3 +334,22 @@ def test_decode_min_rows_config(device):
                 test_decode_matches_reference(case, schedule, device)
     finally:
         dec.set_decode_config(**old.__dict__)
+
+
+def test_decode_tma_falls_back_on_head_major_pages(device):
+    """HND pages (a token row does not hold all kv heads) cannot use the 2-D TMA view: decode falls
+    back to pointer loads and stays correct with use_tma on."""
+    from hpcops.attention import decode as dec
+    from hpcops.attention._tma import tma_unsupported_reason
+
+    kv = make_paged_kv([130, 64, 65], num_kv_heads=2, head_dim=64, block_size=64, device=device)
+    hnd_k = kv.k_cache.transpose(1, 2).contiguous().transpose(1, 2)  # [N, bs, H, D] view of HND storage
+    hnd_v = kv.v_cache.transpose(1, 2).contiguous().transpose(1, 2)
+    assert "does not hold all kv heads" in tma_unsupported_reason(hnd_k, 64)
+    q = torch.randn(3, 8, 64, device=device).bfloat16()
+    old = dec.set_decode_config(use_tma=True)
+    try:
+        got = hpcops.decode_attention(q, hnd_k, hnd_v, kv.block_table, kv.seq_lens, out=nan_like(q))
+    finally:
+        dec.set_decode_config(**old.__dict__)
+    assert_close(ref.decode_attention(q, hnd_k, hnd_v, kv.block_table, kv.seq_lens), got)

@@ -12,6 +12,7 @@ import triton
 from hpcops import _platform
 from hpcops._checks import FP8_E4M3, check_choice, check_scale, check_tensor, checking_enabled
 from hpcops._library import register
+from hpcops.attention._tma import kv_descriptor, tma_unsupported_reason
 from hpcops.attention.plan import MAX_Q_LEN, TILE, DecodePlan, plan_decode
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 256)
@@ -135,20 +136,8 @@ def _validate(q, k_cache, v_cache, block_table, seq_lens, plan, schedule, k_scal
 
 
 def _tma_ok(cache: torch.Tensor, block_n: int) -> bool:
-    nb, bs, _, d = cache.shape
-    sb, st, sh, _ = cache.stride()
-    e = cache.element_size()
-    return (bs % block_n == 0 and d & (d - 1) == 0 and (sb == bs * st or nb == 1) and (st * e) % 16 == 0
-            and (sh * e) % 16 == 0 and cache.data_ptr() % 16 == 0 and nb * bs < 2**31)
-
-
-def _kv_descriptor(cache: torch.Tensor, block_n: int):
-    """The cache as 2-D [num_blocks·block_size, token row] (kv head h at column h·stride_h), box [block_n, D]."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    nb, bs, hkv, d = cache.shape
-    _, st, sh, _ = cache.stride()
-    return TensorDescriptor(cache, [nb * bs, (hkv - 1) * sh + d], [st, 1], [block_n, d])
+    d = cache.shape[-1]
+    return d & (d - 1) == 0 and tma_unsupported_reason(cache, block_n) is None
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
@@ -195,7 +184,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     use_tma = _CONFIG.use_tma and _tma_ok(k_cache, TILE) and _tma_ok(v_cache, TILE)
     if use_tma:
         block_n = TILE
-        descs = (_kv_descriptor(k_cache, TILE), _kv_descriptor(v_cache, TILE))
+        descs = (kv_descriptor(k_cache, TILE), kv_descriptor(v_cache, TILE))
     else:
         descs = (k_cache, v_cache)
     if schedule == "static":

@@ -11,6 +11,7 @@ import triton
 from hpcops._checks import FP8_E4M3, HALF_DTYPES, check_scale, check_tensor, checking_enabled
 from hpcops._library import register
 from hpcops.attention._prefill_kernels import prefill_attention_fwd_kernel
+from hpcops.attention._tma import kv_descriptor, tma_unsupported_reason
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
@@ -169,28 +170,6 @@ def _validate(
     return out_dtype
 
 
-def tma_unsupported_reason(cache: torch.Tensor, block_n: int) -> str | None:
-    """Why a K or V cache cannot be read with TMA tiles of `block_n` keys (None: it can)."""
-    nb, page, hkv, d = cache.shape
-    sb, st, sh, sd = cache.stride()
-    e = cache.element_size()
-    if page % block_n:
-        return f"block_size {page} is not a multiple of block_n {block_n} (a TMA tile must lie in one page)"
-    if sd != 1:
-        return "head_dim is not contiguous"
-    if sb != page * st and nb > 1:
-        return f"blocks are not back to back (stride(0) {sb} != block_size·stride(1) {page * st})"
-    if (hkv - 1) * sh + d > st:
-        return f"a token row (stride(1) {st}) does not hold all kv heads (stride(2) {sh})"
-    if (st * e) % 16 or (sh * e) % 16:
-        return f"token/head strides ({st}, {sh} elements) are not multiples of 16 bytes"
-    if cache.data_ptr() % 16:
-        return "the cache base address is not 16-byte aligned"
-    if nb * page >= 2**31:
-        return "more than 2^31 cache slots"
-    return None
-
-
 def _use_tma(k_cache: torch.Tensor, v_cache: torch.Tensor, config: PrefillConfig) -> bool:
     """TMA when `config.tma` is None and the layout allows it; always / never for True / False."""
     if config.tma is False:
@@ -201,15 +180,6 @@ def _use_tma(k_cache: torch.Tensor, v_cache: torch.Tensor, config: PrefillConfig
     if config.tma:
         raise ValueError(f"PrefillConfig(tma=True) but the KV cache cannot be read with TMA: {why}")
     return False
-
-
-def _kv_descriptor(cache: torch.Tensor, config: PrefillConfig):
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    nb, page, hkv, d = cache.shape
-    _, st, sh, _ = cache.stride()
-    # rows: (block, slot); columns: the token's row, kv head h at column h·stride_h
-    return TensorDescriptor(cache, [nb * page, (hkv - 1) * sh + d], [st, 1], [config.block_n, d])
 
 
 def _launch(
@@ -249,7 +219,7 @@ def _launch(
     dummy = k_cache  # stands in for absent optional pointers (never read)
     use_tma = _use_tma(k_cache, v_cache, config)
     if use_tma:
-        k_desc, v_desc = _kv_descriptor(k_cache, config), _kv_descriptor(v_cache, config)
+        k_desc, v_desc = kv_descriptor(k_cache, config.block_n), kv_descriptor(v_cache, config.block_n)
     else:
         k_desc, v_desc = dummy, dummy
     quant_q = bool(config.quant_q and kv_fp8 and not q_fp8)
