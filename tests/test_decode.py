@@ -345,7 +345,7 @@ def test_decode_tma_falls_back_on_head_major_pages(device):
     kv = make_paged_kv([130, 64, 65], num_kv_heads=2, head_dim=64, block_size=64, device=device)
     hnd_k = kv.k_cache.transpose(1, 2).contiguous().transpose(1, 2)  # [N, bs, H, D] view of HND storage
     hnd_v = kv.v_cache.transpose(1, 2).contiguous().transpose(1, 2)
-    assert "does not hold all kv heads" in tma_unsupported_reason(hnd_k, 64)
+    assert tma_unsupported_reason(hnd_k, 64) is not None
     q = torch.randn(3, 8, 64, device=device).bfloat16()
     old = dec.set_decode_config(use_tma=True)
     try:
