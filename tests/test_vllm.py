@@ -590,9 +590,11 @@ def test_llm_engine_generates_with_hpcops(tmp_path, monkeypatch):
     monkeypatch.setattr(hattn.HpcopsAttentionImpl, "forward", counted_fwd)
     monkeypatch.setattr(hmoe.HpcopsExperts, "apply", counted_apply)
 
+    # a fixed 16 MiB KV cache: vLLM's CPU default (a fraction of RAM minus this process's RSS) goes
+    # negative on machines with ~11 GiB, as CI's
     llm = LLM(model=str(tmp_path), skip_tokenizer_init=True, enforce_eager=True, max_model_len=128, max_num_seqs=2,
               block_size=BS, dtype="bfloat16", attention_backend="HPCOPS", seed=0, max_num_batched_tokens=128,
-              gpu_memory_utilization=0.08)
+              kv_cache_memory_bytes=16 << 20)
     prompts = [list(range(1, 20)), list(range(30, 37))]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=3, temperature=0.0, logprobs=1, detokenize=False))
