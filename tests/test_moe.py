@@ -197,7 +197,7 @@ CASES = [
     Case(7, quant="fp8_tensor", prequant=True, ep=True, E=8, fused=True),
     Case(20, quant="fp8_tensor", ep=True, E=8, shared=True, fused=True, inline=False),
     Case(9, k=2, fused=True, inline=False, small_max=0),
-    Case(1, k=1, quant="fp8_tensor", fused=False),  # get_config picks the small path here: force the other
+    Case(1, k=1, quant="fp8_tensor", fused=False),  # the sorted path even with HPCOPS_MOE_SMALL_PATH=1
 ]
 
 
@@ -598,9 +598,22 @@ HY3_CFG = dict(top_k=8, num_experts=192, hidden=4096)
 
 @pytest.mark.parametrize("T,inter,small", [(1, 192, True), (4, 192, True), (12, 1536, True), (16, 192, False),
                                            (512, 192, False)])
-def test_get_config_small_path(T, inter, small):
+def test_get_config_small_path(monkeypatch, T, inter, small):
+    monkeypatch.setenv("HPCOPS_MOE_SMALL_PATH", "1")
     cfg = get_config(num_tokens=T, inter=inter, quant="fp8_tensor", **HY3_CFG)
     assert cfg.fuse_reduce == small and cfg.inline_index == small
+    monkeypatch.delenv("HPCOPS_MOE_SMALL_PATH")  # the default: the path measured on the H200
+    cfg = get_config(num_tokens=T, inter=inter, quant="fp8_tensor", **HY3_CFG)
+    assert not cfg.fuse_reduce and not cfg.inline_index
+
+
+@pytest.mark.parametrize("small", ["0", "1"])
+def test_get_config_fp8_block_tiles(monkeypatch, small):
+    """fp8 block: whole 128-groups per gate-up program (epilogue quantization), as measured; narrow N
+    tiles only on the small path."""
+    monkeypatch.setenv("HPCOPS_MOE_SMALL_PATH", small)
+    cfg = get_config(num_tokens=4, inter=1536, quant="fp8_block", **HY3_CFG)
+    assert cfg.block_n == (64 if small == "1" else 128) and cfg.block_k == cfg.down_block_k == 128
 
 
 class _Recorder:

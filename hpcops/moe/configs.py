@@ -14,8 +14,10 @@ import os
 from dataclasses import dataclass, fields, replace
 
 ACT_MUL_MODES = ("fp32", "bf16")
-# the small-batch path (fuse_reduce + inline_index) up to this many routed rows per expert on average
+# the small-batch path (fuse_reduce + inline_index) up to this many routed rows per expert on average,
+# when enabled: it has not run on a GPU yet (see `small_path_enabled`)
 SMALL_PATH_MAX_AVG = 0.5
+SMALL_PATH_ENV = "HPCOPS_MOE_SMALL_PATH"
 # inline_index needs every (token, slot) pair in registers: above this many pairs the index is built
 INLINE_INDEX_MAX = 1024
 
@@ -106,6 +108,14 @@ def get_config(*, num_tokens: int, top_k: int, num_experts: int, hidden: int, in
     return replace(cfg, **entry) if entry else cfg
 
 
+def small_path_enabled() -> bool:
+    """Whether the heuristic picks the small-batch path: `HPCOPS_MOE_SMALL_PATH=1`. Off by default: the
+    path is tested on the CPU tier (interpreter) and compiled for sm_90, but has not run on an H200 yet,
+    and the defaults are what was measured there. A tuned-table entry or an explicit `MoeConfig` can
+    select it either way."""
+    return os.environ.get(SMALL_PATH_ENV, "0").strip() == "1"
+
+
 def heuristic_config(*, num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
                      quant: str = "none", interpreter: bool = False) -> MoeConfig:
     """The untuned heuristic: tiles from the average rows per expert `num_tokens·top_k / num_experts`."""
@@ -130,14 +140,15 @@ def heuristic_config(*, num_tokens: int, top_k: int, num_experts: int, hidden: i
                         down_block_n=128, down_block_k=_k_tile(inter), down_num_warps=8,
                         down_num_stages=3)
     cfg = replace(cfg, prequant_x=bm >= 64)
+    # about one token per touched expert: two launches (gate-up with the index inline, down GEMM with
+    # the top-k reduction) instead of index + gate-up + down + reduce
+    small = small_path_enabled() and avg <= SMALL_PATH_MAX_AVG
     if quant == "fp8_block":
-        # block_n 128 lets the gate-up epilogue quantize whole 128-groups; decode keeps narrow N tiles
-        # for parallelism (the down GEMM then quantizes the 16-bit activation per group while loading)
-        cfg = replace(cfg, block_n=128 if bm >= 64 else 64, block_k=128, down_block_k=128,
+        # block_n 128 lets the gate-up epilogue quantize whole 128-groups; the small path keeps narrow N
+        # tiles for parallelism (its down GEMM quantizes the 16-bit activation per group while loading)
+        cfg = replace(cfg, block_n=64 if small else 128, block_k=128, down_block_k=128,
                       block_m=min(cfg.block_m, 64), down_block_n=min(cfg.down_block_n, 128))
-    if avg <= SMALL_PATH_MAX_AVG:
-        # about one token per touched expert: two launches (gate-up with the index inline, down GEMM
-        # with the top-k reduction) instead of index + gate-up + down + reduce
+    if small:
         cfg = replace(cfg, fuse_reduce=True, inline_index=True)
     if interpreter:
         cfg = replace(cfg, block_n=max(cfg.block_n, 64), down_block_n=max(cfg.down_block_n, 128),
