@@ -1,0 +1,255 @@
+"""Did the kernels a benchmark measured change since? Compare their sm_90 PTX across commits, no GPU.
+
+Runs the decode and MoE entry points on the CPU with every Triton kernel replaced by a recorder (the
+launches the default configs make for the benchmark's variants: heads, dtypes, batch sizes), compiles
+each recorded launch ahead of time for sm_90 (`triton.compile`, as the compile tests do) and hashes the
+PTX with parameter numbering and debug info stripped (so an added, unused kernel argument does not
+count as a change). With `--against REV` the same runs happen in a temporary worktree of REV and the
+launch sequences are compared: same kernels in the same order with identical PTX means the figures
+measured at REV stand for this tree's defaults. `--check FILE` compares with recorded fingerprints
+(`bench/results/fingerprints.json`: the launches the committed H200 results measured), so a change to
+a default kernel shows up in CI as "re-measure on the GPU, then re-record".
+
+    python scripts/ptx_fingerprint.py --against bd7055a --ops decode   # decode bench's commit
+    python scripts/ptx_fingerprint.py --against 9b72fb7 --ops moe      # MoE bench's commit
+    python scripts/ptx_fingerprint.py > bench/results/fingerprints.json  # record, after a GPU run
+    python scripts/ptx_fingerprint.py --check bench/results/fingerprints.json  # what CI runs
+
+Exit status 1 when a launch differs. Needs no GPU; takes a few minutes (Triton compiles on the CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+OPS = ("decode", "moe")
+# kernel modules of each op, and the modules that import kernels by name (patched too)
+KERNEL_MODULES = {"decode": ("hpcops.attention._decode_kernels", "hpcops.attention._plan_kernels"),
+                  "moe": ("hpcops.moe._moe_kernels",)}
+USER_MODULES = {"decode": ("hpcops.attention.plan", "hpcops.attention.decode"), "moe": ("hpcops.moe.fused_moe",)}
+
+
+class _Recorder:
+    def __init__(self, log, kernel):
+        self.log, self.kernel = log, kernel
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.log.append((self.kernel, args, kw))
+
+
+def _decode_runs(label):
+    import hpcops
+    from hpcops.bench.suites.decode import make_decode_inputs
+
+    for hq, hkv in ((8, 1), (64, 8)):
+        for fp8 in (True, False):
+            x = make_decode_inputs([100, 300, 64, 1000], hq, hkv, fp8, 0, device="cpu")
+            runs = [("dynamic", False), ("static", False)] + ([("dynamic", True)] if fp8 else [])
+            for sched, fp8q in runs:
+                label(f"h{hq}/{hkv}-{'fp8' if fp8 else 'bf16'}-{sched}{'-fp8q' if fp8q else ''}")
+                plan = None
+                if sched == "dynamic":
+                    plan = hpcops.plan_decode(x["seq_lens"], num_kv_heads=hkv, block_size=64)
+                q, qs = (x["q8"], x["q_scale"]) if fp8q else (x["q"], None)
+                hpcops.decode_attention(q, x["k_cache"], x["v_cache"], x["block_table"], x["seq_lens"], plan=plan,
+                                        schedule=sched, k_scale=x["k_scale"], v_scale=x["v_scale"], q_scale=qs,
+                                        out=x["out"])
+
+
+def _moe_runs(label):
+    import torch
+
+    from hpcops.quant import Fp8Block128, Fp8PerTensor
+
+    fused = importlib.import_module("hpcops.moe.fused_moe")
+    fp8 = torch.float8_e4m3fn
+    h, k, e_global = 4096, 8, 192
+    g = torch.Generator().manual_seed(0)
+    for layout, inter, n_local, batches in (("tp8", 192, 192, (4, 16, 64, 512, 2048, 4096, 16384)),
+                                            ("ep8", 1536, 24, (4, 64, 512, 2048))):
+        for kind in ("fp8_tensor", "none", "fp8_block"):
+            if kind == "fp8_block" and inter % 128:
+                continue
+            wdt = torch.bfloat16 if kind == "none" else fp8
+            w13 = torch.empty(n_local, 2 * inter, h, dtype=wdt)
+            w2 = torch.empty(n_local, h, inter, dtype=wdt)
+            one = torch.ones(1)
+            quant = {"none": None,
+                     "fp8_tensor": Fp8PerTensor(torch.ones(n_local), torch.ones(n_local), one, one),
+                     "fp8_block": Fp8Block128(torch.ones(n_local, 2 * inter // 128, h // 128),
+                                              torch.ones(n_local, h // 128, inter // 128))}[kind]
+            emap = None
+            if layout == "ep8":
+                emap = torch.full((e_global,), -1, dtype=torch.int32)
+                emap[:n_local] = torch.arange(n_local, dtype=torch.int32)
+            for t in batches:
+                label(f"{layout}-{kind}-B{t}")
+                x = torch.empty(t, h, dtype=torch.bfloat16)
+                ids = torch.stack([torch.randperm(e_global, generator=g)[:k] for _ in range(t)]).to(torch.int32)
+                fused.fused_moe(x, w13, w2, torch.rand(t, k), ids, quant=quant, expert_map=emap,
+                                shared_output=torch.zeros_like(x))
+
+
+def _normalized_ptx(ptx: str) -> str:
+    keep = []
+    for line in ptx.splitlines():
+        s = line.strip()
+        if ".param" in s or "debug" in s or s.startswith(("//", ".file", ".loc", "$L__", ".b8", ".b32", ".section",
+                                                           ".version", ".target", "}")):
+            continue
+        keep.append(line)
+    return re.sub(r"\w+_param_\d+", "P", "\n".join(keep))
+
+
+def fingerprint(ops: list[str]) -> list[dict]:
+    """[{run, kernel, constexprs, sha, instructions}] for every launch of each op's runs, in order."""
+    import torch
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    types = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
+             torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv"}
+    log: list = []
+    current = {"run": ""}
+    real = {}
+    for op in ops:
+        for name in KERNEL_MODULES[op] + USER_MODULES[op]:
+            mod = importlib.import_module(name)
+            for attr, val in list(vars(mod).items()):
+                if isinstance(val, JITFunction) and attr.endswith("_kernel"):
+                    real[attr] = val
+                    setattr(mod, attr, _Recorder(log, attr))
+
+    def label(run):
+        current["run"] = run
+        log.append(("__run__", run, None))
+
+    for op in ops:
+        {"decode": _decode_runs, "moe": _moe_runs}[op](label)
+
+    out, run, cache = [], "", {}
+    target = GPUTarget("cuda", 90, 32)
+    for kernel, args, kw in log:
+        if kernel == "__run__":
+            run = args
+            continue
+        jf = real[kernel]
+        sig, consts, div16 = {}, {}, []
+        for a, v in zip(jf.arg_names, args):
+            if isinstance(v, torch.Tensor):
+                sig[a] = "*" + types[v.dtype]
+                div16.append(a)
+            elif isinstance(v, bool):
+                sig[a] = "i1"
+            elif isinstance(v, float):
+                sig[a] = "fp32"
+            elif isinstance(v, int):
+                sig[a] = "i32"
+                if v % 16 == 0 and v != 0:
+                    div16.append(a)  # the JIT specializes integers divisible by 16
+            else:
+                sig[a] = "i32"  # tensor descriptors: not on the default paths measured here
+        for a, v in kw.items():
+            if a not in ("num_warps", "num_stages", "launch_pdl"):
+                consts[a] = getattr(tl, str(v).split(".")[-1].replace("bf16", "bfloat16").replace("fp16", "float16")) \
+                    if a == "ACT_DT" else v
+        opts = {"num_warps": kw.get("num_warps", 4), "num_stages": kw.get("num_stages", 3)}
+        key = json.dumps([kernel, {a: str(v) for a, v in consts.items()}, sorted(sig.items()), sorted(div16), opts],
+                         sort_keys=True)
+        if key not in cache:
+            full_sig = {a: ("constexpr" if a in consts else sig.get(a, "i32")) for a in jf.arg_names}
+            attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(jf.arg_names) if a in div16}
+            compiled = triton.compile(ASTSource(jf, full_sig, constexprs=consts, attrs=attrs), target=target,
+                                      options=opts)
+            body = _normalized_ptx(compiled.asm["ptx"])
+            cache[key] = (hashlib.sha1(body.encode()).hexdigest()[:16], body.count(";"))
+        sha, n = cache[key]
+        out.append({"run": run, "kernel": kernel, "constexprs": {a: str(v) for a, v in consts.items()},
+                    "warps": opts["num_warps"], "stages": opts["num_stages"], "sha": sha, "instructions": n})
+    return out
+
+
+def _in_worktree(rev: str, ops: list[str]) -> list[dict]:
+    root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = os.path.join(tmp, "tree")
+        subprocess.run(["git", "-C", root, "worktree", "add", "--detach", "-q", tree, rev], check=True)
+        try:
+            env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+            env.update(PYTHONPATH=tree, TRITON_CACHE_DIR=os.path.join(tmp, "cache"),
+                       TRITON_ALLOW_NON_CONSTEXPR_GLOBALS="1")  # older trees had a plain-float global
+            res = subprocess.run([sys.executable, os.path.abspath(__file__), "--ops", ",".join(ops)], env=env,
+                                 cwd=tree, capture_output=True, text=True)
+            if res.returncode:
+                sys.exit(f"fingerprinting {rev} failed:\n{res.stderr[-3000:]}")
+            return json.loads(res.stdout)
+        finally:
+            subprocess.run(["git", "-C", root, "worktree", "remove", "--force", tree], check=False)
+
+
+def _op_of(row: dict) -> str:
+    """The op a recorded launch belongs to."""
+    return "decode" if row["kernel"].startswith(("decode_", "plan_")) else "moe"
+
+
+def compare(old: list[dict], new: list[dict]) -> int:
+    """Print a run-by-run comparison; return the number of runs that differ."""
+    def by_run(rows):
+        runs: dict[str, list[dict]] = {}
+        for r in rows:
+            runs.setdefault(r["run"], []).append(r)
+        return runs
+
+    o, n = by_run(old), by_run(new)
+    bad = 0
+    for run in list(n) + [r for r in o if r not in n]:
+        a, b = o.get(run, []), n.get(run, [])
+        ka, kb = [r["kernel"] for r in a], [r["kernel"] for r in b]
+        if ka != kb:
+            status = f"launches differ: {ka} -> {kb}"
+        else:
+            diff = [f"{x['kernel']} ({x['instructions']} -> {y['instructions']} instr)"
+                    for x, y in zip(a, b) if x["sha"] != y["sha"]]
+            status = "same PTX" if not diff else "PTX differs: " + ", ".join(diff)
+        bad += status != "same PTX"
+        print(f"{run:32s} {len(b)} launches  {status}")
+    return bad
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ops", default=",".join(OPS), help=f"comma-separated, of {OPS}")
+    ap.add_argument("--against", metavar="REV", help="compare with the same runs at this git revision")
+    ap.add_argument("--check", metavar="FILE", help="compare with fingerprints recorded in FILE (JSON)")
+    args = ap.parse_args()
+    ops = [o for o in args.ops.split(",") if o]
+    unknown = set(ops) - set(OPS)
+    if unknown:
+        ap.error(f"--ops: unknown {sorted(unknown)}; choose from {OPS}")
+    os.environ.pop("TRITON_INTERPRET", None)
+    if args.against and args.check:
+        ap.error("--against and --check: give one")
+    if args.against or args.check:
+        if args.check:
+            with open(args.check) as f:
+                old = [r for r in json.load(f) if _op_of(r) in ops]
+        else:
+            old = _in_worktree(args.against, ops)
+        sys.exit(1 if compare(old, fingerprint(ops)) else 0)
+    json.dump(fingerprint(ops), sys.stdout, indent=1)
+
+
+if __name__ == "__main__":
+    main()
