@@ -1,7 +1,8 @@
 """Did the kernels a benchmark measured change since? Compare their sm_90 PTX across commits, no GPU.
 
-Runs the decode and MoE entry points on the CPU with every Triton kernel replaced by a recorder (the
-launches the default configs make for the benchmark's variants: heads, dtypes, batch sizes), compiles
+Runs the decode, MoE, rope and prefill entry points on the CPU with every Triton kernel replaced by a
+recorder (the launches the default configs make for the benchmarks' cases: heads, dtypes, batch sizes;
+rope and prefill through their bench suites' own scenarios and input builders), compiles
 each recorded launch ahead of time for sm_90 (`triton.compile`, as the compile tests do) and hashes the
 PTX with parameter numbering and debug info stripped (so an added, unused kernel argument does not
 count as a change). With `--against REV` the same runs happen in a temporary worktree of REV and the
@@ -12,7 +13,8 @@ a default kernel shows up in CI as "re-measure on the GPU, then re-record".
 
     python scripts/ptx_fingerprint.py --against bd7055a --ops decode   # decode bench's commit
     python scripts/ptx_fingerprint.py --against 9b72fb7 --ops moe      # MoE bench's commit
-    python scripts/ptx_fingerprint.py > bench/results/fingerprints.json  # record, after a GPU run
+    python scripts/ptx_fingerprint.py --ops decode,moe > bench/results/fingerprints.json  # record the
+        # ops whose committed results measured this tree (rope and prefill: not yet)
     python scripts/ptx_fingerprint.py --check bench/results/fingerprints.json  # what CI runs
 
 Exit status 1 when a launch differs. Needs no GPU; takes a few minutes (Triton compiles on the CPU).
@@ -30,11 +32,13 @@ import subprocess
 import sys
 import tempfile
 
-OPS = ("decode", "moe")
+OPS = ("decode", "moe", "rope", "prefill")
 # kernel modules of each op, and the modules that import kernels by name (patched too)
 KERNEL_MODULES = {"decode": ("hpcops.attention._decode_kernels", "hpcops.attention._plan_kernels"),
-                  "moe": ("hpcops.moe._moe_kernels",)}
-USER_MODULES = {"decode": ("hpcops.attention.plan", "hpcops.attention.decode"), "moe": ("hpcops.moe.fused_moe",)}
+                  "moe": ("hpcops.moe._moe_kernels",), "rope": ("hpcops.rope._rope_kernels",),
+                  "prefill": ("hpcops.attention._prefill_kernels",)}
+USER_MODULES = {"decode": ("hpcops.attention.plan", "hpcops.attention.decode"), "moe": ("hpcops.moe.fused_moe",),
+                "rope": ("hpcops.rope.prologue",), "prefill": ("hpcops.attention.prefill",)}
 
 
 class _Recorder:
@@ -98,6 +102,19 @@ def _moe_runs(label):
                                 shared_output=torch.zeros_like(x))
 
 
+def _suite_runs(label, suite_name):
+    """Our row of every case of a bench suite (its own scenarios and input builders, on the CPU)."""
+    suite = importlib.import_module(f"hpcops.bench.suites.{suite_name}")
+    make = suite._make_inputs
+    suite._make_inputs = lambda s, layer, device="cuda": make(s, layer, device="cpu")
+    for case in suite.cases({}):
+        x = case.make_inputs(0)
+        for impl in case.impls:
+            if impl.ours:
+                label(f"{case.name}:{impl.name}")
+                impl.prepare(x)()
+
+
 def _normalized_ptx(ptx: str) -> str:
     keep = []
     for line in ptx.splitlines():
@@ -136,7 +153,10 @@ def fingerprint(ops: list[str]) -> list[dict]:
         log.append(("__run__", run, None))
 
     for op in ops:
-        {"decode": _decode_runs, "moe": _moe_runs}[op](label)
+        if op in ("rope", "prefill"):
+            _suite_runs(label, op)
+        else:
+            {"decode": _decode_runs, "moe": _moe_runs}[op](label)
 
     out, run, cache = [], "", {}
     target = GPUTarget("cuda", 90, 32)
@@ -158,8 +178,10 @@ def fingerprint(ops: list[str]) -> list[dict]:
                 sig[a] = "i32"
                 if v % 16 == 0 and v != 0:
                     div16.append(a)  # the JIT specializes integers divisible by 16
+            elif hasattr(v, "block_shape") and hasattr(v, "base"):  # a host TensorDescriptor
+                sig[a] = f"tensordesc<{types[v.base.dtype]}{list(v.block_shape)}>".replace(" ", "")
             else:
-                sig[a] = "i32"  # tensor descriptors: not on the default paths measured here
+                raise TypeError(f"{kernel}: argument {a} of type {type(v).__name__} is not handled")
         for a, v in kw.items():
             if a not in ("num_warps", "num_stages", "launch_pdl"):
                 consts[a] = getattr(tl, str(v).split(".")[-1].replace("bf16", "bfloat16").replace("fp16", "float16")) \
@@ -201,7 +223,8 @@ def _in_worktree(rev: str, ops: list[str]) -> list[dict]:
 
 def _op_of(row: dict) -> str:
     """The op a recorded launch belongs to."""
-    return "decode" if row["kernel"].startswith(("decode_", "plan_")) else "moe"
+    k = row["kernel"]
+    return "decode" if k.startswith(("decode_", "plan_")) else k.split("_")[0]
 
 
 def compare(old: list[dict], new: list[dict]) -> int:
@@ -242,9 +265,11 @@ def main() -> None:
     if args.against and args.check:
         ap.error("--against and --check: give one")
     if args.against or args.check:
-        if args.check:
+        if args.check:  # the ops the file records (those whose results are committed)
             with open(args.check) as f:
-                old = [r for r in json.load(f) if _op_of(r) in ops]
+                old = json.load(f)
+            ops = [op for op in ops if any(_op_of(r) == op for r in old)]
+            old = [r for r in old if _op_of(r) in ops]
         else:
             old = _in_worktree(args.against, ops)
         sys.exit(1 if compare(old, fingerprint(ops)) else 0)
