@@ -54,6 +54,46 @@ def checking_enabled() -> bool:
     """Opt-in validation that needs a device sync (values of device tensors): env HPCOPS_CHECK=1.
 
     Without it, checks of device-tensor values run only where the values are on the host; the
-    kernels still mask every access, so bad values cannot cause an illegal memory access.
+    kernels still bound every index they read from metadata (block ids, slots, positions, expert
+    ids), so bad values give a wrong result, never an access outside the tensors.
     """
     return os.environ.get("HPCOPS_CHECK", "0") not in ("", "0")
+
+
+def values_checkable(t: torch.Tensor) -> bool:
+    """Whether to check the values of metadata tensor `t`: always when it is on the host; on a device
+    in checking mode (HPCOPS_CHECK=1) only, and never while a CUDA graph is being captured (the check
+    copies the values to the host)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    if is_fake(t):  # tracing (torch.compile, opcheck): no values to look at
+        return False
+    if t.device.type == "cpu":
+        return True
+    return checking_enabled() and not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def check_index_range(name: str, t: torch.Tensor, lo: int, hi: int, what: str) -> None:
+    """Every value of `t` (a host copy is made) lies in [lo, hi); the error names the first offender."""
+    v = t.detach().reshape(-1).cpu().long()
+    bad = (v < lo) | (v >= hi)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        raise ValueError(f"{name}[{i}] = {int(v[i])} is outside [{lo}, {hi}) ({what})")
+
+
+def check_block_table_values(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
+                             num_blocks: int) -> None:
+    """The pages each request uses (the first ceil(seq_len / block_size) entries of its block_table row)
+    are block ids of the cache, in [0, num_blocks). `seq_lens`: the lengths, any device."""
+    sl = seq_lens.detach().cpu().long()
+    if not sl.numel():
+        return
+    bt = block_table[: sl.numel()].detach().cpu().long()
+    used = torch.arange(bt.shape[1])[None, :] < ((sl + block_size - 1) // block_size)[:, None]
+    bad = used & ((bt < 0) | (bt >= num_blocks))
+    if bool(bad.any()):
+        b, col = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(f"block_table[{b}, {col}] = {int(bt[b, col])} is not a block of the cache "
+                         f"(0 ≤ id < {num_blocks}); request {b} uses its first "
+                         f"{int((sl[b] + block_size - 1) // block_size)} entries")

@@ -194,8 +194,14 @@ def _good(device):
     (lambda a: a.update(q=torch.randn(2, 3, 64).bfloat16()), ValueError, "multiple of kv heads"),
     (lambda a: a.update(v_cache=a["v_cache"].half()), TypeError, "v_cache"),
     (lambda a: a.update(schedule="greedy"), ValueError, "schedule"),
+    (lambda a: a.update(q_scale=torch.ones(2, 4)), ValueError, "q_scale is for an fp8 q"),
+    (lambda a: a.update(q=torch.randn(4, 4, 64).bfloat16(), seq_lens=torch.tensor([1, 50], dtype=torch.int32)),
+     ValueError, r"seq_lens\[0\] = 1 < q_len 2"),
+    (lambda a: a["block_table"].__setitem__((1, 2), 10**6), ValueError, r"block_table\[1, 2\] = 1000000"),
+    (lambda a: a["block_table"].__setitem__((0, 0), -1), ValueError, r"block_table\[0, 0\] = -1"),
 ])
 def test_bad_input(mutate, exc, match, device, monkeypatch):
+    """Each bad argument raises, naming it. Values of device tensors are checked in checking mode."""
     monkeypatch.setenv("HPCOPS_CHECK", "1")  # the block-table width check syncs on a GPU: opt in
     q, kv = _good(device)
     args = dict(q=q, k_cache=kv.k_cache, v_cache=kv.v_cache, block_table=kv.block_table, seq_lens=kv.seq_lens,

@@ -320,6 +320,8 @@ def _call(args, kw):
             "q_len 9 > seq_lens",
         ),
         (lambda a, k: k.update(max_seqlen_q=torch.tensor(9)), TypeError, "max_seqlen_q"),
+        (lambda a, k: a["block_table"].__setitem__((0, 1), 99), ValueError, r"block_table\[0, 1\] = 99"),
+        (lambda a, k: k.update(q_scale=torch.ones(14, 4)), ValueError, "q_scale is for an fp8 q"),
         (
             lambda a, k: k.update(out=torch.empty(3, 4, 64, dtype=torch.bfloat16)),
             ValueError,
@@ -344,6 +346,7 @@ def _call(args, kw):
     ],
 )
 def test_argument_errors(mutate, exc, match):
+    """Each bad argument raises, naming it (metadata values: always on the CPU, in checking mode on a GPU)."""
     args, kw = _valid()
     mutate(args, kw)
     with pytest.raises(exc, match=match):

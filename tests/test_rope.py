@@ -302,6 +302,10 @@ BAD = [
     ("norm-shape", {"k_norm_weight": torch.ones(32)}, ValueError, "k_norm_weight"),
     ("rope-with-weights", {"order": "rope"}, ValueError, "q_norm_weight"),
     ("q-out-dtype", {"q_out": torch.empty(3, 2, 64)}, TypeError, "q_out"),
+    ("position-past-cache", {"positions": lambda x: x + 300}, ValueError, "positions"),
+    ("position-negative", {"positions": lambda x: x - 1000}, ValueError, "positions"),
+    ("slot-past-cache", {"slot_mapping": lambda x: x.clamp(min=0) + 10**6}, ValueError, "slot_mapping"),
+    ("slot-below-minus-1", {"slot_mapping": lambda x: x - 10**6}, ValueError, "slot_mapping"),
 ]
 
 
@@ -310,6 +314,35 @@ def test_bad_input(over, exc, needle):
     args, kwargs = _bad(**over)
     with pytest.raises(exc, match=needle):
         prologue.rope_norm_store_kv(*args, **kwargs)
+
+
+def test_unchecked_bad_indices_stay_inside_the_tensors(device, monkeypatch):
+    """Outside checking mode a device call does not look at positions / slot_mapping values: then a slot
+    past the cache writes nothing and a position past cos_sin_cache reads row 0, never memory beyond."""
+    monkeypatch.setattr(prologue, "values_checkable", lambda t: False)  # as for device tensors
+    c = Case(t=6, hq=4, hkv=2, d=64, skip=False, block_size=16)
+    (qkv, positions, cs, k_cache, v_cache, slots), kwargs = make_inputs(c, device)
+    nb = k_cache.shape[0]
+    big_k = torch.full((2 * nb, *k_cache.shape[1:]), SENTINEL, dtype=k_cache.dtype, device=device)
+    big_v = big_k.clone()
+    big_cs = torch.cat([cs, torch.full_like(cs, float("nan"))])  # rows past cs are NaN
+    positions, slots = positions.clone(), slots.clone()
+    positions[0] = cs.shape[0] + 7
+    slots[1] = nb * c.block_size + 5  # inside big_k, past k_cache
+    q, _ = prologue.rope_norm_store_kv(qkv, positions, big_cs[: cs.shape[0]], big_k[:nb], big_v[:nb], slots,
+                                       **kwargs)
+    assert torch.isfinite(q.float()).all()
+    for big in (big_k, big_v):
+        assert (big[nb:] == SENTINEL).all(), "a write landed past the cache"
+    want_pos = positions.clone()
+    want_pos[0] = 0
+    ref_k, ref_v = big_k[:nb].clone().fill_(SENTINEL), big_v[:nb].clone().fill_(SENTINEL)
+    ref_slots = slots.clone()
+    ref_slots[1] = -1
+    q_ref, _ = reference.rope_norm_store_kv(qkv, want_pos, cs, ref_k, ref_v, ref_slots, **kwargs)
+    assert_close(q_ref, q, name="q")
+    assert_close(ref_k, big_k[:nb], name="k_cache")
+    assert_close(ref_v, big_v[:nb], name="v_cache")
 
 
 # ---- GPU tier: real sizes (Hy3: 64/8 and one TP8 rank 8/1, head_dim 128)

@@ -10,7 +10,7 @@ import torch
 import triton
 
 from hpcops import _platform
-from hpcops._checks import FP8_E4M3, check_choice, check_scale, check_tensor, checking_enabled
+from hpcops._checks import FP8_E4M3, check_block_table_values, check_choice, check_scale, check_tensor, values_checkable
 from hpcops._library import register
 from hpcops.attention._tma import kv_descriptor, tma_unsupported_reason
 from hpcops.attention.plan import MAX_Q_LEN, TILE, DecodePlan, plan_decode
@@ -106,10 +106,10 @@ def _validate(q, k_cache, v_cache, block_table, seq_lens, plan, schedule, k_scal
         check_tensor("q_scale", q_scale, dtypes=(torch.float32,), shape=(total_q, hq))
         if not q_scale.is_contiguous():
             raise ValueError("q_scale must be contiguous")
-    elif kv_fp8 and q.dtype not in (torch.bfloat16, torch.float16):
-        raise TypeError("q must be bf16/fp16 or fp8")
     elif not kv_fp8 and q.dtype != k_cache.dtype:
         raise TypeError(f"q dtype {q.dtype} must match the KV cache dtype {k_cache.dtype}")
+    if q.dtype != FP8_E4M3 and q_scale is not None:
+        raise ValueError(f"q_scale is for an fp8 q; q is {str(q.dtype).replace('torch.', '')}")
     if out is not None:
         check_tensor("out", out, dtypes=(torch.bfloat16, torch.float16), shape=(total_q, hq, d))
         if out.stride(-1) != 1:
@@ -124,14 +124,21 @@ def _validate(q, k_cache, v_cache, block_table, seq_lens, plan, schedule, k_scal
         if plan.num_kv_heads != hkv or plan.q_len != q_len or plan.batch != b:
             raise ValueError(f"plan was built for (num_kv_heads, q_len, batch) = "
                              f"{(plan.num_kv_heads, plan.q_len, plan.batch)}, got {(hkv, q_len, b)}")
-    # Block-table width: checked where the lengths are on the host, or always in checking mode.
-    if b and (seq_lens.device.type == "cpu" or checking_enabled()):
-        need = math.ceil(int(seq_lens.max()) / bs)
+    # Values of the metadata: where they are on the host, or in checking mode (a device sync).
+    if b and values_checkable(seq_lens):
+        sl = seq_lens.cpu()
+        if int(sl.min()) < 0:
+            raise ValueError("seq_lens must be ≥ 0")
+        need = math.ceil(int(sl.max()) / bs)
         if need > block_table.shape[1]:
             raise ValueError(f"block_table has {block_table.shape[1]} columns but the longest sequence "
-                             f"({int(seq_lens.max())} tokens) needs {need} blocks of {bs}")
-        if int(seq_lens.min()) < 0:
-            raise ValueError("seq_lens must be ≥ 0")
+                             f"({int(sl.max())} tokens) needs {need} blocks of {bs}")
+        short = (sl > 0) & (sl < q_len)
+        if bool(short.any()):
+            i = int(short.nonzero()[0])
+            raise ValueError(f"seq_lens[{i}] = {int(sl[i])} < q_len {q_len}: seq_lens count the whole sequence, "
+                             "the q_len new tokens included (0 = an empty or padding request)")
+        check_block_table_values(block_table, sl, bs, nb)
     return q_len, hkv, hq // hkv, kv_fp8
 
 

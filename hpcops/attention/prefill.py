@@ -8,7 +8,14 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from hpcops._checks import FP8_E4M3, HALF_DTYPES, check_scale, check_tensor, checking_enabled
+from hpcops._checks import (
+    FP8_E4M3,
+    HALF_DTYPES,
+    check_block_table_values,
+    check_scale,
+    check_tensor,
+    values_checkable,
+)
 from hpcops._library import register
 from hpcops.attention._prefill_kernels import prefill_attention_fwd_kernel
 from hpcops.attention._tma import kv_descriptor, tma_unsupported_reason
@@ -80,10 +87,13 @@ def prefill_config(
     return PrefillConfig(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages)
 
 
-def _check_mode(check: bool | None) -> bool:
+def _check_mode(check: bool | None, seq_lens: torch.Tensor) -> bool:
+    """Always on the host; else `check`, or by default checking mode outside graph capture."""
+    if seq_lens.device.type == "cpu":
+        return True
     if check is not None:
         return bool(check)
-    return checking_enabled()
+    return values_checkable(seq_lens)
 
 
 def _check_metadata(q, k_cache, block_table, seq_lens, cu_seqlens_q) -> None:
@@ -109,6 +119,7 @@ def _check_metadata(q, k_cache, block_table, seq_lens, cu_seqlens_q) -> None:
         raise ValueError(
             f"block_table has {block_table.shape[1]} columns but seq_lens needs {need} pages of {page} tokens"
         )
+    check_block_table_values(block_table, sl, page, k_cache.shape[0])
 
 
 def _validate(
@@ -162,10 +173,12 @@ def _validate(
         if q_scale is None:
             raise ValueError("fp8 q needs q_scale (fp32 [total_q, num_heads], per token per head)")
         check_tensor("q_scale", q_scale, dtypes=(torch.float32,), shape=(total_q, hq), device=dev)
+    elif q_scale is not None:
+        raise ValueError(f"q_scale is for an fp8 q; q is {str(q.dtype).replace('torch.', '')}")
     out_dtype = torch.bfloat16 if q_fp8 else q.dtype
     if out is not None:
         check_tensor("out", out, dtypes=(out_dtype,), shape=(total_q, hq, d), device=dev)
-    if dev.type == "cpu" or _check_mode(check):
+    if _check_mode(check, seq_lens):
         _check_metadata(q, k_cache, block_table, seq_lens, cu_seqlens_q)
     return out_dtype
 

@@ -69,7 +69,7 @@ def _rotate(lo, hi, tail, cos, sin, w_lo, w_hi, w_tail, eps,
 
 
 @triton.jit
-def _cos_sin(pos_ptr, cs_ptr, tok, t_mask, s_cs_p, s_cs_d, H: tl.constexpr,
+def _cos_sin(pos_ptr, cs_ptr, tok, t_mask, num_pos, s_cs_p, s_cs_d, H: tl.constexpr,
              HALF: tl.constexpr, HALF_P: tl.constexpr, IDX64: tl.constexpr, CS_SMEM: tl.constexpr):
     """cos, sin of every token for [BLOCK, H, HALF_P] head tiles, fp32.
 
@@ -80,6 +80,7 @@ def _cos_sin(pos_ptr, cs_ptr, tok, t_mask, s_cs_p, s_cs_d, H: tl.constexpr,
     """
     i = tl.arange(0, HALF_P)
     pos = tl.load(pos_ptr + tok, mask=t_mask, other=0)  # masked tokens read the row of position 0
+    pos = tl.where((pos >= 0) & (pos < num_pos), pos, 0)  # bad positions (unchecked) stay in the cache
     if IDX64:
         pos = pos.to(tl.int64)
     else:
@@ -183,7 +184,7 @@ def _store_heads(base, mask, s_d, lo, hi, tail, HALF: tl.constexpr, HALF_P: tl.c
 
 
 @triton.jit
-def _q_program(tb, kvh, qkv_ptr, pos_ptr, cs_ptr, qw_ptr, q_ptr, qs_ptr, num_tokens, eps,
+def _q_program(tb, kvh, qkv_ptr, pos_ptr, cs_ptr, qw_ptr, q_ptr, qs_ptr, num_tokens, num_pos, eps,
                s_qkv_t, s_qkv_d, s_cs_p, s_cs_d, s_qw, s_q_t, s_q_h, s_q_d, s_qs_t, s_qs_h,
                D: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
                HALF: tl.constexpr, HALF_P: tl.constexpr, TAIL_P: tl.constexpr, HAS_TAIL: tl.constexpr,
@@ -201,7 +202,8 @@ def _q_program(tb, kvh, qkv_ptr, pos_ptr, cs_ptr, qw_ptr, q_ptr, qs_ptr, num_tok
     m = t_mask[:, None, None] & g_mask[None, :, None]
     base = qkv_ptr + (tok * s_qkv_t)[:, None, None] + (qh * (D * s_qkv_d))[None, :, None]
     lo, hi, tail = _load_heads(base, m, s_qkv_d, HALF, HALF_P, TAIL_P, D, NEOX, HAS_TAIL)
-    cos, sin = _cos_sin(pos_ptr, cs_ptr, tok, t_mask, s_cs_p, s_cs_d, GROUP_P, HALF, HALF_P, IDX64, CS_SMEM)
+    cos, sin = _cos_sin(pos_ptr, cs_ptr, tok, t_mask, num_pos, s_cs_p, s_cs_d, GROUP_P, HALF, HALF_P, IDX64,
+                        CS_SMEM)
     w_lo, w_hi, w_tail = _norm_weights(qw_ptr, s_qw, HALF, HALF_P, TAIL_P, D, NEOX, ORDER)
     lo, hi, tail, r = _rotate(lo, hi, tail, cos, sin, w_lo, w_hi, w_tail, eps, D, HAS_TAIL, ORDER)
 
@@ -235,7 +237,7 @@ def _q_program(tb, kvh, qkv_ptr, pos_ptr, cs_ptr, qw_ptr, q_ptr, qs_ptr, num_tok
 
 @triton.jit
 def _kv_program(kb, qkv_ptr, pos_ptr, cs_ptr, kw_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr,
-                num_tokens, eps, block_size, s_qkv_t, s_qkv_d, s_cs_p, s_cs_d, s_kw,
+                num_tokens, num_pos, num_slots, eps, block_size, s_qkv_t, s_qkv_d, s_cs_p, s_cs_d, s_kw,
                 s_kc_b, s_kc_s, s_kc_h, s_kc_d, s_vc_b, s_vc_s, s_vc_h, s_vc_d,
                 HQ: tl.constexpr, HKV: tl.constexpr, HKV_P: tl.constexpr, D: tl.constexpr,
                 D_P: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr, TAIL_P: tl.constexpr,
@@ -266,14 +268,15 @@ def _kv_program(kb, qkv_ptr, pos_ptr, cs_ptr, kw_ptr, kc_ptr, vc_ptr, slot_ptr, 
         slot = slot.to(tl.int64)
     else:
         slot = slot.to(tl.int32)
-    cos, sin = _cos_sin(pos_ptr, cs_ptr, tok, t_mask, s_cs_p, s_cs_d, HKV_P, HALF, HALF_P, IDX64, CS_SMEM)
+    cos, sin = _cos_sin(pos_ptr, cs_ptr, tok, t_mask, num_pos, s_cs_p, s_cs_d, HKV_P, HALF, HALF_P, IDX64,
+                        CS_SMEM)
     w_lo, w_hi, w_tail = _norm_weights(kw_ptr, s_kw, HALF, HALF_P, TAIL_P, D, NEOX, ORDER)
     if KV_FP8:  # loaded before any store (ptxas keeps loads below the stores that precede them)
         k_scale = tl.load(ks_ptr).to(tl.float32)
         v_scale = tl.load(vs_ptr).to(tl.float32)
     lo, hi, tail, r = _rotate(lo, hi, tail, cos, sin, w_lo, w_hi, w_tail, eps, D, HAS_TAIL, ORDER)
 
-    kv_mask = t_mask & (slot >= 0)
+    kv_mask = t_mask & (slot >= 0) & (slot < num_slots)  # −1 skips; bad slots (unchecked) write nothing
     slot = tl.where(kv_mask, slot, 0)
     if SLOT_LINEAR:  # block stride == block_size · slot stride: the row is slot · slot stride
         kc_row = slot * s_kc_s
@@ -311,7 +314,7 @@ def _kv_program(kb, qkv_ptr, pos_ptr, cs_ptr, kw_ptr, kc_ptr, vc_ptr, slot_ptr, 
 @triton.jit
 def rope_norm_store_kv_fused_kernel(
     qkv_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr, q_ptr, qs_ptr,
-    num_tokens, eps, block_size,
+    num_tokens, num_pos, num_slots, eps, block_size,
     s_qkv_t, s_qkv_d,
     s_cs_p, s_cs_d,
     s_qw, s_kw,
@@ -329,12 +332,12 @@ def rope_norm_store_kv_fused_kernel(
     pid = tl.program_id(0)
     num_q = tl.cdiv(num_tokens, BLOCK_T) * HKV
     if pid < num_q:
-        _q_program(pid // HKV, pid % HKV, qkv_ptr, pos_ptr, cs_ptr, qw_ptr, q_ptr, qs_ptr, num_tokens, eps,
+        _q_program(pid // HKV, pid % HKV, qkv_ptr, pos_ptr, cs_ptr, qw_ptr, q_ptr, qs_ptr, num_tokens, num_pos, eps,
                    s_qkv_t, s_qkv_d, s_cs_p, s_cs_d, s_qw, s_q_t, s_q_h, s_q_d, s_qs_t, s_qs_h,
                    D, GROUP, GROUP_P, HALF, HALF_P, TAIL_P, HAS_TAIL, NEOX, ORDER, Q_FP8, BLOCK_T, IDX64, CS_SMEM)
     else:
         _kv_program(pid - num_q, qkv_ptr, pos_ptr, cs_ptr, kw_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr,
-                    num_tokens, eps, block_size, s_qkv_t, s_qkv_d, s_cs_p, s_cs_d, s_kw,
+                    num_tokens, num_pos, num_slots, eps, block_size, s_qkv_t, s_qkv_d, s_cs_p, s_cs_d, s_kw,
                     s_kc_b, s_kc_s, s_kc_h, s_kc_d, s_vc_b, s_vc_s, s_vc_h, s_vc_d,
                     HQ, HKV, HKV_P, D, D_P, HALF, HALF_P, TAIL_P, HAS_TAIL, NEOX, ORDER, KV_FP8,
                     BLOCK_KV, IDX64, CACHE_I64, SLOT_LINEAR, CS_SMEM)

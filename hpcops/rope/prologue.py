@@ -10,7 +10,15 @@ import torch
 import triton
 
 from hpcops import _platform
-from hpcops._checks import FP8_E4M3, HALF_DTYPES, check_choice, check_scale, check_tensor
+from hpcops._checks import (
+    FP8_E4M3,
+    HALF_DTYPES,
+    check_choice,
+    check_index_range,
+    check_scale,
+    check_tensor,
+    values_checkable,
+)
 from hpcops._library import register
 from hpcops.rope._rope_kernels import rope_norm_store_kv_fused_kernel
 
@@ -130,6 +138,10 @@ def _check(qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_q_
     if q_out is not None:
         want = FP8_E4M3 if quantize_q else qkv.dtype
         check_tensor("q_out", q_out, dtypes=(want,), shape=(t, num_q_heads, head_dim), device=dev)
+    if t and values_checkable(positions):  # on the host, or in checking mode (a device sync)
+        check_index_range("positions", positions, 0, cos_sin_cache.shape[0], "a row of cos_sin_cache")
+        check_index_range("slot_mapping", slot_mapping, -1, k_cache.shape[0] * k_cache.shape[1],
+                          "a slot of the cache, or -1 to skip the KV write")
     return rot
 
 
@@ -161,7 +173,7 @@ def _launch(qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_q
     grid = (triton.cdiv(t, cfg.block_t) * num_kv_heads + triton.cdiv(t, block_kv),)
     rope_norm_store_kv_fused_kernel[grid](
         qkv, positions, cos_sin_cache, qw, kw, k_cache, v_cache, slot_mapping, ks, vs, q_out, qs,
-        t, float(eps), k_cache.shape[1],
+        t, cos_sin_cache.shape[0], k_cache.shape[0] * k_cache.shape[1], float(eps), k_cache.shape[1],
         qkv.stride(0), qkv.stride(1),
         cos_sin_cache.stride(0), cos_sin_cache.stride(1),
         qw.stride(0) if norm else 0, kw.stride(0) if norm else 0,
@@ -191,11 +203,13 @@ def rope_norm_store_kv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache
     """QK-RMSNorm + RoPE of the fused QKV projection; K/V written into the paged cache; one launch.
 
     qkv: [T, (Hq + 2·Hkv)·D] bf16/fp16, q heads then k heads then v heads (row stride may exceed
-      the width). positions: int64/int32 [T] (each < cos_sin_cache rows; not checked on the host).
+      the width). positions: int64/int32 [T], each < cos_sin_cache rows (checked when on the
+      host, and in checking mode HPCOPS_CHECK=1).
     cos_sin_cache: [max_pos, rotary_dim] fp32 or qkv's dtype; cos in the first half, sin in the second.
     k_cache, v_cache: [num_blocks, block_size, Hkv, D], any strides (e.g. vLLM's packed K|V views),
       qkv's dtype or float8_e4m3fn with `k_scale`/`v_scale` (fp32 one-element; stored fp8(x/scale),
-      saturated). slot_mapping: int64/int32 [T], slot = block·block_size + offset, −1 = no KV write.
+      saturated). slot_mapping: int64/int32 [T], slot = block·block_size + offset, −1 = no KV write
+      (checked like positions).
     q_norm_weight, k_norm_weight: [D] fp32 or qkv's dtype (per-head RMSNorm, `eps`), required for
       order "norm_rope" (norm then RoPE, Hy3) and "rope_norm"; None for order "rope".
     style: "neox" rotates pairs (i, i + R/2), "gptj" pairs (2i, 2i + 1); dims ≥ rotary_dim R pass through.
