@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from hpcops.attention import prefill as prefill_mod
 from hpcops.attention._prefill_reference import prefill_attention as reference
 from hpcops.attention.prefill import PrefillConfig, prefill_attention, prefill_config
 from hpcops.quant import quantize_per_token_head
@@ -351,6 +352,29 @@ def test_argument_errors(mutate, exc, match):
     mutate(args, kw)
     with pytest.raises(exc, match=match):
         _call(args, kw)
+
+
+@pytest.mark.parametrize("config", [SMALL, TMA, PrefillConfig(block_m=32, block_n=32, num_warps=4, num_stages=1,
+                                                                tma=False)], ids=["ptr", "tma", "ptr-bn32"])
+def test_unchecked_bad_block_ids_stay_inside_the_cache(config, monkeypatch):
+    """Outside checking mode device metadata is not read on the host: a block id past the cache (or < 0)
+    then reads block 0, never memory beyond the cache (here NaN-filled blocks past its end)."""
+    monkeypatch.setattr(prefill_mod, "_check_mode", lambda check, seq_lens: False)
+    case = Case("bad-ids", [40, 24], [40, 5], hq=4, hkv=2, block_size=16, config=config)
+    q, kv, cu, _ = _inputs(case, "cpu")
+    nb = kv.k_cache.shape[0]
+    for c in (kv.k_cache, kv.v_cache):  # block 0 finite (_inputs NaN-poisons the slots no request owns)
+        c[0] = torch.randn(c[0].shape).to(c.dtype)
+    pad = [torch.full_like(c, float("nan")) for c in (kv.k_cache, kv.v_cache)]
+    k_big, v_big = torch.cat([kv.k_cache, pad[0]]), torch.cat([kv.v_cache, pad[1]])
+    bt = kv.block_table.clone()
+    bt[0, 1], bt[1, 0] = nb + 3, -5
+    out = prefill_attention(q, k_big[:nb], v_big[:nb], bt, kv.seq_lens, cu, max_seqlen_q=40, config=config)
+    assert torch.isfinite(out.float()).all()
+    want_bt = bt.clone()
+    want_bt[0, 1], want_bt[1, 0] = 0, 0
+    want = reference(q, kv.k_cache, kv.v_cache, want_bt, kv.seq_lens, cu, max_seqlen_q=40)
+    assert_close(want, out)
 
 
 def test_fp8_q_needs_fp8_kv():

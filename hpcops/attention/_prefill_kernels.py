@@ -25,6 +25,7 @@ def _prefill_kv_tile(
     seq_len,
     bt_row,
     max_blocks,
+    num_blocks,
     k_ptr,
     v_ptr,
     k_desc,
@@ -61,17 +62,20 @@ def _prefill_kv_tile(
     if USE_TMA:
         # one page per tile; the cache is seen as 2-D [num_blocks * PAGE, row] with kv heads as columns
         blk = tl.load(bt_row + tl.minimum(start_n // PAGE, max_blocks - 1))
+        blk = tl.where((blk >= 0) & (blk < num_blocks), blk, 0)  # a bad block id (unchecked) reads block 0
         row0 = blk * PAGE + start_n % PAGE
         k = k_desc.load([row0, k_col])  # [BLOCK_N, HEAD_DIM]
     else:
         if PAGE % BLOCK_N == 0:
             # the whole tile lies in one page: one block id, contiguous slots
             blk = tl.load(bt_row + tl.minimum(start_n // PAGE, max_blocks - 1)).to(tl.int64)
+            blk = tl.where((blk >= 0) & (blk < num_blocks), blk, 0)  # bad ids (unchecked) read block 0
             slot = (offs_n % PAGE).to(tl.int64)
         else:
             page_idx = offs_n // PAGE
             kv_mask = kv_mask & (page_idx < max_blocks)
             blk = tl.load(bt_row + page_idx, mask=kv_mask, other=0).to(tl.int64)  # [BLOCK_N]
+            blk = tl.where((blk >= 0) & (blk < num_blocks), blk, 0)
             slot = (offs_n % PAGE).to(tl.int64)
         k_rows = blk * stride_kb + slot * stride_kt
         v_rows = blk * stride_vb + slot * stride_vt
@@ -145,6 +149,7 @@ def prefill_attention_fwd_kernel(
     block_table_ptr,
     stride_bt,
     max_blocks,
+    num_blocks,
     seq_lens_ptr,
     cu_seqlens_q_ptr,
     k_scale_ptr,
@@ -267,6 +272,7 @@ def prefill_attention_fwd_kernel(
             seq_len,
             bt_row,
             max_blocks,
+            num_blocks,
             k_ptr,
             v_ptr,
             k_desc,
@@ -303,6 +309,7 @@ def prefill_attention_fwd_kernel(
             seq_len,
             bt_row,
             max_blocks,
+            num_blocks,
             k_ptr,
             v_ptr,
             k_desc,

@@ -253,6 +253,7 @@ def _launch(
         block_table,
         block_table.stride(0),
         block_table.shape[1],
+        k_cache.shape[0],
         seq_lens,
         cu_seqlens_q,
         k_scale if kv_fp8 else dummy,
