@@ -338,6 +338,8 @@ def _bad_inputs(device):
         ("topk_weights", ValueError, dict(base, topk_weights=tw[:, :1])),
         ("topk_weights", TypeError, dict(base, topk_weights=tw.half())),
         ("expert_map", TypeError, dict(base, expert_map=torch.zeros(8, dtype=torch.int64, device=device))),
+        ("expert_map", ValueError, dict(base, expert_map=torch.full((8,), E, dtype=torch.int32, device=device))),
+        ("expert_map", ValueError, dict(base, expert_map=torch.full((8,), -2, dtype=torch.int32, device=device))),
         ("shared_output", ValueError, dict(base, shared_output=x[:, :128])),
         ("out", TypeError, dict(base, out=torch.empty(T, H, device=device))),
         ("quant", TypeError, dict(base, quant="fp8")),

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hpcops._checks import FP8_E4M3, HALF_DTYPES, check_choice, check_tensor, checking_enabled
+from hpcops._checks import FP8_E4M3, HALF_DTYPES, check_choice, check_index_range, check_tensor, values_checkable
 from hpcops._library import register
 from hpcops._platform import is_interpreter
 from hpcops.moe import _moe_kernels as K
@@ -134,17 +134,17 @@ def _validate(x, w13, w2, topk_weights, topk_ids, quant, expert_map, shared_outp
     return kind, T, H, E, inter, k, out_dt
 
 
-def _validate_ids(topk_ids: torch.Tensor, n_global: int) -> None:
-    """Value check of topk_ids, where it costs no device sync (ids on the host) or when asked for
-    (HPCOPS_CHECK=1, outside graph capture). Elsewhere the kernels drop out-of-range ids like remote
-    experts: never an out-of-bounds access, and no host sync on the per-layer path."""
-    if topk_ids.numel() == 0:
-        return
-    if topk_ids.device.type != "cpu" and (not checking_enabled() or torch.cuda.is_current_stream_capturing()):
-        return
-    lo, hi = torch.stack(torch.aminmax(topk_ids)).tolist()  # one sync
-    if lo < 0 or hi >= n_global:
-        raise ValueError(f"topk_ids must lie in [0, {n_global}) (global expert ids), got values in [{lo}, {hi}]")
+def _validate_ids(topk_ids: torch.Tensor, n_global: int, expert_map: torch.Tensor | None = None,
+                  n_local: int = 0) -> None:
+    """Value check of topk_ids (and expert_map), where it costs no device sync (on the host) or when
+    asked for (HPCOPS_CHECK=1, outside graph capture). Elsewhere the kernels drop out-of-range ids like
+    remote experts: never an out-of-bounds access, and no host sync on the per-layer path."""
+    if topk_ids.numel() and values_checkable(topk_ids):
+        lo, hi = torch.stack(torch.aminmax(topk_ids)).tolist()  # one sync
+        if lo < 0 or hi >= n_global:
+            raise ValueError(f"topk_ids must lie in [0, {n_global}) (global expert ids), got values in [{lo}, {hi}]")
+    if expert_map is not None and expert_map.numel() and values_checkable(expert_map):
+        check_index_range("expert_map", expert_map, -1, n_local, "a local expert id, or -1 for a remote expert")
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -190,7 +190,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
                                                  shared_output, out, x_scale, config)
     n_global = expert_map.shape[0] if expert_map is not None else E
     if config.validate_ids:
-        _validate_ids(topk_ids, n_global)
+        _validate_ids(topk_ids, n_global, expert_map, E)
     dev = x.device
     if out is None:
         out = torch.empty((T, H), dtype=out_dt, device=dev)
