@@ -366,35 +366,8 @@ def _prefill_attention_op(
     v_scale: torch.Tensor | None,
     q_scale: torch.Tensor | None,
 ) -> None:
-    _validate(
-        q,
-        k_cache,
-        v_cache,
-        block_table,
-        seq_lens,
-        cu_seqlens_q,
-        max_seqlen_q,
-        k_scale,
-        v_scale,
-        q_scale,
-        out,
-        None,
-    )
-    _launch(
-        q,
-        k_cache,
-        v_cache,
-        block_table,
-        seq_lens,
-        cu_seqlens_q,
-        out,
-        max_seqlen_q,
-        scale,
-        k_scale,
-        v_scale,
-        q_scale,
-        None,
-    )
+    prefill_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, max_seqlen_q=max_seqlen_q,
+                      scale=scale, k_scale=k_scale, v_scale=v_scale, q_scale=q_scale, out=out)
 
 
 def _prefill_attention_fake(
