@@ -6,6 +6,7 @@ import os
 from collections.abc import Iterable
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 FP8_E4M3 = torch.float8_e4m3fn
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -64,8 +65,6 @@ def values_checkable(t: torch.Tensor) -> bool:
     """Whether to check the values of metadata tensor `t`: always when it is on the host; on a device
     in checking mode (HPCOPS_CHECK=1) only, and never while a CUDA graph is being captured (the check
     copies the values to the host)."""
-    from torch._subclasses.fake_tensor import is_fake
-
     if is_fake(t):  # tracing (torch.compile, opcheck): no values to look at
         return False
     if t.device.type == "cpu":

@@ -140,9 +140,7 @@ def _validate_ids(topk_ids: torch.Tensor, n_global: int, expert_map: torch.Tenso
     asked for (HPCOPS_CHECK=1, outside graph capture). Elsewhere the kernels drop out-of-range ids like
     remote experts: never an out-of-bounds access, and no host sync on the per-layer path."""
     if topk_ids.numel() and values_checkable(topk_ids):
-        lo, hi = torch.stack(torch.aminmax(topk_ids)).tolist()  # one sync
-        if lo < 0 or hi >= n_global:
-            raise ValueError(f"topk_ids must lie in [0, {n_global}) (global expert ids), got values in [{lo}, {hi}]")
+        check_index_range("topk_ids", topk_ids, 0, n_global, "a global expert id")
     if expert_map is not None and expert_map.numel() and values_checkable(expert_map):
         check_index_range("expert_map", expert_map, -1, n_local, "a local expert id, or -1 for a remote expert")
 
