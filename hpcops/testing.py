@@ -1,9 +1,13 @@
-"""Helpers shared by the test tiers and `hpcops bench --check`: one closeness check, paged-KV factories."""
+"""Helpers shared by the test tiers and `hpcops bench --check`: one closeness check, paged-KV factories,
+and recording kernel launches to compile them ahead of time for sm_90 (no GPU needed)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
@@ -133,3 +137,83 @@ def make_paged_kv(seq_lens: list[int], *, num_kv_heads: int, head_dim: int, bloc
         k, v = k.to(device), v.to(device)
     return PagedKV(k, v, table.to(device), torch.tensor(seq_lens, dtype=torch.int32, device=device),
                    k_scale, v_scale)
+
+
+# ---- recorded launches, compiled ahead of time ------------------------------------------------------
+
+_SIG_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
+              torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv"}
+_LAUNCH_OPTIONS = ("num_warps", "num_stages", "launch_pdl")
+
+
+class LaunchRecorder:
+    """Stands in for a `@triton.jit` kernel: `kernel[grid](*args, **kw)` appends (name, args, kw) to
+    `log` and launches nothing."""
+
+    def __init__(self, name: str, log: list):
+        self.name, self.log = name, log
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.log.append((self.name, args, kw))
+
+
+@contextlib.contextmanager
+def recorded_launches(*modules: ModuleType) -> Iterator[list]:
+    """Within the block every `*_kernel` JIT function of `modules` is a `LaunchRecorder`; yields their
+    shared log [(kernel name, args, kwargs)] in launch order. Pass the modules that hold the kernels and
+    those that imported them by name."""
+    from triton.runtime.jit import KernelInterface  # JIT and interpreted kernels alike
+
+    log: list = []
+    saved = [(m, a, v) for m in modules for a, v in vars(m).items()
+             if isinstance(v, KernelInterface) and a.endswith("_kernel")]
+    try:
+        for m, a, _ in saved:
+            setattr(m, a, LaunchRecorder(a, log))
+        yield log
+    finally:
+        for m, a, v in saved:
+            setattr(m, a, v)
+
+
+def describe_launch(fn, args: tuple, kwargs: dict) -> dict:
+    """A recorded launch of JIT function `fn` as `compile_launch` inputs, JSON-serializable: argument
+    types, constexprs (triton dtypes as "tl.<name>"), the arguments the JIT specializes as divisible
+    by 16 (tensors, ints ≡ 0 mod 16), and the launch options."""
+    sig, div16 = {}, []
+    for a, v in zip(fn.arg_names, args):
+        if isinstance(v, torch.Tensor):
+            sig[a] = "*" + _SIG_TYPES[v.dtype]
+            div16.append(a)  # torch allocations are 16-byte aligned
+        elif isinstance(v, bool):
+            sig[a] = "i1"
+        elif isinstance(v, float):
+            sig[a] = "fp32"
+        elif isinstance(v, int):
+            sig[a] = "i32" if -2**31 <= v < 2**31 else "i64"
+            if v % 16 == 0 and v != 0:
+                div16.append(a)
+        elif hasattr(v, "block_shape") and hasattr(v, "base"):  # a host TensorDescriptor
+            sig[a] = f"tensordesc<{_SIG_TYPES[v.base.dtype]}{list(v.block_shape)}>".replace(" ", "")
+        else:
+            raise TypeError(f"{getattr(fn, '__name__', fn)}: argument {a} of type {type(v).__name__} is not handled")
+    consts = {a: (f"tl.{v}" if type(v).__name__ == "dtype" else v) for a, v in kwargs.items()
+              if a not in _LAUNCH_OPTIONS}
+    return {"sig": sig, "consts": consts, "div16": div16, "num_warps": kwargs.get("num_warps", 4),
+            "num_stages": kwargs.get("num_stages", 3), "launch_pdl": kwargs.get("launch_pdl", False)}
+
+
+def compile_launch(fn, desc: dict, *, capability: int = 90):
+    """`triton.compile` of a described launch for CUDA sm_`capability` (Triton's bundled ptxas: no GPU)."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    consts = {a: (tl.core.dtype(v[3:]) if isinstance(v, str) and v.startswith("tl.") else v)
+              for a, v in desc["consts"].items()}
+    sig = {a: ("constexpr" if a in consts else desc["sig"].get(a, "i32")) for a in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a in desc["div16"]}
+    return triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", capability, 32),
+                          options={"num_warps": desc["num_warps"], "num_stages": desc["num_stages"],
+                                   "launch_pdl": desc["launch_pdl"]})

@@ -41,12 +41,16 @@ USER_MODULES = {"decode": ("hpcops.attention.plan", "hpcops.attention.decode"), 
                 "rope": ("hpcops.rope.prologue",), "prefill": ("hpcops.attention.prefill",)}
 
 
-class _Recorder:
-    def __init__(self, log, kernel):
-        self.log, self.kernel = log, kernel
+def _launch_tools():
+    """hpcops.testing of this checkout, loaded from its file: with `--against` the package on the path is
+    an older tree's, which may predate the launch-recording helpers."""
+    import importlib.util
 
-    def __getitem__(self, grid):
-        return lambda *args, **kw: self.log.append((self.kernel, args, kw))
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hpcops", "testing.py")
+    spec = importlib.util.spec_from_file_location("_hpcops_launch_tools", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def _decode_runs(label):
@@ -105,10 +109,8 @@ def _moe_runs(label):
 def _suite_runs(label, suite_name):
     """Our row of every case of a bench suite (its own scenarios and input builders, on the CPU)."""
     suite = importlib.import_module(f"hpcops.bench.suites.{suite_name}")
-    make = suite._make_inputs
-    suite._make_inputs = lambda s, layer, device="cuda": make(s, layer, device="cpu")
     for case in suite.cases({}):
-        x = case.make_inputs(0)
+        x = case.make_inputs(0, "cpu")
         for impl in case.impls:
             if impl.ours:
                 label(f"{case.name}:{impl.name}")
@@ -128,77 +130,32 @@ def _normalized_ptx(ptx: str) -> str:
 
 def fingerprint(ops: list[str]) -> list[dict]:
     """[{run, kernel, constexprs, sha, instructions}] for every launch of each op's runs, in order."""
-    import torch
-    import triton
-    import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
+    tools = _launch_tools()
+    modules = [importlib.import_module(n) for op in ops for n in KERNEL_MODULES[op] + USER_MODULES[op]]
+    kernels = {a: v for m in modules[::-1] for a, v in vars(m).items() if a.endswith("_kernel")}
+    with tools.recorded_launches(*modules) as log:
+        def label(run):
+            log.append(("__run__", run, None))
 
-    types = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
-             torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv"}
-    log: list = []
-    current = {"run": ""}
-    real = {}
-    for op in ops:
-        for name in KERNEL_MODULES[op] + USER_MODULES[op]:
-            mod = importlib.import_module(name)
-            for attr, val in list(vars(mod).items()):
-                if isinstance(val, JITFunction) and attr.endswith("_kernel"):
-                    real[attr] = val
-                    setattr(mod, attr, _Recorder(log, attr))
-
-    def label(run):
-        current["run"] = run
-        log.append(("__run__", run, None))
-
-    for op in ops:
-        if op in ("rope", "prefill"):
-            _suite_runs(label, op)
-        else:
-            {"decode": _decode_runs, "moe": _moe_runs}[op](label)
+        for op in ops:
+            if op in ("rope", "prefill"):
+                _suite_runs(label, op)
+            else:
+                {"decode": _decode_runs, "moe": _moe_runs}[op](label)
 
     out, run, cache = [], "", {}
-    target = GPUTarget("cuda", 90, 32)
     for kernel, args, kw in log:
         if kernel == "__run__":
             run = args
             continue
-        jf = real[kernel]
-        sig, consts, div16 = {}, {}, []
-        for a, v in zip(jf.arg_names, args):
-            if isinstance(v, torch.Tensor):
-                sig[a] = "*" + types[v.dtype]
-                div16.append(a)
-            elif isinstance(v, bool):
-                sig[a] = "i1"
-            elif isinstance(v, float):
-                sig[a] = "fp32"
-            elif isinstance(v, int):
-                sig[a] = "i32"
-                if v % 16 == 0 and v != 0:
-                    div16.append(a)  # the JIT specializes integers divisible by 16
-            elif hasattr(v, "block_shape") and hasattr(v, "base"):  # a host TensorDescriptor
-                sig[a] = f"tensordesc<{types[v.base.dtype]}{list(v.block_shape)}>".replace(" ", "")
-            else:
-                raise TypeError(f"{kernel}: argument {a} of type {type(v).__name__} is not handled")
-        for a, v in kw.items():
-            if a not in ("num_warps", "num_stages", "launch_pdl"):
-                consts[a] = getattr(tl, str(v).split(".")[-1].replace("bf16", "bfloat16").replace("fp16", "float16")) \
-                    if a == "ACT_DT" else v
-        opts = {"num_warps": kw.get("num_warps", 4), "num_stages": kw.get("num_stages", 3)}
-        key = json.dumps([kernel, {a: str(v) for a, v in consts.items()}, sorted(sig.items()), sorted(div16), opts],
-                         sort_keys=True)
+        desc = tools.describe_launch(kernels[kernel], args, kw)
+        key = json.dumps([kernel, desc], sort_keys=True, default=str)
         if key not in cache:
-            full_sig = {a: ("constexpr" if a in consts else sig.get(a, "i32")) for a in jf.arg_names}
-            attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(jf.arg_names) if a in div16}
-            compiled = triton.compile(ASTSource(jf, full_sig, constexprs=consts, attrs=attrs), target=target,
-                                      options=opts)
-            body = _normalized_ptx(compiled.asm["ptx"])
+            body = _normalized_ptx(tools.compile_launch(kernels[kernel], desc).asm["ptx"])
             cache[key] = (hashlib.sha1(body.encode()).hexdigest()[:16], body.count(";"))
         sha, n = cache[key]
-        out.append({"run": run, "kernel": kernel, "constexprs": {a: str(v) for a, v in consts.items()},
-                    "warps": opts["num_warps"], "stages": opts["num_stages"], "sha": sha, "instructions": n})
+        out.append({"run": run, "kernel": kernel, "constexprs": {a: str(v) for a, v in desc["consts"].items()},
+                    "warps": desc["num_warps"], "stages": desc["num_stages"], "sha": sha, "instructions": n})
     return out
 
 

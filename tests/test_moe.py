@@ -26,7 +26,7 @@ from hpcops.quant import (
     quantize_per_token,
     quantize_per_token_group,
 )
-from hpcops.testing import assert_close, nan_like
+from hpcops.testing import assert_close, nan_like, recorded_launches
 
 # ---------------------------------------------------------------------------------------------------
 # factories
@@ -618,14 +618,6 @@ def test_get_config_fp8_block_tiles(monkeypatch, small):
     assert cfg.block_n == (64 if small == "1" else 128) and cfg.block_k == cfg.down_block_k == 128
 
 
-class _Recorder:
-    def __init__(self, name, calls):
-        self.name, self.calls = name, calls
-
-    def __getitem__(self, grid):
-        return lambda *args, **kw: self.calls.append(self.name)
-
-
 @pytest.mark.parametrize("kind,fused,want", [
     ("fp8_tensor", False, ["moe_index_small_kernel", "moe_gate_up_kernel", "moe_down_kernel", "moe_reduce_kernel"]),
     ("fp8_tensor", True, ["moe_gate_up_kernel", "moe_down_reduce_kernel"]),
@@ -633,22 +625,17 @@ class _Recorder:
     ("fp8_block", True, ["moe_gate_up_kernel", "moe_down_reduce_kernel"]),
     ("none", True, ["moe_gate_up_kernel", "moe_down_reduce_kernel"]),
 ])
-def test_small_batch_launches(monkeypatch, kind, fused, want):
+def test_small_batch_launches(kind, fused, want):
     """Everything a decode-size call puts on the stream (Triton launches and torch ops that run kernels):
     the small path is two launches (B=4 Hy3 static fp8: 4 before), no memsets."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from hpcops.moe import _moe_kernels as K
 
-    calls: list[str] = []
-    for n in dir(K):
-        if n.startswith("moe_") and n.endswith("_kernel"):
-            monkeypatch.setattr(K, n, _Recorder(n, calls))
-
     class TorchOps(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if "empty" not in str(func):  # allocations launch nothing
-                calls.append(str(func))
+                calls.append((str(func), args, kwargs))
             return func(*args, **(kwargs or {}))
 
     E, H, inter, T, k = 4, 256, 128, 4, 8
@@ -659,10 +646,10 @@ def test_small_batch_launches(monkeypatch, kind, fused, want):
     tw = torch.zeros(T, k)
     cfg = get_config(num_tokens=T, inter=192, quant=base, **HY3_CFG)  # the GPU heuristic at B=4
     cfg = cfg.with_(validate_ids=False, fuse_reduce=fused, inline_index=fused)
-    with TorchOps():
+    with recorded_launches(K) as calls, TorchOps():
         fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, shared_output=x, out=torch.empty_like(x),
                   config=cfg)
-    assert calls == want
+    assert [name for name, _, _ in calls] == want
 
 
 def _entry(T, **cfg):

@@ -8,7 +8,6 @@ without TRITON_INTERPRET (Triton's bundled ptxas needs no GPU). Also checks the 
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import subprocess
@@ -21,53 +20,24 @@ from hpcops.moe import _moe_kernels as K
 from hpcops.moe.configs import get_config
 from hpcops.moe.fused_moe import fused_moe
 from hpcops.quant import FP8, Fp8Block128, Fp8PerTensor
+from hpcops.testing import describe_launch, recorded_launches
 
-KERNELS = [n for n in dir(K) if n.startswith("moe_") and n.endswith("_kernel")]
-ARG_NAMES = {n: list(inspect.signature(getattr(K, n).fn).parameters) for n in KERNELS}
-TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
-         torch.int64: "i64", FP8: "fp8e4nv"}
-
-
-class _Recorder:
-    def __init__(self, name, calls):
-        self.name, self.calls = name, calls
-
-    def __getitem__(self, grid):
-        def launch(*args, **kw):
-            self.calls.append((self.name, args, kw))
-        return launch
-
-
-def _describe(name, args, kw):
-    names = ARG_NAMES[name]
-    sig, consts, div16 = {}, {}, []
-    for a, v in zip(names, args):
-        if isinstance(v, torch.Tensor):
-            sig[a] = "*" + TYPES[v.dtype]
-            div16.append(a)  # torch allocations are 16-byte aligned
-        elif isinstance(v, bool):
-            sig[a] = "i1"
-        else:
-            sig[a] = "i32"
-            if v % 16 == 0 and v != 0:
-                div16.append(a)  # the JIT specializes integers divisible by 16 the same way
-    for a, v in kw.items():
-        if a in ("num_warps", "num_stages", "launch_pdl"):
-            continue
-        if a == "ACT_DT":
-            v = {"bf16": "bfloat16", "fp16": "float16"}.get(str(v), str(v))
-        consts[a] = v
-    return {"kernel": name, "sig": sig, "consts": consts, "div16": div16, "num_warps": kw.get("num_warps", 4),
-            "num_stages": kw.get("num_stages", 3), "launch_pdl": kw.get("launch_pdl", False)}
+KERNELS = {n: getattr(K, n) for n in dir(K) if n.startswith("moe_") and n.endswith("_kernel")}
 
 
 def _record(monkeypatch) -> list[dict]:
     from hpcops.moe import fused_moe as F
 
-    calls: list = []
-    for n in KERNELS:
-        monkeypatch.setattr(K, n, _Recorder(n, calls))
     monkeypatch.setattr(F, "is_interpreter", lambda: False)  # record the GPU launches (PDL included)
+    with recorded_launches(K) as calls:
+        _launch_all()
+    unique = {json.dumps(dict(describe_launch(KERNELS[n], args, kw), kernel=n), sort_keys=True)
+              for n, args, kw in calls}
+    return [json.loads(u) for u in sorted(unique)]
+
+
+def _launch_all() -> None:
+    """fused_moe over both Hy3 layouts, every quantization and the configs of each batch regime."""
     E, H, k = 4, 4096, 8
     for inter in (192, 1536):
         for kind in ("none", "fp8_tensor", "fp8_tensor_dyn", "fp8_block"):
@@ -97,28 +67,17 @@ def _record(monkeypatch) -> list[dict]:
                 emap = torch.zeros(192, dtype=torch.int32) if inter == 1536 else None
                 fused_moe(x, w13, w2, tw, ids, quant=quant, expert_map=emap, shared_output=torch.zeros_like(x),
                           config=cfg)
-    unique = {json.dumps(_describe(*c), sort_keys=True) for c in calls}
-    return [json.loads(u) for u in sorted(unique)]
 
 
 _COMPILER = r"""
 import json, sys
-import triton, triton.language as tl
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from hpcops.moe import _moe_kernels as K
+from hpcops.testing import compile_launch
 
-target = GPUTarget("cuda", 90, 32)
 bad = []
 for d in json.load(sys.stdin):
-    fn = getattr(K, d["kernel"])
-    consts = {a: (getattr(tl, v.split(".")[-1]) if a == "ACT_DT" else v) for a, v in d["consts"].items()}
-    sig = {a: ("constexpr" if a in consts else d["sig"][a]) for a in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a in d["div16"]}
     try:
-        k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=target,
-                           options={"num_warps": d["num_warps"], "num_stages": d["num_stages"],
-                                    "launch_pdl": d["launch_pdl"]})
+        k = compile_launch(getattr(K, d["kernel"]), d)
     except Exception as exc:
         bad.append(f"{d['kernel']} {d['consts']}: {type(exc).__name__}: {str(exc)[-400:]}")
         continue

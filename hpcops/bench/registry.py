@@ -42,7 +42,8 @@ class Impl:
 class Case:
     """A benchmark scenario.
 
-    `make_inputs(layer)` builds one layer's inputs (each layer its own, so L2 stays cold);
+    `make_inputs(layer, device="cuda")` builds one layer's inputs (each layer its own, so L2 stays
+    cold; `device="cpu"` for tools that record launches without a GPU);
     `check(inputs)` raises AssertionError if our output disagrees with the reference (the gate);
     `bytes`/`flops` are the minimum traffic/work of one layer, for GB/s and TFLOP/s.
     `per_step` impls (e.g. the decode plan) are timed once per step, not per layer.

@@ -157,7 +157,8 @@ def cases(opts: dict[str, Any]) -> Iterator[Case]:
                   Impl("flashinfer-tc", _flashinfer(True))]
         yield Case(
             suite="decode", name=sc.name, impls=impls, bytes=sc.bytes, check=_check,
-            make_inputs=lambda layer, sc=sc: make_decode_inputs(sc.lens, sc.hq, sc.hkv, sc.fp8, seed=layer),
+            make_inputs=lambda layer, device="cuda", sc=sc: make_decode_inputs(sc.lens, sc.hq, sc.hkv, sc.fp8,
+                                                                                 seed=layer, device=device),
             params=dict(spec=sc.spec, hq=sc.hq, hkv=sc.hkv, kv="fp8" if sc.fp8 else "bf16", page=PAGE, d=HEAD_DIM),
             command=f"hpcops bench decode --only '{sc.name}'",
         )

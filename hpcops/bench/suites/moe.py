@@ -331,7 +331,7 @@ def cases(opts: dict[str, Any]) -> Iterator[Case]:
             params["target_us"] = TARGET_US[(s.layout, s.t)]
         label = lambda kw: "hpcops[" + ",".join(f"{k}={v}" for k, v in kw.items()) + "]"
         yield Case(
-            suite="moe", name=s.name, make_inputs=lambda layer, s=s: _make_inputs(s, layer),
+            suite="moe", name=s.name, make_inputs=lambda layer, device="cuda", s=s: _make_inputs(s, layer, device),
             impls=[Impl("hpcops", _ours(s), ours=True),
                    *[Impl(label(kw), _ours(s, kw), note="config sweep") for kw in sweep],
                    Impl("torch-grouped-mm", _grouped_mm(s),

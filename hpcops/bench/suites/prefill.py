@@ -347,7 +347,7 @@ def cases(opts: dict) -> Iterator[Case]:
                 yield Case(
                     suite="prefill",
                     name=s.name,
-                    make_inputs=lambda layer, s=s: _make_inputs(s, layer),
+                    make_inputs=lambda layer, device="cuda", s=s: _make_inputs(s, layer, device),
                     impls=impls,
                     check=_check,
                     bytes=s.bytes,

@@ -234,7 +234,8 @@ def cases(opts: dict[str, Any]) -> Iterator[Case]:
             for t in QUICK_TOKENS if quick else TOKENS:
                 s = Scenario(t, hq, hkv, fp8)
                 yield Case(
-                    suite="rope", name=s.name, make_inputs=lambda layer, s=s: _make_inputs(s, layer),
+                    suite="rope", name=s.name,
+                    make_inputs=lambda layer, device="cuda", s=s: _make_inputs(s, layer, device),
                     impls=[Impl("hpcops", _ours(s), ours=True),
                            *[Impl(_config_name(c), _ours(s, c), note="config sweep") for c in sweep],
                            Impl("torch-unfused", _torch(s),
