@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -137,6 +138,22 @@ def make_paged_kv(seq_lens: list[int], *, num_kv_heads: int, head_dim: int, bloc
         k, v = k.to(device), v.to(device)
     return PagedKV(k, v, table.to(device), torch.tensor(seq_lens, dtype=torch.int32, device=device),
                    k_scale, v_scale)
+
+
+def capture_graph(fn: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """Run `fn` once on a side stream (compilation, lazy allocations stay outside the capture), then
+    capture one call in a CUDA graph; returns the graph and what the captured call returned (tensors
+    the replays write)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = fn()
+    return graph, result
 
 
 # ---- recorded launches, compiled ahead of time ------------------------------------------------------

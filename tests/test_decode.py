@@ -12,7 +12,7 @@ import hpcops
 from hpcops.attention import reference as ref
 from hpcops.attention.plan import enumerate_tasks
 from hpcops.quant import quantize_per_token_head
-from hpcops.testing import assert_close, make_paged_kv, nan_like
+from hpcops.testing import assert_close, capture_graph, make_paged_kv, nan_like
 
 FP8 = torch.float8_e4m3fn
 
@@ -285,14 +285,7 @@ def test_gpu_cuda_graph_replay_with_new_lengths(q_len):
         for kv, qi, oi in zip(layers, q, outs):
             hpcops.decode_attention(qi, kv.k_cache, kv.v_cache, kv.block_table, seq_lens, plan=plan, out=oi)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph, _ = capture_graph(step)
     for lens in ([max_len] + [q_len] * (b - 1), [q_len + i * 499 for i in range(b)], [64 * (i + 1) for i in range(b)]):
         seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
         for o in outs:

@@ -26,7 +26,7 @@ from hpcops.quant import (
     quantize_per_token,
     quantize_per_token_group,
 )
-from hpcops.testing import assert_close, nan_like, recorded_launches
+from hpcops.testing import assert_close, capture_graph, nan_like, recorded_launches
 
 # ---------------------------------------------------------------------------------------------------
 # factories
@@ -519,15 +519,8 @@ def test_gpu_small_path_graph_replay(pdl):
         x.copy_(x_in * 2)  # a producer kernel right before the MoE (PDL must wait for it)
         fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, out=out, config=cfg)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        x_in.normal_()
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    x_in.normal_()
+    graph, _ = capture_graph(step)
     for seed in (5, 6, 7):
         tw2, ids2 = make_routing(T, HY3["k"], HY3["E"], "cuda", seed=seed)
         tw.copy_(tw2)
@@ -573,14 +566,7 @@ def test_gpu_cuda_graph_replay(kind, T):
     def step():
         fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap, out=out)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph, _ = capture_graph(step)
     for seed in (5, 6, 7):
         tw2, ids2 = make_routing(T, HY3["k"], HY3["E"], "cuda", seed=seed)
         tw.copy_(tw2)

@@ -13,7 +13,7 @@ from hpcops.attention import prefill as prefill_mod
 from hpcops.attention._prefill_reference import prefill_attention as reference
 from hpcops.attention.prefill import PrefillConfig, prefill_attention, prefill_config
 from hpcops.quant import quantize_per_token_head
-from hpcops.testing import assert_close, make_paged_kv, nan_like
+from hpcops.testing import assert_close, capture_graph, make_paged_kv, nan_like
 
 FP8 = torch.float8_e4m3fn
 SMALL = PrefillConfig(block_m=32, block_n=16, num_warps=4, num_stages=1, tma=False)  # pointer path
@@ -543,10 +543,7 @@ def test_prefill_gpu_cuda_graph_and_check_mode():
     q, kv, cu, _ = _inputs(case, "cuda")
     args = (q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, cu)
     out = nan_like(q)
-    prefill_attention(*args, max_seqlen_q=512, out=out)  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        prefill_attention(*args, max_seqlen_q=512, out=out)
+    graph, _ = capture_graph(lambda: prefill_attention(*args, max_seqlen_q=512, out=out))
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()

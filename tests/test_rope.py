@@ -9,7 +9,7 @@ import torch
 
 from hpcops.rope import prologue, reference
 from hpcops.rope.prologue import RopeConfig
-from hpcops.testing import assert_close, nan_like
+from hpcops.testing import assert_close, capture_graph, nan_like
 
 FP8 = torch.float8_e4m3fn
 SENTINEL = 3.0  # every cache slot starts here; slots not in slot_mapping (or -1 rows) must keep it
@@ -372,11 +372,7 @@ def test_gpu_cuda_graph(device):
     args, kwargs = make_inputs(c, device)
     ref_args = clone_caches(args)
     q_ref, qs_ref = reference.rope_norm_store_kv(*ref_args, **kwargs)
-    prologue.rope_norm_store_kv(*args, **kwargs)  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        q, qs = prologue.rope_norm_store_kv(*args, **kwargs)
+    graph, (q, qs) = capture_graph(lambda: prologue.rope_norm_store_kv(*args, **kwargs))
     graph.replay()
     torch.cuda.synchronize()
     assert_close(q_ref, q, name="q")

@@ -7,6 +7,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from hpcops.testing import capture_graph
+
 L2_BYTES = 60 * 1024 * 1024  # H200 L2; inputs of all layers together should exceed a few times this
 
 
@@ -22,17 +24,7 @@ def layers_for(bytes_per_layer: int, *, minimum: int = 8, maximum: int = 64, col
 
 def graph_time_us(fns: Sequence[Callable[[], object]], *, replays: int = 50, warmup: int = 3) -> float:
     """Median replay time of one CUDA graph holding every `fn` in order, divided by len(fns), in µs."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in fns:  # compile / autotune / lazy allocation outside the capture
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fns:
-            fn()
+    graph, _ = capture_graph(lambda: [fn() for fn in fns])
     for _ in range(warmup):
         graph.replay()
     torch.cuda.synchronize()
