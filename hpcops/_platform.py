@@ -38,8 +38,3 @@ def device_name(device: torch.device | str | None = None) -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name(device)
     return "cpu"
-
-
-def has_fp8() -> bool:
-    """True if torch has float8_e4m3fn (needed for FP8 KV cache / MoE paths)."""
-    return hasattr(torch, "float8_e4m3fn")

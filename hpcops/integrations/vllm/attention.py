@@ -16,7 +16,6 @@ imports vLLM at module level. Written against vLLM's 0.30+ interfaces (see `_ver
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -53,10 +52,6 @@ FP8 = torch.float8_e4m3fn
 SUPPORTED_HEAD_SIZES = [64, 128, 256]
 SUPPORTED_BLOCK_SIZES = [16, 32, 64, 128, 256]
 FP8_KV_DTYPES = ("fp8", "fp8_e4m3")
-
-
-def _interpreter() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @dataclass
