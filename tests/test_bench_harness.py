@@ -43,6 +43,10 @@ def test_report_roundtrip(tmp_path):
     assert "| c1 | peer | 25.0 | 400 | 20% |  | 2.50 | ok |" in md  # 1e7 B / 25 µs; ratio to ours
     assert "check-failed" in md and "unavailable: not installed" in md
     assert "| c1 | **hpcops-plan** | 3.0 |  |  |  |  | ok |" in md  # per-step work: no ratio
+    assert "GEMM ceiling" not in md  # not measured in this result
+    gemm = _result()
+    gemm.machine["gemm_tflops_bf16"] = 700.0
+    assert "measured bf16 GEMM ceiling 700.0 TFLOP/s" in report.markdown(gemm)
     back = report.load(paths[0])
     assert [r.us for r in back.rows] == [r.us for r in _result().rows]
     assert json.loads(paths[0].read_text())["rows"][0]["gbps"] == pytest.approx(1000.0)

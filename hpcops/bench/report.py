@@ -25,7 +25,9 @@ def markdown(result: SuiteResult) -> str:
     copy = m.get("copy_gbps")
     lines = [f"# hpcops bench {result.suite}", "",
              f"Machine: {m.get('gpu', 'cpu')}, {m.get('sms', '?')} SMs, torch {m.get('torch')}, "
-             f"triton {m.get('triton')}; measured copy bandwidth {copy} GB/s.",
+             f"triton {m.get('triton')}; measured copy bandwidth {copy} GB/s"
+             + (f", measured bf16 GEMM ceiling {m['gemm_tflops_bf16']} TFLOP/s (torch matmul, 8192³)"
+                if m.get("gemm_tflops_bf16") else "") + ".",
              "Times: µs per layer, median of CUDA-graph replays, layers with their own inputs (L2-cold). "
              "`x ours` = this row's time / our time in the same run (> 1: we are faster).", "",
              "| case | impl | µs | GB/s | % copy BW | TFLOP/s | x ours | status |",

@@ -71,6 +71,7 @@ def machine_info(measure: bool = True) -> dict[str, Any]:
             copy = timing.copy_bandwidth_gbps()
             info["copy_gbps_by_method"] = {k: round(v, 1) for k, v in copy.items()}
             info["copy_gbps"] = round(max(copy.values()), 1)
+            info["gemm_tflops_bf16"] = round(timing.gemm_tflops(torch.bfloat16), 1)  # the TFLOP/s ceiling
     return info
 
 
