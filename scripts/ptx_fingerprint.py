@@ -132,7 +132,7 @@ def fingerprint(ops: list[str]) -> list[dict]:
     """[{run, kernel, constexprs, sha, instructions}] for every launch of each op's runs, in order."""
     tools = _launch_tools()
     modules = [importlib.import_module(n) for op in ops for n in KERNEL_MODULES[op] + USER_MODULES[op]]
-    kernels = {a: v for m in modules[::-1] for a, v in vars(m).items() if a.endswith("_kernel")}
+    kernels = {a: v for m in modules for a, v in vars(m).items() if a.endswith("_kernel")}
     with tools.recorded_launches(*modules) as log:
         def label(run):
             log.append(("__run__", run, None))
