@@ -116,13 +116,13 @@ def moe_case(rng: random.Random):
     e = rng.choice((4, 6, 8, 12))
     k = rng.randint(1, min(e, 6))
     inter = rng.choice((128, 256)) if quant == "fp8_block" else rng.choice((64, 128, 192))
-    fused = rng.choice((None, False, True))
     case = test_moe.Case(rng.choice((0, 1, 2, 3, 5, 7, 9, 16, 33)), k=k, E=e, H=rng.choice((128, 200, 256)),
                          inter=inter, quant=quant, static=rng.random() < 0.5,
                          dtype=rng.choice((torch.bfloat16, torch.float16)) if quant == "none" else torch.bfloat16,
                          shared=rng.random() < 0.5, ep=rng.random() < 0.3, use_out=rng.random() < 0.5,
-                         act_mul=rng.choice(("fp32", "bf16")), fused=fused,
-                         inline=rng.random() < 0.7, prequant=rng.choice((None, True)) if quant != "none" else None)
+                         act_mul=rng.choice(("fp32", "bf16")),
+                         block_n=rng.choice((None, 32, 64)) if quant == "fp8_block" else None,
+                         prequant=rng.choice((None, True)) if quant != "none" else None)
     return case.id, lambda: test_moe.test_fused_moe(case, "cpu")
 
 

@@ -7,8 +7,8 @@ layer its own weights: L2-cold). Every variant is timed in this one process with
 checked against the torch reference (a wrong variant is reported, never ranked).
 
 The grid is a staged (coordinate) search around the heuristic config, per scenario:
-  A1  path (fuse_reduce / inline_index) × gate-up block_n
-  A2  around the best of A1: block_m, block_k, num_stages, num_warps, prequant_x, pdl (small path)
+  A1  gate-up block_n
+  A2  around the best of A1: block_m, block_k, num_stages, num_warps, prequant_x
   B1  down GEMM: down_block_n × down_block_k
   B2  down_num_warps × down_num_stages around the best of B1
 Kernels of a stage are compiled first by `--jobs` worker processes (Triton's disk cache is shared), so
@@ -68,11 +68,7 @@ def _key(v: dict) -> str:
 
 
 def _valid(s, v: dict) -> bool:
-    if v["inline_index"] and not v["fuse_reduce"]:
-        return False
-    if v["down_block_k"] > max(64, s.inter) or v["block_n"] > max(32, s.inter):
-        return False
-    return not (v["prequant_x"] and v["fuse_reduce"] and v["inline_index"] and s.t <= 16)
+    return v["down_block_k"] <= max(64, s.inter) and v["block_n"] <= max(32, s.inter)
 
 
 def _uniq(s, variants: list[dict], seen: set[str] | None = None) -> list[dict]:
@@ -86,19 +82,8 @@ def _uniq(s, variants: list[dict], seen: set[str] | None = None) -> list[dict]:
 
 
 def stage_a1(s, base: dict) -> list[dict]:
-    avg = _avg(s)
-    if avg <= 1:
-        paths = [(True, True), (True, False), (False, False)]
-    elif avg <= 4:
-        paths = [(False, False), (True, False)]
-    else:
-        paths = [(False, False)]
-    bns = (16, 32, 64) if avg <= 4 else (32, 64, 128)
-    out = [base]
-    for fr, ii in paths:
-        for bn in bns:
-            out.append(dict(base, fuse_reduce=fr, inline_index=ii, block_n=bn))
-    return _uniq(s, out)
+    bns = (16, 32, 64) if _avg(s) <= 4 else (32, 64, 128)
+    return _uniq(s, [base] + [dict(base, block_n=bn) for bn in bns])
 
 
 def stage_a2(s, best: dict) -> list[dict]:
@@ -109,8 +94,6 @@ def stage_a2(s, best: dict) -> list[dict]:
     out.append(dict(best, num_warps=8 if best["num_warps"] == 4 else 4))
     if s.t >= 64:
         out.append(dict(best, prequant_x=not best["prequant_x"]))
-    if best["fuse_reduce"]:
-        out.append(dict(best, pdl=not best["pdl"]))
     return out
 
 
@@ -296,8 +279,14 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=225.0, help="stop starting variants after this long")
     ap.add_argument("--layers", type=int, default=None, help="layers per graph (default: the suite's L2-cold rule)")
     ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--smoke", action="store_true",
+                    help="smallest complete run: the first matching scenario, stage A1 only, 2 layers")
     args = ap.parse_args()
     scenarios = [(lay, t) for lay, t in SCENARIOS if args.only is None or args.only in _scenario(lay, t).name]
+    if not scenarios:
+        ap.error(f"--only {args.only!r} matches no scenario of {[_scenario(*sc).name for sc in SCENARIOS]}")
+    if args.smoke:
+        scenarios, args.layers, args.replays = scenarios[:1], args.layers or 2, min(args.replays, 10)
     if args.dry_run:
         return dry_run(scenarios)
 
@@ -319,8 +308,9 @@ def main() -> int:
     print(f"[sweep] stage A1 compiled in {time.monotonic() - t0:.0f} s ({len(errors)} failures)", flush=True)
     from hpcops.bench import timing
 
-    copy_gbps = timing.copy_bandwidth_gbps(1 << 30)  # also lifts an idle GPU out of its low clocks
-    print(f"[sweep] {device}: copy bandwidth {copy_gbps:.0f} GB/s", flush=True)
+    copy = timing.copy_bandwidth_gbps(1 << 30)  # also lifts an idle GPU out of its low clocks
+    print(f"[sweep] {device}: copy bandwidth " + ", ".join(f"{k} {v:.0f} GB/s" for k, v in copy.items()),
+          flush=True)
     results, entries, skipped = [], [], 0
     for sc in scenarios:
         s = _scenario(*sc)
@@ -331,7 +321,7 @@ def main() -> int:
         run = ScenarioRun(*sc, args.layers, args.replays)
         for v in a1_of[sc]:
             run.run(v, "A1", errors.get((s.name, _key(v))))
-        for name, fn in STAGES[1:]:
+        for name, fn in STAGES[1:] if not args.smoke else ():
             if time.monotonic() - t0 > args.budget_s:
                 print(f"[sweep] budget spent: {s.name} stops before {name}", file=sys.stderr)
                 break

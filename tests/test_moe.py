@@ -145,8 +145,6 @@ class Case:
     small_max: int | None = None  # force the multi-program index build with 0
     prequant: bool | None = None  # force config.prequant_x
     block_n: int | None = None  # force the gate-up N tile (fp8_block: 128 quantizes in the epilogue)
-    fused: bool | None = None  # force config.fuse_reduce (and inline_index = `inline`)
-    inline: bool = True
 
     @property
     def id(self) -> str:
@@ -163,8 +161,6 @@ class Case:
             s += f"-prequant{int(self.prequant)}"
         if self.block_n is not None:
             s += f"-bn{self.block_n}"
-        if self.fused is not None:
-            s += f"-fused{int(self.fused)}" + ("" if self.inline or not self.fused else "-indexed")
         return s
 
 
@@ -186,18 +182,10 @@ CASES = [
     Case(7, quant="fp8_block", prequant=True, H=200, block_n=128, shared=True),
     Case(0, quant="fp8_tensor", shared=True, use_out=True),
     Case(0, use_out=True),
-    # the small-batch path: gate-up with the index inline, down GEMM with the top-k reduction
-    Case(2, shared=True, use_out=True, fused=True),
-    Case(5, k=4, inter=192, dtype=torch.float16, fused=True),
-    Case(3, quant="fp8_tensor", shared=True, fused=True),
-    Case(5, quant="fp8_tensor", static=False, ep=True, E=8, shared=True, use_out=True, fused=True),
-    Case(4, quant="fp8_tensor", inter=192, act_mul="bf16", fused=True),
-    Case(3, quant="fp8_block", shared=True, fused=True),
-    Case(6, k=3, quant="fp8_block", inter=256, H=200, ep=True, E=8, fused=True),
-    Case(7, quant="fp8_tensor", prequant=True, ep=True, E=8, fused=True),
-    Case(20, quant="fp8_tensor", ep=True, E=8, shared=True, fused=True, inline=False),
-    Case(9, k=2, fused=True, inline=False, small_max=0),
-    Case(1, k=1, quant="fp8_tensor", fused=False),  # the sorted path even with HPCOPS_MOE_SMALL_PATH=1
+    Case(5, k=4, inter=192, dtype=torch.float16),
+    Case(9, k=2, small_max=0),
+    Case(3, quant="fp8_block", shared=True, block_n=64),  # 16-bit act + group amax, quantized by the down GEMM
+    Case(6, k=3, quant="fp8_block", inter=256, H=200, ep=True, E=8, block_n=32),
 ]
 
 
@@ -228,8 +216,6 @@ def run_case(case: Case, device: str):
         cfg = cfg.with_(prequant_x=case.prequant)
     if case.block_n is not None:
         cfg = cfg.with_(block_n=case.block_n)
-    if case.fused is not None:
-        cfg = cfg.with_(fuse_reduce=case.fused, inline_index=case.fused and case.inline)
     out = nan_like(torch.empty(case.T, case.H, dtype=case.dtype, device=device)) if case.use_out else None
     got = fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap, shared_output=shared,
                     out=out, config=cfg)
@@ -247,9 +233,8 @@ def test_fused_moe(case, device):
     assert_close(ref, got, **_tolerance(case))
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["sorted", "fused"])
 @pytest.mark.parametrize("mode", ["tensor-static", "tensor-per-token", "block"])
-def test_fused_moe_fp8_input(mode, fused, device):
+def test_fused_moe_fp8_input(mode, device):
     """x arrives already quantized (x_scale); the output is bf16."""
     T, k, E, H, inter = 7, 3, 6, 256, 128
     kind = "fp8_block" if mode == "block" else "fp8_tensor"
@@ -267,15 +252,14 @@ def test_fused_moe_fp8_input(mode, fused, device):
         x_scale = xs.to(device)
     xq = xq.to(device)
     cfg = get_config(num_tokens=T, top_k=k, num_experts=E, hidden=H, inter=inter, quant=kind,
-                     interpreter=device == "cpu").with_(fuse_reduce=fused, inline_index=fused)
+                     interpreter=device == "cpu")
     got = fused_moe(xq, wts.w13, wts.w2, tw, ids, quant=wts.quant, x_scale=x_scale, config=cfg)
     ref = R.fused_moe(xq, wts.w13, wts.w2, tw, ids, quant=wts.quant, x_scale=x_scale)
     assert got.dtype == torch.bfloat16
     assert_close(ref, got, maxtol=4e-2, rmstol=1.5e-2)  # fp8 tolerance, see _tolerance
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["sorted", "fused"])
-def test_all_experts_remote_gives_shared_output(fused, device):
+def test_all_experts_remote_gives_shared_output(device):
     """EP: tokens whose experts all live on other ranks → exactly shared_output (zeros without it)."""
     T, H, inter = 5, 256, 128
     wts = make_weights(3, H, inter, "none", device=device)
@@ -284,7 +268,7 @@ def test_all_experts_remote_gives_shared_output(fused, device):
     shared = torch.randn(T, H).bfloat16().to(device)
     x = torch.randn(T, H).bfloat16().to(device)
     cfg = get_config(num_tokens=T, top_k=2, num_experts=8, hidden=H, inter=inter,
-                     interpreter=device == "cpu").with_(fuse_reduce=fused, inline_index=fused)
+                     interpreter=device == "cpu")
     out = fused_moe(x, wts.w13, wts.w2, tw, ids, expert_map=emap, shared_output=shared,
                     out=nan_like(shared), config=cfg)
     assert torch.equal(out.cpu(), shared.cpu())
@@ -475,64 +459,6 @@ def test_gpu_hy3(shape, T, kind):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["none", "fp8_tensor", "fp8_tensor_dyn", "fp8_block"])
-@pytest.mark.parametrize("T", [1, 4, 16, 64])
-@pytest.mark.parametrize("shape", ["tp8", "ep8"])
-def test_gpu_small_path(shape, T, kind):
-    """The small path (inline index + fused reduce) and the sorted path agree with the reference at Hy3
-    shapes, whichever get_config would pick."""
-    inter, n_local = (192, None) if shape == "tp8" else (1536, 24)
-    base = kind.replace("_dyn", "")
-    if base == "fp8_block" and inter % 128:
-        pytest.skip("Fp8Block128 needs I % 128 == 0 (Hy3 TP8 has I = 192)")
-    E, k, H = HY3["E"], HY3["k"], HY3["H"]
-    local = list(range(n_local)) if n_local else list(range(E))
-    wts = make_weights(len(local), H, inter, base, device="cuda", static=kind == "fp8_tensor")
-    tw, ids = make_routing(T, k, E, "cuda")
-    emap = make_expert_map(E, local, "cuda") if n_local else None
-    x = torch.randn(T, H, device="cuda").bfloat16()
-    shared = torch.randn_like(x)
-    ref = R.fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap, shared_output=shared)
-    cfg = get_config(num_tokens=T, top_k=k, num_experts=E, hidden=H, inter=inter, quant=base)
-    tol = {} if kind == "none" else {"maxtol": 4e-2, "rmstol": 1.5e-2}  # fp8 tolerance, see _tolerance
-    for fused, inline, pdl in ((True, True, False), (True, True, True), (True, False, False),
-                               (False, False, False)):
-        got = fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap, shared_output=shared,
-                        out=nan_like(x), config=cfg.with_(fuse_reduce=fused, inline_index=inline, pdl=pdl))
-        assert_close(ref, got, name=f"fused={fused} inline={inline} pdl={pdl}", **tol)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("pdl", [False, True])
-def test_gpu_small_path_graph_replay(pdl):
-    """The small path (with and without programmatic dependent launch) captured in a CUDA graph after
-    other work on the stream, replayed with new routing: equals eager."""
-    T, inter = 4, 192
-    wts, tw, ids, emap, x = _hy3_inputs(T, inter, "fp8_tensor")
-    cfg = get_config(num_tokens=T, top_k=HY3["k"], num_experts=HY3["E"], hidden=HY3["H"], inter=inter,
-                     quant="fp8_tensor").with_(pdl=pdl, validate_ids=False)
-    assert cfg.fuse_reduce and cfg.inline_index
-    out = torch.empty_like(x)
-    x_in = torch.empty_like(x)
-
-    def step():
-        x.copy_(x_in * 2)  # a producer kernel right before the MoE (PDL must wait for it)
-        fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, out=out, config=cfg)
-
-    x_in.normal_()
-    graph, _ = capture_graph(step)
-    for seed in (5, 6, 7):
-        tw2, ids2 = make_routing(T, HY3["k"], HY3["E"], "cuda", seed=seed)
-        tw.copy_(tw2)
-        ids.copy_(ids2)
-        x_in.normal_()
-        graph.replay()
-        torch.cuda.synchronize()
-        eager = fused_moe(x_in * 2, wts.w13, wts.w2, tw, ids, quant=wts.quant, config=cfg.with_(pdl=False))
-        assert_close(eager, out)
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["fp8_tensor", "none"])
 def test_gpu_ep8_ranks_sum_to_full(kind):
     """Eight simulated EP ranks (24 local experts each, I 1536) sum to the single-rank computation."""
@@ -579,41 +505,25 @@ def test_gpu_cuda_graph_replay(kind, T):
 
 
 # ---------------------------------------------------------------------------------------------------
-# configs: the small-batch path, launch counts, the tuned table
+# configs: launch counts, the tuned table
 
 HY3_CFG = dict(top_k=8, num_experts=192, hidden=4096)
 
 
-@pytest.mark.parametrize("T,inter,small", [(1, 192, True), (4, 192, True), (12, 1536, True), (16, 192, False),
-                                           (512, 192, False)])
-def test_get_config_small_path(monkeypatch, T, inter, small):
-    monkeypatch.setenv("HPCOPS_MOE_SMALL_PATH", "1")
-    cfg = get_config(num_tokens=T, inter=inter, quant="fp8_tensor", **HY3_CFG)
-    assert cfg.fuse_reduce == small and cfg.inline_index == small
-    monkeypatch.delenv("HPCOPS_MOE_SMALL_PATH")  # the default: the path measured on the H200
-    cfg = get_config(num_tokens=T, inter=inter, quant="fp8_tensor", **HY3_CFG)
-    assert not cfg.fuse_reduce and not cfg.inline_index
-
-
-@pytest.mark.parametrize("small", ["0", "1"])
-def test_get_config_fp8_block_tiles(monkeypatch, small):
-    """fp8 block: whole 128-groups per gate-up program (epilogue quantization), as measured; narrow N
-    tiles only on the small path."""
-    monkeypatch.setenv("HPCOPS_MOE_SMALL_PATH", small)
+def test_get_config_fp8_block_tiles():
+    """fp8 block: whole 128-groups per gate-up program (epilogue quantization), as measured."""
     cfg = get_config(num_tokens=4, inter=1536, quant="fp8_block", **HY3_CFG)
-    assert cfg.block_n == (64 if small == "1" else 128) and cfg.block_k == cfg.down_block_k == 128
+    assert cfg.block_n == 128 and cfg.block_k == cfg.down_block_k == 128
 
 
-@pytest.mark.parametrize("kind,fused,want", [
-    ("fp8_tensor", False, ["moe_index_small_kernel", "moe_gate_up_kernel", "moe_down_kernel", "moe_reduce_kernel"]),
-    ("fp8_tensor", True, ["moe_gate_up_kernel", "moe_down_reduce_kernel"]),
-    ("fp8_tensor_dyn", True, ["moe_quant_x_kernel", "moe_gate_up_kernel", "moe_down_reduce_kernel"]),
-    ("fp8_block", True, ["moe_gate_up_kernel", "moe_down_reduce_kernel"]),
-    ("none", True, ["moe_gate_up_kernel", "moe_down_reduce_kernel"]),
+@pytest.mark.parametrize("kind,want", [
+    ("fp8_tensor", ["moe_index_small_kernel", "moe_gate_up_kernel", "moe_down_kernel", "moe_reduce_kernel"]),
+    ("fp8_tensor_dyn", ["moe_index_small_kernel", "moe_quant_x_kernel", "aten.zeros.default", "moe_gate_up_kernel",
+                        "moe_down_kernel", "moe_reduce_kernel"]),  # dynamic a2: a zeroed row-amax buffer
 ])
-def test_small_batch_launches(kind, fused, want):
+def test_decode_batch_launches(kind, want):
     """Everything a decode-size call puts on the stream (Triton launches and torch ops that run kernels):
-    the small path is two launches (B=4 Hy3 static fp8: 4 before), no memsets."""
+    B=4 Hy3 with static fp8 scales is four launches."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from hpcops.moe import _moe_kernels as K
@@ -630,8 +540,7 @@ def test_small_batch_launches(kind, fused, want):
     x = torch.zeros(T, H, dtype=torch.bfloat16)
     ids = torch.zeros(T, k, dtype=torch.int32)
     tw = torch.zeros(T, k)
-    cfg = get_config(num_tokens=T, inter=192, quant=base, **HY3_CFG)  # the GPU heuristic at B=4
-    cfg = cfg.with_(validate_ids=False, fuse_reduce=fused, inline_index=fused)
+    cfg = get_config(num_tokens=T, inter=192, quant=base, **HY3_CFG).with_(validate_ids=False)  # the GPU heuristic
     with recorded_launches(K) as calls, TorchOps():
         fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, shared_output=x, out=torch.empty_like(x),
                   config=cfg)
@@ -661,27 +570,15 @@ def test_tuned_table(monkeypatch, tmp_path):
     assert get_config(num_tokens=4, device_name="GPU-A", **dict(kw, num_local_experts=24)) == heur  # EP shape
     # a sweep output named by HPCOPS_MOE_TUNED comes first
     f = tmp_path / "moe_sweep.json"
-    f.write_text(json.dumps({"device": "GPU-A", "entries": [_entry(4, block_n=64, fuse_reduce=False)]}))
+    f.write_text(json.dumps({"device": "GPU-A", "entries": [_entry(4, block_n=64, prequant_x=True)]}))
     monkeypatch.setenv("HPCOPS_MOE_TUNED", str(f))
     got = get_config(num_tokens=4, device_name="GPU-A", **kw)
-    assert got.block_n == 64 and not got.fuse_reduce
+    assert got.block_n == 64 and got.prequant_x
     C._env_entries.cache_clear()
     f.write_text(json.dumps({"device": "GPU-A", "entries": [_entry(4, blocc_n=64)]}))
     with pytest.raises(ValueError, match="blocc_n"):
         get_config(num_tokens=4, device_name="GPU-A", **kw)
     C._env_entries.cache_clear()
-
-
-def test_inline_index_falls_back_to_the_index_build(monkeypatch, device):
-    """fuse_reduce + inline_index above INLINE_INDEX_MAX pairs: the index is built (same result)."""
-    from hpcops.moe import configs as C
-    from hpcops.moe import fused_moe as F
-
-    monkeypatch.setattr(F, "INLINE_INDEX_MAX", 8)
-    assert C.INLINE_INDEX_MAX >= 1024
-    case = Case(5, quant="fp8_tensor", fused=True)  # 15 pairs > 8
-    got, ref = run_case(case, device)
-    assert_close(ref, got, **_tolerance(case))
 
 
 @pytest.mark.gpu

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 FP8_MAX = tl.constexpr(448.0)  # a constexpr global: compiled kernels may read it
 
@@ -134,44 +133,14 @@ def moe_quant_x_kernel(x_ptr, q_ptr, s_ptr, in_scale_ptr, H, stride_x, stride_q,
 
 
 @triton.jit
-def _inline_task(ids_ptr, map_ptr, task, N, E_GLOBAL, E_LOCAL,
-                 HAS_MAP: tl.constexpr, N_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
-    """The M tile `task` of the routing index, computed from topk_ids inside the program (no index launch).
-
-    Same tiles and row order as the index build: pairs counted per local expert, ceil(c_e / BLOCK_M)
-    tiles per expert in expert order, pairs of an expert in pair-id order. Returns (local expert, −1 past
-    the last tile; pair of each of the tile's BLOCK_M rows; row mask).
-    """
-    offs = tl.arange(0, N_PAD)
-    pe, pok = _local_expert(ids_ptr, map_ptr, offs, offs < N, E_GLOBAL, E_LOCAL, HAS_MAP)
-    counts = tl.histogram(pe, E_PAD, mask=pok)
-    tiles = (counts + BLOCK_M - 1) // BLOCK_M
-    tend = tl.cumsum(tiles, 0)
-    tstart = tend - tiles
-    inside = (tstart <= task) & (task < tend)
-    has = tl.sum(inside.to(tl.int32), 0) > 0
-    e = tl.sum(tl.where(inside, tl.arange(0, E_PAD), 0), 0)
-    first = (task - tl.sum(tl.where(inside, tstart, 0), 0)) * BLOCK_M  # rank of the tile's first row
-    cnt = tl.sum(tl.where(inside, counts, 0), 0)
-    mine = pok & (pe == e)
-    rank = tl.cumsum(mine.to(tl.int32), 0) - 1
-    local = first + tl.arange(0, BLOCK_M)
-    hit = mine[None, :] & (rank[None, :] == local[:, None])  # [BLOCK_M, N_PAD]
-    pair = tl.sum(tl.where(hit, offs[None, :], 0), 1)
-    return tl.where(has, e, -1), pair, local < cnt
-
-
-@triton.jit
 def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets_ptr, sorted_ptr,
-                       act_ptr, act_s_ptr, a2_ptr, rowmax_ptr, ids_ptr, map_ptr,
-                       H, I, CAP, TOP_K, N, E_GLOBAL, E_LOCAL,
+                       act_ptr, act_s_ptr, a2_ptr, rowmax_ptr,
+                       H, I, CAP, TOP_K,
                        stride_xt, stride_xst, stride_xsg,
                        stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk,
                        stride_act, stride_acts,
                        QUANT: tl.constexpr, X_FP8: tl.constexpr, ACT_OUT: tl.constexpr,
                        ACT_DT: tl.constexpr, BF16_MUL: tl.constexpr,
-                       INLINE_INDEX: tl.constexpr, ACT_BY_PAIR: tl.constexpr, HAS_MAP: tl.constexpr,
-                       N_PAD: tl.constexpr, E_PAD: tl.constexpr, PDL: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """act[r, n] = silu(x[tok(r)]·w13[e, n]) · (x[tok(r)]·w13[e, I+n]) for one (M tile, N tile) task.
 
@@ -181,37 +150,19 @@ def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets
     a13 scale; QUANT 2: dynamic per row and 128-group). ACT_OUT: 0 16-bit; 1 fp8 with the static a2
     scale; 2 16-bit and the row amax (atomic max, for dynamic per-token a2); 3 fp8 per row and 128-group
     (BLOCK_N = 128); 4 16-bit and the per row and 128-group amax (atomic max, BLOCK_N < 128).
-    INLINE_INDEX: the task's expert and rows come from topk_ids (`_inline_task`) instead of the index
-    (tasks / offsets / sorted_pair, unused then). ACT_BY_PAIR: act row = pair id (t·k + j) instead of the
-    sorted row (for `moe_down_reduce_kernel`); rows of remote pairs are not written.
-    PDL (launched with programmatic dependent launch): wait for the previous kernels before reading
-    anything, then let the dependent down GEMM launch at once (its programs get resident and run their
-    prologue while this grid works).
     """
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(I, BLOCK_N)
     task = pid // n_tiles
     pid_n = pid % n_tiles
-    if INLINE_INDEX:
-        e, pair, rmask = _inline_task(ids_ptr, map_ptr, task, N, E_GLOBAL, E_LOCAL, HAS_MAP, N_PAD, E_PAD,
-                                      BLOCK_M)
-        rows = pair
-        if e < 0:
-            return
-    else:
-        e = tl.load(tasks_ptr + task)
-        if e < 0:
-            return
-        row0 = tl.load(tasks_ptr + CAP + task)
-        row_end = tl.load(offsets_ptr + e + 1)
-        rows = row0 + tl.arange(0, BLOCK_M)
-        rmask = rows < row_end
-        pair = tl.load(sorted_ptr + rows, mask=rmask, other=0)
-    if ACT_BY_PAIR:
-        rows = pair
+    e = tl.load(tasks_ptr + task)
+    if e < 0:
+        return
+    row0 = tl.load(tasks_ptr + CAP + task)
+    row_end = tl.load(offsets_ptr + e + 1)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    rmask = rows < row_end
+    pair = tl.load(sorted_ptr + rows, mask=rmask, other=0)
     tok = (pair // TOP_K).to(tl.int64)
     n0 = pid_n * BLOCK_N
     cols = n0 + tl.arange(0, BLOCK_N)
@@ -375,100 +326,3 @@ def moe_reduce_kernel(y_ptr, pos_ptr, tw_ptr, shared_ptr, out_ptr, H,
     if HAS_SHARED:
         acc += tl.load(shared_ptr + t * stride_sh + cols, mask=cmask, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
-
-
-@triton.jit
-def moe_down_reduce_kernel(act_ptr, a2_ptr, w_ptr, ws_ptr, ids_ptr, map_ptr, tw_ptr, shared_ptr, out_ptr,
-                           T, H, I, E_GLOBAL, E_LOCAL,
-                           stride_act, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk,
-                           stride_tw, stride_sh, stride_out,
-                           QUANT: tl.constexpr, ACT_IN: tl.constexpr, HAS_MAP: tl.constexpr,
-                           HAS_SHARED: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
-                           PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Down GEMM with the top-k reduction in its epilogue, for small batches (no y buffer, no reduce launch):
-    out[t, n] = Σ_j topk_weights[t, j] · act[t·k + j] · w2[e(t, j), n] (+ shared_output[t, n]).
-
-    One program per (N tile, token), tokens fastest (programs of one N tile run together, so an expert
-    tile used by several tokens comes from L2). act rows are in pair order (gate-up ACT_BY_PAIR). The
-    token's local pairs are compacted first, then one flat loop runs over (local pair, K tile), so the
-    pipeline prefetches across pairs and remote pairs (EP) cost nothing. A row is a GEMV: the act row is
-    row 0 of a 16-row tile so the product runs on tensor cores (fp8 without conversions).
-    ACT_IN: 0 16-bit (QUANT 0); 1 fp8 with the static a2 scale; 2 16-bit, quantized here per row (row
-    amax from a first pass over the row); 4 16-bit, quantized here per row and 128-group (QUANT 2,
-    BLOCK_K = 128).
-    PDL: launched as a programmatic dependent of the gate-up GEMM, which triggers only after its own
-    wait on the kernels before it: topk_ids / weights / expert_map are complete then, so the routing
-    prologue runs before `gdc_wait`, which guards the first read of act.
-    """
-    pid = tl.program_id(0)
-    t = pid % T
-    pid_n = pid // T
-    t64 = t.to(tl.int64)
-    n0 = pid_n * BLOCK_N
-    cols = n0 + tl.arange(0, BLOCK_N)
-    cmask = cols < H
-    jj = tl.arange(0, K_PAD)
-    e_j, ok_j = _local_expert(ids_ptr, map_ptr, t * TOP_K + jj, jj < TOP_K, E_GLOBAL, E_LOCAL, HAS_MAP)
-    w_j = tl.load(tw_ptr + t64 * stride_tw + jj, mask=ok_j, other=0.0)
-    rank_j = tl.cumsum(ok_j.to(tl.int32), 0) - 1
-    n_valid = tl.sum(ok_j.to(tl.int32), 0)
-    n_k = tl.cdiv(I, BLOCK_K)
-    r16 = tl.arange(0, 16)
-    row0 = (r16 == 0)[:, None]
-    offs_k = tl.arange(0, BLOCK_K)
-    if PDL:
-        gdc_wait()
-    if QUANT == 1:
-        if ACT_IN == 2:
-            # per-row dynamic scale of each local pair: amax over its whole (16-bit, L2-resident) row
-            amax_j = tl.zeros((K_PAD,), dtype=tl.float32)
-            for it in range(0, n_valid * n_k):
-                v = it // n_k
-                k0 = (it % n_k) * BLOCK_K
-                sel = ok_j & (rank_j == v)
-                p = (t * TOP_K + tl.sum(tl.where(sel, jj, 0), 0)).to(tl.int64)
-                kk = k0 + offs_k
-                a = tl.load(act_ptr + p * stride_act + kk, mask=kk < I, other=0.0).to(tl.float32)
-                amax_j = tl.where(sel, tl.maximum(amax_j, tl.max(tl.abs(a), 0)), amax_j)
-            s_j = tl.maximum(amax_j, 1e-12) / FP8_MAX
-        else:
-            s_j = tl.zeros((K_PAD,), dtype=tl.float32) + tl.load(a2_ptr)
-    acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
-    part = tl.zeros((16, BLOCK_N), dtype=tl.float32)
-    for it in range(0, n_valid * n_k):
-        v = it // n_k
-        kt = it % n_k
-        k0 = kt * BLOCK_K
-        sel = ok_j & (rank_j == v)
-        j = tl.sum(tl.where(sel, jj, 0), 0)
-        e64 = tl.sum(tl.where(sel, e_j, 0), 0).to(tl.int64)
-        p = (t * TOP_K + j).to(tl.int64)
-        kk = k0 + offs_k
-        kmask = kk < I
-        a = tl.load(act_ptr + p * stride_act + (r16 * 0)[:, None] + kk[None, :], mask=row0 & kmask[None, :],
-                    other=0.0)
-        w = tl.load(w_ptr + e64 * stride_we + cols.to(tl.int64)[:, None] * stride_wn + kk[None, :],
-                    mask=cmask[:, None] & kmask[None, :], other=0.0)
-        if QUANT == 0:
-            part = tl.dot(a, tl.trans(w), part)
-        elif QUANT == 1:
-            if ACT_IN == 2:
-                r_s = tl.sum(tl.where(sel, s_j, 0.0), 0)
-                a = tl.minimum(tl.maximum(a.to(tl.float32) / r_s, -FP8_MAX), FP8_MAX).to(tl.float8e4nv)
-            part = tl.dot(a, tl.trans(w), part)
-        else:
-            af = a.to(tl.float32)
-            a_s = tl.maximum(tl.max(tl.abs(af), 1), 1e-12) / FP8_MAX
-            q = tl.minimum(tl.maximum(af / a_s[:, None], -FP8_MAX), FP8_MAX).to(tl.float8e4nv)
-            ws = tl.load(ws_ptr + e64 * stride_wse + (n0 // 128) * stride_wsn + (k0 // 128) * stride_wsk)
-            part += tl.dot(q, tl.trans(w)) * (a_s[:, None] * ws)
-        if kt == n_k - 1:  # the pair's row is complete: weight it into the token's sum
-            coef = tl.sum(tl.where(sel, w_j, 0.0), 0)
-            if QUANT == 1:
-                coef = coef * tl.sum(tl.where(sel, s_j, 0.0), 0) * tl.load(ws_ptr + e64 * stride_wse)
-            acc += part * coef
-            part = tl.zeros((16, BLOCK_N), dtype=tl.float32)
-    res = tl.sum(acc, 0)  # rows 1..15 are zero
-    if HAS_SHARED:
-        res += tl.load(shared_ptr + t64 * stride_sh + cols, mask=cmask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t64 * stride_out + cols, res.to(out_ptr.dtype.element_ty), mask=cmask)

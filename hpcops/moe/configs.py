@@ -14,12 +14,6 @@ import os
 from dataclasses import dataclass, fields, replace
 
 ACT_MUL_MODES = ("fp32", "bf16")
-# the small-batch path (fuse_reduce + inline_index) up to this many routed rows per expert on average,
-# when enabled: it has not run on a GPU yet (see `small_path_enabled`)
-SMALL_PATH_MAX_AVG = 0.5
-SMALL_PATH_ENV = "HPCOPS_MOE_SMALL_PATH"
-# inline_index needs every (token, slot) pair in registers: above this many pairs the index is built
-INLINE_INDEX_MAX = 1024
 
 
 @dataclass(frozen=True)
@@ -38,16 +32,6 @@ class MoeConfig:
     `prequant_x`: quantize a bf16/fp16 x to fp8 in a separate pass (one read of x) instead of inside
     every gate-up program's loader (which re-reads bf16 rows once per N tile): pays for large batches.
     `validate_ids`: check topk_ids values on the host (a device sync) when not capturing a CUDA graph.
-    `fuse_reduce`: small batches: the gate-up GEMM writes act rows in pair order and the down GEMM runs
-    per (token, N tile), summing the token's k weighted rows in its epilogue (`moe_down_reduce_kernel`):
-    no y buffer, no reduce launch, and no amax buffers to zero (dynamic activation scales are computed
-    by the down GEMM's loader). An expert used by several tokens is read once per token (from L2 when
-    they run together), so it pays while experts see about one token.
-    `inline_index` (with `fuse_reduce`): each gate-up program derives its M tile from topk_ids itself
-    (histogram + prefix sums in registers), so no index launch; up to `INLINE_INDEX_MAX` pairs.
-    `pdl` (with `fuse_reduce`, CUDA only): launch the gate-up and down GEMMs with programmatic dependent
-    launch (sm90 griddepcontrol): each grid launches while the one before finishes and waits on the
-    device, hiding the launch gap; also inside CUDA graphs (CUDA ≥ 12.3). Off until measured.
     """
 
     block_m: int = 16
@@ -64,9 +48,6 @@ class MoeConfig:
     prequant_x: bool = False
     act_mul: str = "fp32"
     validate_ids: bool = True
-    fuse_reduce: bool = False
-    inline_index: bool = False
-    pdl: bool = False
 
     def with_(self, **kw) -> MoeConfig:
         return replace(self, **kw)
@@ -108,14 +89,6 @@ def get_config(*, num_tokens: int, top_k: int, num_experts: int, hidden: int, in
     return replace(cfg, **entry) if entry else cfg
 
 
-def small_path_enabled() -> bool:
-    """Whether the heuristic picks the small-batch path: `HPCOPS_MOE_SMALL_PATH=1`. Off by default: the
-    path is tested on the CPU tier (interpreter) and compiled for sm_90, but has not run on an H200 yet,
-    and the defaults are what was measured there. A tuned-table entry or an explicit `MoeConfig` can
-    select it either way."""
-    return os.environ.get(SMALL_PATH_ENV, "0").strip() == "1"
-
-
 def heuristic_config(*, num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
                      quant: str = "none", interpreter: bool = False) -> MoeConfig:
     """The untuned heuristic: tiles from the average rows per expert `num_tokens·top_k / num_experts`."""
@@ -140,16 +113,10 @@ def heuristic_config(*, num_tokens: int, top_k: int, num_experts: int, hidden: i
                         down_block_n=128, down_block_k=_k_tile(inter), down_num_warps=8,
                         down_num_stages=3)
     cfg = replace(cfg, prequant_x=bm >= 64)
-    # about one token per touched expert: two launches (gate-up with the index inline, down GEMM with
-    # the top-k reduction) instead of index + gate-up + down + reduce
-    small = small_path_enabled() and avg <= SMALL_PATH_MAX_AVG
     if quant == "fp8_block":
-        # block_n 128 lets the gate-up epilogue quantize whole 128-groups; the small path keeps narrow N
-        # tiles for parallelism (its down GEMM quantizes the 16-bit activation per group while loading)
-        cfg = replace(cfg, block_n=64 if small else 128, block_k=128, down_block_k=128,
-                      block_m=min(cfg.block_m, 64), down_block_n=min(cfg.down_block_n, 128))
-    if small:
-        cfg = replace(cfg, fuse_reduce=True, inline_index=True)
+        # block_n 128 lets the gate-up epilogue quantize whole 128-groups
+        cfg = replace(cfg, block_n=128, block_k=128, down_block_k=128, block_m=min(cfg.block_m, 64),
+                      down_block_n=min(cfg.down_block_n, 128))
     if interpreter:
         cfg = replace(cfg, block_n=max(cfg.block_n, 64), down_block_n=max(cfg.down_block_n, 128),
                       block_k=128, down_block_k=128 if quant == "fp8_block" else _k_tile(inter))
@@ -162,8 +129,7 @@ def heuristic_config(*, num_tokens: int, top_k: int, num_experts: int, hidden: i
 # fields}} (extra keys such as "us" are kept as documentation). `scripts/sweep_moe.py` writes them.
 
 TUNABLE = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "down_block_n", "down_block_k",
-           "down_num_warps", "down_num_stages", "reduce_block_h", "index_small_max", "prequant_x",
-           "fuse_reduce", "inline_index", "pdl")
+           "down_num_warps", "down_num_stages", "reduce_block_h", "index_small_max", "prequant_x")
 
 
 @functools.cache

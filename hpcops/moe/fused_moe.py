@@ -13,8 +13,8 @@ from hpcops._checks import FP8_E4M3, HALF_DTYPES, check_choice, check_index_rang
 from hpcops._library import register
 from hpcops._platform import is_interpreter
 from hpcops.moe import _moe_kernels as K
-from hpcops.moe.configs import ACT_MUL_MODES, INLINE_INDEX_MAX, MoeConfig, get_config
-from hpcops.moe.routing import build_moe_index, task_capacity
+from hpcops.moe.configs import ACT_MUL_MODES, MoeConfig, get_config
+from hpcops.moe.routing import build_moe_index
 from hpcops.quant import Fp8Block128, Fp8PerTensor
 
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -198,21 +198,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     topk_ids = topk_ids.contiguous()
     topk_weights = topk_weights.contiguous()
     n = T * k
-    # small batches (config.fuse_reduce): act rows in pair order, the down GEMM reduces each token's k rows
-    # in its epilogue; config.inline_index: gate-up programs find their tile from topk_ids themselves
-    fused = cfg.fuse_reduce
-    inline = fused and cfg.inline_index and n <= INLINE_INDEX_MAX
-    has_map = expert_map is not None
-    emap = expert_map if has_map else topk_ids  # placeholder pointer without a map
-    if inline:
-        idx = None
-        cap = task_capacity(n, E, cfg.block_m)
-        dummy = topk_ids  # placeholder pointer for arguments a mode does not read
-        tasks = offsets = sorted_pair = dummy
-    else:
-        idx = build_moe_index(topk_ids, E, cfg.block_m, expert_map=expert_map, small_max=cfg.index_small_max)
-        cap, dummy = idx.cap, idx.offsets
-        tasks, offsets, sorted_pair = idx.tasks, idx.offsets, idx.sorted_pair
+    idx = build_moe_index(topk_ids, E, cfg.block_m, expert_map=expert_map, small_max=cfg.index_small_max)
+    cap, dummy = idx.cap, idx.offsets  # dummy: placeholder pointer for arguments a mode does not read
+    tasks, offsets, sorted_pair = idx.tasks, idx.offsets, idx.sorted_pair
     f32 = torch.float32
 
     # gate-up operand x and its scales
@@ -243,19 +231,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
                                        BLOCK_H=128, num_warps=4)
             x, x_fp8, stride_xst, stride_xsg = xq, True, xs.stride(0), 1
 
-    # intermediate activation [N, I]: rows in expert-sorted order, or in pair order (fuse_reduce)
+    # intermediate activation [N, I], rows in expert-sorted order
     act_dt = out_dt
     act_s, a2, rowmax, stride_acts = dummy, dummy, dummy, 0
-    if fused:
-        # fp8 with a static a2: fp8 rows; otherwise 16-bit rows, quantized by the down GEMM's loader
-        # (ACT_IN 2: per row, 4: per row and 128-group), so no amax buffers to zero
-        static_a2 = kind == "fp8_tensor" and quant.a2_scale is not None
-        act_out = 1 if static_a2 else 0
-        act_in = {"none": 0, "fp8_tensor": 1 if static_a2 else 2, "fp8_block": 4}[kind]
-        if static_a2:
-            a2 = quant.a2_scale
-        act = torch.empty((n, inter), dtype=FP8_E4M3 if static_a2 else act_dt, device=dev)
-    elif kind == "none":
+    if kind == "none":
         act_out = 0
         act = torch.empty((n, inter), dtype=act_dt, device=dev)
     elif kind == "fp8_tensor":
@@ -284,38 +263,21 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     wb13 = ws13.stride() if kind == "fp8_block" else (wse13, 0, 0)
     wb2 = ws2.stride() if kind == "fp8_block" else (wse2, 0, 0)
 
-    # programmatic dependent launch (small path, opt-in): gate-up and down GEMM launch early and wait
-    # on the device (griddepcontrol) instead of between launches; not in the interpreter
-    pdl = bool(cfg.pdl and fused and not is_interpreter())
-    launch = {"launch_pdl": True} if pdl else {}
     grid1 = (cap * triton.cdiv(inter, cfg.block_n),)
     K.moe_gate_up_kernel[grid1](
         x, xs, w13, ws13, a13, tasks, offsets, sorted_pair,
-        act, act_s, a2, rowmax, topk_ids, emap,
-        H, inter, cap, k, n, n_global, E,
+        act, act_s, a2, rowmax,
+        H, inter, cap, k,
         x.stride(0), stride_xst, stride_xsg,
         w13.stride(0), w13.stride(1), wb13[0], wb13[1], wb13[2],
         act.stride(0), stride_acts,
         QUANT=quant_id, X_FP8=x_fp8, ACT_OUT=act_out, ACT_DT=_TL_DTYPE[act_dt],
-        BF16_MUL=cfg.act_mul == "bf16", INLINE_INDEX=inline, ACT_BY_PAIR=fused, HAS_MAP=has_map,
-        N_PAD=max(16, triton.next_power_of_2(n)) if inline else 16,
-        E_PAD=triton.next_power_of_2(E + 1) if inline else 16, PDL=pdl,
+        BF16_MUL=cfg.act_mul == "bf16",
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     has_shared = shared_output is not None
     sh = shared_output if has_shared else out
-    if fused:
-        K.moe_down_reduce_kernel[(T * triton.cdiv(H, cfg.down_block_n),)](
-            act, a2, w2, ws2, topk_ids, emap, topk_weights, sh, out,
-            T, H, inter, n_global, E,
-            act.stride(0), w2.stride(0), w2.stride(1), wb2[0], wb2[1], wb2[2],
-            topk_weights.stride(0), sh.stride(0), out.stride(0),
-            QUANT=quant_id, ACT_IN=act_in, HAS_MAP=has_map, HAS_SHARED=has_shared, TOP_K=k,
-            K_PAD=triton.next_power_of_2(k), PDL=pdl, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
-            num_warps=cfg.down_num_warps, num_stages=cfg.down_num_stages, **launch)
-        return out
-
     y = torch.empty((n, H), dtype=out_dt, device=dev)
     grid2 = (cap * triton.cdiv(H, cfg.down_block_n),)
     K.moe_down_kernel[grid2](
