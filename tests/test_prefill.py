@@ -181,6 +181,11 @@ def _tolerance(case: Case) -> dict:
     if case.config is not None and case.config.pv_fp8 and (case.q_fp8 or case.config.quant_q):
         # P is rounded to e4m3 (3 mantissa bits) before P·V: ~2^-5 relative error per weight
         return {"maxtol": 6e-2, "rmstol": 3e-2}  # measured 1.8e-2 / 1.6e-2 on the CPU case
+    if case.config is not None and case.config.quant_q and not case.q_fp8:
+        # the kernel scales q by 448/amax (a multiply) where quantize_per_token_head divides by amax/448:
+        # the two fp32 roundings differ now and then, flipping a q element's e4m3 rounding by one ulp
+        # (up to 2^-3 relative) in one of the two (H200: rms 2.09e-3 against fp16's default 2e-3)
+        return {"maxtol": 1e-2, "rmstol": 4e-3}
     return {}
 
 
@@ -356,15 +361,15 @@ def test_argument_errors(mutate, exc, match):
 
 @pytest.mark.parametrize("config", [SMALL, TMA, PrefillConfig(block_m=32, block_n=32, num_warps=4, num_stages=1,
                                                                 tma=False)], ids=["ptr", "tma", "ptr-bn32"])
-def test_unchecked_bad_block_ids_stay_inside_the_cache(config, monkeypatch):
+def test_unchecked_bad_block_ids_stay_inside_the_cache(config, monkeypatch, device):
     """Outside checking mode device metadata is not read on the host: a block id past the cache (or < 0)
     then reads block 0, never memory beyond the cache (here NaN-filled blocks past its end)."""
     monkeypatch.setattr(prefill_mod, "_check_mode", lambda check, seq_lens: False)
     case = Case("bad-ids", [40, 24], [40, 5], hq=4, hkv=2, block_size=16, config=config)
-    q, kv, cu, _ = _inputs(case, "cpu")
+    q, kv, cu, _ = _inputs(case, device)
     nb = kv.k_cache.shape[0]
     for c in (kv.k_cache, kv.v_cache):  # block 0 finite (_inputs NaN-poisons the slots no request owns)
-        c[0] = torch.randn(c[0].shape).to(c.dtype)
+        c[0] = torch.randn(c[0].shape, device=device).to(c.dtype)
     pad = [torch.full_like(c, float("nan")) for c in (kv.k_cache, kv.v_cache)]
     k_big, v_big = torch.cat([kv.k_cache, pad[0]]), torch.cat([kv.v_cache, pad[1]])
     bt = kv.block_table.clone()
