@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # The GPU tier in one call on the H200 (through the device tool): tests + benchmarks + sweeps.
 #   bash scripts/gpu_check.sh [STAGE ...]     stages: tests, tests:<paths>, bench:<suite>[,<suite>...],
-#                                             sweep:<name> (scripts/sweep_<name>.py), profile:decode (ncu)
+#                                             sweep:<name> (scripts/sweep_<name>.py), profile:decode (ncu),
+#                                             smoke (the smallest complete run of every GPU script)
 # Default: tests bench:decode,moe,rope,prefill. Results go to $OUT (or ./out): logs, and one
-# results.tar.gz holding bench/results/*.{json,md,png} to unpack into bench/results/.
+# results.tar.gz holding bench/results/*.{json,md,png} to unpack into bench/results/ (the `tests`
+# stage writes results/gpu_tests.txt; `smoke` writes results/smoke/). Set GIT_REV to the commit of the
+# working tree (the device copy has no .git): gpu_tests.txt names it as the tested tree.
 # FlashInfer (a peer) is installed from .whl/ when present (carry it: ../shared/tools/peer_wheels.sh .whl).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,15 +29,38 @@ for st in "${stages[@]}"; do
     tests)
       # Every test natively on the GPU: the CPU tier's cases plus the @pytest.mark.gpu ones. One
       # process per file, in parallel: Triton compilation is CPU-bound and the machine has 16 cores.
+      # Each file writes a JUnit report; gpu_tests_report.py sums them into results/gpu_tests.txt.
       pids=()
-      for f in tests/test_*.py; do
+      files=(tests/test_*.py)
+      mkdir -p "$OUT/results/tests"
+      for f in "${files[@]}"; do
         n=$(basename "$f" .py)
-        timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider "$f" > "$OUT/results/$n.log" 2>&1 &
+        timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider -rs "$f" \
+          --junitxml="$OUT/results/tests/junit_$n.xml" > "$OUT/results/tests/$n.log" 2>&1 &
         pids+=($!)
       done
       for p in "${pids[@]}"; do wait "$p" || status=1; done
-      for f in "$OUT"/results/test_*.log; do echo "== $(basename "$f")"; tail -4 "$f"; done | tee "$OUT/tests.log"
-      grep -h -E "^(FAILED|ERROR)" "$OUT"/results/test_*.log | head -40 ;;
+      versions=$(python3 -c "import torch, triton; print(f'torch {torch.__version__}, triton {triton.__version__},', \
+        torch.cuda.get_device_name())" 2>&1 | tail -1)
+      python3 scripts/gpu_tests_report.py "$OUT/results/tests" --rev "${GIT_REV:-unknown}" --versions "$versions" \
+        --files "$(IFS=,; echo "${files[*]}")" > "$OUT/results/gpu_tests.txt" || status=1
+      head -30 "$OUT/results/gpu_tests.txt"
+      grep -h -E "^(FAILED|ERROR)" "$OUT"/results/tests/test_*.log | head -40 ;;
+    smoke)
+      # The smallest complete run of every GPU script in scripts/ (each must finish on the H200).
+      sm="$OUT/results/smoke"
+      mkdir -p "$sm"
+      for s in decode moe rope prefill; do
+        echo "== sweep_$s --smoke" | tee -a "$sm/smoke.log"
+        timeout 300 python3 "scripts/sweep_$s.py" --smoke --out "$sm" >> "$sm/smoke.log" 2>&1 \
+          && echo "sweep_$s: ok" | tee -a "$sm/smoke.log" || { echo "sweep_$s: FAILED" | tee -a "$sm/smoke.log"; status=1; }
+      done
+      echo "== profile_decode.py under ncu" | tee -a "$sm/smoke.log"
+      timeout 240 ncu --clock-control none --kernel-name regex:decode_persistent --launch-skip 1 --launch-count 1 \
+        --section LaunchStats --section SpeedOfLight python3 scripts/profile_decode.py --spec 8x4K > "$sm/ncu_smoke.txt" 2>&1 \
+        && grep -q "decode_persistent" "$sm/ncu_smoke.txt" && echo "profile_decode: ok" | tee -a "$sm/smoke.log" \
+        || { echo "profile_decode: FAILED" | tee -a "$sm/smoke.log"; tail -20 "$sm/ncu_smoke.txt"; status=1; }
+      grep -h -E "^(=|sweep_|profile_)|best|default" "$sm/smoke.log" | tail -30 ;;
     tests:*)
       timeout 420 python3 -m pytest -q -p no:cacheprovider ${st#tests:} 2>&1 | tee -a "$OUT/tests.log" | tail -25 \
         || status=1 ;;
@@ -47,7 +73,7 @@ for st in "${stages[@]}"; do
     profile:decode)
       # Nsight Compute on the persistent decode kernel: stall reasons, memory throughput, occupancy.
       for args in "--spec 64x4K --kv fp8" "--spec 64x4K --kv bf16"; do
-        timeout 240 ncu --kernel-name regex:decode_persistent --launch-skip 1 --launch-count 1 \
+        timeout 240 ncu --clock-control none --kernel-name regex:decode_persistent --launch-skip 1 --launch-count 1 \
           --section LaunchStats --section Occupancy --section SpeedOfLight --section MemoryWorkloadAnalysis \
           --section SchedulerStats --section WarpStateStats \
           python3 scripts/profile_decode.py $args 2>&1 | tee -a "$OUT/results/ncu_decode.txt" | tail -60

@@ -5,6 +5,7 @@ Prints the best variant per scenario against the default and writes decode_sweep
 --out. `--dry-run` lists the variants without a GPU.
 
     python scripts/sweep_decode.py --out bench/results
+    python scripts/sweep_decode.py --smoke --out /tmp/s     # smallest complete run
 """
 
 from __future__ import annotations
@@ -87,6 +88,8 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--quick", action="store_true", help="3 scenarios x {default, tma, pdl, tma+pdl}")
+    ap.add_argument("--smoke", action="store_true", help="smallest complete run: 64x4K h8/1 fp8, default and pdl, "
+                                                         "2 layers")
     args = ap.parse_args()
     vs = variants()
     scenarios = SCENARIOS
@@ -95,6 +98,8 @@ def main() -> int:
         vs += [dict(DEFAULT, num_warps=w, pps=p, num_stages=2, pdl=True) for w in (1, 2) for p in (4, 6)]
         vs += [dict(DEFAULT, min_rows=64, pdl=True)]
         scenarios = [SCENARIOS[1], SCENARIOS[5], SCENARIOS[7]]
+    if args.smoke:
+        vs, scenarios, args.layers = [DEFAULT, dict(DEFAULT, pdl=True)], [SCENARIOS[1]], 2
     if args.dry_run:
         print("\n".join(_key(v) for v in vs))
         print(f"{len(vs)} variants x {len(scenarios)} scenarios")
@@ -111,6 +116,9 @@ def main() -> int:
                 continue
             times[_key(v)] = us
             results.append(dict(case=sc.name, **v, us=us, gbps=sc.bytes / us / 1e3))
+        if not times:
+            print(f"{sc.name:28s} no variant ran", flush=True)
+            continue
         best = min(times, key=times.get)
         print(f"{sc.name:28s} default {times.get(_key(DEFAULT), float('nan')):7.1f} us | best {times[best]:7.1f} us "
               f"({best})", flush=True)

@@ -23,6 +23,7 @@ Prints the best config per shape and mode against the default (and FlashInfer's 
 bench/results/prefill.json when there) and writes prefill_sweep.{json,md} under --out.
 
     python scripts/sweep_prefill.py --out bench/results
+    python scripts/sweep_prefill.py --smoke --out /tmp/s   # smallest complete run
     python scripts/sweep_prefill.py --dry-run          # list the variants (no GPU needed)
 """
 
@@ -71,6 +72,9 @@ def default_config(mode: str, spec: str) -> PrefillConfig:
     )
 
 
+SMOKE_LIMIT: int | None = None  # --smoke: screen only this many configs
+
+
 def screen_variants(mode: str) -> list[PrefillConfig]:
     """Stage 1: tile shape × warps × TMA (× pv_fp8 / quant_q) at num_stages 2."""
     extras = {
@@ -84,7 +88,7 @@ def screen_variants(mode: str) -> list[PrefillConfig]:
             for tma in (True, False) if suite.PAGE % bn == 0 else (False,):
                 base = PrefillConfig(block_m=bm, block_n=bn, num_warps=warps, num_stages=2, tma=tma)
                 out += [dataclasses.replace(base, **e) for e in extras[mode]]
-    return out
+    return out[:SMOKE_LIMIT]
 
 
 def stage_variants(best: list[PrefillConfig]) -> list[PrefillConfig]:
@@ -359,7 +363,13 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=225.0, help="skip optional stages past this wall time")
     ap.add_argument("--peers", default="bench/results/prefill.json", help="bench report with FlashInfer times")
     ap.add_argument("--dry-run", action="store_true", help="list the variants and exit (no GPU)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="smallest complete run: bf16, q2k, the default and two screened configs, 2 layers")
     args = ap.parse_args()
+    if args.smoke:
+        global SMOKE_LIMIT
+        args.modes, args.specs, args.screen_spec, args.layers, args.budget_s = "bf16", "q2k", "q2k", 2, 0.0
+        SMOKE_LIMIT = 2
     modes = [m for m in args.modes.split(",") if m]
     specs = [s for s in args.specs.split(",") if s]
     for m in modes:

@@ -8,6 +8,7 @@ shape against the default and writes rope_sweep.{json,md} under --out.
 
     python scripts/sweep_rope.py --out bench/results          # ~2-3 min on an H200
     python scripts/sweep_rope.py --tokens 32768 --out /tmp/s  # one T only
+    python scripts/sweep_rope.py --smoke --out /tmp/s         # smallest complete run (h8/1, T 256)
     python scripts/sweep_rope.py --dry-run                    # list the variants (CPU)
     python scripts/sweep_rope.py --dry-run --ptx              # + sm_90 compile stats per variant (CPU)
 
@@ -34,6 +35,7 @@ DEVICE = "cuda"  # the CPU smoke test (tests/test_rope_bench.py) runs the plumbi
 # (block_t, num_warps): q tiles of 8..64 elements per thread (32·block_t/num_warps for GROUP 8)
 SHAPES = [(1, 2), (1, 4), (2, 2), (2, 4), (2, 8), (4, 2), (4, 4), (4, 8), (8, 4), (8, 8), (16, 8)]
 SMEM_SHAPES = [(2, 4), (4, 4), (4, 8), (8, 8)]  # also timed with RopeConfig.cos_sin_smem
+SMOKE_LIMIT: int | None = None  # --smoke: this many shapes (plus the defaults) per head layout
 
 
 Variant = tuple[int, int, int, bool]  # RopeConfig(block_t, num_warps, block_kv, cos_sin_smem)
@@ -60,10 +62,10 @@ def variants(hq: int, hkv: int) -> list[Variant]:
 
     big = 1 << 20
     kv = lambda bt: default_block_kv(bt, big, hq, hkv)
-    out = [(bt, w, kv(bt), False) for bt, w in SHAPES]
-    for bt, w in ((4, 8), (4, 4)):
+    out = [(bt, w, kv(bt), False) for bt, w in SHAPES[:SMOKE_LIMIT]]
+    for bt, w in ((4, 8), (4, 4)) if SMOKE_LIMIT is None else ():
         out += [(bt, w, k, False) for k in (kv(bt) // 2, kv(bt) * 2, kv(bt) * 4) if 1 <= k <= 64]
-    out += [(bt, w, kv(bt), True) for bt, w in SMEM_SHAPES]
+    out += [(bt, w, kv(bt), True) for bt, w in SMEM_SHAPES[:SMOKE_LIMIT]]
     out += [_default(t, hq, hkv) for t in TOKENS]
     unique: list[Variant] = []
     for v in out:
@@ -394,7 +396,7 @@ def ptx_stats(hq: int, hkv: int, fp8: bool, v: Variant, roles: bool = True) -> d
 
 
 def main(argv: Iterable[str] | None = None) -> int:
-    global TOKENS
+    global TOKENS, HEADS, SMOKE_LIMIT
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),
@@ -402,9 +404,14 @@ def main(argv: Iterable[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="list the variants; no GPU needed")
     ap.add_argument("--ptx", action="store_true", help="with --dry-run: sm_90 compile statistics per variant")
     ap.add_argument("--tokens", default=None, help=f"comma-separated T values (default {','.join(map(str, TOKENS))})")
+    ap.add_argument("--smoke", action="store_true",
+                    help="smallest complete run: h8/1, T 256 (or --tokens), one plain and one smem shape")
     args = ap.parse_args(list(argv) if argv is not None else None)
     if args.tokens:
         TOKENS = tuple(int(t) for t in args.tokens.split(","))
+    if args.smoke:
+        HEADS, SMOKE_LIMIT = ((8, 1),), 1
+        TOKENS = TOKENS if args.tokens else (256,)
     if args.dry_run:
         if args.ptx:
             os.environ.pop("TRITON_INTERPRET", None)
