@@ -3,7 +3,58 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+from hpcops._platform import DEFAULT_NUM_SMS
+from hpcops.attention.plan import DEFAULT_MIN_TILES, DEFAULT_PROGRAMS_PER_SM, MAX_Q_LEN, TILE
+from hpcops.bench.scenarios import MAX_KV_LEN, MAX_REQUESTS, parse_lengths
+
+# Ranges `hpcops plan` accepts. Page sizes: what plan_decode and decode_attention accept (a power of
+# two ≤ 256). The other caps are sanity limits; those on programs, the tile floor and the total tiles
+# (checked after parsing) keep the plan's int32 stream positions (program × bucket) below 2^31.
+BLOCK_SIZES = tuple(1 << i for i in range(9))
+MAX_KV_HEADS = 128
+MAX_PROGRAMS = 1 << 16
+MAX_MIN_TILES = 1 << 14
+MAX_TOTAL_TILES = 1 << 30
+
+
+def _int_in(lo: int, hi: int):
+    """An argparse `type` accepting an int in lo..hi (the option is named by argparse's message)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer in {lo}..{hi}, got {text!r}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"must be in {lo}..{hi}, got {value}")
+        return value
+
+    return parse
+
+
+def _lengths(text: str) -> list[int]:
+    try:
+        return parse_lengths(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _png_path(text: str) -> str:
+    """Fail before the demo's work, not after it, when the picture cannot be written."""
+    import importlib.util
+
+    parent = os.path.dirname(os.path.abspath(text))
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder; give a file name such as {text.rstrip('/')}/demo.png")
+    if not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: folder {parent!r} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: folder {parent!r} is not writable")
+    if importlib.util.find_spec("matplotlib") is None:
+        raise argparse.ArgumentTypeError("needs matplotlib (pip install 'hpcops[bench]')")
+    return text
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -13,15 +64,32 @@ def _parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="show the load-balanced decode schedule on the blog's scenarios; "
                                     "check kernels (interpreted on the CPU); time them on a GPU")
     d.add_argument("--no-check", action="store_true", help="skip the small correctness run")
-    d.add_argument("--png", default=None, help="also draw the per-program load into this PNG")
+    d.add_argument("--png", default=None, type=_png_path,
+                   help="also draw the per-program load into this PNG (needs matplotlib)")
 
-    pl = sub.add_parser("plan", help="print the decode plan for given sequence lengths")
-    pl.add_argument("lengths", help="comma-separated KV lengths or scenario grammar, e.g. 1x128K+31x4K")
-    pl.add_argument("--num-kv-heads", type=int, default=1)
-    pl.add_argument("--q-len", type=int, default=1)
-    pl.add_argument("--block-size", type=int, default=64)
-    pl.add_argument("--num-programs", type=int, default=None, help="persistent programs (default: 4 x SMs)")
-    pl.add_argument("--min-tiles", type=int, default=None, help="minimum 64-token tiles per program")
+    pl = sub.add_parser(
+        "plan", help="print the decode plan for given sequence lengths",
+        description=f"Print the decode plan's tasks for a batch. At most {MAX_REQUESTS} requests of at most "
+                    f"{MAX_KV_LEN} ({MAX_KV_LEN // 1024}K) tokens each, and at most {MAX_TOTAL_TILES} tiles "
+                    f"in all (num_kv_heads × Σ ceil(length / {TILE}); the plan's tables are int32).")
+    pl.set_defaults(parser=pl)
+    pl.add_argument("lengths", type=_lengths,
+                    help="comma-separated KV lengths (e.g. 100,2000) or the scenario grammar COUNTxLENGTH "
+                         f"joined by '+', K = 1024 tokens (e.g. 1x128K+31x4K); at most {MAX_REQUESTS} "
+                         f"requests, each at most {MAX_KV_LEN // 1024}K tokens")
+    pl.add_argument("--num-kv-heads", type=_int_in(1, MAX_KV_HEADS), default=1,
+                    help=f"KV heads of the layer, 1..{MAX_KV_HEADS} (default: %(default)s)")
+    pl.add_argument("--q-len", type=_int_in(1, MAX_Q_LEN), default=1,
+                    help=f"query tokens per request, 1..{MAX_Q_LEN}, > 1 for speculative decode "
+                         "(default: %(default)s)")
+    pl.add_argument("--block-size", type=int, choices=BLOCK_SIZES, default=64, metavar="{1,2,4,...,256}",
+                    help="KV page size in tokens, a power of two ≤ 256 (default: %(default)s)")
+    pl.add_argument("--num-programs", type=_int_in(1, MAX_PROGRAMS), default=None,
+                    help=f"persistent programs, 1..{MAX_PROGRAMS} (default: {DEFAULT_PROGRAMS_PER_SM} per SM × "
+                         f"SMs, {DEFAULT_PROGRAMS_PER_SM * DEFAULT_NUM_SMS} without a GPU, where {DEFAULT_NUM_SMS} "
+                         "SMs are assumed; HPCOPS_DECODE_PROGRAMS_PER_SM sets the per-SM count)")
+    pl.add_argument("--min-tiles", type=_int_in(1, MAX_MIN_TILES), default=DEFAULT_MIN_TILES,
+                    help=f"minimum {TILE}-token tiles per program, 1..{MAX_MIN_TILES} (default: %(default)s)")
 
     b = sub.add_parser("bench", help="benchmark a suite on the GPU against peers (JSON + markdown + PNG)")
     b.add_argument("suites", nargs="+", help="decode, moe, rope, prefill (or 'all')")
@@ -71,6 +139,11 @@ def _use_interpreter_without_gpu() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.cmd == "plan":
+        tiles = args.num_kv_heads * sum(max(1, -(-n // TILE)) for n in args.lengths)
+        if tiles > MAX_TOTAL_TILES:
+            args.parser.error(f"{args.num_kv_heads} kv heads × {len(args.lengths)} requests make {tiles} tiles "
+                              f"of {TILE} tokens; at most {MAX_TOTAL_TILES} are supported (int32 tables)")
     if args.cmd in ("demo", "plan"):
         _use_interpreter_without_gpu()
     if args.cmd == "demo":

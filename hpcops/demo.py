@@ -176,7 +176,7 @@ def print_plan(args) -> int:
     import hpcops
     from hpcops.attention import reference as ref
 
-    lens = parse_lengths(args.lengths)
+    lens = args.lengths if isinstance(args.lengths, list) else parse_lengths(args.lengths)
     sl = torch.tensor(lens, dtype=torch.int32)
     kw = dict(num_kv_heads=args.num_kv_heads, q_len=args.q_len, block_size=args.block_size,
               num_programs=args.num_programs, min_tiles=args.min_tiles)

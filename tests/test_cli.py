@@ -1,0 +1,138 @@
+"""What a new user meets first: the `hpcops` command (usage errors instead of tracebacks)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpcops.attention.plan import DEFAULT_MIN_TILES, DEFAULT_PROGRAMS_PER_SM, MAX_Q_LEN
+from hpcops.bench.scenarios import MAX_KV_LEN, MAX_REQUESTS, parse_lengths
+from hpcops.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _usage_error(capsys, argv: list[str]) -> str:
+    """Run the CLI, expect argparse's usage error (exit 2, no traceback); return its error line."""
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [ln for ln in err.splitlines() if ": error: " in ln]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+# --- hpcops plan: the length spec ---------------------------------------------------------------
+
+@pytest.mark.parametrize("spec", ["abc", "", "1x-5", "1x4M", "1,,2", "   ", "1x4K+", "x4K"])
+def test_plan_malformed_spec_is_a_usage_error(capsys, spec):
+    line = _usage_error(capsys, ["plan", spec])
+    assert line.startswith("hpcops plan: error: argument lengths:")
+    assert "1x128K+31x4K" in line  # says what a good spec looks like
+
+
+def test_plan_too_many_requests_states_the_limit(capsys):
+    line = _usage_error(capsys, ["plan", "99999999999x1"])  # was a MemoryError
+    assert f"at most {MAX_REQUESTS}" in line
+
+
+def test_plan_too_long_a_request_states_the_limit(capsys):
+    line = _usage_error(capsys, ["plan", f"1x{MAX_KV_LEN + 1}"])
+    assert f"at most {MAX_KV_LEN}" in line
+
+
+def test_plan_total_tiles_beyond_int32_is_a_usage_error(capsys):
+    # 16384 requests of 16M tokens over 128 kv heads: 2^39 tiles (printed as a negative count before)
+    line = _usage_error(capsys, ["plan", f"{MAX_REQUESTS}x{MAX_KV_LEN}", "--num-kv-heads", "128"])
+    assert line.startswith("hpcops plan: error:") and "tiles" in line and "at most" in line
+
+
+def test_parse_lengths_limits_and_valid_input():
+    assert parse_lengths(f"{MAX_REQUESTS}x{MAX_KV_LEN // 1024}K") == [MAX_KV_LEN] * MAX_REQUESTS
+    assert parse_lengths("0x4K") == [] and parse_lengths("0,5") == [0, 5]
+    assert parse_lengths("1x0.3K") == [307]
+    for spec in ("99999999999x1", f"{MAX_REQUESTS}x1+1x1", f"1x{MAX_KV_LEN + 1}", "1x" + "9" * 400, ""):
+        with pytest.raises(ValueError):
+            parse_lengths(spec)
+
+
+def test_plan_help_states_limits_and_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert str(MAX_REQUESTS) in text and f"{MAX_KV_LEN // 1024}K" in text
+    assert f"{DEFAULT_PROGRAMS_PER_SM} per SM" in text and "4 x SMs" not in text
+    for option, default in (("--num-kv-heads", 1), ("--q-len", 1), ("--block-size", 64),
+                            ("--min-tiles", DEFAULT_MIN_TILES)):
+        m = re.search(re.escape(option) + r" \S+ (.*?)(?= --|$)", text.split("options:")[1])
+        assert m and f"(default: {default})" in m.group(1), (option, text)
+    assert f"1..{MAX_Q_LEN}" in text
+
+
+# --- hpcops plan: options -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv,option,allowed", [
+    (["--num-programs", "-5"], "--num-programs", "1.."),   # was a torch-internal RuntimeError
+    (["--num-programs", "0"], "--num-programs", "1.."),    # was silently 264
+    (["--num-programs", "many"], "--num-programs", "1.."),
+    (["--min-tiles", "0"], "--min-tiles", "1.."),          # was silently clamped to 1
+    (["--min-tiles", "-3"], "--min-tiles", "1.."),
+    (["--q-len", "0"], "--q-len", f"1..{MAX_Q_LEN}"),
+    (["--q-len", str(MAX_Q_LEN + 1)], "--q-len", f"1..{MAX_Q_LEN}"),
+    (["--num-kv-heads", "0"], "--num-kv-heads", "1.."),
+    (["--block-size", "48"], "--block-size", "256"),
+    (["--block-size", "512"], "--block-size", "256"),
+])
+def test_plan_bad_option_is_a_usage_error(capsys, argv, option, allowed):
+    line = _usage_error(capsys, ["plan", "4x4K", *argv])
+    assert line.startswith(f"hpcops plan: error: argument {option}")
+    assert allowed in line
+
+
+def test_plan_prints_the_readme_example(capsys):
+    assert main(["plan", "1x128K+31x4K", "--num-kv-heads", "8", "--block-size", "16", "--q-len", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("32 requests, 258048 KV tokens, 8 kv heads")
+
+
+def test_plan_honours_num_programs_and_min_tiles(capsys):
+    assert main(["plan", "5,6,700", "--num-programs", "3", "--min-tiles", "1"]) == 0
+    assert "3 programs, bucket 5 tiles" in capsys.readouterr().out
+
+
+# --- hpcops demo / bench ------------------------------------------------------------------------
+
+def test_demo_png_into_a_missing_folder_fails_first(capsys):
+    line = _usage_error(capsys, ["demo", "--no-check", "--png", "/nonexistent/x.png"])
+    assert line.startswith("hpcops demo: error: argument --png:") and "/nonexistent" in line
+
+
+def test_demo_png_naming_a_folder_fails_first(capsys, tmp_path):
+    line = _usage_error(capsys, ["demo", "--no-check", "--png", str(tmp_path)])
+    assert "folder" in line
+
+
+def test_demo_png_is_written(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "load.png"
+    assert main(["demo", "--no-check", "--png", str(path)]) == 0
+    assert path.stat().st_size > 0 and f"wrote {path}" in capsys.readouterr().out
+
+
+def test_bench_unknown_suite_returns_2(capsys):
+    assert main(["bench", "nope"]) == 2
+    assert "unknown suite 'nope'" in capsys.readouterr().err
+
+
+def test_cli_import_leaves_triton_unloaded():
+    """`hpcops demo|plan` must set TRITON_INTERPRET before Triton loads; importing the CLI must not load it."""
+    code = "import sys, hpcops.cli; sys.exit('triton' in sys.modules)"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # as a user's shell has it
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env).returncode == 0
