@@ -1,4 +1,5 @@
-"""What a new user meets first: the `hpcops` command (usage errors instead of tracebacks)."""
+"""What a new user meets first: the `hpcops` command (usage errors instead of tracebacks) and the
+demo's text."""
 
 from __future__ import annotations
 
@@ -129,6 +130,56 @@ def test_demo_png_is_written(capsys, tmp_path):
 def test_bench_unknown_suite_returns_2(capsys):
     assert main(["bench", "nope"]) == 2
     assert "unknown suite 'nope'" in capsys.readouterr().err
+
+
+def _demo_text(capsys) -> str:
+    from hpcops.demo import run_demo
+
+    assert run_demo(check=False) == 0
+    return capsys.readouterr().out
+
+
+def test_demo_bar_frames_have_one_width(capsys):
+    frames = [ln for ln in _demo_text(capsys).splitlines() if ln.count("|") == 2]
+    assert len(frames) == 12  # six scenarios, static and dynamic
+    assert len({ln.index("|") for ln in frames}) == 1
+    assert len({ln.rindex("|") for ln in frames}) == 1
+
+
+def test_sparkline_width_and_visible_small_loads():
+    from hpcops.demo import BARS, sparkline
+
+    for n in (1, 5, 63, 64, 65, 264, 320, 1000):
+        assert len(sparkline([1] * n)) == 64
+    line = sparkline([1000] + [1] * 63 + [0] * 64, width=128)
+    assert line[0] == BARS[-1]
+    assert set(line[1:64]) == {BARS[1]}  # busy, however little: the lowest bar, not blank
+    assert set(line[64:]) == {" "}      # idle: blank
+    assert sparkline([0, 5], width=2, top=10) == " " + BARS[4]
+
+
+def test_demo_explains_its_terms_and_numbers(capsys):
+    text = _demo_text(capsys)
+    flat = " ".join(text.split())
+    for term in ("h8/1", "Hy3", "Hunyuan", "program ", "slot "):
+        assert term in text.split("Every KV sequence")[0], term  # in the legend, before the table
+    # 64x4K: static max 13 per program vs busiest slot 26: 320 programs on 264 slots
+    assert "64x4K: the static grid has 320 programs of ≤ 13 tiles for 264 slots, so 56 slots run two" in flat
+    # 64x0.5K: the plan at 0.5x is explained by the tile floor
+    assert "64x0.5K: short uniform requests are already balanced" in flat
+    assert f"floor of {DEFAULT_MIN_TILES} tiles per program" in flat and "leaves 136 idle" in flat
+
+
+def test_demo_correctness_line_names_its_dtypes(capsys):
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the demo's check runs kernels: needs TRITON_INTERPRET=1 on a CPU")
+    from hpcops.demo import run_demo
+
+    assert run_demo(check=True) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    line = out[out.index("correctness:"):]
+    for part in ("q fp16", "KV cache fp16", "out fp16", "fp16 tolerance", "GQA 4", "pages of 16"):
+        assert part in line, part
 
 
 def test_cli_import_leaves_triton_unloaded():
