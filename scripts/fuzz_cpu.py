@@ -25,10 +25,11 @@ os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton kernels
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
-import interp_fidelity  # noqa: E402
 import torch  # noqa: E402
 
-interp_fidelity.install()
+from hpcops import _interpreter  # noqa: E402
+
+_interpreter.install()  # as tests/conftest.py: also under HPCOPS_INTERPRETER_REPAIR=0
 
 import test_decode  # noqa: E402
 import test_moe  # noqa: E402

@@ -1,23 +1,23 @@
 """Test tiers. Without a CUDA device the kernels run through Triton's interpreter (CPU tier, CI),
-with our fidelity repairs installed; `@pytest.mark.gpu` tests run only where CUDA is present."""
+with hpcops' interpreter repairs installed (hpcops/_interpreter.py; `import hpcops` installs them,
+and the explicit install() below keeps them under HPCOPS_INTERPRETER_REPAIR=0 too: the tests'
+tolerances assume them); `@pytest.mark.gpu` tests run only where CUDA is present."""
 
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
 
-HAS_CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+from hpcops._platform import is_interpreter
+
+HAS_CUDA = torch.cuda.is_available() and not is_interpreter()
 if not HAS_CUDA:
     os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton kernels
+    from hpcops import _interpreter
 
-sys.path.insert(0, os.path.dirname(__file__))
-import interp_fidelity  # noqa: E402
-
-if not HAS_CUDA:
-    interp_fidelity.install()
+    _interpreter.install()
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 

@@ -1,15 +1,18 @@
-"""Proves each interpreter repair in `interp_fidelity` and, as a canary, that upstream still needs it.
+"""Proves each interpreter repair of `hpcops._interpreter` and, as a canary, that upstream still needs it.
 
 If a canary fails, upstream Triton fixed that defect: drop the matching repair."""
 
 from __future__ import annotations
 
-import interp_fidelity
+import warnings
+
 import pytest
 import torch
 import triton
 import triton.language as tl
 from conftest import HAS_CUDA
+
+from hpcops import _interpreter
 
 pytestmark = pytest.mark.skipif(HAS_CUDA, reason="interpreter-only checks")
 
@@ -76,17 +79,76 @@ PROBES = {
 
 @pytest.mark.parametrize("probe", sorted(PROBES))
 def test_repaired(probe):
-    interp_fidelity.install()
+    _interpreter.install()
     assert PROBES[probe](), f"{probe} is wrong even with the fidelity repairs installed"
 
 
 @pytest.mark.parametrize("probe", sorted(PROBES))
 def test_canary_upstream_still_broken(probe):
-    interp_fidelity.uninstall()
+    _interpreter.uninstall()
     try:
         broken = not PROBES[probe]()
     except Exception:  # upstream raising on bf16 is also "broken"
         broken = True
     finally:
-        interp_fidelity.install()
-    assert broken, f"upstream Triton now gets {probe} right: remove that repair from tests/interp_fidelity.py"
+        _interpreter.install()
+    assert broken, f"upstream Triton now gets {probe} right: remove that repair from hpcops/_interpreter.py"
+
+
+# ---------------------------------------------------------------- installing
+def test_install_is_idempotent():
+    import triton.runtime.interpreter as interp
+
+    _interpreter.install()
+    patched = (interp._convert_float, interp.InterpreterBuilder.binary_op)
+    _interpreter.install()
+    assert (interp._convert_float, interp.InterpreterBuilder.binary_op) == patched
+    assert patched[0].__module__ == "hpcops._interpreter"
+
+
+def test_uninstall_holds_until_install(monkeypatch):
+    monkeypatch.delenv("HPCOPS_INTERPRETER_REPAIR", raising=False)
+    _interpreter.uninstall()
+    try:
+        assert _interpreter.install_if_interpreting() is False  # `import hpcops` paths do not undo it
+        assert not _interpreter.installed()
+    finally:
+        _interpreter.install()
+    assert _interpreter.installed()
+
+
+def test_other_triton_version_warns_once(monkeypatch):
+    monkeypatch.setattr(_interpreter, "_triton_version", lambda: "3.9.0")
+    monkeypatch.setattr(_interpreter, "_WARNED", set())
+    _interpreter.uninstall()
+    try:
+        with pytest.warns(RuntimeWarning, match="Triton 3.9.0 is untested"):
+            _interpreter.install()
+        assert _interpreter.installed()
+        _interpreter.uninstall()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            _interpreter.install()
+    finally:
+        _interpreter.install()
+
+
+def test_unknown_internals_are_not_patched(monkeypatch):
+    """Internals other than those the repair wraps: an explicit install raises, the automatic one (what
+    `import hpcops` runs) warns that bf16/fp8 results may be wrong; neither patches anything."""
+    import triton.runtime.interpreter as interp
+
+    monkeypatch.delenv("HPCOPS_INTERPRETER_REPAIR", raising=False)
+    monkeypatch.setattr(_interpreter, "_WARNED", set())
+    _interpreter.uninstall()
+    try:
+        monkeypatch.setattr(interp.InterpreterBuilder, "binary_op", lambda self, lhs, rhs, op, flags: None)
+        original_convert = interp._convert_float
+        with pytest.raises(RuntimeError, match="binary_op takes"):
+            _interpreter.install()
+        with pytest.warns(RuntimeWarning, match="may give wrong results"):
+            assert _interpreter.install_if_interpreting() is False
+        assert not _interpreter.installed() and interp._convert_float is original_convert
+    finally:
+        monkeypatch.undo()
+        _interpreter.install()
