@@ -1,5 +1,5 @@
-"""What a new user meets first: the `hpcops` command (usage errors instead of tracebacks) and the
-demo's text."""
+"""What a new user meets first: the `hpcops` command (usage errors instead of tracebacks), the demo's
+text, and the packaging (LICENSE, pyproject)."""
 
 from __future__ import annotations
 
@@ -187,3 +187,20 @@ def test_cli_import_leaves_triton_unloaded():
     code = "import sys, hpcops.cli; sys.exit('triton' in sys.modules)"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # as a user's shell has it
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env).returncode == 0
+
+
+# --- packaging ------------------------------------------------------------------
+
+def test_license_is_the_apache_2_text():
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text and len(text.splitlines()) > 190
+
+
+def test_pyproject_license_is_an_spdx_string():
+    tomllib = pytest.importorskip("tomllib")
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert meta["project"]["license"] == "Apache-2.0"
+    assert meta["project"]["license-files"] == ["LICENSE"]
+    req = [r for r in meta["build-system"]["requires"] if r.startswith("setuptools")]
+    assert req == ["setuptools>=77"]  # SPDX license strings need setuptools 77
