@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
+
+from hpcops._platform import is_interpreter
 
 FP8_E4M3 = torch.float8_e4m3fn
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -36,6 +39,31 @@ def check_tensor(name: str, t, *, dtypes: Iterable[torch.dtype] | None = None, n
             raise ValueError(f"{name} must have shape {want}, got {list(t.shape)}")
     if device is not None and t.device != device:
         raise ValueError(f"{name} must be on {device}, got {t.device}")
+
+
+_DEVICE_CHECK = {"off": 0}
+
+
+def check_kernel_device(name: str, t: torch.Tensor) -> None:
+    """Raise ValueError naming `name` when the Triton kernels cannot run on `t`'s device: a CUDA device,
+    or any device (the CPU) when they run through Triton's interpreter (TRITON_INTERPRET=1). The
+    launchers' validation calls it on their main tensor, so a CPU tensor gets this error instead of
+    Triton's "0 active drivers"."""
+    if t.device.type == "cuda" or is_interpreter() or _DEVICE_CHECK["off"] or is_fake(t):
+        return
+    raise ValueError(f"{name} is on {t.device}, but hpcops kernels need a CUDA device; to run them on the CPU "
+                     "through Triton's interpreter, set TRITON_INTERPRET=1 before importing hpcops")
+
+
+@contextlib.contextmanager
+def kernels_replaced() -> Iterator[None]:
+    """Within the block `check_kernel_device` accepts any device: for tools that replace the kernels by
+    stand-ins that launch nothing (hpcops.testing.recorded_launches, scripts/ptx_fingerprint.py)."""
+    _DEVICE_CHECK["off"] += 1
+    try:
+        yield
+    finally:
+        _DEVICE_CHECK["off"] -= 1
 
 
 def check_scale(name: str, t, *, device: torch.device | None = None) -> None:

@@ -1,6 +1,6 @@
-"""hpcops on a CPU, as a user meets it: the in-package interpreter repair. The user-facing cases run
-in a plain subprocess (cwd outside tests/, so without this suite's conftest), the way `python -c` or
-a notebook would."""
+"""hpcops on a CPU, as a user meets it: the in-package interpreter repair and the clear error for CPU
+tensors without the interpreter. The user-facing cases run in a plain subprocess (cwd outside tests/,
+so without this suite's conftest), the way `python -c` or a notebook would."""
 
 from __future__ import annotations
 
@@ -10,11 +10,13 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import triton
 
-from hpcops import _platform
+from hpcops import _checks, _platform
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CPU_ERROR = "is on cpu, but hpcops kernels need a CUDA device"
 
 
 def _run(script: str, tmp_path, **env_changes: str | None) -> dict:
@@ -100,3 +102,73 @@ print(json.dumps({"installed": _interpreter.installed(), "interpreter_loaded": i
 ], ids=["interpreter", "repair-off", "no-interpreter"])
 def test_repair_installed_only_under_the_interpreter(env, want, tmp_path):
     assert _run(PATCHED, tmp_path, **env) == want
+
+
+# ---------------------------------------------------------------- CPU tensors without the interpreter
+CPU_OPS = """
+import json, torch, hpcops
+from hpcops.testing import make_paged_kv
+
+kv = make_paged_kv([30, 50], num_kv_heads=2, head_dim=64, block_size=16)
+q = torch.randn(2, 4, 64).bfloat16()
+qkv = torch.randn(3, (4 + 2 * 2) * 64).bfloat16()
+pos = torch.arange(3)
+cos_sin = torch.randn(64, 64)
+x = torch.randn(3, 128).bfloat16()
+w, ids = hpcops.select_experts(torch.randn(3, 4), 2)  # a torch op: fine on the CPU
+calls = {
+    "plan_decode": lambda: hpcops.plan_decode(kv.seq_lens, num_kv_heads=2, block_size=16),
+    "decode_attention": lambda: hpcops.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens),
+    "prefill_attention": lambda: hpcops.prefill_attention(
+        q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, torch.tensor([0, 1, 2], dtype=torch.int32),
+        max_seqlen_q=1),
+    "rope_norm_store_kv": lambda: hpcops.rope_norm_store_kv(
+        qkv, pos, cos_sin, kv.k_cache, kv.v_cache, pos, num_q_heads=4, num_kv_heads=2, head_dim=64),
+    "fused_moe": lambda: hpcops.fused_moe(x, torch.randn(4, 128, 128).bfloat16(), torch.randn(4, 128, 64).bfloat16(),
+                                          w, ids),
+}
+res = {}
+for name, call in calls.items():
+    try:
+        call()
+        res[name] = "no error"
+    except Exception as exc:
+        res[name] = f"{type(exc).__name__}: {exc}"
+print(json.dumps(res))
+"""
+
+
+@pytest.fixture(scope="module")
+def cpu_errors(tmp_path_factory):
+    return _run(CPU_OPS, tmp_path_factory.mktemp("cpu_ops"))
+
+
+@pytest.mark.parametrize("op, arg", [
+    ("plan_decode", "seq_lens"), ("decode_attention", "q"), ("prefill_attention", "q"),
+    ("rope_norm_store_kv", "qkv"),
+    pytest.param("fused_moe", "x", marks=pytest.mark.xfail(
+        strict=True, reason="needs `check_kernel_device(\"x\", x)` in hpcops/moe/fused_moe.py _validate "
+                            "(someone else's file; see the report of issue 8)")),
+])
+def test_cpu_tensors_without_the_interpreter(op, arg, cpu_errors):
+    """Without TRITON_INTERPRET, CPU tensors get a ValueError naming the argument and the way out,
+    not Triton's "0 active drivers"."""
+    assert cpu_errors[op].startswith(f"ValueError: {arg} {CPU_ERROR}"), cpu_errors[op]
+    assert "TRITON_INTERPRET=1" in cpu_errors[op]
+
+
+def test_check_kernel_device(monkeypatch):
+    monkeypatch.setattr(_checks, "is_interpreter", lambda: False)
+    t = torch.zeros(3)
+    with pytest.raises(ValueError, match=f"t {CPU_ERROR}"):
+        _checks.check_kernel_device("t", t)
+    with _checks.kernels_replaced():  # stand-in kernels (recorded launches) run nowhere
+        _checks.check_kernel_device("t", t)
+    with pytest.raises(ValueError, match=CPU_ERROR):
+        _checks.check_kernel_device("t", t)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():  # tracing (torch.compile, opcheck): nothing launches
+        _checks.check_kernel_device("t", torch.zeros(3))
+    monkeypatch.setattr(_checks, "is_interpreter", lambda: True)
+    _checks.check_kernel_device("t", t)

@@ -10,7 +10,15 @@ import torch
 import triton
 
 from hpcops import _platform
-from hpcops._checks import FP8_E4M3, check_block_table_values, check_choice, check_scale, check_tensor, values_checkable
+from hpcops._checks import (
+    FP8_E4M3,
+    check_block_table_values,
+    check_choice,
+    check_kernel_device,
+    check_scale,
+    check_tensor,
+    values_checkable,
+)
 from hpcops._library import register
 from hpcops.attention._tma import kv_descriptor, tma_unsupported_reason
 from hpcops.attention.plan import MAX_Q_LEN, TILE, DecodePlan, plan_decode
@@ -63,6 +71,7 @@ def _num_stages() -> int:
 
 def _validate(q, k_cache, v_cache, block_table, seq_lens, plan, schedule, k_scale, v_scale, q_scale, out):
     check_tensor("q", q, dtypes=(torch.bfloat16, torch.float16, FP8_E4M3), ndim=3)
+    check_kernel_device("q", q)
     check_tensor("k_cache", k_cache, dtypes=(torch.bfloat16, torch.float16, FP8_E4M3), ndim=4)
     check_tensor("v_cache", v_cache, dtypes=(k_cache.dtype,), ndim=4)
     check_tensor("block_table", block_table, dtypes=(torch.int32,), ndim=2)

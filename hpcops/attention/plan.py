@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hpcops import _platform
-from hpcops._checks import check_tensor
+from hpcops._checks import check_kernel_device, check_tensor
 
 TILE = 64
 MAX_Q_LEN = 8
@@ -148,8 +148,9 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
         out: an existing plan whose buffers are reused (CUDA-graph replay with new lengths).
     """
     del max_seq_len  # buffers are sized by batch and program count only
+    _validate_plan_args(seq_lens, num_kv_heads, q_len, block_size, out.max_batch if out is not None else max_batch)
+    check_kernel_device("seq_lens", seq_lens)
     if out is not None:
-        _validate_plan_args(seq_lens, num_kv_heads, q_len, block_size, out.max_batch)
         if (num_kv_heads, q_len, block_size) != (out.num_kv_heads, out.q_len, out.block_size):
             raise ValueError("out= plan was built for (num_kv_heads, q_len, block_size) = "
                              f"{(out.num_kv_heads, out.q_len, out.block_size)}, got "
@@ -159,7 +160,6 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
         plan = out
         plan.batch = seq_lens.shape[0]
     else:
-        _validate_plan_args(seq_lens, num_kv_heads, q_len, block_size, max_batch)
         dev = seq_lens.device
         cap = max(max_batch or seq_lens.shape[0], 1)
         c = num_programs or default_num_programs(q_len, dev)

@@ -12,6 +12,7 @@ from hpcops._checks import (
     FP8_E4M3,
     HALF_DTYPES,
     check_block_table_values,
+    check_kernel_device,
     check_scale,
     check_tensor,
     values_checkable,
@@ -137,6 +138,7 @@ def _validate(
     check,
 ):
     check_tensor("q", q, dtypes=(*HALF_DTYPES, FP8_E4M3), ndim=3)
+    check_kernel_device("q", q)
     total_q, hq, d = q.shape
     if d not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {d}")

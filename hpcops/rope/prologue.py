@@ -15,6 +15,7 @@ from hpcops._checks import (
     HALF_DTYPES,
     check_choice,
     check_index_range,
+    check_kernel_device,
     check_scale,
     check_tensor,
     values_checkable,
@@ -87,6 +88,7 @@ def _check(qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_q_
            q_out) -> int:
     """Validate everything (metadata only: no host sync); returns the rotary dim."""
     check_tensor("qkv", qkv, dtypes=HALF_DTYPES, ndim=2)
+    check_kernel_device("qkv", qkv)
     dev = qkv.device
     for name, v in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
