@@ -352,3 +352,73 @@ def test_decode_tma_falls_back_on_head_major_pages(device):
     finally:
         dec.set_decode_config(**old.__dict__)
     assert_close(ref.decode_attention(q, hnd_k, hnd_v, kv.block_table, kv.seq_lens), got)
+
+
+# ---------------------------------------------------------------- the plan's contract (issue 8)
+def _stale_setup(device):
+    """A plan built for one step's seq_lens, and the next step's seq_lens (same batch size)."""
+    kv = make_paged_kv([30, 200, 70], num_kv_heads=2, head_dim=64, block_size=16, device=device)
+    q = torch.randn(3, 4, 64, device=device).bfloat16()
+    plan = hpcops.plan_decode(kv.seq_lens, num_kv_heads=2, block_size=16, num_programs=4, min_tiles=1)
+    new_lens = torch.tensor([200, 30, 130], dtype=torch.int32, device=device)
+    return q, kv, plan, new_lens
+
+
+def test_stale_plan_raises(device, monkeypatch):
+    """A plan from another step (same batch, other lengths) would give a wrong result: where seq_lens'
+    values are checkable (host tensors; a GPU in checking mode) decode_attention raises."""
+    if device != "cpu":
+        monkeypatch.setenv("HPCOPS_CHECK", "1")
+    q, kv, plan, new_lens = _stale_setup(device)
+    with pytest.raises(ValueError, match=r"plan is stale.*request 0 has 1 64-token tiles in the plan but 4.*"
+                                         r"plan_decode\(seq_lens, \.\.\., out=plan\)"):
+        hpcops.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_table, new_lens, plan=plan)
+    # re-planned for the new lengths into the same buffers: accepted, and right
+    hpcops.plan_decode(new_lens, num_kv_heads=2, block_size=16, out=plan)
+    got = hpcops.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_table, new_lens, plan=plan, out=nan_like(q))
+    assert_close(ref.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_table, new_lens), got)
+
+
+def test_plan_with_the_same_tiles_is_not_stale(device):
+    """Lengths with the same 64-token tile counts give the same tables (the kernels read the lengths
+    themselves): the plan is still right, and accepted."""
+    q, kv, plan, _ = _stale_setup(device)
+    same_tiles = torch.tensor([1, 193, 65], dtype=torch.int32, device=device)
+    got = hpcops.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_table, same_tiles, plan=plan,
+                                  out=nan_like(q))
+    assert_close(ref.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_table, same_tiles), got)
+
+
+def test_stale_plan_check_needs_checkable_values(device, monkeypatch):
+    """On a GPU outside checking mode (or while capturing) the tables are not compared: no host sync per
+    layer. Emulated here: seq_lens' values reported uncheckable, as for a CUDA tensor without HPCOPS_CHECK."""
+    from hpcops.attention import decode as dec
+
+    q, kv, plan, new_lens = _stale_setup(device)
+    calls = []
+    monkeypatch.setattr(dec, "values_checkable", lambda t: False)
+    monkeypatch.setattr(dec, "check_plan_matches", lambda *a: calls.append(a))
+    hpcops.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_table, new_lens, plan=plan)
+    assert calls == []
+    monkeypatch.setattr(dec, "values_checkable", lambda t: True)
+    hpcops.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_table, new_lens, plan=plan)
+    assert len(calls) == 1
+
+
+def test_values_checkable_gating(monkeypatch):
+    """Host tensors are always checked; device tensors (a meta tensor stands in) only with HPCOPS_CHECK=1."""
+    from hpcops._checks import values_checkable
+
+    dev_tensor = torch.zeros(3, dtype=torch.int32, device="meta")
+    monkeypatch.delenv("HPCOPS_CHECK", raising=False)
+    assert values_checkable(torch.zeros(3, dtype=torch.int32)) and not values_checkable(dev_tensor)
+    monkeypatch.setenv("HPCOPS_CHECK", "1")
+    assert values_checkable(dev_tensor)
+
+
+def test_plan_for_another_block_size_raises(device):
+    q, kv, _, _ = _stale_setup(device)
+    plan = hpcops.plan_decode(kv.seq_lens, num_kv_heads=2, block_size=64)
+    with pytest.raises(ValueError, match=r"plan was built for \(num_kv_heads, q_len, block_size, batch\) = "
+                                         r"\(2, 1, 64, 3\), got \(2, 1, 16, 3\)"):
+        hpcops.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, plan=plan)

@@ -21,7 +21,7 @@ from hpcops._checks import (
 )
 from hpcops._library import register
 from hpcops.attention._tma import kv_descriptor, tma_unsupported_reason
-from hpcops.attention.plan import MAX_Q_LEN, TILE, DecodePlan, plan_decode
+from hpcops.attention.plan import MAX_Q_LEN, TILE, DecodePlan, check_plan_matches, plan_decode
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 256)
 MAX_GQA = 16
@@ -130,9 +130,12 @@ def _validate(q, k_cache, v_cache, block_table, seq_lens, plan, schedule, k_scal
     if plan is not None:
         if not isinstance(plan, DecodePlan):
             raise TypeError(f"plan must be a DecodePlan from hpcops.plan_decode, got {type(plan).__name__}")
-        if plan.num_kv_heads != hkv or plan.q_len != q_len or plan.batch != b:
-            raise ValueError(f"plan was built for (num_kv_heads, q_len, batch) = "
-                             f"{(plan.num_kv_heads, plan.q_len, plan.batch)}, got {(hkv, q_len, b)}")
+        if (plan.num_kv_heads, plan.q_len, plan.block_size, plan.batch) != (hkv, q_len, bs, b):
+            raise ValueError(f"plan was built for (num_kv_heads, q_len, block_size, batch) = "
+                             f"{(plan.num_kv_heads, plan.q_len, plan.block_size, plan.batch)}, got "
+                             f"{(hkv, q_len, bs, b)}; re-plan with hpcops.plan_decode(seq_lens, ..., out=plan)")
+        if plan.device != seq_lens.device:
+            raise ValueError(f"plan's buffers are on {plan.device}, seq_lens on {seq_lens.device}")
     # Values of the metadata: where they are on the host, or in checking mode (a device sync).
     if b and values_checkable(seq_lens):
         sl = seq_lens.cpu()
@@ -148,6 +151,8 @@ def _validate(q, k_cache, v_cache, block_table, seq_lens, plan, schedule, k_scal
             raise ValueError(f"seq_lens[{i}] = {int(sl[i])} < q_len {q_len}: seq_lens count the whole sequence, "
                              "the q_len new tokens included (0 = an empty or padding request)")
         check_block_table_values(block_table, sl, bs, nb)
+        if plan is not None and schedule == "dynamic":
+            check_plan_matches(plan, sl)  # a plan left over from another step
     return q_len, hkv, hq // hkv, kv_fp8
 
 
@@ -168,7 +173,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         k_cache, v_cache: `[num_blocks, block_size, Hkv, D]`, any strides with stride(-1) == 1
             (vLLM's packed K|V views work); bf16/fp16, or fp8 e4m3 with `k_scale`, `v_scale`.
         block_table: int32 `[B, max_blocks]`; seq_lens: int32 `[B]`, KV length incl. the new tokens.
-        plan: from `hpcops.plan_decode` (computed here when None; pass it to share it across layers).
+        plan: from `hpcops.plan_decode` (computed here when None; pass it to share it across layers),
+            planned from these very `seq_lens` this step: a plan is valid for exactly the seq_lens it
+            was built from (and num_kv_heads, q_len, block_size), so re-plan every step before the
+            layers (`plan_decode(seq_lens, ..., out=plan)`). The plan's shape fields are always
+            checked; its tables against seq_lens where the values are checkable (host seq_lens, or
+            HPCOPS_CHECK=1 outside CUDA-graph capture), elsewhere a stale plan gives a wrong result.
         schedule: "dynamic" (load-balanced persistent) or "static" (classic split-KV ablation).
         scale: softmax scale (default 1/sqrt(D)); q_scale: float32 `[B·q_len, Hq]` for fp8 q.
         out: optional `[B·q_len, Hq, D]` bf16/fp16 output (default: q's dtype, bf16 for fp8 q).

@@ -20,6 +20,15 @@ and replayed with new lengths:
 
 Program i covers stream positions [i·bucket, min((i+1)·bucket, total)). The split partials of
 program i live in slots 2i (its first task) and 2i+1 (its last task, when that differs).
+
+The contract: a plan is valid for exactly the ``seq_lens`` it was built from (and its num_kv_heads,
+q_len and block_size). The kernels read the lengths from ``seq_lens`` but the tile walk from the
+plan, so a plan left over from another step (same batch size, other lengths) gives a wrong result
+without an error. Re-plan every decode step, before the layers, with ``plan_decode(seq_lens, ...,
+out=plan)``. `decode_attention` always checks num_kv_heads, q_len, block_size, batch size and
+device; it recomputes the tables from ``seq_lens`` and compares (`check_plan_matches`) where the
+values are checkable: host tensors always, device tensors in checking mode (HPCOPS_CHECK=1, a host
+sync per call), never while a CUDA graph is being captured.
 """
 
 from __future__ import annotations
@@ -48,6 +57,10 @@ class DecodePlan:
     Build it with `plan_decode`; re-plan a new step into the same buffers with
     ``plan_decode(seq_lens, ..., out=plan)`` (CUDA-graph safe). `batch` is the batch size of the
     last plan (a host int; replays under a graph keep it fixed).
+
+    Valid for exactly the seq_lens it was last planned from (and num_kv_heads, q_len, block_size):
+    re-plan every step before the layers. A stale plan gives a wrong result; checking mode
+    (HPCOPS_CHECK=1), or seq_lens on the host, makes `decode_attention` raise instead.
     """
 
     num_kv_heads: int
@@ -136,11 +149,16 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
                 min_tiles: int | None = None, out: DecodePlan | None = None) -> DecodePlan:
     """Compute the load-balanced decode schedule for one step on the device.
 
+    The plan is valid for exactly these `seq_lens` (and num_kv_heads, q_len, block_size): call this
+    every decode step, before the layers (`out=` reuses the buffers), and pass the same `seq_lens`
+    to `decode_attention`. A stale plan is caught only where seq_lens' values are checkable (host
+    tensors, or HPCOPS_CHECK=1 on a GPU); elsewhere it gives a wrong result.
+
     Args:
         seq_lens: int32 `[B]`, KV length of each request including its new tokens (0 = padding).
         num_kv_heads: KV heads of the layer (the plan is shared by all layers of a step).
         q_len: query tokens per request (1..8; speculative decode > 1).
-        block_size: KV page size (validated here, used by `decode_attention`).
+        block_size: KV page size (validated here; `decode_attention` checks it against the cache's).
         max_batch: capacity of the plan's buffers (default: B); re-plan with `out=`.
         max_seq_len: accepted for API symmetry with capacity planning; buffers do not depend on it.
         num_programs: persistent programs (default: programs-per-SM × SMs).
@@ -174,6 +192,28 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
         )
     _launch_plan(plan, seq_lens)
     return plan
+
+
+def check_plan_matches(plan: DecodePlan, seq_lens: torch.Tensor) -> None:
+    """Raise ValueError unless `plan` holds the tables `plan_decode` builds from `seq_lens` (host int32
+    `[plan.batch]`), recomputed by the torch reference builder with the plan's own num_kv_heads,
+    programs and tile floor. Syncs when the plan is on a device: checking mode only."""
+    from hpcops.attention import reference as ref
+
+    want = ref.plan_decode(seq_lens, num_kv_heads=plan.num_kv_heads, q_len=plan.q_len,
+                           block_size=plan.block_size, max_batch=plan.max_batch,
+                           num_programs=plan.num_programs, min_tiles=plan.min_tiles).host_tables()
+    have = plan.host_tables()
+    if have == want:
+        return
+    tiles = [[b - a for a, b in zip(t["cum"], t["cum"][1:])] for t in (have, want)]
+    diff = next((i for i, (x, y) in enumerate(zip(*tiles)) if x != y), None)
+    where = (f"request {diff} has {tiles[0][diff]} {TILE}-token tiles in the plan but {tiles[1][diff]} "
+             f"for seq_lens[{diff}] = {int(seq_lens[diff])}" if diff is not None
+             else "its tables differ from those of these seq_lens")
+    raise ValueError(f"plan is stale: it was built for other seq_lens ({where}). A plan is valid for "
+                     "exactly the seq_lens it was built from: re-plan every step, before the layers, with "
+                     "hpcops.plan_decode(seq_lens, ..., out=plan)")
 
 
 def _launch_plan(plan: DecodePlan, seq_lens: torch.Tensor) -> None:
