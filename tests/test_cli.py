@@ -1,5 +1,5 @@
 """What a new user meets first: the `hpcops` command (usage errors instead of tracebacks), the demo's
-text, and the packaging (LICENSE, pyproject, set-up progress lines)."""
+text, the README's commands, and the packaging (LICENSE, pyproject, set-up progress lines)."""
 
 from __future__ import annotations
 
@@ -189,7 +189,25 @@ def test_cli_import_leaves_triton_unloaded():
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env).returncode == 0
 
 
-# --- packaging, set-up ---------------------------------------------------------------------------
+# --- README, packaging, set-up ------------------------------------------------------------------
+
+def test_readme_opens_with_setup_and_tests_and_its_commands_use_the_venv():
+    text = (ROOT / "README.md").read_text()
+    block = text.split("```bash\n", 1)[1].split("```", 1)[0].splitlines()
+    assert block[0].startswith("bash scripts/setup.sh && .venv/bin/hpcops demo")
+    assert block[1].startswith("bash scripts/test.sh")
+    # every demo/plan command is the one the set-up installed (a bare `hpcops` is not on PATH)
+    cmds = re.findall(r"`([^`|\n]*\bhpcops (?:demo|plan)\b[^`|\n]*)`", text.split("```", 2)[2])
+    assert len(cmds) >= 2
+    for cmd in cmds:
+        assert cmd.startswith(".venv/bin/hpcops "), cmd
+    if not (ROOT / ".venv" / "bin" / "hpcops").exists():
+        pytest.skip("no .venv/bin/hpcops here (scripts/setup.sh makes it)")
+    for cmd in cmds:
+        if " plan " in cmd:  # runs as written (the demo's check is covered above)
+            res = subprocess.run(cmd.split(), cwd=ROOT, capture_output=True, text=True, timeout=120)
+            assert res.returncode == 0 and "Traceback" not in res.stderr, (cmd, res.stderr)
+
 
 def test_license_is_the_apache_2_text():
     text = (ROOT / "LICENSE").read_text()
