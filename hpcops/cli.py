@@ -146,6 +146,18 @@ def main(argv: list[str] | None = None) -> int:
                               f"of {TILE} tokens; at most {MAX_TOTAL_TILES} are supported (int32 tables)")
     if args.cmd in ("demo", "plan"):
         _use_interpreter_without_gpu()
+    try:
+        status = _run(args)
+        sys.stdout.flush()  # a closed pipe shows here, inside the try, not at interpreter exit
+        return status
+    except BrokenPipeError:
+        # The reader went away (`hpcops plan ... | head`): stop quietly, as other tools do. Point
+        # stdout at devnull so that the interpreter's final flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _run(args) -> int:
     if args.cmd == "demo":
         from hpcops.demo import run_demo
 

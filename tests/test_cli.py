@@ -182,6 +182,16 @@ def test_demo_correctness_line_names_its_dtypes(capsys):
         assert part in line, part
 
 
+@pytest.mark.parametrize("argv", [["plan", "1x128K+31x4K", "--num-kv-heads", "8"], ["demo", "--no-check"]])
+def test_output_into_a_closed_pipe_is_no_traceback(argv):
+    """`hpcops plan ... | head`: the reader closes the pipe; the command stops without a traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "hpcops", *argv], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # before the command writes anything: its first write fails
+    err = proc.stderr.read()
+    proc.wait(timeout=120)
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
 def test_cli_import_leaves_triton_unloaded():
     """`hpcops demo|plan` must set TRITON_INTERPRET before Triton loads; importing the CLI must not load it."""
     code = "import sys, hpcops.cli; sys.exit('triton' in sys.modules)"
