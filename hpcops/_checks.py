@@ -41,7 +41,7 @@ def check_tensor(name: str, t, *, dtypes: Iterable[torch.dtype] | None = None, n
         raise ValueError(f"{name} must be on {device}, got {t.device}")
 
 
-_DEVICE_CHECK = {"off": 0}
+_REPLACED = {"depth": 0}  # nesting depth of kernels_replaced()
 
 
 def check_kernel_device(name: str, t: torch.Tensor) -> None:
@@ -49,7 +49,7 @@ def check_kernel_device(name: str, t: torch.Tensor) -> None:
     or any device (the CPU) when they run through Triton's interpreter (TRITON_INTERPRET=1). The
     launchers' validation calls it on their main tensor, so a CPU tensor gets this error instead of
     Triton's "0 active drivers"."""
-    if t.device.type == "cuda" or is_interpreter() or _DEVICE_CHECK["off"] or is_fake(t):
+    if t.device.type == "cuda" or is_interpreter() or _REPLACED["depth"] or is_fake(t):
         return
     raise ValueError(f"{name} is on {t.device}, but hpcops kernels need a CUDA device; to run them on the CPU "
                      "through Triton's interpreter, set TRITON_INTERPRET=1 before importing hpcops")
@@ -57,13 +57,19 @@ def check_kernel_device(name: str, t: torch.Tensor) -> None:
 
 @contextlib.contextmanager
 def kernels_replaced() -> Iterator[None]:
-    """Within the block `check_kernel_device` accepts any device: for tools that replace the kernels by
-    stand-ins that launch nothing (hpcops.testing.recorded_launches, scripts/ptx_fingerprint.py)."""
-    _DEVICE_CHECK["off"] += 1
+    """For tools that replace the kernels by stand-ins that launch nothing (hpcops.testing.recorded_launches,
+    scripts/ptx_fingerprint.py): within the block `check_kernel_device` accepts any device, and checks of
+    what kernels compute (a plan's tables) are skipped (`kernels_are_replaced`)."""
+    _REPLACED["depth"] += 1
     try:
         yield
     finally:
-        _DEVICE_CHECK["off"] -= 1
+        _REPLACED["depth"] -= 1
+
+
+def kernels_are_replaced() -> bool:
+    """Inside `kernels_replaced()`: kernel outputs (a plan's tables) hold nothing to check."""
+    return _REPLACED["depth"] > 0
 
 
 def check_scale(name: str, t, *, device: torch.device | None = None) -> None:

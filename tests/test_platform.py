@@ -162,8 +162,10 @@ def test_check_kernel_device(monkeypatch):
     t = torch.zeros(3)
     with pytest.raises(ValueError, match=f"t {CPU_ERROR}"):
         _checks.check_kernel_device("t", t)
+    assert not _checks.kernels_are_replaced()
     with _checks.kernels_replaced():  # stand-in kernels (recorded launches) run nowhere
         _checks.check_kernel_device("t", t)
+        assert _checks.kernels_are_replaced()  # and compute nothing: no plan tables to compare
     with pytest.raises(ValueError, match=CPU_ERROR):
         _checks.check_kernel_device("t", t)
     from torch._subclasses.fake_tensor import FakeTensorMode
