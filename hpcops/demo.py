@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import sys
 import textwrap
 import time
 
 import torch
 
-from hpcops._platform import DEFAULT_NUM_SMS
+from hpcops._platform import DEFAULT_NUM_SMS, is_interpreter
 from hpcops.attention.decode import static_splits
 from hpcops.attention.plan import DEFAULT_MIN_TILES, DEFAULT_PROGRAMS_PER_SM, TILE, enumerate_tasks
 from hpcops.bench.scenarios import DECODE_SCENARIOS, parse_lengths
@@ -87,7 +86,7 @@ def schedule_table(num_sms: int = DEFAULT_NUM_SMS, num_kv_heads: int = 1) -> lis
 
 def _check_small() -> str:
     """A small interpreted (CPU) or native (GPU) correctness run of both schedules vs the reference."""
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    if not torch.cuda.is_available() and not is_interpreter():
         raise RuntimeError("no GPU: set TRITON_INTERPRET=1 before importing triton (the CLI does this)")
     import hpcops
     from hpcops.attention import reference as ref

@@ -145,10 +145,7 @@ def cpu_errors(tmp_path_factory):
 
 @pytest.mark.parametrize("op, arg", [
     ("plan_decode", "seq_lens"), ("decode_attention", "q"), ("prefill_attention", "q"),
-    ("rope_norm_store_kv", "qkv"),
-    pytest.param("fused_moe", "x", marks=pytest.mark.xfail(
-        strict=True, reason="needs `check_kernel_device(\"x\", x)` in hpcops/moe/fused_moe.py _validate "
-                            "(someone else's file; see the report of issue 8)")),
+    ("rope_norm_store_kv", "qkv"), ("fused_moe", "x"),
 ])
 def test_cpu_tensors_without_the_interpreter(op, arg, cpu_errors):
     """Without TRITON_INTERPRET, CPU tensors get a ValueError naming the argument and the way out,

@@ -9,7 +9,15 @@ import torch
 import triton
 import triton.language as tl
 
-from hpcops._checks import FP8_E4M3, HALF_DTYPES, check_choice, check_index_range, check_tensor, values_checkable
+from hpcops._checks import (
+    FP8_E4M3,
+    HALF_DTYPES,
+    check_choice,
+    check_index_range,
+    check_kernel_device,
+    check_tensor,
+    values_checkable,
+)
 from hpcops._library import register
 from hpcops._platform import is_interpreter
 from hpcops.moe import _moe_kernels as K
@@ -52,6 +60,7 @@ def _check_scale_shape(name: str, t, shapes: list[tuple[int, ...]], dev) -> None
 def _validate(x, w13, w2, topk_weights, topk_ids, quant, expert_map, shared_output, out, x_scale, cfg):
     kind = _quant_kind(quant)
     check_tensor("x", x, dtypes=(*HALF_DTYPES, FP8_E4M3), ndim=2)
+    check_kernel_device("x", x)
     dev = x.device
     T, H = x.shape
     check_tensor("w13", w13, ndim=3, device=dev)

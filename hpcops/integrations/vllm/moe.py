@@ -22,7 +22,6 @@ is what `hpcops.fused_moe` takes. ``--moe-backend triton`` or ``auto`` both reac
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
@@ -48,6 +47,7 @@ from vllm.model_executor.layers.quantization.utils.quant_utils import (  # noqa:
 from vllm.platforms import current_platform  # noqa: E402
 
 import hpcops  # noqa: E402
+from hpcops._platform import is_interpreter  # noqa: E402
 from hpcops.integrations.vllm._env import ENV_MOE, moe_enabled  # noqa: E402,F401
 
 # (weight key, activation key) pairs; None, None = bf16/fp16 weights and activations.
@@ -64,7 +64,7 @@ def _device_ok() -> bool:
         cap = current_platform.get_device_capability()
         return cap is not None and cap.major >= 9
     # The CPU platform runs our kernels through the Triton interpreter (tests only: slow).
-    return current_platform.is_cpu() and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return current_platform.is_cpu() and is_interpreter()
 
 
 class HpcopsExperts(mk.FusedMoEExpertsModular):
