@@ -74,3 +74,139 @@ def test_demo_loads_match_the_plan():
         for prog, _h, _b, _t0, n, _split in plan.tasks():
             per_prog[prog] += n
         assert per_prog == dynamic_loads(lens, 1, 264, 4), spec
+
+
+def test_per_call_us_parses_marked_calls():
+    """Profiler events between consecutive markers make one call; the median of the matching sums is returned."""
+    from hpcops.bench.timing import per_call_us
+
+    ev = [("mark", 0, 1), ("fused_moe_kernel", 1, 10), ("fill", 2, 5), ("fused_moe_kernel", 3, 4),
+          ("mark", 10, 1), ("fused_moe_kernel", 11, 12), ("fused_moe_kernel", 12, 3),
+          ("mark", 20, 1), ("fused_moe_kernel_x", 21, 30), ("fused_moe_kernel", 22, 6), ("mark", 30, 1)]
+    assert per_call_us(ev, name_filter="fused_moe_kernel", marker="mark", calls=3) == 15.0  # 14, 15, 36
+    assert per_call_us(ev, name_filter=None, marker="mark", calls=3) == 19.0  # 19, 15, 36
+    with pytest.raises(RuntimeError, match="delimit 3 calls, expected 4"):
+        per_call_us(ev, name_filter=None, marker="mark", calls=4)
+    with pytest.raises(RuntimeError, match="no device events named"):
+        per_call_us(ev, name_filter="nope", marker="mark", calls=3)
+
+
+def test_profile_per_call_on_cpu():
+    """The profiler plumbing of profiler_kernel_time_us (events, markers, per-call sums) with CPU activity:
+    on the GPU the same body runs with CUDA activity and a marker kernel."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity
+
+    from hpcops.bench.timing import device_events, profile_per_call_us
+
+    a = torch.randn(64, 64)
+    i = torch.arange(4)
+    calls = []
+    fns = [lambda: (calls.append(0), torch.mm(a, a), torch.mm(a, a)), lambda: (calls.append(1), torch.mm(a, a))]
+    us = profile_per_call_us(fns, "aten::mm", calls=3, warmup=1, marker=lambda: torch.lcm(i, i),
+                             marker_name="aten::lcm", activity=ProfilerActivity.CPU, device_type=DeviceType.CPU,
+                             sync=lambda: None)
+    assert us > 0 and calls == [0, 1] * 4  # warmup + 3 profiled rounds, layers in order
+    with pytest.raises(RuntimeError, match="no device events"):
+        profile_per_call_us(fns, "aten::bmm", calls=2, warmup=0, marker=lambda: torch.lcm(i, i),
+                            marker_name="aten::lcm", activity=ProfilerActivity.CPU, device_type=DeviceType.CPU,
+                            sync=lambda: None)
+    assert device_events([], DeviceType.CUDA) == []
+
+
+def test_runner_times_each_impl_its_way(monkeypatch):
+    """Impl.timing picks graph replay or the profiler's kernel sum (with the impl's filter); a peer whose
+    own check fails is check-failed, a missing one unavailable, ours is not timed when the gate failed."""
+    from hpcops.bench import runner, timing
+    from hpcops.bench.registry import Case, Impl, PeerUnavailable
+
+    seen = []
+    monkeypatch.setattr(timing, "graph_time_us", lambda fns: seen.append(("graph", len(fns))) or 10.0)
+    monkeypatch.setattr(timing, "profiler_kernel_time_us", lambda fns, f: seen.append(("kernels", f)) or 7.0)
+
+    def bad(x):
+        raise AssertionError("peer: cosine 0.5")
+
+    def missing(x):
+        raise PeerUnavailable("not vendored")
+
+    ok = lambda x: (lambda: None)
+    case = Case("moe", "c", make_inputs=lambda layer: layer, impls=[])
+    assert runner._run_impl(case, Impl("a", ok, ours=True), [0, 1], True) == ("ok", 10.0)
+    assert runner._run_impl(case, Impl("b", ok, timing="kernels", kernel_filter="k"), [0], True) == ("ok", 7.0)
+    assert seen == [("graph", 2), ("kernels", "k")]
+    assert runner._run_impl(case, Impl("c", ok, ours=True), [0], False) == ("check-failed", None)
+    assert runner._run_impl(case, Impl("d", bad), [0], True) == ("check-failed: peer: cosine 0.5", None)
+    assert runner._run_impl(case, Impl("e", missing), [0], True) == ("unavailable: not vendored", None)
+    with pytest.raises(ValueError, match="timing"):
+        Impl("f", ok, timing="wall")
+    with pytest.raises(ValueError, match="kernel_filter"):
+        Impl("g", ok, kernel_filter="k")
+
+
+def test_report_compares_rows_timed_alike(tmp_path):
+    """Kernel-timed rows are compared with our kernel-timed row, graph-timed ones with our graph row; the
+    report says how the kernel rows were timed and lists every impl's note."""
+    rows = [Row("moe", "c1", "hpcops", True, 50.0, "ok"),
+            Row("moe", "c1", "hpcops-kernels", True, 40.0, "ok", note="all its kernels", timing="kernels"),
+            Row("moe", "c1", "vllm-triton", False, 60.0, "ok", note="its two fused_moe_kernel launches",
+                timing="kernels"),
+            Row("moe", "c1", "torch", False, 100.0, "ok"),
+            Row("moe", "c2", "vllm-triton", False, None, "check-failed: vllm-triton: cosine 0.1", timing="kernels")]
+    res = SuiteResult("moe", rows, {"gpu": "test"})
+    md = report.markdown(res)
+    assert "| c1 | vllm-triton | 60.0 |  |  |  | 1.50 | ok |" in md  # / hpcops-kernels, not / hpcops
+    assert "| c1 | torch | 100.0 |  |  |  | 2.00 | ok |" in md
+    assert "| c1 | **hpcops-kernels** | 40.0 |  |  |  |  | ok |" in md  # the kernel-timed reference row
+    assert "`hpcops-kernels`, `vllm-triton` are timed otherwise" in md
+    assert "- `vllm-triton`: its two fused_moe_kernel launches" in md and "- `hpcops-kernels`: all its kernels" in md
+    back = report.load(report.write(res, tmp_path)[0])
+    assert [r.timing for r in back.rows] == [r.timing for r in rows]
+    assert "timed otherwise" not in report.markdown(_result())  # graph-only suites read as before
+
+
+def test_import_vendored_honours_the_peers_dir(monkeypatch, tmp_path):
+    """A vendored peer package is found in $HPCOPS_PEERS_DIR (else .peers/ at the checkout root); when it
+    is nowhere, PeerUnavailable says how to vendor it."""
+    import sys
+
+    from hpcops.bench.registry import PeerUnavailable, import_vendored, peer_dirs
+
+    (tmp_path / "hpcops_fake_peer").mkdir()
+    (tmp_path / "hpcops_fake_peer" / "__init__.py").write_text("")
+    (tmp_path / "hpcops_fake_peer" / "kern.py").write_text("VALUE = 42\n")
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delenv("HPCOPS_PEERS_DIR", raising=False)
+    assert peer_dirs()[0].name == ".peers" and (peer_dirs()[0].parent / "hpcops" / "__init__.py").is_file()
+    with pytest.raises(PeerUnavailable, match="not vendored.*run vendor.sh"):
+        import_vendored("hpcops_fake_peer.kern", how="run vendor.sh")
+    monkeypatch.setenv("HPCOPS_PEERS_DIR", str(tmp_path))
+    assert import_vendored("hpcops_fake_peer.kern", how="run vendor.sh").VALUE == 42
+    (tmp_path / "hpcops_fake_peer" / "broken.py").write_text("raise ImportError('half a tree')\n")
+    with pytest.raises(PeerUnavailable, match="half a tree"):
+        import_vendored("hpcops_fake_peer.broken", how="")
+    for name in ("hpcops_fake_peer", "hpcops_fake_peer.kern"):
+        sys.modules.pop(name, None)
+
+
+def test_report_notes_merge_per_impl():
+    """An impl's notes that differ per case (e.g. the config a peer picked) read as one line of distinct parts."""
+    rows = [Row("moe", "c1", "peer", False, 1.0, "ok", note="lower bound; config a"),
+            Row("moe", "c2", "peer", False, 1.0, "ok", note="lower bound; config b"),
+            Row("moe", "c3", "peer", False, 1.0, "ok", note="lower bound; config a")]
+    md = report.markdown(SuiteResult("moe", rows, {}))
+    assert "- `peer`: lower bound; config a; config b\n" in md
+
+
+@pytest.mark.gpu
+def test_profiler_kernel_time_us_on_gpu():
+    """The CUDA path: per-call device time of the kernels between marker kernels, all or filtered by name."""
+    from hpcops.bench.timing import profiler_kernel_time_us
+
+    xs = [torch.randn(1 << 20, device="cuda") for _ in range(4)]
+    fns = [lambda x=x: (x.mul_(1.0), x.sum()) for x in xs]  # an elementwise kernel and a reduction per call
+    every = profiler_kernel_time_us(fns)
+    reduce_only = profiler_kernel_time_us(fns, "reduce_kernel")
+    assert 0 < reduce_only < every < 1000
+    with pytest.raises(RuntimeError, match="no device events named"):
+        profiler_kernel_time_us(fns, "no_such_kernel")

@@ -4,8 +4,13 @@ a correctness check, and the implementations (ours first, then peers) timed side
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import os
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 # suite name -> module under hpcops.bench.suites exposing `cases(opts) -> Iterator[Case]`
@@ -17,8 +22,45 @@ SUITES: dict[str, str] = {
 }
 
 
+# how an implementation is timed (Impl.timing): "graph" = CUDA-graph replay of every layer's call / layers
+# (timing.graph_time_us); "kernels" = median per call of the summed device time of its kernels, from
+# torch.profiler (timing.profiler_kernel_time_us). Ratios only compare rows timed the same way.
+TIMINGS = ("graph", "kernels")
+
+
 class PeerUnavailable(RuntimeError):
     """A peer implementation cannot run here (not installed, unsupported shape); the row says why."""
+
+
+def peer_dirs() -> list[Path]:
+    """Folders searched for vendored peer packages (e.g. `vllm_kernels/`): `$HPCOPS_PEERS_DIR` if set,
+    else `.peers/` at the root of the checkout this hpcops package is imported from."""
+    env = os.environ.get("HPCOPS_PEERS_DIR")
+    if env:
+        return [Path(env).expanduser()]
+    return [Path(__file__).resolve().parents[2] / ".peers"]  # hpcops/bench/registry.py -> checkout root
+
+
+def import_vendored(module: str, *, how: str) -> ModuleType:
+    """Import `module` (e.g. "vllm_kernels.moe.fused_moe") from a vendored peer tree.
+
+    The first folder of `peer_dirs()` that holds the top-level package goes on `sys.path`; failing that,
+    a package already importable (PYTHONPATH) is used. Raises PeerUnavailable, with `how` (the command
+    that vendors it), when it is nowhere, or when importing it fails.
+    """
+    top = module.split(".")[0]
+    dirs = peer_dirs()
+    found = next((d for d in dirs if (d / top / "__init__.py").is_file()), None)
+    if found is not None:
+        if str(found) not in sys.path:
+            sys.path.insert(0, str(found))
+    elif top not in sys.modules and importlib.util.find_spec(top) is None:
+        where = ", ".join(str(d / top) for d in dirs)
+        raise PeerUnavailable(f"{top} is not vendored (no {where}; HPCOPS_PEERS_DIR overrides the folder): {how}")
+    try:
+        return importlib.import_module(module)
+    except Exception as exc:  # a broken or partial tree: report it on the row, never fail the run
+        raise PeerUnavailable(f"importing {module} failed: {type(exc).__name__}: {exc}"[:300]) from exc
 
 
 @dataclass
@@ -29,6 +71,9 @@ class Impl:
     zero-argument callable that launches the per-layer work on `inputs`; it must be capturable in
     a CUDA graph. `ours` marks an hpcops implementation (the first is the one ratios are computed
     for). `per_step` work (the decode plan) runs once per model step: it is timed eagerly, alone.
+    `timing` (one of TIMINGS): "graph" (default) or "kernels", the profiler's device time of the kernels
+    the callable launches, only those whose name contains `kernel_filter` if given (a peer timed by its
+    own kernels, without the stand-ins around them); such an impl need not be capturable.
     """
 
     name: str
@@ -36,6 +81,14 @@ class Impl:
     ours: bool = False
     note: str = ""
     per_step: bool = False
+    timing: str = "graph"
+    kernel_filter: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.timing not in TIMINGS:
+            raise ValueError(f"Impl {self.name!r}: timing must be one of {TIMINGS}, got {self.timing!r}")
+        if self.kernel_filter is not None and self.timing != "kernels":
+            raise ValueError(f"Impl {self.name!r}: kernel_filter needs timing='kernels'")
 
 
 @dataclass

@@ -9,8 +9,14 @@ from pathlib import Path
 from hpcops.bench.runner import Row, SuiteResult
 
 
-def _primary(rows: list[Row]) -> Row | None:
-    return next((r for r in rows if r.ours and r.us is not None and r.note != "per-step"), None)
+def _primary(rows: list[Row], timing: str = "graph") -> Row | None:
+    """Our first timed row of a case among those timed by `timing`: the rows timed alike are compared to it."""
+    return next((r for r in rows if r.ours and r.us is not None and r.note != "per-step" and r.timing == timing),
+                None)
+
+
+def _is_primary(r: Row, rows: list[Row]) -> bool:
+    return r is _primary(rows, r.timing)
 
 
 def by_case(result: SuiteResult) -> dict[str, list[Row]]:
@@ -23,18 +29,24 @@ def by_case(result: SuiteResult) -> dict[str, list[Row]]:
 def markdown(result: SuiteResult) -> str:
     m = result.machine
     copy = m.get("copy_gbps")
+    times = ("Times: µs per layer, median of CUDA-graph replays, layers with their own inputs (L2-cold). "
+             "`x ours` = this row's time / our time in the same run (> 1: we are faster).")
+    kernel_timed = sorted({r.impl for r in result.rows if r.timing == "kernels"})
+    if kernel_timed:
+        times += (" Rows " + ", ".join(f"`{i}`" for i in kernel_timed) + " are timed otherwise: the median per "
+                  "call of the summed device time of their kernels (torch.profiler, the same layers, eager calls, "
+                  "no launch gaps); their `x ours` is against our row timed that way.")
     lines = [f"# hpcops bench {result.suite}", "",
              f"Machine: {m.get('gpu', 'cpu')}, {m.get('sms', '?')} SMs, torch {m.get('torch')}, "
              f"triton {m.get('triton')}; measured copy bandwidth {copy} GB/s"
              + (f", measured bf16 GEMM ceiling {m['gemm_tflops_bf16']} TFLOP/s (torch matmul, 8192³)"
                 if m.get("gemm_tflops_bf16") else "") + ".",
-             "Times: µs per layer, median of CUDA-graph replays, layers with their own inputs (L2-cold). "
-             "`x ours` = this row's time / our time in the same run (> 1: we are faster).", "",
+             times, "",
              "| case | impl | µs | GB/s | % copy BW | TFLOP/s | x ours | status |",
              "|---|---|---:|---:|---:|---:|---:|---|"]
     for case, rows in by_case(result).items():
-        prim = _primary(rows)
         for r in rows:
+            prim = _primary(rows, r.timing)
             gb = f"{r.gbps:.0f}" if r.gbps else ""
             pct = f"{100 * r.gbps / copy:.0f}%" if r.gbps and copy else ""
             tf = f"{r.tflops:.0f}" if r.tflops else ""
@@ -42,6 +54,13 @@ def markdown(result: SuiteResult) -> str:
             us = f"{r.us:.1f}" if r.us is not None else "—"
             name = f"**{r.impl}**" if r.ours else r.impl
             lines.append(f"| {case} | {name} | {us} | {gb} | {pct} | {tf} | {ratio} | {r.status} |")
+    notes: dict[str, list[str]] = {}  # impl -> its notes' distinct "; "-separated parts, in order
+    for r in result.rows:
+        if r.note and r.note != "per-step":
+            parts = notes.setdefault(r.impl, [])
+            parts += [p for p in r.note.split("; ") if p not in parts]
+    if notes:
+        lines += ["", "Notes:", "", *[f"- `{impl}`: " + "; ".join(parts) for impl, parts in notes.items()]]
     cmds = sorted({r.command for r in result.rows if r.command})
     if cmds:
         lines += ["", "Reproduce:", "", *[f"    {c}" for c in cmds]]
@@ -58,7 +77,7 @@ def plot(result: SuiteResult, path: Path) -> bool:
     except ImportError:
         return False
     cases = by_case(result)
-    peers = sorted({r.impl for rows in cases.values() for r in rows if r.us and r is not _primary(rows)})
+    peers = sorted({r.impl for rows in cases.values() for r in rows if r.us and not _is_primary(r, rows)})
     names = list(cases)
     if not names or not peers:
         return False
@@ -67,15 +86,15 @@ def plot(result: SuiteResult, path: Path) -> bool:
     for i, peer in enumerate(peers):
         vals = []
         for c in names:
-            prim = _primary(cases[c])
             row = next((r for r in cases[c] if r.impl == peer and r.us), None)
+            prim = _primary(cases[c], row.timing) if row else None
             vals.append(row.us / prim.us if prim and row else math.nan)
         ax.bar([x + i * width for x in range(len(names))], vals, width, label=peer)
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_yscale("log")
     ax.set_xticks([x + 0.4 - width / 2 for x in range(len(names))])
     ax.set_xticklabels(names, rotation=60, ha="right", fontsize=7)
-    ax.set_ylabel("time / hpcops time (>1: hpcops faster)")
+    ax.set_ylabel("time / hpcops time, timed alike (>1: hpcops faster)")
     ax.set_title(f"hpcops bench {result.suite} on {result.machine.get('gpu', '?')}")
     ax.legend(fontsize=7)
     fig.tight_layout()

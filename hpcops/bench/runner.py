@@ -31,6 +31,7 @@ class Row:
     params: dict[str, Any] = field(default_factory=dict)
     command: str = ""
     note: str = ""
+    timing: str = "graph"  # registry.TIMINGS: how `us` was measured; ratios compare rows timed alike
 
     @property
     def gbps(self) -> float | None:
@@ -79,7 +80,26 @@ def _time_impl(case: Case, impl, inputs: list[Any]) -> float:
     # per-step work (the decode plan) is timed the same way, one call per layer's inputs in one
     # graph, so launch overhead is amortized alike; the report keeps it out of the ratios
     fns = [impl.prepare(x) for x in inputs]
+    if impl.timing == "kernels":
+        return timing.profiler_kernel_time_us(fns, impl.kernel_filter)
     return timing.graph_time_us(fns)
+
+
+def _run_impl(case: Case, impl, inputs: list[Any], gate_ok: bool) -> tuple[str, float | None]:
+    """(status, µs) of one implementation: ours is not timed when the case's gate failed; a peer whose
+    own check (in its `prepare`) raises AssertionError is reported as check-failed, never ranked."""
+    if impl.ours and not gate_ok:
+        return "check-failed", None
+    try:
+        return "ok", _time_impl(case, impl, inputs)
+    except PeerUnavailable as exc:
+        return f"unavailable: {exc}", None
+    except AssertionError as exc:  # the peer's output disagrees with the reference (or its own asserts fired)
+        print(f"\n[check failed] {case.suite}/{case.name} {impl.name}: {exc}", file=sys.stderr)
+        return f"check-failed: {exc}"[:300], None
+    except Exception as exc:  # keep going: one broken peer must not hide the others
+        traceback.print_exc(file=sys.stderr)
+        return f"error: {type(exc).__name__}: {exc}"[:300], None
 
 
 def run_suite(name: str, opts: dict[str, Any] | None = None, *, check: bool = True, only: str | None = None,
@@ -116,19 +136,10 @@ def run_suite(name: str, opts: dict[str, Any] | None = None, *, check: bool = Tr
                 gate_ok = False
                 print(f"\n[check failed] {name}/{case.name}: {exc}", file=sys.stderr)
         for impl in case.impls:
-            status, us = "ok", None
-            if impl.ours and not gate_ok:
-                status = "check-failed"
-            else:
-                try:
-                    us = _time_impl(case, impl, inputs)
-                except PeerUnavailable as exc:
-                    status = f"unavailable: {exc}"
-                except Exception as exc:  # keep going: one broken peer must not hide the others
-                    status = f"error: {type(exc).__name__}: {exc}"[:300]
-                    traceback.print_exc(file=sys.stderr)
+            status, us = _run_impl(case, impl, inputs, gate_ok)
             note = "per-step" if impl.per_step else impl.note
-            rows.append(Row(impl=impl.name, ours=impl.ours, us=us, status=status, note=note, **base))
+            rows.append(Row(impl=impl.name, ours=impl.ours, us=us, status=status, note=note, timing=impl.timing,
+                            **base))
             bar.step(f"{case.name} {impl.name}: " + (f"{us:.1f} us" if us is not None else status[:40]))
         del inputs
         if on_case is not None:

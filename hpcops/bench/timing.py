@@ -1,9 +1,11 @@
-"""Timing the way a model runs: several layers, each with its own inputs, in one CUDA graph."""
+"""Timing the way a model runs: several layers, each with its own inputs, in one CUDA graph; and, for
+like-for-like comparisons with a peer that can only be timed by its own kernels, the profiler's device
+time of the kernels a call launches (`profiler_kernel_time_us`)."""
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -54,6 +56,91 @@ def eager_time_us(fn: Callable[[], object], *, replays: int = 50, warmup: int = 
         torch.cuda.synchronize()
         times.append(s.elapsed_time(e) * 1e3)
     return statistics.median(times)
+
+
+# The marker launched between profiled calls: a kernel no implementation launches (hpcops' own copy kernel)
+MARKER_KERNEL = "stream_copy_kernel"
+
+
+def profiler_kernel_time_us(fns: Sequence[Callable[[], object]], kernel_filter: str | None = None, *,
+                            calls: int = 5, warmup: int = 1) -> float:
+    """Median per-call device time of the kernels a call launches, in µs, from torch.profiler (CUDA activity).
+
+    Runs every `fn` (one per layer, each with its own inputs, so L2 is as cold as in `graph_time_us`)
+    `calls` times in layer order, eagerly, a marker kernel before each call and after the last; a call's
+    time is the sum of the durations of the device events (kernels, memsets, copies) between its two
+    markers whose name contains `kernel_filter` (every one if None). Launch gaps and host work are not
+    counted: this is the GPU time of the kernels only, the same for hpcops and for a peer.
+    """
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity
+
+    from hpcops.bench._copy_kernels import stream_copy_kernel
+
+    src = torch.zeros(128, device="cuda")
+    dst = torch.empty_like(src)
+    marker = lambda: stream_copy_kernel[(1,)](src, dst, src.numel(), BLOCK=128)
+    return profile_per_call_us(fns, kernel_filter, calls=calls, warmup=warmup, marker=marker,
+                               marker_name=MARKER_KERNEL, activity=ProfilerActivity.CUDA,
+                               device_type=DeviceType.CUDA, sync=torch.cuda.synchronize)
+
+
+def profile_per_call_us(fns: Sequence[Callable[[], object]], name_filter: str | None, *, calls: int, warmup: int,
+                        marker: Callable[[], object], marker_name: str, activity, device_type,
+                        sync: Callable[[], None]) -> float:
+    """The device-independent body of `profiler_kernel_time_us` (the CPU tests run it with CPU activity)."""
+    from torch.profiler import profile
+
+    for _ in range(warmup):  # compiles, allocator growth, lazy init: outside the profile
+        for fn in fns:
+            fn()
+    marker()
+    sync()
+    with profile(activities=[activity]) as prof:
+        for _ in range(calls):
+            for fn in fns:
+                marker()
+                fn()
+        marker()
+        sync()
+    events = device_events(prof.events(), device_type)
+    return per_call_us(events, name_filter=name_filter, marker=marker_name, calls=calls * len(fns))
+
+
+def device_events(events: Iterable, device_type) -> list[tuple[str, float, float]]:
+    """(name, start µs, duration µs) of the profiler's FunctionEvents on `device_type`, in start order
+    (user annotations projected onto the device timeline are ranges, not work: left out)."""
+    out = [(e.name, float(e.time_range.start), float(e.time_range.elapsed_us())) for e in events
+           if e.device_type == device_type and not getattr(e, "is_user_annotation", False)]
+    return sorted(out, key=lambda ev: ev[1])
+
+
+def per_call_us(events: Sequence[tuple[str, float, float]], *, name_filter: str | None, marker: str,
+                calls: int) -> float:
+    """Median over calls of the summed duration of the events matching `name_filter` (all if None)
+    between consecutive `marker` events (names matched as substrings; `events` in start order).
+
+    Raises RuntimeError if the markers do not delimit exactly `calls` calls, or if no event matched:
+    a wrong count or a filter matching nothing must never read as a time.
+    """
+    sums: list[float] = []
+    cur: float | None = None
+    matched = 0
+    for name, _start, dur in events:
+        if marker in name:
+            if cur is not None:
+                sums.append(cur)
+            cur = 0.0
+        elif cur is not None and (name_filter is None or name_filter in name):
+            cur += dur
+            matched += 1
+    if len(sums) != calls:
+        raise RuntimeError(f"profiler: the {marker!r} markers delimit {len(sums)} calls, expected {calls} "
+                           "(events dropped?)")
+    if matched == 0:
+        what = f"named *{name_filter}*" if name_filter is not None else "at all"
+        raise RuntimeError(f"profiler: no device events {what} between the markers")
+    return statistics.median(sums)
 
 
 def copy_bandwidth_gbps(nbytes: int = 2 << 30) -> dict[str, float]:
