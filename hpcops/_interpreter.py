@@ -146,11 +146,27 @@ def install() -> None:
     _patch()
 
 
+def numpy_incompatibility() -> str | None:
+    """Why Triton's interpreter itself cannot run here (None when it can): Triton 3.6's interpreter
+    converts 1-element arrays to Python ints, which numpy 2.4 made an error ("only 0-dimensional arrays
+    can be converted to Python scalars" inside a kernel's loop bounds)."""
+    import numpy as np
+
+    np_v = tuple(int(p) for p in np.__version__.split(".")[:2] if p.isdigit())
+    if _triton_version().startswith("3.6") and np_v >= (2, 4):
+        return (f"Triton {_triton_version()}'s interpreter fails with numpy {np.__version__} (\"only 0-dimensional "
+                "arrays can be converted to Python scalars\"): install numpy<2.4 to run kernels on the CPU")
+    return None
+
+
 def install_if_interpreting() -> bool:
     """What ``import hpcops`` runs: install when kernels will run through the interpreter and the user has
-    not set HPCOPS_INTERPRETER_REPAIR=0; never raises. Returns whether the repair is installed."""
+    not set HPCOPS_INTERPRETER_REPAIR=0; never raises. Returns whether the repair is installed. Also warns
+    (once) when the installed numpy breaks the interpreter itself (`numpy_incompatibility`)."""
     from hpcops._platform import is_interpreter
 
+    if is_interpreter() and (why := numpy_incompatibility()) is not None:
+        _warn_once("numpy", why)
     if _INSTALLED or not _AUTO["on"] or not is_interpreter() or not enabled():
         return bool(_INSTALLED)
     reason = incompatibility()

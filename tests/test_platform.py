@@ -74,6 +74,9 @@ print(json.dumps(res))
 """
 
 
+# Runs Triton's interpreter in a subprocess: it needs the CPU tier's numpy<2.4 (the GPU image has numpy 2.5).
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-tier check (the interpreter needs numpy<2.4; the GPU "
+                                                      "image has its own numpy)")
 def test_bf16_through_the_public_api_on_the_cpu(tmp_path):
     """TRITON_INTERPRET=1 and a plain `import hpcops`: bf16 decode and MoE match the torch references
     (unrepaired, the interpreter gives ~1e8 and ~1e10 where the references are ~3 and ~1)."""
@@ -123,7 +126,7 @@ calls = {
         q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, torch.tensor([0, 1, 2], dtype=torch.int32),
         max_seqlen_q=1),
     "rope_norm_store_kv": lambda: hpcops.rope_norm_store_kv(
-        qkv, pos, cos_sin, kv.k_cache, kv.v_cache, pos, num_q_heads=4, num_kv_heads=2, head_dim=64),
+        qkv, pos, cos_sin, kv.k_cache, kv.v_cache, pos, num_q_heads=4, num_kv_heads=2, head_dim=64, order="rope"),
     "fused_moe": lambda: hpcops.fused_moe(x, torch.randn(4, 128, 128).bfloat16(), torch.randn(4, 128, 64).bfloat16(),
                                           w, ids),
 }
@@ -171,3 +174,16 @@ def test_check_kernel_device(monkeypatch):
         _checks.check_kernel_device("t", torch.zeros(3))
     monkeypatch.setattr(_checks, "is_interpreter", lambda: True)
     _checks.check_kernel_device("t", t)
+
+
+def test_numpy_that_breaks_the_interpreter_is_named(monkeypatch):
+    """Triton 3.6's interpreter fails inside kernels with numpy >= 2.4: hpcops says so in one sentence."""
+    import numpy as np
+
+    from hpcops import _interpreter
+
+    monkeypatch.setattr(_interpreter, "_triton_version", lambda: "3.6.0")
+    monkeypatch.setattr(np, "__version__", "2.5.2")
+    assert "install numpy<2.4" in _interpreter.numpy_incompatibility()
+    monkeypatch.setattr(np, "__version__", "2.3.5")
+    assert _interpreter.numpy_incompatibility() is None

@@ -72,7 +72,6 @@ def _num_stages() -> int:
 
 def _validate(q, k_cache, v_cache, block_table, seq_lens, plan, schedule, k_scale, v_scale, q_scale, out):
     check_tensor("q", q, dtypes=(torch.bfloat16, torch.float16, FP8_E4M3), ndim=3)
-    check_kernel_device("q", q)
     check_tensor("k_cache", k_cache, dtypes=(torch.bfloat16, torch.float16, FP8_E4M3), ndim=4)
     check_tensor("v_cache", v_cache, dtypes=(k_cache.dtype,), ndim=4)
     check_tensor("block_table", block_table, dtypes=(torch.int32,), ndim=2)
@@ -154,6 +153,8 @@ def _validate(q, k_cache, v_cache, block_table, seq_lens, plan, schedule, k_scal
         check_block_table_values(block_table, sl, bs, nb)
         if plan is not None and schedule == "dynamic" and not kernels_are_replaced():
             check_plan_matches(plan, sl)  # a plan left over from another step
+    # last: argument errors first; then whether the kernels can run where the tensors are
+    check_kernel_device("q", q)
     return q_len, hkv, hq // hkv, kv_fp8
 
 

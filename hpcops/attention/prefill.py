@@ -138,7 +138,6 @@ def _validate(
     check,
 ):
     check_tensor("q", q, dtypes=(*HALF_DTYPES, FP8_E4M3), ndim=3)
-    check_kernel_device("q", q)
     total_q, hq, d = q.shape
     if d not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {d}")
@@ -224,6 +223,8 @@ def _launch(
         )
     if config.block_m < group:
         raise ValueError(f"PrefillConfig.block_m ({config.block_m}) must be >= the GQA group size ({group})")
+    # after every argument check: whether the kernels can run where the tensors are
+    check_kernel_device("q", q)
     if total_q == 0 or b == 0:
         return
     tokens = config.block_m // group

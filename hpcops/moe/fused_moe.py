@@ -60,7 +60,6 @@ def _check_scale_shape(name: str, t, shapes: list[tuple[int, ...]], dev) -> None
 def _validate(x, w13, w2, topk_weights, topk_ids, quant, expert_map, shared_output, out, x_scale, cfg):
     kind = _quant_kind(quant)
     check_tensor("x", x, dtypes=(*HALF_DTYPES, FP8_E4M3), ndim=2)
-    check_kernel_device("x", x)
     dev = x.device
     T, H = x.shape
     check_tensor("w13", w13, ndim=3, device=dev)
@@ -140,6 +139,8 @@ def _validate(x, w13, w2, topk_weights, topk_ids, quant, expert_map, shared_outp
             raise ValueError("config: Fp8Block128 needs block_k = down_block_k = 128 and block_n, "
                              f"down_block_n dividing 128, got {cfg}")
     check_choice("config.act_mul", cfg.act_mul, ACT_MUL_MODES)
+    # last: argument errors first; then whether the kernels can run where the tensors are
+    check_kernel_device("x", x)
     return kind, T, H, E, inter, k, out_dt
 
 

@@ -88,7 +88,6 @@ def _check(qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_q_
            q_out) -> int:
     """Validate everything (metadata only: no host sync); returns the rotary dim."""
     check_tensor("qkv", qkv, dtypes=HALF_DTYPES, ndim=2)
-    check_kernel_device("qkv", qkv)
     dev = qkv.device
     for name, v in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
@@ -144,6 +143,8 @@ def _check(qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_q_
         check_index_range("positions", positions, 0, cos_sin_cache.shape[0], "a row of cos_sin_cache")
         check_index_range("slot_mapping", slot_mapping, -1, k_cache.shape[0] * k_cache.shape[1],
                           "a slot of the cache, or -1 to skip the KV write")
+    # last: argument errors first; then whether the kernels can run where the tensors are
+    check_kernel_device("qkv", qkv)
     return rot
 
 
