@@ -14,6 +14,8 @@ Exit status 1 when anything failed or errored.
 from __future__ import annotations
 
 import argparse
+import ast
+import contextlib
 import sys
 import xml.etree.ElementTree as ET
 from collections import Counter
@@ -33,6 +35,10 @@ def read_report(path: Path) -> tuple[Counter, list[tuple[str, str]], list[tuple[
                 outcome = child.tag
                 msg = (child.get("message") or "").strip().splitlines()
                 msg = msg[0] if msg else ""
+                if child.tag == "skipped" and msg == "collection skipped" and child.text:
+                    # a module skipped at collection: the reason is in the text, "(path, line, 'Skipped: why')"
+                    with contextlib.suppress(ValueError, SyntaxError, IndexError, TypeError):
+                        msg = str(ast.literal_eval(child.text)[-1]).removeprefix("Skipped: ")
                 if child.tag == "skipped":
                     skips.append((name, msg))
                 else:

@@ -35,6 +35,10 @@ def test_gpu_tests_report_counts_skips_failures_and_missing_reports(tmp_path):
         @pytest.mark.skip(reason="needs two GPUs")
         def test_skip(): pass
     """)
+    (tmp_path / "test_c.py").write_text("import pytest\npytest.importorskip('no_such_module_here')\n")
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_c.py",
+                    f"--junitxml={tmp_path / 'reports' / 'junit_test_c.xml'}"], cwd=tmp_path, capture_output=True,
+                   timeout=120)
     _junit(tmp_path, "b", """
         import pytest
         def test_fail(): assert 1 == 2
@@ -42,12 +46,13 @@ def test_gpu_tests_report_counts_skips_failures_and_missing_reports(tmp_path):
         def broken(): raise RuntimeError("setup broke")
         def test_error(broken): pass
     """)
-    res = _report(tmp_path, ["tests/test_a.py", "tests/test_b.py", "tests/test_crashed.py"])
+    res = _report(tmp_path, ["tests/test_a.py", "tests/test_b.py", "tests/test_c.py", "tests/test_crashed.py"])
     assert res.returncode == 1
     lines = res.stdout.splitlines()
     assert lines[0] == "tree: abc123" and lines[1] == "versions: torch X, triton Y"
-    assert "summary: 2 passed, 1 failed, 2 errors, 1 skipped" in lines  # the crashed file is an error
+    assert "summary: 2 passed, 1 failed, 2 errors, 2 skipped" in lines  # the crashed file is an error
     assert "   1 × needs two GPUs" in lines
+    assert "   1 × could not import 'no_such_module_here': No module named 'no_such_module_here'" in lines
     assert any(line.startswith("tests/test_crashed.py: no report") for line in lines)
     assert any(line.startswith("FAILED test_b::test_fail") for line in lines)
 
