@@ -601,3 +601,46 @@ def test_gpu_out_of_range_ids_are_dropped_without_checking(monkeypatch):
     want = ref_moe(**dict(base, topk_weights=tw))
     torch.cuda.synchronize()
     assert_close(want, got)
+
+
+# ---------------------------------------------------------------------------------------------------
+# quantization schemes: one class each, named codes
+
+
+def test_schemes_are_one_class_each():
+    """Every quant type maps to one scheme with its own name (the config/tuned-table key) and kernel code;
+    the torch.library op rebuilds the quant object from its flat scale arguments."""
+    from hpcops.moe import schemes as S
+    from hpcops.moe.codes import QuantCode
+
+    classes = list(S.SCHEMES.values())
+    assert sorted(c.code for c in classes) == sorted(QuantCode)
+    assert len({c.name for c in classes}) == len(classes)
+    w = make_weights(2, 128, 128, "fp8_tensor")
+    assert isinstance(S.scheme_for(None), S.Wide16) and isinstance(S.scheme_for(w.quant), S.Fp8Tensor)
+    q = S.scheme_named("fp8_tensor").from_op_args(w.quant.w13_scale, w.quant.w2_scale, w.quant.a13_scale,
+                                                  w.quant.a2_scale)
+    assert isinstance(q, Fp8PerTensor) and q.a2_scale is w.quant.a2_scale
+    assert S.scheme_named("none").from_op_args(None, None, None, None) is None
+    with pytest.raises(TypeError, match="quant must be None, Fp8PerTensor or Fp8Block128, got str"):
+        S.scheme_for("fp8")
+    with pytest.raises(ValueError, match="quant_kind must be one of"):
+        S.scheme_named("int4")
+
+
+def test_kernels_compare_named_codes_only():
+    """The kernels read the mode constexprs through the named mirrors of codes.py, never bare numbers."""
+    import inspect
+    import re
+
+    from hpcops.moe import _moe_kernels as K
+
+    src = inspect.getsource(K)
+    assert not re.findall(r"\b(QUANT|ACT_OUT|ACT_IN|MODE) == \d", src)
+    from hpcops.moe.codes import ActMode, QuantCode, XMode
+
+    mirrors = {"Q_NONE": QuantCode.NONE, "Q_FP8_TENSOR": QuantCode.FP8_TENSOR, "A_WIDE": ActMode.WIDE,
+               "A_FP8_STATIC": ActMode.FP8_STATIC, "A_WIDE_ROW_AMAX": ActMode.WIDE_ROW_AMAX,
+               "A_WIDE_GROUP_AMAX": ActMode.WIDE_GROUP_AMAX, "X_STATIC": XMode.STATIC,
+               "X_PER_TOKEN_GROUP": XMode.PER_TOKEN_GROUP}
+    assert {k: int(getattr(K, k)) for k in mirrors} == {k: int(v) for k, v in mirrors.items()}

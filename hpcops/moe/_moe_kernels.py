@@ -10,7 +10,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from hpcops.moe.codes import ActMode, QuantCode, XMode
+
 FP8_MAX = tl.constexpr(448.0)  # a constexpr global: compiled kernels may read it
+# constexpr mirrors of the named codes (codes.py): kernels may read constexpr globals only
+Q_NONE = tl.constexpr(int(QuantCode.NONE))
+Q_FP8_TENSOR = tl.constexpr(int(QuantCode.FP8_TENSOR))
+A_WIDE = tl.constexpr(int(ActMode.WIDE))
+A_FP8_STATIC = tl.constexpr(int(ActMode.FP8_STATIC))
+A_WIDE_ROW_AMAX = tl.constexpr(int(ActMode.WIDE_ROW_AMAX))
+A_WIDE_GROUP_AMAX = tl.constexpr(int(ActMode.WIDE_GROUP_AMAX))
+X_STATIC = tl.constexpr(int(XMode.STATIC))
+X_PER_TOKEN_GROUP = tl.constexpr(int(XMode.PER_TOKEN_GROUP))
 
 
 @triton.jit
@@ -106,10 +117,10 @@ def moe_index_scatter_kernel(ids_ptr, map_ptr, offsets_ptr, sorted_ptr, pos_ptr,
 @triton.jit
 def moe_quant_x_kernel(x_ptr, q_ptr, s_ptr, in_scale_ptr, H, stride_x, stride_q, stride_s,
                        MODE: tl.constexpr, BLOCK_H: tl.constexpr):
-    """fp8 x, one program per token. MODE 0: static scale (in_scale); 1: dynamic per token,
-    s[t] = max|x[t]| / 448; 2: dynamic per token and group of 128, s[t, g]."""
+    """fp8 x, one program per token. MODE (`XMode`): STATIC, the scale in_scale; PER_TOKEN,
+    s[t] = max|x[t]| / 448; PER_TOKEN_GROUP, per token and group of 128, s[t, g]."""
     t = tl.program_id(0).to(tl.int64)
-    if MODE == 2:
+    if MODE == X_PER_TOKEN_GROUP:
         cols = tl.arange(0, 128)
         for g in range(0, tl.cdiv(H, 128)):
             c = g * 128 + cols
@@ -123,7 +134,7 @@ def moe_quant_x_kernel(x_ptr, q_ptr, s_ptr, in_scale_ptr, H, stride_x, stride_q,
         cols = tl.arange(0, BLOCK_H)
         cmask = cols < H
         x = tl.load(x_ptr + t * stride_x + cols, mask=cmask, other=0.0).to(tl.float32)
-        if MODE == 0:
+        if MODE == X_STATIC:
             s = tl.load(in_scale_ptr)
         else:
             s = tl.maximum(tl.max(tl.abs(x), 0), 1e-12) / FP8_MAX
@@ -144,12 +155,12 @@ def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """act[r, n] = silu(x[tok(r)]·w13[e, n]) · (x[tok(r)]·w13[e, I+n]) for one (M tile, N tile) task.
 
-    QUANT: 0 none (16-bit dot), 1 fp8 per-tensor weights (w13 scale per expert, applied in the epilogue),
-    2 fp8 128×128 blocks (scales per K tile). X_FP8: x arrives quantized (xs holds its scale, per row
-    through strides, or per row and 128-group); otherwise it is quantized while loading (QUANT 1: static
-    a13 scale; QUANT 2: dynamic per row and 128-group). ACT_OUT: 0 16-bit; 1 fp8 with the static a2
-    scale; 2 16-bit and the row amax (atomic max, for dynamic per-token a2); 3 fp8 per row and 128-group
-    (BLOCK_N = 128); 4 16-bit and the per row and 128-group amax (atomic max, BLOCK_N < 128).
+    QUANT (`QuantCode`): NONE, a 16-bit dot; FP8_TENSOR, fp8 weights with a scale per expert (applied in
+    the epilogue); FP8_BLOCK, 128×128 blocks (scales per K tile). X_FP8: x arrives quantized (xs holds
+    its scale, per row through strides, or per row and 128-group); otherwise it is quantized while
+    loading (FP8_TENSOR: the static a13 scale; FP8_BLOCK: dynamic per row and 128-group). ACT_OUT
+    (`ActMode`, see codes.py): WIDE_ROW_AMAX and WIDE_GROUP_AMAX also atomic-max the amax of each row
+    (or row and 128-group); FP8_GROUP needs BLOCK_N = 128, WIDE_GROUP_AMAX BLOCK_N < 128.
     """
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(I, BLOCK_N)
@@ -174,7 +185,7 @@ def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets
     wu_rows = w_ptr + e64 * stride_we + (cols + I).to(tl.int64)[:, None] * stride_wn
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if QUANT == 1:
+    if QUANT == Q_FP8_TENSOR:
         if not X_FP8:
             a13 = tl.load(a13_ptr)
     for k0 in range(0, H, BLOCK_K):
@@ -183,10 +194,10 @@ def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets
         a = tl.load(x_rows + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
         wg = tl.load(wg_rows + kk[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0)
         wu = tl.load(wu_rows + kk[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0)
-        if QUANT == 0:
+        if QUANT == Q_NONE:
             acc_g = tl.dot(a, tl.trans(wg), acc_g)
             acc_u = tl.dot(a, tl.trans(wu), acc_u)
-        elif QUANT == 1:
+        elif QUANT == Q_FP8_TENSOR:
             if not X_FP8:
                 a = tl.minimum(tl.maximum(a.to(tl.float32) / a13, -FP8_MAX), FP8_MAX).to(tl.float8e4nv)
             acc_g = tl.dot(a, tl.trans(wg), acc_g)
@@ -203,7 +214,7 @@ def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets
             wsu = tl.load(ws_k + ((I + n0) // 128) * stride_wsn)
             acc_g += tl.dot(a, tl.trans(wg)) * (a_s[:, None] * wsg)
             acc_u += tl.dot(a, tl.trans(wu)) * (a_s[:, None] * wsu)
-    if QUANT == 1:
+    if QUANT == Q_FP8_TENSOR:
         ws = tl.load(ws_ptr + e64 * stride_wse)
         if X_FP8:
             a_s = tl.load(xs_ptr + tok * stride_xst, mask=rmask, other=0.0)
@@ -222,17 +233,17 @@ def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets
     # [BLOCK_M, BLOCK_N]
     out_ptrs = act_ptr + rows.to(tl.int64)[:, None] * stride_act + cols[None, :]
     omask = rmask[:, None] & cmask[None, :]
-    if ACT_OUT == 0:
+    if ACT_OUT == A_WIDE:
         tl.store(out_ptrs, act.to(ACT_DT), mask=omask)
-    elif ACT_OUT == 1:
+    elif ACT_OUT == A_FP8_STATIC:
         a2 = tl.load(a2_ptr)
         q = tl.minimum(tl.maximum(act / a2, -FP8_MAX), FP8_MAX)
         tl.store(out_ptrs, q.to(tl.float8e4nv), mask=omask)
-    elif ACT_OUT == 2:
+    elif ACT_OUT == A_WIDE_ROW_AMAX:
         tl.store(out_ptrs, act.to(ACT_DT), mask=omask)
         amax = tl.max(tl.where(omask, tl.abs(act), 0.0), 1)
         tl.atomic_max(rowmax_ptr + rows, amax, mask=rmask)
-    elif ACT_OUT == 4:
+    elif ACT_OUT == A_WIDE_GROUP_AMAX:
         tl.store(out_ptrs, act.to(ACT_DT), mask=omask)
         amax = tl.max(tl.where(omask, tl.abs(act), 0.0), 1)
         tl.atomic_max(act_s_ptr + rows.to(tl.int64) * stride_acts + n0 // 128, amax, mask=rmask)
@@ -253,9 +264,8 @@ def moe_down_kernel(act_ptr, act_s_ptr, a2_ptr, rowmax_ptr, w_ptr, ws_ptr, tasks
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """y[r, n] = act[r]·w2[e, n] for one (M tile, N tile) task, rows in expert-sorted order.
 
-    ACT_IN: 0 16-bit; 1 fp8 with the static a2 scale; 2 16-bit quantized here per row from the row amax;
-    3 fp8 with per row and 128-group scales (QUANT 2); 4 16-bit quantized here per row and 128-group from
-    the group amax (QUANT 2).
+    ACT_IN (`ActMode`, as the gate-up wrote it): the WIDE_*_AMAX modes are quantized here, per row from
+    the row amax (FP8_TENSOR) or per row and 128-group from the group amax (FP8_BLOCK).
     """
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(H, BLOCK_N)
@@ -277,31 +287,31 @@ def moe_down_kernel(act_ptr, act_s_ptr, a2_ptr, rowmax_ptr, w_ptr, ws_ptr, tasks
     a_rows = act_ptr + rows64[:, None] * stride_act
     w_rows = w_ptr + e64 * stride_we + cols.to(tl.int64)[:, None] * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if ACT_IN == 2:
+    if ACT_IN == A_WIDE_ROW_AMAX:
         r_s = tl.maximum(tl.load(rowmax_ptr + rows, mask=rmask, other=0.0), 1e-12) / FP8_MAX
     for k0 in range(0, I, BLOCK_K):
         kk = k0 + offs_k
         kmask = kk < I
         a = tl.load(a_rows + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
         w = tl.load(w_rows + kk[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0)
-        if QUANT == 0:
+        if QUANT == Q_NONE:
             acc = tl.dot(a, tl.trans(w), acc)
-        elif QUANT == 1:
-            if ACT_IN == 2:
+        elif QUANT == Q_FP8_TENSOR:
+            if ACT_IN == A_WIDE_ROW_AMAX:
                 a = tl.minimum(tl.maximum(a.to(tl.float32) / r_s[:, None], -FP8_MAX), FP8_MAX)
                 a = a.to(tl.float8e4nv)
             acc = tl.dot(a, tl.trans(w), acc)
         else:
             a_s = tl.load(act_s_ptr + rows64 * stride_acts + k0 // 128, mask=rmask, other=0.0)
-            if ACT_IN == 4:
+            if ACT_IN == A_WIDE_GROUP_AMAX:
                 a_s = tl.maximum(a_s, 1e-12) / FP8_MAX
                 a = tl.minimum(tl.maximum(a.to(tl.float32) / a_s[:, None], -FP8_MAX), FP8_MAX)
                 a = a.to(tl.float8e4nv)
             ws = tl.load(ws_ptr + e64 * stride_wse + (n0 // 128) * stride_wsn + (k0 // 128) * stride_wsk)
             acc += tl.dot(a, tl.trans(w)) * (a_s[:, None] * ws)
-    if QUANT == 1:
+    if QUANT == Q_FP8_TENSOR:
         ws = tl.load(ws_ptr + e64 * stride_wse)
-        if ACT_IN == 1:
+        if ACT_IN == A_FP8_STATIC:
             acc = acc * (tl.load(a2_ptr) * ws)
         else:
             acc = acc * (r_s[:, None] * ws)
