@@ -99,14 +99,16 @@ def test_vllm_peer_gate_catches_a_wrong_config(tiny, monkeypatch, device):
     """A misconfigured peer fails its gate (AssertionError: the runner reports it check-failed, unranked)."""
     s = suite.Scenario("tp8", 5, "fp8_tensor")
     x = suite._make_inputs(s, 0, device=device)
-    real = suite._vllm_quant_config
+    from hpcops.bench.suites import _moe_common as common
+
+    real = common.vllm_quant_config
 
     def wrong(s_, quant, cfg):  # down-projection scales off by 2x: same direction, wrong magnitude
         qc = real(s_, quant, cfg)
         qc.w2_scale = qc.w2_scale * 2
         return qc
 
-    monkeypatch.setattr(suite, "_vllm_quant_config", wrong)
+    monkeypatch.setattr(common, "vllm_quant_config", wrong)
     with pytest.raises(AssertionError, match="vllm-triton"):
         suite._vllm(s)(x)
 
