@@ -17,6 +17,7 @@ from typing import Any
 SUITES: dict[str, str] = {
     "decode": "hpcops.bench.suites.decode",
     "moe": "hpcops.bench.suites.moe",
+    "moe-shapes": "hpcops.bench.suites.moe_shapes",
     "rope": "hpcops.bench.suites.rope",
     "prefill": "hpcops.bench.suites.prefill",
 }
