@@ -1,4 +1,4 @@
-"""The `hpcops` command: `demo`, `plan`, `bench`."""
+"""The `hpcops` command: `demo`, `plan`, `bench`, `tune`."""
 
 from __future__ import annotations
 
@@ -99,6 +99,10 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--no-check", action="store_true", help="skip the correctness gate (not recommended)")
     b.add_argument("--quick", action="store_true", help="a reduced case list (smoke test)")
     b.add_argument("--no-progress", action="store_true")
+
+    from hpcops.bench.tune.cli import add_parser as add_tune_parser
+
+    add_tune_parser(sub)
     return p
 
 
@@ -168,6 +172,10 @@ def _run(args) -> int:
         return print_plan(args)
     if args.cmd == "bench":
         return _bench(args)
+    if args.cmd == "tune":
+        from hpcops.bench.tune.cli import run as run_tune
+
+        return run_tune(args)
     return 2  # pragma: no cover
 
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU tier in one call on the H200 (through the device tool): tests + benchmarks + sweeps.
 #   bash scripts/gpu_check.sh [STAGE ...]     stages: tests, tests:<paths>, bench:<suite>[,<suite>...],
-#                                             sweep:<name> (scripts/sweep_<name>.py), profile:decode (ncu),
-#                                             smoke (the smallest complete run of every GPU script)
+#                                             tune:<op>[,<op>...] (hpcops tune), sweep:<name> (scripts/sweep_<name>.py),
+#                                             profile:decode (ncu), smoke (the smallest complete run of every GPU
+#                                             tool)
 # Default: tests bench:decode,moe,rope,prefill. Results go to $OUT (or ./out): logs, and one
 # results.tar.gz holding bench/results/*.{json,md,png} to unpack into bench/results/ (the `tests`
 # stage writes results/gpu_tests.txt; `smoke` writes results/smoke/). Set GIT_REV to the commit of the
@@ -51,16 +52,18 @@ for st in "${stages[@]}"; do
       sm="$OUT/results/smoke"
       mkdir -p "$sm"
       for s in decode moe rope prefill; do
-        echo "== sweep_$s --smoke" | tee -a "$sm/smoke.log"
-        timeout 300 python3 "scripts/sweep_$s.py" --smoke --out "$sm" >> "$sm/smoke.log" 2>&1 \
-          && echo "sweep_$s: ok" | tee -a "$sm/smoke.log" || { echo "sweep_$s: FAILED" | tee -a "$sm/smoke.log"; status=1; }
+        cmd=(python3 -m hpcops tune "$s" --smoke --out "$sm" --no-progress)
+        [ -f "scripts/sweep_$s.py" ] && cmd=(python3 "scripts/sweep_$s.py" --smoke --out "$sm")
+        echo "== ${cmd[*]}" | tee -a "$sm/smoke.log"
+        timeout 300 "${cmd[@]}" >> "$sm/smoke.log" 2>&1 \
+          && echo "tune_$s: ok" | tee -a "$sm/smoke.log" || { echo "tune_$s: FAILED" | tee -a "$sm/smoke.log"; status=1; }
       done
       echo "== profile_decode.py under ncu" | tee -a "$sm/smoke.log"
       timeout 240 ncu --clock-control none --kernel-name regex:decode_persistent --launch-skip 1 --launch-count 1 \
         --section LaunchStats --section SpeedOfLight python3 scripts/profile_decode.py --spec 8x4K > "$sm/ncu_smoke.txt" 2>&1 \
         && grep -q "decode_persistent" "$sm/ncu_smoke.txt" && echo "profile_decode: ok" | tee -a "$sm/smoke.log" \
         || { echo "profile_decode: FAILED" | tee -a "$sm/smoke.log"; tail -20 "$sm/ncu_smoke.txt"; status=1; }
-      grep -h -E "^(=|sweep_|profile_)|best|default" "$sm/smoke.log" | tail -30 ;;
+      grep -h -E "^(=|tune_|profile_|\| )" "$sm/smoke.log" | tail -30 ;;
     tests:*)
       timeout 420 python3 -m pytest -q -p no:cacheprovider ${st#tests:} 2>&1 | tee -a "$OUT/tests.log" | tail -25 \
         || status=1 ;;
@@ -81,6 +84,13 @@ for st in "${stages[@]}"; do
     sweep:*)
       python3 "scripts/sweep_${st#sweep:}.py" --out "$OUT/results" 2>&1 | tee -a "$OUT/sweep.log" | tail -40 \
         || status=1 ;;
+    tune:*)
+      # `hpcops tune <op>` for each op: <op>_tune.{md,json} (+ moe_tuned.json) in results/; TUNE_ARGS adds options
+      IFS=, read -ra ops <<< "${st#tune:}"
+      for o in "${ops[@]}"; do
+        python3 -m hpcops tune "$o" --out "$OUT/results" --no-progress ${TUNE_ARGS:-} 2>&1 \
+          | tee -a "$OUT/tune.log" | grep -v '^\[' | tail -60 || status=1
+      done ;;
     *) echo "unknown stage $st"; status=2 ;;
   esac
   tar -czf "$OUT/results.tar.gz" -C "$OUT" results  # after every stage: a later timeout loses nothing

@@ -70,12 +70,29 @@ def test_smoke_stage_covers_every_gpu_script():
         sh = f.read()
     smoke = sh[sh.index("    smoke)"):]
     smoke = smoke[:smoke.index(";;")]
+    from hpcops.bench.tune import OPS
+
     swept = set(re.search(r"for s in ([a-z ]+); do", smoke).group(1).split())
-    assert swept == {f[len("sweep_"):-3] for f in os.listdir(SCRIPTS) if f.startswith("sweep_")}
+    sweeps = {f[len("sweep_"):-3] for f in os.listdir(SCRIPTS) if f.startswith("sweep_")}
+    assert swept == sweeps | set(OPS)
+    assert 'python3 -m hpcops tune "$s" --smoke' in smoke
     assert "profile_decode.py" in smoke
 
 
-@pytest.mark.parametrize("script", ["sweep_decode.py", "sweep_moe.py", "sweep_rope.py", "sweep_prefill.py"])
+@pytest.mark.parametrize("op", ["moe"])
+def test_tune_has_a_smoke_run(op, capsys):
+    """`hpcops tune OP --smoke` narrows the tune (listed with --dry-run, no GPU needed)."""
+    from hpcops.cli import main
+
+    assert main(["tune", op, "--dry-run"]) == 0
+    full = capsys.readouterr().out
+    assert main(["tune", op, "--dry-run", "--smoke"]) == 0
+    smoke = capsys.readouterr().out
+    assert 0 < len(smoke.splitlines()) < len(full.splitlines())
+    assert "2 phase-A candidates" in smoke
+
+
+@pytest.mark.parametrize("script", ["sweep_decode.py", "sweep_rope.py", "sweep_prefill.py"])
 def test_sweeps_have_a_smoke_run(script):
     """`--smoke` exists and narrows the sweep (listed with --dry-run, no GPU needed)."""
     env = dict(os.environ, PYTHONPATH=ROOT)

@@ -1,0 +1,25 @@
+"""`hpcops tune`: the bench harness with a grid of configs. For each scenario of an op's bench suite, a
+coordinate search around the heuristic config (space.py), every candidate gated on the suite's reference
+and timed with the suite's inputs and the bench's timing (engine.py), kernels compiled ahead in worker
+processes (compile.py); a markdown table and JSON per op (report.py), and for MoE the winners as a tuned
+table (moe.py: `moe_tuned.json`, `--write` into hpcops/moe/tuned.py)."""
+
+from __future__ import annotations
+
+import importlib
+
+from hpcops.bench.tune.engine import TuneOp, TuneOptions, TuneResult, tune
+
+# op name -> module exposing OP (a TuneOp)
+OPS: dict[str, str] = {
+    "moe": "hpcops.bench.tune.moe",
+}
+
+
+def get_op(name: str) -> TuneOp:
+    if name not in OPS:
+        raise ValueError(f"unknown op {name!r}; choose from {sorted(OPS)}")
+    return importlib.import_module(OPS[name]).OP
+
+
+__all__ = ["OPS", "TuneOp", "TuneOptions", "TuneResult", "get_op", "tune"]

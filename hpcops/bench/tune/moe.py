@@ -1,0 +1,273 @@
+"""`hpcops tune moe`: `MoeConfig` over the `moe` bench suite's scenarios; winners into `hpcops/moe/tuned.py`.
+
+Inputs, gate and timing are the suite's (`hpcops.bench.suites.moe`): `_make_inputs` (each layer its own
+weights), `_assert_matches` against the torch reference, and the `hpcops-kernels` row's timing (the
+profiler's device time of all our kernels; `--timing graph` for the `hpcops` row's graph replay). A
+candidate runs as the suite's `hpcops[<fields>]` rows do (`_ours(scenario, overrides)`), with every
+tunable field set.
+
+Output: `moe_tuned.json` = {"device", "entries", "measured", ...}, the entries in the format
+`configs.tuned_entry` reads, for the shapes (E, E_local, H, I, quant) where a winner beat the heuristic by
+the margin at some batch. In such a shape every measured batch gets an entry (the heuristic's config
+where it won), so that the nearest-batch lookup does not carry a neighbour's winner onto a batch where
+the heuristic measured best. `HPCOPS_MOE_TUNED=<out>/moe_tuned.json` makes `get_config` (and so the
+bench) use it; `--write` (or `--merge FILE` later, without a GPU) rewrites `hpcops/moe/tuned.py`.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hpcops.bench.suites import moe as suite
+from hpcops.bench.tune.engine import ScenarioResult, TuneOp, TuneResult, on_gpu
+from hpcops.bench.tune.space import Candidate, knob
+
+# The search space: per MoeConfig field, the values tried around the heuristic's value (its neighbours in
+# the list, one field at a time; then the winning moves combined, space.py). Order = priority (`--quick`
+# reaches only the first knobs). A new MoeConfig field is one more line, e.g. knob("swap_ab", False, True).
+SPACE = (
+    knob("block_n", 16, 32, 64, 128),
+    knob("block_m", 16, 32, 64, 128),
+    knob("down_block_n", 32, 64, 128, 256),
+    knob("num_stages", 2, 3, 4, 5),
+    knob("down_num_stages", 2, 3, 4, 5),
+    knob("block_k", 64, 128, 256),
+    knob("down_block_k", 64, 128, 256),
+    knob("num_warps", 4, 8),
+    knob("down_num_warps", 4, 8),
+    knob("prequant_x", False, True),
+)
+
+ENTRY_KEYS = ("E", "E_local", "H", "I", "quant", "T")
+
+
+def _tunable() -> tuple[str, ...]:
+    from hpcops.moe.configs import TUNABLE
+
+    return TUNABLE
+
+
+class MoeTune(TuneOp):
+    name = "moe"
+    timing = "kernels"
+    space = SPACE
+    has_table = True
+
+    def scenarios(self, quick: bool) -> list[suite.Scenario]:
+        return suite.scenarios(quick)
+
+    def _heuristic(self, s: suite.Scenario):
+        from hpcops._platform import is_interpreter
+        from hpcops.moe.configs import heuristic_config
+
+        return heuristic_config(num_tokens=s.t, top_k=suite.TOP_K, num_experts=suite.E_GLOBAL, hidden=suite.HIDDEN,
+                                inter=s.inter, quant=s.kind, interpreter=is_interpreter())
+
+    def base(self, s: suite.Scenario) -> Candidate:
+        cfg = self._heuristic(s)
+        return {f: getattr(cfg, f) for f in _tunable()}
+
+    def valid(self, s: suite.Scenario, c: Candidate) -> bool:
+        if s.kind == "fp8_block":  # MoeConfig: Fp8Block128 needs K tiles of 128 and N tiles dividing 128
+            if c["block_k"] != 128 or c["down_block_k"] != 128 or 128 % c["block_n"] or 128 % c["down_block_n"]:
+                return False
+        # K tiles past I add only masked work
+        return c["down_block_k"] <= max(64, s.inter)
+
+    def extra(self, s: suite.Scenario, base: Candidate) -> list[Candidate]:
+        """The config the current tuned table (hpcops/moe/tuned.py, HPCOPS_MOE_TUNED) picks, if not the heuristic."""
+        if not on_gpu():
+            return []
+        from hpcops.moe.configs import get_config
+        from hpcops.moe.fused_moe import device_name
+
+        cfg = get_config(num_tokens=s.t, top_k=suite.TOP_K, num_experts=suite.E_GLOBAL, hidden=suite.HIDDEN,
+                         inter=s.inter, quant=s.kind, num_local_experts=s.n_local,
+                         device_name=device_name(torch.device("cuda")))
+        return [{f: getattr(cfg, f) for f in base}]
+
+    def make_inputs(self, s: suite.Scenario, layer: int, device: str) -> dict[str, Any]:
+        return suite._make_inputs(s, layer, device)
+
+    def bytes(self, s: suite.Scenario) -> int:
+        return suite._traffic(s)[0]
+
+    def params(self, s: suite.Scenario) -> dict[str, Any]:
+        return {"layout": s.layout, "B": s.t, "quant": s.kind, "E_global": suite.E_GLOBAL, "E_local": s.n_local,
+                "top_k": suite.TOP_K, "H": suite.HIDDEN, "I": s.inter}
+
+    def prepare(self, s: suite.Scenario, cand: Candidate):
+        return suite._ours(s, cand)
+
+    def gate(self, s: suite.Scenario, x: dict[str, Any], cand: Candidate, name: str) -> None:
+        x["out"].fill_(float("nan"))  # an element the candidate leaves unwritten fails
+        got = suite._ours(s, cand)(x)()
+        suite._assert_matches(s, x, got, f"hpcops[{name}]")
+
+    def table_notes(self, result: TuneResult) -> dict[str, str]:
+        return entries(result)[2]
+
+    def write_table(self, result: TuneResult, out_dir: str) -> Path:
+        return write_json(result, out_dir)
+
+    def merge_into_table(self, result: TuneResult) -> str:
+        if result.device == "cpu":
+            return "--write: nothing merged (a CPU run)"
+        es, measured, _ = entries(result)
+        n = merge_table(table_path(), result.device, es, measured)
+        return (f"merged {len(es)} entries for {result.device!r} into {table_path()} ({n} entries for it now; "
+                f"{len(measured)} batches measured)")
+
+
+OP = MoeTune()
+
+
+# ---- the tuned table ---------------------------------------------------------------------------------
+
+def _shape(s_params: dict[str, Any]) -> dict[str, Any]:
+    return {"E": s_params["E_global"], "E_local": s_params["E_local"], "H": s_params["H"], "I": s_params["I"],
+            "quant": s_params["quant"]}
+
+
+def entry_key(e: dict[str, Any]) -> tuple:
+    return (int(e["E"]), int(e.get("E_local", e["E"])), int(e["H"]), int(e["I"]), str(e["quant"]), int(e["T"]))
+
+
+def entries(result: TuneResult) -> tuple[list[dict], list[list], dict[str, str]]:
+    """(entries, measured keys [E, E_local, H, I, quant, T], a note per scenario for the report)."""
+    groups: dict[tuple, list[ScenarioResult]] = {}
+    for res in result.scenarios:
+        if res.rows and res.measured:
+            groups.setdefault(tuple(_shape(res.params).values()), []).append(res)
+    out, measured, notes = [], [], {}
+    for group in groups.values():
+        has_winner = any(r.winner for r in group)
+        for res in group:
+            key = {**_shape(res.params), "T": res.params["B"]}
+            measured.append(list(key.values()))
+            h = res.heuristic.median_us
+            if res.winner:
+                row, notes[res.name] = res.best, "winner"
+            elif has_winner:
+                row, notes[res.name] = res.heuristic, "heuristic (pinned: a batch of this shape has a winner)"
+            else:
+                notes[res.name] = "—"
+                continue
+            out.append({**key, "config": dict(row.config), "us": round(row.median_us, 2),
+                        "heuristic_us": round(h, 2), "timing": result.timing})
+    return out, measured, notes
+
+
+def tuned_json(result: TuneResult) -> dict[str, Any]:
+    es, measured, _ = entries(result)
+    return {"device": result.device, "timing": result.timing, "margin": result.margin, "entries": es,
+            "measured": measured}
+
+
+def write_json(result: TuneResult, out_dir: str | Path) -> Path:
+    path = Path(out_dir) / "moe_tuned.json"
+    path.write_text(json.dumps(tuned_json(result), indent=1) + "\n")
+    return path
+
+
+def table_path() -> Path:
+    import hpcops.moe.tuned as tuned
+
+    return Path(tuned.__file__)
+
+
+def _literal(v: Any) -> str:
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{_literal(k)}: {_literal(x)}" for k, x in v.items()) + "}"
+    return repr(v)
+
+
+def _wrapped(items: list[str], first: str, indent: str, last: str, width: int = 118) -> list[str]:
+    """`first` + items joined by ", " + `last`, broken into lines of at most `width` characters."""
+    lines, cur = [], first
+    for i, item in enumerate(items):
+        piece = item + (", " if i + 1 < len(items) else last)
+        if len(cur) + len(piece.rstrip()) > width and cur.strip():
+            lines.append(cur.rstrip())
+            cur = indent
+        cur += piece
+    lines.append(cur.rstrip())
+    return lines
+
+
+def _ordered(e: dict[str, Any]) -> dict[str, Any]:
+    order = list(_tunable())
+    cfg = {k: e["config"][k] for k in sorted(e["config"], key=lambda k: (order.index(k) if k in order else 99, k))}
+    head = {k: e[k] for k in ENTRY_KEYS if k in e}
+    tail = {k: e[k] for k in sorted(e) if k not in ENTRY_KEYS and k != "config"}
+    return {**head, "config": cfg, **tail}
+
+
+def format_table(table: dict[str, list[dict]]) -> str:
+    """The `TUNED = {...}` assignment: devices sorted, entries sorted by shape then batch, one field order."""
+    lines = ["TUNED: dict[str, list[dict]] = {"]
+    for dev in sorted(table):
+        lines.append(f"    {_literal(dev)}: [")
+        for e in sorted(table[dev], key=lambda e: (e["quant"], *entry_key(e)[:4], entry_key(e)[5])):
+            e = _ordered(e)
+            head = [f"{_literal(k)}: {_literal(e[k])}" for k in ENTRY_KEYS if k in e]
+            lines += _wrapped(head, "        {", "         ", ",")
+            cfg = [f"{_literal(k)}: {_literal(v)}" for k, v in e["config"].items()]
+            lines += _wrapped(cfg, '         "config": {', "                    ", "},")
+            tail = [f"{_literal(k)}: {_literal(v)}" for k, v in e.items() if k not in ENTRY_KEYS and k != "config"]
+            lines += _wrapped(tail, "         ", "         ", "},") if tail else ["        },"]
+        lines.append("    ],")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def _find_table(text: str) -> tuple[ast.stmt, dict[str, list[dict]]]:
+    for node in ast.parse(text).body:
+        target = node.target if isinstance(node, ast.AnnAssign) else (
+            node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None)
+        if isinstance(target, ast.Name) and target.id == "TUNED" and node.value is not None:
+            return node, ast.literal_eval(node.value)
+    raise ValueError("no `TUNED = {...}` literal found")
+
+
+def read_table(path: str | Path) -> dict[str, list[dict]]:
+    return _find_table(Path(path).read_text())[1]
+
+
+def merge_table(path: str | Path, device: str, new: list[dict], measured: list[list]) -> int:
+    """Rewrite the TUNED literal of `path` (hpcops/moe/tuned.py): `device`'s entries at the measured
+    (shape, batch) keys are replaced by `new` (dropped where `new` has none: the heuristic won there);
+    the rest of the file is kept. Returns the number of entries `device` has afterwards."""
+    path = Path(path)
+    text = path.read_text()
+    node, table = _find_table(text)
+    gone = {tuple(k) for k in measured} | {entry_key(e) for e in new}
+    for e in new:
+        unknown = set(e["config"]) - set(_tunable())
+        if unknown:
+            raise ValueError(f"entry {entry_key(e)}: fields {sorted(unknown)} are not tunable MoeConfig fields")
+    kept = [e for e in table.get(device, []) if entry_key(e) not in gone]
+    table[device] = kept + [dict(e) for e in new]
+    if not table[device]:
+        del table[device]
+    lines = text.splitlines(keepends=True)
+    path.write_text("".join(lines[:node.lineno - 1]) + format_table(table) + "".join(lines[node.end_lineno:]))
+    return len(table.get(device, []))
+
+
+def merge_json(json_path: str | Path, table: str | Path | None = None) -> tuple[str, int, int]:
+    """Merge a `moe_tuned.json` into the tuned table; (device, entries merged, entries of the device now)."""
+    data = json.loads(Path(json_path).read_text())
+    dev = data.get("device") or ""
+    if not dev or dev == "cpu":
+        raise ValueError(f"{json_path}: no GPU device name (a CPU run has nothing to merge)")
+    es = data.get("entries", [])
+    n = merge_table(table or table_path(), dev, es, data.get("measured", []))
+    return dev, len(es), n

@@ -1,0 +1,342 @@
+"""`hpcops tune` on the CPU: the search spaces, the search loop (a fake op with a cost model), the gate,
+the tuned-table writer, the compile workers' fallback, and `hpcops tune moe --smoke` end to end through
+the interpreter on a tiny MoE (timing stubbed: the bench's timing needs CUDA)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+
+import pytest
+
+from hpcops.bench import timing
+from hpcops.bench.suites import moe as suite
+from hpcops.bench.tune import OPS, get_op
+from hpcops.bench.tune import moe as tmoe
+from hpcops.bench.tune.compile import Compiler
+from hpcops.bench.tune.engine import MAX_CANDIDATES, Limits, TuneOp, TuneOptions, phase_a, tune
+from hpcops.bench.tune.space import combinations, key, knob, label, neighbours
+from hpcops.cli import main
+from hpcops.moe.configs import TUNABLE, MoeConfig, tuned_entry
+
+H200 = "NVIDIA H200"
+
+
+@pytest.fixture
+def gpu_heuristics(monkeypatch):
+    """The spaces as the GPU builds them (the interpreter's heuristic takes larger tiles)."""
+    import hpcops._platform
+
+    monkeypatch.setattr(hpcops._platform, "is_interpreter", lambda: False)
+
+
+@pytest.fixture
+def tiny(monkeypatch):
+    monkeypatch.setattr(suite, "E_GLOBAL", 8)
+    monkeypatch.setattr(suite, "TOP_K", 3)
+    monkeypatch.setattr(suite, "HIDDEN", 256)
+    monkeypatch.setattr(suite, "INTER", {"tp8": 128, "ep8": 128})
+    monkeypatch.setattr(suite, "N_LOCAL", {"tp8": 8, "ep8": 3})
+
+
+# ---- search spaces -----------------------------------------------------------------------------------
+
+def test_moe_space_bounded_valid_and_starts_at_the_heuristic(gpu_heuristics):
+    from hpcops.moe.configs import heuristic_config
+
+    op = get_op("moe")
+    full, quick, smoke = Limits.of(False, False), Limits.of(True, False), Limits.of(False, True)
+    assert full.phase_a + full.phase_b == MAX_CANDIDATES == 48
+    scenarios = op.scenarios(False)
+    assert {s.name for s in scenarios} == {c.name for c in suite.cases({})}  # the bench's scenarios
+    for s in scenarios:
+        cands = [c for _, c in phase_a(op, s, full)]
+        h = heuristic_config(num_tokens=s.t, top_k=suite.TOP_K, num_experts=suite.E_GLOBAL, hidden=suite.HIDDEN,
+                             inter=s.inter, quant=s.kind)
+        assert cands[0] == {f: getattr(h, f) for f in TUNABLE}, s.name
+        assert 10 <= len(cands) <= full.phase_a and len({key(c) for c in cands}) == len(cands)
+        for c in cands:
+            MoeConfig(**c)  # every candidate is a full, valid MoeConfig
+            assert set(c) == set(TUNABLE)
+            assert sum(c[f] != cands[0][f] for f in c) == (0 if c is cands[0] else 1)  # one knob at a time
+            if s.kind == "fp8_block":
+                assert c["block_k"] == c["down_block_k"] == 128 and 128 % c["block_n"] == 0
+                assert 128 % c["down_block_n"] == 0
+        assert len(phase_a(op, s, quick)) == quick.phase_a == 5
+        assert [c for _, c in phase_a(op, s, smoke)] == cands[:2]
+    b4 = next(s for s in scenarios if s.name == "B4-tp8-fp8t")
+    labels = [label(c, op.base(b4)) for _, c in phase_a(op, b4, full)]
+    assert labels[:3] == ["heuristic", "block_n=16", "block_n=64"] and "prequant_x=1" in labels
+
+
+def test_a_new_field_is_one_knob():
+    """Adding a field's candidate values to a space is one `knob(...)` line: phase A then moves it alone."""
+    base = {"block_n": 32, "num_stages": 4, "swap_ab": False, "naive_max_pairs": 0}
+    space = (knob("block_n", 16, 32, 64, 128), knob("swap_ab", False, True), knob("naive_max_pairs", 0, 16, 48))
+    got = [label(c, base) for c in neighbours(base, space, None)]
+    assert got == ["heuristic", "block_n=16", "block_n=64", "swap_ab=1", "naive_max_pairs=16"]
+    far = knob("naive_max_pairs", 0, 16, 48, near=2)
+    assert [label(c, base) for c in neighbours(base, (far,), None)] == ["heuristic", "naive_max_pairs=16",
+                                                                         "naive_max_pairs=48"]
+    assert [c["block_n"] for c in neighbours(base, space, None, valid=lambda c: c["block_n"] != 16)][:2] == [32, 64]
+
+
+def test_phase_b_combines_the_winning_moves():
+    base = {"a": 2, "b": 2, "c": 2, "d": False}
+    space = (knob("a", 1, 2, 3, 4), knob("b", 1, 2, 3), knob("c", 1, 2, 3), knob("d", False, True))
+    timed = [({**base, "a": 3}, 80.0), ({**base, "b": 1}, 90.0), ({**base, "c": 3}, 95.0),
+             ({**base, "d": True}, 99.5), ({**base, "a": 1}, 120.0)]
+    got = combinations(base, timed, 100.0, space, None)
+    labels = [label(c, base) for c in got]
+    # d=1 is within the 1 % noise band: not a winning move
+    assert labels == ["a=3 b=1", "a=3 b=1 c=3", "a=3 c=3", "b=1 c=3", "a=4 b=1 c=3"]
+    assert len(combinations(base, timed, 100.0, space, None, limit=2)) == 2
+    assert combinations(base, timed[:1], 100.0, space, None) == [{**base, "a": 4}]
+    assert combinations(base, [], 100.0, space, None) == []
+    assert combinations(base, timed, 100.0, space, None, seen=[key(got[0])])[0] == got[1]
+
+
+# ---- the search loop, on a fake op -------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class FakeScenario:
+    name: str
+
+
+class FakeOp(TuneOp):
+    """Times from a cost model: a=3 and b=1 are faster, c=3 is wrong (fails the gate) and fastest,
+    b=3 is refused by the op's validation."""
+
+    name = "fake"
+    space = (knob("a", 1, 2, 3, 4), knob("b", 1, 2, 3), knob("c", 1, 2, 3))
+
+    def scenarios(self, quick):
+        return [FakeScenario("S1"), FakeScenario("S2")]
+
+    def base(self, s):
+        return {"a": 2, "b": 2, "c": 2}
+
+    def make_inputs(self, s, layer, device):
+        return {"layer": layer}
+
+    def bytes(self, s):
+        return 1 << 30
+
+    def cost(self, c):
+        if c["b"] == 3:
+            raise ValueError("b=3 is refused")
+        return 100.0 - 15 * (c["a"] == 3) - 10 * (c["b"] == 1) - 30 * (c["c"] == 3) + 20 * (c["a"] == 1)
+
+    def prepare(self, s, c):
+        return lambda x: (lambda: self.cost(c))
+
+    def gate(self, s, x, c, name):
+        self.cost(c)
+        if c["c"] == 3:
+            raise AssertionError(f"{name}: wrong output")
+
+
+@pytest.fixture
+def fake_timing(monkeypatch):
+    calls = []
+
+    def timed(fns, *a, **k):
+        calls.append(len(fns))
+        return fns[0]()
+
+    monkeypatch.setattr(timing, "graph_time_us", timed)
+    monkeypatch.setattr(timing, "profiler_kernel_time_us", timed)
+    return calls
+
+
+def test_search_gates_combines_and_keeps_the_winner(fake_timing):
+    done = []
+    res = tune(FakeOp(), TuneOptions(layers=3, progress=False, budget_s=None), on_scenario=done.append)
+    assert len(done) == 2 and not res.aborted
+    assert set(fake_timing) == {3}  # every layer's callable, in one timing
+    s = res.scenarios[0]
+    rows = {r.label: r for r in s.rows}
+    assert [r.phase for r in s.rows][:1] == ["A"] and s.heuristic.label == "heuristic"
+    assert rows["c=3"].status.startswith("check-failed") and rows["c=3"].us is None  # fastest, never ranked
+    assert rows["b=3"].status.startswith("invalid") and rows["b=3"].us is None
+    assert rows["a=3"].us == 85.0 and rows["b=1"].us == 90.0
+    assert rows["a=3 b=1"].phase == "B" and rows["a=3 b=1"].us == 75.0
+    assert s.best.label == "a=3 b=1" and s.winner and s.speedup == pytest.approx(100 / 75)
+    assert len(s.best.final) == 2 and len(s.heuristic.final) == 2  # re-timed interleaved, 2 rounds
+    assert len(s.rows) <= MAX_CANDIDATES
+
+
+def test_search_without_a_margin_keeps_the_heuristic(fake_timing, monkeypatch):
+    monkeypatch.setattr(FakeOp, "cost", lambda self, c: 100.0 - 2 * (c["a"] == 3))  # 2 % < the 3 % margin
+    res = tune(FakeOp(), TuneOptions(layers=1, progress=False, budget_s=None))
+    s = res.scenarios[0]
+    assert s.best.label == "a=3" and not s.winner
+
+
+def test_budget_skips_candidates_but_times_every_heuristic(fake_timing):
+    res = tune(FakeOp(), TuneOptions(layers=1, progress=False, budget_s=1e-9))
+    for s in res.scenarios:
+        assert s.heuristic.us == 100.0 and s.heuristic.status == "ok"
+        assert all(r.status == "skipped: time budget" for r in s.rows[1:])
+        assert not s.measured and not s.winner
+
+
+def test_compile_workers_fall_back_to_the_main_process(tiny):
+    """Without a GPU a worker cannot build CUDA inputs: it answers "not compiled" and the candidate runs
+    (and compiles) in the main process. Also checks that scenarios and candidates travel to a spawned worker."""
+    s = suite.Scenario("tp8", 4, "fp8_tensor")
+    cands = [{"block_n": 32}, {"block_n": 64}]
+    c = Compiler("moe", jobs=1)
+    try:
+        c.submit(s, cands)
+        assert [c.status(s, x, timeout=300) for x in cands] == [None, None]
+    finally:
+        c.close()
+    off = Compiler("moe", jobs=0)
+    off.submit(s, cands)
+    assert off.status(s, cands[0]) is None and not off.futures
+
+
+# ---- MoE end to end (interpreter) ---------------------------------------------------------------------
+
+def _faster_block_n(monkeypatch, fast: int):
+    """Stub timing: the bench's functions need CUDA; run every layer's callable, then report 100 µs, or
+    80 µs for candidates with block_n == fast (read from the config the call ran with)."""
+    seen = []
+    real = tmoe.suite._ours
+
+    def ours(s, overrides=None):
+        prep = real(s, overrides)
+
+        def prepare(x):
+            fn = prep(x)
+
+            def call():
+                seen.append((overrides or {}).get("block_n"))
+                return fn()
+            return call
+        return prepare
+
+    def timed(fns, *a, **k):
+        seen.clear()
+        for f in fns:
+            f()
+        return 80.0 if seen and all(b == fast for b in seen) else 100.0
+
+    monkeypatch.setattr(tmoe.suite, "_ours", ours)
+    monkeypatch.setattr(timing, "profiler_kernel_time_us", timed)
+
+
+def test_tune_moe_smoke_end_to_end(tiny, monkeypatch, tmp_path, capsys):
+    """`hpcops tune moe --smoke` on the CPU: the heuristic and one move, each gated against the suite's
+    reference through the interpreter; the faster one (stub) is written as a tuned entry."""
+    op = get_op("moe")
+    s = op.scenarios(False)[0]
+    moved = [c for _, c in phase_a(op, s, Limits.of(False, True))][1]
+    _faster_block_n(monkeypatch, moved["block_n"])
+    assert main(["tune", "moe", "--smoke", "--out", str(tmp_path), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "| B4-tp8-fp8t |" in out and "winner" in out
+    res = json.loads((tmp_path / "moe_tune.json").read_text())
+    sc = res["scenarios"][0]
+    assert sc["name"] == "B4-tp8-fp8t" and sc["layers"] == 2 and sc["winner"]
+    assert [r["status"] for r in sc["rows"]] == ["ok", "ok"] and sc["best"] == f"block_n={moved['block_n']}"
+    table = json.loads((tmp_path / "moe_tuned.json").read_text())
+    assert table["device"] == "cpu" and table["measured"] == [[8, 8, 256, 128, "fp8_tensor", 4]]
+    (e,) = table["entries"]
+    assert e["config"] == moved and e["us"] == 80.0 and e["heuristic_us"] == 100.0 and e["T"] == 4
+    assert "**block_n=" in (tmp_path / "moe_tune.md").read_text()
+
+
+def test_gate_rejects_a_wrong_candidate(tiny, monkeypatch):
+    """A candidate whose output is off fails the suite's own gate (_assert_matches): reported, never the
+    winner, though its (stubbed) time is the best."""
+    op = get_op("moe")
+    s = op.scenarios(False)[0]
+    moved = [c for _, c in phase_a(op, s, Limits.of(False, True))][1]
+    real = tmoe.suite._ours
+
+    def ours(s_, overrides=None):
+        prep = real(s_, overrides)
+        if overrides == moved:
+            return lambda x: (lambda: prep(x)().mul_(1.1))  # 10 % off: the cosine is still 1, the errors not
+        return prep
+    monkeypatch.setattr(tmoe.suite, "_ours", ours)
+    monkeypatch.setattr(timing, "profiler_kernel_time_us", lambda fns, *a, **k: [f() for f in fns] and 50.0)
+    res = tune(op, TuneOptions(smoke=True, layers=1, progress=False))
+    h, bad = res.scenarios[0].rows
+    assert h.status == "ok" and bad.status.startswith("check-failed: hpcops[block_n=")
+    assert res.scenarios[0].best is h and not res.scenarios[0].winner
+
+
+# ---- the tuned table ---------------------------------------------------------------------------------
+
+def _entry(T, us=10.0, **cfg):
+    return {"E": 192, "E_local": 192, "H": 4096, "I": 192, "quant": "fp8_tensor", "T": T,
+            "config": {f: cfg.get(f, getattr(MoeConfig(), f)) for f in TUNABLE}, "us": us, "heuristic_us": 12.0}
+
+
+def test_tuned_table_round_trip(tmp_path, monkeypatch):
+    import hpcops.moe.tuned as tuned
+
+    path = tmp_path / "tuned.py"
+    shutil.copy(tmoe.table_path(), path)
+    doc = path.read_text().split("TUNED")[0]
+    n = tmoe.merge_table(path, H200, [_entry(64, block_n=64), _entry(4, block_n=16, prequant_x=True)],
+                         measured=[[192, 192, 4096, 192, "fp8_tensor", 4], [192, 192, 4096, 192, "fp8_tensor", 64]])
+    assert n == 2
+    text = path.read_text()
+    assert text.startswith(doc) and max(len(line) for line in text.splitlines()) <= 120
+    ns: dict = {}
+    exec(compile(text, str(path), "exec"), ns)  # the file is valid Python and its literal is the table
+    assert ns["TUNED"] == tmoe.read_table(path)
+    assert [e["T"] for e in ns["TUNED"][H200]] == [4, 64]  # sorted by shape, then batch
+    monkeypatch.setattr(tuned, "TUNED", ns["TUNED"])
+    monkeypatch.delenv("HPCOPS_MOE_TUNED", raising=False)
+    look = dict(num_experts=192, num_local_experts=192, hidden=4096, inter=192, quant="fp8_tensor")
+    got = tuned_entry(H200, num_tokens=5, **look)
+    assert got["block_n"] == 16 and got["prequant_x"] is True and set(got) == set(TUNABLE)
+    assert tuned_entry(H200, num_tokens=48, **look)["block_n"] == 64
+    # re-tuned: T=4 replaced, T=64 measured again without a winner (dropped), another device untouched
+    tmoe.merge_table(path, "NVIDIA H100", [_entry(16)], measured=[])
+    n = tmoe.merge_table(path, H200, [_entry(4, block_n=32)], measured=[[192, 192, 4096, 192, "fp8_tensor", 64]])
+    table = tmoe.read_table(path)
+    assert n == 1 and [(e["T"], e["config"]["block_n"]) for e in table[H200]] == [(4, 32)]
+    assert [e["T"] for e in table["NVIDIA H100"]] == [16]
+    assert tmoe.format_table(table) in path.read_text()  # stable: formatting the parsed table again is a no-op
+    with pytest.raises(ValueError, match="not tunable"):
+        tmoe.merge_table(path, H200, [{**_entry(4), "config": {"blk": 3}}], measured=[])
+
+
+def test_merge_json_and_the_pinned_heuristic(tmp_path):
+    """--merge FILE: a GPU run's moe_tuned.json into the table. Entries: a shape with a winner at one batch
+    pins the heuristic's config at its other measured batches."""
+    from hpcops.bench.tune.engine import Row, ScenarioResult, TuneResult
+
+    def sres(t, winner):
+        params = {"E_global": 192, "E_local": 192, "H": 4096, "I": 192, "quant": "fp8_tensor", "B": t}
+        h = Row("heuristic", "A", {"block_n": 32}, "ok", 10.0, [10.0])
+        b = Row("block_n=64", "A", {"block_n": 64}, "ok", 8.0 if winner else 9.9, [8.0 if winner else 9.9])
+        return ScenarioResult(f"B{t}", params, h.config, 8, [h, b], best=b, winner=winner)
+
+    res = TuneResult("moe", "kernels", 0.03, H200, [sres(4, True), sres(64, False)])
+    es, measured, notes = tmoe.entries(res)
+    assert [(e["T"], e["config"]["block_n"], e["us"]) for e in es] == [(4, 64, 8.0), (64, 32, 10.0)]
+    assert notes["B64"].startswith("heuristic (pinned") and notes["B4"] == "winner" and len(measured) == 2
+    no_win = TuneResult("moe", "kernels", 0.03, H200, [sres(64, False)])
+    assert tmoe.entries(no_win)[0] == []
+    path = tmp_path / "tuned.py"
+    shutil.copy(tmoe.table_path(), path)
+    js = tmp_path / "moe_tuned.json"
+    js.write_text(json.dumps(tmoe.tuned_json(res)))
+    assert tmoe.merge_json(js, path) == (H200, 2, 2)
+    js.write_text(json.dumps({**tmoe.tuned_json(res), "device": "cpu"}))
+    with pytest.raises(ValueError, match="no GPU device"):
+        tmoe.merge_json(js, path)
+
+
+def test_cli_usage(capsys, monkeypatch):
+    assert main(["tune", "nope", "--dry-run"]) == 2
+    assert "unknown op 'nope'" in capsys.readouterr().err
+    assert set(OPS) == {"moe"}
