@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The GPU tier in one call on the H200 (through the device tool): tests + benchmarks + sweeps.
+# The GPU tier in one call on the H200 (through the device tool): tests + benchmarks + tuning.
 #   bash scripts/gpu_check.sh [STAGE ...]     stages: tests, tests:<paths>, bench:<suite>[,<suite>...],
-#                                             tune:<op>[,<op>...] (hpcops tune), sweep:<name> (scripts/sweep_<name>.py),
+#                                             tune:<op>[,<op>...] (hpcops tune: decode, moe, moe-shapes, rope,
+#                                             prefill),
 #                                             profile:decode (ncu), smoke (the smallest complete run of every GPU
-#                                             tool)
+#                                             tool: hpcops tune <op> --smoke for every op, profile_decode.py)
 # Default: tests bench:decode,moe,rope,prefill. Results go to $OUT (or ./out): logs, and one
 # results.tar.gz holding bench/results/*.{json,md,png} to unpack into bench/results/ (the `tests`
 # stage writes results/gpu_tests.txt; `smoke` writes results/smoke/). Set GIT_REV to the commit of the
@@ -48,14 +49,12 @@ for st in "${stages[@]}"; do
       head -30 "$OUT/results/gpu_tests.txt"
       grep -h -E "^(FAILED|ERROR)" "$OUT"/results/tests/test_*.log | head -40 ;;
     smoke)
-      # The smallest complete run of every GPU script in scripts/ (each must finish on the H200).
+      # The smallest complete run of every GPU tool: `hpcops tune <op> --smoke` for every op, profile_decode.py.
       sm="$OUT/results/smoke"
       mkdir -p "$sm"
-      for s in decode moe rope prefill; do
-        cmd=(python3 -m hpcops tune "$s" --smoke --out "$sm" --no-progress)
-        [ -f "scripts/sweep_$s.py" ] && cmd=(python3 "scripts/sweep_$s.py" --smoke --out "$sm")
-        echo "== ${cmd[*]}" | tee -a "$sm/smoke.log"
-        timeout 300 "${cmd[@]}" >> "$sm/smoke.log" 2>&1 \
+      for s in decode moe moe-shapes rope prefill; do
+        echo "== hpcops tune $s --smoke" | tee -a "$sm/smoke.log"
+        timeout 300 python3 -m hpcops tune "$s" --smoke --out "$sm" --no-progress >> "$sm/smoke.log" 2>&1 \
           && echo "tune_$s: ok" | tee -a "$sm/smoke.log" || { echo "tune_$s: FAILED" | tee -a "$sm/smoke.log"; status=1; }
       done
       echo "== profile_decode.py under ncu" | tee -a "$sm/smoke.log"
@@ -81,9 +80,6 @@ for st in "${stages[@]}"; do
           --section SchedulerStats --section WarpStateStats \
           python3 scripts/profile_decode.py $args 2>&1 | tee -a "$OUT/results/ncu_decode.txt" | tail -60
       done ;;
-    sweep:*)
-      python3 "scripts/sweep_${st#sweep:}.py" --out "$OUT/results" 2>&1 | tee -a "$OUT/sweep.log" | tail -40 \
-        || status=1 ;;
     tune:*)
       # `hpcops tune <op>` for each op: <op>_tune.{md,json} (+ moe_tuned.json) in results/; TUNE_ARGS adds options
       IFS=, read -ra ops <<< "${st#tune:}"

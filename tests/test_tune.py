@@ -42,17 +42,19 @@ def tiny(monkeypatch):
 
 # ---- search spaces -----------------------------------------------------------------------------------
 
-def test_moe_space_bounded_valid_and_starts_at_the_heuristic(gpu_heuristics):
+@pytest.mark.parametrize("name", ["moe", "moe-shapes"])
+def test_moe_space_bounded_valid_and_starts_at_the_heuristic(gpu_heuristics, name):
+    from hpcops.bench import get_suite
     from hpcops.moe.configs import heuristic_config
 
-    op = get_op("moe")
+    op = get_op(name)
     full, quick, smoke = Limits.of(False, False), Limits.of(True, False), Limits.of(False, True)
     assert full.phase_a + full.phase_b == MAX_CANDIDATES == 48
     scenarios = op.scenarios(False)
-    assert {s.name for s in scenarios} == {c.name for c in suite.cases({})}  # the bench's scenarios
+    assert [s.name for s in scenarios] == [c.name for c in get_suite(name)({})]  # the bench's scenarios
     for s in scenarios:
         cands = [c for _, c in phase_a(op, s, full)]
-        h = heuristic_config(num_tokens=s.t, top_k=suite.TOP_K, num_experts=suite.E_GLOBAL, hidden=suite.HIDDEN,
+        h = heuristic_config(num_tokens=s.t, top_k=s.top_k, num_experts=s.e_global, hidden=s.hidden,
                              inter=s.inter, quant=s.kind)
         assert cands[0] == {f: getattr(h, f) for f in TUNABLE}, s.name
         assert 10 <= len(cands) <= full.phase_a and len({key(c) for c in cands}) == len(cands)
@@ -65,9 +67,34 @@ def test_moe_space_bounded_valid_and_starts_at_the_heuristic(gpu_heuristics):
                 assert 128 % c["down_block_n"] == 0
         assert len(phase_a(op, s, quick)) == quick.phase_a == 5
         assert [c for _, c in phase_a(op, s, smoke)] == cands[:2]
+    if name != "moe":
+        return
     b4 = next(s for s in scenarios if s.name == "B4-tp8-fp8t")
     labels = [label(c, op.base(b4)) for _, c in phase_a(op, b4, full)]
     assert labels[:3] == ["heuristic", "block_n=16", "block_n=64"] and "prequant_x=1" in labels
+
+
+def test_other_ops_spaces_are_valid():
+    from hpcops.attention.decode import DecodeConfig
+    from hpcops.attention.prefill import PrefillConfig
+    from hpcops.rope.prologue import RopeConfig
+
+    build = {"decode": lambda c: DecodeConfig(**{k: v for k, v in c.items() if k not in ("pps", "min_tiles")}),
+             "rope": lambda c: RopeConfig(**c), "prefill": lambda c: PrefillConfig(**c)}
+    for name, make in build.items():
+        op = get_op(name)
+        scenarios = op.scenarios(False)
+        assert len(scenarios) >= len(op.scenarios(True)) > 0
+        for s in scenarios:
+            cands = [c for _, c in phase_a(op, s, Limits.of(False, False))]
+            assert cands[0] == op.base(s) and len(cands) >= 4 and len({key(c) for c in cands}) == len(cands)
+            for c in cands:
+                make(c)
+    pre = get_op("prefill")
+    names = [s.name for s in pre.scenarios(True)]
+    assert "h64x8-fp8-q2k-fp8q" in names and "h64x8-bf16-q2k-fp8q" not in names
+    s = next(s for s in pre.scenarios(True) if s.name == "h64x8-bf16-q2k")
+    assert not any(c["quant_q"] or c["pv_fp8"] for _, c in phase_a(pre, s, Limits.of(False, False)))
 
 
 def test_a_new_field_is_one_knob():
@@ -204,10 +231,10 @@ def _faster_block_n(monkeypatch, fast: int):
     """Stub timing: the bench's functions need CUDA; run every layer's callable, then report 100 µs, or
     80 µs for candidates with block_n == fast (read from the config the call ran with)."""
     seen = []
-    real = tmoe.suite._ours
+    real = tmoe.common.ours
 
-    def ours(s, overrides=None):
-        prep = real(s, overrides)
+    def ours(s, overrides=None, **kw):
+        prep = real(s, overrides, **kw)
 
         def prepare(x):
             fn = prep(x)
@@ -224,7 +251,7 @@ def _faster_block_n(monkeypatch, fast: int):
             f()
         return 80.0 if seen and all(b == fast for b in seen) else 100.0
 
-    monkeypatch.setattr(tmoe.suite, "_ours", ours)
+    monkeypatch.setattr(tmoe.common, "ours", ours)
     monkeypatch.setattr(timing, "profiler_kernel_time_us", timed)
 
 
@@ -255,20 +282,79 @@ def test_gate_rejects_a_wrong_candidate(tiny, monkeypatch):
     op = get_op("moe")
     s = op.scenarios(False)[0]
     moved = [c for _, c in phase_a(op, s, Limits.of(False, True))][1]
-    real = tmoe.suite._ours
+    real = tmoe.common.ours
 
-    def ours(s_, overrides=None):
-        prep = real(s_, overrides)
+    def ours(s_, overrides=None, **kw):
+        prep = real(s_, overrides, **kw)
         if overrides == moved:
             return lambda x: (lambda: prep(x)().mul_(1.1))  # 10 % off: the cosine is still 1, the errors not
         return prep
-    monkeypatch.setattr(tmoe.suite, "_ours", ours)
+    monkeypatch.setattr(tmoe.common, "ours", ours)
     monkeypatch.setattr(timing, "profiler_kernel_time_us", lambda fns, *a, **k: [f() for f in fns] and 50.0)
     res = tune(op, TuneOptions(smoke=True, layers=1, progress=False))
     h, bad = res.scenarios[0].rows
     assert h.status == "ok" and bad.status.startswith("check-failed: hpcops[block_n=")
     assert res.scenarios[0].best is h and not res.scenarios[0].winner
 
+
+
+def _tiny_case(name: str):
+    from hpcops.bench.suites import decode as sd
+    from hpcops.bench.suites import prefill as sp
+    from hpcops.bench.suites import rope as sr
+    from hpcops.bench.tune.prefill import PrefillCase
+
+    return {"decode": sd.Scenario("2x100", 4, 2, True), "rope": sr.Scenario(5, 4, 2, True),
+            "prefill": PrefillCase(sp.Scenario("q40", 4, 2, True), False),
+            "prefill-fp8q": PrefillCase(sp.Scenario("q40", 4, 2, True), True)}[name]
+
+
+@pytest.mark.parametrize("name", ["decode", "rope", "prefill", "prefill-fp8q"])
+def test_other_ops_gate_their_candidates(name):
+    """The decode/rope/prefill candidates run and pass their gates on a tiny case (interpreter), each inside
+    its op's context (decode: the process-wide DecodeConfig, restored after)."""
+    from hpcops.attention import decode as dec
+
+    op = get_op(name.split("-")[0])
+    s = _tiny_case(name)
+    x = op.make_inputs(s, 0, "cpu")
+    cands = [c for _, c in phase_a(op, s, Limits.of(False, False))]
+    before = dec._CONFIG
+    for c in cands[:3] + cands[-2:]:
+        with op.context(c):
+            op.gate(s, x, c, label(c, cands[0]))
+            assert op.prepare(s, c)(x)() is not None
+    assert before == dec._CONFIG
+
+
+def test_gate_of_a_rope_candidate_checks_its_config(monkeypatch):
+    """Inside its context the suite's gate (which passes no config) runs the candidate's config."""
+    from hpcops.rope import prologue
+
+    op = get_op("rope")
+    s = _tiny_case("rope")
+    x = op.make_inputs(s, 0, "cpu")
+    seen, real = [], prologue.rope_norm_store_kv
+    record = lambda *a, **kw: seen.append(kw.get("config")) or real(*a, **kw)
+    monkeypatch.setattr(prologue, "rope_norm_store_kv", record)
+    cand = {**op.base(s), "block_t": 2, "num_warps": 2, "cos_sin_smem": True}
+    with op.context(cand):
+        op.gate(s, x, cand, "bt2")
+    assert seen == [prologue.RopeConfig(2, 2, None, True)]
+    assert prologue.rope_norm_store_kv is not real  # the recorder is back, the candidate's default gone
+
+
+def test_tune_rope_smoke_end_to_end(monkeypatch, tmp_path, fake_timing):
+    """`hpcops tune rope --smoke` on the CPU (tiny scenario, graph timing stubbed): no tuned table, a report."""
+    op = get_op("rope")
+    monkeypatch.setattr(type(op), "scenarios", lambda self, quick: [_tiny_case("rope")])
+    monkeypatch.setattr(timing, "graph_time_us", lambda fns, *a, **k: [f() for f in fns] and 7.0)
+    assert main(["tune", "rope", "--smoke", "--out", str(tmp_path), "--no-progress"]) == 0
+    res = json.loads((tmp_path / "rope_tune.json").read_text())
+    (sc,) = res["scenarios"]
+    assert sc["name"] == "h4x2-fp8-T5" and [r["status"] for r in sc["rows"]] == ["ok", "ok"]
+    assert sc["heuristic_us"] == 7.0 and not sc["winner"] and not (tmp_path / "moe_tuned.json").exists()
+    assert "| h4x2-fp8-T5 | 7.0 |" in (tmp_path / "rope_tune.md").read_text()
 
 # ---- the tuned table ---------------------------------------------------------------------------------
 
@@ -339,4 +425,6 @@ def test_merge_json_and_the_pinned_heuristic(tmp_path):
 def test_cli_usage(capsys, monkeypatch):
     assert main(["tune", "nope", "--dry-run"]) == 2
     assert "unknown op 'nope'" in capsys.readouterr().err
-    assert set(OPS) == {"moe"}
+    assert main(["tune", "rope", "--write"]) == 2
+    assert "no tuned table" in capsys.readouterr().err
+    assert set(OPS) == {"moe", "moe-shapes", "decode", "rope", "prefill"}

@@ -153,7 +153,7 @@ def _ours(s: Scenario, config: tuple[int, ...] | None = None):
 def _sweep_configs() -> list[tuple[int, ...]]:
     """Extra launch shapes to time beside the default, from HPCOPS_ROPE_CONFIGS="4x8,8x4,4x8x4"
     (block_t x num_warps [x block_kv]): a tuning aid, reported as extra rows `hpcops-bt<B>w<W>[kv<K>]`
-    (scripts/sweep_rope.py sweeps them all in one process)."""
+    (`hpcops tune rope` searches them all in one process)."""
     spec = os.environ.get("HPCOPS_ROPE_CONFIGS", "").strip()
     out = []
     for item in filter(None, (p.strip() for p in spec.split(","))):

@@ -10,16 +10,21 @@ import importlib
 
 from hpcops.bench.tune.engine import TuneOp, TuneOptions, TuneResult, tune
 
-# op name -> module exposing OP (a TuneOp)
+# op name -> module exposing OP (a TuneOp), or "module:NAME"
 OPS: dict[str, str] = {
     "moe": "hpcops.bench.tune.moe",
+    "moe-shapes": "hpcops.bench.tune.moe:SHAPES_OP",
+    "decode": "hpcops.bench.tune.decode",
+    "rope": "hpcops.bench.tune.rope",
+    "prefill": "hpcops.bench.tune.prefill",
 }
 
 
 def get_op(name: str) -> TuneOp:
     if name not in OPS:
         raise ValueError(f"unknown op {name!r}; choose from {sorted(OPS)}")
-    return importlib.import_module(OPS[name]).OP
+    module, _, attr = OPS[name].partition(":")
+    return getattr(importlib.import_module(module), attr or "OP")
 
 
 __all__ = ["OPS", "TuneOp", "TuneOptions", "TuneResult", "get_op", "tune"]

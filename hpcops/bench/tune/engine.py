@@ -64,6 +64,10 @@ class TuneOp:
     def params(self, s: Any) -> dict[str, Any]:
         return {}
 
+    def layers(self, s: Any) -> int:
+        """Layers timed together, each with its own inputs: the bench's L2-cold count."""
+        return timing.layers_for(self.bytes(s))
+
     def prepare(self, s: Any, cand: Candidate) -> Callable[[Any], Callable[[], Any]]:
         """Like `Impl.prepare`: inputs → a zero-argument callable launching the candidate (capturable)."""
         raise NotImplementedError
@@ -207,8 +211,7 @@ class _Scenario:
         self.s = s
         self.cands = phase_a(op, s, limits)
         base = self.cands[0][1]
-        self.result = ScenarioResult(s.name, op.params(s), base,
-                                     layers or timing.layers_for(op.bytes(s)))
+        self.result = ScenarioResult(s.name, op.params(s), base, layers or op.layers(s))
         self.cands_b: list[tuple[str, Candidate]] = []
         self.inputs: list[Any] | None = None
         self.share = 0.0

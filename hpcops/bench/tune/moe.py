@@ -1,12 +1,13 @@
-"""`hpcops tune moe`: `MoeConfig` over the `moe` bench suite's scenarios; winners into `hpcops/moe/tuned.py`.
+"""`hpcops tune moe`: `MoeConfig` over the `moe` bench suite's scenarios (`hpcops tune moe-shapes`: over the
+`moe-shapes` suite's public models); winners into `hpcops/moe/tuned.py`.
 
-Inputs, gate and timing are the suite's (`hpcops.bench.suites.moe`): `_make_inputs` (each layer its own
-weights), `_assert_matches` against the torch reference, and the `hpcops-kernels` row's timing (the
+Inputs, gate and timing are the suites' (`hpcops.bench.suites._moe_common`): `make_inputs` (each layer its
+own weights), `assert_matches` against the torch reference, and the `hpcops-kernels` row's timing (the
 profiler's device time of all our kernels; `--timing graph` for the `hpcops` row's graph replay). A
-candidate runs as the suite's `hpcops[<fields>]` rows do (`_ours(scenario, overrides)`), with every
+candidate runs as the suites' config rows do (`ours(shape, overrides)`) over the heuristic, with every
 tunable field set.
 
-Output: `moe_tuned.json` = {"device", "entries", "measured", ...}, the entries in the format
+Output: `moe_tuned.json` (`moe-shapes_tuned.json`) = {"device", "entries", "measured", ...}, the entries in the format
 `configs.tuned_entry` reads, for the shapes (E, E_local, H, I, quant) where a winner beat the heuristic by
 the margin at some batch. In such a shape every measured batch gets an entry (the heuristic's config
 where it won), so that the nearest-batch lookup does not carry a neighbour's winner onto a batch where
@@ -23,6 +24,7 @@ from typing import Any
 
 import torch
 
+from hpcops.bench.suites import _moe_common as common
 from hpcops.bench.suites import moe as suite
 from hpcops.bench.tune.engine import ScenarioResult, TuneOp, TuneResult, on_gpu
 from hpcops.bench.tune.space import Candidate, knob
@@ -53,61 +55,51 @@ def _tunable() -> tuple[str, ...]:
 
 
 class MoeTune(TuneOp):
+    """Over the `moe` suite's Hy3 scenarios; any `_moe_common.MoeShape` works (see MoeShapesTune)."""
+
     name = "moe"
     timing = "kernels"
     space = SPACE
     has_table = True
 
-    def scenarios(self, quick: bool) -> list[suite.Scenario]:
+    def scenarios(self, quick: bool) -> list:
         return suite.scenarios(quick)
 
-    def _heuristic(self, s: suite.Scenario):
-        from hpcops._platform import is_interpreter
-        from hpcops.moe.configs import heuristic_config
-
-        return heuristic_config(num_tokens=s.t, top_k=suite.TOP_K, num_experts=suite.E_GLOBAL, hidden=suite.HIDDEN,
-                                inter=s.inter, quant=s.kind, interpreter=is_interpreter())
-
-    def base(self, s: suite.Scenario) -> Candidate:
-        cfg = self._heuristic(s)
+    def base(self, s) -> Candidate:
+        cfg = common.config_for(s, None, heuristic=True)
         return {f: getattr(cfg, f) for f in _tunable()}
 
-    def valid(self, s: suite.Scenario, c: Candidate) -> bool:
+    def valid(self, s, c: Candidate) -> bool:
         if s.kind == "fp8_block":  # MoeConfig: Fp8Block128 needs K tiles of 128 and N tiles dividing 128
             if c["block_k"] != 128 or c["down_block_k"] != 128 or 128 % c["block_n"] or 128 % c["down_block_n"]:
                 return False
         # K tiles past I add only masked work
         return c["down_block_k"] <= max(64, s.inter)
 
-    def extra(self, s: suite.Scenario, base: Candidate) -> list[Candidate]:
+    def extra(self, s, base: Candidate) -> list[Candidate]:
         """The config the current tuned table (hpcops/moe/tuned.py, HPCOPS_MOE_TUNED) picks, if not the heuristic."""
         if not on_gpu():
             return []
-        from hpcops.moe.configs import get_config
-        from hpcops.moe.fused_moe import device_name
-
-        cfg = get_config(num_tokens=s.t, top_k=suite.TOP_K, num_experts=suite.E_GLOBAL, hidden=suite.HIDDEN,
-                         inter=s.inter, quant=s.kind, num_local_experts=s.n_local,
-                         device_name=device_name(torch.device("cuda")))
+        cfg = common.config_for(s, torch.device("cuda"))
         return [{f: getattr(cfg, f) for f in base}]
 
-    def make_inputs(self, s: suite.Scenario, layer: int, device: str) -> dict[str, Any]:
-        return suite._make_inputs(s, layer, device)
+    def make_inputs(self, s, layer: int, device: str) -> dict[str, Any]:
+        return common.make_inputs(s, layer, device)
 
-    def bytes(self, s: suite.Scenario) -> int:
-        return suite._traffic(s)[0]
+    def bytes(self, s) -> int:
+        return common.traffic(s)[0]
 
-    def params(self, s: suite.Scenario) -> dict[str, Any]:
-        return {"layout": s.layout, "B": s.t, "quant": s.kind, "E_global": suite.E_GLOBAL, "E_local": s.n_local,
-                "top_k": suite.TOP_K, "H": suite.HIDDEN, "I": s.inter}
+    def params(self, s) -> dict[str, Any]:
+        return {"B": s.t, "quant": s.kind, "E_global": s.e_global, "E_local": s.e_local, "top_k": s.top_k,
+                "H": s.hidden, "I": s.inter, "ep": s.ep, "shared_output": s.shared}
 
-    def prepare(self, s: suite.Scenario, cand: Candidate):
-        return suite._ours(s, cand)
+    def prepare(self, s, cand: Candidate):
+        return common.ours(s, cand, heuristic=True)  # every tunable field set: the tuned table plays no part
 
-    def gate(self, s: suite.Scenario, x: dict[str, Any], cand: Candidate, name: str) -> None:
+    def gate(self, s, x: dict[str, Any], cand: Candidate, name: str) -> None:
         x["out"].fill_(float("nan"))  # an element the candidate leaves unwritten fails
-        got = suite._ours(s, cand)(x)()
-        suite._assert_matches(s, x, got, f"hpcops[{name}]")
+        got = common.ours(s, cand, heuristic=True)(x)()
+        common.assert_matches(s, x, got, f"hpcops[{name}]")
 
     def table_notes(self, result: TuneResult) -> dict[str, str]:
         return entries(result)[2]
@@ -125,6 +117,25 @@ class MoeTune(TuneOp):
 
 
 OP = MoeTune()
+
+
+class MoeShapesTune(MoeTune):
+    """`hpcops tune moe-shapes`: the same over the `moe-shapes` suite's public models (its layer cap)."""
+
+    name = "moe-shapes"
+
+    def scenarios(self, quick: bool) -> list:
+        from hpcops.bench.suites import moe_shapes
+
+        return moe_shapes.scenarios(quick)
+
+    def layers(self, s) -> int:
+        from hpcops.bench.suites import moe_shapes
+
+        return moe_shapes.layers(s, self.bytes(s))
+
+
+SHAPES_OP = MoeShapesTune()
 
 
 # ---- the tuned table ---------------------------------------------------------------------------------
@@ -170,7 +181,7 @@ def tuned_json(result: TuneResult) -> dict[str, Any]:
 
 
 def write_json(result: TuneResult, out_dir: str | Path) -> Path:
-    path = Path(out_dir) / "moe_tuned.json"
+    path = Path(out_dir) / f"{result.op}_tuned.json"
     path.write_text(json.dumps(tuned_json(result), indent=1) + "\n")
     return path
 

@@ -1,0 +1,100 @@
+"""`hpcops tune prefill`: `PrefillConfig` over the `prefill` bench suite's scenarios (a report).
+
+A scenario is a bench case with the q the bench times there: bf16 q, and for fp8 KV also fp8 q with
+per-token-head scales (`-fp8q`). Knobs: the (block_m, num_warps) tile, block_n, pipeline depth, TMA (auto
+or off), pv_fp8 (fp8 KV with fp8 q or quant_q), quant_q (bf16 q over fp8 KV), heads_inner, fma_scale.
+Inputs and timing (CUDA-graph replay) are the suite's; a candidate runs as the suite's config variants
+do (`_ours(fp8_q, variant)`) and is gated on the suite's sampled fp32 reference. No tuned table:
+`prefill_config` is changed by hand from what this reports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from hpcops.bench import get_suite
+from hpcops.bench.suites import prefill as suite
+from hpcops.bench.tune.engine import TuneOp
+from hpcops.bench.tune.space import Candidate, knob
+
+SPACE = (
+    knob(("block_m", "num_warps"), (128, 8), (64, 4), (64, 8), near=None),
+    knob("block_n", 64, 128),
+    knob("num_stages", 2, 3, 4),
+    knob("tma", None, False, near=None),  # None: TMA wherever the cache layout allows it
+    knob("pv_fp8", False, True),
+    knob("quant_q", False, True),
+    knob("heads_inner", False, True),
+    knob("fma_scale", True, False),
+)
+
+
+@dataclass(frozen=True)
+class PrefillCase:
+    s: suite.Scenario
+    fp8_q: bool
+
+    @property
+    def name(self) -> str:
+        return self.s.name + ("-fp8q" if self.fp8_q else "")
+
+
+class PrefillTune(TuneOp):
+    name = "prefill"
+    timing = "graph"
+    space = SPACE
+
+    def scenarios(self, quick: bool) -> list[PrefillCase]:
+        out = []
+        for c in get_suite("prefill")({"quick": quick}):
+            p = c.params
+            s = suite.Scenario(p["spec"], p["hq"], p["hkv"], p["kv"] == "fp8")
+            out += [PrefillCase(s, False)] + ([PrefillCase(s, True)] if s.fp8 else [])
+        return out
+
+    def base(self, c: PrefillCase) -> Candidate:
+        from hpcops.attention.prefill import prefill_config
+
+        cfg = prefill_config(head_dim=suite.HEAD_DIM, group=c.s.hq // c.s.hkv,
+                             max_seqlen_q=max(q for q, _ in c.s.reqs),
+                             q_dtype=suite.FP8 if c.fp8_q else torch.bfloat16,
+                             kv_dtype=suite.FP8 if c.s.fp8 else torch.bfloat16)
+        return asdict(cfg)
+
+    def valid(self, c: PrefillCase, cand: Candidate) -> bool:
+        # the flags act only where their dtypes are (elsewhere a candidate would repeat another)
+        if cand["quant_q"] and (c.fp8_q or not c.s.fp8):
+            return False
+        return not (cand["pv_fp8"] and not (c.s.fp8 and (c.fp8_q or cand["quant_q"])))
+
+    def make_inputs(self, c: PrefillCase, layer: int, device: str) -> dict[str, Any]:
+        return suite._make_inputs(c.s, layer, device)
+
+    def bytes(self, c: PrefillCase) -> int:
+        return c.s.bytes
+
+    def params(self, c: PrefillCase) -> dict[str, Any]:
+        return {"spec": c.s.spec, "hq": c.s.hq, "hkv": c.s.hkv, "head_dim": suite.HEAD_DIM,
+                "kv": "fp8" if c.s.fp8 else "bf16", "q": "fp8" if c.fp8_q else "bf16"}
+
+    def prepare(self, c: PrefillCase, cand: Candidate):
+        return suite._ours(c.fp8_q, cand)
+
+    def gate(self, c: PrefillCase, x: dict[str, Any], cand: Candidate, name: str) -> None:
+        from hpcops.testing import assert_close
+
+        got = self.prepare(c, cand)(x)()
+        fp8_ref = c.fp8_q or (cand["quant_q"] and c.s.fp8)  # quant_q rounds q as quantize_per_token_head does
+        ref_key = "reference_fp8q" if fp8_ref else "reference"
+        if ref_key not in x:
+            x[ref_key] = suite._sampled_reference(x, *((x["q8"], x["q_scale"]) if fp8_ref else (x["q"], None)))
+        rows, heads, want = x[ref_key]
+        # P·V as an fp8 dot rounds the probabilities to e4m3 (3 mantissa bits): a wider tolerance there
+        tol = {"maxtol": 6e-2, "rmstol": 3e-2} if cand["pv_fp8"] and c.s.fp8 else {}
+        assert_close(want, got[rows][:, heads], name=f"prefill [{name}]", **tol)
+
+
+OP = PrefillTune()
