@@ -209,20 +209,69 @@ def test_budget_skips_candidates_but_times_every_heuristic(fake_timing):
         assert not s.measured and not s.winner
 
 
+def test_a_cuda_fault_stops_the_tune_and_keeps_what_was_measured(fake_timing, tmp_path):
+    """A sticky CUDA error in the main process ends the run (nothing more can run there); the reports
+    still hold the scenarios measured before it."""
+    from hpcops.bench.tune import report
+
+    class Faulty(FakeOp):
+        def gate(self, s, x, c, name):
+            if s.name == "S2" and c["a"] == 1:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            super().gate(s, x, c, name)
+
+    res = tune(Faulty(), TuneOptions(layers=1, progress=False, budget_s=None))
+    assert "S2 [a=1]" in res.aborted and "illegal memory access" in res.aborted
+    assert res.scenarios[0].winner is False and res.scenarios[0].rows  # S1's phase B and final never ran
+    paths = report.write(res, tmp_path)
+    assert "Stopped early" in paths[0].read_text()
+    assert json.loads(paths[1].read_text())["aborted"] == res.aborted
+
+
 def test_compile_workers_fall_back_to_the_main_process(tiny):
     """Without a GPU a worker cannot build CUDA inputs: it answers "not compiled" and the candidate runs
     (and compiles) in the main process. Also checks that scenarios and candidates travel to a spawned worker."""
     s = suite.Scenario("tp8", 4, "fp8_tensor")
     cands = [{"block_n": 32}, {"block_n": 64}]
-    c = Compiler("moe", jobs=1)
+    c = Compiler(OPS["moe"], jobs=1)
     try:
         c.submit(s, cands)
         assert [c.status(s, x, timeout=300) for x in cands] == [None, None]
     finally:
         c.close()
-    off = Compiler("moe", jobs=0)
+    off = Compiler(OPS["moe"], jobs=0)
     off.submit(s, cands)
     assert off.status(s, cands[0]) is None and not off.futures
+
+
+class CrashOp(FakeOp):
+    """Its compile jobs kill the worker process."""
+
+    def make_inputs(self, s, layer, device):
+        import os
+
+        os._exit(3)
+
+
+CRASH_OP = CrashOp()
+
+
+def test_a_crashing_compile_worker_does_not_end_the_run():
+    """A worker that dies: its batch is resubmitted once, one candidate per job, to a fresh pool; a second
+    crash marks the outstanding candidates as errors and stops using workers."""
+    s = FakeScenario("S1")
+    cands = [{"a": 1, "b": 2, "c": 2}, {"a": 3, "b": 2, "c": 2}]
+    c = Compiler(f"{__name__}:CRASH_OP", jobs=2)
+    try:
+        c.submit(s, cands)
+        got = [c.status(s, x, timeout=300) for x in cands]
+    finally:
+        c.close()
+    assert c.restarts == 2 and not c.enabled
+    assert all(g is not None and g.startswith("error: compile workers crashed") for g in got)
+    later = {"a": 4, "b": 2, "c": 2}
+    c.submit(s, [later])  # later candidates compile in the main process
+    assert c.status(s, later) is None and not c.futures
 
 
 # ---- MoE end to end (interpreter) ---------------------------------------------------------------------

@@ -97,7 +97,7 @@ class Scenario:
         return f"B{self.t}-{self.layout}-{common.QUANT_TAGS[self.kind]}"  # `--only B4-` does not match B4096
 
 
-# the shared machinery, under the names scripts/sweep_moe.py and the tests use
+# the shared machinery, under the names the tests use
 _routing, _traffic, _weights, _make_inputs = common.routing, common.traffic, common.weights, common.make_inputs
 _config_overrides, _ours, _grouped_mm, _torch_loop = (common.config_overrides, common.ours, common.grouped_mm,
                                                       common.torch_loop)

@@ -20,11 +20,16 @@ OPS: dict[str, str] = {
 }
 
 
-def get_op(name: str) -> TuneOp:
-    if name not in OPS:
-        raise ValueError(f"unknown op {name!r}; choose from {sorted(OPS)}")
-    module, _, attr = OPS[name].partition(":")
+def load_op(spec: str) -> TuneOp:
+    """The TuneOp at "module" (its OP) or "module:NAME"."""
+    module, _, attr = spec.partition(":")
     return getattr(importlib.import_module(module), attr or "OP")
 
 
-__all__ = ["OPS", "TuneOp", "TuneOptions", "TuneResult", "get_op", "tune"]
+def get_op(name: str) -> TuneOp:
+    if name not in OPS:
+        raise ValueError(f"unknown op {name!r}; choose from {sorted(OPS)}")
+    return load_op(OPS[name])
+
+
+__all__ = ["OPS", "TuneOp", "TuneOptions", "TuneResult", "get_op", "load_op", "tune"]

@@ -50,16 +50,16 @@ def is_cuda_fault(exc: BaseException) -> bool:
     return type(exc).__name__ == "AcceleratorError" or "CUDA error" in text or "illegal memory access" in text
 
 
-def compile_job(op_name: str, scenario: Any, cands: list[Candidate]) -> dict[tuple, str | None]:
-    """In a worker: compile every candidate of `cands` for `scenario`. Returns {candidate key: None
-    (compiled, or not tried: the main process compiles it) | "invalid: ..." | "error: ..."}."""
-    from hpcops.bench.tune import get_op
+def compile_job(op_spec: str, scenario: Any, cands: list[Candidate]) -> dict[tuple, str | None]:
+    """In a worker: compile every candidate of `cands` for `scenario` (op `op_spec`, see `load_op`). Returns
+    {candidate key: None (compiled, or not tried: the main process compiles it) | "invalid: ..." | "error: ..."}."""
+    from hpcops.bench.tune import load_op
 
     out: dict[tuple, str | None] = {key(c): None for c in cands}
     if _POISONED:
         return out
     _warmup_only()
-    op = get_op(op_name)
+    op = load_op(op_spec)
     try:
         name = scenario.name
         if name not in _WORKER_INPUTS:
@@ -88,13 +88,14 @@ def compile_job(op_name: str, scenario: Any, cands: list[Candidate]) -> dict[tup
 class Compiler:
     """Submits candidates to `jobs` worker processes and answers, per candidate, what they found."""
 
-    def __init__(self, op_name: str, jobs: int, *, log=sys.stderr):
-        self.op_name, self.jobs, self.log = op_name, jobs, log
+    def __init__(self, op_spec: str | None, jobs: int, *, log=sys.stderr):
+        """`op_spec`: where a worker finds the op (`load_op`); None or `jobs` 0: no workers."""
+        self.op_spec, self.jobs, self.log = op_spec, jobs, log
         self.pool: cf.ProcessPoolExecutor | None = None
         self.futures: dict[tuple, tuple[cf.Future, Any, Candidate]] = {}
         self.failed: dict[tuple, str] = {}
         self.restarts = 0
-        self.enabled = jobs > 0
+        self.enabled = jobs > 0 and op_spec is not None
 
     def _pool(self) -> cf.ProcessPoolExecutor:
         if self.pool is None:
@@ -112,7 +113,7 @@ class Compiler:
         try:
             for i in range(0, len(todo), n):
                 part = todo[i:i + n]
-                fut = self._pool().submit(compile_job, self.op_name, scenario, part)
+                fut = self._pool().submit(compile_job, self.op_spec, scenario, part)
                 for c in part:
                     self.futures[(scenario.name, key(c))] = (fut, scenario, c)
         except Exception as exc:  # noqa: BLE001 - a pool that cannot start: compile in the main process

@@ -159,11 +159,13 @@ class ScenarioResult:
     @property
     def measured(self) -> bool:
         """The heuristic and at least one other candidate were timed."""
-        return self.heuristic.us is not None and sum(r.us is not None for r in self.rows) >= 2
+        return bool(self.rows) and self.heuristic.us is not None and sum(r.us is not None for r in self.rows) >= 2
 
     @property
     def speedup(self) -> float | None:
-        h, b = self.heuristic.median_us, self.best.median_us if self.best else None
+        if not self.rows or self.best is None:
+            return None
+        h, b = self.heuristic.median_us, self.best.median_us
         return h / b if h and b else None
 
 
@@ -224,7 +226,9 @@ class Tuner:
         self.how = opts.timing or op.timing
         self.device = "cuda" if on_gpu() else "cpu"
         self.start = time.monotonic()
-        self.compiler = Compiler(op.name, opts.jobs if self.device == "cuda" else 0, log=log)
+        from hpcops.bench.tune import OPS
+
+        self.compiler = Compiler(OPS.get(op.name), opts.jobs if self.device == "cuda" else 0, log=log)
         self.bar: Progress | None = None
 
     def elapsed(self) -> float:
