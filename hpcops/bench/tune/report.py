@@ -67,7 +67,7 @@ def markdown(result: TuneResult, *, command: str = "", entries: dict[str, str] |
         if not res.rows:
             continue
         base = " ".join(f"{k}={v}" for k, v in res.base.items())
-        lines += ["", f"## {res.name}", "", f"heuristic: `{base}`; {res.layers} layers", "",
+        lines += ["", f"## {res.name}", "", f"heuristic: `{base}`; layers: {res.layers}", "",
                   "| phase | candidate | µs | speed-up | median µs | status |", "|---|---|---:|---:|---:|---|"]
         h = res.heuristic.us
         for r in _rows_in_order(res):
