@@ -3,6 +3,7 @@
 #   bash scripts/gpu_check.sh [STAGE ...]     stages: tests, tests:<paths>, bench:<suite>[,<suite>...],
 #                                             tune:<op>[,<op>...] (hpcops tune: decode, moe, moe-shapes, rope,
 #                                             prefill),
+#                                             ep2 (two-GPU expert parallelism, scripts/moe_ep2.py),
 #                                             profile:decode (ncu), smoke (the smallest complete run of every GPU
 #                                             tool: hpcops tune <op> --smoke for every op, profile_decode.py)
 # Default: tests bench:decode,moe,rope,prefill. Results go to $OUT (or ./out): logs, and one
@@ -72,6 +73,11 @@ for st in "${stages[@]}"; do
         python3 -m hpcops bench "$s" --out "$OUT/results" --no-progress ${BENCH_ARGS:-} 2>&1 \
           | tee -a "$OUT/bench.log" | grep -v '^\[' | tail -60 || status=1
       done ;;
+    ep2)
+      # expert parallelism over NCCL on two GPUs (the nvidia-h200-x2 machine): results/moe_ep2.{json,md}
+      NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 GIT_REV=${GIT_REV:-unknown} \
+        timeout 540 python3 scripts/moe_ep2.py --out "$OUT/results" 2>&1 | tee -a "$OUT/ep2.log" | tail -40 \
+        || status=1 ;;
     profile:decode)
       # Nsight Compute on the persistent decode kernel: stall reasons, memory throughput, occupancy.
       for args in "--spec 64x4K --kv fp8" "--spec 64x4K --kv bf16"; do

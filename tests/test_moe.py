@@ -7,7 +7,7 @@ Hy3 shapes (E 192, k 8, H 4096, I 192; EP8: 24 local of 192 experts, I 1536) and
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -82,7 +82,7 @@ def make_expert_map(E_global: int, local: list[int], device="cpu") -> torch.Tens
 # index build
 
 
-@pytest.mark.parametrize("small", [True, False], ids=["one-program", "count-scan-scatter"])
+@pytest.mark.parametrize("small", [True, False], ids=["one-program", "hist-scan-scatter"])
 @pytest.mark.parametrize("T,k,E,ep", [(1, 1, 6, False), (7, 3, 6, False), (64, 5, 6, False),
                                       (37, 3, 8, True), (5, 2, 8, True)])
 def test_index_build(small, T, k, E, ep, device):
@@ -90,7 +90,8 @@ def test_index_build(small, T, k, E, ep, device):
     emap = make_expert_map(E, [6, 0, 3, 5], device) if ep else None
     n_local = 4 if ep else E
     bm = 16
-    idx = build_moe_index(ids, n_local, bm, expert_map=emap, small_max=10**6 if small else 0)
+    # blocks of 32 pairs: several programs per step of the multi-program build
+    idx = build_moe_index(ids, n_local, bm, expert_map=emap, small_max=10**6 if small else 0, block=32)
     counts, offsets, tasks = R.moe_index(ids, n_local, bm, emap)
     assert idx.offsets.cpu().tolist() == offsets.tolist()
     assert idx.counts.cpu().tolist() == counts.tolist()
@@ -113,6 +114,9 @@ def test_index_build(small, T, k, E, ep, device):
         assert int(srt[r]) == p
         e = int(loc[p])
         assert offsets[e] <= r < offsets[e + 1]
+    for e in range(n_local):  # deterministic: pair order inside every expert
+        rows = srt[int(offsets[e]):int(offsets[e + 1])].tolist()
+        assert rows == sorted(rows)
 
 
 def test_index_all_remote(device):
@@ -145,6 +149,8 @@ class Case:
     small_max: int | None = None  # force the multi-program index build with 0
     prequant: bool | None = None  # force config.prequant_x
     block_n: int | None = None  # force the gate-up N tile (fp8_block: 128 quantizes in the epilogue)
+    swap: bool | None = None  # force config.swap_ab
+    naive: bool | None = None  # force one task per pair (True) or the index (False)
 
     @property
     def id(self) -> str:
@@ -161,6 +167,10 @@ class Case:
             s += f"-prequant{int(self.prequant)}"
         if self.block_n is not None:
             s += f"-bn{self.block_n}"
+        if self.swap is not None:
+            s += f"-swap{int(self.swap)}"
+        if self.naive is not None:
+            s += "-naive" if self.naive else "-indexed"
         return s
 
 
@@ -187,6 +197,20 @@ CASES = [
     Case(3, quant="fp8_block", shared=True, block_n=64),  # 16-bit act + group amax, quantized by the down GEMM
     Case(6, k=3, quant="fp8_block", inter=256, H=200, ep=True, E=8, block_n=32),
 ]
+
+
+# Every case of both GEMM forms (swap_ab) and both task forms (one task per pair, or the index)
+PATH_BASES = [
+    Case(5, k=2, shared=True, use_out=True, ep=True, E=8),
+    Case(7, dtype=torch.float16, inter=192),
+    Case(6, quant="fp8_tensor", shared=True, ep=True, E=8),
+    Case(7, quant="fp8_tensor", static=False),
+    Case(6, k=2, quant="fp8_block", inter=256, H=200, ep=True, E=8),
+    Case(3, quant="fp8_block", shared=True, block_n=64),
+    Case(4, quant="fp8_tensor", act_mul="bf16", k=4),
+]
+PATH_CASES = [replace(c, swap=swap, naive=naive) for c in PATH_BASES for swap in (False, True)
+              for naive in (False, True)]
 
 
 def _tolerance(case: Case) -> dict:
@@ -216,6 +240,10 @@ def run_case(case: Case, device: str):
         cfg = cfg.with_(prequant_x=case.prequant)
     if case.block_n is not None:
         cfg = cfg.with_(block_n=case.block_n)
+    if case.swap is not None:
+        cfg = cfg.with_(swap_ab=case.swap)
+    if case.naive is not None:
+        cfg = cfg.with_(naive_max_pairs=1 << 30 if case.naive else 0)
     out = nan_like(torch.empty(case.T, case.H, dtype=case.dtype, device=device)) if case.use_out else None
     got = fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap, shared_output=shared,
                     out=out, config=cfg)
@@ -226,7 +254,7 @@ def run_case(case: Case, device: str):
     return got, ref
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("case", CASES + PATH_CASES, ids=lambda c: c.id)
 def test_fused_moe(case, device):
     got, ref = run_case(case, device)
     assert got.dtype == case.dtype and got.shape == (case.T, case.H)
@@ -459,6 +487,26 @@ def test_gpu_hy3(shape, T, kind):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("swap", [False, True])
+@pytest.mark.parametrize("naive", [False, True])
+@pytest.mark.parametrize("kind", ["none", "fp8_tensor", "fp8_block"])
+@pytest.mark.parametrize("T", [4, 64])
+def test_gpu_hy3_paths(T, kind, naive, swap):
+    """Both GEMM forms (swap_ab) × both task forms (one task per pair / the index) at Hy3 sizes on the GPU
+    (TP8; EP8 for the 128-block scheme, which needs I % 128 == 0)."""
+    inter, n_local = (192, None) if kind != "fp8_block" else (1536, 24)
+    wts, tw, ids, emap, x = _hy3_inputs(T, inter, kind, n_local)
+    shared = torch.randn_like(x)
+    cfg = get_config(num_tokens=T, inter=inter, quant=kind, num_local_experts=n_local, **HY3_CFG)
+    cfg = cfg.with_(swap_ab=swap, naive_max_pairs=1 << 30 if naive else 0)
+    got = fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap, shared_output=shared,
+                    out=nan_like(x), config=cfg)
+    ref = R.fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap, shared_output=shared)
+    tol = {} if kind == "none" else {"maxtol": 4e-2, "rmstol": 1.5e-2}  # fp8 tolerance, see _tolerance
+    assert_close(ref, got, **tol)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["fp8_tensor", "none"])
 def test_gpu_ep8_ranks_sum_to_full(kind):
     """Eight simulated EP ranks (24 local experts each, I 1536) sum to the single-rank computation."""
@@ -517,13 +565,13 @@ def test_get_config_fp8_block_tiles():
 
 
 @pytest.mark.parametrize("kind,want", [
-    ("fp8_tensor", ["moe_index_small_kernel", "moe_gate_up_kernel", "moe_down_kernel", "moe_reduce_kernel"]),
-    ("fp8_tensor_dyn", ["moe_index_small_kernel", "moe_quant_x_kernel", "aten.zeros.default", "moe_gate_up_kernel",
+    ("fp8_tensor", ["moe_gate_up_kernel", "moe_down_kernel", "moe_reduce_kernel"]),
+    ("fp8_tensor_dyn", ["moe_quant_x_kernel", "aten.zeros.default", "moe_gate_up_kernel",
                         "moe_down_kernel", "moe_reduce_kernel"]),  # dynamic a2: a zeroed row-amax buffer
 ])
 def test_decode_batch_launches(kind, want):
     """Everything a decode-size call puts on the stream (Triton launches and torch ops that run kernels):
-    B=4 Hy3 with static fp8 scales is four launches."""
+    B=4 Hy3 with static fp8 scales is three launches (32 pairs over 192 experts: one task per pair, no index)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from hpcops.moe import _moe_kernels as K

@@ -3,6 +3,10 @@
 Conventions: a "pair" is one (token, slot) of topk_ids, flat id p = t·top_k + j. Pairs routed to local
 experts are sorted by expert into rows [offsets[e], offsets[e+1]). The task map holds one M tile per
 entry: tasks[0, s] = local expert (−1 = sentinel, program exits), tasks[1, s] = first sorted row.
+NAIVE (small batches, no index at all): task s is pair s itself, one row, its expert read from topk_ids
+(through expert_map); rows are then pair ids, and programs of remote pairs exit.
+SWAP_AB: the GEMM kernels compute the transposed tile, weights × activations^T, so that the weight rows
+fill the tensor core's M side (64 on Hopper's wgmma) when the token tile is small.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ FP8_MAX = tl.constexpr(448.0)  # a constexpr global: compiled kernels may read i
 # constexpr mirrors of the named codes (codes.py): kernels may read constexpr globals only
 Q_NONE = tl.constexpr(int(QuantCode.NONE))
 Q_FP8_TENSOR = tl.constexpr(int(QuantCode.FP8_TENSOR))
+Q_FP8_BLOCK = tl.constexpr(int(QuantCode.FP8_BLOCK))
 A_WIDE = tl.constexpr(int(ActMode.WIDE))
 A_FP8_STATIC = tl.constexpr(int(ActMode.FP8_STATIC))
 A_WIDE_ROW_AMAX = tl.constexpr(int(ActMode.WIDE_ROW_AMAX))
@@ -39,9 +44,30 @@ def _local_expert(ids_ptr, map_ptr, offs, mask, E_GLOBAL, E_LOCAL, HAS_MAP: tl.c
 
 
 @triton.jit
+def _task_rows(pid, n_tiles, tasks_ptr, offsets_ptr, ids_ptr, map_ptr, CAP, E_GLOBAL, E_LOCAL,
+               HAS_MAP: tl.constexpr, NAIVE: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Decode a GEMM program id: (local expert, −1 = nothing to do; its rows [BLOCK_M]; row mask; N tile)."""
+    task = pid // n_tiles
+    pid_n = pid % n_tiles
+    if NAIVE:
+        e, ok = _local_expert(ids_ptr, map_ptr, task, task >= 0, E_GLOBAL, E_LOCAL, HAS_MAP)
+        e = tl.where(ok, e, -1)
+        rows = task + tl.arange(0, BLOCK_M)
+        rmask = tl.arange(0, BLOCK_M) == 0
+    else:
+        e = tl.load(tasks_ptr + task)
+        row0 = tl.load(tasks_ptr + CAP + task)
+        row_end = tl.load(offsets_ptr + e + 1, mask=e >= 0, other=0)
+        rows = row0 + tl.arange(0, BLOCK_M)
+        rmask = rows < row_end
+    return e, rows, rmask, pid_n
+
+
+@triton.jit
 def _write_offsets_and_tasks(counts, offsets_ptr, tasks_ptr, E_LOCAL, CAP,
                              E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CAP_BLOCK: tl.constexpr):
-    """From per-expert counts [E_PAD] (zero past E_LOCAL): row offsets [E_LOCAL+1] and the task map."""
+    """From per-expert counts [E_PAD] (zero past E_LOCAL): row offsets [E_LOCAL+1] and the task map.
+    Expert e's tiles take slots [tstart[e], tstart[e] + tiles[e]); slots past the last tile get −1."""
     eidx = tl.arange(0, E_PAD)
     ends = tl.cumsum(counts, 0)
     starts = ends - counts
@@ -49,16 +75,16 @@ def _write_offsets_and_tasks(counts, offsets_ptr, tasks_ptr, E_LOCAL, CAP,
     tiles = (counts + BLOCK_M - 1) // BLOCK_M
     tend = tl.cumsum(tiles, 0)
     tstart = tend - tiles
+    total = tl.sum(tiles, 0)
     for c in range(0, CAP, CAP_BLOCK):
         s = c + tl.arange(0, CAP_BLOCK)
-        # [CAP_BLOCK, E_PAD]: slot s belongs to expert e
-        inside = (tstart[None, :] <= s[:, None]) & (s[:, None] < tend[None, :])
-        ex = tl.sum(tl.where(inside, eidx[None, :], 0), 1)
-        has = tl.sum(inside.to(tl.int32), 1) > 0
-        row = tl.sum(tl.where(inside, starts[None, :] + (s[:, None] - tstart[None, :]) * BLOCK_M, 0), 1)
-        smask = s < CAP
-        tl.store(tasks_ptr + s, tl.where(has, ex, -1), mask=smask)
-        tl.store(tasks_ptr + CAP + s, tl.where(has, row, 0), mask=smask)
+        smask = (s >= total) & (s < CAP)
+        tl.store(tasks_ptr + s, tl.full((CAP_BLOCK,), -1, tl.int32), mask=smask)
+        tl.store(tasks_ptr + CAP + s, tl.zeros((CAP_BLOCK,), tl.int32), mask=smask)
+    for j in range(0, tl.max(tiles, 0)):
+        m = j < tiles
+        tl.store(tasks_ptr + tstart + j, eidx, mask=m)
+        tl.store(tasks_ptr + CAP + tstart + j, starts + j * BLOCK_M, mask=m)
 
 
 @triton.jit
@@ -81,37 +107,58 @@ def moe_index_small_kernel(ids_ptr, map_ptr, offsets_ptr, sorted_ptr, pos_ptr, t
 
 
 @triton.jit
-def moe_index_count_kernel(ids_ptr, map_ptr, counts_ptr, pos_ptr, N, E_GLOBAL, E_LOCAL,
-                           HAS_MAP: tl.constexpr, BLOCK: tl.constexpr):
-    """Large batches, step 1: per-expert counts (zeroed before) and each pair's slot inside its expert."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
-    e, ok = _local_expert(ids_ptr, map_ptr, offs, mask, E_GLOBAL, E_LOCAL, HAS_MAP)
-    slot = tl.atomic_add(counts_ptr + e, 1, mask=ok)
-    tl.store(pos_ptr + offs, tl.where(ok, slot, -1), mask=mask)
+def moe_index_hist_kernel(ids_ptr, map_ptr, hist_ptr, N, E_GLOBAL, E_LOCAL,
+                          HAS_MAP: tl.constexpr, E_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    """Large batches, step 1: the histogram of local experts over this program's BLOCK pairs, hist[b, :]."""
+    b = tl.program_id(0)
+    offs = b * BLOCK + tl.arange(0, BLOCK)
+    e, ok = _local_expert(ids_ptr, map_ptr, offs, offs < N, E_GLOBAL, E_LOCAL, HAS_MAP)
+    tl.store(hist_ptr + b * E_PAD + tl.arange(0, E_PAD), tl.histogram(e, E_PAD, mask=ok))
 
 
 @triton.jit
-def moe_index_scan_kernel(counts_ptr, offsets_ptr, tasks_ptr, E_LOCAL, CAP,
-                          E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CAP_BLOCK: tl.constexpr):
-    """Large batches, step 2 (one program): offsets and the task map from the counts."""
+def moe_index_scan_kernel(hist_ptr, base_ptr, offsets_ptr, tasks_ptr, NB, E_LOCAL, CAP,
+                          E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CAP_BLOCK: tl.constexpr,
+                          NB_BLOCK: tl.constexpr):
+    """Large batches, step 2 (one program): offsets, the task map, and base[b, e] = the first sorted row of
+    block b's pairs of expert e minus the number of block b's pairs of experts below e (its rank offset
+    within the block's expert-sorted keys)."""
     eidx = tl.arange(0, E_PAD)
-    counts = tl.load(counts_ptr + eidx, mask=eidx < E_LOCAL, other=0)
+    counts = tl.zeros((E_PAD,), tl.int32)
+    for b0 in range(0, NB, NB_BLOCK):
+        bidx = b0 + tl.arange(0, NB_BLOCK)
+        h = tl.load(hist_ptr + bidx[:, None] * E_PAD + eidx[None, :], mask=bidx[:, None] < NB, other=0)
+        counts += tl.sum(h, 0)
+    counts = tl.where(eidx < E_LOCAL, counts, 0)
     _write_offsets_and_tasks(counts, offsets_ptr, tasks_ptr, E_LOCAL, CAP, E_PAD, BLOCK_M, CAP_BLOCK)
+    running = tl.cumsum(counts, 0) - counts  # the first row of each expert
+    for b0 in range(0, NB, NB_BLOCK):
+        bidx = b0 + tl.arange(0, NB_BLOCK)
+        bmask = bidx[:, None] < NB
+        h = tl.load(hist_ptr + bidx[:, None] * E_PAD + eidx[None, :], mask=bmask, other=0)
+        first = running[None, :] + tl.cumsum(h, 0) - h  # [NB_BLOCK, E_PAD]: the block's first row per expert
+        below = tl.cumsum(h, 1) - h  # the block's pairs of lower experts
+        tl.store(base_ptr + bidx[:, None] * E_PAD + eidx[None, :], first - below, mask=bmask)
+        running += tl.sum(h, 0)
 
 
 @triton.jit
-def moe_index_scatter_kernel(ids_ptr, map_ptr, offsets_ptr, sorted_ptr, pos_ptr, N, E_GLOBAL, E_LOCAL,
-                             HAS_MAP: tl.constexpr, BLOCK: tl.constexpr):
-    """Large batches, step 3: sorted row of each pair (pos) and pair of each sorted row."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+def moe_index_scatter_kernel(ids_ptr, map_ptr, base_ptr, sorted_ptr, pos_ptr, N, E_GLOBAL, E_LOCAL,
+                             HAS_MAP: tl.constexpr, E_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    """Large batches, step 3: sort the block's pairs by (expert, pair id); the j-th sorted pair of expert e
+    lands on row base[b, e] + j, so rows are in pair order inside every expert (deterministic)."""
+    b = tl.program_id(0)
+    i = tl.arange(0, BLOCK)
+    offs = b * BLOCK + i
     mask = offs < N
     e, ok = _local_expert(ids_ptr, map_ptr, offs, mask, E_GLOBAL, E_LOCAL, HAS_MAP)
-    slot = tl.load(pos_ptr + offs, mask=ok, other=0)
-    start = tl.load(offsets_ptr + e, mask=ok, other=0)
-    row = start + slot
-    tl.store(sorted_ptr + row, offs, mask=ok)
-    tl.store(pos_ptr + offs, tl.where(ok, row, -1), mask=mask)
+    key = tl.sort(e * BLOCK + i)
+    s_e = key // BLOCK
+    s_pair = b * BLOCK + key % BLOCK
+    s_ok = s_e < E_LOCAL
+    row = tl.load(base_ptr + b * E_PAD + s_e, mask=s_ok, other=0) + i
+    tl.store(sorted_ptr + row, s_pair, mask=s_ok)
+    tl.store(pos_ptr + s_pair, tl.where(s_ok, row, -1), mask=s_pair < N)
 
 
 @triton.jit
@@ -144,17 +191,20 @@ def moe_quant_x_kernel(x_ptr, q_ptr, s_ptr, in_scale_ptr, H, stride_x, stride_q,
 
 
 @triton.jit
-def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets_ptr, sorted_ptr,
+def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets_ptr, sorted_ptr, ids_ptr, map_ptr,
                        act_ptr, act_s_ptr, a2_ptr, rowmax_ptr,
-                       H, I, CAP, TOP_K,
+                       H, I, CAP, TOP_K, E_GLOBAL, E_LOCAL,
                        stride_xt, stride_xst, stride_xsg,
                        stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk,
                        stride_act, stride_acts,
                        QUANT: tl.constexpr, X_FP8: tl.constexpr, ACT_OUT: tl.constexpr,
                        ACT_DT: tl.constexpr, BF16_MUL: tl.constexpr,
+                       NAIVE: tl.constexpr, HAS_MAP: tl.constexpr, SWAP_AB: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """act[r, n] = silu(x[tok(r)]·w13[e, n]) · (x[tok(r)]·w13[e, I+n]) for one (M tile, N tile) task.
 
+    One weight tile of 2·BLOCK_N rows (the gate rows n0.., then the matching up rows I+n0..) and one dot per
+    K step; the accumulator is split into gate and up halves in the epilogue.
     QUANT (`QuantCode`): NONE, a 16-bit dot; FP8_TENSOR, fp8 weights with a scale per expert (applied in
     the epilogue); FP8_BLOCK, 128×128 blocks (scales per K tile). X_FP8: x arrives quantized (xs holds
     its scale, per row through strides, or per row and 128-group); otherwise it is quantized while
@@ -162,29 +212,32 @@ def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets
     (`ActMode`, see codes.py): WIDE_ROW_AMAX and WIDE_GROUP_AMAX also atomic-max the amax of each row
     (or row and 128-group); FP8_GROUP needs BLOCK_N = 128, WIDE_GROUP_AMAX BLOCK_N < 128.
     """
-    pid = tl.program_id(0)
     n_tiles = tl.cdiv(I, BLOCK_N)
-    task = pid // n_tiles
-    pid_n = pid % n_tiles
-    e = tl.load(tasks_ptr + task)
+    e, rows, rmask, pid_n = _task_rows(tl.program_id(0), n_tiles, tasks_ptr, offsets_ptr, ids_ptr, map_ptr, CAP,
+                                       E_GLOBAL, E_LOCAL, HAS_MAP, NAIVE, BLOCK_M)
     if e < 0:
         return
-    row0 = tl.load(tasks_ptr + CAP + task)
-    row_end = tl.load(offsets_ptr + e + 1)
-    rows = row0 + tl.arange(0, BLOCK_M)
-    rmask = rows < row_end
-    pair = tl.load(sorted_ptr + rows, mask=rmask, other=0)
+    if NAIVE:
+        pair = rows
+    else:
+        pair = tl.load(sorted_ptr + rows, mask=rmask, other=0)
     tok = (pair // TOP_K).to(tl.int64)
     n0 = pid_n * BLOCK_N
     cols = n0 + tl.arange(0, BLOCK_N)
     cmask = cols < I
+    # [2·BLOCK_N] weight rows: gate rows n0 + j, then up rows I + n0 + j
+    wr = tl.arange(0, 2 * BLOCK_N)
+    wn = n0 + wr % BLOCK_N
+    wmask = wn < I
+    wrow = wn + (wr // BLOCK_N) * I
     offs_k = tl.arange(0, BLOCK_K)
     e64 = e.to(tl.int64)
     x_rows = x_ptr + tok[:, None] * stride_xt
-    wg_rows = w_ptr + e64 * stride_we + cols.to(tl.int64)[:, None] * stride_wn
-    wu_rows = w_ptr + e64 * stride_we + (cols + I).to(tl.int64)[:, None] * stride_wn
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    w_rows = w_ptr + e64 * stride_we + wrow.to(tl.int64)[:, None] * stride_wn
+    if SWAP_AB:
+        acc = tl.zeros((2 * BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
     if QUANT == Q_FP8_TENSOR:
         if not X_FP8:
             a13 = tl.load(a13_ptr)
@@ -192,16 +245,19 @@ def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets
         kk = k0 + offs_k
         kmask = kk < H
         a = tl.load(x_rows + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        wg = tl.load(wg_rows + kk[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0)
-        wu = tl.load(wu_rows + kk[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0)
+        w = tl.load(w_rows + kk[None, :], mask=wmask[:, None] & kmask[None, :], other=0.0)
         if QUANT == Q_NONE:
-            acc_g = tl.dot(a, tl.trans(wg), acc_g)
-            acc_u = tl.dot(a, tl.trans(wu), acc_u)
+            if SWAP_AB:
+                acc = tl.dot(w, tl.trans(a), acc)
+            else:
+                acc = tl.dot(a, tl.trans(w), acc)
         elif QUANT == Q_FP8_TENSOR:
             if not X_FP8:
                 a = tl.minimum(tl.maximum(a.to(tl.float32) / a13, -FP8_MAX), FP8_MAX).to(tl.float8e4nv)
-            acc_g = tl.dot(a, tl.trans(wg), acc_g)
-            acc_u = tl.dot(a, tl.trans(wu), acc_u)
+            if SWAP_AB:
+                acc = tl.dot(w, tl.trans(a), acc)
+            else:
+                acc = tl.dot(a, tl.trans(w), acc)
         else:
             if X_FP8:
                 a_s = tl.load(xs_ptr + tok * stride_xst + (k0 // 128) * stride_xsg, mask=rmask, other=0.0)
@@ -209,11 +265,17 @@ def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets
                 af = a.to(tl.float32)
                 a_s = tl.maximum(tl.max(tl.abs(af), 1), 1e-12) / FP8_MAX
                 a = tl.minimum(tl.maximum(af / a_s[:, None], -FP8_MAX), FP8_MAX).to(tl.float8e4nv)
-            ws_k = ws_ptr + e64 * stride_wse + (k0 // 128) * stride_wsk
-            wsg = tl.load(ws_k + (n0 // 128) * stride_wsn)
-            wsu = tl.load(ws_k + ((I + n0) // 128) * stride_wsn)
-            acc_g += tl.dot(a, tl.trans(wg)) * (a_s[:, None] * wsg)
-            acc_u += tl.dot(a, tl.trans(wu)) * (a_s[:, None] * wsu)
+            # the scale of each weight row's 128-block (gate rows and up rows lie in different N blocks)
+            w_s = tl.load(ws_ptr + e64 * stride_wse + (k0 // 128) * stride_wsk + (wrow // 128) * stride_wsn,
+                          mask=wmask, other=0.0)
+            if SWAP_AB:
+                acc += tl.dot(w, tl.trans(a)) * (w_s[:, None] * a_s[None, :])
+            else:
+                acc += tl.dot(a, tl.trans(w)) * (a_s[:, None] * w_s[None, :])
+    if SWAP_AB:
+        acc = tl.trans(acc)
+    # [BLOCK_M, 2·BLOCK_N] → gate and up halves [BLOCK_M, BLOCK_N]
+    acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
     if QUANT == Q_FP8_TENSOR:
         ws = tl.load(ws_ptr + e64 * stride_wse)
         if X_FP8:
@@ -256,28 +318,23 @@ def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets
 
 
 @triton.jit
-def moe_down_kernel(act_ptr, act_s_ptr, a2_ptr, rowmax_ptr, w_ptr, ws_ptr, tasks_ptr, offsets_ptr, y_ptr,
-                    H, I, CAP,
+def moe_down_kernel(act_ptr, act_s_ptr, a2_ptr, rowmax_ptr, w_ptr, ws_ptr, tasks_ptr, offsets_ptr, ids_ptr, map_ptr,
+                    y_ptr, H, I, CAP, E_GLOBAL, E_LOCAL,
                     stride_act, stride_acts, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk,
                     stride_y,
                     QUANT: tl.constexpr, ACT_IN: tl.constexpr,
+                    NAIVE: tl.constexpr, HAS_MAP: tl.constexpr, SWAP_AB: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """y[r, n] = act[r]·w2[e, n] for one (M tile, N tile) task, rows in expert-sorted order.
+    """y[r, n] = act[r]·w2[e, n] for one (M tile, N tile) task, rows as the gate-up wrote them.
 
     ACT_IN (`ActMode`, as the gate-up wrote it): the WIDE_*_AMAX modes are quantized here, per row from
     the row amax (FP8_TENSOR) or per row and 128-group from the group amax (FP8_BLOCK).
     """
-    pid = tl.program_id(0)
     n_tiles = tl.cdiv(H, BLOCK_N)
-    task = pid // n_tiles
-    pid_n = pid % n_tiles
-    e = tl.load(tasks_ptr + task)
+    e, rows, rmask, pid_n = _task_rows(tl.program_id(0), n_tiles, tasks_ptr, offsets_ptr, ids_ptr, map_ptr, CAP,
+                                       E_GLOBAL, E_LOCAL, HAS_MAP, NAIVE, BLOCK_M)
     if e < 0:
         return
-    row0 = tl.load(tasks_ptr + CAP + task)
-    row_end = tl.load(offsets_ptr + e + 1)
-    rows = row0 + tl.arange(0, BLOCK_M)
-    rmask = rows < row_end
     rows64 = rows.to(tl.int64)
     n0 = pid_n * BLOCK_N
     cols = n0 + tl.arange(0, BLOCK_N)
@@ -286,7 +343,10 @@ def moe_down_kernel(act_ptr, act_s_ptr, a2_ptr, rowmax_ptr, w_ptr, ws_ptr, tasks
     e64 = e.to(tl.int64)
     a_rows = act_ptr + rows64[:, None] * stride_act
     w_rows = w_ptr + e64 * stride_we + cols.to(tl.int64)[:, None] * stride_wn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if ACT_IN == A_WIDE_ROW_AMAX:
         r_s = tl.maximum(tl.load(rowmax_ptr + rows, mask=rmask, other=0.0), 1e-12) / FP8_MAX
     for k0 in range(0, I, BLOCK_K):
@@ -294,21 +354,28 @@ def moe_down_kernel(act_ptr, act_s_ptr, a2_ptr, rowmax_ptr, w_ptr, ws_ptr, tasks
         kmask = kk < I
         a = tl.load(a_rows + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
         w = tl.load(w_rows + kk[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0)
-        if QUANT == Q_NONE:
-            acc = tl.dot(a, tl.trans(w), acc)
-        elif QUANT == Q_FP8_TENSOR:
-            if ACT_IN == A_WIDE_ROW_AMAX:
-                a = tl.minimum(tl.maximum(a.to(tl.float32) / r_s[:, None], -FP8_MAX), FP8_MAX)
-                a = a.to(tl.float8e4nv)
-            acc = tl.dot(a, tl.trans(w), acc)
-        else:
+        if QUANT == Q_FP8_BLOCK:
             a_s = tl.load(act_s_ptr + rows64 * stride_acts + k0 // 128, mask=rmask, other=0.0)
             if ACT_IN == A_WIDE_GROUP_AMAX:
                 a_s = tl.maximum(a_s, 1e-12) / FP8_MAX
                 a = tl.minimum(tl.maximum(a.to(tl.float32) / a_s[:, None], -FP8_MAX), FP8_MAX)
                 a = a.to(tl.float8e4nv)
             ws = tl.load(ws_ptr + e64 * stride_wse + (n0 // 128) * stride_wsn + (k0 // 128) * stride_wsk)
-            acc += tl.dot(a, tl.trans(w)) * (a_s[:, None] * ws)
+            if SWAP_AB:
+                acc += tl.dot(w, tl.trans(a)) * (ws * a_s[None, :])
+            else:
+                acc += tl.dot(a, tl.trans(w)) * (a_s[:, None] * ws)
+        else:
+            if QUANT == Q_FP8_TENSOR:
+                if ACT_IN == A_WIDE_ROW_AMAX:
+                    a = tl.minimum(tl.maximum(a.to(tl.float32) / r_s[:, None], -FP8_MAX), FP8_MAX)
+                    a = a.to(tl.float8e4nv)
+            if SWAP_AB:
+                acc = tl.dot(w, tl.trans(a), acc)
+            else:
+                acc = tl.dot(a, tl.trans(w), acc)
+    if SWAP_AB:
+        acc = tl.trans(acc)
     if QUANT == Q_FP8_TENSOR:
         ws = tl.load(ws_ptr + e64 * stride_wse)
         if ACT_IN == A_FP8_STATIC:
@@ -320,16 +387,22 @@ def moe_down_kernel(act_ptr, act_s_ptr, a2_ptr, rowmax_ptr, w_ptr, ws_ptr, tasks
 
 
 @triton.jit
-def moe_reduce_kernel(y_ptr, pos_ptr, tw_ptr, shared_ptr, out_ptr, H,
+def moe_reduce_kernel(y_ptr, pos_ptr, ids_ptr, map_ptr, tw_ptr, shared_ptr, out_ptr, H, E_GLOBAL, E_LOCAL,
                       stride_y, stride_tw, stride_sh, stride_out,
-                      TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr):
-    """out[t] = Σ_j topk_weights[t, j] · y[pos[t, j]] (+ shared_output[t]), in fp32; pos −1 skipped."""
+                      TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, NAIVE: tl.constexpr, HAS_MAP: tl.constexpr,
+                      BLOCK_H: tl.constexpr):
+    """out[t] = Σ_j topk_weights[t, j] · y[pos[t, j]] (+ shared_output[t]), in fp32; pos −1 skipped.
+    NAIVE: y rows are pairs (pos = t·k + j), skipped where the pair's expert is remote or out of range."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     cmask = cols < H
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
-        p = tl.load(pos_ptr + t * TOP_K + j)
+        if NAIVE:
+            _, ok = _local_expert(ids_ptr, map_ptr, t * TOP_K + j, t >= 0, E_GLOBAL, E_LOCAL, HAS_MAP)
+            p = tl.where(ok, t * TOP_K + j, -1)
+        else:
+            p = tl.load(pos_ptr + t * TOP_K + j)
         w = tl.load(tw_ptr + t * stride_tw + j)
         v = tl.load(y_ptr + p.to(tl.int64) * stride_y + cols, mask=cmask & (p >= 0), other=0.0)
         acc += w * v.to(tl.float32)

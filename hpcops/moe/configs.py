@@ -32,6 +32,10 @@ class MoeConfig:
     `prequant_x`: quantize a bf16/fp16 x to fp8 in a separate pass (one read of x) instead of inside
     every gate-up program's loader (which re-reads bf16 rows once per N tile): pays for large batches.
     `validate_ids`: check topk_ids values on the host (a device sync) when not capturing a CUDA graph.
+    `swap_ab`: both GEMMs compute weights × activations^T, the weight rows on the tensor core's M side
+    (Hopper's wgmma needs 64 rows there): for M tiles below 64 rows.
+    `naive_max_pairs`: up to this many (token, slot) pairs there is no index at all: one task per pair,
+    its expert read from topk_ids; a weight tile is read once per pair routed to its expert (decode).
     """
 
     block_m: int = 16
@@ -48,6 +52,8 @@ class MoeConfig:
     prequant_x: bool = False
     act_mul: str = "fp32"
     validate_ids: bool = True
+    swap_ab: bool = False
+    naive_max_pairs: int = 0
 
     def with_(self, **kw) -> MoeConfig:
         return replace(self, **kw)
@@ -112,7 +118,9 @@ def heuristic_config(*, num_tokens: int, top_k: int, num_experts: int, hidden: i
         cfg = MoeConfig(block_m=128, block_n=64, block_k=128 if fp8 else 64, num_warps=8, num_stages=3,
                         down_block_n=128, down_block_k=_k_tile(inter), down_num_warps=8,
                         down_num_stages=3)
-    cfg = replace(cfg, prequant_x=bm >= 64)
+    # M tiles below 64 rows: weights on the wgmma M side. Few pairs per expert: no index (as vLLM's
+    # naive block assignment, T·k·4 ≤ E).
+    cfg = replace(cfg, prequant_x=bm >= 64, swap_ab=bm <= 32, naive_max_pairs=num_experts // 4)
     if quant == "fp8_block":
         # block_n 128 lets the gate-up epilogue quantize whole 128-groups
         cfg = replace(cfg, block_n=128, block_k=128, down_block_k=128, block_m=min(cfg.block_m, 64),
@@ -126,10 +134,11 @@ def heuristic_config(*, num_tokens: int, top_k: int, num_experts: int, hidden: i
 # ---- tuned table ----------------------------------------------------------------------------------
 # An entry is a dict: {"E": global experts, "E_local": local experts, "H": hidden, "I": intermediate,
 # "quant": "none" | "fp8_tensor" | "fp8_block", "T": the batch it was measured at, "config": {MoeConfig
-# fields}} (extra keys such as "us" are kept as documentation). `scripts/sweep_moe.py` writes them.
+# fields}} (extra keys such as "us" are kept as documentation). `hpcops tune moe` writes them.
 
 TUNABLE = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "down_block_n", "down_block_k",
-           "down_num_warps", "down_num_stages", "reduce_block_h", "index_small_max", "prequant_x")
+           "down_num_warps", "down_num_stages", "reduce_block_h", "index_small_max", "prequant_x", "swap_ab",
+           "naive_max_pairs")
 
 
 @functools.cache
@@ -141,7 +150,7 @@ def _env_entries(path: str) -> tuple[str, tuple[dict, ...]]:
 
 def tuned_entries(device_name: str) -> list[dict]:
     """Entries for `device_name`: `HPCOPS_MOE_TUNED` (a JSON file {"device": name, "entries": [...]},
-    e.g. the sweep's moe_sweep.json) first, then `hpcops.moe.tuned.TUNED[device_name]`."""
+    e.g. `hpcops tune moe`'s moe_tuned.json) first, then `hpcops.moe.tuned.TUNED[device_name]`."""
     from hpcops.moe.tuned import TUNED
 
     out: list[dict] = []

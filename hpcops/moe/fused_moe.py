@@ -142,40 +142,47 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         return out
     topk_ids = topk_ids.contiguous()
     topk_weights = topk_weights.contiguous()
-    idx = build_moe_index(topk_ids, E, cfg.block_m, expert_map=expert_map, small_max=cfg.index_small_max)
-    dummy = idx.offsets  # placeholder pointer for the arguments a mode does not read
+    naive = T * k <= cfg.naive_max_pairs  # one task per pair: no index
+    idx = None if naive else build_moe_index(topk_ids, E, cfg.block_m, expert_map=expert_map,
+                                              small_max=cfg.index_small_max)
+    dummy = topk_ids if naive else idx.offsets  # placeholder pointer for the arguments a mode does not read
+    tasks, offsets, sorted_pair, pair_pos = (dummy,) * 4 if naive else (idx.tasks, idx.offsets, idx.sorted_pair,
+                                                                       idx.pair_pos)
+    n_tasks = T * k if naive else idx.cap
+    emap = expert_map if expert_map is not None else topk_ids
+    routing = dict(NAIVE=naive, HAS_MAP=expert_map is not None)
     a = scheme.gate_up_input(x, x_scale, cfg, dummy)
     act = scheme.activation(T * k, inter, out_dt, cfg, dummy)
     ws = scheme.weight_scales(E, dummy)
 
-    K.moe_gate_up_kernel[(idx.cap * triton.cdiv(inter, cfg.block_n),)](
-        a.x, a.scale, w13, ws.w13, a.a13, idx.tasks, idx.offsets, idx.sorted_pair,
+    K.moe_gate_up_kernel[(n_tasks * triton.cdiv(inter, cfg.block_n),)](
+        a.x, a.scale, w13, ws.w13, a.a13, tasks, offsets, sorted_pair, topk_ids, emap,
         act.act, act.scale, act.a2, act.rowmax,
-        H, inter, idx.cap, k,
+        H, inter, n_tasks, k, n_global, E,
         a.x.stride(0), a.stride_t, a.stride_g,
         w13.stride(0), w13.stride(1), *ws.w13_strides,
         act.act.stride(0), act.stride_s,
         QUANT=int(scheme.code), X_FP8=a.fp8, ACT_OUT=int(act.mode), ACT_DT=_TL_DTYPE[out_dt],
-        BF16_MUL=cfg.act_mul == "bf16",
+        BF16_MUL=cfg.act_mul == "bf16", SWAP_AB=cfg.swap_ab, **routing,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     y = torch.empty((T * k, H), dtype=out_dt, device=x.device)
-    K.moe_down_kernel[(idx.cap * triton.cdiv(H, cfg.down_block_n),)](
-        act.act, act.scale, act.a2, act.rowmax, w2, ws.w2, idx.tasks, idx.offsets, y,
-        H, inter, idx.cap,
+    K.moe_down_kernel[(n_tasks * triton.cdiv(H, cfg.down_block_n),)](
+        act.act, act.scale, act.a2, act.rowmax, w2, ws.w2, tasks, offsets, topk_ids, emap, y,
+        H, inter, n_tasks, n_global, E,
         act.act.stride(0), act.stride_s, w2.stride(0), w2.stride(1), *ws.w2_strides,
         y.stride(0),
-        QUANT=int(scheme.code), ACT_IN=int(act.mode),
+        QUANT=int(scheme.code), ACT_IN=int(act.mode), SWAP_AB=cfg.swap_ab, **routing,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
         num_warps=cfg.down_num_warps, num_stages=cfg.down_num_stages)
 
     sh = shared_output if shared_output is not None else out
     bh = min(cfg.reduce_block_h, triton.next_power_of_2(H))
     K.moe_reduce_kernel[(T, triton.cdiv(H, bh))](
-        y, idx.pair_pos, topk_weights, sh, out, H,
+        y, pair_pos, topk_ids, emap, topk_weights, sh, out, H, n_global, E,
         y.stride(0), topk_weights.stride(0), sh.stride(0), out.stride(0),
-        TOP_K=k, HAS_SHARED=shared_output is not None, BLOCK_H=bh, num_warps=4)
+        TOP_K=k, HAS_SHARED=shared_output is not None, **routing, BLOCK_H=bh, num_warps=4)
     return out
 
 

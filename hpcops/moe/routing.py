@@ -11,7 +11,7 @@ from hpcops._checks import check_choice, check_tensor
 from hpcops.moe import _moe_kernels as K
 
 INDEX_BLOCK = 1024  # pairs per program of the multi-program index build
-CAP_BLOCK = 64  # task-map slots per iteration of the scan
+CAP_BLOCK = 256  # task-map slots per iteration of the sentinel fill
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, *, scoring: str = "softmax",
@@ -89,12 +89,15 @@ def task_capacity(num_pairs: int, num_local_experts: int, block_m: int) -> int:
 
 
 def build_moe_index(topk_ids: torch.Tensor, num_local_experts: int, block_m: int, *,
-                    expert_map: torch.Tensor | None = None, small_max: int = 1024) -> MoeIndex:
+                    expert_map: torch.Tensor | None = None, small_max: int = 1024,
+                    block: int = INDEX_BLOCK) -> MoeIndex:
     """Counting sort of the (token, slot) pairs by local expert, on the device, without a host sync.
 
     `topk_ids`: int32 [T, k] global expert ids; `expert_map`: int32 [E_global] (local id or −1).
-    Up to `small_max` pairs one program sorts everything (deterministic order inside an expert); above,
-    three kernels (atomic count, scan, scatter; order inside an expert is then arbitrary).
+    Up to `small_max` pairs one program sorts everything; above, three kernels over blocks of `block` pairs
+    (a power of 2): per-block expert histograms, one program's scan (offsets, task map, each block's
+    first rows), and a per-block sort + scatter. No atomics; rows are in pair order inside every expert
+    either way (deterministic).
     """
     ids = topk_ids.contiguous()
     dev = ids.device
@@ -115,12 +118,14 @@ def build_moe_index(topk_ids: torch.Tensor, num_local_experts: int, block_m: int
                                        cap, HAS_MAP=has_map, N_PAD=n_pad, E_PAD=e_pad, BLOCK_M=block_m,
                                        CAP_BLOCK=CAP_BLOCK, num_warps=8 if n_pad >= 1024 else 4)
     else:
-        counts = torch.zeros(e_local, dtype=torch.int32, device=dev)
-        grid = (triton.cdiv(n, INDEX_BLOCK),)
-        K.moe_index_count_kernel[grid](ids, emap, counts, pair_pos, n, e_global, e_local, HAS_MAP=has_map,
-                                       BLOCK=INDEX_BLOCK, num_warps=4)
-        K.moe_index_scan_kernel[(1,)](counts, offsets, tasks, e_local, cap, E_PAD=e_pad, BLOCK_M=block_m,
-                                      CAP_BLOCK=CAP_BLOCK, num_warps=4)
-        K.moe_index_scatter_kernel[grid](ids, emap, offsets, sorted_pair, pair_pos, n, e_global, e_local,
-                                         HAS_MAP=has_map, BLOCK=INDEX_BLOCK, num_warps=4)
+        nb = triton.cdiv(n, block)
+        hist = torch.empty((nb, e_pad), dtype=torch.int32, device=dev)
+        base = torch.empty((nb, e_pad), dtype=torch.int32, device=dev)
+        K.moe_index_hist_kernel[(nb,)](ids, emap, hist, n, e_global, e_local, HAS_MAP=has_map, E_PAD=e_pad,
+                                       BLOCK=block, num_warps=4)
+        K.moe_index_scan_kernel[(1,)](hist, base, offsets, tasks, nb, e_local, cap, E_PAD=e_pad, BLOCK_M=block_m,
+                                      CAP_BLOCK=CAP_BLOCK, NB_BLOCK=min(16, triton.next_power_of_2(nb)),
+                                      num_warps=4)
+        K.moe_index_scatter_kernel[(nb,)](ids, emap, base, sorted_pair, pair_pos, n, e_global, e_local,
+                                          HAS_MAP=has_map, E_PAD=e_pad, BLOCK=block, num_warps=4)
     return MoeIndex(offsets, sorted_pair, pair_pos, tasks, block_m, cap)

@@ -33,6 +33,8 @@ from hpcops.bench.tune.space import Candidate, knob
 # the list, one field at a time; then the winning moves combined, space.py). Order = priority (`--quick`
 # reaches only the first knobs). A new MoeConfig field is one more line, e.g. knob("swap_ab", False, True).
 SPACE = (
+    knob("naive_max_pairs", values_fn=lambda base, s: _naive_options(base["naive_max_pairs"], s.t * s.top_k)),
+    knob("swap_ab", False, True),
     knob("block_n", 16, 32, 64, 128),
     knob("block_m", 16, 32, 64, 128),
     knob("down_block_n", 32, 64, 128, 256),
@@ -46,6 +48,14 @@ SPACE = (
 )
 
 ENTRY_KEYS = ("E", "E_local", "H", "I", "quant", "T")
+
+
+def _naive_options(heuristic: int, pairs: int) -> tuple[int, ...]:
+    """The heuristic's threshold, then the other task form at this batch (one task per pair, or the
+    index); none past 2048 pairs, where re-reading an expert's weights once per pair cannot pay."""
+    if pairs > 2048:
+        return (heuristic,)
+    return (heuristic, 0 if pairs <= heuristic else 1 << 30)
 
 
 def _tunable() -> tuple[str, ...]:
