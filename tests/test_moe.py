@@ -559,19 +559,27 @@ HY3_CFG = dict(top_k=8, num_experts=192, hidden=4096)
 
 
 def test_get_config_fp8_block_tiles():
-    """fp8 block: whole 128-groups per gate-up program (epilogue quantization), as measured."""
-    cfg = get_config(num_tokens=4, inter=1536, quant="fp8_block", **HY3_CFG)
-    assert cfg.block_n == 128 and cfg.block_k == cfg.down_block_k == 128
+    """fp8 block: whole 128-groups per gate-up program (epilogue quantization) on 8 warps where the launch
+    keeps ~2 programs per SM; narrower N tiles (the down GEMM quantizes the groups) where it would not."""
+    cfg = get_config(num_tokens=4, inter=1536, quant="fp8_block", **HY3_CFG)  # 32 pairs x 12 tiles
+    assert cfg.block_n == 128 and cfg.num_warps == 8 and cfg.block_k == cfg.down_block_k == 128
+    ep8 = dict(HY3_CFG, num_local_experts=24)
+    cfg = get_config(num_tokens=4, inter=1536, quant="fp8_block", **ep8)  # ~4 local pairs: 4 x 48 tiles of 32
+    assert cfg.block_n == 32 and cfg.num_warps == 4 and cfg.naive_max_pairs == 0  # EP: the index
+    assert get_config(num_tokens=64, inter=1536, quant="fp8_block", **ep8).block_n == 128
+    dsv3 = get_config(num_tokens=1, top_k=8, num_experts=256, hidden=7168, inter=256, quant="fp8_block")
+    assert dsv3.block_n == 32 and dsv3.naive_max_pairs == 64
 
 
 @pytest.mark.parametrize("kind,want", [
-    ("fp8_tensor", ["moe_gate_up_kernel", "moe_down_kernel", "moe_reduce_kernel"]),
+    ("fp8_tensor", ["moe_quant_x_kernel", "moe_gate_up_kernel", "moe_down_kernel", "moe_reduce_kernel"]),
     ("fp8_tensor_dyn", ["moe_quant_x_kernel", "aten.zeros.default", "moe_gate_up_kernel",
                         "moe_down_kernel", "moe_reduce_kernel"]),  # dynamic a2: a zeroed row-amax buffer
 ])
 def test_decode_batch_launches(kind, want):
     """Everything a decode-size call puts on the stream (Triton launches and torch ops that run kernels):
-    B=4 Hy3 with static fp8 scales is three launches (32 pairs over 192 experts: one task per pair, no index)."""
+    B=4 Hy3 with static fp8 scales is four launches: x quantized once, then one task per pair (32 pairs over
+    192 experts: no index), the two GEMMs and the reduction."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from hpcops.moe import _moe_kernels as K
@@ -615,13 +623,14 @@ def test_tuned_table(monkeypatch, tmp_path):
     assert get_config(num_tokens=4, device_name="GPU-B", **kw) == heur  # another device
     assert get_config(num_tokens=4, device_name="GPU-A", interpreter=True, **kw) == \
         get_config(num_tokens=4, interpreter=True, **kw)  # the interpreter keeps its own tiles
-    assert get_config(num_tokens=4, device_name="GPU-A", **dict(kw, num_local_experts=24)) == heur  # EP shape
+    ep = dict(kw, num_local_experts=24)
+    assert get_config(num_tokens=4, device_name="GPU-A", **ep) == get_config(num_tokens=4, **ep)  # EP shape
     # a sweep output named by HPCOPS_MOE_TUNED comes first
     f = tmp_path / "moe_sweep.json"
-    f.write_text(json.dumps({"device": "GPU-A", "entries": [_entry(4, block_n=64, prequant_x=True)]}))
+    f.write_text(json.dumps({"device": "GPU-A", "entries": [_entry(4, block_n=64, prequant_x=False)]}))
     monkeypatch.setenv("HPCOPS_MOE_TUNED", str(f))
     got = get_config(num_tokens=4, device_name="GPU-A", **kw)
-    assert got.block_n == 64 and got.prequant_x
+    assert got.block_n == 64 and not got.prequant_x and heur.prequant_x
     C._env_entries.cache_clear()
     f.write_text(json.dumps({"device": "GPU-A", "entries": [_entry(4, blocc_n=64)]}))
     with pytest.raises(ValueError, match="blocc_n"):

@@ -59,6 +59,9 @@ class MoeConfig:
         return replace(self, **kw)
 
 
+_SMS = 132  # streaming multiprocessors of the H200 the heuristic was measured on
+
+
 def _k_tile(k: int) -> int:
     """The largest of 128/64/32 dividing `k` (no masked tail iteration), else 64."""
     for t in (128, 64, 32):
@@ -86,7 +89,7 @@ def get_config(*, num_tokens: int, top_k: int, num_experts: int, hidden: int, in
     "fp8_block". A tuned entry for `device_name` (`torch.cuda.get_device_name()`) and this shape replaces
     the heuristic's tiles (see `tuned_entry`); the interpreter always uses the heuristic."""
     cfg = heuristic_config(num_tokens=num_tokens, top_k=top_k, num_experts=num_experts, hidden=hidden,
-                           inter=inter, quant=quant, interpreter=interpreter)
+                           inter=inter, quant=quant, interpreter=interpreter, num_local_experts=num_local_experts)
     if interpreter or not device_name:
         return cfg
     entry = tuned_entry(device_name, num_tokens=num_tokens, num_experts=num_experts,
@@ -96,8 +99,13 @@ def get_config(*, num_tokens: int, top_k: int, num_experts: int, hidden: int, in
 
 
 def heuristic_config(*, num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
-                     quant: str = "none", interpreter: bool = False) -> MoeConfig:
-    """The untuned heuristic: tiles from the average rows per expert `num_tokens·top_k / num_experts`."""
+                     quant: str = "none", interpreter: bool = False,
+                     num_local_experts: int | None = None) -> MoeConfig:
+    """The untuned heuristic: tiles from the average rows per expert `num_tokens·top_k / num_experts`.
+    Rules measured on the H200 (`hpcops tune moe`, bench/results/moe_tune.md): fp8 per-tensor x is
+    quantized once up front; 16-bit decode tiles take K steps of 128; the 128-block scheme's gate-up tile
+    (gate and up halves, 2·block_n rows) runs on 8 warps at block_n 128, and its block_n shrinks until
+    the gate-up launch has about two programs per SM."""
     avg = num_tokens * top_k / max(num_experts, 1)
     bm = block_m_for(avg)
     fp8 = quant != "none"
@@ -107,7 +115,7 @@ def heuristic_config(*, num_tokens: int, top_k: int, num_experts: int, hidden: i
     if bm <= 32:
         # Decode: the weight stream dominates. Split N finely so many programs stream each expert's
         # weights at once; small M tile; deep pipeline on K.
-        cfg = MoeConfig(block_m=bm, block_n=32, block_k=128 if fp8 else 64, num_warps=4, num_stages=4,
+        cfg = MoeConfig(block_m=bm, block_n=32, block_k=128, num_warps=4, num_stages=4,
                         down_block_n=64, down_block_k=_k_tile(inter), down_num_warps=4,
                         down_num_stages=4)
     elif bm == 64:
@@ -120,11 +128,18 @@ def heuristic_config(*, num_tokens: int, top_k: int, num_experts: int, hidden: i
                         down_num_stages=3)
     # M tiles below 64 rows: weights on the wgmma M side. Few pairs per expert: no index (as vLLM's
     # naive block assignment, T·k·4 ≤ E).
-    cfg = replace(cfg, prequant_x=bm >= 64, swap_ab=bm <= 32, naive_max_pairs=num_experts // 4)
+    # naive_max_pairs = 0 under expert parallelism (measured: the index wins at EP8 B4).
+    n_local = num_local_experts or num_experts
+    cfg = replace(cfg, prequant_x=bm >= 64 or quant == "fp8_tensor", swap_ab=bm <= 32,
+                  naive_max_pairs=num_experts // 4 if n_local == num_experts else 0)
     if quant == "fp8_block":
-        # block_n 128 lets the gate-up epilogue quantize whole 128-groups
-        cfg = replace(cfg, block_n=128, block_k=128, down_block_k=128, block_m=min(cfg.block_m, 64),
-                      down_block_n=min(cfg.down_block_n, 128))
+        # block_n 128 lets the gate-up epilogue quantize whole 128-groups; narrower tiles (the down GEMM
+        # then quantizes the groups) where 128 would leave the gate-up launch with too few programs
+        local_pairs = num_tokens * top_k * n_local / max(num_experts, 1)
+        tasks = min(local_pairs, local_pairs / cfg.block_m + n_local)
+        bn = next((b for b in (128, 64) if tasks * -(-inter // b) >= 2 * _SMS), 32)
+        cfg = replace(cfg, block_n=bn, block_k=128, down_block_k=128, block_m=min(cfg.block_m, 64),
+                      down_block_n=min(cfg.down_block_n, 128), num_warps=8 if bn == 128 else 4)
     if interpreter:
         cfg = replace(cfg, block_n=max(cfg.block_n, 64), down_block_n=max(cfg.down_block_n, 128),
                       block_k=128, down_block_k=128 if quant == "fp8_block" else _k_tile(inter))

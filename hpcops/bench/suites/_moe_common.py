@@ -153,7 +153,7 @@ def config_for(s: MoeShape, device: torch.device | None, *, heuristic: bool = Fa
     kw = dict(num_tokens=s.t, top_k=s.top_k, num_experts=s.e_global, hidden=s.hidden, inter=s.inter,
               quant=s.kind, interpreter=is_interpreter())
     if heuristic:
-        return heuristic_config(**kw)
+        return heuristic_config(**kw, num_local_experts=s.e_local)
     dev_name = device_name(device) if device is not None else None
     return get_config(**kw, num_local_experts=s.e_local, device_name=dev_name)
 

@@ -12,7 +12,8 @@ from hpcops.bench.tune.space import label
 
 
 def default_jobs() -> int:
-    return max(1, min(16, (os.cpu_count() or 2) - 2))
+    """Cores minus two, at most 8: each worker holds a CUDA context and one scenario's layer-0 inputs."""
+    return max(1, min(8, (os.cpu_count() or 2) - 2))
 
 
 def add_parser(sub) -> None:

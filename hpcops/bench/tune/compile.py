@@ -24,8 +24,11 @@ from typing import Any
 
 from hpcops.bench.tune.space import Candidate, key
 
-_WORKER_INPUTS: OrderedDict = OrderedDict()  # in a worker: layer-0 inputs of the last scenarios
-_WORKER_KEEP = 2
+_WORKER_INPUTS: OrderedDict = OrderedDict()  # in a worker: layer-0 inputs of the last scenario
+_WORKER_KEEP = 1
+# A worker builds a scenario's inputs only while the GPU keeps this much free: the main process's timed
+# layers come first (16 workers holding 8 GB each ran the main process out of memory on a 2-GPU H200).
+WORKER_MIN_FREE = 48 << 30
 _POISONED: list[str] = []  # in a worker: a CUDA error left its context unusable
 
 
@@ -63,8 +66,14 @@ def compile_job(op_spec: str, scenario: Any, cands: list[Candidate]) -> dict[tup
     try:
         name = scenario.name
         if name not in _WORKER_INPUTS:
+            import torch
+
             while len(_WORKER_INPUTS) >= _WORKER_KEEP:
                 _WORKER_INPUTS.popitem(last=False)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+                if torch.cuda.mem_get_info()[0] < WORKER_MIN_FREE:
+                    return out  # the main process compiles them as it runs them
             _WORKER_INPUTS[name] = op.make_inputs(scenario, 0, "cuda")
         x = _WORKER_INPUTS[name]
     except Exception as exc:  # noqa: BLE001 - e.g. out of memory: the main process compiles them
