@@ -559,16 +559,14 @@ HY3_CFG = dict(top_k=8, num_experts=192, hidden=4096)
 
 
 def test_get_config_fp8_block_tiles():
-    """fp8 block: whole 128-groups per gate-up program (epilogue quantization) on 8 warps where the launch
-    keeps ~2 programs per SM; narrower N tiles (the down GEMM quantizes the groups) where it would not."""
-    cfg = get_config(num_tokens=4, inter=1536, quant="fp8_block", **HY3_CFG)  # 32 pairs x 12 tiles
+    """fp8 block: whole 128-groups per gate-up program (epilogue quantization), its 256-row gate+up tile on
+    8 warps, at every batch (narrower tiles measured slower at B 4 and 16); the index under EP."""
+    cfg = get_config(num_tokens=4, inter=1536, quant="fp8_block", **HY3_CFG)
     assert cfg.block_n == 128 and cfg.num_warps == 8 and cfg.block_k == cfg.down_block_k == 128
-    ep8 = dict(HY3_CFG, num_local_experts=24)
-    cfg = get_config(num_tokens=4, inter=1536, quant="fp8_block", **ep8)  # ~4 local pairs: 4 x 48 tiles of 32
-    assert cfg.block_n == 32 and cfg.num_warps == 4 and cfg.naive_max_pairs == 0  # EP: the index
-    assert get_config(num_tokens=64, inter=1536, quant="fp8_block", **ep8).block_n == 128
+    ep8 = get_config(num_tokens=4, inter=1536, quant="fp8_block", num_local_experts=24, **HY3_CFG)
+    assert ep8.block_n == 128 and ep8.naive_max_pairs == 0 and cfg.naive_max_pairs == 48
     dsv3 = get_config(num_tokens=1, top_k=8, num_experts=256, hidden=7168, inter=256, quant="fp8_block")
-    assert dsv3.block_n == 32 and dsv3.naive_max_pairs == 64
+    assert dsv3.block_n == 128 and dsv3.naive_max_pairs == 64
 
 
 @pytest.mark.parametrize("kind,want", [
