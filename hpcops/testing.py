@@ -141,10 +141,11 @@ def make_paged_kv(seq_lens: list[int], *, num_kv_heads: int, head_dim: int, bloc
                    k_scale, v_scale)
 
 
-def capture_graph(fn: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
+def capture_graph(fn: Callable[[], Any], *, capture_error_mode: str = "global") -> tuple[torch.cuda.CUDAGraph, Any]:
     """Run `fn` once on a side stream (compilation, lazy allocations stay outside the capture), then
     capture one call in a CUDA graph; returns the graph and what the captured call returned (tensors
-    the replays write)."""
+    the replays write). `capture_error_mode="thread_local"` where another thread may touch CUDA during
+    the capture (a NCCL process group's watchdog)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -152,7 +153,7 @@ def capture_graph(fn: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, capture_error_mode=capture_error_mode):
         result = fn()
     return graph, result
 

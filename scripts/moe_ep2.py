@@ -248,16 +248,9 @@ def compare_ref(a: torch.Tensor, ref: torch.Tensor, tol: tuple[float, float]) ->
 def _capture(fn):
     """`hpcops.testing.capture_graph` with capture_error_mode="thread_local": the process group's watchdog
     thread queries CUDA events while this thread captures, which the default global mode refuses."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        fn()
-    return graph
+    from hpcops.testing import capture_graph
+
+    return capture_graph(fn, capture_error_mode="thread_local")[0]
 
 
 class Rank:

@@ -40,3 +40,15 @@ def device() -> str:
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture
+def tiny_moe_suite(monkeypatch):
+    """The Hy3 `moe` bench suite shrunk to interpreter sizes (E 8, top-3, H 256, I 128; EP8: 3 local)."""
+    from hpcops.bench.suites import moe as suite
+
+    monkeypatch.setattr(suite, "E_GLOBAL", 8)
+    monkeypatch.setattr(suite, "TOP_K", 3)
+    monkeypatch.setattr(suite, "HIDDEN", 256)
+    monkeypatch.setattr(suite, "INTER", {"tp8": 128, "ep8": 128})
+    monkeypatch.setattr(suite, "N_LOCAL", {"tp8": 8, "ep8": 3})

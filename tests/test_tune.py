@@ -33,12 +33,8 @@ def gpu_heuristics(monkeypatch):
 
 
 @pytest.fixture
-def tiny(monkeypatch):
-    monkeypatch.setattr(suite, "E_GLOBAL", 8)
-    monkeypatch.setattr(suite, "TOP_K", 3)
-    monkeypatch.setattr(suite, "HIDDEN", 256)
-    monkeypatch.setattr(suite, "INTER", {"tp8": 128, "ep8": 128})
-    monkeypatch.setattr(suite, "N_LOCAL", {"tp8": 8, "ep8": 3})
+def tiny(tiny_moe_suite):
+    """The moe suite at interpreter sizes (conftest)."""
 
 
 # ---- search spaces -----------------------------------------------------------------------------------
