@@ -253,3 +253,25 @@ def test_merge_split_runs(tmp_path):
     assert sum(r.impl == "baseline" for r in merged.rows) == 2  # derived once per case, not duplicated
     assert next(r.us for r in merged.rows if r.impl == "hpcops" and r.case.endswith("ep8")) == 81.0
     assert any(p.name == "layer.components.md" for p in paths)
+
+
+def test_cli_bench_layer_writes_the_derived_reports(monkeypatch, tmp_path, capsys):
+    import hpcops.bench
+    import hpcops.bench.runner
+    from hpcops.cli import main
+
+    def fake_run_suite(name, opts, *, on_case=None, machine=None, **kw):
+        assert name == "layer" and opts["quick"]
+        rows = [_row("hpcops", 80.0), _row("baseline-rest", 70.0),
+                _row("baseline-moe-kernels", 28.0, timing="kernels")]
+        res = SuiteResult("layer", rows, machine)
+        on_case(res)  # the CLI rewrites the reports after every case
+        return res
+
+    monkeypatch.setattr(hpcops.bench, "run_suite", fake_run_suite)
+    monkeypatch.setattr(hpcops.bench.runner, "machine_info", lambda: {"copy_gbps": 4000.0})
+    assert main(["bench", "layer", "--quick", "--out", str(tmp_path), "--no-progress"]) == 0
+    data = json.loads((tmp_path / "layer.json").read_text())
+    assert [r["impl"] for r in data["rows"]] == ["hpcops", "baseline", "baseline-rest", "baseline-moe-kernels"]
+    assert (tmp_path / "layer.components.md").is_file() and (tmp_path / "layer.summary.json").is_file()
+    assert "| B4-u4K-fp8-tp8 | **hpcops** | 80.0 |" in capsys.readouterr().out

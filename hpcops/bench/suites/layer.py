@@ -20,8 +20,8 @@ Sides:
   The `hpcops` row is the whole layer in one graph.
 - `baseline`: torch QK-RMSNorm (FlashInfer has no QK-norm) + FlashInfer's
   `apply_rope_with_cos_sin_cache_inplace` + `append_paged_kv_cache` (fp8 KV: K/V cast in torch first),
-  FlashInfer's `BatchDecodeWithPagedKVCacheWrapper` (tensor-core path, as vLLM's FlashInfer backend picks
-  for a GQA ratio above 4; planned outside the graph, on the host, as vLLM does: not timed), vLLM's Triton
+  FlashInfer's `BatchDecodeWithPagedKVCacheWrapper` on its tensor-core path (the faster of its two paths
+  at 8/1 heads in `bench/results/decode.md`; planned outside the graph, on the host: not timed), vLLM's Triton
   `fused_experts` (vendored in `.peers/vllm_kernels`, configured as in the `moe` suite), the shared output
   and the residual added in torch. vLLM's CUDA helpers around its two `fused_moe_kernel` launches run here
   as pure-torch stand-ins, so the baseline's routed MoE is timed as those two kernels' device time
