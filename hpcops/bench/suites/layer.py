@@ -177,7 +177,7 @@ _COS_SIN: dict[tuple[str, int], torch.Tensor] = {}
 
 
 def cos_sin_cache(max_pos: int, device: str) -> torch.Tensor:
-    """[max_pos, HEAD_DIM] fp32: cos | sin of NeoX RoPE at theta 11158840 (shared by every layer)."""
+    """[n, HEAD_DIM] fp32, n the power of 2 ≥ max_pos: cos | sin of NeoX RoPE at theta 11158840 (all layers)."""
     n = 1 << max(10, (max_pos - 1).bit_length())
     key = (str(device), n)
     if key not in _COS_SIN:
