@@ -92,7 +92,7 @@ def _parser() -> argparse.ArgumentParser:
                     help=f"minimum {TILE}-token tiles per program, 1..{MAX_MIN_TILES} (default: %(default)s)")
 
     b = sub.add_parser("bench", help="benchmark a suite on the GPU against peers (JSON + markdown + PNG)")
-    b.add_argument("suites", nargs="+", help="decode, moe, rope, prefill (or 'all')")
+    b.add_argument("suites", nargs="+", help="decode, moe, moe-shapes, rope, prefill, layer (or 'all')")
     b.add_argument("--only", default=None, help="run only cases whose name contains this text")
     b.add_argument("--out", default="bench/results", help="output folder (default: bench/results)")
     b.add_argument("--layers", type=int, default=None, help="layers per CUDA graph (default: L2-cold count)")
@@ -108,6 +108,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _bench(args) -> int:
     from hpcops.bench import SUITES, report, run_suite
+    from hpcops.bench.registry import suite_finisher
     from hpcops.bench.runner import machine_info
 
     names = sorted(SUITES) if args.suites == ["all"] else args.suites
@@ -121,9 +122,17 @@ def _bench(args) -> int:
     machine = machine_info()
     status = 0
     for n in names:
+        finish = suite_finisher(n)
+
+        def write(res, finish=finish):  # a suite's derived rows and extra reports first, then the common ones
+            extra = []
+            if finish is not None:
+                res, extra = finish(res, args.out)
+            return res, report.write(res, args.out) + extra
+
         result = run_suite(n, opts, check=not args.no_check, only=args.only, progress=not args.no_progress,
-                           machine=machine, on_case=lambda partial: report.write(partial, args.out))
-        paths = report.write(result, args.out)
+                           machine=machine, on_case=write)
+        result, paths = write(result)
         print(report.markdown(result))
         print("wrote " + ", ".join(str(p) for p in paths))
         if any(r.status == "check-failed" for r in result.rows):

@@ -20,6 +20,7 @@ SUITES: dict[str, str] = {
     "moe-shapes": "hpcops.bench.suites.moe_shapes",
     "rope": "hpcops.bench.suites.rope",
     "prefill": "hpcops.bench.suites.prefill",
+    "layer": "hpcops.bench.suites.layer",
 }
 
 
@@ -120,3 +121,11 @@ def get_suite(name: str) -> Callable[[dict], Iterator[Case]]:
         raise ValueError(f"unknown bench suite {name!r}; choose from {sorted(SUITES)}")
     module = importlib.import_module(SUITES[name])
     return module.cases
+
+
+def suite_finisher(name: str) -> Callable[[Any, Any], tuple[Any, list[Path]]] | None:
+    """A suite's optional `finish(result, out_dir) -> (result, extra paths)`: rows derived from the measured
+    ones and suite-specific reports (the `layer` suite's baseline total and component table), or None."""
+    if name not in SUITES:
+        raise ValueError(f"unknown bench suite {name!r}; choose from {sorted(SUITES)}")
+    return getattr(importlib.import_module(SUITES[name]), "finish", None)

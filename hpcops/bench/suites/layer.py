@@ -1,0 +1,564 @@
+"""Bench suite `layer`: one Hy3-shaped decoder layer at decode, composed two ways (issue 11).
+
+What a serving user gains per token: the same layer, the same random Hy3-shaped weights and the same
+inputs, built from hpcops' ops and from what a vLLM user runs today, timed in the same process by the
+same CUDA-graph method (`timing.graph_time_us`: layers with their own weights and KV cache, L2-cold).
+
+The layer, in order (one TP8 rank's attention: 8 q heads / 1 kv head, head_dim 128, page 64):
+1. input RMSNorm and the QKV projection GEMM (torch, `shared`);
+2. QK-RMSNorm then NeoX RoPE (Hy3's order) and the paged KV write of the new token;
+3. decode attention over the paged cache;
+4. the o_proj GEMM and the residual (torch, `shared`);
+5. post-attention RMSNorm, the fp32 router GEMM, `select_experts` (sigmoid, selection bias,
+   renormalize × 2.826), the shared expert's MLP (torch, `shared`: 5a), then the routed MoE and the
+   residual (5b).
+
+Sides:
+- `hpcops`: `rope_norm_store_kv` (fp8 KV: it also emits the fp8 query with per-token-head scales),
+  `decode_attention` with its load-balanced plan (built once per model step, outside the graph: the
+  `hpcops-plan` row, per step), `fused_moe` with the shared expert's output added in its reduction.
+  The `hpcops` row is the whole layer in one graph.
+- `baseline`: torch QK-RMSNorm (FlashInfer has no QK-norm) + FlashInfer's
+  `apply_rope_with_cos_sin_cache_inplace` + `append_paged_kv_cache` (fp8 KV: K/V cast in torch first),
+  FlashInfer's `BatchDecodeWithPagedKVCacheWrapper` on its tensor-core path (the faster of its two paths
+  at 8/1 heads in `bench/results/decode.md`; planned outside the graph, on the host: not timed), vLLM's Triton
+  `fused_experts` (vendored in `.peers/vllm_kernels`, configured as in the `moe` suite), the shared output
+  and the residual added in torch. vLLM's CUDA helpers around its two `fused_moe_kernel` launches run here
+  as pure-torch stand-ins, so the baseline's routed MoE is timed as those two kernels' device time
+  (profiler: `baseline-moe-kernels`) plus an ALLOWANCE for the helpers (`_layer_report.allowance_us`):
+  3 µs each for align (skipped by vLLM when T·k·4 ≤ E without EP), activation + quant, x-quant (fp8 only)
+  and moe_sum, plus moe_sum's B·k·H·2 bytes at the measured copy bandwidth. Everything else of the
+  baseline layer is one graph (`baseline-rest`); the `baseline` row = baseline-rest + baseline-moe-kernels
+  + allowance (derived after the run by `finish`).
+- `shared:*` rows: the torch steps both sides run identically, timed once.
+
+Per-component rows (`<side>:<step>`) time each step alone with the same graph method, on inputs the
+previous steps produced; `layer.components.md` puts them side by side with the whole layer, the model
+step (× `MODEL_LAYERS`) and the TPOT difference, `layer.stack.png` stacks them.
+
+Variants: `fp8` = Hy3-FP8 as served (fp8 e4m3 KV with per-tensor scales, fp8 per-tensor MoE weights with
+static activation scales); `bf16` = bf16 KV and MoE. The dense GEMMs (QKV, o_proj, router, shared expert)
+are bf16 torch matmuls on both sides in both variants. Ranks: `tp8` (all 192 experts, I = 192) and `ep8`
+(24 local experts of 192 through an expert_map, I = 1536); the attention is the TP8 slice in both, the
+shared expert's MLP is TP-sharded (I = 1536 / 8) in both, as vLLM shards it. Tensor-parallel all-reduces
+(after o_proj and after the MoE) are left out on both sides.
+
+Correctness gate (before any timing): the composed hpcops layer on layer 0's inputs, the first `CHECK_B`
+rows against a torch fp32 reference of the same layer (`reference_layer`); the baseline layer is checked
+the same way when its row is prepared (a disagreeing baseline is reported check-failed, never ranked).
+The reference takes the expert choice (top-k ids) of the side it checks: near-ties of the sigmoid scores
+flip under bf16 rounding, a discrete choice and not an accuracy question; at least 75 % of the
+(token, slot) choices must agree with the reference's own.
+
+TODO (issue 11, deliverable 3): prefill TTFT (one prompt of 2K/8K/32K, `prefill_attention` against
+FlashInfer's prefill in the same layer frame) is not built yet.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hpcops.bench.registry import Case, Impl, PeerUnavailable
+from hpcops.bench.scenarios import DECODE_SCENARIOS, parse_lengths
+from hpcops.bench.suites import _moe_common as common
+from hpcops.bench.suites.decode import K_SCALE, V_SCALE, make_decode_inputs
+
+FP8 = torch.float8_e4m3fn
+# Hy3 (research/hpcops.md §7; DESIGN.md "Reference model shapes")
+HIDDEN = 4096
+HQ, HKV, HEAD_DIM = 8, 1, 128  # one TP8 rank of 64 q / 8 kv heads
+E_GLOBAL, TOP_K = 192, 8
+INTER = {"tp8": 192, "ep8": 1536}
+N_LOCAL = {"tp8": 192, "ep8": 24}
+SHARED_INTER = 192  # the shared expert (width 1536) TP-sharded over 8 ranks, in both layouts
+ROUTE_SCALE = 2.826
+THETA = 11158840.0
+EPS = 1e-5
+PAGE = 64
+# Hy3 has 80 decoder layers (research/hpcops.md §7: num_hidden_layers 80; layer 0 is dense, 1-79 MoE): a
+# model step is reported as 80 x this MoE layer (+ the plan once), an approximation for the dense layer 0.
+MODEL_LAYERS = 80
+BATCHES = (1, 4, 16, 64, 256)
+QUICK_BATCHES = (4, 64)
+LOGMIX = (100, 100_000)  # the seeded log-uniform context mix, tokens
+TABLE3_BATCHES = (32, 64)  # the blog's table-3 mixes of these sizes are added
+CHECK_B = 4  # rows of layer 0 checked against the fp32 reference
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One decode step of one layer on one rank (also a `_moe_common.MoeShape` for the MoE part)."""
+
+    b: int
+    ctx: str  # "u4K" | "logmix" | a length spec (the blog's table-3 mixes)
+    kv: str  # "fp8" | "bf16"
+    layout: str  # "tp8" | "ep8"
+
+    @property
+    def name(self) -> str:
+        return f"B{self.b}-{self.ctx}-{self.kv}-{self.layout}"
+
+    @property
+    def lens(self) -> list[int]:
+        return context_lens(self.ctx, self.b)
+
+    # the MoeShape protocol
+    @property
+    def t(self) -> int:
+        return self.b
+
+    @property
+    def kind(self) -> str:
+        return "fp8_tensor" if self.kv == "fp8" else "none"
+
+    @property
+    def e_global(self) -> int:
+        return E_GLOBAL
+
+    @property
+    def e_local(self) -> int:
+        return N_LOCAL[self.layout]
+
+    @property
+    def top_k(self) -> int:
+        return TOP_K
+
+    @property
+    def hidden(self) -> int:
+        return HIDDEN
+
+    @property
+    def inter(self) -> int:
+        return INTER[self.layout]
+
+    @property
+    def ep(self) -> bool:
+        return self.layout == "ep8"
+
+    @property
+    def shared(self) -> bool:
+        return True
+
+
+def context_lens(ctx: str, b: int) -> list[int]:
+    """KV lengths (including the new token) of a batch: uniform 4K, the seeded log-uniform mix, or a spec."""
+    if ctx == "u4K":
+        return [4096] * b
+    if ctx == "logmix":
+        g = torch.Generator().manual_seed(1234 + b)
+        lo, hi = math.log(LOGMIX[0]), math.log(LOGMIX[1])
+        return [int(round(math.exp(lo + (hi - lo) * u))) for u in torch.rand(b, generator=g).tolist()]
+    lens = parse_lengths(ctx)
+    if len(lens) != b:
+        raise ValueError(f"context spec {ctx!r} has {len(lens)} requests, not B = {b}")
+    return lens
+
+
+def scenarios(quick: bool = False) -> list[Scenario]:
+    """B × context × KV × rank; the table-3 mixes of B = 32 and 64 (uniform 64x4K is the u4K row)."""
+    ctxs = [(b, c) for b in (QUICK_BATCHES if quick else BATCHES) for c in ("u4K", "logmix")]
+    if not quick:
+        for spec in DECODE_SCENARIOS:
+            n = len(parse_lengths(spec))
+            if n in TABLE3_BATCHES and set(parse_lengths(spec)) != {4096}:
+                ctxs.append((n, spec))
+    kvs = ("fp8",) if quick else ("fp8", "bf16")
+    return [Scenario(b, c, kv, lay) for kv in kvs for lay in ("tp8", "ep8") for b, c in ctxs]
+
+
+# ---------------------------------------------------------------------------------------------- inputs
+
+_COS_SIN: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def cos_sin_cache(max_pos: int, device: str) -> torch.Tensor:
+    """[n, HEAD_DIM] fp32, n the power of 2 ≥ max_pos: cos | sin of NeoX RoPE at theta 11158840 (all layers)."""
+    n = 1 << max(10, (max_pos - 1).bit_length())
+    key = (str(device), n)
+    if key not in _COS_SIN:
+        inv = 1.0 / THETA ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float64) / HEAD_DIM)
+        f = torch.outer(torch.arange(n, dtype=torch.float64), inv)
+        _COS_SIN.clear()  # one size at a time
+        _COS_SIN[key] = torch.cat([f.cos(), f.sin()], dim=-1).float().to(device)
+    return _COS_SIN[key]
+
+
+def make_inputs(s: Scenario, layer: int, device: str = "cuda") -> dict[str, Any]:
+    """One layer's weights (seeded by `layer`), its paged KV cache holding the context, the new token's
+    position and slot, the residual stream `hidden` [B, H] bf16, and FlashInfer's page metadata."""
+    H, d = HIDDEN, HEAD_DIM
+    lens = s.lens
+    kv = make_decode_inputs(lens, HQ, HKV, s.kv == "fp8", seed=layer, device=device)
+    g = torch.Generator(device=device).manual_seed(50_000 + layer)
+    rn = lambda *shape, std=1.0: torch.randn(*shape, generator=g, device=device) * std
+    bf = lambda t: t.to(torch.bfloat16)
+    w13, w2, quant = common.weights(s, layer, device)
+    emap = None
+    if s.ep:
+        emap = torch.full((E_GLOBAL,), -1, dtype=torch.int32)
+        emap[: s.e_local] = torch.arange(s.e_local, dtype=torch.int32)
+        emap = emap.to(device)
+    seq_lens = kv["seq_lens"]
+    pos = (seq_lens - 1).long()
+    table = kv["block_table"]
+    slots = table.long().gather(1, (pos // PAGE)[:, None])[:, 0] * PAGE + pos % PAGE
+    nblk = (seq_lens + PAGE - 1) // PAGE
+    indptr = torch.zeros(s.b + 1, dtype=torch.int32, device=device)
+    indptr[1:] = torch.cumsum(nblk, 0)
+    cols = torch.arange(table.shape[1], device=device)[None, :]
+    x = {
+        "layer": layer, "b": s.b,
+        "hidden": bf(rn(s.b, H)),
+        "w_in": bf(1 + 0.1 * rn(H)), "w_post": bf(1 + 0.1 * rn(H)),
+        "w_qkv": bf(rn((HQ + 2 * HKV) * d, H, std=H ** -0.5)),
+        "q_norm": bf(1 + 0.1 * rn(d)), "k_norm": bf(1 + 0.1 * rn(d)),
+        "w_o": bf(rn(H, HQ * d, std=(HQ * d) ** -0.5)),
+        "w_router": rn(E_GLOBAL, H, std=H ** -0.5), "router_bias": 0.1 * rn(E_GLOBAL),
+        "ws13": bf(rn(2 * SHARED_INTER, H, std=H ** -0.5)), "ws2": bf(rn(H, SHARED_INTER, std=SHARED_INTER ** -0.5)),
+        "w13": w13, "w2": w2, "quant": quant, "emap": emap,
+        "k_cache": kv["k_cache"], "v_cache": kv["v_cache"], "packed": kv["packed"],
+        "k_scale": kv["k_scale"], "v_scale": kv["v_scale"], "block_table": table, "seq_lens": seq_lens,
+        "positions": pos, "slot_mapping": slots, "cos_sin": cos_sin_cache(max(lens), device),
+        "q_out": torch.empty((s.b, HQ, d), dtype=FP8 if s.kv == "fp8" else torch.bfloat16, device=device),
+        "attn_out": torch.empty((s.b, HQ, d), dtype=torch.bfloat16, device=device),
+        "moe_out": torch.empty((s.b, H), dtype=torch.bfloat16, device=device),
+        # FlashInfer's page metadata for the same cache
+        "fi_indptr": indptr, "fi_indices": table[cols < nblk[:, None]].contiguous(),
+        "fi_last": (seq_lens - (nblk - 1) * PAGE).to(torch.int32),
+        "fi_batch": torch.arange(s.b, dtype=torch.int32, device=device), "fi_pos": pos.to(torch.int32),
+    }
+    return x
+
+
+def nbytes(s: Scenario) -> int:
+    """Minimum traffic of one layer: KV read, dense weights (bf16), the MoE weights the routing touches."""
+    kv_elem = 1 if s.kv == "fp8" else 2
+    kv = sum(s.lens) * HKV * HEAD_DIM * 2 * kv_elem
+    dense = 2 * HIDDEN * ((HQ + 2 * HKV) * HEAD_DIM + HQ * HEAD_DIM + 3 * SHARED_INTER) + 4 * HIDDEN * E_GLOBAL
+    return kv + dense + common.traffic(s)[0]
+
+
+# ---------------------------------------------------------------------------------------------- steps
+
+def _rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), w.float(), EPS).to(x.dtype)
+
+
+def step1_norm_qkv(x: dict[str, Any], hidden: torch.Tensor) -> torch.Tensor:
+    """[B, H] → qkv [B, (Hq + 2 Hkv)·D] bf16."""
+    return _rms(hidden, x["w_in"]) @ x["w_qkv"].t()
+
+
+def step4_oproj_residual(x: dict[str, Any], hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    return hidden + attn.reshape(hidden.shape[0], -1) @ x["w_o"].t()
+
+
+def step5a_router_shared(x: dict[str, Any], h1: torch.Tensor):
+    """→ (h2 [B, H] bf16 MoE input, topk weights fp32, topk ids int32, shared expert output bf16)."""
+    from hpcops.moe.routing import select_experts
+
+    h2 = _rms(h1, x["w_post"])
+    logits = h2.float() @ x["w_router"].t()
+    tw, ids = select_experts(logits, TOP_K, scoring="sigmoid", bias=x["router_bias"], scale=ROUTE_SCALE)
+    gu = h2 @ x["ws13"].t()
+    shared = (torch.nn.functional.silu(gu[:, :SHARED_INTER]) * gu[:, SHARED_INTER:]) @ x["ws2"].t()
+    return h2, tw, ids, shared
+
+
+def _hp_rope(s: Scenario, x: dict[str, Any], qkv: torch.Tensor):
+    from hpcops.rope.prologue import rope_norm_store_kv
+
+    fp8 = s.kv == "fp8"
+    return rope_norm_store_kv(qkv, x["positions"], x["cos_sin"], x["k_cache"], x["v_cache"], x["slot_mapping"],
+                              num_q_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM, q_norm_weight=x["q_norm"],
+                              k_norm_weight=x["k_norm"], eps=EPS, order="norm_rope", style="neox",
+                              k_scale=x["k_scale"] if fp8 else None, v_scale=x["v_scale"] if fp8 else None,
+                              quantize_q=fp8, q_out=x["q_out"])
+
+
+def _hp_attn(x: dict[str, Any], q: torch.Tensor, q_scale, plan) -> torch.Tensor:
+    from hpcops.attention.decode import decode_attention
+
+    return decode_attention(q, x["k_cache"], x["v_cache"], x["block_table"], x["seq_lens"], plan=plan,
+                            k_scale=x["k_scale"], v_scale=x["v_scale"], q_scale=q_scale, out=x["attn_out"])
+
+
+def _hp_moe(s: Scenario, x: dict[str, Any], h1, h2, tw, ids, shared) -> torch.Tensor:
+    from hpcops.moe.fused_moe import fused_moe
+
+    if "moe_cfg" not in x:
+        x["moe_cfg"] = common.config_for(s, h2.device).with_(validate_ids=False)
+    y = fused_moe(h2, x["w13"], x["w2"], tw, ids, quant=x["quant"], expert_map=x["emap"], shared_output=shared,
+                  out=x["moe_out"], config=x["moe_cfg"])
+    return h1 + y
+
+
+def plan_for(x: dict[str, Any]):
+    from hpcops.attention.plan import plan_decode
+
+    return plan_decode(x["seq_lens"], num_kv_heads=HKV, block_size=PAGE)
+
+
+def hpcops_layer(s: Scenario, x: dict[str, Any], plan, hidden: torch.Tensor, trace: dict | None = None):
+    """The whole hpcops layer: [B, H] bf16 → [B, H] bf16 (`trace` collects the expert choice)."""
+    qkv = step1_norm_qkv(x, hidden)
+    q, qs = _hp_rope(s, x, qkv)
+    attn = _hp_attn(x, q, qs, plan)
+    h1 = step4_oproj_residual(x, hidden, attn)
+    h2, tw, ids, shared = step5a_router_shared(x, h1)
+    if trace is not None:
+        trace["ids"] = ids
+    return _hp_moe(s, x, h1, h2, tw, ids, shared)
+
+
+# baseline
+
+_FI_WORKSPACE: dict[str, torch.Tensor] = {}
+
+
+def _flashinfer():
+    try:
+        import flashinfer
+    except Exception as exc:  # noqa: BLE001 - any import failure means the peer is absent
+        raise PeerUnavailable(f"flashinfer not importable: {type(exc).__name__}: {exc}"[:200]) from exc
+    return flashinfer
+
+
+def _fi_decode_wrapper(x: dict[str, Any]):
+    """FlashInfer's decode wrapper for this layer's cache, planned (host side, outside the graph)."""
+    fi = _flashinfer()
+    dev = x["hidden"].device
+    ws = _FI_WORKSPACE.setdefault("ws", torch.empty(256 << 20, dtype=torch.uint8, device=dev))
+    w = fi.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_cuda_graph=True, use_tensor_cores=True,
+                                              paged_kv_indptr_buffer=x["fi_indptr"],
+                                              paged_kv_indices_buffer=x["fi_indices"],
+                                              paged_kv_last_page_len_buffer=x["fi_last"])
+    w.plan(x["fi_indptr"], x["fi_indices"], x["fi_last"], HQ, HKV, HEAD_DIM, PAGE, q_data_type=torch.bfloat16,
+           kv_data_type=x["k_cache"].dtype)
+    return w
+
+
+def _bl_rope(s: Scenario, x: dict[str, Any], qkv: torch.Tensor) -> torch.Tensor:
+    """Torch QK-RMSNorm, FlashInfer RoPE in place on the normed q/k, FlashInfer paged append → q bf16."""
+    fi = _flashinfer()
+    b, d = qkv.shape[0], HEAD_DIM
+    q = _rms(qkv[:, : HQ * d].reshape(b, HQ, d), x["q_norm"]).reshape(b, HQ * d)
+    k = _rms(qkv[:, HQ * d: (HQ + HKV) * d].reshape(b, HKV, d), x["k_norm"]).reshape(b, HKV * d)
+    v = qkv[:, (HQ + HKV) * d:].reshape(b, HKV, d)
+    fi.rope.apply_rope_with_cos_sin_cache_inplace(x["positions"], q, k, d, x["cos_sin"], is_neox=True)
+    kk = k.view(b, HKV, d)
+    if s.kv == "fp8":
+        kk = (kk.float() / x["k_scale"]).clamp(-448, 448).to(FP8)
+        v = (v.float() / x["v_scale"]).clamp(-448, 448).to(FP8)
+    fi.page.append_paged_kv_cache(kk, v, x["fi_batch"], x["fi_pos"], (x["k_cache"], x["v_cache"]),
+                                  x["fi_indices"], x["fi_indptr"], x["fi_last"], kv_layout="NHD")
+    return q.view(b, HQ, d)
+
+
+def _bl_attn(s: Scenario, x: dict[str, Any], wrapper, q: torch.Tensor) -> torch.Tensor:
+    kw = dict(k_scale=K_SCALE, v_scale=V_SCALE) if s.kv == "fp8" else {}
+    return wrapper.run(q, (x["k_cache"], x["v_cache"]), out=x["attn_out"], **kw)
+
+
+def _bl_experts(s: Scenario, x: dict[str, Any]):
+    """vLLM's Triton fused_experts as the `moe` suite configures it: (h2, tw, ids) → routed output bf16."""
+    fm, cfg = common.vllm_modules()
+    qc = common.vllm_quant_config(s, x["quant"], cfg)
+    kw = {"global_num_experts": E_GLOBAL, "expert_map": x["emap"], "quant_config": qc}
+    return lambda h2, tw, ids: fm.fused_experts(h2, x["w13"], x["w2"], tw, ids, **kw)
+
+
+def baseline_layer(s: Scenario, x: dict[str, Any], wrapper, experts, hidden, trace: dict | None = None,
+                   routed: torch.Tensor | None = None):
+    """The whole baseline layer; with `routed` given, that tensor stands for vLLM's routed output (the
+    `baseline-rest` graph, whose routed MoE is timed by its kernels)."""
+    qkv = step1_norm_qkv(x, hidden)
+    q = _bl_rope(s, x, qkv)
+    attn = _bl_attn(s, x, wrapper, q)
+    h1 = step4_oproj_residual(x, hidden, attn)
+    h2, tw, ids, shared = step5a_router_shared(x, h1)
+    if trace is not None:
+        trace.update(ids=ids, h2=h2, tw=tw)
+    y = experts(h2, tw, ids) if routed is None else routed
+    return h1 + (y + shared)
+
+
+# ---------------------------------------------------------------------------------------------- the gate
+
+def reference_layer(s: Scenario, x: dict[str, Any], n: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 torch reference of rows [0, n) of the layer, with the expert choice `ids` [n, k] of the side
+    it checks → (output fp32 [n, H], the reference's own top-k ids). Writes the new K/V of those rows."""
+    from hpcops.attention.reference import decode_attention
+    from hpcops.moe.reference import fused_moe
+    from hpcops.moe.reference import select_experts as ref_select
+    from hpcops.rope.reference import rope_norm_store_kv
+
+    f = lambda t: t.float()
+    rms = lambda v, w: torch.nn.functional.rms_norm(v, (v.shape[-1],), f(w), EPS)
+    hidden = f(x["hidden"][:n])
+    qkv = rms(hidden, x["w_in"]) @ f(x["w_qkv"]).t()
+    fp8 = s.kv == "fp8"
+    q, _ = rope_norm_store_kv(qkv, x["positions"][:n], x["cos_sin"], x["k_cache"], x["v_cache"],
+                              x["slot_mapping"][:n], num_q_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM,
+                              q_norm_weight=x["q_norm"], k_norm_weight=x["k_norm"], eps=EPS, order="norm_rope",
+                              style="neox", k_scale=x["k_scale"] if fp8 else None,
+                              v_scale=x["v_scale"] if fp8 else None)
+    attn = decode_attention(q, x["k_cache"], x["v_cache"], x["block_table"][:n], x["seq_lens"][:n],
+                            k_scale=x["k_scale"], v_scale=x["v_scale"])
+    h1 = hidden + attn.float().reshape(n, -1) @ f(x["w_o"]).t()
+    h2 = rms(h1, x["w_post"])
+    logits = h2 @ x["w_router"].float().t()
+    _, own_ids = ref_select(logits, TOP_K, scoring="sigmoid", bias=x["router_bias"], scale=ROUTE_SCALE)
+    w = torch.sigmoid(logits).gather(1, ids.long())
+    tw = w / w.sum(-1, keepdim=True) * ROUTE_SCALE
+    gu = h2 @ f(x["ws13"]).t()
+    shared = (torch.nn.functional.silu(gu[:, :SHARED_INTER]) * gu[:, SHARED_INTER:]) @ f(x["ws2"]).t()
+    routed = fused_moe(h2, x["w13"], x["w2"], tw, ids, quant=x["quant"], expert_map=x["emap"])
+    return h1 + routed.float() + shared, own_ids
+
+
+def assert_layer_matches(s: Scenario, x: dict[str, Any], got: torch.Tensor, ids: torch.Tensor, name: str) -> None:
+    """`got` [B, H]: its first CHECK_B rows against the fp32 reference (the layer's update `out - hidden`)."""
+    from hpcops.testing import assert_close
+
+    n = min(CHECK_B, s.b)
+    want, own = reference_layer(s, x, n, ids[:n])
+    agree = sum(len(set(a) & set(b)) for a, b in zip(own.tolist(), ids[:n].tolist())) / (n * TOP_K)
+    if agree < 0.75:
+        raise AssertionError(f"{name}: only {agree:.0%} of the expert choices agree with the fp32 router")
+    base = x["hidden"][:n].float()
+    dw, dg = (want - base).double(), (got[:n].float() - base).double()
+    cos = torch.nn.functional.cosine_similarity(dw.flatten(), dg.flatten(), dim=0).item()
+    if not cos > 0.995:
+        raise AssertionError(f"{name}: cosine similarity {cos:.5f} of the layer update to the reference")
+    # bf16 activations between the steps (qkv, q, attention out, h1, h2, the MoE's bf16 expert outputs) against
+    # fp32 throughout; fp8: the query quantized per token-head (the reference attends with the fp32 query)
+    # and the fp8 activations of the MoE flip by an ulp where the bf16 and fp32 inputs round differently
+    # (measured at the CPU tests' shapes: 0.7 % max / 0.6 % RMS bf16, 2.4 % / 2.3 % fp8)
+    tol = {"fp8": (1e-1, 5e-2), "bf16": (4e-2, 1.5e-2)}[s.kv]
+    assert_close(dw, dg, name=f"{name} layer update", maxtol=tol[0], rmstol=tol[1])
+
+
+def check(s: Scenario):
+    def run(x):
+        trace: dict[str, Any] = {}
+        x["moe_out"].fill_(float("nan"))
+        got = hpcops_layer(s, x, plan_for(x), x["hidden"], trace)
+        assert_layer_matches(s, x, got, trace["ids"], "hpcops")
+    return run
+
+
+# ---------------------------------------------------------------------------------------------- rows
+
+def _materialize(s: Scenario, x: dict[str, Any]) -> dict[str, Any]:
+    """Run the hpcops chain once eagerly and keep every step's input, for the per-component rows."""
+    if "m" not in x:
+        plan = plan_for(x)
+        m = {"plan": plan, "qkv": step1_norm_qkv(x, x["hidden"])}
+        m["q"], m["qs"] = _hp_rope(s, x, m["qkv"])
+        m["attn"] = _hp_attn(x, m["q"], m["qs"], plan).clone()
+        m["h1"] = step4_oproj_residual(x, x["hidden"], m["attn"])
+        m["h2"], m["tw"], m["ids"], m["shared"] = step5a_router_shared(x, m["h1"])
+        x["m"] = m
+    return x["m"]
+
+
+def impl_hpcops(s: Scenario):
+    def prepare(x):
+        plan = plan_for(x)
+        return lambda: hpcops_layer(s, x, plan, x["hidden"])
+    return prepare
+
+
+def impl_plan(x):
+    from hpcops.attention.plan import plan_decode
+
+    plan = plan_for(x)
+    return lambda: plan_decode(x["seq_lens"], num_kv_heads=HKV, block_size=PAGE, out=plan)
+
+
+def impl_baseline_rest(s: Scenario):
+    def prepare(x):
+        wrapper, experts = _fi_decode_wrapper(x), _bl_experts(s, x)
+        trace: dict[str, Any] = {}
+        got = baseline_layer(s, x, wrapper, experts, x["hidden"], trace)  # eager, vLLM's stand-ins included
+        if x["layer"] == 0:
+            assert_layer_matches(s, x, got, trace["ids"], "baseline")
+        routed = experts(trace["h2"], trace["tw"], trace["ids"])
+        return lambda: baseline_layer(s, x, wrapper, experts, x["hidden"], routed=routed)
+    return prepare
+
+
+def impl_baseline_moe_kernels(s: Scenario):
+    def prepare(x):
+        experts = _bl_experts(s, x)
+        m = _materialize(s, x)
+        return lambda: experts(m["h2"], m["tw"], m["ids"])
+    return prepare
+
+
+def impl_component(s: Scenario, step: str):
+    """One step alone, on the inputs the previous steps produced (the hpcops chain's; the baseline's q)."""
+    def prepare(x):
+        m = _materialize(s, x)
+        if step == "shared:1-norm-qkv":
+            return lambda: step1_norm_qkv(x, x["hidden"])
+        if step == "hpcops:2-rope-kv":
+            return lambda: _hp_rope(s, x, m["qkv"])
+        if step == "hpcops:3-attention":
+            return lambda: _hp_attn(x, m["q"], m["qs"], m["plan"])
+        if step == "shared:4-oproj-residual":
+            return lambda: step4_oproj_residual(x, x["hidden"], m["attn"])
+        if step == "shared:5a-router-shared-expert":
+            return lambda: step5a_router_shared(x, m["h1"])
+        if step == "hpcops:5b-moe":
+            return lambda: _hp_moe(s, x, m["h1"], m["h2"], m["tw"], m["ids"], m["shared"])
+        if step == "baseline:2-rope-kv":
+            return lambda: _bl_rope(s, x, m["qkv"])
+        if step == "baseline:3-attention":
+            wrapper = _fi_decode_wrapper(x)
+            qb = _bl_rope(s, x, m["qkv"])
+            return lambda: _bl_attn(s, x, wrapper, qb)
+        if step == "baseline:5c-combine":
+            routed = torch.randn_like(m["shared"])
+            return lambda: m["h1"] + (routed + m["shared"])
+        raise ValueError(f"unknown layer component {step!r}")
+    return prepare
+
+
+COMPONENTS = ("shared:1-norm-qkv", "hpcops:2-rope-kv", "baseline:2-rope-kv", "hpcops:3-attention",
+              "baseline:3-attention", "shared:4-oproj-residual", "shared:5a-router-shared-expert", "hpcops:5b-moe",
+              "baseline:5c-combine")
+
+
+def case_for(s: Scenario) -> Case:
+    params = {"B": s.b, "ctx": s.ctx, "kv": s.kv, "layout": s.layout, "hq": HQ, "hkv": HKV, "d": HEAD_DIM,
+              "H": HIDDEN, "E_global": E_GLOBAL, "E_local": s.e_local, "I": s.inter, "shared_I": SHARED_INTER,
+              "top_k": TOP_K, "moe_quant": s.kind, "model_layers": MODEL_LAYERS, "kv_tokens": sum(s.lens)}
+    impls = [Impl("hpcops", impl_hpcops(s), ours=True, note="whole layer, one graph"),
+             Impl("hpcops-plan", impl_plan, ours=True, per_step=True),
+             Impl("baseline-rest", impl_baseline_rest(s),
+                  note="baseline layer without vLLM's routed experts (graph); FlashInfer rope/append/decode"),
+             Impl("baseline-moe-kernels", impl_baseline_moe_kernels(s), timing="kernels",
+                  kernel_filter=common.VLLM_KERNEL, note=common.VLLM_NOTE),
+             *[Impl(c, impl_component(s, c), note="component") for c in COMPONENTS]]
+    return Case(suite="layer", name=s.name, make_inputs=lambda layer, device="cuda", s=s: make_inputs(s, layer, device),
+                impls=impls, check=check(s), bytes=nbytes(s), params=params,
+                command=f"hpcops bench layer --only {s.name}")
+
+
+def cases(opts: dict[str, Any]) -> Iterator[Case]:
+    for s in scenarios(bool(opts.get("quick"))):
+        yield case_for(s)
+
+
+def finish(result, out_dir):
+    """After a run (and after every case): the derived `baseline` rows, `layer.components.md`, `layer.stack.png`."""
+    from hpcops.bench.suites import _layer_report
+
+    return _layer_report.finish(result, out_dir)
