@@ -20,7 +20,7 @@ FP8 = torch.float8_e4m3fn
 # ---------------------------------------------------------------- plan
 def _tables(plan):
     t = plan.host_tables()
-    return t["header"], t["cum"], t["first_b"], t["last_b"]
+    return t["header"], t["cum"], t["first_b"], t["last_b"], t["task_desc"], t["merge_desc"]
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -46,6 +46,37 @@ def test_plan_matches_reference(seed, device):
             tiles[(h, req, t)] = prog
     assert len(tiles) == total == hkv * sum(max(1, -(-n // 64)) for n in lens)
     assert max(sum(n for p, *_, n, _ in tasks if p == i) for i in range(active)) <= bucket
+
+
+@pytest.mark.parametrize("launch", [dict(block_c=16, num_warps=1), dict(block_c=32, num_warps=2, max_block_b=16),
+                                    dict(block_c=64, max_block_b=1024), dict(block_c=128, num_warps=8, max_block_b=64)],
+                         ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
+@pytest.mark.parametrize("b", [1, 17, 64, 300])
+def test_plan_launch_knobs_same_tables(launch, b, device):
+    """Every plan launch choice (one pass or looped blocks, any programs per plan program) builds the
+    reference's tables, descriptors included."""
+    from hpcops.attention import plan as plan_mod
+
+    rng = random.Random(b)
+    lens = [rng.choice([0, 1, 64, 65, rng.randint(1, 3000)]) for _ in range(b)]
+    sl = torch.tensor(lens, dtype=torch.int32, device=device)
+    old = plan_mod.set_plan_launch(**launch)
+    try:
+        for hkv, c, mt in ((1, 132, 2), (8, 37, 1)):
+            got = hpcops.plan_decode(sl, num_kv_heads=hkv, num_programs=c, min_tiles=mt)
+            want = ref.plan_decode(sl.cpu(), num_kv_heads=hkv, num_programs=c, min_tiles=mt)
+            assert _tables(got) == _tables(want)
+            assert any(m[0] >= 0 for m in want.host_tables()["merge_desc"]) or hkv * len(lens) >= c
+    finally:
+        plan_mod.set_plan_launch(**old.__dict__)
+
+
+def test_plan_launch_knob_errors():
+    from hpcops.attention import plan as plan_mod
+
+    with pytest.raises(ValueError, match="block_c"):
+        plan_mod.set_plan_launch(block_c=48)
+    assert plan_mod.plan_launch().block_c == 128
 
 
 def test_plan_replan_into_same_buffers(device):

@@ -16,7 +16,14 @@ and replayed with new lengths:
 * ``header`` int32 [4]: bucket, S (tiles of one kv head = Σ_b T_b), total = Hkv·S, active programs;
 * ``cum`` int32 [max_batch + 1]: prefix sums of T_b = max(1, ceil(L_b / 64));
 * ``first_b`` / ``last_b`` int32 [num_programs]: the request holding each program's first / last
-  tile (−1 for an idle program).
+  tile (−1 for an idle program);
+* ``task_desc`` int32 [num_programs, 8]: where each program starts, so that it needs one load to
+  begin (``DecodeConfig.task_desc``): its first request (−1 idle), kv head, first tile inside that
+  request and tiles in its bucket (columns 4–7 unused; lengths are read from seq_lens, so a plan
+  stays valid for any seq_lens with the same tile counts);
+* ``merge_desc`` int32 [num_programs, 4]: the split (head, request) the combine program k merges
+  (the one that starts in bucket k and leaves it): request (−1 none), head, first partial slot,
+  number of partials.
 
 Program i covers stream positions [i·bucket, min((i+1)·bucket, total)). The split partials of
 program i live in slots 2i (its first task) and 2i+1 (its last task, when that differs).
@@ -34,7 +41,7 @@ sync per call), never while a CUDA graph is being captured.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -48,6 +55,45 @@ MAX_Q_LEN = 8
 # floor of 4 tiles (256 tokens) per program so small batches are not over-split.
 DEFAULT_PROGRAMS_PER_SM = 2
 DEFAULT_MIN_TILES = 4
+
+
+@dataclass(frozen=True)
+class PlanLaunch:
+    """Launch knobs of the plan kernel (one program serves `block_c` plan entries, recomputing the
+    O(B) prefix sums; its compare-count is [block_c, block_b]).
+
+    block_c: plan entries (persistent programs) per plan program: smaller = more plan programs, each
+        with a smaller compare tile (fewer registers); 16, 32, 64 or 128.
+    num_warps: warps per plan program (1, 2, 4 or 8).
+    max_block_b: requests per block of the prefix-sum scan; a batch up to this size is planned in one
+        pass (one load, one scan kept in registers), a larger one loops over blocks of this size.
+        A power of two, 16..1024.
+    """
+
+    block_c: int = 128
+    num_warps: int = 4
+    max_block_b: int = 256
+
+
+_LAUNCH = PlanLaunch()
+
+
+def set_plan_launch(**changes) -> PlanLaunch:
+    """Replace fields of the process-wide plan launch knobs (for sweeps and tests); returns the previous ones."""
+    global _LAUNCH
+    old = _LAUNCH
+    new = replace(_LAUNCH, **changes)
+    for name, ok in (("block_c", (16, 32, 64, 128, 256)), ("num_warps", (1, 2, 4, 8)),
+                     ("max_block_b", (16, 32, 64, 128, 256, 512, 1024))):
+        if getattr(new, name) not in ok:
+            raise ValueError(f"plan launch {name} must be one of {ok}, got {getattr(new, name)!r}")
+    _LAUNCH = new
+    return old
+
+
+def plan_launch() -> PlanLaunch:
+    """The current plan launch knobs."""
+    return _LAUNCH
 
 
 @dataclass
@@ -74,6 +120,8 @@ class DecodePlan:
     cum: torch.Tensor
     first_b: torch.Tensor
     last_b: torch.Tensor
+    task_desc: torch.Tensor
+    merge_desc: torch.Tensor
     _workspace: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -94,7 +142,8 @@ class DecodePlan:
     def host_tables(self) -> dict[str, list[int]]:
         """The plan's tables on the host (syncs; for display and tests)."""
         return {"header": self.header.tolist(), "cum": self.cum[: self.batch + 1].tolist(),
-                "first_b": self.first_b.tolist(), "last_b": self.last_b.tolist()}
+                "first_b": self.first_b.tolist(), "last_b": self.last_b.tolist(),
+                "task_desc": self.task_desc[:, :4].tolist(), "merge_desc": self.merge_desc.tolist()}
 
     def tasks(self) -> list[tuple[int, int, int, int, int, bool]]:
         """Every task as (program, kv_head, request, first_tile, num_tiles, split) (host-side, syncs)."""
@@ -189,6 +238,8 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
             cum=torch.zeros(cap + 1, dtype=torch.int32, device=dev),
             first_b=torch.full((c,), -1, dtype=torch.int32, device=dev),
             last_b=torch.full((c,), -1, dtype=torch.int32, device=dev),
+            task_desc=torch.zeros((c, 8), dtype=torch.int32, device=dev),
+            merge_desc=torch.zeros((c, 4), dtype=torch.int32, device=dev),
         )
     _launch_plan(plan, seq_lens)
     return plan
@@ -224,14 +275,18 @@ def _launch_plan(plan: DecodePlan, seq_lens: torch.Tensor) -> None:
         plan.header.zero_()
         plan.first_b.fill_(-1)
         plan.last_b.fill_(-1)
+        plan.task_desc.zero_()
+        plan.task_desc[:, 0] = -1
+        plan.merge_desc.zero_()
+        plan.merge_desc[:, 0] = -1
         return
-    block_b = 256 if b > 128 else max(16, 1 << (b - 1).bit_length())
-    block_c = 128
-    grid = (triton_cdiv(plan.num_programs, block_c),)
+    knobs = _LAUNCH
+    block_b = min(knobs.max_block_b, max(16, 1 << (b - 1).bit_length()))
+    grid = (triton_cdiv(plan.num_programs, knobs.block_c),)
     plan_decode_kernel[grid](
-        seq_lens, plan.cum, plan.header, plan.first_b, plan.last_b,
+        seq_lens, plan.cum, plan.header, plan.first_b, plan.last_b, plan.task_desc, plan.merge_desc,
         b, plan.num_kv_heads, plan.num_programs, plan.min_tiles,
-        TILE=TILE, BLOCK_B=block_b, BLOCK_C=block_c, num_warps=4,
+        TILE=TILE, BLOCK_B=block_b, BLOCK_C=knobs.block_c, ONE_BLOCK=b <= block_b, num_warps=knobs.num_warps,
     )
 
 

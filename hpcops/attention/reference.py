@@ -46,6 +46,10 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
     prog = torch.arange(c)
     first_b = torch.full((c,), -1, dtype=torch.long)
     last_b = torch.full((c,), -1, dtype=torch.long)
+    task_desc = torch.zeros((c, 8), dtype=torch.long)
+    task_desc[:, 0] = -1
+    merge_desc = torch.zeros((c, 4), dtype=torch.long)
+    merge_desc[:, 0] = -1
     if b:
         p0 = prog * bucket
         active = p0 < total
@@ -55,18 +59,32 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
         lb = torch.searchsorted(ends, p1 % max(s, 1), right=True)
         first_b = torch.where(active, fb, first_b)
         last_b = torch.where(active, lb, last_b)
+        # descriptors (plan.py): one entry per active program
+        for k in prog[active].tolist():
+            pf, pl = k * bucket, min((k + 1) * bucket, total) - 1
+            bf, bl = int(fb[k]), int(lb[k])
+            hf, hl = pf // s, pl // s
+            task_desc[k, :4] = torch.tensor([bf, hf, pf - hf * s - int(cum[bf]), pl + 1 - pf])
+            pair_lo, pair_hi = hl * s + int(cum[bl]), hl * s + int(cum[bl + 1])
+            first, last = pair_lo // bucket, (pair_hi - 1) // bucket
+            if first == k and last > first:
+                merge_desc[k] = torch.tensor([bl, hl, 2 * k + (0 if pair_lo == k * bucket else 1), last - first + 1])
     plan = out or DecodePlan(num_kv_heads=num_kv_heads, q_len=q_len, block_size=block_size, num_programs=c,
                              min_tiles=mt, max_batch=cap, batch=b,
                              header=torch.empty(4, dtype=torch.int32, device=dev),
                              cum=torch.empty(cap + 1, dtype=torch.int32, device=dev),
                              first_b=torch.empty(c, dtype=torch.int32, device=dev),
-                             last_b=torch.empty(c, dtype=torch.int32, device=dev))
+                             last_b=torch.empty(c, dtype=torch.int32, device=dev),
+                             task_desc=torch.zeros((c, 8), dtype=torch.int32, device=dev),
+                             merge_desc=torch.empty((c, 4), dtype=torch.int32, device=dev))
     plan.batch = b
     plan.header.copy_(header.to(torch.int32))
     # entries past the batch are not part of the map: keep the kernel's (it leaves them untouched)
     plan.cum[: b + 1].copy_(cum[: b + 1].to(torch.int32))
     plan.first_b.copy_(first_b.to(torch.int32))
     plan.last_b.copy_(last_b.to(torch.int32))
+    plan.task_desc[:, :4].copy_(task_desc[:, :4].to(torch.int32))
+    plan.merge_desc.copy_(merge_desc.to(torch.int32))
     return plan
 
 
