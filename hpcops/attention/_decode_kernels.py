@@ -38,14 +38,86 @@ def _attend_tiles(acc, m_i, l_i, q, s_scale, last_pos, k_ptr, v_ptr, k_desc, v_d
                   stride_kb, stride_kt, stride_vb, stride_vt, kv_len, tile_lo, tile_hi,
                   offs_d, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
                   BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, NUM_STAGES: tl.constexpr,
-                  USE_TMA: tl.constexpr):
+                  USE_TMA: tl.constexpr, LEAN: tl.constexpr = False):
     """Online softmax over KV tiles [tile_lo, tile_hi) of one (request, kv head), BLOCK_N keys a step.
 
     acc [M, D], m_i [M], l_i [M] fp32 running state; last_pos [M]: last key each row may see.
     fp8 KV is widened to fp16 (one cvt per pair of values on sm90) and q is fp16 then.
     USE_TMA (pages ≥ BLOCK_N): K/V tiles come through TMA descriptors over the cache seen as 2-D
     [num_blocks·block_size, token row], the kv head at columns k_col / v_col.
+    LEAN (one-tile steps inside one page, no TMA; otherwise ignored): the tiles every row sees whole
+    run unmasked, addressed as a scalar page base plus a loop-invariant [BLOCK_N, D] offset tile; only
+    the tail (the tiles holding the causal edge or the sequence end, at most 2) runs masked.
     """
+    if LEAN and (BLOCK_SIZE >= BLOCK_N) and (BLOCK_N == TILE) and (not USE_TMA):
+        # keys < vis_end are in the sequence and visible to every row
+        vis_end = tl.min(last_pos, axis=0) + 1
+        mid = tl.minimum(tl.maximum(tl.maximum(vis_end, 0) // TILE, tile_lo), tile_hi)
+        acc, m_i, l_i = _attend_whole(
+            acc, m_i, l_i, q, s_scale, k_ptr, v_ptr, bt_row_ptr, bt_width, num_blocks,
+            stride_kb, stride_kt, stride_vb, stride_vt, tile_lo, mid, offs_d, HEAD_DIM, BLOCK_SIZE, TILE,
+            BLOCK_N, KV_FP8, Q_FP8, NUM_STAGES)
+        acc, m_i, l_i = _attend_masked(
+            acc, m_i, l_i, q, s_scale, last_pos, k_ptr, v_ptr, k_desc, v_desc, k_col, v_col,
+            bt_row_ptr, bt_width, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt, kv_len, mid, tile_hi,
+            offs_d, HEAD_DIM, BLOCK_SIZE, TILE, BLOCK_N, KV_FP8, Q_FP8, NUM_STAGES, USE_TMA)
+    else:
+        acc, m_i, l_i = _attend_masked(
+            acc, m_i, l_i, q, s_scale, last_pos, k_ptr, v_ptr, k_desc, v_desc, k_col, v_col,
+            bt_row_ptr, bt_width, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt, kv_len, tile_lo,
+            tile_hi, offs_d, HEAD_DIM, BLOCK_SIZE, TILE, BLOCK_N, KV_FP8, Q_FP8, NUM_STAGES, USE_TMA)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _attend_whole(acc, m_i, l_i, q, s_scale, k_ptr, v_ptr, bt_row_ptr, bt_width, num_blocks,
+                  stride_kb, stride_kt, stride_vb, stride_vt, tile_lo, tile_hi,
+                  offs_d, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+                  BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """Tiles [tile_lo, tile_hi) whose keys every row sees (BLOCK_N == TILE, one page per step): no
+    sequence or causal mask; a bad page id (< 0 or ≥ num_blocks) is never read, its keys score −inf
+    and its V rows load as 0."""
+    offs_n = tl.arange(0, BLOCK_N)
+    d_ok = offs_d < HEAD_DIM
+    k_off = offs_n[:, None] * stride_kt + offs_d[None, :]  # [BLOCK_N, D] int32, loop-invariant
+    v_off = offs_n[:, None] * stride_vt + offs_d[None, :]
+    for start in tl.range(tile_lo * TILE, tile_hi * TILE, BLOCK_N, num_stages=NUM_STAGES):
+        col = start // BLOCK_SIZE
+        page = tl.load(bt_row_ptr + col, mask=col < bt_width, other=-1)
+        ok = (page >= 0) & (page < num_blocks)
+        page = tl.where(ok, page, 0).to(tl.int64)
+        slot = start % BLOCK_SIZE
+        k = tl.load(k_ptr + (page * stride_kb + slot * stride_kt) + k_off, mask=d_ok[None, :] & ok,
+                    other=0.0)  # [BLOCK_N, D]
+        if KV_FP8:
+            if not Q_FP8:
+                k = k.to(tl.float16)
+        s = tl.dot(q, tl.trans(k)) * s_scale[:, None] + tl.where(ok, 0.0, float("-inf"))  # [M, BLOCK_N]
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + (page * stride_vb + slot * stride_vt) + v_off, mask=d_ok[None, :] & ok,
+                    other=0.0)  # [BLOCK_N, D]
+        if KV_FP8:
+            pv = tl.dot(p.to(tl.float16), v.to(tl.float16))
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _attend_masked(acc, m_i, l_i, q, s_scale, last_pos, k_ptr, v_ptr, k_desc, v_desc, k_col, v_col,
+                  bt_row_ptr, bt_width, num_blocks,
+                  stride_kb, stride_kt, stride_vb, stride_vt, kv_len, tile_lo, tile_hi,
+                  offs_d, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+                  BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, NUM_STAGES: tl.constexpr,
+                  USE_TMA: tl.constexpr):
+    """Online softmax over KV tiles [tile_lo, tile_hi), every step masked (sequence end, causal,
+    bad pages); see `_attend_tiles`."""
     offs_n = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEAD_DIM
     stop = tl.minimum(tile_hi * TILE, kv_len)
@@ -123,30 +195,27 @@ def _finish_task(acc, m_i, l_i, v_scale, split, slot, b, h, offs_m, offs_d, out_
 @triton.jit
 def decode_persistent_kernel(
     q_ptr, k_ptr, v_ptr, k_desc, v_desc, bt_ptr, seq_lens_ptr, out_ptr, part_o_ptr, part_lse_ptr,
-    header_ptr, cum_ptr, first_b_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
+    header_ptr, cum_ptr, first_b_ptr, task_desc_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
     sm_scale_log2, B, num_q_heads, bt_width, num_blocks,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_bt, stride_ot, stride_oh,
     Q_LEN: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     M_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr,
     KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, NUM_STAGES: tl.constexpr, USE_TMA: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, TASK_DESC: tl.constexpr = False, LEAN: tl.constexpr = False,
 ):
     """One persistent program walks its bucket of the plan's tile stream, task by task.
 
     USE_PDL: let the combine kernel (launched with programmatic dependent launch) start early;
     it waits (griddepcontrol.wait) for this grid's writes before reading them.
+    TASK_DESC: start from the plan's task descriptor (request, head, first tile, bucket length: one
+    load level) and walk with the request lengths alone (a task after the first starts at tile 0 of
+    the next request; a task is split iff it does not cover its request), the next request's length
+    loaded before the current task's tiles.
     """
     pid = tl.program_id(0)
     if USE_PDL:
         gdc_launch_dependents()
-    bucket = tl.load(header_ptr)
-    s_tiles = tl.load(header_ptr + 1)
-    total = tl.load(header_ptr + 2)
-    b = tl.load(first_b_ptr + pid)
-    p0 = pid * bucket
-    p1 = tl.minimum(p0 + bucket, total)
-    p = tl.where(b >= 0, p0, p1)
     offs_m = tl.arange(0, M_PAD)
     offs_d = tl.arange(0, D_PAD)
     kv_scale = 1.0
@@ -154,35 +223,87 @@ def decode_persistent_kernel(
     if KV_FP8:
         kv_scale = tl.load(k_scale_ptr)
         v_scale = tl.load(v_scale_ptr)
-    while p < p1:
-        h = p // s_tiles
-        r = p - h * s_tiles
-        start_b = tl.load(cum_ptr + b)
-        end_b = tl.load(cum_ptr + b + 1)
-        n = tl.minimum(p1 - p, end_b - r)
-        kv_len = tl.load(seq_lens_ptr + b)
-        q, qs, j = _load_q(q_ptr, q_scale_ptr, b, h, offs_m, offs_d, stride_qt, stride_qh, num_q_heads,
-                           Q_LEN, G, HEAD_DIM, KV_FP8, Q_FP8)
-        s_scale = qs * (sm_scale_log2 * kv_scale)
-        last_pos = kv_len - Q_LEN + j
-        acc = tl.zeros([M_PAD, D_PAD], dtype=tl.float32)
-        m_i = tl.full([M_PAD], float("-inf"), tl.float32)
-        l_i = tl.zeros([M_PAD], dtype=tl.float32)
-        acc, m_i, l_i = _attend_tiles(
-            acc, m_i, l_i, q, s_scale, last_pos,
-            k_ptr + h.to(tl.int64) * stride_kh, v_ptr + h.to(tl.int64) * stride_vh,
-            k_desc, v_desc, h * stride_kh, h * stride_vh,
-            bt_ptr + b.to(tl.int64) * stride_bt, bt_width, num_blocks,
-            stride_kb, stride_kt, stride_vb, stride_vt, kv_len, r - start_b, r - start_b + n,
-            offs_d, HEAD_DIM, BLOCK_SIZE, TILE, BLOCK_N, KV_FP8, Q_FP8, NUM_STAGES, USE_TMA)
-        pair_lo = h * s_tiles + start_b
-        pair_hi = h * s_tiles + end_b
-        split = (pair_lo // bucket) != ((pair_hi - 1) // bucket)
-        slot = 2 * pid + tl.where(p == p0, 0, 1)
-        _finish_task(acc, m_i, l_i, v_scale, split, slot, b, h, offs_m, offs_d, out_ptr, part_o_ptr,
-                     part_lse_ptr, stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, Q_LEN * G)
-        p += n
-        b = tl.where(b + 1 == B, 0, b + 1)
+    if TASK_DESC:
+        td = task_desc_ptr + pid * 8
+        b = tl.load(td)
+        h = tl.load(td + 1)
+        lo = tl.load(td + 2)
+        left = tl.load(td + 3)
+        kv_len = tl.load(seq_lens_ptr + b, mask=b >= 0, other=0)
+        later = pid * 0
+        while left > 0:
+            b_next = tl.where(b + 1 == B, 0, b + 1)
+            kv_next = tl.load(seq_lens_ptr + b_next)
+            t_b = tl.maximum((kv_len + TILE - 1) // TILE, 1)
+            n = tl.minimum(left, t_b - lo)
+            acc, m_i, l_i, j = _attend_task(
+                q_ptr, k_ptr, v_ptr, k_desc, v_desc, bt_ptr, q_scale_ptr, b, h, kv_len, lo, lo + n,
+                sm_scale_log2 * kv_scale, num_q_heads, bt_width, num_blocks, offs_m, offs_d,
+                stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+                Q_LEN, G, HEAD_DIM, M_PAD, D_PAD, BLOCK_SIZE, TILE, BLOCK_N, KV_FP8, Q_FP8, NUM_STAGES, USE_TMA,
+                LEAN)
+            split = (lo > 0) | (lo + n < t_b)
+            _finish_task(acc, m_i, l_i, v_scale, split, 2 * pid + later, b, h, offs_m, offs_d, out_ptr,
+                         part_o_ptr, part_lse_ptr, stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, Q_LEN * G)
+            left -= n
+            h = tl.where(b_next == 0, h + 1, h)
+            b = b_next
+            kv_len = kv_next
+            lo = 0
+            later = 1
+    else:
+        bucket = tl.load(header_ptr)
+        s_tiles = tl.load(header_ptr + 1)
+        total = tl.load(header_ptr + 2)
+        b = tl.load(first_b_ptr + pid)
+        p0 = pid * bucket
+        p1 = tl.minimum(p0 + bucket, total)
+        p = tl.where(b >= 0, p0, p1)
+        while p < p1:
+            h = p // s_tiles
+            r = p - h * s_tiles
+            start_b = tl.load(cum_ptr + b)
+            end_b = tl.load(cum_ptr + b + 1)
+            n = tl.minimum(p1 - p, end_b - r)
+            kv_len = tl.load(seq_lens_ptr + b)
+            acc, m_i, l_i, j = _attend_task(
+                q_ptr, k_ptr, v_ptr, k_desc, v_desc, bt_ptr, q_scale_ptr, b, h, kv_len, r - start_b,
+                r - start_b + n, sm_scale_log2 * kv_scale, num_q_heads, bt_width, num_blocks, offs_m, offs_d,
+                stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+                Q_LEN, G, HEAD_DIM, M_PAD, D_PAD, BLOCK_SIZE, TILE, BLOCK_N, KV_FP8, Q_FP8, NUM_STAGES, USE_TMA,
+                LEAN)
+            pair_lo = h * s_tiles + start_b
+            pair_hi = h * s_tiles + end_b
+            split = (pair_lo // bucket) != ((pair_hi - 1) // bucket)
+            slot = 2 * pid + tl.where(p == p0, 0, 1)
+            _finish_task(acc, m_i, l_i, v_scale, split, slot, b, h, offs_m, offs_d, out_ptr, part_o_ptr,
+                         part_lse_ptr, stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, Q_LEN * G)
+            p += n
+            b = tl.where(b + 1 == B, 0, b + 1)
+
+
+@triton.jit
+def _attend_task(q_ptr, k_ptr, v_ptr, k_desc, v_desc, bt_ptr, q_scale_ptr, b, h, kv_len, tile_lo, tile_hi,
+                 scale_log2, num_q_heads, bt_width, num_blocks, offs_m, offs_d,
+                 stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+                 Q_LEN: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, M_PAD: tl.constexpr,
+                 D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, NUM_STAGES: tl.constexpr, USE_TMA: tl.constexpr,
+                 LEAN: tl.constexpr):
+    """One task: the q tile of (request b, kv head h), fresh softmax state, tiles [tile_lo, tile_hi)."""
+    q, qs, j = _load_q(q_ptr, q_scale_ptr, b, h, offs_m, offs_d, stride_qt, stride_qh, num_q_heads,
+                       Q_LEN, G, HEAD_DIM, KV_FP8, Q_FP8)
+    acc = tl.zeros([M_PAD, D_PAD], dtype=tl.float32)
+    m_i = tl.full([M_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([M_PAD], dtype=tl.float32)
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, qs * scale_log2, kv_len - Q_LEN + j,
+        k_ptr + h.to(tl.int64) * stride_kh, v_ptr + h.to(tl.int64) * stride_vh,
+        k_desc, v_desc, h * stride_kh, h * stride_vh,
+        bt_ptr + b.to(tl.int64) * stride_bt, bt_width, num_blocks,
+        stride_kb, stride_kt, stride_vb, stride_vt, kv_len, tile_lo, tile_hi,
+        offs_d, HEAD_DIM, BLOCK_SIZE, TILE, BLOCK_N, KV_FP8, Q_FP8, NUM_STAGES, USE_TMA, LEAN)
+    return acc, m_i, l_i, j
 
 
 @triton.jit
@@ -228,34 +349,47 @@ def _merge_chunks(part_o_ptr, part_lse_ptr, first_slot, rest_base, rest_step, n_
 
 @triton.jit
 def decode_combine_kernel(
-    part_o_ptr, part_lse_ptr, out_ptr, header_ptr, cum_ptr, last_b_ptr, stride_ot, stride_oh,
+    part_o_ptr, part_lse_ptr, out_ptr, header_ptr, cum_ptr, last_b_ptr, merge_desc_ptr, stride_ot, stride_oh,
     Q_LEN: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CB: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, MERGE_DESC: tl.constexpr = False,
 ):
     """Program (k, row) merges `row` of the split (head, request) that starts in program k's bucket and leaves it.
 
     The plan tables were written before the attention kernel started, so they are read before the
-    USE_PDL wait; the partials only after it.
+    USE_PDL wait; the partials only after it. MERGE_DESC: the plan's merge descriptor of program k
+    (request or −1, head, first slot, partials) says it in one load level.
     """
     k = tl.program_id(0)
     row = tl.program_id(1)
-    b = tl.load(last_b_ptr + k)
-    if b >= 0:
-        bucket = tl.load(header_ptr)
-        s_tiles = tl.load(header_ptr + 1)
-        total = tl.load(header_ptr + 2)
-        p_last = tl.minimum((k + 1) * bucket, total) - 1
-        h = p_last // s_tiles
-        pair_lo = h * s_tiles + tl.load(cum_ptr + b)
-        pair_hi = h * s_tiles + tl.load(cum_ptr + b + 1)
-        first = pair_lo // bucket
-        last = (pair_hi - 1) // bucket
-        if (first == k) & (last > first):
+    if MERGE_DESC:
+        md = merge_desc_ptr + k * 4
+        b = tl.load(md)
+        h = tl.load(md + 1)
+        first_slot = tl.load(md + 2)
+        n_chunks = tl.load(md + 3)
+        if b >= 0:
             if USE_PDL:
                 gdc_wait()
-            first_slot = 2 * k + tl.where(pair_lo == k * bucket, 0, 1)
-            _merge_chunks(part_o_ptr, part_lse_ptr, first_slot, 2 * k, 2, last - first + 1, b, h, row, out_ptr,
+            _merge_chunks(part_o_ptr, part_lse_ptr, first_slot, 2 * k, 2, n_chunks, b, h, row, out_ptr,
                           stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, CB)
+    else:
+        b = tl.load(last_b_ptr + k)
+        if b >= 0:
+            bucket = tl.load(header_ptr)
+            s_tiles = tl.load(header_ptr + 1)
+            total = tl.load(header_ptr + 2)
+            p_last = tl.minimum((k + 1) * bucket, total) - 1
+            h = p_last // s_tiles
+            pair_lo = h * s_tiles + tl.load(cum_ptr + b)
+            pair_hi = h * s_tiles + tl.load(cum_ptr + b + 1)
+            first = pair_lo // bucket
+            last = (pair_hi - 1) // bucket
+            if (first == k) & (last > first):
+                if USE_PDL:
+                    gdc_wait()
+                first_slot = 2 * k + tl.where(pair_lo == k * bucket, 0, 1)
+                _merge_chunks(part_o_ptr, part_lse_ptr, first_slot, 2 * k, 2, last - first + 1, b, h, row, out_ptr,
+                              stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, CB)
 
 
 @triton.jit
@@ -268,6 +402,7 @@ def decode_static_kernel(
     SPLITS: tl.constexpr, Q_LEN: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     M_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr,
     KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, NUM_STAGES: tl.constexpr, USE_TMA: tl.constexpr,
+    LEAN: tl.constexpr = False,
 ):
     """Classic static split-KV: program (b, h, s) takes the s-th of SPLITS equal chunks of request b."""
     b = tl.program_id(0)
@@ -297,7 +432,7 @@ def decode_static_kernel(
             k_desc, v_desc, h * stride_kh, h * stride_vh,
             bt_ptr + b.to(tl.int64) * stride_bt, bt_width, num_blocks,
             stride_kb, stride_kt, stride_vb, stride_vt, kv_len, lo, hi,
-            offs_d, HEAD_DIM, BLOCK_SIZE, TILE, BLOCK_N, KV_FP8, Q_FP8, NUM_STAGES, USE_TMA)
+            offs_d, HEAD_DIM, BLOCK_SIZE, TILE, BLOCK_N, KV_FP8, Q_FP8, NUM_STAGES, USE_TMA, LEAN)
         split = chunk < n_tiles
         slot = (b * num_kv_heads + h) * SPLITS + s
         _finish_task(acc, m_i, l_i, v_scale, split, slot, b, h, offs_m, offs_d, out_ptr, part_o_ptr,

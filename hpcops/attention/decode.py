@@ -44,6 +44,17 @@ class DecodeConfig:
         GPU tier has run with it on. Never under the interpreter.
     min_rows: the score tile has max(min_rows, next_pow2(q_len·G)) rows. 64 lets 4 warps split rows
         instead of keys, so the softmax reductions stay inside a warp (padded rows cost MMA work).
+    task_desc: the persistent kernel starts from the plan's per-program task descriptor (request,
+        head, first tile, bucket length: one load level instead of header → first_b → cum/seq_lens)
+        and walks on the request lengths alone, loading the next request's length before the current
+        task's tiles; the combine reads the plan's per-program merge descriptor instead of
+        last_b → header → cum. Dynamic schedule only. Off: the first timing on the H200 is pending.
+    lean_loop: the KV loop runs the tiles every query row sees whole without sequence/causal masks,
+        addressed as a scalar page base plus a loop-invariant [BLOCK_N, D] int32 offset tile; only
+        the tail (at most 2 tiles: the causal edge, the sequence end) runs the masked step. Applies
+        where a step is one tile inside one page (block_n 64, pages ≥ 64 tokens, no TMA); elsewhere
+        the masked loop runs as before. Bad page ids are never read in either loop. Off: the first
+        timing on the H200 is pending.
     """
 
     num_stages: int = 3
@@ -53,6 +64,8 @@ class DecodeConfig:
     use_tma: bool = False
     pdl: bool = False
     min_rows: int = 16
+    task_desc: bool = False
+    lean_loop: bool = False
 
 
 _CONFIG = DecodeConfig()
@@ -226,7 +239,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             q_scale if q_fp8 else dummy, *args_kv,
             sm_scale * LOG2E, hkv, hq, block_table.shape[1], nb, *strides,
             SPLITS=splits, BLOCK_SIZE=bs, TILE=TILE, BLOCK_N=block_n, KV_FP8=kv_fp8, Q_FP8=q_fp8,
-            NUM_STAGES=_num_stages(), num_warps=num_warps, M_PAD=m_pad, USE_TMA=use_tma, **common)
+            NUM_STAGES=_num_stages(), num_warps=num_warps, M_PAD=m_pad, USE_TMA=use_tma, LEAN=_CONFIG.lean_loop,
+            **common)
         if splits > 1:
             decode_static_combine_kernel[(b, hkv, rows)](
                 part_o, part_lse, out, seq_lens, hkv, out.stride(0), out.stride(1),
@@ -241,13 +255,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     pdl_launch = {"launch_pdl": True} if pdl else {}
     decode_persistent_kernel[(plan.num_programs,)](
         q, k_cache, v_cache, *descs, block_table, seq_lens, out, part_o, part_lse,
-        plan.header, plan.cum, plan.first_b, q_scale if q_fp8 else dummy, *args_kv,
+        plan.header, plan.cum, plan.first_b, plan.task_desc, q_scale if q_fp8 else dummy, *args_kv,
         sm_scale * LOG2E, b, hq, block_table.shape[1], nb, *strides,
         BLOCK_SIZE=bs, TILE=TILE, BLOCK_N=block_n, KV_FP8=kv_fp8, Q_FP8=q_fp8, NUM_STAGES=_num_stages(),
-        num_warps=num_warps, M_PAD=m_pad, USE_TMA=use_tma, USE_PDL=pdl, **common)
+        num_warps=num_warps, M_PAD=m_pad, USE_TMA=use_tma, USE_PDL=pdl, TASK_DESC=_CONFIG.task_desc,
+        LEAN=_CONFIG.lean_loop, **common)
     decode_combine_kernel[(plan.num_programs, rows)](
-        part_o, part_lse, out, plan.header, plan.cum, plan.last_b, out.stride(0), out.stride(1),
-        CB=_CONFIG.combine_chunks, USE_PDL=pdl, num_warps=4, **common, **pdl_launch)
+        part_o, part_lse, out, plan.header, plan.cum, plan.last_b, plan.merge_desc, out.stride(0), out.stride(1),
+        CB=_CONFIG.combine_chunks, USE_PDL=pdl, MERGE_DESC=_CONFIG.task_desc, num_warps=4, **common, **pdl_launch)
     return out
 
 
