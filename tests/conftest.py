@@ -42,13 +42,28 @@ def _seed():
     yield
 
 
-@pytest.fixture
-def tiny_moe_suite(monkeypatch):
-    """The Hy3 `moe` bench suite shrunk to interpreter sizes (E 8, top-3, H 256, I 128; EP8: 3 local)."""
-    from hpcops.bench.suites import moe as suite
-
+def _shrink_hy3(monkeypatch, suite) -> None:
+    """A Hy3 bench suite's model constants at interpreter sizes (E 8, top-3, H 256, I 128; EP8: 3 local)."""
     monkeypatch.setattr(suite, "E_GLOBAL", 8)
     monkeypatch.setattr(suite, "TOP_K", 3)
     monkeypatch.setattr(suite, "HIDDEN", 256)
     monkeypatch.setattr(suite, "INTER", {"tp8": 128, "ep8": 128})
     monkeypatch.setattr(suite, "N_LOCAL", {"tp8": 8, "ep8": 3})
+
+
+@pytest.fixture
+def tiny_moe_suite(monkeypatch):
+    """The Hy3 `moe` bench suite shrunk to interpreter sizes (E 8, top-3, H 256, I 128; EP8: 3 local)."""
+    from hpcops.bench.suites import moe as suite
+
+    _shrink_hy3(monkeypatch, suite)
+
+
+@pytest.fixture
+def tiny_layer_suite(monkeypatch):
+    """The `layer` bench suite (issue 11) at the same sizes, its shared expert's I 64; returns the module."""
+    from hpcops.bench.suites import layer as suite
+
+    _shrink_hy3(monkeypatch, suite)
+    monkeypatch.setattr(suite, "SHARED_INTER", 64)
+    return suite

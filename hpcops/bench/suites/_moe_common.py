@@ -9,6 +9,7 @@ reached through an `expert_map`; without it `e_local == e_global` (TP: every exp
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import fields
 from typing import Any, Protocol
 
@@ -47,6 +48,46 @@ class MoeShape(Protocol):
     def ep(self) -> bool: ...  # an expert_map routes global ids to the e_local experts held here
     @property
     def shared(self) -> bool: ...  # a shared expert's output is added in the reduction
+
+
+class Hy3Rank:
+    """The `MoeShape` properties of one Hy3 rank, for a dataclass with a `layout` field ("tp8" | "ep8") that
+    gives `t` and `kind` itself. The model's numbers (E_GLOBAL, TOP_K, HIDDEN, INTER and N_LOCAL by layout)
+    are read from the subclass's module when asked, so a test that shrinks that module's constants shrinks
+    the shape."""
+
+    layout: str
+
+    def _model(self) -> Any:
+        return sys.modules[type(self).__module__]
+
+    @property
+    def e_global(self) -> int:
+        return self._model().E_GLOBAL
+
+    @property
+    def e_local(self) -> int:
+        return self._model().N_LOCAL[self.layout]
+
+    @property
+    def top_k(self) -> int:
+        return self._model().TOP_K
+
+    @property
+    def hidden(self) -> int:
+        return self._model().HIDDEN
+
+    @property
+    def inter(self) -> int:
+        return self._model().INTER[self.layout]
+
+    @property
+    def ep(self) -> bool:
+        return self.layout == "ep8"
+
+    @property
+    def shared(self) -> bool:
+        return True
 
 
 def routing(s: MoeShape, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
