@@ -15,21 +15,17 @@ from hpcops.bench.suites import layer as suite
 
 
 @pytest.fixture
-def tiny_layer(monkeypatch):
-    """Hy3's layer at interpreter sizes: H 256, E 8 (EP: 3 local), top-3, I 128, shared I 64."""
-    monkeypatch.setattr(suite, "HIDDEN", 256)
-    monkeypatch.setattr(suite, "E_GLOBAL", 8)
-    monkeypatch.setattr(suite, "TOP_K", 3)
-    monkeypatch.setattr(suite, "INTER", {"tp8": 128, "ep8": 128})
-    monkeypatch.setattr(suite, "N_LOCAL", {"tp8": 8, "ep8": 3})
-    monkeypatch.setattr(suite, "SHARED_INTER", 64)
-    return suite
+def tiny_layer(tiny_layer_suite):
+    """Hy3's layer at interpreter sizes (conftest: H 256, E 8 (EP: 3 local), top-3, I 128, shared I 64)."""
+    return tiny_layer_suite
 
 
 def test_scenarios_cover_the_issue():
     full = suite.scenarios()
     names = [s.name for s in full]
     assert len(set(names)) == len(names)
+    prefill = [s for s in full if s.prefill]
+    full = [s for s in full if not s.prefill]
     assert {s.b for s in full} == {1, 4, 16, 64, 256, 32}
     assert {s.layout for s in full} == {"tp8", "ep8"} and {s.kv for s in full} == {"fp8", "bf16"}
     for b in suite.BATCHES:
@@ -38,8 +34,17 @@ def test_scenarios_cover_the_issue():
     assert {s.ctx for s in full} - {"u4K", "logmix"} == {"2x32K+30x4K", "1x128K+31x4K", "64x0.5K",
                                                          "32x0.125K+32x4K"}
     assert len(full) == (5 * 2 + 4) * 2 * 2
+    # prefill: one prompt of 2K, 8K, 32K tokens, fp8 and bf16 KV, both ranks
+    assert sorted(s.name for s in prefill) == sorted(f"prefill-{k}K-{kv}-{lay}" for k in (2, 8, 32)
+                                                     for kv in ("fp8", "bf16") for lay in ("tp8", "ep8"))
+    s = next(s for s in prefill if s.name == "prefill-32K-fp8-ep8")
+    assert (s.b, s.t, s.lens, s.e_local, s.inter, s.kind) == (1, 32768, [32768], 24, 1536, "fp8_tensor")
+    # quick: decode B 4 and 64 at u4K, both KV dtypes and ranks; prefill 2K and 8K
     quick = suite.scenarios(quick=True)
-    assert 0 < len(quick) < len(full) and {s.layout for s in quick} == {"tp8", "ep8"}
+    assert [s.name for s in quick if not s.prefill] == [f"B{b}-u4K-{kv}-{lay}" for kv in ("fp8", "bf16")
+                                                        for lay in ("tp8", "ep8") for b in (4, 64)]
+    assert {s.prompt for s in quick if s.prefill} == {2048, 8192}
+    assert len(quick) == 16
     s = next(s for s in full if s.name == "B64-32x0.125K+32x4K-bf16-ep8")
     assert (s.e_local, s.inter, s.kind, s.ep) == (24, 1536, "none", True)
     s = next(s for s in full if s.name == "B1-u4K-fp8-tp8")
@@ -67,6 +72,21 @@ def test_case_rows_and_timing():
     assert impls["baseline-moe-kernels"].kernel_filter == "fused_moe_kernel"
     assert set(suite.COMPONENTS) <= set(impls)
     assert c.command == "hpcops bench layer --only B4-u4K-fp8-tp8"
+    assert c.layers is None and c.params["phase"] == "decode" and c.params["T"] == 4
+    # prefill: no plan row, two layers per graph (a layer's MoE weights alone exceed L2), T = the prompt
+    p = suite.case_for(suite.Scenario(1, "", "bf16", "ep8", 32768))
+    assert "hpcops-plan" not in {i.name for i in p.impls} and set(suite.COMPONENTS) <= {i.name for i in p.impls}
+    assert p.layers == 2 and p.bytes > 24 * 3 * 1536 * 4096 * 2
+    assert (p.params["phase"], p.params["T"], p.params["B"]) == ("prefill", 32768, 1)
+    assert p.command == "hpcops bench layer --only prefill-32K-bf16-ep8"
+    assert next(suite.cases({"quick": True, "layers": 3})).layers is None  # --layers wins
+    assert all(c.layers in (None, 2) for c in suite.cases({"quick": True}))
+
+
+def test_check_rows():
+    assert suite.check_rows(suite.Scenario(3, "70,130,65", "bf16", "tp8")) == [0, 1, 2]
+    assert suite.check_rows(suite.Scenario(64, "u4K", "bf16", "tp8")) == [0, 1, 2, 3]
+    assert suite.check_rows(suite.Scenario(1, "", "fp8", "tp8", 2048)) == [0, 682, 1365, 2047]
 
 
 def test_allowance_arithmetic():
@@ -81,8 +101,10 @@ def test_allowance_arithmetic():
         12.0 + 256 * 8 * 4096 * 2 / (rep.DEFAULT_COPY_GBPS * 1e3))
 
 
-def _row(impl, us, case="B4-u4K-fp8-tp8", b=4, status="ok", timing="graph"):
+def _row(impl, us, case="B4-u4K-fp8-tp8", b=4, status="ok", timing="graph", prompt=0):
     params = {"B": b, "top_k": 8, "H": 4096, "E_global": 192, "layout": "tp8", "kv": "fp8", "model_layers": 80}
+    if prompt:
+        params.update(phase="prefill", B=1, T=prompt, prompt=prompt)
     return Row(suite="layer", case=case, impl=impl, ours=impl.startswith("hpcops"), us=us, status=status,
                params=params, timing=timing, note="per-step" if impl == "hpcops-plan" else "")
 
@@ -114,6 +136,45 @@ def test_derived_baseline_summary_and_reports(tmp_path):
     assert {p.name for p in paths} >= {"layer.components.md", "layer.summary.json"}
     again, _ = suite_finisher("layer")(done, tmp_path)  # idempotent (the CLI finishes after every case)
     assert [r.impl for r in again.rows] == [r.impl for r in done.rows]
+
+
+def test_prefill_rows_report_ttft(tmp_path):
+    case = "prefill-2K-fp8-tp8"
+    comp = {"shared:1-norm-qkv": 100.0, "hpcops:2-rope-kv": 20.0, "baseline:2-rope-kv": 60.0,
+            "hpcops:3-attention": 300.0, "baseline:3-attention": 500.0, "shared:4-oproj-residual": 80.0,
+            "shared:5a-router-shared-expert": 150.0, "hpcops:5b-moe": 700.0, "baseline:5c-combine": 30.0}
+    rows = [_row("hpcops", 1400.0, case=case, prompt=2048), _row("baseline-rest", 1000.0, case=case, prompt=2048),
+            _row("baseline-moe-kernels", 650.0, case=case, timing="kernels", prompt=2048),
+            *[_row(k, v, case=case, prompt=2048) for k, v in comp.items()],
+            _row("hpcops", 80.0), _row("baseline-rest", 70.0), _row("baseline-moe-kernels", 28.0, timing="kernels")]
+    done, paths = rep.finish(SuiteResult("layer", rows, {"copy_gbps": 4000.0}), tmp_path)
+    # the allowance counts the prompt's tokens: align runs (2048·8·4 > 192), act+quant, x-quant, sum, and
+    # moe_sum's 2048·8·4096·2 bytes at 4000 GB/s
+    allow = 12.0 + 2048 * 8 * 4096 * 2 / 4000e3
+    base = next(r for r in done.rows if r.impl == "baseline" and r.case == case)
+    assert base.us == pytest.approx(1000.0 + 650.0 + allow)
+    summary = json.loads((tmp_path / "layer.summary.json").read_text())
+    c = summary["cases"][case]
+    assert c["phase"] == "prefill" and "tpot_reduction_pct" not in c and c["plan_us"] is None
+    assert c["ttft_hpcops_ms"] == pytest.approx(80 * 1400.0 / 1e3)
+    assert c["ttft_baseline_ms"] == pytest.approx(80 * base.us / 1e3)
+    assert c["ttft_reduction_pct"] == pytest.approx(100 * (1 - 1400.0 / base.us))
+    assert c["components"]["5b routed MoE + residual"] == {"hpcops": 700.0, "baseline": pytest.approx(
+        650.0 + allow + 30.0)}
+    assert c["components"]["3 attention"] == {"hpcops": 300.0, "baseline": 500.0}
+    assert summary["geomean_ttft_reduction_pct"] == pytest.approx(c["ttft_reduction_pct"])
+    assert summary["min_ttft_reduction_pct"] == pytest.approx(c["ttft_reduction_pct"])
+    assert summary["targets"]["ttft_pct"] == 10.0
+    # the decode case keeps its TPOT, and only it enters the decode geomean
+    d = summary["cases"]["B4-u4K-fp8-tp8"]
+    assert d["phase"] == "decode" and summary["geomean_tpot_reduction_pct_b_le_64"] == pytest.approx(
+        d["tpot_reduction_pct"])
+    md = (tmp_path / "layer.components.md").read_text()
+    assert "## decode" in md and "## prefill" in md and "TTFT" in md
+    line = next(ln for ln in md.splitlines() if ln.startswith(f"| {case} |"))
+    assert f"| {112.0:.2f} / {80 * base.us / 1e3:.2f} | {c['ttft_reduction_pct']:.1f} |" in line
+    assert "300.0 / 500.0" in line
+    assert (tmp_path / "layer.stack.png").is_file() and any(p.name == "layer.stack.png" for p in paths)
 
 
 def test_missing_peer_makes_baseline_unavailable(tmp_path):
@@ -153,7 +214,7 @@ def test_hpcops_layer_matches_fp32_reference(tiny_layer, device, kv, layout):
     # and by hand, with values: the update is neither zero nor the reference's shifted
     trace = {}
     got = suite.hpcops_layer(s, x, suite.plan_for(x), x["hidden"], trace)
-    want, own = suite.reference_layer(s, x, 3, trace["ids"])
+    want, own = suite.reference_layer(s, x, [0, 1, 2], trace["ids"])
     upd_got, upd_want = got.float() - x["hidden"].float(), want - x["hidden"].float()
     assert upd_want.abs().max() > 0.1
     rel = (upd_got - upd_want).norm() / upd_want.norm()
@@ -170,6 +231,35 @@ def test_gate_fails_on_a_wrong_layer(tiny_layer, device):
     bad[1] += (got[1] - x["hidden"][1]) * 0.5  # a 50 % error in one row's update
     with pytest.raises(AssertionError):
         suite.assert_layer_matches(s, x, bad, trace["ids"], "broken")
+
+
+@pytest.mark.parametrize("kv,layout", [("bf16", "tp8"), ("fp8", "ep8")])
+def test_hpcops_prefill_layer_matches_fp32_reference(tiny_layer, device, kv, layout):
+    s = suite.Scenario(1, "", kv, layout, 70)  # one prompt of 70 tokens: two pages, the second partial
+    x = suite.make_inputs(s, 0, device=device)
+    assert x["hidden"].shape == (70, suite.HIDDEN) and x["positions"].tolist() == list(range(70))
+    table = x["block_table"][0].long()
+    assert x["slot_mapping"].tolist() == [int(table[p // 64]) * 64 + p % 64 for p in range(70)]
+    assert x["fi_indptr"].tolist() == [0, 2] and x["fi_last"].tolist() == [6] and x["fi_batch"].sum() == 0
+    assert suite.plan_for(x) is None
+    trace = {}
+    got = suite.hpcops_layer(s, x, None, x["hidden"], trace)
+    rows = suite.check_rows(s)
+    assert rows == [0, 23, 46, 69]
+    suite.assert_layer_matches(s, x, got, trace["ids"], "hpcops")  # the case's gate on these rows
+    want, _ = suite.reference_layer(s, x, rows, trace["ids"][rows])
+    base = x["hidden"][rows].float()
+    upd_got, upd_want = got[rows].float() - base, want - base
+    assert upd_want.abs().max() > 0.1
+    rel = (upd_got - upd_want).norm() / upd_want.norm()
+    assert rel < 0.05, rel
+    bad = got.clone()
+    bad[69] += (got[69] - x["hidden"][69]) * 0.5  # a 50 % error in the last token's update
+    with pytest.raises(AssertionError):
+        suite.assert_layer_matches(s, x, bad, trace["ids"], "broken")
+    # the prompt's K is in the cache: token 69's key (the reference's, fp8-rounded) at its slot
+    k69 = x["k_cache"].reshape(-1, suite.HKV, suite.HEAD_DIM)[int(x["slot_mapping"][69])]
+    assert torch.isfinite(k69.float()).all() and k69.float().abs().max() > 0
 
 
 class _FakeFlashInfer:
@@ -214,6 +304,23 @@ class _FakeFlashInfer:
             vs = torch.tensor([v_scale]) if v_scale is not None else None
             return decode_attention(q, *caches, self.table, self.lens, k_scale=ks, v_scale=vs, out=out)
 
+    class BatchPrefillWithPagedKVCacheWrapper(BatchDecodeWithPagedKVCacheWrapper):
+        def __init__(self, workspace, layout, backend="auto"):
+            self.backend = backend
+
+        def plan(self, qo_indptr, indptr, indices, last, hq, hkv, d, page, causal=False, **kw):
+            assert causal
+            _FakeFlashInfer.BatchDecodeWithPagedKVCacheWrapper.plan(self, indptr, indices, last, hq, hkv, d, page)
+            self.cu = qo_indptr.to(torch.int32)
+
+        def run(self, q, caches, out, k_scale=None, v_scale=None):
+            from hpcops.attention._prefill_reference import prefill_attention
+
+            ks = torch.tensor([k_scale]) if k_scale is not None else None
+            vs = torch.tensor([v_scale]) if v_scale is not None else None
+            return prefill_attention(q, *caches, self.table, self.lens, self.cu, max_seqlen_q=0, k_scale=ks,
+                                     v_scale=vs, out=out)
+
 
 needs_vllm = pytest.mark.skipif(
     not any((d / "vllm_kernels" / "__init__.py").is_file() for d in __import__("hpcops.bench.registry",
@@ -237,6 +344,27 @@ def test_baseline_layer_passes_the_gate(tiny_layer, monkeypatch, device, kv, lay
     assert kern.shape == (3, suite.HIDDEN) and torch.isfinite(kern.float()).all()
     for step in suite.COMPONENTS:  # every component callable runs on the materialized inputs
         suite.impl_component(s, step)(x)()
+
+
+@needs_vllm
+def test_baseline_prefill_layer_passes_the_gate(tiny_layer, monkeypatch, device):
+    monkeypatch.setitem(__import__("sys").modules, "flashinfer", _FakeFlashInfer)
+    s = suite.Scenario(1, "", "fp8", "tp8", 70)
+    x = suite.make_inputs(s, 0, device=device)
+    w = suite._fi_wrapper(x)
+    assert isinstance(w, _FakeFlashInfer.BatchPrefillWithPagedKVCacheWrapper) and w.backend == "fa2"
+    assert w.lens.tolist() == [70] and w.cu.tolist() == [0, 70]
+    rest = suite.impl_baseline_rest(s)(x)()  # layer 0: the baseline checked against the fp32 reference
+    hp = suite.hpcops_layer(s, x, None, x["hidden"])
+    upd_b, upd_h = rest.float() - x["hidden"].float(), hp.float() - x["hidden"].float()
+    assert (upd_b - upd_h).norm() / upd_h.norm() < 0.06
+    kern = suite.impl_baseline_moe_kernels(s)(x)()
+    assert kern.shape == (70, suite.HIDDEN) and torch.isfinite(kern.float()).all()
+    for step in suite.COMPONENTS:  # every component callable runs on the prefill's materialized inputs
+        out = suite.impl_component(s, step)(x)()
+        first = out[0] if isinstance(out, tuple) else out
+        assert first.shape[0] == 70
+    assert suite._fi_wrapper(suite.make_inputs(suite.Scenario(1, "", "bf16", "tp8", 70), 0, device)).backend == "auto"
 
 
 def test_merge_split_runs(tmp_path):

@@ -1,6 +1,6 @@
 """The `layer` suite's derived rows and reports: the baseline layer (its graph + vLLM's MoE kernels + the
 allowance for vLLM's CUDA helpers), the per-component table (`layer.components.md`), the stacked bars
-(`layer.stack.png`) and the TPOT difference."""
+(`layer.stack.png`) and the TPOT (decode) and TTFT (prefill) differences."""
 
 from __future__ import annotations
 
@@ -12,11 +12,13 @@ from pathlib import Path
 HELPER_US = 3.0  # µs per helper kernel
 DEFAULT_COPY_GBPS = 4190.0  # H200 copy bandwidth (DESIGN.md), when the run did not measure it
 TARGET_GEOMEAN, TARGET_MIN, TARGET_MAX_B = 25.0, 15.0, 64  # issue 11: % lower TPOT at B <= 64
+TARGET_TTFT = 10.0  # issue 11: % lower TTFT (prefill)
+PHASES = ("decode", "prefill")
 
 STEPS = (  # (label, hpcops row, baseline row): the table's components, in layer order
     ("1 norm + QKV", "shared:1-norm-qkv", "shared:1-norm-qkv"),
     ("2 QK-norm + RoPE + KV write", "hpcops:2-rope-kv", "baseline:2-rope-kv"),
-    ("3 decode attention", "hpcops:3-attention", "baseline:3-attention"),
+    ("3 attention", "hpcops:3-attention", "baseline:3-attention"),
     ("4 o_proj + residual", "shared:4-oproj-residual", "shared:4-oproj-residual"),
     ("5a norm + router + select + shared expert", "shared:5a-router-shared-expert",
      "shared:5a-router-shared-expert"),
@@ -39,7 +41,8 @@ def vllm_helpers(t: int, top_k: int, num_experts: int, ep: bool, fp8: bool) -> l
 
 def allowance_us(t: int, top_k: int, hidden: int, num_experts: int, ep: bool, fp8: bool,
                  copy_gbps: float | None = None) -> float:
-    """HELPER_US per helper kernel, plus moe_sum's B·k·H·2 bytes at the copy bandwidth (GB/s), in µs."""
+    """HELPER_US per helper kernel, plus moe_sum's T·k·H·2 bytes at the copy bandwidth (GB/s), in µs (T: the
+    MoE's tokens, B at decode, the prompt at prefill)."""
     gbps = copy_gbps or DEFAULT_COPY_GBPS
     helpers = vllm_helpers(t, top_k, num_experts, ep, fp8)
     return HELPER_US * len(helpers) + t * top_k * hidden * 2 / (gbps * 1e9) * 1e6
@@ -47,7 +50,7 @@ def allowance_us(t: int, top_k: int, hidden: int, num_experts: int, ep: bool, fp
 
 def _allowance(row, copy_gbps) -> float:
     p = row.params
-    return allowance_us(p["B"], p["top_k"], p["H"], p["E_global"], p["layout"] == "ep8", p["kv"] == "fp8",
+    return allowance_us(p.get("T", p["B"]), p["top_k"], p["H"], p["E_global"], p["layout"] == "ep8", p["kv"] == "fp8",
                         copy_gbps)
 
 
@@ -97,9 +100,20 @@ def _us(by: dict, name: str) -> float | None:
     return r.us if r is not None else None
 
 
+def phase(params: dict) -> str:
+    return params.get("phase", "decode")
+
+
+def _geomean_reduction(pcts: list[float]) -> float | None:
+    """The % reduction of the geomean speedup 1 / (1 - pct/100) over `pcts`."""
+    speedups = [1 / (1 - r / 100) for r in pcts if r < 100]
+    return 100 * (1 - 1 / math.exp(sum(map(math.log, speedups)) / len(speedups))) if speedups else None
+
+
 def summarize(result) -> dict:
-    """Per case: component µs on both sides, whole layer, model step (× layers, + plan) and TPOT difference;
-    the geomean of the TPOT reduction over the cases with B ≤ 64 and the issue's targets."""
+    """Per case: component µs on both sides, whole layer, and × the model's layers: the decode step (+ the
+    plan, once per step) and its TPOT difference, or the prompt's prefill and its TTFT difference; the geomean
+    TPOT reduction over the decode cases with B ≤ 64, the TTFT reductions, and the issue's targets."""
     from hpcops.bench.report import by_case
 
     copy = result.machine.get("copy_gbps")
@@ -117,22 +131,27 @@ def summarize(result) -> dict:
                 b = b + allow + (c or 0.0)
             comp[label] = {"hpcops": _us(by, hp), "baseline": b}
         hp, bl, plan = _us(by, "hpcops"), _us(by, "baseline"), _us(by, "hpcops-plan")
-        entry = {"params": p, "components": comp, "allowance_us": round(allow, 2), "hpcops_us": hp,
-                 "baseline_us": bl, "plan_us": plan}
+        entry = {"phase": phase(p), "params": p, "components": comp, "allowance_us": round(allow, 2),
+                 "hpcops_us": hp, "baseline_us": bl, "plan_us": plan}
         if hp is not None and bl is not None:
-            step_hp = layers * hp + (plan or 0.0)
-            step_bl = layers * bl
-            entry.update(step_hpcops_ms=step_hp / 1e3, step_baseline_ms=step_bl / 1e3,
-                         tpot_reduction_pct=100.0 * (1 - step_hp / step_bl))
+            model_hp, model_bl = layers * hp + (plan or 0.0), layers * bl
+            red = 100.0 * (1 - model_hp / model_bl)
+            if phase(p) == "prefill":
+                entry.update(ttft_hpcops_ms=model_hp / 1e3, ttft_baseline_ms=model_bl / 1e3, ttft_reduction_pct=red)
+            else:
+                entry.update(step_hpcops_ms=model_hp / 1e3, step_baseline_ms=model_bl / 1e3, tpot_reduction_pct=red)
         cases[name] = entry
-    red = [c["tpot_reduction_pct"] for c in cases.values()
-           if "tpot_reduction_pct" in c and c["params"]["B"] <= TARGET_MAX_B]
-    speedups = [1 / (1 - r / 100) for r in red if r < 100]
-    geo = 100 * (1 - 1 / math.exp(sum(map(math.log, speedups)) / len(speedups))) if speedups else None
+    tpot = [c["tpot_reduction_pct"] for c in cases.values()
+            if "tpot_reduction_pct" in c and c["params"]["B"] <= TARGET_MAX_B]
+    ttft = [c["ttft_reduction_pct"] for c in cases.values() if "ttft_reduction_pct" in c]
     first = next(iter(cases.values()), None)
     return {"cases": cases, "model_layers": first["params"].get("model_layers", 80) if first else None,
-            "geomean_tpot_reduction_pct_b_le_64": geo, "min_tpot_reduction_pct_b_le_64": min(red) if red else None,
-            "targets": {"geomean_pct": TARGET_GEOMEAN, "min_pct": TARGET_MIN, "max_b": TARGET_MAX_B},
+            "geomean_tpot_reduction_pct_b_le_64": _geomean_reduction(tpot),
+            "min_tpot_reduction_pct_b_le_64": min(tpot) if tpot else None,
+            "geomean_ttft_reduction_pct": _geomean_reduction(ttft),
+            "min_ttft_reduction_pct": min(ttft) if ttft else None,
+            "targets": {"geomean_pct": TARGET_GEOMEAN, "min_pct": TARGET_MIN, "max_b": TARGET_MAX_B,
+                        "ttft_pct": TARGET_TTFT},
             "helper_us": HELPER_US, "copy_gbps": copy or DEFAULT_COPY_GBPS}
 
 
@@ -141,33 +160,48 @@ def components_markdown(result, summary: dict) -> str:
     m = result.machine
     lines = ["# hpcops bench layer: per-component µs, hpcops vs baseline", "",
              f"Machine: {m.get('gpu', 'cpu')}, torch {m.get('torch')}, triton {m.get('triton')}. One Hy3 decoder "
-             "layer on one rank (attention: the TP8 slice, 8/1 heads, d 128, page 64); each component timed alone "
+             "layer on one rank (attention: the TP8 slice, 8/1 heads, d 128, page 64), at decode (B requests, one "
+             "new token each) and at prefill (one prompt of T tokens); each component timed alone "
              "by CUDA-graph replay over layers with their own inputs (L2-cold); `layer` = the whole layer in one "
              "graph (baseline: its graph without vLLM's routed experts + their two fused_moe_kernel launches' "
              "device time + the allowance). Baseline 5b = vLLM's fused_moe_kernel device time + the allowance "
              f"for vLLM's CUDA helpers ({summary['helper_us']:.0f} µs each for align (when vLLM runs it), "
-             "act(+quant), x-quant (fp8) and moe_sum, plus moe_sum's B·k·H·2 bytes at "
-             f"{summary['copy_gbps']:.0f} GB/s) + the torch add of the shared output and the residual. "
-             f"Model step = {summary['model_layers']} layers × layer (+ hpcops' plan once per step; "
-             "FlashInfer plans on the host). TPOT −% = how much lower hpcops' model step is.", "",
-             "| case | " + " | ".join(label for label, _, _ in STEPS) + " | layer | step ms | TPOT −% |",
-             "|---|" + "---:|" * (len(STEPS) + 3)]
-    for name, c in summary["cases"].items():
-        cells = [f"{f(v['hpcops'])} / {f(v['baseline'])}" for v in c["components"].values()]
-        red = c.get("tpot_reduction_pct")
-        step = (f"{c['step_hpcops_ms']:.2f} / {c['step_baseline_ms']:.2f}" if red is not None else "—")
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {f(c['hpcops_us'])} / {f(c['baseline_us'])} | "
-                     f"{step} | {f(red)} |")
-    geo, low = summary["geomean_tpot_reduction_pct_b_le_64"], summary["min_tpot_reduction_pct_b_le_64"]
+             "act(+quant), x-quant (fp8) and moe_sum, plus moe_sum's T·k·H·2 bytes at "
+             f"{summary['copy_gbps']:.0f} GB/s; T = the MoE's tokens) + the torch add of the shared output and the "
+             f"residual. Model = {summary['model_layers']} layers × layer: the decode step (+ hpcops' plan once "
+             "per step; FlashInfer plans on the host) and the prompt's prefill (the layers only: embedding, "
+             "LM head and sampling are left out on both sides). TPOT / TTFT −% = how much lower hpcops' is."]
+    head = " | ".join(label for label, _, _ in STEPS)
     t = summary["targets"]
-    lines += ["", "Cells: hpcops / baseline µs per layer.", "",
-              f"B ≤ {t['max_b']}: geomean TPOT reduction {f(geo)} %, lowest row {f(low)} % "
-              f"(target: ≥ {t['geomean_pct']:.0f} % geomean, no row below {t['min_pct']:.0f} %)."]
+    for ph, model, key, red_key in (("decode", "step ms", "step", "tpot_reduction_pct"),
+                                    ("prefill", "TTFT ms", "ttft", "ttft_reduction_pct")):
+        cases = {n: c for n, c in summary["cases"].items() if c["phase"] == ph}
+        if not cases:
+            continue
+        what = "TPOT" if ph == "decode" else "TTFT"
+        lines += ["", f"## {ph}", "", f"| case | {head} | layer | {model} | {what} −% |",
+                  "|---|" + "---:|" * (len(STEPS) + 3)]
+        for name, c in cases.items():
+            cells = [f"{f(v['hpcops'])} / {f(v['baseline'])}" for v in c["components"].values()]
+            red = c.get(red_key)
+            both = f"{c[f'{key}_hpcops_ms']:.2f} / {c[f'{key}_baseline_ms']:.2f}" if red is not None else "—"
+            lines.append(f"| {name} | " + " | ".join(cells) + f" | {f(c['hpcops_us'])} / {f(c['baseline_us'])} | "
+                         f"{both} | {f(red)} |")
+    lines += ["", "Cells: hpcops / baseline µs per layer (model columns: hpcops / baseline ms).", ""]
+    if any(c["phase"] == "decode" for c in summary["cases"].values()):
+        geo, low = summary["geomean_tpot_reduction_pct_b_le_64"], summary["min_tpot_reduction_pct_b_le_64"]
+        lines.append(f"Decode, B ≤ {t['max_b']}: geomean TPOT reduction {f(geo)} %, lowest row {f(low)} % "
+                     f"(target: ≥ {t['geomean_pct']:.0f} % geomean, no row below {t['min_pct']:.0f} %).")
+    if any(c["phase"] == "prefill" for c in summary["cases"].values()):
+        geo, low = summary["geomean_ttft_reduction_pct"], summary["min_ttft_reduction_pct"]
+        lines.append(f"Prefill: geomean TTFT reduction {f(geo)} %, lowest row {f(low)} % "
+                     f"(target: ≥ {t['ttft_pct']:.0f} % lower TTFT).")
     return "\n".join(lines) + "\n"
 
 
 def stacked_plot(result, path: Path) -> bool:
-    """Per case, two stacked bars (hpcops, baseline) of the components' µs. False without matplotlib/data."""
+    """Per case, two stacked bars (hpcops, baseline) of the components' µs; decode and prefill in panels of
+    their own (µs vs ms scales). False without matplotlib or data."""
     try:
         import matplotlib
 
@@ -176,24 +210,30 @@ def stacked_plot(result, path: Path) -> bool:
     except ImportError:
         return False
     summary = summarize(result)
-    names = [n for n, c in summary["cases"].items()
-             if all(v["hpcops"] is not None and v["baseline"] is not None for v in c["components"].values())]
-    if not names:
+    panels = []
+    for ph in PHASES:
+        names = [n for n, c in summary["cases"].items() if c["phase"] == ph
+                 and all(v["hpcops"] is not None and v["baseline"] is not None for v in c["components"].values())]
+        if names:
+            panels.append((ph, names))
+    if not panels:
         return False
-    fig, ax = plt.subplots(figsize=(max(8, 0.6 * len(names)), 5))
+    width = max(8, 0.6 * max(len(n) for _, n in panels))
+    fig, axes = plt.subplots(len(panels), 1, figsize=(width, 5 * len(panels)), squeeze=False)
     colors = plt.get_cmap("tab10").colors
-    for side, dx, hatch in (("hpcops", -0.2, ""), ("baseline", 0.2, "//")):
-        bottom = [0.0] * len(names)
-        for i, (label, _, _) in enumerate(STEPS):
-            vals = [summary["cases"][n]["components"][label][side] for n in names]
-            ax.bar([j + dx for j in range(len(names))], vals, 0.38, bottom=bottom, color=colors[i % 10],
-                   hatch=hatch, edgecolor="k", linewidth=0.3, label=label if side == "hpcops" else None)
-            bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.set_xticks(range(len(names)))
-    ax.set_xticklabels(names, rotation=60, ha="right", fontsize=7)
-    ax.set_ylabel("µs per layer (left: hpcops, right hatched: baseline)")
-    ax.set_title(f"hpcops bench layer on {result.machine.get('gpu', '?')}")
-    ax.legend(fontsize=7)
+    for ax, (ph, names) in zip(axes[:, 0], panels):
+        for side, dx, hatch in (("hpcops", -0.2, ""), ("baseline", 0.2, "//")):
+            bottom = [0.0] * len(names)
+            for i, (label, _, _) in enumerate(STEPS):
+                vals = [summary["cases"][n]["components"][label][side] for n in names]
+                ax.bar([j + dx for j in range(len(names))], vals, 0.38, bottom=bottom, color=colors[i % 10],
+                       hatch=hatch, edgecolor="k", linewidth=0.3, label=label if side == "hpcops" else None)
+                bottom = [b + v for b, v in zip(bottom, vals)]
+        ax.set_xticks(range(len(names)))
+        ax.set_xticklabels(names, rotation=60, ha="right", fontsize=7)
+        ax.set_ylabel("µs per layer (left: hpcops, right hatched: baseline)")
+        ax.set_title(f"hpcops bench layer, {ph}, on {result.machine.get('gpu', '?')}")
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

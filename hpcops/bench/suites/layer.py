@@ -1,40 +1,52 @@
-"""Bench suite `layer`: one Hy3-shaped decoder layer at decode, composed two ways (issue 11).
+"""Bench suite `layer`: one Hy3-shaped decoder layer at decode and at prefill, composed two ways (issue 11).
 
 What a serving user gains per token: the same layer, the same random Hy3-shaped weights and the same
 inputs, built from hpcops' ops and from what a vLLM user runs today, timed in the same process by the
 same CUDA-graph method (`timing.graph_time_us`: layers with their own weights and KV cache, L2-cold).
 
+Two phases, rows of the same suite: decode (`B<b>-<ctx>-<kv>-<rank>`: B requests, one new token each, over
+their paged contexts; TPOT) and prefill (`prefill-<2K|8K|32K>-<kv>-<rank>`: one prompt of T tokens, the
+whole layer at T rows, causal attention over the prompt's own paged KV; TTFT). T below is the layer's
+tokens: B at decode, the prompt's length at prefill.
+
 The layer, in order (one TP8 rank's attention: 8 q heads / 1 kv head, head_dim 128, page 64):
 1. input RMSNorm and the QKV projection GEMM (torch, `shared`);
-2. QK-RMSNorm then NeoX RoPE (Hy3's order) and the paged KV write of the new token;
-3. decode attention over the paged cache;
+2. QK-RMSNorm then NeoX RoPE (Hy3's order) and the paged KV write of the new tokens;
+3. attention over the paged cache: decode, or causal prefill of the prompt;
 4. the o_proj GEMM and the residual (torch, `shared`);
 5. post-attention RMSNorm, the fp32 router GEMM, `select_experts` (sigmoid, selection bias,
    renormalize × 2.826), the shared expert's MLP (torch, `shared`: 5a), then the routed MoE and the
    residual (5b).
 
 Sides:
-- `hpcops`: `rope_norm_store_kv` (fp8 KV: it also emits the fp8 query with per-token-head scales),
-  `decode_attention` with its load-balanced plan (built once per model step, outside the graph: the
-  `hpcops-plan` row, per step), `fused_moe` with the shared expert's output added in its reduction.
+- `hpcops`: `rope_norm_store_kv` (fp8 KV: it also emits the fp8 query with per-token-head scales, which
+  the attention reads, at both phases: the prefill suite's `hpcops-fp8q` path), `decode_attention` with its
+  load-balanced plan (built once per model step, outside the graph: the `hpcops-plan` row, per step) or
+  `prefill_attention` (no plan), `fused_moe` with the shared expert's output added in its reduction.
   The `hpcops` row is the whole layer in one graph.
 - `baseline`: torch QK-RMSNorm (FlashInfer has no QK-norm) + FlashInfer's
   `apply_rope_with_cos_sin_cache_inplace` + `append_paged_kv_cache` (fp8 KV: K/V cast in torch first),
-  FlashInfer's `BatchDecodeWithPagedKVCacheWrapper` on its tensor-core path (the faster of its two paths
-  at 8/1 heads in `bench/results/decode.md`; planned outside the graph, on the host: not timed), vLLM's Triton
+  then at decode FlashInfer's `BatchDecodeWithPagedKVCacheWrapper` on its tensor-core path (the faster of its
+  two paths at 8/1 heads in `bench/results/decode.md`), at prefill its `BatchPrefillWithPagedKVCacheWrapper`
+  (causal; bf16 q, as vLLM's FlashInfer backend runs it on Hopper: backend auto for bf16 KV, FA2 for fp8 KV,
+  whose FA3 templates do not build for bf16 q over fp8 KV, see the `prefill` suite); both planned outside
+  the graph, on the host (not timed), in a 512 MiB workspace. vLLM's Triton
   `fused_experts` (vendored in `.peers/vllm_kernels`, configured as in the `moe` suite), the shared output
   and the residual added in torch. vLLM's CUDA helpers around its two `fused_moe_kernel` launches run here
   as pure-torch stand-ins, so the baseline's routed MoE is timed as those two kernels' device time
   (profiler: `baseline-moe-kernels`) plus an ALLOWANCE for the helpers (`_layer_report.allowance_us`):
   3 µs each for align (skipped by vLLM when T·k·4 ≤ E without EP), activation + quant, x-quant (fp8 only)
-  and moe_sum, plus moe_sum's B·k·H·2 bytes at the measured copy bandwidth. Everything else of the
-  baseline layer is one graph (`baseline-rest`); the `baseline` row = baseline-rest + baseline-moe-kernels
-  + allowance (derived after the run by `finish`).
+  and moe_sum, plus moe_sum's T·k·H·2 bytes at the measured copy bandwidth (the issue's allowance; at
+  prefill's T the real helpers cost more than 3 µs each, so there it favours the baseline). Everything else
+  of the baseline layer is one graph (`baseline-rest`); the `baseline` row = baseline-rest +
+  baseline-moe-kernels + allowance (derived after the run by `finish`).
 - `shared:*` rows: the torch steps both sides run identically, timed once.
 
 Per-component rows (`<side>:<step>`) time each step alone with the same graph method, on inputs the
-previous steps produced; `layer.components.md` puts them side by side with the whole layer, the model
-step (× `MODEL_LAYERS`) and the TPOT difference, `layer.stack.png` stacks them.
+previous steps produced; `layer.components.md` puts them side by side with the whole layer and the model
+(× `MODEL_LAYERS`: the decode step with its TPOT difference, the prompt's prefill with its TTFT
+difference; embedding, LM head and sampling left out on both sides), `layer.stack.png` stacks them
+(a panel per phase), `layer.summary.json` holds it all.
 
 Variants: `fp8` = Hy3-FP8 as served (fp8 e4m3 KV with per-tensor scales, fp8 per-tensor MoE weights with
 static activation scales); `bf16` = bf16 KV and MoE. The dense GEMMs (QKV, o_proj, router, shared expert)
@@ -43,15 +55,17 @@ are bf16 torch matmuls on both sides in both variants. Ranks: `tp8` (all 192 exp
 shared expert's MLP is TP-sharded (I = 1536 / 8) in both, as vLLM shards it. Tensor-parallel all-reduces
 (after o_proj and after the MoE) are left out on both sides.
 
-Correctness gate (before any timing): the composed hpcops layer on layer 0's inputs, the first `CHECK_B`
-rows against a torch fp32 reference of the same layer (`reference_layer`); the baseline layer is checked
-the same way when its row is prepared (a disagreeing baseline is reported check-failed, never ranked).
-The reference takes the expert choice (top-k ids) of the side it checks: near-ties of the sigmoid scores
-flip under bf16 rounding, a discrete choice and not an accuracy question; at least 75 % of the
-(token, slot) choices must agree with the reference's own.
+Layers per graph: decode as every suite (`timing.layers_for`, at least 8); prefill as few as keep L2 cold,
+at least 2 (a prefill layer's MoE weights alone exceed L2, and at 32K a layer takes GBs and tens of ms).
 
-TODO (issue 11, deliverable 3): prefill TTFT (one prompt of 2K/8K/32K, `prefill_attention` against
-FlashInfer's prefill in the same layer frame) is not built yet.
+Correctness gate (before any timing): the composed hpcops layer on layer 0's inputs, `CHECK_B` token rows
+(`check_rows`: decode, the first requests; prefill, tokens spread over the prompt, the last included)
+against a torch fp32 reference of the same layer (`reference_layer`: at prefill it computes the prompt's
+K/V up to the last checked token and attends each checked token causally over them); the baseline layer
+is checked the same way when its row is prepared (a disagreeing baseline is reported check-failed, never
+ranked). The reference takes the expert choice (top-k ids) of the side it checks: near-ties of the sigmoid
+scores flip under bf16 rounding, a discrete choice and not an accuracy question; at least 75 % of the
+(token, slot) choices must agree with the reference's own.
 """
 
 from __future__ import annotations
@@ -67,6 +81,8 @@ from hpcops.bench.registry import Case, Impl, PeerUnavailable
 from hpcops.bench.scenarios import DECODE_SCENARIOS, parse_lengths
 from hpcops.bench.suites import _moe_common as common
 from hpcops.bench.suites.decode import K_SCALE, V_SCALE, make_decode_inputs
+from hpcops.bench.suites.prefill import flashinfer_backend
+from hpcops.bench.timing import layers_for
 
 FP8 = torch.float8_e4m3fn
 # Hy3 (research/hpcops.md §7; DESIGN.md "Reference model shapes")
@@ -85,64 +101,46 @@ PAGE = 64
 MODEL_LAYERS = 80
 BATCHES = (1, 4, 16, 64, 256)
 QUICK_BATCHES = (4, 64)
+PROMPTS = (2048, 8192, 32768)  # prefill: one prompt of 2K, 8K, 32K tokens
+QUICK_PROMPTS = (2048, 8192)
 LOGMIX = (100, 100_000)  # the seeded log-uniform context mix, tokens
 TABLE3_BATCHES = (32, 64)  # the blog's table-3 mixes of these sizes are added
-CHECK_B = 4  # rows of layer 0 checked against the fp32 reference
+CHECK_B = 4  # rows of layer 0 checked against the fp32 reference (decode: the first; prefill: spread over the prompt)
 
 
 @dataclass(frozen=True)
-class Scenario:
-    """One decode step of one layer on one rank (also a `_moe_common.MoeShape` for the MoE part)."""
+class Scenario(common.Hy3Rank):
+    """One layer on one rank: a decode step of `b` requests, or (`prompt` > 0) the prefill of one prompt of
+    `prompt` tokens. Also a `_moe_common.MoeShape` for the MoE part (T = b, or the prompt's tokens)."""
 
     b: int
-    ctx: str  # "u4K" | "logmix" | a length spec (the blog's table-3 mixes)
+    ctx: str  # decode: "u4K" | "logmix" | a length spec (the blog's table-3 mixes); prefill: ""
     kv: str  # "fp8" | "bf16"
     layout: str  # "tp8" | "ep8"
+    prompt: int = 0  # prefill: the prompt's tokens (b = 1); 0: a decode step
+
+    @property
+    def prefill(self) -> bool:
+        return self.prompt > 0
 
     @property
     def name(self) -> str:
+        if self.prefill:
+            return f"prefill-{self.prompt // 1024}K-{self.kv}-{self.layout}"
         return f"B{self.b}-{self.ctx}-{self.kv}-{self.layout}"
 
     @property
     def lens(self) -> list[int]:
-        return context_lens(self.ctx, self.b)
+        """KV lengths after this step (including the new tokens)."""
+        return [self.prompt] if self.prefill else context_lens(self.ctx, self.b)
 
-    # the MoeShape protocol
     @property
     def t(self) -> int:
-        return self.b
+        return self.prompt or self.b
 
     @property
     def kind(self) -> str:
         return "fp8_tensor" if self.kv == "fp8" else "none"
-
-    @property
-    def e_global(self) -> int:
-        return E_GLOBAL
-
-    @property
-    def e_local(self) -> int:
-        return N_LOCAL[self.layout]
-
-    @property
-    def top_k(self) -> int:
-        return TOP_K
-
-    @property
-    def hidden(self) -> int:
-        return HIDDEN
-
-    @property
-    def inter(self) -> int:
-        return INTER[self.layout]
-
-    @property
-    def ep(self) -> bool:
-        return self.layout == "ep8"
-
-    @property
-    def shared(self) -> bool:
-        return True
 
 
 def context_lens(ctx: str, b: int) -> list[int]:
@@ -160,15 +158,19 @@ def context_lens(ctx: str, b: int) -> list[int]:
 
 
 def scenarios(quick: bool = False) -> list[Scenario]:
-    """B × context × KV × rank; the table-3 mixes of B = 32 and 64 (uniform 64x4K is the u4K row)."""
-    ctxs = [(b, c) for b in (QUICK_BATCHES if quick else BATCHES) for c in ("u4K", "logmix")]
-    if not quick:
+    """Decode: B × context × KV × rank, the table-3 mixes of B = 32 and 64 (uniform 64x4K is the u4K row);
+    then prefill: prompt × KV × rank. Quick: B 4 and 64 at u4K, prompts of 2K and 8K."""
+    if quick:
+        ctxs = [(b, "u4K") for b in QUICK_BATCHES]
+    else:
+        ctxs = [(b, c) for b in BATCHES for c in ("u4K", "logmix")]
         for spec in DECODE_SCENARIOS:
             n = len(parse_lengths(spec))
             if n in TABLE3_BATCHES and set(parse_lengths(spec)) != {4096}:
                 ctxs.append((n, spec))
-    kvs = ("fp8",) if quick else ("fp8", "bf16")
-    return [Scenario(b, c, kv, lay) for kv in kvs for lay in ("tp8", "ep8") for b, c in ctxs]
+    ranks = [(kv, lay) for kv in ("fp8", "bf16") for lay in ("tp8", "ep8")]
+    return ([Scenario(b, c, kv, lay) for kv, lay in ranks for b, c in ctxs]
+            + [Scenario(1, "", kv, lay, p) for kv, lay in ranks for p in (QUICK_PROMPTS if quick else PROMPTS)])
 
 
 # ---------------------------------------------------------------------------------------------- inputs
@@ -189,9 +191,10 @@ def cos_sin_cache(max_pos: int, device: str) -> torch.Tensor:
 
 
 def make_inputs(s: Scenario, layer: int, device: str = "cuda") -> dict[str, Any]:
-    """One layer's weights (seeded by `layer`), its paged KV cache holding the context, the new token's
-    position and slot, the residual stream `hidden` [B, H] bf16, and FlashInfer's page metadata."""
-    H, d = HIDDEN, HEAD_DIM
+    """One layer's weights (seeded by `layer`), its paged KV cache (decode: holding the context), the new
+    tokens' positions and slots, the residual stream `hidden` [T, H] bf16 (T = B, or the prompt's tokens),
+    and FlashInfer's page metadata."""
+    H, d, t = HIDDEN, HEAD_DIM, s.t
     lens = s.lens
     kv = make_decode_inputs(lens, HQ, HKV, s.kv == "fp8", seed=layer, device=device)
     g = torch.Generator(device=device).manual_seed(50_000 + layer)
@@ -204,16 +207,19 @@ def make_inputs(s: Scenario, layer: int, device: str = "cuda") -> dict[str, Any]
         emap[: s.e_local] = torch.arange(s.e_local, dtype=torch.int32)
         emap = emap.to(device)
     seq_lens = kv["seq_lens"]
-    pos = (seq_lens - 1).long()
+    if s.prefill:  # the prompt's tokens 0..T-1 of request 0 (its cache holds random values they overwrite)
+        req, pos = torch.zeros(t, dtype=torch.long, device=device), torch.arange(t, device=device)
+    else:  # one new token per request, at the end of its context
+        req, pos = torch.arange(s.b, device=device), (seq_lens - 1).long()
     table = kv["block_table"]
-    slots = table.long().gather(1, (pos // PAGE)[:, None])[:, 0] * PAGE + pos % PAGE
+    slots = table.long()[req, pos // PAGE] * PAGE + pos % PAGE
     nblk = (seq_lens + PAGE - 1) // PAGE
     indptr = torch.zeros(s.b + 1, dtype=torch.int32, device=device)
     indptr[1:] = torch.cumsum(nblk, 0)
     cols = torch.arange(table.shape[1], device=device)[None, :]
     x = {
-        "layer": layer, "b": s.b,
-        "hidden": bf(rn(s.b, H)),
+        "layer": layer, "b": s.b, "prefill": s.prefill,
+        "hidden": bf(rn(t, H)),
         "w_in": bf(1 + 0.1 * rn(H)), "w_post": bf(1 + 0.1 * rn(H)),
         "w_qkv": bf(rn((HQ + 2 * HKV) * d, H, std=H ** -0.5)),
         "q_norm": bf(1 + 0.1 * rn(d)), "k_norm": bf(1 + 0.1 * rn(d)),
@@ -224,19 +230,22 @@ def make_inputs(s: Scenario, layer: int, device: str = "cuda") -> dict[str, Any]
         "k_cache": kv["k_cache"], "v_cache": kv["v_cache"], "packed": kv["packed"],
         "k_scale": kv["k_scale"], "v_scale": kv["v_scale"], "block_table": table, "seq_lens": seq_lens,
         "positions": pos, "slot_mapping": slots, "cos_sin": cos_sin_cache(max(lens), device),
-        "q_out": torch.empty((s.b, HQ, d), dtype=FP8 if s.kv == "fp8" else torch.bfloat16, device=device),
-        "attn_out": torch.empty((s.b, HQ, d), dtype=torch.bfloat16, device=device),
-        "moe_out": torch.empty((s.b, H), dtype=torch.bfloat16, device=device),
+        "q_out": torch.empty((t, HQ, d), dtype=FP8 if s.kv == "fp8" else torch.bfloat16, device=device),
+        "attn_out": torch.empty((t, HQ, d), dtype=torch.bfloat16, device=device),
+        "moe_out": torch.empty((t, H), dtype=torch.bfloat16, device=device),
+        # prefill_attention's query layout: one request of T rows
+        "cu_q": torch.tensor([0, t], dtype=torch.int32, device=device), "max_q": t,
         # FlashInfer's page metadata for the same cache
         "fi_indptr": indptr, "fi_indices": table[cols < nblk[:, None]].contiguous(),
         "fi_last": (seq_lens - (nblk - 1) * PAGE).to(torch.int32),
-        "fi_batch": torch.arange(s.b, dtype=torch.int32, device=device), "fi_pos": pos.to(torch.int32),
+        "fi_batch": req.to(torch.int32), "fi_pos": pos.to(torch.int32),
     }
     return x
 
 
 def nbytes(s: Scenario) -> int:
-    """Minimum traffic of one layer: KV read, dense weights (bf16), the MoE weights the routing touches."""
+    """Minimum traffic of one layer: KV read (prefill: the prompt's, written once), dense weights (bf16), the
+    MoE weights the routing touches and its activations."""
     kv_elem = 1 if s.kv == "fp8" else 2
     kv = sum(s.lens) * HKV * HEAD_DIM * 2 * kv_elem
     dense = 2 * HIDDEN * ((HQ + 2 * HKV) * HEAD_DIM + HQ * HEAD_DIM + 3 * SHARED_INTER) + 4 * HIDDEN * E_GLOBAL
@@ -250,7 +259,7 @@ def _rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def step1_norm_qkv(x: dict[str, Any], hidden: torch.Tensor) -> torch.Tensor:
-    """[B, H] → qkv [B, (Hq + 2 Hkv)·D] bf16."""
+    """[T, H] → qkv [T, (Hq + 2 Hkv)·D] bf16."""
     return _rms(hidden, x["w_in"]) @ x["w_qkv"].t()
 
 
@@ -259,7 +268,7 @@ def step4_oproj_residual(x: dict[str, Any], hidden: torch.Tensor, attn: torch.Te
 
 
 def step5a_router_shared(x: dict[str, Any], h1: torch.Tensor):
-    """→ (h2 [B, H] bf16 MoE input, topk weights fp32, topk ids int32, shared expert output bf16)."""
+    """→ (h2 [T, H] bf16 MoE input, topk weights fp32, topk ids int32, shared expert output bf16)."""
     from hpcops.moe.routing import select_experts
 
     h2 = _rms(h1, x["w_post"])
@@ -282,10 +291,15 @@ def _hp_rope(s: Scenario, x: dict[str, Any], qkv: torch.Tensor):
 
 
 def _hp_attn(x: dict[str, Any], q: torch.Tensor, q_scale, plan) -> torch.Tensor:
+    """`decode_attention` with its plan, or (prefill) `prefill_attention` of the prompt over its own KV."""
     from hpcops.attention.decode import decode_attention
+    from hpcops.attention.prefill import prefill_attention
 
-    return decode_attention(q, x["k_cache"], x["v_cache"], x["block_table"], x["seq_lens"], plan=plan,
-                            k_scale=x["k_scale"], v_scale=x["v_scale"], q_scale=q_scale, out=x["attn_out"])
+    kw = dict(k_scale=x["k_scale"], v_scale=x["v_scale"], q_scale=q_scale, out=x["attn_out"])
+    if x["prefill"]:
+        return prefill_attention(q, x["k_cache"], x["v_cache"], x["block_table"], x["seq_lens"], x["cu_q"],
+                                 max_seqlen_q=x["max_q"], **kw)
+    return decode_attention(q, x["k_cache"], x["v_cache"], x["block_table"], x["seq_lens"], plan=plan, **kw)
 
 
 def _hp_moe(s: Scenario, x: dict[str, Any], h1, h2, tw, ids, shared) -> torch.Tensor:
@@ -299,13 +313,16 @@ def _hp_moe(s: Scenario, x: dict[str, Any], h1, h2, tw, ids, shared) -> torch.Te
 
 
 def plan_for(x: dict[str, Any]):
+    """The decode plan of the step (None at prefill: `prefill_attention` has none)."""
     from hpcops.attention.plan import plan_decode
 
+    if x["prefill"]:
+        return None
     return plan_decode(x["seq_lens"], num_kv_heads=HKV, block_size=PAGE)
 
 
 def hpcops_layer(s: Scenario, x: dict[str, Any], plan, hidden: torch.Tensor, trace: dict | None = None):
-    """The whole hpcops layer: [B, H] bf16 → [B, H] bf16 (`trace` collects the expert choice)."""
+    """The whole hpcops layer: [T, H] bf16 → [T, H] bf16 (`trace` collects the expert choice)."""
     qkv = step1_norm_qkv(x, hidden)
     q, qs = _hp_rope(s, x, qkv)
     attn = _hp_attn(x, q, qs, plan)
@@ -329,11 +346,19 @@ def _flashinfer():
     return flashinfer
 
 
-def _fi_decode_wrapper(x: dict[str, Any]):
-    """FlashInfer's decode wrapper for this layer's cache, planned (host side, outside the graph)."""
+def _fi_wrapper(x: dict[str, Any]):
+    """FlashInfer's decode (or prefill) wrapper for this layer's cache, planned (host side, outside the graph).
+    One float workspace for all layers (they run one after the other), 512 MiB: 128 MiB made FlashInfer's
+    prefill plan fail ("Buffer overflow when allocating memory for batch_prefill_tmp_s", prefill.md)."""
     fi = _flashinfer()
     dev = x["hidden"].device
-    ws = _FI_WORKSPACE.setdefault("ws", torch.empty(256 << 20, dtype=torch.uint8, device=dev))
+    ws = _FI_WORKSPACE.setdefault("ws", torch.empty(512 << 20, dtype=torch.uint8, device=dev))
+    if x["prefill"]:  # bf16 q like attn_out; FA2 over an fp8 cache (see the prefill suite)
+        w = fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=flashinfer_backend(x["attn_out"],
+                                                                                         x["k_cache"]))
+        w.plan(x["cu_q"], x["fi_indptr"], x["fi_indices"], x["fi_last"], HQ, HKV, HEAD_DIM, PAGE, causal=True,
+               q_data_type=torch.bfloat16, kv_data_type=x["k_cache"].dtype)
+        return w
     w = fi.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_cuda_graph=True, use_tensor_cores=True,
                                               paged_kv_indptr_buffer=x["fi_indptr"],
                                               paged_kv_indices_buffer=x["fi_indices"],
@@ -390,9 +415,19 @@ def baseline_layer(s: Scenario, x: dict[str, Any], wrapper, experts, hidden, tra
 
 # ---------------------------------------------------------------------------------------------- the gate
 
-def reference_layer(s: Scenario, x: dict[str, Any], n: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fp32 torch reference of rows [0, n) of the layer, with the expert choice `ids` [n, k] of the side
-    it checks → (output fp32 [n, H], the reference's own top-k ids). Writes the new K/V of those rows."""
+def check_rows(s: Scenario) -> list[int]:
+    """The token rows the gate checks: decode, the first CHECK_B requests; prefill, CHECK_B tokens spread over
+    the prompt from the first to the last (which attends to all of it)."""
+    if s.prefill:
+        return sorted({round(i * (s.t - 1) / (CHECK_B - 1)) for i in range(CHECK_B)})
+    return list(range(min(CHECK_B, s.b)))
+
+
+def reference_layer(s: Scenario, x: dict[str, Any], rows: list[int], ids: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 torch reference of token rows `rows` of the layer (n of them), with the expert choice `ids`
+    [n, k] of the side it checks → (output fp32 [n, H], the reference's own top-k ids). Writes the new K/V of
+    those rows (prefill: of the prompt up to the last of them, which they attend to)."""
     from hpcops.attention.reference import decode_attention
     from hpcops.moe.reference import fused_moe
     from hpcops.moe.reference import select_experts as ref_select
@@ -400,16 +435,22 @@ def reference_layer(s: Scenario, x: dict[str, Any], n: int, ids: torch.Tensor) -
 
     f = lambda t: t.float()
     rms = lambda v, w: torch.nn.functional.rms_norm(v, (v.shape[-1],), f(w), EPS)
-    hidden = f(x["hidden"][:n])
-    qkv = rms(hidden, x["w_in"]) @ f(x["w_qkv"]).t()
+    n, dev = len(rows), x["hidden"].device
+    idx = torch.tensor(rows, device=dev)
+    kv_rows = torch.arange(max(rows) + 1, device=dev) if x["prefill"] else idx
+    qkv = rms(f(x["hidden"][kv_rows]), x["w_in"]) @ f(x["w_qkv"]).t()
     fp8 = s.kv == "fp8"
-    q, _ = rope_norm_store_kv(qkv, x["positions"][:n], x["cos_sin"], x["k_cache"], x["v_cache"],
-                              x["slot_mapping"][:n], num_q_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM,
+    q, _ = rope_norm_store_kv(qkv, x["positions"][kv_rows], x["cos_sin"], x["k_cache"], x["v_cache"],
+                              x["slot_mapping"][kv_rows], num_q_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM,
                               q_norm_weight=x["q_norm"], k_norm_weight=x["k_norm"], eps=EPS, order="norm_rope",
                               style="neox", k_scale=x["k_scale"] if fp8 else None,
                               v_scale=x["v_scale"] if fp8 else None)
-    attn = decode_attention(q, x["k_cache"], x["v_cache"], x["block_table"][:n], x["seq_lens"][:n],
-                            k_scale=x["k_scale"], v_scale=x["v_scale"])
+    if x["prefill"]:
+        q = q[idx]
+    # each checked token as a request of one query over its keys [0, position]: causal attention
+    attn = decode_attention(q, x["k_cache"], x["v_cache"], x["block_table"][x["fi_batch"][idx].long()],
+                            (x["positions"][idx] + 1).to(torch.int32), k_scale=x["k_scale"], v_scale=x["v_scale"])
+    hidden = f(x["hidden"][idx])
     h1 = hidden + attn.float().reshape(n, -1) @ f(x["w_o"]).t()
     h2 = rms(h1, x["w_post"])
     logits = h2 @ x["w_router"].float().t()
@@ -423,16 +464,17 @@ def reference_layer(s: Scenario, x: dict[str, Any], n: int, ids: torch.Tensor) -
 
 
 def assert_layer_matches(s: Scenario, x: dict[str, Any], got: torch.Tensor, ids: torch.Tensor, name: str) -> None:
-    """`got` [B, H]: its first CHECK_B rows against the fp32 reference (the layer's update `out - hidden`)."""
+    """`got` [T, H]: its `check_rows` against the fp32 reference (the layer's update `out - hidden`)."""
     from hpcops.testing import assert_close
 
-    n = min(CHECK_B, s.b)
-    want, own = reference_layer(s, x, n, ids[:n])
-    agree = sum(len(set(a) & set(b)) for a, b in zip(own.tolist(), ids[:n].tolist())) / (n * TOP_K)
+    rows = check_rows(s)
+    idx = torch.tensor(rows, device=got.device)
+    want, own = reference_layer(s, x, rows, ids[idx])
+    agree = sum(len(set(a) & set(b)) for a, b in zip(own.tolist(), ids[idx].tolist())) / (len(rows) * TOP_K)
     if agree < 0.75:
         raise AssertionError(f"{name}: only {agree:.0%} of the expert choices agree with the fp32 router")
-    base = x["hidden"][:n].float()
-    dw, dg = (want - base).double(), (got[:n].float() - base).double()
+    base = x["hidden"][idx].float()
+    dw, dg = (want - base).double(), (got[idx].float() - base).double()
     cos = torch.nn.functional.cosine_similarity(dw.flatten(), dg.flatten(), dim=0).item()
     if not cos > 0.995:
         raise AssertionError(f"{name}: cosine similarity {cos:.5f} of the layer update to the reference")
@@ -484,7 +526,7 @@ def impl_plan(x):
 
 def impl_baseline_rest(s: Scenario):
     def prepare(x):
-        wrapper, experts = _fi_decode_wrapper(x), _bl_experts(s, x)
+        wrapper, experts = _fi_wrapper(x), _bl_experts(s, x)
         trace: dict[str, Any] = {}
         got = baseline_layer(s, x, wrapper, experts, x["hidden"], trace)  # eager, vLLM's stand-ins included
         if x["layer"] == 0:
@@ -521,7 +563,7 @@ def impl_component(s: Scenario, step: str):
         if step == "baseline:2-rope-kv":
             return lambda: _bl_rope(s, x, m["qkv"])
         if step == "baseline:3-attention":
-            wrapper = _fi_decode_wrapper(x)
+            wrapper = _fi_wrapper(x)
             qb = _bl_rope(s, x, m["qkv"])
             return lambda: _bl_attn(s, x, wrapper, qb)
         if step == "baseline:5c-combine":
@@ -536,25 +578,38 @@ COMPONENTS = ("shared:1-norm-qkv", "hpcops:2-rope-kv", "baseline:2-rope-kv", "hp
               "baseline:5c-combine")
 
 
+PREFILL_MIN_LAYERS = 2  # a prefill layer's MoE weights alone exceed L2 (≥ 450 MB): two layers are L2-cold
+
+
 def case_for(s: Scenario) -> Case:
-    params = {"B": s.b, "ctx": s.ctx, "kv": s.kv, "layout": s.layout, "hq": HQ, "hkv": HKV, "d": HEAD_DIM,
-              "H": HIDDEN, "E_global": E_GLOBAL, "E_local": s.e_local, "I": s.inter, "shared_I": SHARED_INTER,
-              "top_k": TOP_K, "moe_quant": s.kind, "model_layers": MODEL_LAYERS, "kv_tokens": sum(s.lens)}
+    """One scenario's rows. Prefill: no plan row, and as few layers per graph as keep L2 cold (`layers_for`
+    from the layer's bytes, at least PREFILL_MIN_LAYERS) instead of the default minimum of 8: at 32K tokens
+    a layer's inputs and intermediates take GBs and tens of ms."""
+    params = {"phase": "prefill" if s.prefill else "decode", "B": s.b, "T": s.t, "ctx": s.ctx, "prompt": s.prompt,
+              "kv": s.kv, "layout": s.layout, "hq": HQ, "hkv": HKV, "d": HEAD_DIM, "H": HIDDEN,
+              "E_global": E_GLOBAL, "E_local": s.e_local, "I": s.inter, "shared_I": SHARED_INTER, "top_k": TOP_K,
+              "moe_quant": s.kind, "model_layers": MODEL_LAYERS, "kv_tokens": sum(s.lens)}
+    attn = "prefill (BatchPrefillWithPagedKVCacheWrapper)" if s.prefill else "decode"
     impls = [Impl("hpcops", impl_hpcops(s), ours=True, note="whole layer, one graph"),
-             Impl("hpcops-plan", impl_plan, ours=True, per_step=True),
+             *([] if s.prefill else [Impl("hpcops-plan", impl_plan, ours=True, per_step=True)]),
              Impl("baseline-rest", impl_baseline_rest(s),
-                  note="baseline layer without vLLM's routed experts (graph); FlashInfer rope/append/decode"),
+                  note=f"baseline layer without vLLM's routed experts (graph); FlashInfer rope/append/{attn}"),
              Impl("baseline-moe-kernels", impl_baseline_moe_kernels(s), timing="kernels",
                   kernel_filter=common.VLLM_KERNEL, note=common.VLLM_NOTE),
              *[Impl(c, impl_component(s, c), note="component") for c in COMPONENTS]]
+    nb = nbytes(s)
     return Case(suite="layer", name=s.name, make_inputs=lambda layer, device="cuda", s=s: make_inputs(s, layer, device),
-                impls=impls, check=check(s), bytes=nbytes(s), params=params,
+                impls=impls, check=check(s), bytes=nb, params=params,
+                layers=layers_for(nb, minimum=PREFILL_MIN_LAYERS) if s.prefill else None,
                 command=f"hpcops bench layer --only {s.name}")
 
 
 def cases(opts: dict[str, Any]) -> Iterator[Case]:
     for s in scenarios(bool(opts.get("quick"))):
-        yield case_for(s)
+        c = case_for(s)
+        if opts.get("layers"):  # `--layers` wins over the prefill rows' own count
+            c.layers = None
+        yield c
 
 
 def finish(result, out_dir):
