@@ -49,23 +49,6 @@ def num_sms(device: torch.device | str | None = None) -> int:
     return DEFAULT_NUM_SMS
 
 
-@functools.cache
-def _cuda_capability(index: int) -> tuple[int, int]:
-    import torch
-
-    return torch.cuda.get_device_capability(index)
-
-
-def supports_pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch (griddepcontrol) is available: a CUDA device of compute
-    capability 9.0 or newer, not the interpreter."""
-    if device.type != "cuda" or is_interpreter():
-        return False
-    import torch
-
-    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
-
-
 def device_name(device: torch.device | str | None = None) -> str:
     import torch
 

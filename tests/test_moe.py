@@ -151,7 +151,6 @@ class Case:
     block_n: int | None = None  # force the gate-up N tile (fp8_block: 128 quantizes in the epilogue)
     swap: bool | None = None  # force config.swap_ab
     naive: bool | None = None  # force one task per pair (True) or the index (False)
-    pdl: bool = False  # config.pdl (programmatic dependent launch on sm90+; ignored by the interpreter)
 
     @property
     def id(self) -> str:
@@ -172,8 +171,6 @@ class Case:
             s += f"-swap{int(self.swap)}"
         if self.naive is not None:
             s += "-naive" if self.naive else "-indexed"
-        if self.pdl:
-            s += "-pdl"
         return s
 
 
@@ -199,8 +196,6 @@ CASES = [
     Case(9, k=2, small_max=0),
     Case(3, quant="fp8_block", shared=True, block_n=64),  # 16-bit act + group amax, quantized by the down GEMM
     Case(6, k=3, quant="fp8_block", inter=256, H=200, ep=True, E=8, block_n=32),
-    Case(7, quant="fp8_tensor", prequant=True, shared=True, pdl=True),  # the gate-up prefetches before its wait
-    Case(20, k=2, small_max=0, ep=True, E=8, pdl=True),
 ]
 
 
@@ -249,7 +244,6 @@ def run_case(case: Case, device: str):
         cfg = cfg.with_(swap_ab=case.swap)
     if case.naive is not None:
         cfg = cfg.with_(naive_max_pairs=1 << 30 if case.naive else 0)
-    cfg = cfg.with_(pdl=case.pdl)
     out = nan_like(torch.empty(case.T, case.H, dtype=case.dtype, device=device)) if case.use_out else None
     got = fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap, shared_output=shared,
                     out=out, config=cfg)
@@ -556,47 +550,6 @@ def test_gpu_cuda_graph_replay(kind, T):
         torch.cuda.synchronize()
         eager = fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap)
         assert torch.equal(out, eager) or assert_close(eager, out) is None
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("static", [True, False], ids=["static-act", "dynamic-act"])
-@pytest.mark.parametrize("kind,shape,naive", [
-    ("fp8_tensor", "tp8", True), ("fp8_tensor", "tp8", False), ("fp8_tensor", "ep8", False),
-    ("none", "tp8", True), ("none", "ep8", False), ("fp8_block", "ep8", False)])
-@pytest.mark.parametrize("T", [4, 64, 2048])
-def test_gpu_pdl_chain(T, kind, shape, naive, static):
-    """Programmatic dependent launch (config.pdl) computes exactly what the plain launches compute, eagerly
-    and replayed from a CUDA graph with new routing, on every path: behind the x-quant pass (prefetch before
-    the wait) or not, naive tasks or the index, EP with remote pairs, static or dynamic activation scales."""
-    if not static and kind != "fp8_tensor":
-        pytest.skip("activation scales are a per-tensor fp8 matter")
-    inter, n_local = (192, None) if shape == "tp8" else (1536, 24)
-    E, k, H = HY3["E"], HY3["k"], HY3["H"]
-    wts = make_weights(n_local or E, H, inter, kind, device="cuda", static=static)
-    tw, ids = make_routing(T, k, E, "cuda", seed=3)
-    emap = make_expert_map(E, list(range(n_local)), "cuda") if n_local else None
-    x = torch.randn(T, H, device="cuda").bfloat16()
-    shared = torch.randn_like(x)
-    cfg = get_config(num_tokens=T, inter=inter, quant=kind, num_local_experts=n_local, **HY3_CFG)
-    cfg = cfg.with_(naive_max_pairs=1 << 30 if naive else 0)
-    args = dict(quant=wts.quant, expert_map=emap, shared_output=shared)
-    plain = fused_moe(x, wts.w13, wts.w2, tw, ids, config=cfg.with_(pdl=False), out=nan_like(x), **args)
-    chained = fused_moe(x, wts.w13, wts.w2, tw, ids, config=cfg.with_(pdl=True), out=nan_like(x), **args)
-    assert torch.equal(plain, chained)
-    ref = R.fused_moe(x, wts.w13, wts.w2, tw, ids, **args)
-    assert_close(ref, chained, **({} if kind == "none" else {"maxtol": 4e-2, "rmstol": 1.5e-2}))
-
-    out = nan_like(x)
-    graph, _ = capture_graph(lambda: fused_moe(x, wts.w13, wts.w2, tw, ids, config=cfg.with_(pdl=True), out=out,
-                                               **args))
-    for seed in (5, 6):
-        tw2, ids2 = make_routing(T, k, E, "cuda", seed=seed)
-        tw.copy_(tw2)
-        ids.copy_(ids2)
-        x.copy_(torch.randn_like(x))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, fused_moe(x, wts.w13, wts.w2, tw, ids, config=cfg.with_(pdl=False), **args))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -27,11 +27,8 @@ KERNELS = {n: getattr(K, n) for n in dir(K) if n.startswith("moe_") and n.endswi
 
 def _record(monkeypatch) -> list[dict]:
     from hpcops.moe import fused_moe as F
-    from hpcops.moe import schemes as S
 
     monkeypatch.setattr(F, "is_interpreter", lambda: False)  # record the GPU launches (PDL included)
-    monkeypatch.setattr(F, "supports_pdl", lambda device: True)
-    monkeypatch.setattr(S, "supports_pdl", lambda device: True)
     with recorded_launches(K) as calls:
         _launch_all()
     unique = {json.dumps(dict(describe_launch(KERNELS[n], args, kw), kernel=n), sort_keys=True)
@@ -68,9 +65,8 @@ def _launch_all() -> None:
                 if kind == "fp8_block" and T_cfg == 4:  # narrow N tiles: the down GEMM quantizes act groups
                     cfg = cfg.with_(block_n=64)
                 emap = torch.zeros(192, dtype=torch.int32) if inter == 1536 else None
-                for pdl in (False, True) if T_cfg in (4, 512) else (False,):  # the chained launches too
-                    fused_moe(x, w13, w2, tw, ids, quant=quant, expert_map=emap,
-                              shared_output=torch.zeros_like(x), config=cfg.with_(pdl=pdl))
+                fused_moe(x, w13, w2, tw, ids, quant=quant, expert_map=emap, shared_output=torch.zeros_like(x),
+                          config=cfg)
 
 
 _COMPILER = r"""

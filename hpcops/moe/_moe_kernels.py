@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from hpcops.moe.codes import ActMode, QuantCode, XMode
 
@@ -42,19 +41,6 @@ def _local_expert(ids_ptr, map_ptr, offs, mask, E_GLOBAL, E_LOCAL, HAS_MAP: tl.c
     ok = ok & (e >= 0) & (e < E_LOCAL)
     e = tl.where(ok, e, E_LOCAL)
     return e, ok
-
-
-@triton.jit
-def _prefetch_rows_l2(row_ptrs, row_len, PF_N: tl.constexpr, PF_STEP: tl.constexpr):
-    """Pull the first PF_N 128-byte lines of each row (row_len elements, PF_STEP elements a line) into L2.
-
-    Issued before `gdc_wait` by a kernel launched with programmatic dependent launch: its weight tile
-    streams in while the kernel before it finishes. Offsets are clamped into the row (no stray address).
-    """
-    off = tl.minimum(tl.arange(0, PF_N) * PF_STEP, row_len - 1)
-    ptrs = row_ptrs[:, None] + off[None, :]
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
 
 
 @triton.jit
@@ -177,13 +163,10 @@ def moe_index_scatter_kernel(ids_ptr, map_ptr, base_ptr, sorted_ptr, pos_ptr, N,
 
 @triton.jit
 def moe_quant_x_kernel(x_ptr, q_ptr, s_ptr, in_scale_ptr, H, stride_x, stride_q, stride_s,
-                       MODE: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
+                       MODE: tl.constexpr, BLOCK_H: tl.constexpr):
     """fp8 x, one program per token. MODE (`XMode`): STATIC, the scale in_scale; PER_TOKEN,
-    s[t] = max|x[t]| / 448; PER_TOKEN_GROUP, per token and group of 128, s[t, g].
-    PDL: the gate-up GEMM after it is launched early (programmatic dependent launch)."""
+    s[t] = max|x[t]| / 448; PER_TOKEN_GROUP, per token and group of 128, s[t, g]."""
     t = tl.program_id(0).to(tl.int64)
-    if PDL:
-        gdc_launch_dependents()
     if MODE == X_PER_TOKEN_GROUP:
         cols = tl.arange(0, 128)
         for g in range(0, tl.cdiv(H, 128)):
@@ -217,8 +200,7 @@ def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets
                        QUANT: tl.constexpr, X_FP8: tl.constexpr, ACT_OUT: tl.constexpr,
                        ACT_DT: tl.constexpr, BF16_MUL: tl.constexpr,
                        NAIVE: tl.constexpr, HAS_MAP: tl.constexpr, SWAP_AB: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       PDL: tl.constexpr = False, PF_N: tl.constexpr = 0, PF_STEP: tl.constexpr = 128):
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """act[r, n] = silu(x[tok(r)]·w13[e, n]) · (x[tok(r)]·w13[e, I+n]) for one (M tile, N tile) task.
 
     One weight tile of 2·BLOCK_N rows (the gate rows n0.., then the matching up rows I+n0..) and one dot per
@@ -229,29 +211,10 @@ def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets
     loading (FP8_TENSOR: the static a13 scale; FP8_BLOCK: dynamic per row and 128-group). ACT_OUT
     (`ActMode`, see codes.py): WIDE_ROW_AMAX and WIDE_GROUP_AMAX also atomic-max the amax of each row
     (or row and 128-group); FP8_GROUP needs BLOCK_N = 128, WIDE_GROUP_AMAX BLOCK_N < 128.
-    PDL (launched with programmatic dependent launch): everything the previous kernel wrote is read after
-    `gdc_wait`. PF_N > 0 (only when the previous kernel is the x-quant pass, so the task tables are older
-    than it): first decode the task and prefetch PF_N lines of each weight row into L2, then wait.
     """
-    if PDL:
-        if PF_N == 0:
-            gdc_wait()
     n_tiles = tl.cdiv(I, BLOCK_N)
     e, rows, rmask, pid_n = _task_rows(tl.program_id(0), n_tiles, tasks_ptr, offsets_ptr, ids_ptr, map_ptr, CAP,
                                        E_GLOBAL, E_LOCAL, HAS_MAP, NAIVE, BLOCK_M)
-    n0 = pid_n * BLOCK_N
-    # [2·BLOCK_N] weight rows: gate rows n0 + j, then up rows I + n0 + j
-    wr = tl.arange(0, 2 * BLOCK_N)
-    wn = n0 + wr % BLOCK_N
-    wmask = wn < I
-    wrow = wn + (wr // BLOCK_N) * I
-    if PDL:
-        if PF_N > 0:
-            if e >= 0:
-                _prefetch_rows_l2(w_ptr + e.to(tl.int64) * stride_we + tl.where(wmask, wrow, 0).to(tl.int64)
-                                  * stride_wn, H, PF_N, PF_STEP)
-            gdc_wait()
-        gdc_launch_dependents()
     if e < 0:
         return
     if NAIVE:
@@ -259,8 +222,14 @@ def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets
     else:
         pair = tl.load(sorted_ptr + rows, mask=rmask, other=0)
     tok = (pair // TOP_K).to(tl.int64)
+    n0 = pid_n * BLOCK_N
     cols = n0 + tl.arange(0, BLOCK_N)
     cmask = cols < I
+    # [2·BLOCK_N] weight rows: gate rows n0 + j, then up rows I + n0 + j
+    wr = tl.arange(0, 2 * BLOCK_N)
+    wn = n0 + wr % BLOCK_N
+    wmask = wn < I
+    wrow = wn + (wr // BLOCK_N) * I
     offs_k = tl.arange(0, BLOCK_K)
     e64 = e.to(tl.int64)
     x_rows = x_ptr + tok[:, None] * stride_xt
@@ -355,32 +324,21 @@ def moe_down_kernel(act_ptr, act_s_ptr, a2_ptr, rowmax_ptr, w_ptr, ws_ptr, tasks
                     stride_y,
                     QUANT: tl.constexpr, ACT_IN: tl.constexpr,
                     NAIVE: tl.constexpr, HAS_MAP: tl.constexpr, SWAP_AB: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    PDL: tl.constexpr = False, PF_N: tl.constexpr = 0, PF_STEP: tl.constexpr = 128):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """y[r, n] = act[r]·w2[e, n] for one (M tile, N tile) task, rows as the gate-up wrote them.
 
     ACT_IN (`ActMode`, as the gate-up wrote it): the WIDE_*_AMAX modes are quantized here, per row from
     the row amax (FP8_TENSOR) or per row and 128-group from the group amax (FP8_BLOCK).
-    PDL (launched with programmatic dependent launch right after the gate-up): the task tables and
-    topk_ids are older than the gate-up, so the task is decoded and PF_N lines of each weight row are
-    prefetched into L2 while the gate-up finishes; the gate-up's output is read after `gdc_wait`.
     """
     n_tiles = tl.cdiv(H, BLOCK_N)
     e, rows, rmask, pid_n = _task_rows(tl.program_id(0), n_tiles, tasks_ptr, offsets_ptr, ids_ptr, map_ptr, CAP,
                                        E_GLOBAL, E_LOCAL, HAS_MAP, NAIVE, BLOCK_M)
-    n0 = pid_n * BLOCK_N
-    cols = n0 + tl.arange(0, BLOCK_N)
-    cmask = cols < H
-    if PDL:
-        if PF_N > 0:
-            if e >= 0:
-                _prefetch_rows_l2(w_ptr + e.to(tl.int64) * stride_we + tl.where(cmask, cols, 0).to(tl.int64)
-                                  * stride_wn, I, PF_N, PF_STEP)
-        gdc_wait()
-        gdc_launch_dependents()
     if e < 0:
         return
     rows64 = rows.to(tl.int64)
+    n0 = pid_n * BLOCK_N
+    cols = n0 + tl.arange(0, BLOCK_N)
+    cmask = cols < H
     offs_k = tl.arange(0, BLOCK_K)
     e64 = e.to(tl.int64)
     a_rows = act_ptr + rows64[:, None] * stride_act
@@ -432,12 +390,9 @@ def moe_down_kernel(act_ptr, act_s_ptr, a2_ptr, rowmax_ptr, w_ptr, ws_ptr, tasks
 def moe_reduce_kernel(y_ptr, pos_ptr, ids_ptr, map_ptr, tw_ptr, shared_ptr, out_ptr, H, E_GLOBAL, E_LOCAL,
                       stride_y, stride_tw, stride_sh, stride_out,
                       TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, NAIVE: tl.constexpr, HAS_MAP: tl.constexpr,
-                      BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
+                      BLOCK_H: tl.constexpr):
     """out[t] = Σ_j topk_weights[t, j] · y[pos[t, j]] (+ shared_output[t]), in fp32; pos −1 skipped.
-    NAIVE: y rows are pairs (pos = t·k + j), skipped where the pair's expert is remote or out of range.
-    PDL: launched early behind the down GEMM; waits for it before reading anything."""
-    if PDL:
-        gdc_wait()
+    NAIVE: y rows are pairs (pos = t·k + j), skipped where the pair's expert is remote or out of range."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     cmask = cols < H

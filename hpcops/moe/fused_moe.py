@@ -19,7 +19,7 @@ from hpcops._checks import (
     values_checkable,
 )
 from hpcops._library import register
-from hpcops._platform import is_interpreter, supports_pdl
+from hpcops._platform import is_interpreter
 from hpcops.moe import _moe_kernels as K
 from hpcops.moe.configs import ACT_MUL_MODES, MoeConfig, get_config
 from hpcops.moe.routing import build_moe_index
@@ -27,17 +27,6 @@ from hpcops.moe.schemes import Scheme, scheme_for, scheme_named
 from hpcops.quant import Fp8Block128, Fp8PerTensor
 
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-# With programmatic dependent launch, the 128-byte lines of each weight row a GEMM program prefetches
-# into L2 before it waits for the kernel ahead: the gate-up's first K steps; the down GEMM's whole row
-# up to 2 KiB.
-_PF_LINES_GATE_UP = 8
-_PF_LINES_DOWN = 16
-
-
-def _prefetch_lines(row_len: int, elem_bytes: int, cap: int) -> tuple[int, int]:
-    """(lines as a power of two, elements per 128-byte line) for a row of `row_len` elements."""
-    step = 128 // elem_bytes
-    return min(cap, triton.next_power_of_2(triton.cdiv(row_len, step))), step
 
 
 @functools.cache
@@ -165,12 +154,6 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     a = scheme.gate_up_input(x, x_scale, cfg, dummy)
     act = scheme.activation(T * k, inter, out_dt, cfg, dummy)
     ws = scheme.weight_scales(E, dummy)
-    pdl = cfg.pdl and supports_pdl(x.device)
-    # the gate-up decodes its task and prefetches before it waits only behind the x-quant pass (the task
-    # tables and topk_ids are older than the kernel ahead of it); otherwise it waits first
-    gu_pf = _prefetch_lines(H, w13.element_size(), _PF_LINES_GATE_UP) if pdl and a.x is not x else (0, 128)
-    dn_pf = _prefetch_lines(inter, w2.element_size(), _PF_LINES_DOWN) if pdl else (0, 128)
-    launch = {"launch_pdl": True} if pdl else {}
 
     K.moe_gate_up_kernel[(n_tasks * triton.cdiv(inter, cfg.block_n),)](
         a.x, a.scale, w13, ws.w13, a.a13, tasks, offsets, sorted_pair, topk_ids, emap,
@@ -182,7 +165,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         QUANT=int(scheme.code), X_FP8=a.fp8, ACT_OUT=int(act.mode), ACT_DT=_TL_DTYPE[out_dt],
         BF16_MUL=cfg.act_mul == "bf16", SWAP_AB=cfg.swap_ab, **routing,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        PDL=pdl, PF_N=gu_pf[0], PF_STEP=gu_pf[1], num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     y = torch.empty((T * k, H), dtype=out_dt, device=x.device)
     K.moe_down_kernel[(n_tasks * triton.cdiv(H, cfg.down_block_n),)](
@@ -192,15 +175,14 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         y.stride(0),
         QUANT=int(scheme.code), ACT_IN=int(act.mode), SWAP_AB=cfg.swap_ab, **routing,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
-        PDL=pdl, PF_N=dn_pf[0], PF_STEP=dn_pf[1], num_warps=cfg.down_num_warps, num_stages=cfg.down_num_stages,
-        **launch)
+        num_warps=cfg.down_num_warps, num_stages=cfg.down_num_stages)
 
     sh = shared_output if shared_output is not None else out
     bh = min(cfg.reduce_block_h, triton.next_power_of_2(H))
     K.moe_reduce_kernel[(T, triton.cdiv(H, bh))](
         y, pair_pos, topk_ids, emap, topk_weights, sh, out, H, n_global, E,
         y.stride(0), topk_weights.stride(0), sh.stride(0), out.stride(0),
-        TOP_K=k, HAS_SHARED=shared_output is not None, **routing, BLOCK_H=bh, PDL=pdl, num_warps=4, **launch)
+        TOP_K=k, HAS_SHARED=shared_output is not None, **routing, BLOCK_H=bh, num_warps=4)
     return out
 
 

@@ -16,7 +16,6 @@ import torch
 import triton
 
 from hpcops._checks import FP8_E4M3, check_tensor
-from hpcops._platform import supports_pdl
 from hpcops.moe import _moe_kernels as K
 from hpcops.moe.codes import ActMode, QuantCode, XMode
 from hpcops.moe.configs import MoeConfig
@@ -98,20 +97,19 @@ class Scheme:
         raise NotImplementedError
 
 
-def _quantize_x(x: torch.Tensor, mode: XMode, scale: torch.Tensor | None, dummy, cfg: MoeConfig) -> GateUpInput:
+def _quantize_x(x: torch.Tensor, mode: XMode, scale: torch.Tensor | None, dummy) -> GateUpInput:
     """A separate pass that quantizes x to fp8 (`moe_quant_x_kernel`): per tensor with a static `scale`,
-    or dynamic per token / per token and 128-group. With `cfg.pdl` it lets the gate-up launch early."""
+    or dynamic per token / per token and 128-group."""
     T, H = x.shape
-    pdl = cfg.pdl and supports_pdl(x.device)
     xq = torch.empty((T, H), dtype=FP8_E4M3, device=x.device)
     if mode == XMode.PER_TOKEN_GROUP:
         s = torch.empty((T, triton.cdiv(H, 128)), dtype=torch.float32, device=x.device)
         K.moe_quant_x_kernel[(T,)](x, xq, s, s, H, x.stride(0), xq.stride(0), s.stride(0), MODE=int(mode),
-                                   BLOCK_H=128, PDL=pdl, num_warps=4)
+                                   BLOCK_H=128, num_warps=4)
         return GateUpInput(xq, s, s.stride(0), 1, dummy)
     s = scale if mode == XMode.STATIC else torch.empty(T, dtype=torch.float32, device=x.device)
     K.moe_quant_x_kernel[(T,)](x, xq, s, s, H, x.stride(0), xq.stride(0), 1, MODE=int(mode),
-                               BLOCK_H=triton.next_power_of_2(H), PDL=pdl, num_warps=8 if H >= 4096 else 4)
+                               BLOCK_H=triton.next_power_of_2(H), num_warps=8 if H >= 4096 else 4)
     return GateUpInput(xq, s, 0 if mode == XMode.STATIC else 1, 0, dummy)
 
 
@@ -172,7 +170,7 @@ class Fp8Tensor(Scheme):
         if a13 is not None and not cfg.prequant_x:
             return GateUpInput(x, dummy, 0, 0, a13)  # quantized while loading the gate-up A tiles
         # dynamic per token (a full-row amax is needed before the K loop), or prequant_x
-        return _quantize_x(x, XMode.STATIC if a13 is not None else XMode.PER_TOKEN, a13, dummy, cfg)
+        return _quantize_x(x, XMode.STATIC if a13 is not None else XMode.PER_TOKEN, a13, dummy)
 
     def activation(self, n, inter, act_dt, cfg, dummy):
         dev = dummy.device
@@ -230,7 +228,7 @@ class Fp8Block(Scheme):
         if x.dtype == FP8_E4M3:
             return GateUpInput(x, x_scale, x_scale.stride(0), 1, dummy)
         if cfg.prequant_x:
-            return _quantize_x(x, XMode.PER_TOKEN_GROUP, None, dummy, cfg)
+            return _quantize_x(x, XMode.PER_TOKEN_GROUP, None, dummy)
         return GateUpInput(x, dummy, 0, 0, dummy)  # quantized per row and 128-group while loading
 
     def activation(self, n, inter, act_dt, cfg, dummy):
