@@ -39,12 +39,13 @@ def test_scenarios_cover_the_issue():
                                                      for kv in ("fp8", "bf16") for lay in ("tp8", "ep8"))
     s = next(s for s in prefill if s.name == "prefill-32K-fp8-ep8")
     assert (s.b, s.t, s.lens, s.e_local, s.inter, s.kind) == (1, 32768, [32768], 24, 1536, "fp8_tensor")
-    # quick: decode B 4 and 64 at u4K, both KV dtypes and ranks; prefill 2K and 8K
+    # quick: decode B 4 and 64 at u4K, both KV dtypes and ranks; prefill 2K and 8K, both KV dtypes, TP8
     quick = suite.scenarios(quick=True)
     assert [s.name for s in quick if not s.prefill] == [f"B{b}-u4K-{kv}-{lay}" for kv in ("fp8", "bf16")
                                                         for lay in ("tp8", "ep8") for b in (4, 64)]
-    assert {s.prompt for s in quick if s.prefill} == {2048, 8192}
-    assert len(quick) == 16
+    assert [s.name for s in quick if s.prefill] == [f"prefill-{k}K-{kv}-tp8" for kv in ("fp8", "bf16")
+                                                    for k in (2, 8)]
+    assert len(quick) == 12
     s = next(s for s in full if s.name == "B64-32x0.125K+32x4K-bf16-ep8")
     assert (s.e_local, s.inter, s.kind, s.ep) == (24, 1536, "none", True)
     s = next(s for s in full if s.name == "B1-u4K-fp8-tp8")
@@ -80,7 +81,9 @@ def test_case_rows_and_timing():
     assert (p.params["phase"], p.params["T"], p.params["B"]) == ("prefill", 32768, 1)
     assert p.command == "hpcops bench layer --only prefill-32K-bf16-ep8"
     assert next(suite.cases({"quick": True, "layers": 3})).layers is None  # --layers wins
-    assert all(c.layers in (None, 2) for c in suite.cases({"quick": True}))
+    quick = list(suite.cases({"quick": True}))
+    assert [c.layers for c in quick if c.params["phase"] == "prefill"] == [2] * 4
+    assert all(c.layers is None for c in quick if c.params["phase"] == "decode")
 
 
 def test_check_rows():
