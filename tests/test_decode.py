@@ -48,19 +48,21 @@ def test_plan_matches_reference(seed, device):
     assert max(sum(n for p, *_, n, _ in tasks if p == i) for i in range(active)) <= bucket
 
 
-@pytest.mark.parametrize("launch", [dict(block_c=16, num_warps=1), dict(block_c=32, num_warps=2, max_block_b=16),
-                                    dict(block_c=64, max_block_b=1024), dict(block_c=128, num_warps=8, max_block_b=64)],
+@pytest.mark.parametrize("launch", [dict(plan_block_c=16, plan_warps=1),
+                                    dict(plan_block_c=32, plan_warps=2, plan_block_b=16),
+                                    dict(plan_block_c=64, plan_block_b=1024),
+                                    dict(plan_block_c=256, plan_warps=8, plan_block_b=64)],
                          ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
 @pytest.mark.parametrize("b", [1, 17, 64, 300])
 def test_plan_launch_knobs_same_tables(launch, b, device):
     """Every plan launch choice (one pass or looped blocks, any programs per plan program) builds the
     reference's tables, descriptors included."""
-    from hpcops.attention import plan as plan_mod
+    from hpcops.attention import decode as dec
 
     rng = random.Random(b)
     lens = [rng.choice([0, 1, 64, 65, rng.randint(1, 3000)]) for _ in range(b)]
     sl = torch.tensor(lens, dtype=torch.int32, device=device)
-    old = plan_mod.set_plan_launch(**launch)
+    old = dec.set_decode_config(**launch)
     try:
         for hkv, c, mt in ((1, 132, 2), (8, 37, 1)):
             got = hpcops.plan_decode(sl, num_kv_heads=hkv, num_programs=c, min_tiles=mt)
@@ -68,15 +70,18 @@ def test_plan_launch_knobs_same_tables(launch, b, device):
             assert _tables(got) == _tables(want)
             assert any(m[0] >= 0 for m in want.host_tables()["merge_desc"]) or hkv * len(lens) >= c
     finally:
-        plan_mod.set_plan_launch(**old.__dict__)
+        dec.set_decode_config(**old.__dict__)
 
 
-def test_plan_launch_knob_errors():
-    from hpcops.attention import plan as plan_mod
+def test_plan_launch_knob_errors(device):
+    from hpcops.attention import decode as dec
 
-    with pytest.raises(ValueError, match="block_c"):
-        plan_mod.set_plan_launch(block_c=48)
-    assert plan_mod.plan_launch().block_c == 128
+    old = dec.set_decode_config(plan_block_c=48)
+    try:
+        with pytest.raises(ValueError, match="plan_block_c"):
+            hpcops.plan_decode(torch.ones(3, dtype=torch.int32, device=device), num_kv_heads=1)
+    finally:
+        dec.set_decode_config(**old.__dict__)
 
 
 def test_plan_replan_into_same_buffers(device):
@@ -279,8 +284,14 @@ GPU_SCENARIOS = [("2x32K+30x4K", 8, 1, True), ("1x128K+31x4K", 8, 1, False), ("6
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", [{}, dict(task_desc=True, lean_loop=True)], ids=lambda d: "+".join(d) or "default")
 @pytest.mark.parametrize("spec, hq, hkv, fp8", GPU_SCENARIOS, ids=lambda v: str(v))
-def test_gpu_real_sizes(spec, hq, hkv, fp8):
+def test_gpu_real_sizes(spec, hq, hkv, fp8, variant):
+    with _with_config(variant):
+        _gpu_real_sizes(spec, hq, hkv, fp8)
+
+
+def _gpu_real_sizes(spec, hq, hkv, fp8):
     from hpcops.bench.scenarios import parse_lengths
     from hpcops.bench.suites.decode import make_decode_inputs
 
@@ -302,9 +313,15 @@ def test_gpu_real_sizes(spec, hq, hkv, fp8):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", [{}, dict(task_desc=True, lean_loop=True)], ids=lambda d: "+".join(d) or "default")
 @pytest.mark.parametrize("q_len", [1, 3])
-def test_gpu_cuda_graph_replay_with_new_lengths(q_len):
+def test_gpu_cuda_graph_replay_with_new_lengths(q_len, variant):
     """One captured decode step (plan + 3 layers) replayed with new lengths equals eager runs."""
+    with _with_config({**variant, "plan_block_c": 32, "plan_warps": 2} if variant else {}):
+        _gpu_graph_replay(q_len)
+
+
+def _gpu_graph_replay(q_len):
     torch.manual_seed(5)
     b, hq, hkv, d, bs, max_len = 12, 16, 2, 128, 64, 6000
     layers = [make_paged_kv([max_len] * b, num_kv_heads=hkv, head_dim=d, block_size=bs, device="cuda",

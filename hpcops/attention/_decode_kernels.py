@@ -195,7 +195,7 @@ def _finish_task(acc, m_i, l_i, v_scale, split, slot, b, h, offs_m, offs_d, out_
 @triton.jit
 def decode_persistent_kernel(
     q_ptr, k_ptr, v_ptr, k_desc, v_desc, bt_ptr, seq_lens_ptr, out_ptr, part_o_ptr, part_lse_ptr,
-    header_ptr, cum_ptr, first_b_ptr, task_desc_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
+    header_ptr, cum_ptr, first_b_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
     sm_scale_log2, B, num_q_heads, bt_width, num_blocks,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_bt, stride_ot, stride_oh,
@@ -208,10 +208,10 @@ def decode_persistent_kernel(
 
     USE_PDL: let the combine kernel (launched with programmatic dependent launch) start early;
     it waits (griddepcontrol.wait) for this grid's writes before reading them.
-    TASK_DESC: start from the plan's task descriptor (request, head, first tile, bucket length: one
-    load level) and walk with the request lengths alone (a task after the first starts at tile 0 of
-    the next request; a task is split iff it does not cover its request), the next request's length
-    loaded before the current task's tiles.
+    TASK_DESC: `first_b_ptr` is the plan's task_desc [programs, 8]: start from it (request, head,
+    first tile, bucket length: one load level) and walk with the request lengths alone (a task after
+    the first starts at tile 0 of the next request; a task is split iff it does not cover its
+    request), the next request's length loaded before the current task's tiles.
     """
     pid = tl.program_id(0)
     if USE_PDL:
@@ -224,7 +224,7 @@ def decode_persistent_kernel(
         kv_scale = tl.load(k_scale_ptr)
         v_scale = tl.load(v_scale_ptr)
     if TASK_DESC:
-        td = task_desc_ptr + pid * 8
+        td = first_b_ptr + pid * 8  # the plan's task_desc
         b = tl.load(td)
         h = tl.load(td + 1)
         lo = tl.load(td + 2)
@@ -349,20 +349,20 @@ def _merge_chunks(part_o_ptr, part_lse_ptr, first_slot, rest_base, rest_step, n_
 
 @triton.jit
 def decode_combine_kernel(
-    part_o_ptr, part_lse_ptr, out_ptr, header_ptr, cum_ptr, last_b_ptr, merge_desc_ptr, stride_ot, stride_oh,
+    part_o_ptr, part_lse_ptr, out_ptr, header_ptr, cum_ptr, last_b_ptr, stride_ot, stride_oh,
     Q_LEN: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CB: tl.constexpr,
     USE_PDL: tl.constexpr = False, MERGE_DESC: tl.constexpr = False,
 ):
     """Program (k, row) merges `row` of the split (head, request) that starts in program k's bucket and leaves it.
 
     The plan tables were written before the attention kernel started, so they are read before the
-    USE_PDL wait; the partials only after it. MERGE_DESC: the plan's merge descriptor of program k
-    (request or −1, head, first slot, partials) says it in one load level.
+    USE_PDL wait; the partials only after it. MERGE_DESC: `last_b_ptr` is the plan's merge_desc
+    [programs, 4], whose row k (request or −1, head, first slot, partials) says it in one load level.
     """
     k = tl.program_id(0)
     row = tl.program_id(1)
     if MERGE_DESC:
-        md = merge_desc_ptr + k * 4
+        md = last_b_ptr + k * 4  # the plan's merge_desc
         b = tl.load(md)
         h = tl.load(md + 1)
         first_slot = tl.load(md + 2)

@@ -55,6 +55,12 @@ class DecodeConfig:
         where a step is one tile inside one page (block_n 64, pages ≥ 64 tokens, no TMA); elsewhere
         the masked loop runs as before. Bad page ids are never read in either loop. Off: the first
         timing on the H200 is pending.
+    plan_block_c, plan_warps, plan_block_b: launch of the plan kernel (`plan_decode`, once per step):
+        plan entries (persistent programs) served per plan program (16..256: smaller = more plan
+        programs, each with a smaller [plan_block_c, block] compare-count tile), its warps (1..8), and
+        the requests per block of its prefix-sum scan (a batch up to plan_block_b is planned in one
+        pass kept in registers; a larger one loops over blocks). Defaults: the launch the plan had
+        before these knobs (128 entries, 4 warps, blocks of 256), until the H200 sweep picks.
     """
 
     num_stages: int = 3
@@ -66,6 +72,9 @@ class DecodeConfig:
     min_rows: int = 16
     task_desc: bool = False
     lean_loop: bool = False
+    plan_block_c: int = 128
+    plan_warps: int = 4
+    plan_block_b: int = 256
 
 
 _CONFIG = DecodeConfig()
@@ -77,6 +86,11 @@ def set_decode_config(**changes) -> DecodeConfig:
     old = _CONFIG
     _CONFIG = replace(_CONFIG, **changes)
     return old
+
+
+def decode_config() -> DecodeConfig:
+    """The process-wide decode config."""
+    return _CONFIG
 
 
 def _num_stages() -> int:
@@ -255,13 +269,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     pdl_launch = {"launch_pdl": True} if pdl else {}
     decode_persistent_kernel[(plan.num_programs,)](
         q, k_cache, v_cache, *descs, block_table, seq_lens, out, part_o, part_lse,
-        plan.header, plan.cum, plan.first_b, plan.task_desc, q_scale if q_fp8 else dummy, *args_kv,
+        plan.header, plan.cum, plan.task_desc if _CONFIG.task_desc else plan.first_b,
+        q_scale if q_fp8 else dummy, *args_kv,
         sm_scale * LOG2E, b, hq, block_table.shape[1], nb, *strides,
         BLOCK_SIZE=bs, TILE=TILE, BLOCK_N=block_n, KV_FP8=kv_fp8, Q_FP8=q_fp8, NUM_STAGES=_num_stages(),
         num_warps=num_warps, M_PAD=m_pad, USE_TMA=use_tma, USE_PDL=pdl, TASK_DESC=_CONFIG.task_desc,
         LEAN=_CONFIG.lean_loop, **common)
     decode_combine_kernel[(plan.num_programs, rows)](
-        part_o, part_lse, out, plan.header, plan.cum, plan.last_b, plan.merge_desc, out.stride(0), out.stride(1),
+        part_o, part_lse, out, plan.header, plan.cum, plan.merge_desc if _CONFIG.task_desc else plan.last_b,
+        out.stride(0), out.stride(1),
         CB=_CONFIG.combine_chunks, USE_PDL=pdl, MERGE_DESC=_CONFIG.task_desc, num_warps=4, **common, **pdl_launch)
     return out
 

@@ -41,7 +41,7 @@ sync per call), never while a CUDA graph is being captured.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -57,43 +57,11 @@ DEFAULT_PROGRAMS_PER_SM = 2
 DEFAULT_MIN_TILES = 4
 
 
-@dataclass(frozen=True)
-class PlanLaunch:
-    """Launch knobs of the plan kernel (one program serves `block_c` plan entries, recomputing the
-    O(B) prefix sums; its compare-count is [block_c, block_b]).
-
-    block_c: plan entries (persistent programs) per plan program: smaller = more plan programs, each
-        with a smaller compare tile (fewer registers); 16, 32, 64 or 128.
-    num_warps: warps per plan program (1, 2, 4 or 8).
-    max_block_b: requests per block of the prefix-sum scan; a batch up to this size is planned in one
-        pass (one load, one scan kept in registers), a larger one loops over blocks of this size.
-        A power of two, 16..1024.
-    """
-
-    block_c: int = 128
-    num_warps: int = 4
-    max_block_b: int = 256
-
-
-_LAUNCH = PlanLaunch()
-
-
-def set_plan_launch(**changes) -> PlanLaunch:
-    """Replace fields of the process-wide plan launch knobs (for sweeps and tests); returns the previous ones."""
-    global _LAUNCH
-    old = _LAUNCH
-    new = replace(_LAUNCH, **changes)
-    for name, ok in (("block_c", (16, 32, 64, 128, 256)), ("num_warps", (1, 2, 4, 8)),
-                     ("max_block_b", (16, 32, 64, 128, 256, 512, 1024))):
-        if getattr(new, name) not in ok:
-            raise ValueError(f"plan launch {name} must be one of {ok}, got {getattr(new, name)!r}")
-    _LAUNCH = new
-    return old
-
-
-def plan_launch() -> PlanLaunch:
-    """The current plan launch knobs."""
-    return _LAUNCH
+# Launch choices of the plan kernel: DecodeConfig.plan_block_c, plan_warps, plan_block_b
+# (hpcops.attention.decode), validated here.
+PLAN_BLOCK_C = (16, 32, 64, 128, 256)
+PLAN_WARPS = (1, 2, 4, 8)
+PLAN_BLOCK_B = (16, 32, 64, 128, 256, 512, 1024)
 
 
 @dataclass
@@ -280,13 +248,18 @@ def _launch_plan(plan: DecodePlan, seq_lens: torch.Tensor) -> None:
         plan.merge_desc.zero_()
         plan.merge_desc[:, 0] = -1
         return
-    knobs = _LAUNCH
-    block_b = min(knobs.max_block_b, max(16, 1 << (b - 1).bit_length()))
-    grid = (triton_cdiv(plan.num_programs, knobs.block_c),)
+    from hpcops.attention.decode import decode_config
+
+    cfg = decode_config()
+    for name, ok in (("plan_block_c", PLAN_BLOCK_C), ("plan_warps", PLAN_WARPS), ("plan_block_b", PLAN_BLOCK_B)):
+        if getattr(cfg, name) not in ok:
+            raise ValueError(f"DecodeConfig.{name} must be one of {ok}, got {getattr(cfg, name)!r}")
+    block_b = min(cfg.plan_block_b, max(16, 1 << (b - 1).bit_length()))
+    grid = (triton_cdiv(plan.num_programs, cfg.plan_block_c),)
     plan_decode_kernel[grid](
         seq_lens, plan.cum, plan.header, plan.first_b, plan.last_b, plan.task_desc, plan.merge_desc,
         b, plan.num_kv_heads, plan.num_programs, plan.min_tiles,
-        TILE=TILE, BLOCK_B=block_b, BLOCK_C=knobs.block_c, ONE_BLOCK=b <= block_b, num_warps=knobs.num_warps,
+        TILE=TILE, BLOCK_B=block_b, BLOCK_C=cfg.plan_block_c, ONE_BLOCK=b <= block_b, num_warps=cfg.plan_warps,
     )
 
 

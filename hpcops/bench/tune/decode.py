@@ -1,26 +1,77 @@
 """`hpcops tune decode`: the decode launch knobs over the `decode` bench suite's scenarios (a report).
 
 Knobs: `DecodeConfig` (process-wide, `decode.set_decode_config`: pipeline depth, warps, TMA, PDL, score-tile
-rows, keys per step) and the plan's programs per SM and minimum tiles per program (`plan_decode`'s
-`num_programs`, `min_tiles`). Inputs are the suite's (`make_decode_inputs`, each layer its own caches);
-the gate compares the load-balanced schedule with the torch reference as the suite's check does; times
-are CUDA-graph replays (the bench's `hpcops` row). No tuned table: the defaults live in
-`DecodeConfig` and `plan.py`, changed by hand from what this reports.
+rows, keys per step, task descriptors, lean inner loop) and the plan's programs per SM and minimum tiles
+per program (`plan_decode`'s `num_programs`, `min_tiles`). Inputs are the suite's (`make_decode_inputs`,
+each layer its own caches); the gate compares the load-balanced schedule with the torch reference as the
+suite's check does; times are CUDA-graph replays (the bench's `hpcops` row), the plan outside the graph.
+
+The plan kernel's own launch (`DecodeConfig.plan_block_c`, `plan_warps`, `plan_block_b`) is tuned on
+separate `plan ...` scenarios (`--only plan`), which time the plan step alone: one graph of 8 plan
+launches, each over its own seq_lens (the bench's `hpcops-plan` row times one eager launch, so its
+figure also holds the launch overhead); the gate compares the tables with the torch reference. The
+decode knobs are not moved on plan scenarios, nor the plan launch knobs on decode scenarios.
+
+No tuned table: the defaults live in `DecodeConfig` and `plan.py`, changed by hand from what this reports.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import asdict, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from hpcops.bench.suites import decode as suite
 from hpcops.bench.tune.engine import TuneOp
-from hpcops.bench.tune.space import Candidate, knob
+from hpcops.bench.tune.space import Candidate, Knob, knob
+
+
+@dataclass(frozen=True)
+class PlanScenario:
+    """The plan step alone for a batch `spec` (lengths as in the decode suite) and `hkv` kv heads."""
+
+    spec: str
+    hkv: int
+
+    @property
+    def name(self) -> str:
+        return f"plan {self.spec} hkv{self.hkv}"
+
+    @property
+    def lens(self) -> list[int]:
+        return suite.parse_lengths(self.spec)
+
+    @property
+    def bytes(self) -> int:
+        return 4 * len(self.lens)
+
+
+# B 16..256 (the deliverable: <= 4 us) and one batch past the one-pass scan (looped blocks)
+PLAN_SCENARIOS = (PlanScenario("16x4K", 1), PlanScenario("32x0.125K+32x4K", 1), PlanScenario("128x2K", 1),
+                  PlanScenario("256x1K", 1), PlanScenario("256x1K", 8), PlanScenario("1024x0.5K", 1))
+PLAN_QUICK = (PlanScenario("32x0.125K+32x4K", 1), PlanScenario("256x1K", 1))
+
+
+def _on(kind: str, k: Knob) -> Knob:
+    """`k` moved only on scenarios of `kind` ("plan" or "decode"); skipped (no values) on the others."""
+    vals = k.values
+
+    def values(base, s):
+        if (kind == "plan") != isinstance(s, PlanScenario):
+            return ()
+        return vals(base, s) if callable(vals) else vals
+
+    return replace(k, values=values)
+
 
 # One line per knob; `pps` = persistent programs per SM, `min_tiles` = the plan's tile floor per program.
 # num_warps None = the launcher's choice (4 for head_dim <= 128).
-SPACE = (
+DECODE_SPACE = (
+    # first (a --quick run's 4 moves): the per-task chain (descriptors) and the per-tile cost (lean
+    # loop), alone and together
+    knob("task_desc", False, True),
+    knob("lean_loop", False, True),
+    knob(("task_desc", "lean_loop"), (True, True), near=None),
     knob("pps", 1, 2, 3, 4, 6),
     knob("min_tiles", 2, 4, 8, 16),
     knob("pdl", False, True),
@@ -33,6 +84,14 @@ SPACE = (
     knob("min_rows", 16, 64),
     knob("block_n", 64, 128),
 )
+# the plan kernel's launch, timed on the plan scenarios
+PLAN_SPACE = (
+    knob(("plan_block_c", "plan_warps"), (16, 1), (32, 1), (16, 2), (32, 2), (64, 2), near=None),
+    knob("plan_block_c", 16, 32, 64, 128, 256, near=None),
+    knob("plan_warps", 1, 2, 4, 8, near=None),
+    knob("plan_block_b", 64, 256, 1024, near=None),
+)
+SPACE = tuple(_on("decode", k) for k in DECODE_SPACE) + tuple(_on("plan", k) for k in PLAN_SPACE)
 PLAN_KNOBS = ("pps", "min_tiles")
 
 
@@ -47,8 +106,8 @@ class DecodeTune(TuneOp):
     timing = "graph"
     space = SPACE
 
-    def scenarios(self, quick: bool) -> list[suite.Scenario]:
-        return suite.scenarios(quick)
+    def scenarios(self, quick: bool) -> list[suite.Scenario | PlanScenario]:
+        return [*suite.scenarios(quick), *(PLAN_QUICK if quick else PLAN_SCENARIOS)]
 
     def base(self, s: suite.Scenario) -> Candidate:
         from hpcops.attention.decode import DecodeConfig
@@ -56,13 +115,22 @@ class DecodeTune(TuneOp):
 
         return {**asdict(DecodeConfig()), "pps": DEFAULT_PROGRAMS_PER_SM, "min_tiles": DEFAULT_MIN_TILES}
 
-    def make_inputs(self, s: suite.Scenario, layer: int, device: str) -> dict[str, Any]:
+    def make_inputs(self, s: suite.Scenario | PlanScenario, layer: int, device: str) -> dict[str, Any]:
+        if isinstance(s, PlanScenario):
+            import torch
+
+            g = torch.Generator().manual_seed(layer)
+            lens = torch.tensor(s.lens, dtype=torch.int32)
+            jitter = torch.randint(0, suite.PAGE, lens.shape, generator=g, dtype=torch.int32)
+            return {"seq_lens": (lens - jitter).clamp(min=0).to(device)}
         return suite.make_decode_inputs(s.lens, s.hq, s.hkv, s.fp8, seed=layer, device=device)
 
-    def bytes(self, s: suite.Scenario) -> int:
+    def bytes(self, s: suite.Scenario | PlanScenario) -> int:
         return s.bytes
 
-    def params(self, s: suite.Scenario) -> dict[str, Any]:
+    def params(self, s: suite.Scenario | PlanScenario) -> dict[str, Any]:
+        if isinstance(s, PlanScenario):
+            return dict(spec=s.spec, batch=len(s.lens), hkv=s.hkv, step="plan")
         return dict(spec=s.spec, hq=s.hq, hkv=s.hkv, kv="fp8" if s.fp8 else "bf16", page=suite.PAGE,
                     d=suite.HEAD_DIM)
 
@@ -76,7 +144,10 @@ class DecodeTune(TuneOp):
         finally:
             dec.set_decode_config(**asdict(old))
 
-    def prepare(self, s: suite.Scenario, cand: Candidate):
+    def prepare(self, s: suite.Scenario | PlanScenario, cand: Candidate):
+        if isinstance(s, PlanScenario):
+            return self._prepare_plan(s, cand)
+
         def prepare(x):
             import hpcops
             from hpcops._platform import num_sms
@@ -89,9 +160,27 @@ class DecodeTune(TuneOp):
                                                    v_scale=x["v_scale"], out=x["out"])
         return prepare
 
-    def gate(self, s: suite.Scenario, x: dict[str, Any], cand: Candidate, name: str) -> None:
+    def _prepare_plan(self, s: PlanScenario, cand: Candidate):
+        def prepare(x):
+            import hpcops
+            from hpcops._platform import num_sms
+
+            kw = dict(num_kv_heads=s.hkv, block_size=suite.PAGE, min_tiles=cand["min_tiles"],
+                      num_programs=cand["pps"] * num_sms(x["seq_lens"].device))
+            plan = hpcops.plan_decode(x["seq_lens"], **kw)
+            return lambda: hpcops.plan_decode(x["seq_lens"], out=plan, **kw)
+        return prepare
+
+    def gate(self, s: suite.Scenario | PlanScenario, x: dict[str, Any], cand: Candidate, name: str) -> None:
         from hpcops.attention import reference as ref
         from hpcops.testing import assert_close
+
+        if isinstance(s, PlanScenario):
+            plan = self.prepare(s, cand)(x)()
+            want = ref.plan_decode(x["seq_lens"].cpu(), num_kv_heads=s.hkv, block_size=suite.PAGE,
+                                   num_programs=plan.num_programs, min_tiles=plan.min_tiles)
+            assert plan.host_tables() == want.host_tables(), f"plan [{name}]: tables differ from the reference"
+            return
 
         x["out"].fill_(float("nan"))
         got = self.prepare(s, cand)(x)()
