@@ -20,7 +20,13 @@ FP8 = torch.float8_e4m3fn
 # ---------------------------------------------------------------- plan
 def _tables(plan):
     t = plan.host_tables()
-    return t["header"], t["cum"], t["first_b"], t["last_b"], t["task_desc"], t["merge_desc"]
+    return t["header"], t["cum"], t["first_b"], t["last_b"]
+
+
+def _desc(plan):
+    assert plan.has_desc
+    t = plan.host_tables()
+    return t["task_desc"], t["merge_desc"]
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -34,7 +40,10 @@ def test_plan_matches_reference(seed, device):
     sl = torch.tensor(lens, dtype=torch.int32, device=device)
     got = hpcops.plan_decode(sl, num_kv_heads=hkv, num_programs=c, min_tiles=mt)
     want = ref.plan_decode(sl.cpu(), num_kv_heads=hkv, num_programs=c, min_tiles=mt)
-    assert _tables(got) == _tables(want)
+    assert _tables(got) == _tables(want) and not got.has_desc
+    with _with_config(dict(task_desc=True)):
+        got = hpcops.plan_decode(sl, num_kv_heads=hkv, num_programs=c, min_tiles=mt)
+    assert _tables(got) == _tables(want) and _desc(got) == _desc(want)
     # every tile of every (head, request) is covered exactly once, by contiguous tasks
     bucket, s, total, active = want.host_tables()["header"]
     tasks = enumerate_tasks(want.host_tables()["cum"], bucket, s, total, c)
@@ -65,12 +74,23 @@ def test_plan_launch_knobs_same_tables(launch, b, device):
     old = dec.set_decode_config(**launch)
     try:
         for hkv, c, mt in ((1, 132, 2), (8, 37, 1)):
-            got = hpcops.plan_decode(sl, num_kv_heads=hkv, num_programs=c, min_tiles=mt)
             want = ref.plan_decode(sl.cpu(), num_kv_heads=hkv, num_programs=c, min_tiles=mt)
+            got = hpcops.plan_decode(sl, num_kv_heads=hkv, num_programs=c, min_tiles=mt)
             assert _tables(got) == _tables(want)
-            assert any(m[0] >= 0 for m in want.host_tables()["merge_desc"]) or hkv * len(lens) >= c
+            dec.set_decode_config(task_desc=True)
+            got = hpcops.plan_decode(sl, num_kv_heads=hkv, num_programs=c, min_tiles=mt)
+            dec.set_decode_config(task_desc=False)
+            assert _tables(got) == _tables(want) and _desc(got) == _desc(want)
     finally:
         dec.set_decode_config(**old.__dict__)
+
+
+def test_plan_without_descriptors_is_refused_by_task_desc(device):
+    kv = make_paged_kv([100, 7], num_kv_heads=1, head_dim=64, block_size=16, device=device)
+    q = torch.randn(2, 2, 64, device=device).bfloat16()
+    plan = hpcops.plan_decode(kv.seq_lens, num_kv_heads=1, block_size=16)
+    with _with_config(dict(task_desc=True)), pytest.raises(ValueError, match="task descriptors"):
+        hpcops.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, plan=plan)
 
 
 def test_plan_launch_knob_errors(device):
@@ -571,3 +591,27 @@ def test_decode_bad_page_ids_are_not_read(variant, device, monkeypatch):
             got = hpcops.decode_attention(q, kv.k_cache, kv.v_cache, table, kv.seq_lens, schedule=schedule,
                                           out=nan_like(q))
             assert_close(want.bfloat16(), got, name=f"{schedule} {variant}")
+
+
+def test_tune_plan_scenarios_gate_their_candidates():
+    """`hpcops tune decode --only plan`: every plan-launch candidate builds the reference's tables (CPU
+    tier: interpreted), inside its context, and leaves the process-wide config as it was."""
+    from hpcops.attention import decode as dec
+    from hpcops.bench.tune import get_op
+    from hpcops.bench.tune.decode import PlanScenario
+    from hpcops.bench.tune.engine import Limits, phase_a
+    from hpcops.bench.tune.space import label
+
+    op = get_op("decode")
+    assert any(isinstance(s, PlanScenario) for s in op.scenarios(True))
+    s = PlanScenario("40x100+3x0", 2)
+    x = op.make_inputs(s, 0, "cpu")
+    cands = [c for _, c in phase_a(op, s, Limits.of(False, False))]
+    moved = {k for c in cands[1:] for k, v in c.items() if cands[0][k] != v}
+    assert moved == {"plan_block_c", "plan_warps", "plan_block_b", "task_desc"}
+    before = dec.decode_config()
+    for c in cands:
+        with op.context(c):
+            op.gate(s, x, c, label(c, cands[0]))
+            assert op.prepare(s, c)(x)().has_desc == c["task_desc"]
+    assert dec.decode_config() == before

@@ -33,8 +33,8 @@ from triton.compiler import ASTSource
 from hpcops.attention._plan_kernels import plan_decode_kernel as fn
 
 out = {}
-for name, (block_c, block_b, one, warps) in json.loads(sys.argv[1]).items():
-    const = dict(TILE=64, BLOCK_B=block_b, BLOCK_C=block_c, ONE_BLOCK=one)
+for name, (block_c, block_b, one, warps, desc) in json.loads(sys.argv[1]).items():
+    const = dict(TILE=64, BLOCK_B=block_b, BLOCK_C=block_c, ONE_BLOCK=one, DESC=desc)
     params = list(inspect.signature(fn.fn).parameters)
     sig = {p: "constexpr" if p in const else ("*i32" if p.endswith("_ptr") else "i32") for p in params}
     cexp = {(params.index(p),): v for p, v in const.items()}
@@ -43,9 +43,10 @@ for name, (block_c, block_b, one, warps) in json.loads(sys.argv[1]).items():
     out[name] = {"local": cc.asm["ptx"].count("st.local"), "smem": cc.metadata.shared}
 print(json.dumps(out))
 """)
-PLAN_LAUNCHES = {"c16-b256-w1": (16, 256, True, 1), "c32-b256-w2": (32, 256, True, 2),
-                 "c128-b256-w4": (128, 256, True, 4), "c64-b1024-w4": (64, 1024, True, 4),
-                 "c32-b256-loop-w2": (32, 256, False, 2), "c256-b64-w8": (256, 64, True, 8)}
+PLAN_LAUNCHES = {"c16-b256-w1": (16, 256, True, 1, False), "c32-b256-w2-desc": (32, 256, True, 2, True),
+                 "c128-b256-w4": (128, 256, True, 4, False), "c128-b256-w4-desc": (128, 256, True, 4, True),
+                 "c64-b1024-w4-desc": (64, 1024, True, 4, True), "c32-b256-loop-w2-desc": (32, 256, False, 2, True),
+                 "c256-b64-w8": (256, 64, True, 8, False)}
 
 
 def _run(script: str, variants: dict) -> dict:

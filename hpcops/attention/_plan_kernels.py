@@ -12,13 +12,17 @@ def _tiles_of(seq_lens_ptr, idx, B, TILE: tl.constexpr):
 
 
 @triton.jit
-def _locate(ends, r):
+def _locate(ends, r, LO: tl.constexpr, HI: tl.constexpr):
     """For each stream offset r [C] against one block of inclusive ends [BLOCK_B]: how many ends are
-    <= r, the largest of them (0 if none) and the smallest end > r (int32 max if none)."""
+    <= r, and (LO / HI, else 0) the largest of them (0 if none) / the smallest end > r (int32 max if none)."""
     le = ends[None, :] <= r[:, None]  # [C, BLOCK_B]
     cnt = tl.sum(le.to(tl.int32), axis=1)
-    lo = tl.max(tl.where(le, ends[None, :], 0), axis=1)
-    hi = tl.min(tl.where(le, 2147483647, ends[None, :]), axis=1)
+    lo = cnt * 0
+    hi = cnt * 0
+    if LO:
+        lo = tl.max(tl.where(le, ends[None, :], 0), axis=1)
+    if HI:
+        hi = tl.min(tl.where(le, 2147483647, ends[None, :]), axis=1)
     return cnt, lo, hi
 
 
@@ -27,6 +31,7 @@ def plan_decode_kernel(
     seq_lens_ptr, cum_ptr, header_ptr, first_b_ptr, last_b_ptr, task_desc_ptr, merge_desc_ptr,
     B, num_kv_heads, num_programs, min_tiles,
     TILE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr, ONE_BLOCK: tl.constexpr,
+    DESC: tl.constexpr = False,
 ):
     """Tiles per request, their prefix sums, the bucket size, each program's first/last request, and
     the per-program descriptors (see plan.py).
@@ -34,7 +39,8 @@ def plan_decode_kernel(
     Every program computes the prefix sums (O(B) loads), then serves BLOCK_C programs of the plan
     with a dense [BLOCK_C, BLOCK_B] compare-count per block of requests; program 0 of this grid
     writes `cum` and the header. ONE_BLOCK (B <= BLOCK_B): one load and one scan, kept in registers
-    for the compare. No cross-program communication.
+    for the compare. DESC: also the task and merge descriptors (3 more reductions of the compare
+    tile). No cross-program communication.
     """
     pid = tl.program_id(0)
     offs_b = tl.arange(0, BLOCK_B)
@@ -74,8 +80,8 @@ def plan_decode_kernel(
     r_last = p_last - h_last * safe_s
     if ONE_BLOCK:
         ends = tl.where(offs_b < B, incl0, BIG)
-        cnt_first, lo_first, _ = _locate(ends, r_first)
-        cnt_last, lo_last, hi_last = _locate(ends, r_last)
+        cnt_first, lo_first, _ = _locate(ends, r_first, DESC, False)
+        cnt_last, lo_last, hi_last = _locate(ends, r_last, DESC, DESC)
     else:
         cnt_first = tl.zeros([BLOCK_C], dtype=tl.int32)
         cnt_last = tl.zeros([BLOCK_C], dtype=tl.int32)
@@ -89,8 +95,8 @@ def plan_decode_kernel(
             incl = tl.cumsum(tiles, axis=0) + carry  # [BLOCK_B] inclusive ends
             ends = tl.where(idx < B, incl, BIG)
             # request b holds stream offset r iff cum[b] <= r < cum[b+1]: count the ends <= r
-            c1, l1, _ = _locate(ends, r_first)
-            c2, l2, h2 = _locate(ends, r_last)
+            c1, l1, _ = _locate(ends, r_first, DESC, False)
+            c2, l2, h2 = _locate(ends, r_last, DESC, DESC)
             cnt_first += c1
             cnt_last += c2
             lo_first = tl.maximum(lo_first, l1)
@@ -100,20 +106,21 @@ def plan_decode_kernel(
     c_ok = offs_c < num_programs
     tl.store(first_b_ptr + offs_c, tl.where(active, cnt_first, -1), mask=c_ok)
     tl.store(last_b_ptr + offs_c, tl.where(active, cnt_last, -1), mask=c_ok)
-    # task descriptor: where the program starts (request, head, tile in the request), its length in tiles
-    td = task_desc_ptr + offs_c * 8
-    tl.store(td + 0, tl.where(active, cnt_first, -1), mask=c_ok)
-    tl.store(td + 1, tl.where(active, h_first, 0), mask=c_ok)
-    tl.store(td + 2, tl.where(active, r_first - lo_first, 0), mask=c_ok)
-    tl.store(td + 3, tl.where(active, p_last + 1 - p_first, 0), mask=c_ok)
-    # merge descriptor: the split (head, request) that starts in this program's bucket and leaves it
-    pair_lo = h_last * safe_s + lo_last
-    pair_hi = h_last * safe_s + hi_last
-    first = pair_lo // bucket
-    last = (pair_hi - 1) // bucket
-    merge = active & (first == offs_c) & (last > first)
-    md = merge_desc_ptr + offs_c * 4
-    tl.store(md + 0, tl.where(merge, cnt_last, -1), mask=c_ok)
-    tl.store(md + 1, tl.where(merge, h_last, 0), mask=c_ok)
-    tl.store(md + 2, tl.where(merge, 2 * offs_c + tl.where(pair_lo == offs_c * bucket, 0, 1), 0), mask=c_ok)
-    tl.store(md + 3, tl.where(merge, last - first + 1, 0), mask=c_ok)
+    if DESC:
+        # task descriptor: where the program starts (request, head, tile in the request), its length in tiles
+        td = task_desc_ptr + offs_c * 8
+        tl.store(td + 0, tl.where(active, cnt_first, -1), mask=c_ok)
+        tl.store(td + 1, tl.where(active, h_first, 0), mask=c_ok)
+        tl.store(td + 2, tl.where(active, r_first - lo_first, 0), mask=c_ok)
+        tl.store(td + 3, tl.where(active, p_last + 1 - p_first, 0), mask=c_ok)
+        # merge descriptor: the split (head, request) that starts in this program's bucket and leaves it
+        pair_lo = h_last * safe_s + lo_last
+        pair_hi = h_last * safe_s + hi_last
+        first = pair_lo // bucket
+        last = (pair_hi - 1) // bucket
+        merge = active & (first == offs_c) & (last > first)
+        md = merge_desc_ptr + offs_c * 4
+        tl.store(md + 0, tl.where(merge, cnt_last, -1), mask=c_ok)
+        tl.store(md + 1, tl.where(merge, h_last, 0), mask=c_ok)
+        tl.store(md + 2, tl.where(merge, 2 * offs_c + tl.where(pair_lo == offs_c * bucket, 0, 1), 0), mask=c_ok)
+        tl.store(md + 3, tl.where(merge, last - first + 1, 0), mask=c_ok)

@@ -163,6 +163,9 @@ def _validate(q, k_cache, v_cache, block_table, seq_lens, plan, schedule, k_scal
                              f"{(hkv, q_len, bs, b)}; re-plan with hpcops.plan_decode(seq_lens, ..., out=plan)")
         if plan.device != seq_lens.device:
             raise ValueError(f"plan's buffers are on {plan.device}, seq_lens on {seq_lens.device}")
+        if schedule == "dynamic" and _CONFIG.task_desc and not plan.has_desc:
+            raise ValueError("DecodeConfig.task_desc reads the plan's task descriptors, and this plan was built "
+                             "without them: plan with task_desc on (plan_decode reads the same config)")
     # Values of the metadata: where they are on the host, or in checking mode (a device sync).
     if b and values_checkable(seq_lens):
         sl = seq_lens.cpu()

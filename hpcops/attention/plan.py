@@ -25,6 +25,9 @@ and replayed with new lengths:
   (the one that starts in bucket k and leaves it): request (−1 none), head, first partial slot,
   number of partials.
 
+The two descriptor tables are written (``has_desc``) only when the plan is built with
+``DecodeConfig.task_desc`` on, the only config that reads them.
+
 Program i covers stream positions [i·bucket, min((i+1)·bucket, total)). The split partials of
 program i live in slots 2i (its first task) and 2i+1 (its last task, when that differs).
 
@@ -90,6 +93,7 @@ class DecodePlan:
     last_b: torch.Tensor
     task_desc: torch.Tensor
     merge_desc: torch.Tensor
+    has_desc: bool = False
     _workspace: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -109,9 +113,11 @@ class DecodePlan:
 
     def host_tables(self) -> dict[str, list[int]]:
         """The plan's tables on the host (syncs; for display and tests)."""
-        return {"header": self.header.tolist(), "cum": self.cum[: self.batch + 1].tolist(),
-                "first_b": self.first_b.tolist(), "last_b": self.last_b.tolist(),
-                "task_desc": self.task_desc[:, :4].tolist(), "merge_desc": self.merge_desc.tolist()}
+        t = {"header": self.header.tolist(), "cum": self.cum[: self.batch + 1].tolist(),
+             "first_b": self.first_b.tolist(), "last_b": self.last_b.tolist()}
+        if self.has_desc:
+            t.update(task_desc=self.task_desc[:, :4].tolist(), merge_desc=self.merge_desc.tolist())
+        return t
 
     def tasks(self) -> list[tuple[int, int, int, int, int, bool]]:
         """Every task as (program, kv_head, request, first_tile, num_tiles, split) (host-side, syncs)."""
@@ -221,7 +227,9 @@ def check_plan_matches(plan: DecodePlan, seq_lens: torch.Tensor) -> None:
 
     want = ref.plan_decode(seq_lens, num_kv_heads=plan.num_kv_heads, q_len=plan.q_len,
                            block_size=plan.block_size, max_batch=plan.max_batch,
-                           num_programs=plan.num_programs, min_tiles=plan.min_tiles).host_tables()
+                           num_programs=plan.num_programs, min_tiles=plan.min_tiles)
+    want.has_desc = plan.has_desc
+    want = want.host_tables()
     have = plan.host_tables()
     if have == want:
         return
@@ -237,8 +245,11 @@ def check_plan_matches(plan: DecodePlan, seq_lens: torch.Tensor) -> None:
 
 def _launch_plan(plan: DecodePlan, seq_lens: torch.Tensor) -> None:
     from hpcops.attention._plan_kernels import plan_decode_kernel
+    from hpcops.attention.decode import decode_config
 
+    cfg = decode_config()
     b = seq_lens.shape[0]
+    plan.has_desc = cfg.task_desc
     if b == 0:
         plan.header.zero_()
         plan.first_b.fill_(-1)
@@ -248,9 +259,6 @@ def _launch_plan(plan: DecodePlan, seq_lens: torch.Tensor) -> None:
         plan.merge_desc.zero_()
         plan.merge_desc[:, 0] = -1
         return
-    from hpcops.attention.decode import decode_config
-
-    cfg = decode_config()
     for name, ok in (("plan_block_c", PLAN_BLOCK_C), ("plan_warps", PLAN_WARPS), ("plan_block_b", PLAN_BLOCK_B)):
         if getattr(cfg, name) not in ok:
             raise ValueError(f"DecodeConfig.{name} must be one of {ok}, got {getattr(cfg, name)!r}")
@@ -259,7 +267,8 @@ def _launch_plan(plan: DecodePlan, seq_lens: torch.Tensor) -> None:
     plan_decode_kernel[grid](
         seq_lens, plan.cum, plan.header, plan.first_b, plan.last_b, plan.task_desc, plan.merge_desc,
         b, plan.num_kv_heads, plan.num_programs, plan.min_tiles,
-        TILE=TILE, BLOCK_B=block_b, BLOCK_C=cfg.plan_block_c, ONE_BLOCK=b <= block_b, num_warps=cfg.plan_warps,
+        TILE=TILE, BLOCK_B=block_b, BLOCK_C=cfg.plan_block_c, ONE_BLOCK=b <= block_b, DESC=cfg.task_desc,
+        num_warps=cfg.plan_warps,
     )
 
 

@@ -90,6 +90,8 @@ PLAN_SPACE = (
     knob("plan_block_c", 16, 32, 64, 128, 256, near=None),
     knob("plan_warps", 1, 2, 4, 8, near=None),
     knob("plan_block_b", 64, 256, 1024, near=None),
+    # what the descriptors (DecodeConfig.task_desc) add to the plan step
+    knob("task_desc", False, True),
 )
 SPACE = tuple(_on("decode", k) for k in DECODE_SPACE) + tuple(_on("plan", k) for k in PLAN_SPACE)
 PLAN_KNOBS = ("pps", "min_tiles")
@@ -179,6 +181,7 @@ class DecodeTune(TuneOp):
             plan = self.prepare(s, cand)(x)()
             want = ref.plan_decode(x["seq_lens"].cpu(), num_kv_heads=s.hkv, block_size=suite.PAGE,
                                    num_programs=plan.num_programs, min_tiles=plan.min_tiles)
+            want.has_desc = plan.has_desc
             assert plan.host_tables() == want.host_tables(), f"plan [{name}]: tables differ from the reference"
             return
 
