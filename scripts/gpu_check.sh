@@ -4,7 +4,8 @@
 #                                             tune:<op>[,<op>...] (hpcops tune: decode, moe, moe-shapes, rope,
 #                                             prefill),
 #                                             ep2 (two-GPU expert parallelism, scripts/moe_ep2.py),
-#                                             profile:decode (ncu), smoke (the smallest complete run of every GPU
+#                                             profile:decode (ncu), profile:moe (per-kernel µs, scripts/profile_moe.py;
+#                                             PROFILE_ARGS adds options), smoke (the smallest complete run of every GPU
 #                                             tool: hpcops tune <op> --smoke for every op, profile_decode.py)
 # Default: tests bench:decode,moe,rope,prefill. Results go to $OUT (or ./out): logs, and one
 # results.tar.gz holding bench/results/*.{json,md,png} to unpack into bench/results/ (the `tests`
@@ -86,6 +87,10 @@ for st in "${stages[@]}"; do
           --section SchedulerStats --section WarpStateStats \
           python3 scripts/profile_decode.py $args 2>&1 | tee -a "$OUT/results/ncu_decode.txt" | tail -60
       done ;;
+    profile:moe)
+      # per-kernel device time of fused_moe (and vLLM's GEMMs) on the moe suite's scenarios: results/profile_moe.txt
+      timeout 420 python3 scripts/profile_moe.py ${PROFILE_ARGS:-} 2>&1 | tee -a "$OUT/results/profile_moe.txt" | tail -80 \
+        || status=1 ;;
     tune:*)
       # `hpcops tune <op>` for each op: <op>_tune.{md,json} (+ moe_tuned.json) in results/; TUNE_ARGS adds options
       IFS=, read -ra ops <<< "${st#tune:}"

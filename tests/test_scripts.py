@@ -93,3 +93,13 @@ def test_tune_has_a_smoke_run(op, capsys):
     smoke = capsys.readouterr().out
     assert 0 < len(smoke.splitlines()) < len(full.splitlines())
     assert f"{op}: 1 scenarios" in smoke and "2 phase-A candidates" in smoke
+
+
+def test_profile_moe_help_and_gpu_check_stage():
+    """The MoE per-kernel profiler parses its options without a GPU, and gpu_check.sh has its stage."""
+    res = subprocess.run([sys.executable, os.path.join(SCRIPTS, "profile_moe.py"), "--help"], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+    assert res.returncode == 0, res.stderr
+    assert "--configs" in res.stdout and "--only" in res.stdout
+    with open(os.path.join(SCRIPTS, "gpu_check.sh")) as f:
+        assert "profile:moe)" in f.read()
