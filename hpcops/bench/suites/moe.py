@@ -55,7 +55,7 @@ QUICK_TP8, QUICK_EP8 = (4, 64, 4096), (4, 512)
 
 
 @dataclass(frozen=True)
-class Scenario:
+class Scenario(common.Hy3Rank):
     """A Hy3 layer (a `_moe_common.MoeShape`; the model's numbers are read from this module's constants)."""
 
     layout: str  # "tp8" | "ep8"
@@ -63,34 +63,8 @@ class Scenario:
     kind: str  # "fp8_tensor" | "fp8_block" | "none"
 
     @property
-    def inter(self) -> int:
-        return INTER[self.layout]
-
-    @property
     def n_local(self) -> int:
-        return N_LOCAL[self.layout]
-
-    e_local = n_local
-
-    @property
-    def e_global(self) -> int:
-        return E_GLOBAL
-
-    @property
-    def top_k(self) -> int:
-        return TOP_K
-
-    @property
-    def hidden(self) -> int:
-        return HIDDEN
-
-    @property
-    def ep(self) -> bool:
-        return self.layout == "ep8"
-
-    @property
-    def shared(self) -> bool:
-        return True
+        return self.e_local
 
     @property
     def name(self) -> str:
