@@ -38,7 +38,7 @@ def _attend_tiles(acc, m_i, l_i, q, s_scale, last_pos, k_ptr, v_ptr, k_desc, v_d
                   stride_kb, stride_kt, stride_vb, stride_vt, kv_len, tile_lo, tile_hi,
                   offs_d, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
                   BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, NUM_STAGES: tl.constexpr,
-                  USE_TMA: tl.constexpr, LEAN: tl.constexpr = False):
+                  USE_TMA: tl.constexpr, LEAN: tl.constexpr = False, Q_LEN: tl.constexpr = 1):
     """Online softmax over KV tiles [tile_lo, tile_hi) of one (request, kv head), BLOCK_N keys a step.
 
     acc [M, D], m_i [M], l_i [M] fp32 running state; last_pos [M]: last key each row may see.
@@ -50,8 +50,8 @@ def _attend_tiles(acc, m_i, l_i, q, s_scale, last_pos, k_ptr, v_ptr, k_desc, v_d
     the tail (the tiles holding the causal edge or the sequence end, at most 2) runs masked.
     """
     if LEAN and (BLOCK_SIZE >= BLOCK_N) and (BLOCK_N == TILE) and (not USE_TMA):
-        # keys < vis_end are in the sequence and visible to every row
-        vis_end = tl.min(last_pos, axis=0) + 1
+        # keys < vis_end are in the sequence and visible to every row (last_pos = kv_len − Q_LEN + j)
+        vis_end = kv_len - Q_LEN + 1
         mid = tl.minimum(tl.maximum(tl.maximum(vis_end, 0) // TILE, tile_lo), tile_hi)
         acc, m_i, l_i = _attend_whole(
             acc, m_i, l_i, q, s_scale, k_ptr, v_ptr, bt_row_ptr, bt_width, num_blocks,
@@ -302,7 +302,7 @@ def _attend_task(q_ptr, k_ptr, v_ptr, k_desc, v_desc, bt_ptr, q_scale_ptr, b, h,
         k_desc, v_desc, h * stride_kh, h * stride_vh,
         bt_ptr + b.to(tl.int64) * stride_bt, bt_width, num_blocks,
         stride_kb, stride_kt, stride_vb, stride_vt, kv_len, tile_lo, tile_hi,
-        offs_d, HEAD_DIM, BLOCK_SIZE, TILE, BLOCK_N, KV_FP8, Q_FP8, NUM_STAGES, USE_TMA, LEAN)
+        offs_d, HEAD_DIM, BLOCK_SIZE, TILE, BLOCK_N, KV_FP8, Q_FP8, NUM_STAGES, USE_TMA, LEAN, Q_LEN)
     return acc, m_i, l_i, j
 
 
@@ -432,7 +432,7 @@ def decode_static_kernel(
             k_desc, v_desc, h * stride_kh, h * stride_vh,
             bt_ptr + b.to(tl.int64) * stride_bt, bt_width, num_blocks,
             stride_kb, stride_kt, stride_vb, stride_vt, kv_len, lo, hi,
-            offs_d, HEAD_DIM, BLOCK_SIZE, TILE, BLOCK_N, KV_FP8, Q_FP8, NUM_STAGES, USE_TMA, LEAN)
+            offs_d, HEAD_DIM, BLOCK_SIZE, TILE, BLOCK_N, KV_FP8, Q_FP8, NUM_STAGES, USE_TMA, LEAN, Q_LEN)
         split = chunk < n_tiles
         slot = (b * num_kv_heads + h) * SPLITS + s
         _finish_task(acc, m_i, l_i, v_scale, split, slot, b, h, offs_m, offs_d, out_ptr, part_o_ptr,
