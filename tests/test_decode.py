@@ -24,9 +24,8 @@ def _tables(plan):
 
 
 def _desc(plan):
-    assert plan.has_desc
-    t = plan.host_tables()
-    return t["task_desc"], t["merge_desc"]
+    """The descriptor tables (the reference fills them always, the kernel under task_desc)."""
+    return plan.task_desc[:, :4].tolist(), plan.merge_desc.tolist()
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -43,7 +42,7 @@ def test_plan_matches_reference(seed, device):
     assert _tables(got) == _tables(want) and not got.has_desc
     with _with_config(dict(task_desc=True)):
         got = hpcops.plan_decode(sl, num_kv_heads=hkv, num_programs=c, min_tiles=mt)
-    assert _tables(got) == _tables(want) and _desc(got) == _desc(want)
+    assert got.has_desc and _tables(got) == _tables(want) and _desc(got) == _desc(want)
     # every tile of every (head, request) is covered exactly once, by contiguous tasks
     bucket, s, total, active = want.host_tables()["header"]
     tasks = enumerate_tasks(want.host_tables()["cum"], bucket, s, total, c)
@@ -80,7 +79,7 @@ def test_plan_launch_knobs_same_tables(launch, b, device):
             dec.set_decode_config(task_desc=True)
             got = hpcops.plan_decode(sl, num_kv_heads=hkv, num_programs=c, min_tiles=mt)
             dec.set_decode_config(task_desc=False)
-            assert _tables(got) == _tables(want) and _desc(got) == _desc(want)
+            assert got.has_desc and _tables(got) == _tables(want) and _desc(got) == _desc(want)
     finally:
         dec.set_decode_config(**old.__dict__)
 

@@ -28,7 +28,7 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
                 max_batch: int | None = None, max_seq_len: int | None = None, num_programs: int | None = None,
                 min_tiles: int | None = None, out: DecodePlan | None = None) -> DecodePlan:
     """Host/torch reference of `hpcops.plan_decode`: the same tables, computed with torch ops (the
-    descriptor tables always: `has_desc`)."""
+    descriptor tables always; `has_desc`, which `host_tables` shows them by, as the kernel's)."""
     del max_seq_len
     _validate_plan_args(seq_lens, num_kv_heads, q_len, block_size, out.max_batch if out else max_batch)
     dev = seq_lens.device
@@ -79,7 +79,9 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
                              task_desc=torch.zeros((c, 8), dtype=torch.int32, device=dev),
                              merge_desc=torch.empty((c, 4), dtype=torch.int32, device=dev))
     plan.batch = b
-    plan.has_desc = True
+    from hpcops.attention.decode import decode_config
+
+    plan.has_desc = decode_config().task_desc  # the tables are always filled; shown as the kernel's
     plan.header.copy_(header.to(torch.int32))
     # entries past the batch are not part of the map: keep the kernel's (it leaves them untouched)
     plan.cum[: b + 1].copy_(cum[: b + 1].to(torch.int32))
