@@ -151,7 +151,6 @@ class Case:
     block_n: int | None = None  # force the gate-up N tile (fp8_block: 128 quantizes in the epilogue)
     swap: bool | None = None  # force config.swap_ab
     naive: bool | None = None  # force one task per pair (True) or the index (False)
-    fuse: bool | None = None  # force config.fuse_reduce (naive tasks: the token-major down + reduce kernel)
 
     @property
     def id(self) -> str:
@@ -172,8 +171,6 @@ class Case:
             s += f"-swap{int(self.swap)}"
         if self.naive is not None:
             s += "-naive" if self.naive else "-indexed"
-        if self.fuse is not None:
-            s += f"-fuse{int(self.fuse)}"
         return s
 
 
@@ -214,8 +211,6 @@ PATH_BASES = [
 ]
 PATH_CASES = [replace(c, swap=swap, naive=naive) for c in PATH_BASES for swap in (False, True)
               for naive in (False, True)]
-# one task per pair with the separate down GEMM + reduction (the default fuses them)
-PATH_CASES += [replace(c, naive=True, fuse=False) for c in PATH_BASES]
 
 
 def _tolerance(case: Case) -> dict:
@@ -249,8 +244,6 @@ def run_case(case: Case, device: str):
         cfg = cfg.with_(swap_ab=case.swap)
     if case.naive is not None:
         cfg = cfg.with_(naive_max_pairs=1 << 30 if case.naive else 0)
-    if case.fuse is not None:
-        cfg = cfg.with_(fuse_reduce=case.fuse)
     out = nan_like(torch.empty(case.T, case.H, dtype=case.dtype, device=device)) if case.use_out else None
     got = fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap, shared_output=shared,
                     out=out, config=cfg)
@@ -266,15 +259,6 @@ def test_fused_moe(case, device):
     got, ref = run_case(case, device)
     assert got.dtype == case.dtype and got.shape == (case.T, case.H)
     assert_close(ref, got, **_tolerance(case))
-
-
-@pytest.mark.parametrize("case", PATH_BASES[:4], ids=lambda c: c.id)
-def test_down_reduce_equals_down_then_reduce(case, device):
-    """One task per pair: the token-major down GEMM with the reduction in its epilogue gives the very bits
-    of the down GEMM followed by the reduction kernel (same rounding of each pair's row, same sum order)."""
-    fused, _ = run_case(replace(case, naive=True, fuse=True), device)
-    split, _ = run_case(replace(case, naive=True, fuse=False), device)
-    assert torch.equal(fused, split)
 
 
 @pytest.mark.parametrize("mode", ["tensor-static", "tensor-per-token", "block"])
@@ -520,10 +504,6 @@ def test_gpu_hy3_paths(T, kind, naive, swap):
     ref = R.fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap, shared_output=shared)
     tol = {} if kind == "none" else {"maxtol": 4e-2, "rmstol": 1.5e-2}  # fp8 tolerance, see _tolerance
     assert_close(ref, got, **tol)
-    if naive:  # the token-major down GEMM + reduction computes what the separate kernels compute
-        split = fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap, shared_output=shared,
-                          config=cfg.with_(fuse_reduce=False))
-        assert torch.equal(got, split)
 
 
 @pytest.mark.gpu
@@ -590,14 +570,14 @@ def test_get_config_fp8_block_tiles():
 
 
 @pytest.mark.parametrize("kind,want", [
-    ("fp8_tensor", ["moe_quant_x_kernel", "moe_gate_up_kernel", "moe_down_reduce_kernel"]),
+    ("fp8_tensor", ["moe_quant_x_kernel", "moe_gate_up_kernel", "moe_down_kernel", "moe_reduce_kernel"]),
     ("fp8_tensor_dyn", ["moe_quant_x_kernel", "aten.zeros.default", "moe_gate_up_kernel",
-                        "moe_down_reduce_kernel"]),  # dynamic a2: a zeroed row-amax buffer
+                        "moe_down_kernel", "moe_reduce_kernel"]),  # dynamic a2: a zeroed row-amax buffer
 ])
 def test_decode_batch_launches(kind, want):
     """Everything a decode-size call puts on the stream (Triton launches and torch ops that run kernels):
-    B=4 Hy3 with static fp8 scales is three launches: x quantized once, then one task per pair (32 pairs over
-    192 experts: no index), the gate-up GEMM and the token-major down GEMM with the reduction in its epilogue."""
+    B=4 Hy3 with static fp8 scales is four launches: x quantized once, then one task per pair (32 pairs over
+    192 experts: no index), the two GEMMs and the reduction."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from hpcops.moe import _moe_kernels as K

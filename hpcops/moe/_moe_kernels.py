@@ -318,49 +318,6 @@ def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets
 
 
 @triton.jit
-def _down_step(acc, a, w, act_s_ptr, ws_ptr, e64, rows64, rmask, r_s, n0, k0, stride_acts, stride_wse, stride_wsn,
-               stride_wsk, QUANT: tl.constexpr, ACT_IN: tl.constexpr, SWAP_AB: tl.constexpr):
-    """One K step of the down GEMM: acc += a·w^T (swap-AB: w·a^T) for activations a [BLOCK_M, BLOCK_K] as the
-    gate-up wrote them and weights w [BLOCK_N, BLOCK_K]. FP8_BLOCK scales each step (a per row and 128-group,
-    w per 128×128 block); WIDE_ROW_AMAX activations are quantized here with the row scale r_s."""
-    if QUANT == Q_FP8_BLOCK:
-        a_s = tl.load(act_s_ptr + rows64 * stride_acts + k0 // 128, mask=rmask, other=0.0)
-        if ACT_IN == A_WIDE_GROUP_AMAX:
-            a_s = tl.maximum(a_s, 1e-12) / FP8_MAX
-            a = tl.minimum(tl.maximum(a.to(tl.float32) / a_s[:, None], -FP8_MAX), FP8_MAX).to(tl.float8e4nv)
-        ws = tl.load(ws_ptr + e64 * stride_wse + (n0 // 128) * stride_wsn + (k0 // 128) * stride_wsk)
-        if SWAP_AB:
-            acc += tl.dot(w, tl.trans(a)) * (ws * a_s[None, :])
-        else:
-            acc += tl.dot(a, tl.trans(w)) * (a_s[:, None] * ws)
-    else:
-        if QUANT == Q_FP8_TENSOR:
-            if ACT_IN == A_WIDE_ROW_AMAX:
-                a = tl.minimum(tl.maximum(a.to(tl.float32) / r_s[:, None], -FP8_MAX), FP8_MAX).to(tl.float8e4nv)
-        if SWAP_AB:
-            acc = tl.dot(w, tl.trans(a), acc)
-        else:
-            acc = tl.dot(a, tl.trans(w), acc)
-    return acc
-
-
-@triton.jit
-def _down_result(acc, a2_ptr, ws_ptr, e64, r_s, stride_wse, QUANT: tl.constexpr, ACT_IN: tl.constexpr,
-                 SWAP_AB: tl.constexpr):
-    """The finished [BLOCK_M, BLOCK_N] down tile in fp32: per-tensor fp8 scales applied (w per expert; the
-    activation's static a2 or its row scale)."""
-    if SWAP_AB:
-        acc = tl.trans(acc)
-    if QUANT == Q_FP8_TENSOR:
-        ws = tl.load(ws_ptr + e64 * stride_wse)
-        if ACT_IN == A_FP8_STATIC:
-            acc = acc * (tl.load(a2_ptr) * ws)
-        else:
-            acc = acc * (r_s[:, None] * ws)
-    return acc
-
-
-@triton.jit
 def moe_down_kernel(act_ptr, act_s_ptr, a2_ptr, rowmax_ptr, w_ptr, ws_ptr, tasks_ptr, offsets_ptr, ids_ptr, map_ptr,
                     y_ptr, H, I, CAP, E_GLOBAL, E_LOCAL,
                     stride_act, stride_acts, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk,
@@ -390,7 +347,6 @@ def moe_down_kernel(act_ptr, act_s_ptr, a2_ptr, rowmax_ptr, w_ptr, ws_ptr, tasks
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    r_s = tl.full((BLOCK_M,), 1.0, tl.float32)
     if ACT_IN == A_WIDE_ROW_AMAX:
         r_s = tl.maximum(tl.load(rowmax_ptr + rows, mask=rmask, other=0.0), 1e-12) / FP8_MAX
     for k0 in range(0, I, BLOCK_K):
@@ -398,70 +354,36 @@ def moe_down_kernel(act_ptr, act_s_ptr, a2_ptr, rowmax_ptr, w_ptr, ws_ptr, tasks
         kmask = kk < I
         a = tl.load(a_rows + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
         w = tl.load(w_rows + kk[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0)
-        acc = _down_step(acc, a, w, act_s_ptr, ws_ptr, e64, rows64, rmask, r_s, n0, k0, stride_acts, stride_wse,
-                         stride_wsn, stride_wsk, QUANT, ACT_IN, SWAP_AB)
-    acc = _down_result(acc, a2_ptr, ws_ptr, e64, r_s, stride_wse, QUANT, ACT_IN, SWAP_AB)
+        if QUANT == Q_FP8_BLOCK:
+            a_s = tl.load(act_s_ptr + rows64 * stride_acts + k0 // 128, mask=rmask, other=0.0)
+            if ACT_IN == A_WIDE_GROUP_AMAX:
+                a_s = tl.maximum(a_s, 1e-12) / FP8_MAX
+                a = tl.minimum(tl.maximum(a.to(tl.float32) / a_s[:, None], -FP8_MAX), FP8_MAX)
+                a = a.to(tl.float8e4nv)
+            ws = tl.load(ws_ptr + e64 * stride_wse + (n0 // 128) * stride_wsn + (k0 // 128) * stride_wsk)
+            if SWAP_AB:
+                acc += tl.dot(w, tl.trans(a)) * (ws * a_s[None, :])
+            else:
+                acc += tl.dot(a, tl.trans(w)) * (a_s[:, None] * ws)
+        else:
+            if QUANT == Q_FP8_TENSOR:
+                if ACT_IN == A_WIDE_ROW_AMAX:
+                    a = tl.minimum(tl.maximum(a.to(tl.float32) / r_s[:, None], -FP8_MAX), FP8_MAX)
+                    a = a.to(tl.float8e4nv)
+            if SWAP_AB:
+                acc = tl.dot(w, tl.trans(a), acc)
+            else:
+                acc = tl.dot(a, tl.trans(w), acc)
+    if SWAP_AB:
+        acc = tl.trans(acc)
+    if QUANT == Q_FP8_TENSOR:
+        ws = tl.load(ws_ptr + e64 * stride_wse)
+        if ACT_IN == A_FP8_STATIC:
+            acc = acc * (tl.load(a2_ptr) * ws)
+        else:
+            acc = acc * (r_s[:, None] * ws)
     y_ptrs = y_ptr + rows64[:, None] * stride_y + cols[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
-
-
-@triton.jit
-def moe_down_reduce_kernel(act_ptr, act_s_ptr, a2_ptr, rowmax_ptr, w_ptr, ws_ptr, ids_ptr, map_ptr, tw_ptr,
-                           shared_ptr, out_ptr, H, I, E_GLOBAL, E_LOCAL,
-                           stride_act, stride_acts, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk,
-                           stride_tw, stride_sh, stride_out,
-                           QUANT: tl.constexpr, ACT_IN: tl.constexpr, HAS_MAP: tl.constexpr,
-                           HAS_SHARED: tl.constexpr, SWAP_AB: tl.constexpr, TOP_K: tl.constexpr,
-                           K_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr):
-    """Token-major down GEMM with the top-k reduction in its epilogue (one task per pair, no index):
-    out[t, n] = Σ_j topk_weights[t, j] · round(act[t·k + j]·w2[e_j, n]) (+ shared_output[t, n]) for one
-    (token, N tile). One pipelined loop over the k pairs' K steps; each pair's down row is rounded to the
-    output dtype and summed in fp32 in slot order, exactly as `moe_down_kernel` + `moe_reduce_kernel` do.
-    Act rows are pair ids (the gate-up's NAIVE layout); remote or out-of-range pairs contribute nothing."""
-    t = tl.program_id(0)
-    n0 = tl.program_id(1) * BLOCK_N
-    cols = n0 + tl.arange(0, BLOCK_N)
-    cmask = cols < H
-    offs_k = tl.arange(0, BLOCK_K)
-    slots = tl.arange(0, K_PAD)
-    pairs = t * TOP_K + slots
-    e_all, ok_all = _local_expert(ids_ptr, map_ptr, pairs, slots < TOP_K, E_GLOBAL, E_LOCAL, HAS_MAP)
-    tw_all = tl.load(tw_ptr + t.to(tl.int64) * stride_tw + slots, mask=slots < TOP_K, other=0.0)
-    n_k = tl.cdiv(I, BLOCK_K)
-    out = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    if SWAP_AB:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for it in range(0, TOP_K * n_k):
-        j = it // n_k
-        k0 = (it - j * n_k) * BLOCK_K
-        pick = slots == j
-        ok = tl.sum(tl.where(pick & ok_all, 1, 0)) > 0
-        e64 = tl.sum(tl.where(pick & ok_all, e_all, 0)).to(tl.int64)
-        rows64 = (t * TOP_K + j + tl.arange(0, BLOCK_M)).to(tl.int64)
-        rmask = (tl.arange(0, BLOCK_M) == 0) & ok
-        r_s = tl.full((BLOCK_M,), 1.0, tl.float32)
-        if ACT_IN == A_WIDE_ROW_AMAX:
-            r_s = tl.maximum(tl.load(rowmax_ptr + rows64, mask=rmask, other=0.0), 1e-12) / FP8_MAX
-        kk = k0 + offs_k
-        kmask = kk < I
-        a = tl.load(act_ptr + rows64[:, None] * stride_act + kk[None, :], mask=rmask[:, None] & kmask[None, :],
-                    other=0.0)
-        w = tl.load(w_ptr + e64 * stride_we + cols.to(tl.int64)[:, None] * stride_wn + kk[None, :],
-                    mask=(cmask[:, None] & kmask[None, :]) & ok, other=0.0)
-        acc = _down_step(acc, a, w, act_s_ptr, ws_ptr, e64, rows64, rmask, r_s, n0, k0, stride_acts, stride_wse,
-                         stride_wsn, stride_wsk, QUANT, ACT_IN, SWAP_AB)
-        if it - j * n_k == n_k - 1:  # the pair's last K step: round its row like y, weight it, start the next
-            y = _down_result(acc, a2_ptr, ws_ptr, e64, r_s, stride_wse, QUANT, ACT_IN, SWAP_AB)
-            y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
-            tw = tl.sum(tl.where(pick, tw_all, 0.0))
-            out += tw * tl.sum(tl.where(rmask[:, None], y, 0.0), axis=0)
-            acc = tl.zeros_like(acc)
-    if HAS_SHARED:
-        out += tl.load(shared_ptr + t.to(tl.int64) * stride_sh + cols, mask=cmask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t.to(tl.int64) * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=cmask)
 
 
 @triton.jit

@@ -36,9 +36,6 @@ class MoeConfig:
     (Hopper's wgmma needs 64 rows there): for M tiles below 64 rows.
     `naive_max_pairs`: up to this many (token, slot) pairs there is no index at all: one task per pair,
     its expert read from topk_ids; a weight tile is read once per pair routed to its expert (decode).
-    `fuse_reduce`: with one task per pair, the down GEMM runs token-major and does the top-k reduction in
-    its epilogue (`moe_down_reduce_kernel`: no [T·k, H] intermediate, no reduce launch); its N tile is
-    `down_block_n`, halved (not below 16) until the T × H/N programs fill two per SM.
     """
 
     block_m: int = 16
@@ -57,7 +54,6 @@ class MoeConfig:
     validate_ids: bool = True
     swap_ab: bool = False
     naive_max_pairs: int = 0
-    fuse_reduce: bool = True
 
     def with_(self, **kw) -> MoeConfig:
         return replace(self, **kw)
@@ -151,7 +147,7 @@ def heuristic_config(*, num_tokens: int, top_k: int, num_experts: int, hidden: i
 
 TUNABLE = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "down_block_n", "down_block_k",
            "down_num_warps", "down_num_stages", "reduce_block_h", "index_small_max", "prequant_x", "swap_ab",
-           "naive_max_pairs", "fuse_reduce")
+           "naive_max_pairs")
 
 
 @functools.cache

@@ -19,7 +19,7 @@ from hpcops._checks import (
     values_checkable,
 )
 from hpcops._library import register
-from hpcops._platform import is_interpreter, num_sms
+from hpcops._platform import is_interpreter
 from hpcops.moe import _moe_kernels as K
 from hpcops.moe.configs import ACT_MUL_MODES, MoeConfig, get_config
 from hpcops.moe.routing import build_moe_index
@@ -167,9 +167,6 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
-    if naive and cfg.fuse_reduce:
-        _down_reduce(scheme, act, w2, ws, topk_ids, emap, topk_weights, shared_output, out, cfg, routing, n_global)
-        return out
     y = torch.empty((T * k, H), dtype=out_dt, device=x.device)
     K.moe_down_kernel[(n_tasks * triton.cdiv(H, cfg.down_block_n),)](
         act.act, act.scale, act.a2, act.rowmax, w2, ws.w2, tasks, offsets, topk_ids, emap, y,
@@ -187,26 +184,6 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         y.stride(0), topk_weights.stride(0), sh.stride(0), out.stride(0),
         TOP_K=k, HAS_SHARED=shared_output is not None, **routing, BLOCK_H=bh, num_warps=4)
     return out
-
-
-def _down_reduce(scheme: Scheme, act, w2, ws, topk_ids, emap, topk_weights, shared_output, out, cfg: MoeConfig,
-                 routing: dict, n_global: int) -> None:
-    """The token-major down GEMM with the top-k reduction in its epilogue (one task per pair)."""
-    T, k = topk_ids.shape
-    H, inter = w2.shape[1], w2.shape[2]
-    bn = cfg.down_block_n
-    while bn > 16 and T * triton.cdiv(H, bn) < 2 * num_sms(out.device):
-        bn //= 2
-    sh = shared_output if shared_output is not None else out
-    K.moe_down_reduce_kernel[(T, triton.cdiv(H, bn))](
-        act.act, act.scale, act.a2, act.rowmax, w2, ws.w2, topk_ids, emap, topk_weights, sh, out,
-        H, inter, n_global, w2.shape[0],
-        act.act.stride(0), act.stride_s, w2.stride(0), w2.stride(1), *ws.w2_strides,
-        topk_weights.stride(0), sh.stride(0), out.stride(0),
-        QUANT=int(scheme.code), ACT_IN=int(act.mode), HAS_MAP=routing["HAS_MAP"],
-        HAS_SHARED=shared_output is not None, SWAP_AB=cfg.swap_ab, TOP_K=k, K_PAD=triton.next_power_of_2(k),
-        BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_K=cfg.down_block_k,
-        num_warps=cfg.down_num_warps, num_stages=cfg.down_num_stages)
 
 
 # ---- torch.library: the mutating out= form, for torch.compile and graph-capturing frameworks ----
