@@ -13,15 +13,17 @@ import textwrap
 import pytest
 from test_decode_compile import SCRIPT, _attn, _combine
 
+# every constexpr given (one that is not compiles as a runtime int, i.e. every branch of it)
 VARIANTS = {
-    "persistent-bf16-taskdesc": _attn(TASK_DESC=True),
-    "persistent-fp8kv-lean": _attn(kv="fp8e4nv", LEAN=True),
-    "persistent-bf16-taskdesc-lean": _attn(TASK_DESC=True, LEAN=True),
+    "persistent-bf16-taskdesc": _attn(TASK_DESC=True, LEAN=False, USE_PDL=False),
+    "persistent-fp8kv-lean": _attn(kv="fp8e4nv", LEAN=True, TASK_DESC=False, USE_PDL=False),
+    "persistent-bf16-taskdesc-lean": _attn(TASK_DESC=True, LEAN=True, USE_PDL=False),
     "persistent-fp8q-q4-g16-taskdesc-lean": _attn(q="fp8e4nv", kv="fp8e4nv", q_len=4, g=16, TASK_DESC=True,
-                                                  LEAN=True),
+                                                  LEAN=True, USE_PDL=False),
     "persistent-bf16-pdl-taskdesc-lean": _attn(USE_PDL=True, TASK_DESC=True, LEAN=True),
+    "persistent-fp8kv-lean-s4": _attn(kv="fp8e4nv", LEAN=True, TASK_DESC=False, USE_PDL=False, stages=4),
     "static-bf16-lean": _attn("decode_static_kernel", SPLITS=4, LEAN=True),
-    "combine-mergedesc": _combine("decode_combine_kernel", MERGE_DESC=True),
+    "combine-mergedesc": _combine("decode_combine_kernel", MERGE_DESC=True, USE_PDL=False),
     "combine-pdl-mergedesc": _combine("decode_combine_kernel", USE_PDL=True, MERGE_DESC=True),
 }
 

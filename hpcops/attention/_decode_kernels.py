@@ -81,9 +81,15 @@ def _attend_whole(acc, m_i, l_i, q, s_scale, k_ptr, v_ptr, bt_row_ptr, bt_width,
     d_ok = offs_d < HEAD_DIM
     k_off = offs_n[:, None] * stride_kt + offs_d[None, :]  # [BLOCK_N, D] int32, loop-invariant
     v_off = offs_n[:, None] * stride_vt + offs_d[None, :]
+    # the page of the next step is loaded one step ahead (a loop-carried scalar), so that the K/V
+    # loads, not the block-table load, take the software pipeline's stages
+    col = (tile_lo * TILE) // BLOCK_SIZE
+    next_page = tl.load(bt_row_ptr + col, mask=(col < bt_width) & (tile_lo < tile_hi), other=-1)
     for start in tl.range(tile_lo * TILE, tile_hi * TILE, BLOCK_N, num_stages=NUM_STAGES):
-        col = start // BLOCK_SIZE
-        page = tl.load(bt_row_ptr + col, mask=col < bt_width, other=-1)
+        page = next_page
+        col_n = (start + BLOCK_N) // BLOCK_SIZE
+        next_page = tl.load(bt_row_ptr + col_n, mask=(col_n < bt_width) & (start + BLOCK_N < tile_hi * TILE),
+                            other=-1)
         ok = (page >= 0) & (page < num_blocks)
         page = tl.where(ok, page, 0).to(tl.int64)
         slot = start % BLOCK_SIZE

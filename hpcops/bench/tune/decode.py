@@ -73,6 +73,7 @@ DECODE_SPACE = (
     knob("lean_loop", False, True),
     knob(("task_desc", "lean_loop"), (True, True), near=None),
     knob("pps", 1, 2, 3, 4, 6),
+    knob(("lean_loop", "num_stages"), (True, 4), near=None),
     knob("min_tiles", 2, 4, 8, 16),
     knob("pdl", False, True),
     knob("use_tma", False, True),
