@@ -56,7 +56,7 @@ def test_plan_matches_reference(seed, device):
     assert max(sum(n for p, *_, n, _ in tasks if p == i) for i in range(active)) <= bucket
 
 
-@pytest.mark.parametrize("launch", [dict(plan_block_c=16, plan_warps=1),
+@pytest.mark.parametrize("launch", [dict(plan_block_c=16, plan_warps=1), dict(plan_block_c=0),
                                     dict(plan_block_c=32, plan_warps=2, plan_block_b=16),
                                     dict(plan_block_c=64, plan_block_b=1024),
                                     dict(plan_block_c=256, plan_warps=8, plan_block_b=64)],

@@ -57,7 +57,8 @@ class DecodeConfig:
         timing on the H200 is pending.
     plan_block_c, plan_warps, plan_block_b: launch of the plan kernel (`plan_decode`, once per step):
         plan entries (persistent programs) served per plan program (16..256: smaller = more plan
-        programs, each with a smaller [plan_block_c, block] compare-count tile), its warps (1..8), and
+        programs, each with a smaller [plan_block_c, block] compare-count tile; 0 = by batch size,
+        `plan.auto_plan_launch`, which also picks the warps), its warps (1..8), and
         the requests per block of its prefix-sum scan (a batch up to plan_block_b is planned in one
         pass kept in registers; a larger one loops over blocks). Defaults: the launch the plan had
         before these knobs (128 entries, 4 warps, blocks of 256), until the H200 sweep picks.

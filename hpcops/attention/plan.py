@@ -62,7 +62,7 @@ DEFAULT_MIN_TILES = 4
 
 # Launch choices of the plan kernel: DecodeConfig.plan_block_c, plan_warps, plan_block_b
 # (hpcops.attention.decode), validated here.
-PLAN_BLOCK_C = (16, 32, 64, 128, 256)
+PLAN_BLOCK_C = (0, 16, 32, 64, 128, 256)  # 0: by batch size (`auto_plan_launch`)
 PLAN_WARPS = (1, 2, 4, 8)
 PLAN_BLOCK_B = (16, 32, 64, 128, 256, 512, 1024)
 
@@ -263,13 +263,22 @@ def _launch_plan(plan: DecodePlan, seq_lens: torch.Tensor) -> None:
         if getattr(cfg, name) not in ok:
             raise ValueError(f"DecodeConfig.{name} must be one of {ok}, got {getattr(cfg, name)!r}")
     block_b = min(cfg.plan_block_b, max(16, 1 << (b - 1).bit_length()))
-    grid = (triton_cdiv(plan.num_programs, cfg.plan_block_c),)
+    block_c, warps = (cfg.plan_block_c, cfg.plan_warps) if cfg.plan_block_c else auto_plan_launch(b)
+    grid = (triton_cdiv(plan.num_programs, block_c),)
     plan_decode_kernel[grid](
         seq_lens, plan.cum, plan.header, plan.first_b, plan.last_b, plan.task_desc, plan.merge_desc,
         b, plan.num_kv_heads, plan.num_programs, plan.min_tiles,
-        TILE=TILE, BLOCK_B=block_b, BLOCK_C=cfg.plan_block_c, ONE_BLOCK=b <= block_b, DESC=cfg.task_desc,
-        num_warps=cfg.plan_warps,
+        TILE=TILE, BLOCK_B=block_b, BLOCK_C=block_c, ONE_BLOCK=b <= block_b, DESC=cfg.task_desc,
+        num_warps=warps,
     )
+
+
+def auto_plan_launch(batch: int) -> tuple[int, int]:
+    """(plan entries per plan program, warps) for `DecodeConfig.plan_block_c = 0`: the smallest sm90
+    instruction count per plan program (compiled ahead, no spills): 16 entries on 1 warp up to 64
+    requests (~580 PTX instructions, no barrier, against ~1370 for 128 entries on 4 warps), 32 on 4
+    warps above (~870 at 256 requests, against ~3060). Unmeasured on a GPU: the sweep decides."""
+    return (16, 1) if batch <= 64 else (32, 4)
 
 
 def triton_cdiv(a: int, b: int) -> int:

@@ -87,8 +87,8 @@ DECODE_SPACE = (
 )
 # the plan kernel's launch, timed on the plan scenarios
 PLAN_SPACE = (
-    knob(("plan_block_c", "plan_warps"), (16, 1), (32, 1), (16, 2), (32, 2), (64, 2), near=None),
-    knob("plan_block_c", 16, 32, 64, 128, 256, near=None),
+    knob(("plan_block_c", "plan_warps"), (0, 4), (16, 1), (32, 1), (16, 2), (32, 4), (64, 2), near=None),
+    knob("plan_block_c", 16, 32, 64, 256, near=None),
     knob("plan_warps", 1, 2, 4, 8, near=None),
     knob("plan_block_b", 64, 256, 1024, near=None),
     # what the descriptors (DecodeConfig.task_desc) add to the plan step
