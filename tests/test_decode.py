@@ -40,7 +40,7 @@ def test_plan_matches_reference(seed, device):
     got = hpcops.plan_decode(sl, num_kv_heads=hkv, num_programs=c, min_tiles=mt)
     want = ref.plan_decode(sl.cpu(), num_kv_heads=hkv, num_programs=c, min_tiles=mt)
     assert _tables(got) == _tables(want) and not got.has_desc
-    with _with_config(dict(task_desc=True)):
+    with _with_config(dict(task_desc=True, plan_one_pass=bool(seed % 2))):
         got = hpcops.plan_decode(sl, num_kv_heads=hkv, num_programs=c, min_tiles=mt)
     assert got.has_desc and _tables(got) == _tables(want) and _desc(got) == _desc(want)
     # every tile of every (head, request) is covered exactly once, by contiguous tasks
@@ -56,9 +56,9 @@ def test_plan_matches_reference(seed, device):
     assert max(sum(n for p, *_, n, _ in tasks if p == i) for i in range(active)) <= bucket
 
 
-@pytest.mark.parametrize("launch", [dict(plan_block_c=16, plan_warps=1), dict(plan_block_c=0),
-                                    dict(plan_block_c=32, plan_warps=2, plan_block_b=16),
-                                    dict(plan_block_c=64, plan_block_b=1024),
+@pytest.mark.parametrize("launch", [dict(plan_block_c=16, plan_warps=1), dict(plan_block_c=0, plan_one_pass=True),
+                                    dict(plan_block_c=32, plan_warps=2, plan_block_b=16, plan_one_pass=True),
+                                    dict(plan_block_c=64, plan_block_b=1024, plan_one_pass=True),
                                     dict(plan_block_c=256, plan_warps=8, plan_block_b=64)],
                          ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
 @pytest.mark.parametrize("b", [1, 17, 64, 300])
@@ -607,7 +607,7 @@ def test_tune_plan_scenarios_gate_their_candidates():
     x = op.make_inputs(s, 0, "cpu")
     cands = [c for _, c in phase_a(op, s, Limits.of(False, False))]
     moved = {k for c in cands[1:] for k, v in c.items() if cands[0][k] != v}
-    assert moved == {"plan_block_c", "plan_warps", "plan_block_b", "task_desc"}
+    assert moved == {"plan_block_c", "plan_warps", "plan_block_b", "plan_one_pass", "task_desc"}
     before = dec.decode_config()
     for c in cands:
         with op.context(c):

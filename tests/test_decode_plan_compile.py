@@ -45,7 +45,8 @@ for name, (block_c, block_b, one, warps, desc) in json.loads(sys.argv[1]).items(
     out[name] = {"local": cc.asm["ptx"].count("st.local"), "smem": cc.metadata.shared}
 print(json.dumps(out))
 """)
-PLAN_LAUNCHES = {"c16-b256-w1": (16, 256, True, 1, False), "c32-b256-w2-desc": (32, 256, True, 2, True),
+PLAN_LAUNCHES = {"c16-b256-w1": (16, 256, True, 1, False), "c128-b64-w4-2pass": (128, 64, False, 4, False),
+                 "c32-b256-w2-desc": (32, 256, True, 2, True),
                  "c128-b256-w4": (128, 256, True, 4, False), "c128-b256-w4-desc": (128, 256, True, 4, True),
                  "c64-b1024-w4-desc": (64, 1024, True, 4, True), "c32-b256-loop-w2-desc": (32, 256, False, 2, True),
                  "c256-b64-w8": (256, 64, True, 8, False)}

@@ -49,23 +49,64 @@ def _attend_tiles(acc, m_i, l_i, q, s_scale, last_pos, k_ptr, v_ptr, k_desc, v_d
     run unmasked, addressed as a scalar page base plus a loop-invariant [BLOCK_N, D] offset tile; only
     the tail (the tiles holding the causal edge or the sequence end, at most 2) runs masked.
     """
+    offs_n = tl.arange(0, BLOCK_N)
+    d_ok = offs_d < HEAD_DIM
+    stop = tl.minimum(tile_hi * TILE, kv_len)
     if LEAN and (BLOCK_SIZE >= BLOCK_N) and (BLOCK_N == TILE) and (not USE_TMA):
-        # keys < vis_end are in the sequence and visible to every row (last_pos = kv_len − Q_LEN + j)
+        # keys < vis_end are in the sequence and visible to every row (last_pos = kv_len − Q_LEN + j):
+        # whole tiles below it unmasked, the rest (the tail) by the masked loop below
         vis_end = kv_len - Q_LEN + 1
         mid = tl.minimum(tl.maximum(tl.maximum(vis_end, 0) // TILE, tile_lo), tile_hi)
         acc, m_i, l_i = _attend_whole(
             acc, m_i, l_i, q, s_scale, k_ptr, v_ptr, bt_row_ptr, bt_width, num_blocks,
             stride_kb, stride_kt, stride_vb, stride_vt, tile_lo, mid, offs_d, HEAD_DIM, BLOCK_SIZE, TILE,
             BLOCK_N, KV_FP8, Q_FP8, NUM_STAGES)
-        acc, m_i, l_i = _attend_masked(
-            acc, m_i, l_i, q, s_scale, last_pos, k_ptr, v_ptr, k_desc, v_desc, k_col, v_col,
-            bt_row_ptr, bt_width, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt, kv_len, mid, tile_hi,
-            offs_d, HEAD_DIM, BLOCK_SIZE, TILE, BLOCK_N, KV_FP8, Q_FP8, NUM_STAGES, USE_TMA)
-    else:
-        acc, m_i, l_i = _attend_masked(
-            acc, m_i, l_i, q, s_scale, last_pos, k_ptr, v_ptr, k_desc, v_desc, k_col, v_col,
-            bt_row_ptr, bt_width, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt, kv_len, tile_lo,
-            tile_hi, offs_d, HEAD_DIM, BLOCK_SIZE, TILE, BLOCK_N, KV_FP8, Q_FP8, NUM_STAGES, USE_TMA)
+        tile_lo = mid
+    for start in tl.range(tile_lo * TILE, tile_hi * TILE, BLOCK_N, num_stages=NUM_STAGES):
+        tok = start + offs_n  # [BLOCK_N]
+        in_seq = tok < stop
+        if (BLOCK_SIZE >= BLOCK_N) and (BLOCK_N == TILE):
+            # steps start on tile boundaries, so a one-tile step lies in one page: one block-table load
+            col = start // BLOCK_SIZE
+            page_s = tl.load(bt_row_ptr + col, mask=col < bt_width, other=-1)
+            ok = in_seq & (page_s >= 0) & (page_s < num_blocks)
+            page = tl.where(ok, page_s, 0).to(tl.int64)
+        else:
+            col = tok // BLOCK_SIZE
+            page = tl.load(bt_row_ptr + col, mask=in_seq & (col < bt_width), other=-1)
+            ok = in_seq & (page >= 0) & (page < num_blocks)
+            page = tl.where(ok, page, 0).to(tl.int64)
+        slot = (tok % BLOCK_SIZE).to(tl.int64)
+        kv_mask = ok[:, None] & d_ok[None, :]
+        if USE_TMA:
+            row0 = (tl.where(page_s >= 0, page_s, 0) * BLOCK_SIZE + start % BLOCK_SIZE).to(tl.int32)
+            k = k_desc.load([row0, k_col])  # [BLOCK_N, D]
+        else:
+            k = tl.load(k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_kt + offs_d[None, :],
+                        mask=kv_mask, other=0.0)  # [BLOCK_N, D]
+        if KV_FP8:
+            if not Q_FP8:
+                k = k.to(tl.float16)
+        s = tl.dot(q, tl.trans(k)) * s_scale[:, None]  # [M, BLOCK_N]
+        visible = (tok[None, :] <= last_pos[:, None]) & ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if USE_TMA:
+            v = v_desc.load([row0, v_col])  # [BLOCK_N, D]; rows past the sequence may hold anything
+            v = tl.where(ok[:, None], v, 0.0)
+        else:
+            v = tl.load(v_ptr + page[:, None] * stride_vb + slot[:, None] * stride_vt + offs_d[None, :],
+                        mask=kv_mask, other=0.0)  # [BLOCK_N, D]
+        if KV_FP8:
+            pv = tl.dot(p.to(tl.float16), v.to(tl.float16))
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
     return acc, m_i, l_i
 
 
@@ -106,66 +147,6 @@ def _attend_whole(acc, m_i, l_i, q, s_scale, k_ptr, v_ptr, bt_row_ptr, bt_width,
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_ptr + (page * stride_vb + slot * stride_vt) + v_off, mask=d_ok[None, :] & ok,
                     other=0.0)  # [BLOCK_N, D]
-        if KV_FP8:
-            pv = tl.dot(p.to(tl.float16), v.to(tl.float16))
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
-    return acc, m_i, l_i
-
-
-@triton.jit
-def _attend_masked(acc, m_i, l_i, q, s_scale, last_pos, k_ptr, v_ptr, k_desc, v_desc, k_col, v_col,
-                  bt_row_ptr, bt_width, num_blocks,
-                  stride_kb, stride_kt, stride_vb, stride_vt, kv_len, tile_lo, tile_hi,
-                  offs_d, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
-                  BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, NUM_STAGES: tl.constexpr,
-                  USE_TMA: tl.constexpr):
-    """Online softmax over KV tiles [tile_lo, tile_hi), every step masked (sequence end, causal,
-    bad pages); see `_attend_tiles`."""
-    offs_n = tl.arange(0, BLOCK_N)
-    d_ok = offs_d < HEAD_DIM
-    stop = tl.minimum(tile_hi * TILE, kv_len)
-    for start in tl.range(tile_lo * TILE, tile_hi * TILE, BLOCK_N, num_stages=NUM_STAGES):
-        tok = start + offs_n  # [BLOCK_N]
-        in_seq = tok < stop
-        if (BLOCK_SIZE >= BLOCK_N) and (BLOCK_N == TILE):
-            # steps start on tile boundaries, so a one-tile step lies in one page: one block-table load
-            col = start // BLOCK_SIZE
-            page_s = tl.load(bt_row_ptr + col, mask=col < bt_width, other=-1)
-            ok = in_seq & (page_s >= 0) & (page_s < num_blocks)
-            page = tl.where(ok, page_s, 0).to(tl.int64)
-        else:
-            col = tok // BLOCK_SIZE
-            page = tl.load(bt_row_ptr + col, mask=in_seq & (col < bt_width), other=-1)
-            ok = in_seq & (page >= 0) & (page < num_blocks)
-            page = tl.where(ok, page, 0).to(tl.int64)
-        slot = (tok % BLOCK_SIZE).to(tl.int64)
-        kv_mask = ok[:, None] & d_ok[None, :]
-        if USE_TMA:
-            row0 = (tl.where(page_s >= 0, page_s, 0) * BLOCK_SIZE + start % BLOCK_SIZE).to(tl.int32)
-            k = k_desc.load([row0, k_col])  # [BLOCK_N, D]
-        else:
-            k = tl.load(k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_kt + offs_d[None, :],
-                        mask=kv_mask, other=0.0)  # [BLOCK_N, D]
-        if KV_FP8:
-            if not Q_FP8:
-                k = k.to(tl.float16)
-        s = tl.dot(q, tl.trans(k)) * s_scale[:, None]  # [M, BLOCK_N]
-        visible = (tok[None, :] <= last_pos[:, None]) & ok[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_ref)
-        p = tl.exp2(s - m_ref[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if USE_TMA:
-            v = v_desc.load([row0, v_col])  # [BLOCK_N, D]; rows past the sequence may hold anything
-            v = tl.where(ok[:, None], v, 0.0)
-        else:
-            v = tl.load(v_ptr + page[:, None] * stride_vb + slot[:, None] * stride_vt + offs_d[None, :],
-                        mask=kv_mask, other=0.0)  # [BLOCK_N, D]
         if KV_FP8:
             pv = tl.dot(p.to(tl.float16), v.to(tl.float16))
         else:
@@ -222,14 +203,14 @@ def decode_persistent_kernel(
     pid = tl.program_id(0)
     if USE_PDL:
         gdc_launch_dependents()
-    offs_m = tl.arange(0, M_PAD)
-    offs_d = tl.arange(0, D_PAD)
-    kv_scale = 1.0
-    v_scale = 1.0
-    if KV_FP8:
-        kv_scale = tl.load(k_scale_ptr)
-        v_scale = tl.load(v_scale_ptr)
     if TASK_DESC:
+        offs_m = tl.arange(0, M_PAD)
+        offs_d = tl.arange(0, D_PAD)
+        kv_scale = 1.0
+        v_scale = 1.0
+        if KV_FP8:
+            kv_scale = tl.load(k_scale_ptr)
+            v_scale = tl.load(v_scale_ptr)
         td = first_b_ptr + pid * 8  # the plan's task_desc
         b = tl.load(td)
         h = tl.load(td + 1)
@@ -265,6 +246,13 @@ def decode_persistent_kernel(
         p0 = pid * bucket
         p1 = tl.minimum(p0 + bucket, total)
         p = tl.where(b >= 0, p0, p1)
+        offs_m = tl.arange(0, M_PAD)
+        offs_d = tl.arange(0, D_PAD)
+        kv_scale = 1.0
+        v_scale = 1.0
+        if KV_FP8:
+            kv_scale = tl.load(k_scale_ptr)
+            v_scale = tl.load(v_scale_ptr)
         while p < p1:
             h = p // s_tiles
             r = p - h * s_tiles
@@ -272,12 +260,20 @@ def decode_persistent_kernel(
             end_b = tl.load(cum_ptr + b + 1)
             n = tl.minimum(p1 - p, end_b - r)
             kv_len = tl.load(seq_lens_ptr + b)
-            acc, m_i, l_i, j = _attend_task(
-                q_ptr, k_ptr, v_ptr, k_desc, v_desc, bt_ptr, q_scale_ptr, b, h, kv_len, r - start_b,
-                r - start_b + n, sm_scale_log2 * kv_scale, num_q_heads, bt_width, num_blocks, offs_m, offs_d,
-                stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
-                Q_LEN, G, HEAD_DIM, M_PAD, D_PAD, BLOCK_SIZE, TILE, BLOCK_N, KV_FP8, Q_FP8, NUM_STAGES, USE_TMA,
-                LEAN)
+            q, qs, j = _load_q(q_ptr, q_scale_ptr, b, h, offs_m, offs_d, stride_qt, stride_qh, num_q_heads,
+                               Q_LEN, G, HEAD_DIM, KV_FP8, Q_FP8)
+            s_scale = qs * (sm_scale_log2 * kv_scale)
+            last_pos = kv_len - Q_LEN + j
+            acc = tl.zeros([M_PAD, D_PAD], dtype=tl.float32)
+            m_i = tl.full([M_PAD], float("-inf"), tl.float32)
+            l_i = tl.zeros([M_PAD], dtype=tl.float32)
+            acc, m_i, l_i = _attend_tiles(
+                acc, m_i, l_i, q, s_scale, last_pos,
+                k_ptr + h.to(tl.int64) * stride_kh, v_ptr + h.to(tl.int64) * stride_vh,
+                k_desc, v_desc, h * stride_kh, h * stride_vh,
+                bt_ptr + b.to(tl.int64) * stride_bt, bt_width, num_blocks,
+                stride_kb, stride_kt, stride_vb, stride_vt, kv_len, r - start_b, r - start_b + n,
+                offs_d, HEAD_DIM, BLOCK_SIZE, TILE, BLOCK_N, KV_FP8, Q_FP8, NUM_STAGES, USE_TMA, LEAN, Q_LEN)
             pair_lo = h * s_tiles + start_b
             pair_hi = h * s_tiles + end_b
             split = (pair_lo // bucket) != ((pair_hi - 1) // bucket)

@@ -59,9 +59,11 @@ class DecodeConfig:
         plan entries (persistent programs) served per plan program (16..256: smaller = more plan
         programs, each with a smaller [plan_block_c, block] compare-count tile; 0 = by batch size,
         `plan.auto_plan_launch`, which also picks the warps), its warps (1..8), and
-        the requests per block of its prefix-sum scan (a batch up to plan_block_b is planned in one
-        pass kept in registers; a larger one loops over blocks). Defaults: the launch the plan had
-        before these knobs (128 entries, 4 warps, blocks of 256), until the H200 sweep picks.
+        the requests per block of its prefix-sum scan. Defaults: the launch the plan had before these
+        knobs (128 entries, 4 warps, blocks of 256), until the H200 sweep picks.
+    plan_one_pass: a batch of at most plan_block_b requests is planned in one pass (one load, one
+        scan kept in registers for the compare-count) instead of two (scan, then re-load and re-scan
+        for the compare). Off: the measured plan kernel.
     """
 
     num_stages: int = 3
@@ -76,6 +78,7 @@ class DecodeConfig:
     plan_block_c: int = 128
     plan_warps: int = 4
     plan_block_b: int = 256
+    plan_one_pass: bool = False
 
 
 _CONFIG = DecodeConfig()

@@ -268,7 +268,8 @@ def _launch_plan(plan: DecodePlan, seq_lens: torch.Tensor) -> None:
     plan_decode_kernel[grid](
         seq_lens, plan.cum, plan.header, plan.first_b, plan.last_b, plan.task_desc, plan.merge_desc,
         b, plan.num_kv_heads, plan.num_programs, plan.min_tiles,
-        TILE=TILE, BLOCK_B=block_b, BLOCK_C=block_c, ONE_BLOCK=b <= block_b, DESC=cfg.task_desc,
+        TILE=TILE, BLOCK_B=block_b, BLOCK_C=block_c, ONE_BLOCK=cfg.plan_one_pass and b <= block_b,
+        DESC=cfg.task_desc,
         num_warps=warps,
     )
 

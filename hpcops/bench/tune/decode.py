@@ -87,6 +87,9 @@ DECODE_SPACE = (
 )
 # the plan kernel's launch, timed on the plan scenarios
 PLAN_SPACE = (
+    # one pass alone, then with smaller plan programs (the likely winners), first: --quick runs these
+    knob(("plan_one_pass", "plan_block_c", "plan_warps"), (True, 128, 4), (True, 0, 4), (True, 16, 1), near=None),
+    knob("plan_one_pass", False, True),
     knob(("plan_block_c", "plan_warps"), (0, 4), (16, 1), (32, 1), (16, 2), (32, 4), (64, 2), near=None),
     knob("plan_block_c", 16, 32, 64, 256, near=None),
     knob("plan_warps", 1, 2, 4, 8, near=None),
