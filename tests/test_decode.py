@@ -336,7 +336,7 @@ def _gpu_real_sizes(spec, hq, hkv, fp8):
 @pytest.mark.parametrize("q_len", [1, 3])
 def test_gpu_cuda_graph_replay_with_new_lengths(q_len, variant):
     """One captured decode step (plan + 3 layers) replayed with new lengths equals eager runs."""
-    with _with_config({**variant, "plan_block_c": 32, "plan_warps": 2} if variant else {}):
+    with _with_config({**variant, "plan_block_c": 32, "plan_warps": 2, "plan_one_pass": True} if variant else {}):
         _gpu_graph_replay(q_len)
 
 
@@ -495,7 +495,9 @@ def test_plan_for_another_block_size_raises(device):
 
 
 # ---------------------------------------------------------------- knob variants (task_desc, lean_loop)
-VARIANTS = [dict(task_desc=True), dict(lean_loop=True), dict(task_desc=True, lean_loop=True)]
+# the last: with the one-pass, auto-launch plan too
+VARIANTS = [dict(task_desc=True), dict(lean_loop=True),
+            dict(task_desc=True, lean_loop=True, plan_one_pass=True, plan_block_c=0)]
 # cases where the lean loop applies (pages >= 64 tokens): causal edges across a tile boundary (q_len 8
 # at 65 tokens), empty and exactly-one-tile requests, odd GQA, head_dim 96, long splits
 VARIANT_CASES = [CASES[2], CASES[3], CASES[5], CASES[7], CASES[6],
