@@ -40,30 +40,33 @@ class DecodeConfig:
         pages contiguous, 16-byte aligned rows, power-of-two head_dim). Off: 1–4% slower on the H200
         (bench/results/decode_sweep_tma_pdl.md).
     pdl: launch the combine kernel with programmatic dependent launch (sm90), overlapping its
-        launch with the attention kernel's tail. Measured 0.6–6% faster on the H200; off until the
-        GPU tier has run with it on. Never under the interpreter.
+        launch with the attention kernel's tail: 0.5–8.5% faster in every decode scenario of the H200
+        sweep (bench/results/decode_tune_h8.md, decode_tune_h64.md). Never under the interpreter.
     min_rows: the score tile has max(min_rows, next_pow2(q_len·G)) rows. 64 lets 4 warps split rows
         instead of keys, so the softmax reductions stay inside a warp (padded rows cost MMA work).
     task_desc: the persistent kernel starts from the plan's per-program task descriptor (request,
         head, first tile, bucket length: one load level instead of header → first_b → cum/seq_lens)
         and walks on the request lengths alone, loading the next request's length before the current
         task's tiles; the combine reads the plan's per-program merge descriptor instead of
-        last_b → header → cum. Dynamic schedule only. Off: the first timing on the H200 is pending.
+        last_b → header → cum. Dynamic schedule only. On: with lean_loop, 4–20% faster on fp8 KV in the
+        H200 sweep; alone within ±1.5% on bf16 KV except 32x0.125K+32x4K h64/8 (3% faster).
     lean_loop: the KV loop runs the tiles every query row sees whole without sequence/causal masks,
         addressed as a scalar page base plus a loop-invariant [BLOCK_N, D] int32 offset tile; only
         the tail (at most 2 tiles: the causal edge, the sequence end) runs the masked step. Applies
         where a step is one tile inside one page (block_n 64, pages ≥ 64 tokens, no TMA); elsewhere
-        the masked loop runs as before. Bad page ids are never read in either loop. Off: the first
-        timing on the H200 is pending.
+        the masked loop runs as before. Bad page ids are never read in either loop. None (default): on
+        for an fp8 KV cache (the H200 sweep: 4–19% faster there), off for 16-bit KV (within ±1% except
+        1–4% slower on the 32x0.125K+32x4K mix).
     plan_block_c, plan_warps, plan_block_b: launch of the plan kernel (`plan_decode`, once per step):
         plan entries (persistent programs) served per plan program (16..256: smaller = more plan
         programs, each with a smaller [plan_block_c, block] compare-count tile; 0 = by batch size,
         `plan.auto_plan_launch`, which also picks the warps), its warps (1..8), and
-        the requests per block of its prefix-sum scan. Defaults: the launch the plan had before these
-        knobs (128 entries, 4 warps, blocks of 256), until the H200 sweep picks.
+        the requests per block of its prefix-sum scan. Defaults from the H200 plan sweep
+        (bench/results/decode_tune_plan.md): 16 entries on 1 warp, blocks of 256.
     plan_one_pass: a batch of at most plan_block_b requests is planned in one pass (one load, one
         scan kept in registers for the compare-count) instead of two (scan, then re-load and re-scan
-        for the compare). Off: the measured plan kernel.
+        for the compare). On: with 16 entries on 1 warp the plan step is 1.8–2.9 µs for B 16–256
+        (was 2.9–57 µs) in the H200 sweep.
     """
 
     num_stages: int = 3
@@ -71,14 +74,14 @@ class DecodeConfig:
     block_n: int = 64
     combine_chunks: int = 16
     use_tma: bool = False
-    pdl: bool = False
+    pdl: bool = True
     min_rows: int = 16
-    task_desc: bool = False
-    lean_loop: bool = False
-    plan_block_c: int = 128
-    plan_warps: int = 4
+    task_desc: bool = True
+    lean_loop: bool | None = None
+    plan_block_c: int = 16
+    plan_warps: int = 1
     plan_block_b: int = 256
-    plan_one_pass: bool = False
+    plan_one_pass: bool = True
 
 
 _CONFIG = DecodeConfig()
@@ -232,6 +235,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return out
     sm_scale = (1.0 / math.sqrt(d)) if scale is None else float(scale)
     q_fp8 = q.dtype == FP8_E4M3
+    lean = kv_fp8 if _CONFIG.lean_loop is None else _CONFIG.lean_loop
     rows = q_len * g
     common = dict(Q_LEN=q_len, G=g, HEAD_DIM=d, D_PAD=triton.next_power_of_2(d))
     m_pad = max(_CONFIG.min_rows, 16, triton.next_power_of_2(rows))
@@ -260,7 +264,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             q_scale if q_fp8 else dummy, *args_kv,
             sm_scale * LOG2E, hkv, hq, block_table.shape[1], nb, *strides,
             SPLITS=splits, BLOCK_SIZE=bs, TILE=TILE, BLOCK_N=block_n, KV_FP8=kv_fp8, Q_FP8=q_fp8,
-            NUM_STAGES=_num_stages(), num_warps=num_warps, M_PAD=m_pad, USE_TMA=use_tma, LEAN=_CONFIG.lean_loop,
+            NUM_STAGES=_num_stages(), num_warps=num_warps, M_PAD=m_pad, USE_TMA=use_tma, LEAN=lean,
             **common)
         if splits > 1:
             decode_static_combine_kernel[(b, hkv, rows)](
@@ -281,7 +285,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         sm_scale * LOG2E, b, hq, block_table.shape[1], nb, *strides,
         BLOCK_SIZE=bs, TILE=TILE, BLOCK_N=block_n, KV_FP8=kv_fp8, Q_FP8=q_fp8, NUM_STAGES=_num_stages(),
         num_warps=num_warps, M_PAD=m_pad, USE_TMA=use_tma, USE_PDL=pdl, TASK_DESC=_CONFIG.task_desc,
-        LEAN=_CONFIG.lean_loop, **common)
+        LEAN=lean, **common)
     decode_combine_kernel[(plan.num_programs, rows)](
         part_o, part_lse, out, plan.header, plan.cum, plan.merge_desc if _CONFIG.task_desc else plan.last_b,
         out.stride(0), out.stride(1),
