@@ -600,9 +600,9 @@ def test_decode_bad_page_ids_are_not_read(variant, device, monkeypatch):
             assert_close(want.bfloat16(), got, name=f"{schedule} {variant}")
 
 
-def test_tune_plan_scenarios_gate_their_candidates():
+def test_tune_plan_scenarios_gate_their_candidates(device):
     """`hpcops tune decode --only plan`: every plan-launch candidate builds the reference's tables (CPU
-    tier: interpreted), inside its context, and leaves the process-wide config as it was."""
+    tier: interpreted; GPU tier: natively), inside its context, and leaves the process-wide config as it was."""
     from hpcops.attention import decode as dec
     from hpcops.bench.tune import get_op
     from hpcops.bench.tune.decode import PlanScenario
@@ -612,7 +612,7 @@ def test_tune_plan_scenarios_gate_their_candidates():
     op = get_op("decode")
     assert any(isinstance(s, PlanScenario) for s in op.scenarios(True))
     s = PlanScenario("40x100+3x0", 2)
-    x = op.make_inputs(s, 0, "cpu")
+    x = op.make_inputs(s, 0, device)
     cands = [c for _, c in phase_a(op, s, Limits.of(False, False))]
     moved = {k for c in cands[1:] for k, v in c.items() if cands[0][k] != v}
     assert moved == {"plan_block_c", "plan_warps", "plan_block_b", "plan_one_pass", "task_desc"}
