@@ -90,14 +90,20 @@ VARIANTS = {
 VARIANTS["persistent-fp16-page16-d96"]["const"]["D_PAD"] = 128
 
 
-def test_compiles_for_sm90():
+def compile_sm90(script: str, variants: dict) -> dict:
+    """Run a compile `script` (argv[1] = the variants as JSON) without the interpreter, for sm_90: its
+    last stdout line, parsed."""
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(VARIANTS)], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", script, json.dumps(variants)], capture_output=True, text=True,
                           env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_compiles_for_sm90():
+    res = compile_sm90(SCRIPT, VARIANTS)
     for name, r in res.items():
         assert r["local"] == 0, f"{name} spills registers: {r}"
         assert r["smem"] <= 227 * 1024, (name, r)

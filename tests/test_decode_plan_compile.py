@@ -4,14 +4,9 @@ register spills, shared memory fits, the KV loop pipelined."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
-import pytest
-from test_decode_compile import SCRIPT, _attn, _combine
+from test_decode_compile import SCRIPT, _attn, _combine, compile_sm90
 
 # every constexpr given (one that is not compiles as a runtime int, i.e. every branch of it)
 VARIANTS = {
@@ -52,18 +47,8 @@ PLAN_LAUNCHES = {"c16-b256-w1": (16, 256, True, 1, False), "c128-b64-w4-2pass": 
                  "c256-b64-w8": (256, 64, True, 8, False)}
 
 
-def _run(script: str, variants: dict) -> dict:
-    pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", script, json.dumps(variants)], capture_output=True, text=True,
-                          env=env, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def test_knob_variants_compile_for_sm90():
-    res = _run(SCRIPT, VARIANTS)
+    res = compile_sm90(SCRIPT, VARIANTS)
     assert set(res) == set(VARIANTS)
     for name, r in res.items():
         assert r["local"] == 0, f"{name} spills registers: {r}"
@@ -75,7 +60,7 @@ def test_knob_variants_compile_for_sm90():
 
 
 def test_plan_launches_compile_for_sm90():
-    res = _run(PLAN_SCRIPT, PLAN_LAUNCHES)
+    res = compile_sm90(PLAN_SCRIPT, PLAN_LAUNCHES)
     assert set(res) == set(PLAN_LAUNCHES)
     for name, r in res.items():
         assert r["local"] == 0, f"plan {name} spills registers: {r}"
