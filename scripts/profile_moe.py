@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 
 import torch
 
@@ -50,8 +49,7 @@ def main() -> int:
     from hpcops.bench.suites import _moe_common as common
     from hpcops.bench.suites import moe as suite
 
-    os.environ["HPCOPS_MOE_CONFIGS"] = args.configs
-    variants = [None, *common.config_overrides()]
+    variants = [None, *common.config_overrides(args.configs)]
     wanted = args.only.split(",")
     for s in [s for s in suite.scenarios() if s.name in wanted]:
         layers = [common.make_inputs(s, i) for i in range(args.layers)]

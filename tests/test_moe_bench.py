@@ -129,4 +129,7 @@ def test_config_sweep_env(monkeypatch):
     monkeypatch.setenv("HPCOPS_MOE_CONFIGS", "blk=3")
     with pytest.raises(ValueError, match="blk"):
         suite._config_overrides()
+    # an explicit spec (scripts/profile_moe.py --configs) wins over the environment
+    assert suite._config_overrides("prequant_x=0;swap_ab=1") == [{"prequant_x": False}, {"swap_ab": True}]
+    assert suite._config_overrides("") == []
 

@@ -161,11 +161,12 @@ def _shared_f32(x: dict[str, Any]) -> torch.Tensor:
     return x["shared"].float() if x["shared"] is not None else torch.zeros_like(x["x"], dtype=torch.float32)
 
 
-def config_overrides() -> list[dict[str, Any]]:
-    """`HPCOPS_MOE_CONFIGS="block_m=16,block_n=32;num_stages=3"`: extra configs to time, one dict each."""
+def config_overrides(spec: str | None = None) -> list[dict[str, Any]]:
+    """Extra configs to time, one dict each, from `spec` (default: `HPCOPS_MOE_CONFIGS`), e.g.
+    "block_m=16,block_n=32;num_stages=3"."""
     from hpcops.moe.configs import MoeConfig
 
-    spec = os.environ.get("HPCOPS_MOE_CONFIGS", "").strip()
+    spec = (os.environ.get("HPCOPS_MOE_CONFIGS", "") if spec is None else spec).strip()
     names = {f.name: f.type for f in fields(MoeConfig)}
     out = []
     for item in filter(None, (p.strip() for p in spec.split(";"))):
