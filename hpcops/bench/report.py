@@ -92,11 +92,23 @@ def plot(result: SuiteResult, path: Path) -> bool:
         ax.bar([x + i * width for x in range(len(names))], vals, width, label=peer)
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_yscale("log")
-    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(names))])
+    label_cases(ax, names, "time / hpcops time, timed alike (>1: hpcops faster)",
+                f"hpcops bench {result.suite} on {result.machine.get('gpu', '?')}", offset=0.4 - width / 2)
+    return save_figure(fig, path)
+
+
+def label_cases(ax, names: list[str], ylabel: str, title: str, offset: float = 0.0) -> None:
+    """One bar group per case along x (slanted case names), the y label, the title and the legend."""
+    ax.set_xticks([x + offset for x in range(len(names))])
     ax.set_xticklabels(names, rotation=60, ha="right", fontsize=7)
-    ax.set_ylabel("time / hpcops time, timed alike (>1: hpcops faster)")
-    ax.set_title(f"hpcops bench {result.suite} on {result.machine.get('gpu', '?')}")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.legend(fontsize=7)
+
+
+def save_figure(fig, path) -> bool:
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -8,6 +8,8 @@ import json
 import math
 from pathlib import Path
 
+from hpcops.bench.report import label_cases, save_figure
+
 # vLLM's CUDA helpers around its two fused_moe_kernel launches, which run here as torch stand-ins (issue 11)
 HELPER_US = 3.0  # µs per helper kernel
 DEFAULT_COPY_GBPS = 4190.0  # H200 copy bandwidth (DESIGN.md), when the run did not measure it
@@ -229,15 +231,9 @@ def stacked_plot(result, path: Path) -> bool:
                 ax.bar([j + dx for j in range(len(names))], vals, 0.38, bottom=bottom, color=colors[i % 10],
                        hatch=hatch, edgecolor="k", linewidth=0.3, label=label if side == "hpcops" else None)
                 bottom = [b + v for b, v in zip(bottom, vals)]
-        ax.set_xticks(range(len(names)))
-        ax.set_xticklabels(names, rotation=60, ha="right", fontsize=7)
-        ax.set_ylabel("µs per layer (left: hpcops, right hatched: baseline)")
-        ax.set_title(f"hpcops bench layer, {ph}, on {result.machine.get('gpu', '?')}")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+        label_cases(ax, names, "µs per layer (left: hpcops, right hatched: baseline)",
+                    f"hpcops bench layer, {ph}, on {result.machine.get('gpu', '?')}")
+    return save_figure(fig, path)
 
 
 def merge(dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
