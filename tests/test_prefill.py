@@ -227,7 +227,11 @@ def test_default_out_and_scale(device: str):
 
 def test_config_heuristic():
     big = prefill_config(head_dim=128, group=8, max_seqlen_q=4096, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16)
-    assert (big.block_m, big.block_n, big.num_warps) == (128, 64, 8)
+    assert (big.block_m, big.block_n, big.num_warps, big.heads_inner) == (64, 64, 4, True)
+    fp8 = prefill_config(head_dim=128, group=8, max_seqlen_q=4096, q_dtype=FP8, kv_dtype=FP8)
+    assert (fp8.block_m, fp8.block_n, fp8.num_warps, fp8.heads_inner) == (128, 128, 8, False)
+    wide = prefill_config(head_dim=128, group=128, max_seqlen_q=4096, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16)
+    assert (wide.block_m, wide.num_warps) == (128, 8)
     short = prefill_config(head_dim=128, group=8, max_seqlen_q=1, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16)
     assert short.block_m == 16
     wide_group = prefill_config(head_dim=64, group=32, max_seqlen_q=1, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16)
@@ -238,7 +242,7 @@ def test_config_heuristic():
     assert (d256.block_m, d256.block_n, d256.num_warps) == (64, 32, 8)
     d256_short = prefill_config(head_dim=256, group=2, max_seqlen_q=8, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16)
     assert (d256_short.block_m, d256_short.num_warps) == (16, 4)
-    assert big.tma is None and big.fma_scale and not (big.pv_fp8 or big.quant_q or big.heads_inner)
+    assert big.tma is None and big.fma_scale and not (big.pv_fp8 or big.quant_q)
     with pytest.raises(ValueError, match="block_m"):
         PrefillConfig(block_m=48)
 

@@ -90,6 +90,9 @@ def _v(d=128, group=8, bm=128, bn=64, page=64, q="bf16", kv="bf16", pv_fp8=False
 
 VARIANTS = {
     "bf16-128x64-s2": _v(),
+    # the D = 128 16-bit-q default: 64-row tiles on one warpgroup, TMA, tile-major order
+    "bf16-64x64-w4-tma-heads-inner": _v(bm=64, warps=4, tma=True, heads_inner=True),
+    "tma-fp8kv-bf16q-64x64-w4": _v(bm=64, warps=4, kv="fp8e4nv", tma=True, heads_inner=True),
     "fp8-128x128": _v(bn=128, q="fp8e4nv", kv="fp8e4nv"),
     "fp8-pvfp8": _v(bn=128, page=128, q="fp8e4nv", kv="fp8e4nv", pv_fp8=True),
     "tma-bf16-s3": _v(tma=True, stages=3),

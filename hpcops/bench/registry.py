@@ -34,6 +34,21 @@ class PeerUnavailable(RuntimeError):
     """A peer implementation cannot run here (not installed, unsupported shape); the row says why."""
 
 
+_FLASHINFER_WORKSPACE: dict[str, Any] = {}
+
+
+def flashinfer_workspace(device) -> Any:
+    """The float workspace (512 MiB, one per device) that every FlashInfer wrapper of a run shares: a run's
+    layers execute one after another. 128 MiB per layer made FlashInfer's prefill plan fail on h8/1 with
+    fp8 KV ("Buffer overflow when allocating memory for batch_prefill_tmp_s")."""
+    import torch
+
+    key = str(torch.device(device))
+    if key not in _FLASHINFER_WORKSPACE:
+        _FLASHINFER_WORKSPACE[key] = torch.empty(512 << 20, dtype=torch.uint8, device=device)
+    return _FLASHINFER_WORKSPACE[key]
+
+
 def peer_dirs() -> list[Path]:
     """Folders searched for vendored peer packages (e.g. `vllm_kernels/`): `$HPCOPS_PEERS_DIR` if set,
     else `.peers/` at the root of the checkout this hpcops package is imported from."""

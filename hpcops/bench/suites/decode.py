@@ -20,7 +20,7 @@ import torch
 
 import hpcops
 from hpcops.attention import reference as ref
-from hpcops.bench.registry import Case, Impl, PeerUnavailable
+from hpcops.bench.registry import Case, Impl, PeerUnavailable, flashinfer_workspace
 from hpcops.bench.scenarios import DECODE_HEADS, DECODE_SCENARIOS, parse_lengths
 from hpcops.quant import quantize_per_token_head
 from hpcops.testing import assert_close
@@ -98,9 +98,6 @@ def _plan_step(x):
     return lambda: hpcops.plan_decode(x["seq_lens"], num_kv_heads=x["k_cache"].shape[2], block_size=PAGE, out=plan)
 
 
-_FI_WORKSPACE: dict[str, torch.Tensor] = {}
-
-
 def _flashinfer(tensor_cores: bool):
     def prepare(x):
         try:
@@ -115,7 +112,7 @@ def _flashinfer(tensor_cores: bool):
         cols = torch.arange(x["block_table"].shape[1], device=lens.device)[None, :]
         indices = x["block_table"][cols < nblk[:, None]].contiguous()
         last = (lens - (nblk - 1) * PAGE).to(torch.int32)
-        ws = _FI_WORKSPACE.setdefault("ws", torch.empty(256 << 20, dtype=torch.uint8, device=lens.device))
+        ws = flashinfer_workspace(lens.device)
         w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             ws, "NHD", use_cuda_graph=True, use_tensor_cores=tensor_cores,
             paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last)

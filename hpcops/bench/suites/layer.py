@@ -77,7 +77,7 @@ from typing import Any
 
 import torch
 
-from hpcops.bench.registry import Case, Impl, PeerUnavailable
+from hpcops.bench.registry import Case, Impl, PeerUnavailable, flashinfer_workspace
 from hpcops.bench.scenarios import DECODE_SCENARIOS, parse_lengths
 from hpcops.bench.suites import _moe_common as common
 from hpcops.bench.suites.decode import K_SCALE, V_SCALE, make_decode_inputs
@@ -338,9 +338,6 @@ def hpcops_layer(s: Scenario, x: dict[str, Any], plan, hidden: torch.Tensor, tra
 
 # baseline
 
-_FI_WORKSPACE: dict[str, torch.Tensor] = {}
-
-
 def _flashinfer():
     try:
         import flashinfer
@@ -351,11 +348,10 @@ def _flashinfer():
 
 def _fi_wrapper(x: dict[str, Any]):
     """FlashInfer's decode (or prefill) wrapper for this layer's cache, planned (host side, outside the graph).
-    One float workspace for all layers (they run one after the other), 512 MiB: 128 MiB made FlashInfer's
-    prefill plan fail ("Buffer overflow when allocating memory for batch_prefill_tmp_s", prefill.md)."""
+    All layers share one float workspace (`flashinfer_workspace`)."""
     fi = _flashinfer()
     dev = x["hidden"].device
-    ws = _FI_WORKSPACE.setdefault("ws", torch.empty(512 << 20, dtype=torch.uint8, device=dev))
+    ws = flashinfer_workspace(dev)
     if x["prefill"]:  # bf16 q like attn_out; FA2 over an fp8 cache (see the prefill suite)
         w = fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=flashinfer_backend(x["attn_out"],
                                                                                          x["k_cache"]))

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from hpcops.bench.registry import Case, Impl, PeerUnavailable
+from hpcops.bench.registry import Case, Impl, PeerUnavailable, flashinfer_workspace
 
 FP8 = torch.float8_e4m3fn
 PAGE = 64
@@ -190,7 +190,7 @@ def _flashinfer(x):
     last = torch.tensor([sl - (n - 1) * PAGE for (_, sl), n in zip(reqs, pages)], dtype=torch.int32)
     out = torch.empty_like(q)
     try:
-        ws = torch.empty(128 << 20, dtype=torch.uint8, device=q.device)
+        ws = flashinfer_workspace(q.device)
         wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=flashinfer_backend(q, kv.k_cache))
         wrapper.plan(
             x["cu_cpu"],
