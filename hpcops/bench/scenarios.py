@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from fractions import Fraction
 
@@ -48,3 +49,13 @@ def parse_lengths(spec: str) -> list[int]:
     for count, length in terms:
         out += [length] * count
     return out
+
+
+def log_uniform_lens(b: int, lo: int, hi: int, seed: int) -> list[int]:
+    """`b` KV lengths drawn log-uniformly from [lo, hi] tokens with a seeded CPU generator (the same list on
+    every machine): the mixed-context batch of the `layer` suite and the decode grid."""
+    import torch  # here: the CLI reads this module's limits without loading torch
+
+    g = torch.Generator().manual_seed(seed)
+    a, z = math.log(lo), math.log(hi)
+    return [int(round(math.exp(a + (z - a) * u))) for u in torch.rand(b, generator=g).tolist()]

@@ -54,15 +54,17 @@ class Scenario:
         return kv + qo
 
 
-def make_decode_inputs(lens: list[int], hq: int, hkv: int, fp8: bool, seed: int, device: str = "cuda") -> dict:
-    """Random paged caches (vLLM's packed K|V layout), shuffled pages, bf16 q (and its fp8 quantization)."""
+def make_decode_inputs(lens: list[int], hq: int, hkv: int, fp8: bool, seed: int, device: str = "cuda", *,
+                       page: int = PAGE, head_dim: int = HEAD_DIM) -> dict:
+    """Random paged caches (vLLM's packed K|V layout, `page` tokens per block), shuffled pages, bf16 q
+    `[B, hq, head_dim]` (and its fp8 quantization)."""
     g = torch.Generator(device=device).manual_seed(seed)
-    nblk = [-(-n // PAGE) for n in lens]
+    nblk = [-(-n // page) for n in lens]
     num_blocks = sum(nblk) + 1
-    packed = torch.randn((num_blocks, PAGE, hkv, 2 * HEAD_DIM), generator=g, device=device, dtype=torch.bfloat16)
+    packed = torch.randn((num_blocks, page, hkv, 2 * head_dim), generator=g, device=device, dtype=torch.bfloat16)
     if fp8:
-        packed[..., :HEAD_DIM] /= K_SCALE
-        packed[..., HEAD_DIM:] /= V_SCALE
+        packed[..., :head_dim] /= K_SCALE
+        packed[..., head_dim:] /= V_SCALE
         packed = packed.to(FP8)
     perm = torch.randperm(num_blocks, generator=g, device=device).to(torch.int32)
     table = torch.zeros((len(lens), max(nblk)), dtype=torch.int32, device=device)
@@ -70,8 +72,8 @@ def make_decode_inputs(lens: list[int], hq: int, hkv: int, fp8: bool, seed: int,
     for b, n in enumerate(nblk):
         table[b, :n] = perm[cursor:cursor + n]
         cursor += n
-    q = torch.randn((len(lens), hq, HEAD_DIM), generator=g, device=device, dtype=torch.bfloat16)
-    x = dict(q=q, k_cache=packed[..., :HEAD_DIM], v_cache=packed[..., HEAD_DIM:], block_table=table,
+    q = torch.randn((len(lens), hq, head_dim), generator=g, device=device, dtype=torch.bfloat16)
+    x = dict(q=q, k_cache=packed[..., :head_dim], v_cache=packed[..., head_dim:], block_table=table,
              seq_lens=torch.tensor(lens, dtype=torch.int32, device=device), packed=packed,
              k_scale=torch.tensor([K_SCALE], device=device) if fp8 else None,
              v_scale=torch.tensor([V_SCALE], device=device) if fp8 else None)
@@ -85,7 +87,8 @@ def _ours(schedule: str, fp8q: bool = False):
     def prepare(x):
         plan = None
         if schedule == "dynamic":  # planned outside the graph, as once per step in a model
-            plan = hpcops.plan_decode(x["seq_lens"], num_kv_heads=x["k_cache"].shape[2], block_size=PAGE)
+            plan = hpcops.plan_decode(x["seq_lens"], num_kv_heads=x["k_cache"].shape[2],
+                                      block_size=x["k_cache"].shape[1])
         q, qs = (x["q8"], x["q_scale"]) if fp8q else (x["q"], None)
         return lambda: hpcops.decode_attention(q, x["k_cache"], x["v_cache"], x["block_table"], x["seq_lens"],
                                                plan=plan, schedule=schedule, k_scale=x["k_scale"],
@@ -94,8 +97,9 @@ def _ours(schedule: str, fp8q: bool = False):
 
 
 def _plan_step(x):
-    plan = hpcops.plan_decode(x["seq_lens"], num_kv_heads=x["k_cache"].shape[2], block_size=PAGE)
-    return lambda: hpcops.plan_decode(x["seq_lens"], num_kv_heads=x["k_cache"].shape[2], block_size=PAGE, out=plan)
+    hkv, page = x["k_cache"].shape[2], x["k_cache"].shape[1]
+    plan = hpcops.plan_decode(x["seq_lens"], num_kv_heads=hkv, block_size=page)
+    return lambda: hpcops.plan_decode(x["seq_lens"], num_kv_heads=hkv, block_size=page, out=plan)
 
 
 def _flashinfer(tensor_cores: bool):
@@ -106,18 +110,18 @@ def _flashinfer(tensor_cores: bool):
             raise PeerUnavailable(f"flashinfer not importable: {exc}") from exc
         lens = x["seq_lens"]
         b = lens.shape[0]
-        nblk = (lens + PAGE - 1) // PAGE
+        _, page, hkv, d = x["k_cache"].shape
+        nblk = (lens + page - 1) // page
         indptr = torch.zeros(b + 1, dtype=torch.int32, device=lens.device)
         indptr[1:] = torch.cumsum(nblk, 0)
         cols = torch.arange(x["block_table"].shape[1], device=lens.device)[None, :]
         indices = x["block_table"][cols < nblk[:, None]].contiguous()
-        last = (lens - (nblk - 1) * PAGE).to(torch.int32)
+        last = (lens - (nblk - 1) * page).to(torch.int32)
         ws = flashinfer_workspace(lens.device)
         w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             ws, "NHD", use_cuda_graph=True, use_tensor_cores=tensor_cores,
             paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last)
-        hq, hkv = x["q"].shape[1], x["k_cache"].shape[2]
-        w.plan(indptr, indices, last, hq, hkv, HEAD_DIM, PAGE, q_data_type=torch.bfloat16,
+        w.plan(indptr, indices, last, x["q"].shape[1], hkv, d, page, q_data_type=torch.bfloat16,
                kv_data_type=x["k_cache"].dtype)
         kw = {}
         if x["k_scale"] is not None:

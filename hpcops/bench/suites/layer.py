@@ -70,7 +70,6 @@ scores flip under bf16 rounding, a discrete choice and not an accuracy question;
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -78,7 +77,7 @@ from typing import Any
 import torch
 
 from hpcops.bench.registry import Case, Impl, PeerUnavailable, flashinfer_workspace
-from hpcops.bench.scenarios import DECODE_SCENARIOS, parse_lengths
+from hpcops.bench.scenarios import DECODE_SCENARIOS, log_uniform_lens, parse_lengths
 from hpcops.bench.suites import _moe_common as common
 from hpcops.bench.suites.decode import K_SCALE, V_SCALE, make_decode_inputs
 from hpcops.bench.suites.prefill import flashinfer_backend
@@ -148,9 +147,7 @@ def context_lens(ctx: str, b: int) -> list[int]:
     if ctx == "u4K":
         return [4096] * b
     if ctx == "logmix":
-        g = torch.Generator().manual_seed(1234 + b)
-        lo, hi = math.log(LOGMIX[0]), math.log(LOGMIX[1])
-        return [int(round(math.exp(lo + (hi - lo) * u))) for u in torch.rand(b, generator=g).tolist()]
+        return log_uniform_lens(b, *LOGMIX, seed=1234 + b)
     lens = parse_lengths(ctx)
     if len(lens) != b:
         raise ValueError(f"context spec {ctx!r} has {len(lens)} requests, not B = {b}")
