@@ -18,6 +18,8 @@ MAX_KV_HEADS = 128
 MAX_PROGRAMS = 1 << 16
 MAX_MIN_TILES = 1 << 14
 MAX_TOTAL_TILES = 1 << 30
+# `hpcops bench SUITE --grid` runs the suite's generality grid, a suite of its own
+GRID_SUITES = {"decode": "decode-grid"}
 
 
 def _int_in(lo: int, hi: int):
@@ -92,12 +94,17 @@ def _parser() -> argparse.ArgumentParser:
                     help=f"minimum {TILE}-token tiles per program, 1..{MAX_MIN_TILES} (default: %(default)s)")
 
     b = sub.add_parser("bench", help="benchmark a suite on the GPU against peers (JSON + markdown + PNG)")
-    b.add_argument("suites", nargs="+", help="decode, moe, moe-shapes, rope, prefill, layer (or 'all')")
+    b.add_argument("suites", nargs="+", help="decode, moe, moe-shapes, rope, prefill, layer (or 'all': all of these; "
+                                                  "decode-grid, the decode grid, runs by --grid)")
     b.add_argument("--only", default=None, help="run only cases whose name contains this text")
     b.add_argument("--out", default="bench/results", help="output folder (default: bench/results)")
     b.add_argument("--layers", type=int, default=None, help="layers per CUDA graph (default: L2-cold count)")
     b.add_argument("--no-check", action="store_true", help="skip the correctness gate (not recommended)")
     b.add_argument("--quick", action="store_true", help="a reduced case list (smoke test)")
+    b.add_argument("--grid", action="store_true",
+                   help="decode: issue 10's generality grid (GQA, head_dim, page, KV dtype, lengths) against "
+                        "FlashInfer, or vLLM's Triton unified attention where FlashInfer cannot run; suite "
+                        "decode-grid, reports decode-grid.{md,json,png}; with --quick a 12-case subset")
     b.add_argument("--no-progress", action="store_true")
 
     from hpcops.bench.tune.cli import add_parser as add_tune_parser
@@ -111,7 +118,12 @@ def _bench(args) -> int:
     from hpcops.bench.registry import suite_finisher
     from hpcops.bench.runner import machine_info
 
-    names = sorted(SUITES) if args.suites == ["all"] else args.suites
+    names = [n for n in sorted(SUITES) if n not in GRID_SUITES.values()] if args.suites == ["all"] else args.suites
+    if args.grid:
+        if not any(n in GRID_SUITES for n in names):
+            print(f"--grid applies to {', '.join(sorted(GRID_SUITES))}; got {' '.join(args.suites)}", file=sys.stderr)
+            return 2
+        names = [GRID_SUITES.get(n, n) for n in names]
     for n in names:
         if n not in SUITES:
             print(f"unknown suite {n!r}; choose from {sorted(SUITES)} or 'all'", file=sys.stderr)

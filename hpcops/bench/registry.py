@@ -16,6 +16,7 @@ from typing import Any
 # suite name -> module under hpcops.bench.suites exposing `cases(opts) -> Iterator[Case]`
 SUITES: dict[str, str] = {
     "decode": "hpcops.bench.suites.decode",
+    "decode-grid": "hpcops.bench.suites.decode_grid",  # `hpcops bench decode --grid`; not in 'all'
     "moe": "hpcops.bench.suites.moe",
     "moe-shapes": "hpcops.bench.suites.moe_shapes",
     "rope": "hpcops.bench.suites.rope",
@@ -144,3 +145,12 @@ def suite_finisher(name: str) -> Callable[[Any, Any], tuple[Any, list[Path]]] | 
     if name not in SUITES:
         raise ValueError(f"unknown bench suite {name!r}; choose from {sorted(SUITES)}")
     return getattr(importlib.import_module(SUITES[name]), "finish", None)
+
+
+def suite_hook(name: str, attr: str) -> Callable[..., Any] | None:
+    """A registered suite's optional report hook, None for other results (a tuning run, a test's fake suite):
+    `summary_markdown(result) -> str` (appended to its markdown) or `plot(result, path) -> bool` (its PNG in
+    place of the default bars)."""
+    if name not in SUITES:
+        return None
+    return getattr(importlib.import_module(SUITES[name]), attr, None)

@@ -6,6 +6,7 @@ import json
 import math
 from pathlib import Path
 
+from hpcops.bench.registry import suite_hook
 from hpcops.bench.runner import Row, SuiteResult
 
 
@@ -64,6 +65,9 @@ def markdown(result: SuiteResult) -> str:
     cmds = sorted({r.command for r in result.rows if r.command})
     if cmds:
         lines += ["", "Reproduce:", "", *[f"    {c}" for c in cmds]]
+    summary = suite_hook(result.suite, "summary_markdown")  # a suite's own verdicts (the decode grid's targets)
+    if summary is not None:
+        lines += ["", summary(result).rstrip("\n")]
     return "\n".join(lines) + "\n"
 
 
@@ -132,6 +136,25 @@ def write(result: SuiteResult, out_dir: str | Path) -> list[Path]:
     paths[0].write_text(json.dumps(result.to_json(), indent=1))
     paths[1].write_text(markdown(result))
     png = out / f"{result.suite}.png"
-    if plot(result, png):
+    if (suite_hook(result.suite, "plot") or plot)(result, png):
         paths.append(png)
     return paths
+
+
+def merge(suite: str, dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
+    """One report of `suite` from several runs' `<suite>.json` (a long suite split over `--only` runs with
+    their own `--out`, each under a per-command time limit): cases in the order first seen, a later run's
+    rows replacing an earlier run's for a case both measured; the machine (copy bandwidth) of the first run."""
+    cases: dict[str, list[Row]] = {}
+    machine: dict = {}
+    for d in dirs:
+        res = load(Path(d) / f"{suite}.json")
+        machine = machine or res.machine
+        cases.update(by_case(res))
+    return write(SuiteResult(suite, [r for rows in cases.values() for r in rows], machine), out_dir)
+
+
+if __name__ == "__main__":  # python -m hpcops.bench.report SUITE OUT_DIR RUN_DIR...
+    import sys
+
+    print("wrote " + ", ".join(map(str, merge(sys.argv[1], sys.argv[3:], sys.argv[2]))))
