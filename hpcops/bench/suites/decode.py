@@ -8,6 +8,9 @@ Implementations, each timed on the same inputs in the same run (L2-cold, one CUD
 - `hpcops-plan` — the plan step alone (once per decode step, not per layer);
 - `flashinfer-decode` / `flashinfer-tc` — FlashInfer's BatchDecodeWithPagedKVCacheWrapper without
   and with tensor cores (its two decode paths), planned outside the graph.
+
+`hpcops bench decode --grid` runs the generality grid instead (GQA, head_dim, page, KV dtype, lengths; suite
+`decode-grid`, `decode_grid.py`), with these inputs and adapters at other pages and head dims.
 """
 
 from __future__ import annotations
