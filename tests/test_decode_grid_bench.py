@@ -154,7 +154,7 @@ def test_summary_markdown_and_reports(tmp_path):
     assert ("| b | 8 | 128 | 64 | bf16 | long | hpcops | 2.1 | flashinfer-decode | 2.0 | 100% | 0.95 | 0.95 | pass |"
             in md)
     assert "**3 pass, 2 short, 1 without a verdict** of 6 cases." in md
-    assert "Short: c 0.95× (need 1.00); e 0.80× (need 1.00)." in md
+    assert "Short:\n\n- c: 0.95× flashinfer-decode (need 1.00)\n- e: 0.80× vllm-unified (need 1.00)\n" in md
     assert "- d: FlashInfer cannot: flashinfer-decode: unavailable" in md
     assert "Against vllm-unified: 2 cases" in md
     paths = report.write(res, tmp_path)

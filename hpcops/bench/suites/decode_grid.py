@@ -358,8 +358,8 @@ def summary_markdown(result) -> str:
                          f"lowest {min(vals):.2f}×.")
     short = [s for s in rows if s["verdict"] == "short"]
     if short:
-        lines += ["", "Short: " + "; ".join(f"{s['case']} {s['ratio']:.2f}× (need {s['need']:.2f})" for s in short)
-                  + "."]
+        lines += ["", "Short:", "", *[f"- {s['case']}: {s['ratio']:.2f}× {s['peer']} (need {s['need']:.2f})"
+                                      for s in short]]
     fallback = [s for s in rows if s["peer"] == VLLM or s["verdict"] == "—"]
     if fallback:
         lines += ["", "Why not FlashInfer / why no verdict:", "",
@@ -375,6 +375,7 @@ def plot(result, path) -> bool:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         return False
     rows = [s for s in summarize(result) if s["ratio"] is not None]
@@ -385,6 +386,7 @@ def plot(result, path) -> bool:
     for i, s in enumerate(rows):
         ax.bar(i, s["ratio"], 0.8, color=colors.get(s["peer"], "tab:gray"), edgecolor="k", linewidth=0.4,
                hatch="//" if s["verdict"] == "short" else "")
+        ax.text(i, s["ratio"], f"{s['ratio']:.2f}", ha="center", va="bottom", rotation=90, fontsize=5)
     for y, style in ((TARGET, "-"), (TARGET_STREAMING, ":")):
         ax.axhline(y, color="k", lw=0.8, ls=style)
     groups = [s["params"].get("group", "") for s in rows]
@@ -396,6 +398,12 @@ def plot(result, path) -> bool:
         ax.text((idx[0] + idx[-1]) / 2, 1.0, g, transform=ax.get_xaxis_transform(), ha="center", va="bottom",
                 fontsize=8)
     ax.set_yscale("log")
+    lo, hi = min(s["ratio"] for s in rows), max(s["ratio"] for s in rows)
+    ax.set_ylim(min(0.9, lo) / 1.1, max(1.1, hi) * 1.25)
+    ticks = [t for t in (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 3, 4, 6, 8) if lo / 1.1 <= t <= hi * 1.25]
+    ax.yaxis.set_major_locator(matplotlib.ticker.FixedLocator(ticks or [1.0]))
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     ax.set_xticks(range(len(rows)))
     ax.set_xticklabels([s["case"] for s in rows], rotation=70, ha="right", fontsize=6)
     ax.set_ylabel("peer time / hpcops time (> 1: hpcops faster)")
