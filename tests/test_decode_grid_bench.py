@@ -242,3 +242,28 @@ def test_vllm_unified_matches_the_reference(tiny, monkeypatch, kv, split, device
     x["out"].fill_(float("nan"))
     fn()
     grid.assert_close(grid.reference(x), x["out"], name="vllm-unified")
+
+
+def test_suite_runs_through_the_runner_on_the_cpu(tiny, monkeypatch):
+    """One quick case end to end through the real runner and adapters (inputs on the CPU, each timed call run
+    once): our rows pass the gate and are timed; FlashInfer, absent here, is unavailable; the verdict is then
+    against vllm-unified (or no verdict when vLLM's kernels are not vendored)."""
+    from hpcops.bench import runner, timing
+
+    if importlib.util.find_spec("flashinfer") is not None:
+        pytest.skip("FlashInfer is installed: this test covers the fallback")
+    real = grid.make_decode_inputs
+    monkeypatch.setattr(grid, "make_decode_inputs", lambda *a, **kw: real(*a, **{**kw, "device": "cpu"}))
+    monkeypatch.setattr(runner.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(timing, "graph_time_us", lambda fns: [fn() for fn in fns] and 10.0)
+    res = runner.run_suite("decode-grid", {"quick": True, "layers": 1}, only="h16/1 d128 p64 fp8",
+                           progress=False, machine={"gpu": "cpu", "copy_gbps": 1000.0})
+    status = {r.impl: r.status for r in res.rows}
+    assert [r.case for r in res.rows][0] == "3x70 h16/1 d128 p64 fp8" and len(res.rows) == 5
+    assert status["hpcops-fp8q"] == status["hpcops"] == "ok"
+    assert status["flashinfer-decode"].startswith("unavailable: flashinfer not importable")
+    (s,) = grid.summarize(res)
+    if status["vllm-unified"] == "ok":
+        assert (s["peer"], s["ours"], s["ratio"], s["verdict"]) == ("vllm-unified", "hpcops-fp8q", 1.0, "pass")
+    else:
+        assert status["vllm-unified"].startswith("unavailable") and s["verdict"] == "—"
