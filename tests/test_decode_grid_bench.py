@@ -244,16 +244,16 @@ def test_vllm_unified_matches_the_reference(tiny, monkeypatch, kv, split, device
     grid.assert_close(grid.reference(x), x["out"], name="vllm-unified")
 
 
-def test_suite_runs_through_the_runner_on_the_cpu(tiny, monkeypatch):
-    """One quick case end to end through the real runner and adapters (inputs on the CPU, each timed call run
-    once): our rows pass the gate and are timed; FlashInfer, absent here, is unavailable; the verdict is then
+def test_suite_runs_through_the_runner(tiny, monkeypatch, device):
+    """One quick case end to end through the real runner and adapters (inputs on the test's device, each timed
+    call run once): our rows pass the gate and are timed; FlashInfer, absent here, is unavailable; the verdict is then
     against vllm-unified (or no verdict when vLLM's kernels are not vendored)."""
     from hpcops.bench import runner, timing
 
     if importlib.util.find_spec("flashinfer") is not None:
         pytest.skip("FlashInfer is installed: this test covers the fallback")
     real = grid.make_decode_inputs
-    monkeypatch.setattr(grid, "make_decode_inputs", lambda *a, **kw: real(*a, **{**kw, "device": "cpu"}))
+    monkeypatch.setattr(grid, "make_decode_inputs", lambda *a, **kw: real(*a, **{**kw, "device": device}))
     monkeypatch.setattr(runner.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(timing, "graph_time_us", lambda fns: [fn() for fn in fns] and 10.0)
     res = runner.run_suite("decode-grid", {"quick": True, "layers": 1}, only="h16/1 d128 p64 fp8",
