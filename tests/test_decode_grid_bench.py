@@ -29,6 +29,19 @@ def tiny(monkeypatch):
     return grid
 
 
+@pytest.fixture
+def hermetic_peers(monkeypatch):
+    """Leave sys.path and sys.modules as they were: importing the vendored vLLM kernels puts `.peers` on the
+    path, and later tests check what happens when they are not vendored."""
+    import sys
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    before = set(sys.modules)
+    yield
+    for name in [n for n in sys.modules if n.split(".")[0] == "vllm_kernels" and n not in before]:
+        del sys.modules[name]
+
+
 def test_grid_covers_every_axis_value_with_several_others():
     cases = grid.grid()
     assert 40 <= len(cases) <= 70 and len({c.name for c in cases}) == len(cases)
@@ -230,7 +243,7 @@ def _vllm_or_skip():
 # vLLM's 2D kernel divides its padded (masked-out) query rows by a zero sum; numpy warns under the interpreter
 @pytest.mark.filterwarnings("ignore:invalid value encountered in divide:RuntimeWarning")
 @pytest.mark.parametrize("kv,split", [("bf16", True), ("fp8", True), ("bf16", False)])
-def test_vllm_unified_matches_the_reference(tiny, monkeypatch, kv, split, device):
+def test_vllm_unified_matches_the_reference(tiny, hermetic_peers, monkeypatch, kv, split, device):
     """The vLLM adapter on a tiny GQA-5 d64 page-16 case, through its split-KV (3D) path and, with vLLM's
     2D threshold shrunk below the batch, its 2D path; the gate inside `prepare` compares with the reference."""
     _vllm_or_skip()
@@ -244,7 +257,7 @@ def test_vllm_unified_matches_the_reference(tiny, monkeypatch, kv, split, device
     grid.assert_close(grid.reference(x), x["out"], name="vllm-unified")
 
 
-def test_suite_runs_through_the_runner(tiny, monkeypatch, device):
+def test_suite_runs_through_the_runner(tiny, hermetic_peers, monkeypatch, device):
     """One quick case end to end through the real runner and adapters (inputs on the test's device, each timed
     call run once): our rows pass the gate and are timed; FlashInfer, absent here, is unavailable; the verdict is then
     against vllm-unified (or no verdict when vLLM's kernels are not vendored)."""
