@@ -118,7 +118,7 @@ qkv = torch.randn(3, (4 + 2 * 2) * 64).bfloat16()
 pos = torch.arange(3)
 cos_sin = torch.randn(64, 64)
 x = torch.randn(3, 128).bfloat16()
-w, ids = hpcops.select_experts(torch.randn(3, 4), 2)  # a torch op: fine on the CPU
+w, ids = hpcops.select_experts(torch.randn(3, 4), 2)  # without the interpreter: its torch reference
 calls = {
     "plan_decode": lambda: hpcops.plan_decode(kv.seq_lens, num_kv_heads=2, block_size=16),
     "decode_attention": lambda: hpcops.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens),

@@ -22,6 +22,7 @@ SUITES: dict[str, str] = {
     "rope": "hpcops.bench.suites.rope",
     "prefill": "hpcops.bench.suites.prefill",
     "layer": "hpcops.bench.suites.layer",
+    "router": "hpcops.bench.suites.router",
 }
 
 

@@ -409,3 +409,53 @@ def moe_reduce_kernel(y_ptr, pos_ptr, ids_ptr, map_ptr, tw_ptr, shared_ptr, out_
     if HAS_SHARED:
         acc += tl.load(shared_ptr + t * stride_sh + cols, mask=cmask, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
+
+
+@triton.jit
+def select_experts_kernel(logits_ptr, stride_lt, stride_le, bias_ptr, w_ptr, ids_ptr, T, E, scale,
+                          TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+                          SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr):
+    """Router top-k of BLOCK_T tokens: scores (softmax or sigmoid of the fp32 logits), the TOP_K largest of
+    scores + bias (selection only) in descending order, lowest expert id first among equals; weights = the
+    chosen scores, renormalized to sum 1 (RENORM), times `scale`. A NaN score is never preferred to a
+    number; padding columns are never chosen (top_k ≤ E)."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, E_PAD)
+    rmask = rows < T
+    cmask = cols < E
+    x = tl.load(logits_ptr + rows.to(tl.int64)[:, None] * stride_lt + cols[None, :] * stride_le,
+                mask=rmask[:, None] & cmask[None, :], other=float("-inf")).to(tl.float32)  # [BLOCK_T, E_PAD]
+    if SIGMOID:
+        scores = 1.0 / (1.0 + tl.exp(-x))
+        choose = scores
+        if HAS_BIAS:
+            choose = scores + tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    else:
+        m = tl.max(x, axis=1)
+        m = tl.where(m == float("-inf"), 0.0, m)  # a row of -inf logits: 0 / 0 = NaN, as torch's softmax
+        e = tl.exp(x - m[:, None])
+        scores = e / tl.sum(e, axis=1)[:, None]
+        choose = scores
+    # NaN (e.g. a row of -inf logits under softmax) ranks below every number; only real columns not yet
+    # chosen compete (with top_k <= E there is always one), the lowest id among equals
+    choose = tl.where(choose == choose, choose, -3.0e38)
+    avail = cmask[None, :] & (rows >= 0)[:, None]  # [BLOCK_T, E_PAD]
+    kcols = tl.arange(0, K_PAD)
+    ids = tl.zeros([BLOCK_T, K_PAD], dtype=tl.int32)
+    w = tl.zeros([BLOCK_T, K_PAD], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        c = tl.where(avail, choose, float("-inf"))
+        best = tl.max(c, axis=1)
+        idx = tl.min(tl.where(avail & (c == best[:, None]), cols[None, :], E_PAD), axis=1)
+        sel = cols[None, :] == idx[:, None]
+        wj = tl.sum(tl.where(sel, scores, 0.0), axis=1)
+        ids = tl.where(kcols[None, :] == j, idx[:, None], ids)
+        w = tl.where(kcols[None, :] == j, wj[:, None], w)
+        avail = avail & (cols[None, :] != idx[:, None])
+    if RENORM:
+        w = w / tl.maximum(tl.sum(w, axis=1), 1e-20)[:, None]
+    w = w * scale
+    out = rows.to(tl.int64)[:, None] * TOP_K + kcols[None, :]
+    omask = rmask[:, None] & (kcols[None, :] < TOP_K)
+    tl.store(w_ptr + out, w, mask=omask)
+    tl.store(ids_ptr + out, ids, mask=omask)

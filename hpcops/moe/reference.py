@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 
 from hpcops.moe.configs import MoeConfig
-from hpcops.moe.routing import select_experts as _select_experts
 from hpcops.quant import (
     FP8,
     FP8_MAX,
@@ -25,9 +24,25 @@ from hpcops.quant import (
 
 
 def select_experts(router_logits, top_k, *, scoring="softmax", bias=None, renormalize=True, scale=1.0):
-    """Same as `hpcops.select_experts` (which is itself a torch implementation)."""
-    return _select_experts(router_logits, top_k, scoring=scoring, bias=bias, renormalize=renormalize,
-                           scale=scale)
+    """`hpcops.select_experts` in torch (fp32): the same arguments, checks and results (up to the order of
+    equal scores, which torch.topk leaves open)."""
+    from hpcops.moe.routing import _check_select
+
+    _check_select(router_logits, top_k, scoring, bias, scale)
+    logits = router_logits.float()
+    if scoring == "softmax":
+        scores = torch.softmax(logits, dim=-1)
+        weights, ids = torch.topk(scores, top_k, dim=-1)
+    else:
+        scores = torch.sigmoid(logits)
+        choose = scores + bias.float() if bias is not None else scores
+        _, ids = torch.topk(choose, top_k, dim=-1)
+        weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+    if scale != 1.0:
+        weights = weights * scale
+    return weights.contiguous(), ids.to(torch.int32).contiguous()
 
 
 def _static_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

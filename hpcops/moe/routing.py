@@ -7,17 +7,25 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from hpcops._checks import check_choice, check_tensor
+from hpcops import _platform
+from hpcops._checks import check_choice, check_tensor, kernels_are_replaced
+from hpcops._library import register
 from hpcops.moe import _moe_kernels as K
 
 INDEX_BLOCK = 1024  # pairs per program of the multi-program index build
 CAP_BLOCK = 256  # task-map slots per iteration of the sentinel fill
 
 
+# the kernel keeps a [BLOCK_T, next_pow2(E)] tile in registers and unrolls its top_k steps: beyond these
+# bounds (no MoE model comes near them) the torch reference computes the routing
+SELECT_MAX_EXPERTS = 4096
+SELECT_MAX_TOP_K = 64
+
+
 def select_experts(router_logits: torch.Tensor, top_k: int, *, scoring: str = "softmax",
                    bias: torch.Tensor | None = None, renormalize: bool = True,
                    scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k routing.
+    """Top-k routing in one kernel launch (no host sync: CUDA-graph safe).
 
     Args:
         router_logits: `[T, E]`, any float dtype (computed in fp32).
@@ -28,36 +36,76 @@ def select_experts(router_logits: torch.Tensor, top_k: int, *, scoring: str = "s
         scale: multiply the final weights (Hy3: 2.826).
 
     Returns:
-        (topk_weights fp32 `[T, top_k]`, topk_ids int32 `[T, top_k]`).
+        (topk_weights fp32 `[T, top_k]`, topk_ids int32 `[T, top_k]`), experts in descending order of
+        score (+ bias), the lower expert id first among equal scores; a NaN score ranks below every number.
 
-    A torch implementation: for E ≤ 512 it is a handful of small launches, inside a CUDA graph a few µs,
-    and it is not worth a kernel next to the MoE itself.
+    One Triton program routes a block of tokens (the sigmoid or softmax, the top-k, the renormalization and
+    the scale in registers): in a decode step's CUDA graph this replaces the ~10 small launches of the torch
+    sequence (`hpcops.moe.reference.select_experts`, the reference). CPU tensors without TRITON_INTERPRET, and
+    E > 4096 or top_k > 64, take that torch reference.
     """
+    _check_select(router_logits, top_k, scoring, bias, scale)
+    T, E = router_logits.shape
+    on_kernel = router_logits.is_cuda or _platform.is_interpreter() or kernels_are_replaced()
+    if not on_kernel or E > SELECT_MAX_EXPERTS or top_k > SELECT_MAX_TOP_K:
+        from hpcops.moe.reference import select_experts as torch_select
+
+        return torch_select(router_logits, top_k, scoring=scoring, bias=bias, renormalize=renormalize,
+                            scale=scale)
+    dev = router_logits.device
+    weights = torch.empty((T, top_k), dtype=torch.float32, device=dev)
+    ids = torch.empty((T, top_k), dtype=torch.int32, device=dev)
+    _launch_select(router_logits, top_k, scoring, bias, renormalize, scale, weights, ids)
+    return weights, ids
+
+
+def _launch_select(router_logits, top_k, scoring, bias, renormalize, scale, weights, ids) -> None:
+    T, E = router_logits.shape
+    if T == 0:
+        return
+    e_pad = triton.next_power_of_2(E)
+    block_t = max(1, min(64, 4096 // e_pad))
+    has_bias = bias is not None and scoring == "sigmoid"
+    K.select_experts_kernel[(triton.cdiv(T, block_t),)](
+        router_logits, router_logits.stride(0), router_logits.stride(1), bias if has_bias else weights,
+        weights, ids, T, E, float(scale), TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=e_pad,
+        BLOCK_T=block_t, SIGMOID=scoring == "sigmoid", HAS_BIAS=has_bias, RENORM=bool(renormalize),
+        num_warps=4 if block_t * e_pad <= 4096 else 8)
+
+
+def _check_select(router_logits, top_k, scoring, bias, scale) -> None:
     check_tensor("router_logits", router_logits, ndim=2)
     if not router_logits.is_floating_point():
         raise TypeError(f"router_logits must be a floating tensor, got {router_logits.dtype}")
     check_choice("scoring", scoring, ("softmax", "sigmoid"))
     E = router_logits.shape[1]
-    if not isinstance(top_k, int) or not 1 <= top_k <= E:
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= E:
         raise ValueError(f"top_k must be an int in [1, {E}] (the number of experts), got {top_k!r}")
     if bias is not None:
         check_tensor("bias", bias, shape=(E,), device=router_logits.device)
+        if not bias.is_floating_point():
+            raise TypeError(f"bias must be a floating tensor, got {bias.dtype}")
         if scoring != "sigmoid":
             raise ValueError("bias (selection-only correction) is supported with scoring='sigmoid' only")
-    logits = router_logits.float()
-    if scoring == "softmax":
-        scores = torch.softmax(logits, dim=-1)
-        weights, ids = torch.topk(scores, top_k, dim=-1)
-    else:
-        scores = torch.sigmoid(logits)
-        choose = scores + bias.float() if bias is not None else scores
-        _, ids = torch.topk(choose, top_k, dim=-1)
-        weights = scores.gather(1, ids)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-20)
-    if scale != 1.0:
-        weights = weights * scale
-    return weights.contiguous(), ids.to(torch.int32).contiguous()
+    if isinstance(scale, bool) or not isinstance(scale, int | float):
+        raise TypeError(f"scale must be a python float, got {type(scale).__name__}")
+
+
+# ---- torch.library: the mutating out= form, for torch.compile and graph-capturing frameworks ----
+
+def _select_experts_out(router_logits: torch.Tensor, top_k: int, scoring: str, bias: torch.Tensor | None,  # noqa: UP045
+                        renormalize: bool, scale: float, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> None:
+    w, ids = select_experts(router_logits, top_k, scoring=scoring, bias=bias, renormalize=renormalize, scale=scale)
+    topk_weights.copy_(w)
+    topk_ids.copy_(ids)
+
+
+def _select_experts_out_fake(router_logits, top_k, scoring, bias, renormalize, scale, topk_weights, topk_ids) -> None:
+    return None
+
+
+select_experts_out_op = register("select_experts_out", _select_experts_out, mutates_args=("topk_weights", "topk_ids"),
+                                 fake=_select_experts_out_fake)
 
 
 @dataclass

@@ -15,8 +15,10 @@ The layer, in order (one TP8 rank's attention: 8 q heads / 1 kv head, head_dim 1
 3. attention over the paged cache: decode, or causal prefill of the prompt;
 4. the o_proj GEMM and the residual (torch, `shared`);
 5. post-attention RMSNorm, the fp32 router GEMM, `select_experts` (sigmoid, selection bias,
-   renormalize × 2.826), the shared expert's MLP (torch, `shared`: 5a), then the routed MoE and the
-   residual (5b).
+   renormalize × 2.826), the shared expert's MLP (`shared`: 5a), then the routed MoE and the
+   residual (5b). `select_experts` is hpcops' one-launch kernel on both sides: it stands in for the
+   fused CUDA top-k vLLM runs there (the torch sequence it replaced was ~10 launches, ~20 µs of a decode
+   layer's graph; the `router` suite times both).
 
 Sides:
 - `hpcops`: `rope_norm_store_kv` (fp8 KV: it also emits the fp8 query with per-token-head scales, which

@@ -1,0 +1,101 @@
+"""Bench suite `router`: the router's top-k (`select_experts`) on public MoE routings.
+
+One launch of ours against the torch sequence a framework runs when it has no fused op (sigmoid or
+softmax, bias add, topk, gather, renormalize, scale: `hpcops.moe.reference.select_experts`), both timed
+as CUDA-graph replays of every layer's call (each layer its own logits, L2-cold). At decode sizes the
+torch sequence is a chain of ~10 tiny launches; vLLM replaces it by fused CUDA ops (`topk_softmax`, and
+for sigmoid + bias routings its biased grouped top-k), which cannot run here: compare ours with those
+as "one small launch each" (the layer bench counts the router as a shared step for that reason).
+
+Routings: Hy3 (E 192, top-8, sigmoid + selection bias, renormalize × 2.826), DeepSeek-V3 (E 256, top-8,
+sigmoid + bias, × 2.5; no expert groups here), Qwen3-MoE (E 128, top-8, softmax, renormalize), Mixtral
+(E 8, top-2, softmax, renormalize). Tokens: 4, 64, 512, 4096 (quick: 4 and 512). fp32 logits, as the
+router GEMM writes them.
+`bytes`: the logits read plus the weights and ids written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hpcops.bench.registry import Case, Impl
+
+
+@dataclass(frozen=True)
+class Routing:
+    model: str
+    experts: int
+    top_k: int
+    scoring: str
+    bias: bool
+    scale: float
+
+
+ROUTINGS = (
+    Routing("hy3", 192, 8, "sigmoid", True, 2.826),
+    Routing("dsv3", 256, 8, "sigmoid", True, 2.5),
+    Routing("qwen3", 128, 8, "softmax", False, 1.0),
+    Routing("mixtral", 8, 2, "softmax", False, 1.0),
+)
+TOKENS = (4, 64, 512, 4096)
+QUICK_TOKENS = (4, 512)
+
+
+def _make_inputs(r: Routing, t: int, layer: int, device: str) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(1000 * layer + t)
+    logits = torch.randn(t, r.experts, generator=g).to(device)
+    bias = (0.1 * torch.randn(r.experts, generator=g)).to(device) if r.bias else None
+    return {"logits": logits, "bias": bias}
+
+
+def _kwargs(r: Routing, x: dict[str, Any]) -> dict[str, Any]:
+    return {"scoring": r.scoring, "bias": x["bias"], "renormalize": True, "scale": r.scale}
+
+
+def _ours(r: Routing):
+    def prepare(x):
+        from hpcops.moe.routing import select_experts
+
+        return lambda: select_experts(x["logits"], r.top_k, **_kwargs(r, x))
+    return prepare
+
+
+def _torch(r: Routing):
+    def prepare(x):
+        from hpcops.moe.reference import select_experts
+
+        return lambda: select_experts(x["logits"], r.top_k, **_kwargs(r, x))
+    return prepare
+
+
+def _check(r: Routing):
+    def check(x):
+        from hpcops.moe.reference import select_experts as reference
+        from hpcops.moe.routing import select_experts
+
+        w, ids = select_experts(x["logits"], r.top_k, **_kwargs(r, x))
+        want_w, want_ids = reference(x["logits"], r.top_k, **_kwargs(r, x))
+        if not torch.equal(ids, want_ids):
+            raise AssertionError(f"expert ids differ in {(ids != want_ids).any(-1).sum().item()} tokens")
+        torch.testing.assert_close(w, want_w)
+    return check
+
+
+def cases(opts: dict[str, Any]) -> Iterator[Case]:
+    for r in ROUTINGS:
+        for t in QUICK_TOKENS if opts.get("quick") else TOKENS:
+            name = f"{r.model}-e{r.experts}k{r.top_k}-T{t}"
+            yield Case(
+                suite="router", name=name,
+                make_inputs=lambda layer, device="cuda", r=r, t=t: _make_inputs(r, t, layer, device),
+                impls=[Impl("hpcops", _ours(r), ours=True),
+                       Impl("torch", _torch(r), note="the torch sequence (hpcops.moe.reference.select_experts)")],
+                check=_check(r), bytes=t * r.experts * 4 + t * r.top_k * 8,
+                params={"model": r.model, "E": r.experts, "top_k": r.top_k, "scoring": r.scoring,
+                        "bias": r.bias, "scale": r.scale, "T": t},
+                command=f"hpcops bench router --only {name}",
+            )
