@@ -502,8 +502,10 @@ def test_plan_for_another_block_size_raises(device):
 
 # ---------------------------------------------------------------- knob variants (task_desc, lean_loop)
 # the defaults run in every test above (task_desc, lean loop on fp8 KV, one-pass 16-entry plan); here the
-# old kernels and plan, the lean loop on 16-bit KV too, and the old tile walk with the auto-launch plan
-VARIANTS = [LEGACY, dict(lean_loop=True), dict(task_desc=False, lean_loop=False, plan_block_c=0)]
+# old kernels and plan, the lean loop on 16-bit KV too, and the old tile walk with the auto-launch plan;
+# the lean loop's other addressing modes (offsets rebuilt each step; whole tiles through TMA)
+VARIANTS = [LEGACY, dict(lean_loop=True), dict(task_desc=False, lean_loop=False, plan_block_c=0),
+            dict(lean_loop=True, lean_mode="recompute"), dict(lean_loop=True, lean_mode="tma", use_tma=True)]
 # cases where the lean loop applies (pages >= 64 tokens): causal edges across a tile boundary (q_len 8
 # at 65 tokens), empty and exactly-one-tile requests, odd GQA, head_dim 96, long splits
 VARIANT_CASES = [CASES[2], CASES[3], CASES[5], CASES[7], CASES[6],
@@ -526,7 +528,7 @@ def _with_config(changes):
 
 
 def _vid(d):
-    return "legacy" if d == LEGACY else "+".join(f"{k}={int(v)}" for k, v in d.items())
+    return "legacy" if d == LEGACY else "+".join(f"{k}={v if isinstance(v, str) else int(v)}" for k, v in d.items())
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=_vid)
@@ -536,6 +538,34 @@ def test_decode_variants_match_reference(case, variant, device):
         test_decode_matches_reference(case, "dynamic", device)
         if variant.get("lean_loop"):
             test_decode_matches_reference(case, "static", device)
+
+
+def test_lean_mode_errors():
+    from hpcops.attention import decode as dec
+
+    with pytest.raises(ValueError, match="DecodeConfig.lean_mode"):
+        dec.set_decode_config(lean_mode="shared")
+    assert dec.decode_config().lean_mode == "hold"
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("mode", ["recompute", "tma"])
+def test_lean_mode_unequal_kv_strides(mode, kv_dtype, device):
+    """K and V caches with different strides (V a column slice of a wider buffer): the recompute mode's
+    offsets are built for each (no shared tile), TMA falls back to pointer loads or reads each view."""
+    kv = make_paged_kv([200, 65], num_kv_heads=2, head_dim=64, block_size=64, dtype=kv_dtype, device=device)
+    wide = torch.zeros(*kv.v_cache.shape[:-1], 128, dtype=kv_dtype, device=device)
+    wide[..., 32:96] = kv.v_cache
+    v_view = wide[..., 32:96]
+    assert v_view.stride() != kv.k_cache.stride()
+    q = torch.randn(2, 8, 64, device=device).bfloat16()
+    want = ref.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, k_scale=kv.k_scale,
+                                v_scale=kv.v_scale)
+    with _with_config(dict(lean_loop=True, lean_mode=mode, use_tma=mode == "tma")):
+        for schedule in ("dynamic", "static"):
+            got = hpcops.decode_attention(q, kv.k_cache, v_view, kv.block_table, kv.seq_lens, schedule=schedule,
+                                          k_scale=kv.k_scale, v_scale=kv.v_scale, out=nan_like(q))
+            assert_close(want, got, name=f"{schedule} {mode}")
 
 
 def _poisoned(device, kv_dtype=torch.bfloat16):

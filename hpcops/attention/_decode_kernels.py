@@ -38,29 +38,31 @@ def _attend_tiles(acc, m_i, l_i, q, s_scale, last_pos, k_ptr, v_ptr, k_desc, v_d
                   stride_kb, stride_kt, stride_vb, stride_vt, kv_len, tile_lo, tile_hi,
                   offs_d, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
                   BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, NUM_STAGES: tl.constexpr,
-                  USE_TMA: tl.constexpr, LEAN: tl.constexpr = False, Q_LEN: tl.constexpr = 1):
+                  USE_TMA: tl.constexpr, LEAN: tl.constexpr = False, Q_LEN: tl.constexpr = 1,
+                  LEAN_RECOMPUTE: tl.constexpr = False, KV_SAME_STRIDES: tl.constexpr = False):
     """Online softmax over KV tiles [tile_lo, tile_hi) of one (request, kv head), BLOCK_N keys a step.
 
     acc [M, D], m_i [M], l_i [M] fp32 running state; last_pos [M]: last key each row may see.
     fp8 KV is widened to fp16 (one cvt per pair of values on sm90) and q is fp16 then.
     USE_TMA (pages ≥ BLOCK_N): K/V tiles come through TMA descriptors over the cache seen as 2-D
     [num_blocks·block_size, token row], the kv head at columns k_col / v_col.
-    LEAN (one-tile steps inside one page, no TMA; otherwise ignored): the tiles every row sees whole
-    run unmasked, addressed as a scalar page base plus a loop-invariant [BLOCK_N, D] offset tile; only
-    the tail (the tiles holding the causal edge or the sequence end, at most 2) runs masked.
+    LEAN (one-tile steps inside one page; otherwise ignored): the tiles every row sees whole run
+    unmasked (`_attend_whole`: through TMA with USE_TMA, else a scalar page base plus a [BLOCK_N, D]
+    offset tile, held across the loop or, LEAN_RECOMPUTE, rebuilt each step); only the tail (the tiles
+    holding the causal edge or the sequence end, at most 2) runs masked.
     """
     offs_n = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEAD_DIM
     stop = tl.minimum(tile_hi * TILE, kv_len)
-    if LEAN and (BLOCK_SIZE >= BLOCK_N) and (BLOCK_N == TILE) and (not USE_TMA):
+    if LEAN and (BLOCK_SIZE >= BLOCK_N) and (BLOCK_N == TILE):
         # keys < vis_end are in the sequence and visible to every row (last_pos = kv_len − Q_LEN + j):
         # whole tiles below it unmasked, the rest (the tail) by the masked loop below
         vis_end = kv_len - Q_LEN + 1
         mid = tl.minimum(tl.maximum(tl.maximum(vis_end, 0) // TILE, tile_lo), tile_hi)
         acc, m_i, l_i = _attend_whole(
-            acc, m_i, l_i, q, s_scale, k_ptr, v_ptr, bt_row_ptr, bt_width, num_blocks,
-            stride_kb, stride_kt, stride_vb, stride_vt, tile_lo, mid, offs_d, HEAD_DIM, BLOCK_SIZE, TILE,
-            BLOCK_N, KV_FP8, Q_FP8, NUM_STAGES)
+            acc, m_i, l_i, q, s_scale, k_ptr, v_ptr, k_desc, v_desc, k_col, v_col, bt_row_ptr, bt_width,
+            num_blocks, stride_kb, stride_kt, stride_vb, stride_vt, tile_lo, mid, offs_d, HEAD_DIM, BLOCK_SIZE,
+            TILE, BLOCK_N, KV_FP8, Q_FP8, NUM_STAGES, USE_TMA, LEAN_RECOMPUTE, KV_SAME_STRIDES)
         tile_lo = mid
     for start in tl.range(tile_lo * TILE, tile_hi * TILE, BLOCK_N, num_stages=NUM_STAGES):
         tok = start + offs_n  # [BLOCK_N]
@@ -111,17 +113,32 @@ def _attend_tiles(acc, m_i, l_i, q, s_scale, last_pos, k_ptr, v_ptr, k_desc, v_d
 
 
 @triton.jit
-def _attend_whole(acc, m_i, l_i, q, s_scale, k_ptr, v_ptr, bt_row_ptr, bt_width, num_blocks,
-                  stride_kb, stride_kt, stride_vb, stride_vt, tile_lo, tile_hi,
+def _attend_whole(acc, m_i, l_i, q, s_scale, k_ptr, v_ptr, k_desc, v_desc, k_col, v_col, bt_row_ptr, bt_width,
+                  num_blocks, stride_kb, stride_kt, stride_vb, stride_vt, tile_lo, tile_hi,
                   offs_d, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
-                  BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, NUM_STAGES: tl.constexpr):
+                  BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, NUM_STAGES: tl.constexpr,
+                  USE_TMA: tl.constexpr = False, LEAN_RECOMPUTE: tl.constexpr = False,
+                  KV_SAME_STRIDES: tl.constexpr = False):
     """Tiles [tile_lo, tile_hi) whose keys every row sees (BLOCK_N == TILE, one page per step): no
     sequence or causal mask; a bad page id (< 0 or ≥ num_blocks) is never read, its keys score −inf
-    and its V rows load as 0."""
+    and its V rows load as 0.
+
+    Addressing: USE_TMA: descriptor loads at row page·BLOCK_SIZE + slot (a bad page at row
+    num_blocks·BLOCK_SIZE, past the cache: TMA fills it with zeros). Else a scalar page base plus a
+    [BLOCK_N, D] int32 offset tile: held across the loop (k_off, v_off: 2·BLOCK_N·D/threads registers
+    a thread, hoisted out of the persistent kernel's task loop too: 255 registers on sm90), or
+    LEAN_RECOMPUTE: rebuilt each step from the step's slots and a page-dependent stride (a few integer
+    ops per element, nothing loop-invariant to hold); KV_SAME_STRIDES (stride_kt == stride_vt and stride_kb ==
+    stride_vb, the launcher's promise): K's offsets serve V too.
+    """
     offs_n = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEAD_DIM
-    k_off = offs_n[:, None] * stride_kt + offs_d[None, :]  # [BLOCK_N, D] int32, loop-invariant
-    v_off = offs_n[:, None] * stride_vt + offs_d[None, :]
+    if not LEAN_RECOMPUTE:
+        k_off = offs_n[:, None] * stride_kt + offs_d[None, :]  # [BLOCK_N, D] int32, loop-invariant
+        if KV_SAME_STRIDES:
+            v_off = k_off
+        else:
+            v_off = offs_n[:, None] * stride_vt + offs_d[None, :]
     # the page of the next step is loaded one step ahead (a loop-carried scalar), so that the K/V
     # loads, not the block-table load, take the software pipeline's stages
     col = (tile_lo * TILE) // BLOCK_SIZE
@@ -132,10 +149,21 @@ def _attend_whole(acc, m_i, l_i, q, s_scale, k_ptr, v_ptr, bt_row_ptr, bt_width,
         next_page = tl.load(bt_row_ptr + col_n, mask=(col_n < bt_width) & (start + BLOCK_N < tile_hi * TILE),
                             other=-1)
         ok = (page >= 0) & (page < num_blocks)
-        page = tl.where(ok, page, 0).to(tl.int64)
         slot = start % BLOCK_SIZE
-        k = tl.load(k_ptr + (page * stride_kb + slot * stride_kt) + k_off, mask=d_ok[None, :] & ok,
-                    other=0.0)  # [BLOCK_N, D]
+        if USE_TMA:
+            row0 = tl.where(ok, page, num_blocks) * BLOCK_SIZE + slot
+            k = k_desc.load([row0, k_col])  # [BLOCK_N, D]
+        else:
+            page = tl.where(ok, page, 0).to(tl.int64)
+            if LEAN_RECOMPUTE:
+                # this step's slots times a stride that depends on the page: nothing the compiler can
+                # hoist out of the loops (the persistent kernel's task loop included) and hold
+                rows = slot + offs_n  # [BLOCK_N]
+                k_off = rows[:, None] * tl.where(ok, stride_kt, 0) + offs_d[None, :]  # [BLOCK_N, D] int32
+                k_base = page * stride_kb
+            else:
+                k_base = page * stride_kb + slot * stride_kt
+            k = tl.load(k_ptr + k_base + k_off, mask=d_ok[None, :] & ok, other=0.0)  # [BLOCK_N, D]
         if KV_FP8:
             if not Q_FP8:
                 k = k.to(tl.float16)
@@ -145,8 +173,19 @@ def _attend_whole(acc, m_i, l_i, q, s_scale, k_ptr, v_ptr, bt_row_ptr, bt_width,
         alpha = tl.exp2(m_i - m_ref)
         p = tl.exp2(s - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + (page * stride_vb + slot * stride_vt) + v_off, mask=d_ok[None, :] & ok,
-                    other=0.0)  # [BLOCK_N, D]
+        if USE_TMA:
+            v = v_desc.load([row0, v_col])  # [BLOCK_N, D]
+        else:
+            if LEAN_RECOMPUTE:
+                if KV_SAME_STRIDES:
+                    v_off = k_off
+                    v_base = k_base
+                else:
+                    v_off = rows[:, None] * tl.where(ok, stride_vt, 0) + offs_d[None, :]  # [BLOCK_N, D] int32
+                    v_base = page * stride_vb
+            else:
+                v_base = page * stride_vb + slot * stride_vt
+            v = tl.load(v_ptr + v_base + v_off, mask=d_ok[None, :] & ok, other=0.0)  # [BLOCK_N, D]
         if KV_FP8:
             pv = tl.dot(p.to(tl.float16), v.to(tl.float16))
         else:
@@ -190,6 +229,7 @@ def decode_persistent_kernel(
     M_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr,
     KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, NUM_STAGES: tl.constexpr, USE_TMA: tl.constexpr,
     USE_PDL: tl.constexpr = False, TASK_DESC: tl.constexpr = False, LEAN: tl.constexpr = False,
+    LEAN_RECOMPUTE: tl.constexpr = False, KV_SAME_STRIDES: tl.constexpr = False,
 ):
     """One persistent program walks its bucket of the plan's tile stream, task by task.
 
@@ -199,6 +239,7 @@ def decode_persistent_kernel(
     first tile, bucket length: one load level) and walk with the request lengths alone (a task after
     the first starts at tile 0 of the next request; a task is split iff it does not cover its
     request), the next request's length loaded before the current task's tiles.
+    LEAN, LEAN_RECOMPUTE, KV_SAME_STRIDES: the whole-tile loop and its addressing (`_attend_tiles`).
     """
     pid = tl.program_id(0)
     if USE_PDL:
@@ -228,7 +269,7 @@ def decode_persistent_kernel(
                 sm_scale_log2 * kv_scale, num_q_heads, bt_width, num_blocks, offs_m, offs_d,
                 stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
                 Q_LEN, G, HEAD_DIM, M_PAD, D_PAD, BLOCK_SIZE, TILE, BLOCK_N, KV_FP8, Q_FP8, NUM_STAGES, USE_TMA,
-                LEAN)
+                LEAN, LEAN_RECOMPUTE, KV_SAME_STRIDES)
             split = (lo > 0) | (lo + n < t_b)
             _finish_task(acc, m_i, l_i, v_scale, split, 2 * pid + later, b, h, offs_m, offs_d, out_ptr,
                          part_o_ptr, part_lse_ptr, stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, Q_LEN * G)
@@ -273,7 +314,8 @@ def decode_persistent_kernel(
                 k_desc, v_desc, h * stride_kh, h * stride_vh,
                 bt_ptr + b.to(tl.int64) * stride_bt, bt_width, num_blocks,
                 stride_kb, stride_kt, stride_vb, stride_vt, kv_len, r - start_b, r - start_b + n,
-                offs_d, HEAD_DIM, BLOCK_SIZE, TILE, BLOCK_N, KV_FP8, Q_FP8, NUM_STAGES, USE_TMA, LEAN, Q_LEN)
+                offs_d, HEAD_DIM, BLOCK_SIZE, TILE, BLOCK_N, KV_FP8, Q_FP8, NUM_STAGES, USE_TMA, LEAN, Q_LEN,
+                LEAN_RECOMPUTE, KV_SAME_STRIDES)
             pair_lo = h * s_tiles + start_b
             pair_hi = h * s_tiles + end_b
             split = (pair_lo // bucket) != ((pair_hi - 1) // bucket)
@@ -291,7 +333,7 @@ def _attend_task(q_ptr, k_ptr, v_ptr, k_desc, v_desc, bt_ptr, q_scale_ptr, b, h,
                  Q_LEN: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, M_PAD: tl.constexpr,
                  D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr,
                  KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, NUM_STAGES: tl.constexpr, USE_TMA: tl.constexpr,
-                 LEAN: tl.constexpr):
+                 LEAN: tl.constexpr, LEAN_RECOMPUTE: tl.constexpr, KV_SAME_STRIDES: tl.constexpr):
     """One task: the q tile of (request b, kv head h), fresh softmax state, tiles [tile_lo, tile_hi)."""
     q, qs, j = _load_q(q_ptr, q_scale_ptr, b, h, offs_m, offs_d, stride_qt, stride_qh, num_q_heads,
                        Q_LEN, G, HEAD_DIM, KV_FP8, Q_FP8)
@@ -304,7 +346,8 @@ def _attend_task(q_ptr, k_ptr, v_ptr, k_desc, v_desc, bt_ptr, q_scale_ptr, b, h,
         k_desc, v_desc, h * stride_kh, h * stride_vh,
         bt_ptr + b.to(tl.int64) * stride_bt, bt_width, num_blocks,
         stride_kb, stride_kt, stride_vb, stride_vt, kv_len, tile_lo, tile_hi,
-        offs_d, HEAD_DIM, BLOCK_SIZE, TILE, BLOCK_N, KV_FP8, Q_FP8, NUM_STAGES, USE_TMA, LEAN, Q_LEN)
+        offs_d, HEAD_DIM, BLOCK_SIZE, TILE, BLOCK_N, KV_FP8, Q_FP8, NUM_STAGES, USE_TMA, LEAN, Q_LEN,
+                LEAN_RECOMPUTE, KV_SAME_STRIDES)
     return acc, m_i, l_i, j
 
 
@@ -404,7 +447,7 @@ def decode_static_kernel(
     SPLITS: tl.constexpr, Q_LEN: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     M_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr,
     KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, NUM_STAGES: tl.constexpr, USE_TMA: tl.constexpr,
-    LEAN: tl.constexpr = False,
+    LEAN: tl.constexpr = False, LEAN_RECOMPUTE: tl.constexpr = False, KV_SAME_STRIDES: tl.constexpr = False,
 ):
     """Classic static split-KV: program (b, h, s) takes the s-th of SPLITS equal chunks of request b."""
     b = tl.program_id(0)
@@ -434,7 +477,8 @@ def decode_static_kernel(
             k_desc, v_desc, h * stride_kh, h * stride_vh,
             bt_ptr + b.to(tl.int64) * stride_bt, bt_width, num_blocks,
             stride_kb, stride_kt, stride_vb, stride_vt, kv_len, lo, hi,
-            offs_d, HEAD_DIM, BLOCK_SIZE, TILE, BLOCK_N, KV_FP8, Q_FP8, NUM_STAGES, USE_TMA, LEAN, Q_LEN)
+            offs_d, HEAD_DIM, BLOCK_SIZE, TILE, BLOCK_N, KV_FP8, Q_FP8, NUM_STAGES, USE_TMA, LEAN, Q_LEN,
+                LEAN_RECOMPUTE, KV_SAME_STRIDES)
         split = chunk < n_tiles
         slot = (b * num_kv_heads + h) * SPLITS + s
         _finish_task(acc, m_i, l_i, v_scale, split, slot, b, h, offs_m, offs_d, out_ptr, part_o_ptr,

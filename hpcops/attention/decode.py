@@ -57,6 +57,15 @@ class DecodeConfig:
         the masked loop runs as before. Bad page ids are never read in either loop. None (default): on
         for an fp8 KV cache (the H200 sweep: 4–19% faster there), off for 16-bit KV (within ±1% except
         1–4% slower on the 32x0.125K+32x4K mix).
+    lean_mode: how the lean loop addresses its whole tiles (sm90 registers a thread, persistent kernel,
+        4 warps, D 128, from ptxas: tests/test_decode_compile.py). "hold" (default): a [BLOCK_N, D]
+        int32 offset tile each for K and V, held across the loop (255 on fp8 KV, 249 on bf16: 2
+        programs an SM). "recompute": the offset tile rebuilt each step from the step's slots, one
+        tile for K and V when their strides are equal (vLLM's layouts) (~190 fp8 KV, ~166 bf16).
+        "tma": whole tiles through TMA descriptors (scalar page base; the masked tail as with
+        use_tma) where use_tma applies (~128 fp8 KV, ~142 fp8 q, ~105 bf16); elsewhere as
+        "recompute". With use_tma on, "hold" and "recompute" leave the lean loop off (the masked TMA
+        loop runs, as before "tma" existed). Not yet timed on the H200.
     plan_block_c, plan_warps, plan_block_b: launch of the plan kernel (`plan_decode`, once per step):
         plan entries (persistent programs) served per plan program (16..256: smaller = more plan
         programs, each with a smaller [plan_block_c, block] compare-count tile; 0 = by batch size,
@@ -82,8 +91,13 @@ class DecodeConfig:
     plan_warps: int = 1
     plan_block_b: int = 256
     plan_one_pass: bool = True
+    lean_mode: str = "hold"
+
+    def __post_init__(self):
+        check_choice("DecodeConfig.lean_mode", self.lean_mode, LEAN_MODES)
 
 
+LEAN_MODES = ("hold", "recompute", "tma")
 _CONFIG = DecodeConfig()
 
 
@@ -236,6 +250,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     sm_scale = (1.0 / math.sqrt(d)) if scale is None else float(scale)
     q_fp8 = q.dtype == FP8_E4M3
     lean = kv_fp8 if _CONFIG.lean_loop is None else _CONFIG.lean_loop
+    lean_mode = _CONFIG.lean_mode
     rows = q_len * g
     common = dict(Q_LEN=q_len, G=g, HEAD_DIM=d, D_PAD=triton.next_power_of_2(d))
     m_pad = max(_CONFIG.min_rows, 16, triton.next_power_of_2(rows))
@@ -251,8 +266,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if use_tma:
         block_n = TILE
         descs = (kv_descriptor(k_cache, TILE), kv_descriptor(v_cache, TILE))
+        lean = lean and lean_mode == "tma"
     else:
         descs = (k_cache, v_cache)
+    recompute = lean and not use_tma and lean_mode != "hold"
+    lean_knobs = dict(LEAN=lean, LEAN_RECOMPUTE=recompute,
+                      KV_SAME_STRIDES=recompute and k_cache.stride()[:2] == v_cache.stride()[:2])
     if schedule == "static":
         splits = static_splits(b, hkv, q.device)
         part_o = torch.empty((b * hkv * splits, rows, d), dtype=torch.float32, device=q.device)
@@ -264,7 +283,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             q_scale if q_fp8 else dummy, *args_kv,
             sm_scale * LOG2E, hkv, hq, block_table.shape[1], nb, *strides,
             SPLITS=splits, BLOCK_SIZE=bs, TILE=TILE, BLOCK_N=block_n, KV_FP8=kv_fp8, Q_FP8=q_fp8,
-            NUM_STAGES=_num_stages(), num_warps=num_warps, M_PAD=m_pad, USE_TMA=use_tma, LEAN=lean,
+            NUM_STAGES=_num_stages(), num_warps=num_warps, M_PAD=m_pad, USE_TMA=use_tma, **lean_knobs,
             **common)
         if splits > 1:
             decode_static_combine_kernel[(b, hkv, rows)](
@@ -285,7 +304,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         sm_scale * LOG2E, b, hq, block_table.shape[1], nb, *strides,
         BLOCK_SIZE=bs, TILE=TILE, BLOCK_N=block_n, KV_FP8=kv_fp8, Q_FP8=q_fp8, NUM_STAGES=_num_stages(),
         num_warps=num_warps, M_PAD=m_pad, USE_TMA=use_tma, USE_PDL=pdl, TASK_DESC=_CONFIG.task_desc,
-        LEAN=lean, **common)
+        **lean_knobs, **common)
     decode_combine_kernel[(plan.num_programs, rows)](
         part_o, part_lse, out, plan.header, plan.cum, plan.merge_desc if _CONFIG.task_desc else plan.last_b,
         out.stride(0), out.stride(1),
