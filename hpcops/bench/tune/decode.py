@@ -1,10 +1,11 @@
 """`hpcops tune decode`: the decode launch knobs over the `decode` bench suite's scenarios (a report).
 
 Knobs: `DecodeConfig` (process-wide, `decode.set_decode_config`: pipeline depth, warps, TMA, PDL, score-tile
-rows, keys per step, task descriptors, lean inner loop) and the plan's programs per SM and minimum tiles
-per program (`plan_decode`'s `num_programs`, `min_tiles`). Inputs are the suite's (`make_decode_inputs`,
-each layer its own caches); the gate compares the load-balanced schedule with the torch reference as the
-suite's check does; times are CUDA-graph replays (the bench's `hpcops` row), the plan outside the graph.
+rows, keys per step, task descriptors, lean inner loop and its addressing mode) and the plan's programs per
+SM and minimum tiles per program (`plan_decode`'s `num_programs`, `min_tiles`). Inputs are the suite's
+(`make_decode_inputs`, each layer its own caches); the gate compares the load-balanced schedule with the
+torch reference as the suite's check does; times are CUDA-graph replays (the bench's `hpcops` row), the
+plan outside the graph.
 
 The plan kernel's own launch (`DecodeConfig.plan_block_c`, `plan_warps`, `plan_block_b`) is tuned on
 separate `plan ...` scenarios (`--only plan`), which time the plan step alone: one graph of 8 plan
@@ -67,13 +68,18 @@ def _on(kind: str, k: Knob) -> Knob:
 # One line per knob; `pps` = persistent programs per SM, `min_tiles` = the plan's tile floor per program.
 # num_warps None = the launcher's choice (4 for head_dim <= 128).
 DECODE_SPACE = (
-    # first (a --quick run's 4 moves): the per-task chain (descriptors) and the per-tile cost (lean
-    # loop), alone and together
+    # first (a --quick run reaches both): the lean loop's leaner addressing (DecodeConfig.lean_mode;
+    # fewer registers than "hold"'s 255, tests/test_decode_compile.py), on 16-bit KV too
+    knob(("lean_loop", "use_tma", "lean_mode"), (True, False, "recompute"), (True, True, "tma"), near=None),
+    # the per-task chain (descriptors) and the per-tile cost (lean loop), alone and together
     knob("task_desc", False, True),
     knob("lean_loop", False, True),
     knob(("task_desc", "lean_loop"), (True, True), near=None),
     knob("pps", 1, 2, 3, 4, 6),
     knob(("lean_loop", "num_stages"), (True, 4), near=None),
+    # fewer registers fit more programs an SM (tma: ~128 registers, 4 programs of 4 warps)
+    knob(("lean_loop", "use_tma", "lean_mode", "pps"), (True, True, "tma", 3), (True, True, "tma", 4),
+         (True, False, "recompute", 3), near=None),
     knob("min_tiles", 2, 4, 8, 16),
     knob("pdl", False, True),
     knob("use_tma", False, True),
