@@ -2,7 +2,8 @@
 backend, in a subprocess without TRITON_INTERPRET, so GPU-only compile errors (layouts, fp8
 conversions, TMA descriptors, register spills) show in CI. Asserts the KV loop is pipelined
 (cp.async or TMA bulk copies), nothing spills, and shared memory fits; registers a thread (from the
-cubin, cuobjdump -res-usage) are printed (`-s`) and bounded for the lean loop's modes."""
+cubin, cuobjdump -res-usage, with its stack and local bytes: ptxas's spills) are printed (`-s`) and
+bounded for the lean loop's modes."""
 
 from __future__ import annotations
 
@@ -58,8 +59,9 @@ def build(kernel, q, kv, tma, const, warps, stages):
         usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
     finally:
         os.remove(f.name)
-    found = re.search(r"REG:(\d+)", usage)
-    return {"regs": int(found.group(1)) if found else -1,
+    found = re.search(r"REG:(\d+) STACK:(\d+) .*LOCAL:(\d+)", usage)
+    regs, stack, local = map(int, found.groups()) if found else (-1, -1, -1)
+    return {"regs": regs, "spill_bytes": stack + local,
             "cp_async": ptx.count("cp.async.c"), "tma": ptx.count("cp.async.bulk.tensor"),
             "local": ptx.count("st.local"), "smem": cc.metadata.shared, "griddep": ptx.count("griddepcontrol")}
 
@@ -112,6 +114,11 @@ for _mode, _knobs in LEAN_MODES.items():
 VARIANTS["static-lean-recompute-fp8kv"] = _attn("decode_static_kernel", kv="fp8e4nv", SPLITS=4,
                                                 **LEAN_MODES["recompute"])
 VARIANTS["static-lean-tma-fp8kv"] = _attn("decode_static_kernel", kv="fp8e4nv", SPLITS=4, **LEAN_MODES["tma"])
+# ptxas spills (stack frame bytes) seen with Triton 3.6, no more allowed: the lean TMA loop on fp8 KV
+# (ptxas stops at 128 registers) keeps 4 values on the stack, stored before the task loop and
+# reloaded once per task (SASS: no STL/LDL inside the KV loops); the 1-warp variant's was there
+# before this was measured (not located)
+KNOWN_SPILL_BYTES = {"persistent-lean-tma-fp8kv": 16, "persistent-fp8kv-1warp-s2": 56}
 # registers a thread, measured with Triton 3.6's ptxas (hold: 255 fp8 KV, 249 bf16), with margin: a
 # regression to the held offset tiles fails; 168 lets 3 programs of 4 warps share an SM's 64K registers
 LEAN_MAX_REGS = {"persistent-lean-recompute-fp8kv": 210, "persistent-lean-recompute-fp8q": 210,
@@ -134,9 +141,10 @@ def compile_sm90(script: str, variants: dict) -> dict:
 def test_compiles_for_sm90():
     res = compile_sm90(SCRIPT, VARIANTS)
     for name, r in res.items():
-        print(f"{name:40s} regs {r['regs']:4d}  smem {r['smem']:6d}  spills(st.local) {r['local']}")
+        print(f"{name:40s} regs {r['regs']:4d}  smem {r['smem']:6d}  st.local {r['local']}  "
+              f"stack+local bytes {r['spill_bytes']}")
     for name, r in res.items():
-        assert r["local"] == 0, f"{name} spills registers: {r}"
+        assert r["local"] == 0 and r["spill_bytes"] <= KNOWN_SPILL_BYTES.get(name, 0), f"{name} spills registers: {r}"
         assert r["smem"] <= 227 * 1024, (name, r)
         if "pdl" in name:
             assert r["griddep"] > 0, f"{name}: no griddepcontrol instruction: {r}"
