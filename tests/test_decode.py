@@ -540,12 +540,22 @@ def test_decode_variants_match_reference(case, variant, device):
             test_decode_matches_reference(case, "static", device)
 
 
-def test_lean_mode_errors():
+def test_lean_mode_and_max_regs_errors():
     from hpcops.attention import decode as dec
 
     with pytest.raises(ValueError, match="DecodeConfig.lean_mode"):
         dec.set_decode_config(lean_mode="shared")
-    assert dec.decode_config().lean_mode == "hold"
+    for bad in (16, 256, True, 168.0):
+        with pytest.raises(ValueError, match="DecodeConfig.max_regs"):
+            dec.set_decode_config(max_regs=bad)
+    assert dec.decode_config().lean_mode == "hold" and dec.decode_config().max_regs is None
+
+
+def test_max_regs_launches(device):
+    """A register cap is a launch option (ptxas .maxnreg; the interpreter drops it): the result is the same."""
+    with _with_config(dict(lean_loop=True, lean_mode="recompute", max_regs=168)):
+        for schedule in ("dynamic", "static"):
+            test_decode_matches_reference(CASES[2], schedule, device)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])

@@ -26,7 +26,7 @@ PTRS = {"q_ptr": "Q", "k_ptr": "KV", "v_ptr": "KV", "bt_ptr": "i32", "seq_lens_p
         "part_o_ptr": "fp32", "part_lse_ptr": "fp32", "header_ptr": "i32", "cum_ptr": "i32", "first_b_ptr": "i32",
         "last_b_ptr": "i32", "q_scale_ptr": "fp32", "k_scale_ptr": "fp32", "v_scale_ptr": "fp32"}
 
-def build(kernel, q, kv, tma, const, warps, stages):
+def build(kernel, q, kv, tma, const, warps, stages, maxnreg=None):
     fn = getattr(K, kernel)
     sig_params = inspect.signature(fn.fn).parameters
     params = list(sig_params)
@@ -50,7 +50,8 @@ def build(kernel, q, kv, tma, const, warps, stages):
     attrs = {(params.index(p),): [["tt.divisibility", 16]] for p in params
              if (p.endswith("_ptr") or p.startswith("stride")) and not sig[p].startswith("tensordesc")}
     src = ASTSource(fn=fn, signature=sig, constexprs=cexp, attrs=attrs)
-    cc = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    options = {"num_warps": warps, "num_stages": stages, "maxnreg": maxnreg}
+    cc = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     ptx = cc.asm["ptx"]
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(cc.asm["cubin"])
@@ -73,12 +74,12 @@ print(json.dumps(out))
 
 
 def _attn(kernel="decode_persistent_kernel", q="bf16", kv="bf16", tma=False, g=8, q_len=1, d=128, bs=64, warps=None,
-          stages=3, **extra):
+          stages=3, maxnreg=None, **extra):
     m_pad = extra.pop("M_PAD_OVERRIDE", max(16, q_len * g))
     const = dict(Q_LEN=q_len, G=g, HEAD_DIM=d, D_PAD=d, M_PAD=m_pad, BLOCK_SIZE=bs, TILE=64,
                  BLOCK_N=64, KV_FP8=kv == "fp8e4nv", Q_FP8=q == "fp8e4nv", NUM_STAGES=stages, USE_TMA=tma, **extra)
     return dict(kernel=kernel, q=q, kv=kv, tma=tma, const=const, warps=warps or (4 if d <= 128 else 8),
-                stages=stages)
+                stages=stages, maxnreg=maxnreg)
 
 
 def _combine(kernel, **extra):
@@ -114,11 +115,20 @@ for _mode, _knobs in LEAN_MODES.items():
 VARIANTS["static-lean-recompute-fp8kv"] = _attn("decode_static_kernel", kv="fp8e4nv", SPLITS=4,
                                                 **LEAN_MODES["recompute"])
 VARIANTS["static-lean-tma-fp8kv"] = _attn("decode_static_kernel", kv="fp8e4nv", SPLITS=4, **LEAN_MODES["tma"])
+# DecodeConfig.max_regs (ptxas .maxnreg): 168 = 3 programs of 4 warps an SM, 128 = 4
+for _mode, _dt, _cap in (("hold", "fp8kv", 168), ("recompute", "fp8kv", 168), ("recompute", "fp8q", 168),
+                         ("recompute", "fp8kv", 128), ("tma", "fp8q", 128)):
+    VARIANTS[f"persistent-lean-{_mode}-{_dt}-cap{_cap}"] = _attn(
+        TASK_DESC=True, maxnreg=_cap, kv="fp8e4nv", q="fp8e4nv" if _dt == "fp8q" else "bf16", **LEAN_MODES[_mode])
 # ptxas spills (stack frame bytes) seen with Triton 3.6, no more allowed: the lean TMA loop on fp8 KV
 # (ptxas stops at 128 registers) keeps 4 values on the stack, stored before the task loop and
 # reloaded once per task (SASS: no STL/LDL inside the KV loops); the 1-warp variant's was there
-# before this was measured (not located)
-KNOWN_SPILL_BYTES = {"persistent-lean-tma-fp8kv": 16, "persistent-fp8kv-1warp-s2": 56}
+# before this was measured (not located). Under a register cap the lean loop's spills are of the same
+# kind: 16-24 bytes, outside the KV loops (SASS)
+KNOWN_SPILL_BYTES = {"persistent-lean-tma-fp8kv": 16, "persistent-fp8kv-1warp-s2": 56,
+                     "persistent-lean-hold-fp8kv-cap168": 24, "persistent-lean-recompute-fp8kv-cap168": 24,
+                     "persistent-lean-recompute-fp8q-cap168": 24, "persistent-lean-recompute-fp8kv-cap128": 16,
+                     "persistent-lean-tma-fp8q-cap128": 24}
 # registers a thread, measured with Triton 3.6's ptxas (hold: 255 fp8 KV, 249 bf16), with margin: a
 # regression to the held offset tiles fails; 168 lets 3 programs of 4 warps share an SM's 64K registers
 LEAN_MAX_REGS = {"persistent-lean-recompute-fp8kv": 210, "persistent-lean-recompute-fp8q": 210,
@@ -150,5 +160,7 @@ def test_compiles_for_sm90():
             assert r["griddep"] > 0, f"{name}: no griddepcontrol instruction: {r}"
         if name.startswith(("persistent", "static-bf16")):
             assert (r["tma"] if "tma" in name else r["cp_async"]) > 0, f"{name}: KV loop not pipelined: {r}"
+        if VARIANTS[name].get("maxnreg"):
+            assert r["regs"] <= VARIANTS[name]["maxnreg"], f"{name}: {r['regs']} registers over the cap"
         if name in LEAN_MAX_REGS:
             assert 0 < r["regs"] <= LEAN_MAX_REGS[name], f"{name}: {r['regs']} registers > {LEAN_MAX_REGS[name]}"

@@ -66,6 +66,10 @@ class DecodeConfig:
         use_tma) where use_tma applies (~128 fp8 KV, ~142 fp8 q, ~105 bf16); elsewhere as
         "recompute". With use_tma on, "hold" and "recompute" leave the lean loop off (the masked TMA
         loop runs, as before "tma" existed). Not yet timed on the H200.
+    max_regs: a cap on the attention kernel's registers a thread (ptxas .maxnreg; None: ptxas's
+        choice, which takes what the code can use: 255 for the held lean loop). 168 fits 3 programs
+        of 4 warps an SM, 128 fits 4. On the lean loop (D 128) ptxas then spills 16–24 bytes, stored
+        and reloaded once per task, none inside the KV loops (SASS, Triton 3.6). Not yet timed.
     plan_block_c, plan_warps, plan_block_b: launch of the plan kernel (`plan_decode`, once per step):
         plan entries (persistent programs) served per plan program (16..256: smaller = more plan
         programs, each with a smaller [plan_block_c, block] compare-count tile; 0 = by batch size,
@@ -92,9 +96,13 @@ class DecodeConfig:
     plan_block_b: int = 256
     plan_one_pass: bool = True
     lean_mode: str = "hold"
+    max_regs: int | None = None
 
     def __post_init__(self):
         check_choice("DecodeConfig.lean_mode", self.lean_mode, LEAN_MODES)
+        regs = self.max_regs
+        if regs is not None and (type(regs) is not int or not 32 <= regs <= 255):
+            raise ValueError(f"DecodeConfig.max_regs must be None or an int in 32..255, got {self.max_regs!r}")
 
 
 LEAN_MODES = ("hold", "recompute", "tma")
@@ -270,8 +278,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     else:
         descs = (k_cache, v_cache)
     recompute = lean and not use_tma and lean_mode != "hold"
-    lean_knobs = dict(LEAN=lean, LEAN_RECOMPUTE=recompute,
+    attn_knobs = dict(LEAN=lean, LEAN_RECOMPUTE=recompute,
                       KV_SAME_STRIDES=recompute and k_cache.stride()[:2] == v_cache.stride()[:2])
+    if _CONFIG.max_regs is not None:  # a launch option (the interpreter drops it)
+        attn_knobs["maxnreg"] = _CONFIG.max_regs
     if schedule == "static":
         splits = static_splits(b, hkv, q.device)
         part_o = torch.empty((b * hkv * splits, rows, d), dtype=torch.float32, device=q.device)
@@ -283,7 +293,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             q_scale if q_fp8 else dummy, *args_kv,
             sm_scale * LOG2E, hkv, hq, block_table.shape[1], nb, *strides,
             SPLITS=splits, BLOCK_SIZE=bs, TILE=TILE, BLOCK_N=block_n, KV_FP8=kv_fp8, Q_FP8=q_fp8,
-            NUM_STAGES=_num_stages(), num_warps=num_warps, M_PAD=m_pad, USE_TMA=use_tma, **lean_knobs,
+            NUM_STAGES=_num_stages(), num_warps=num_warps, M_PAD=m_pad, USE_TMA=use_tma, **attn_knobs,
             **common)
         if splits > 1:
             decode_static_combine_kernel[(b, hkv, rows)](
@@ -304,7 +314,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         sm_scale * LOG2E, b, hq, block_table.shape[1], nb, *strides,
         BLOCK_SIZE=bs, TILE=TILE, BLOCK_N=block_n, KV_FP8=kv_fp8, Q_FP8=q_fp8, NUM_STAGES=_num_stages(),
         num_warps=num_warps, M_PAD=m_pad, USE_TMA=use_tma, USE_PDL=pdl, TASK_DESC=_CONFIG.task_desc,
-        **lean_knobs, **common)
+        **attn_knobs, **common)
     decode_combine_kernel[(plan.num_programs, rows)](
         part_o, part_lse, out, plan.header, plan.cum, plan.merge_desc if _CONFIG.task_desc else plan.last_b,
         out.stride(0), out.stride(1),
