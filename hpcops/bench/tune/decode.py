@@ -1,7 +1,7 @@
 """`hpcops tune decode`: the decode launch knobs over the `decode` bench suite's scenarios (a report).
 
 Knobs: `DecodeConfig` (process-wide, `decode.set_decode_config`: pipeline depth, warps, TMA, PDL, score-tile
-rows, keys per step, task descriptors, lean inner loop and its addressing mode) and the plan's programs per
+rows, keys per step, task descriptors, lean loop and its addressing, register cap) and the plan's programs per
 SM and minimum tiles per program (`plan_decode`'s `num_programs`, `min_tiles`). Inputs are the suite's
 (`make_decode_inputs`, each layer its own caches); the gate compares the load-balanced schedule with the
 torch reference as the suite's check does; times are CUDA-graph replays (the bench's `hpcops` row), the
@@ -71,6 +71,8 @@ DECODE_SPACE = (
     # first (a --quick run reaches both): the lean loop's leaner addressing (DecodeConfig.lean_mode;
     # fewer registers than "hold"'s 255, tests/test_decode_compile.py), on 16-bit KV too
     knob(("lean_loop", "use_tma", "lean_mode"), (True, False, "recompute"), (True, True, "tma"), near=None),
+    # a register cap (ptxas .maxnreg) with the programs an SM it makes room for: 168 = 3, 128 = 4
+    knob(("lean_loop", "max_regs", "pps"), (True, 168, 3), (True, 128, 4), near=None),
     # the per-task chain (descriptors) and the per-tile cost (lean loop), alone and together
     knob("task_desc", False, True),
     knob("lean_loop", False, True),
@@ -80,6 +82,9 @@ DECODE_SPACE = (
     # fewer registers fit more programs an SM (tma: ~128 registers, 4 programs of 4 warps)
     knob(("lean_loop", "use_tma", "lean_mode", "pps"), (True, True, "tma", 3), (True, True, "tma", 4),
          (True, False, "recompute", 3), near=None),
+    knob(("lean_loop", "lean_mode", "max_regs", "pps"), (True, "recompute", 168, 3), (True, "recompute", 128, 4),
+         near=None),
+    knob(("lean_loop", "use_tma", "lean_mode", "max_regs", "pps"), (True, True, "tma", 128, 4), near=None),
     knob("min_tiles", 2, 4, 8, 16),
     knob("pdl", False, True),
     knob("use_tma", False, True),
