@@ -125,11 +125,11 @@ def _attend_whole(acc, m_i, l_i, q, s_scale, k_ptr, v_ptr, k_desc, v_desc, k_col
 
     Addressing: USE_TMA: descriptor loads at row page·BLOCK_SIZE + slot (a bad page at row
     num_blocks·BLOCK_SIZE, past the cache: TMA fills it with zeros). Else a scalar page base plus a
-    [BLOCK_N, D] int32 offset tile: held across the loop (k_off, v_off: 2·BLOCK_N·D/threads registers
-    a thread, hoisted out of the persistent kernel's task loop too: 255 registers on sm90), or
-    LEAN_RECOMPUTE: rebuilt each step from the step's slots and a page-dependent stride (a few integer
-    ops per element, nothing loop-invariant to hold); KV_SAME_STRIDES (stride_kt == stride_vt and stride_kb ==
-    stride_vb, the launcher's promise): K's offsets serve V too.
+    [BLOCK_N, D] int32 offset tile: held across the loop (k_off, v_off; the persistent kernel then
+    takes 255 registers on sm90), or LEAN_RECOMPUTE: rebuilt each step from the step's slots and a
+    page-dependent stride (a few integer ops per element; with a stride that does not vary, recomputed
+    offsets were hoisted out of the loops and held again: 255); KV_SAME_STRIDES (stride_kt ==
+    stride_vt and stride_kb == stride_vb, the launcher's promise): K's offsets serve V too.
     """
     offs_n = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEAD_DIM
