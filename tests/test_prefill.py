@@ -229,7 +229,7 @@ def test_config_heuristic():
     big = prefill_config(head_dim=128, group=8, max_seqlen_q=4096, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16)
     assert (big.block_m, big.block_n, big.num_warps, big.heads_inner) == (64, 64, 4, True)
     fp8 = prefill_config(head_dim=128, group=8, max_seqlen_q=4096, q_dtype=FP8, kv_dtype=FP8)
-    assert (fp8.block_m, fp8.block_n, fp8.num_warps, fp8.heads_inner) == (128, 128, 8, False)
+    assert (fp8.block_m, fp8.block_n, fp8.num_warps, fp8.heads_inner) == (128, 128, 8, True)
     wide = prefill_config(head_dim=128, group=128, max_seqlen_q=4096, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16)
     assert (wide.block_m, wide.num_warps) == (128, 8)
     short = prefill_config(head_dim=128, group=8, max_seqlen_q=1, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16)

@@ -37,8 +37,9 @@ class DecodeConfig:
     block_n: keys per step of the KV loop (a multiple of the 64-token tile; 64 or 128);
     combine_chunks: chunks merged per step by the combine kernel;
     use_tma: load K/V tiles with TMA descriptors where the layout allows it (pages ≥ 64 tokens,
-        pages contiguous, 16-byte aligned rows, power-of-two head_dim). Off: 1–4% slower on the H200
-        (bench/results/decode_sweep_tma_pdl.md).
+        pages contiguous, 16-byte aligned rows, power-of-two head_dim); elsewhere pointer loads. On
+        (default) with lean_mode "tma": 4.3 % faster (geomean; 0–16 % per case, never slower) on the
+        twelve h8/1 cases of the H200 sweep (bench/results/decode_tune_lean.md).
     pdl: launch the combine kernel with programmatic dependent launch (sm90), overlapping its
         launch with the attention kernel's tail: 0.5–8.5% faster in every decode scenario of the H200
         sweep (bench/results/decode_tune_h8.md, decode_tune_h64.md). Never under the interpreter.
@@ -55,8 +56,9 @@ class DecodeConfig:
         the tail (at most 2 tiles: the causal edge, the sequence end) runs the masked step. Applies
         where a step is one tile inside one page (block_n 64, pages ≥ 64 tokens, no TMA); elsewhere
         the masked loop runs as before. Bad page ids are never read in either loop. None (default): on
-        for an fp8 KV cache (the H200 sweep: 4–19% faster there), off for 16-bit KV (within ±1% except
-        1–4% slower on the 32x0.125K+32x4K mix).
+        for an fp8 KV cache (the H200 sweep: 4–19% faster there) and for 16-bit KV read through TMA
+        (with lean_mode "tma": 4.4 % faster); off for 16-bit KV on pointer loads (the held and the
+        recomputed offsets measured within ±2 % there).
     lean_mode: how the lean loop addresses its whole tiles (sm90 registers a thread, persistent kernel,
         4 warps, D 128, from ptxas: tests/test_decode_compile.py). "hold" (default): a [BLOCK_N, D]
         int32 offset tile each for K and V, held across the loop (255 on fp8 KV, 249 on bf16: 2
@@ -65,11 +67,15 @@ class DecodeConfig:
         "tma": whole tiles through TMA descriptors (scalar page base; the masked tail as with
         use_tma) where use_tma applies (~128 fp8 KV, ~142 fp8 q, ~105 bf16); elsewhere as
         "recompute". With use_tma on, "hold" and "recompute" leave the lean loop off (the masked TMA
-        loop runs, as before "tma" existed). Not yet timed on the H200.
+        loop runs, as before "tma" existed). Default "tma" (with use_tma): the H200 sweep
+        (bench/results/decode_tune_lean.md) put it 4.3 % ahead of "hold" over the h8/1 cases, never
+        behind; "recompute" 2.1 %.
     max_regs: a cap on the attention kernel's registers a thread (ptxas .maxnreg; None: ptxas's
         choice, which takes what the code can use: 255 for the held lean loop). 168 fits 3 programs
         of 4 warps an SM, 128 fits 4. On the lean loop (D 128) ptxas then spills 16–24 bytes, stored
-        and reloaded once per task, none inside the KV loops (SASS, Triton 3.6). Not yet timed.
+        and reloaded once per task, none inside the KV loops (SASS, Triton 3.6). Off: with 3–4 programs
+        an SM (`pps`) it wins up to 16 % on short or mixed batches but loses up to 30 % elsewhere in the
+        H200 sweep (bench/results/decode_tune_lean.md).
     plan_block_c, plan_warps, plan_block_b: launch of the plan kernel (`plan_decode`, once per step):
         plan entries (persistent programs) served per plan program (16..256: smaller = more plan
         programs, each with a smaller [plan_block_c, block] compare-count tile; 0 = by batch size,
@@ -86,7 +92,7 @@ class DecodeConfig:
     num_warps: int | None = None
     block_n: int = 64
     combine_chunks: int = 16
-    use_tma: bool = False
+    use_tma: bool = True
     pdl: bool = True
     min_rows: int = 16
     task_desc: bool = True
@@ -95,7 +101,7 @@ class DecodeConfig:
     plan_warps: int = 1
     plan_block_b: int = 256
     plan_one_pass: bool = True
-    lean_mode: str = "hold"
+    lean_mode: str = "tma"
     max_regs: int | None = None
 
     def __post_init__(self):
@@ -257,7 +263,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return out
     sm_scale = (1.0 / math.sqrt(d)) if scale is None else float(scale)
     q_fp8 = q.dtype == FP8_E4M3
-    lean = kv_fp8 if _CONFIG.lean_loop is None else _CONFIG.lean_loop
     lean_mode = _CONFIG.lean_mode
     rows = q_len * g
     common = dict(Q_LEN=q_len, G=g, HEAD_DIM=d, D_PAD=triton.next_power_of_2(d))
@@ -271,6 +276,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                out.stride(0), out.stride(1))
     num_warps = _CONFIG.num_warps or (4 if d <= 128 else 8)
     use_tma = _CONFIG.use_tma and _tma_ok(k_cache, TILE) and _tma_ok(v_cache, TILE)
+    lean = (kv_fp8 or use_tma) if _CONFIG.lean_loop is None else _CONFIG.lean_loop
     if use_tma:
         block_n = TILE
         descs = (kv_descriptor(k_cache, TILE), kv_descriptor(v_cache, TILE))

@@ -59,18 +59,28 @@ def select_experts(router_logits: torch.Tensor, top_k: int, *, scoring: str = "s
     return weights, ids
 
 
-def _launch_select(router_logits, top_k, scoring, bias, renormalize, scale, weights, ids) -> None:
+def select_launch(num_experts: int) -> tuple[int, int]:
+    """(tokens a program, warps) of the routing kernel. Up to 512 experts one warp holds the program's
+    [tokens, next_pow2(E)] tile, so that the top_k rounds of reductions stay inside the warp (shuffles, no
+    barriers): ~1 KB of scores a program; larger E spreads one token over 4 / 8 warps."""
+    e_pad = triton.next_power_of_2(num_experts)
+    if e_pad <= 512:
+        return max(1, min(32, 1024 // e_pad)), 1
+    return 1, 4 if e_pad <= 2048 else 8
+
+
+def _launch_select(router_logits, top_k, scoring, bias, renormalize, scale, weights, ids,
+                   launch: tuple[int, int] | None = None) -> None:
     T, E = router_logits.shape
     if T == 0:
         return
-    e_pad = triton.next_power_of_2(E)
-    block_t = max(1, min(64, 4096 // e_pad))
+    block_t, warps = launch or select_launch(E)
     has_bias = bias is not None and scoring == "sigmoid"
     K.select_experts_kernel[(triton.cdiv(T, block_t),)](
         router_logits, router_logits.stride(0), router_logits.stride(1), bias if has_bias else weights,
-        weights, ids, T, E, float(scale), TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=e_pad,
-        BLOCK_T=block_t, SIGMOID=scoring == "sigmoid", HAS_BIAS=has_bias, RENORM=bool(renormalize),
-        num_warps=4 if block_t * e_pad <= 4096 else 8)
+        weights, ids, T, E, float(scale), TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
+        E_PAD=triton.next_power_of_2(E), BLOCK_T=block_t, SIGMOID=scoring == "sigmoid", HAS_BIAS=has_bias,
+        RENORM=bool(renormalize), num_warps=warps)
 
 
 def _check_select(router_logits, top_k, scoring, bias, scale) -> None:

@@ -1,7 +1,8 @@
 """Bench suite `router`: the router's top-k (`select_experts`) on public MoE routings.
 
-One launch of ours against the torch sequence a framework runs when it has no fused op (sigmoid or
-softmax, bias add, topk, gather, renormalize, scale: `hpcops.moe.reference.select_experts`), both timed
+One launch of ours (`hpcops`; `hpcops-4warps`: the same kernel on the first, 4-warp launch) against the
+torch sequence a framework runs when it has no fused op (sigmoid or softmax, bias add, topk, gather,
+renormalize, scale: `hpcops.moe.reference.select_experts`), all timed
 as CUDA-graph replays of every layer's call (each layer its own logits, L2-cold). At decode sizes the
 torch sequence is a chain of ~10 tiny launches; vLLM replaces it by fused CUDA ops (`topk_softmax`, and
 for sigmoid + bias routings its biased grouped top-k), which cannot run here: compare ours with those
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import triton
 
 from hpcops.bench.registry import Case, Impl
 
@@ -56,12 +58,25 @@ def _kwargs(r: Routing, x: dict[str, Any]) -> dict[str, Any]:
     return {"scoring": r.scoring, "bias": x["bias"], "renormalize": True, "scale": r.scale}
 
 
-def _ours(r: Routing):
+def _ours(r: Routing, launch: tuple[int, int] | None = None):
+    """Ours; `launch` = (tokens a program, warps) instead of `routing.select_launch`'s choice."""
     def prepare(x):
-        from hpcops.moe.routing import select_experts
+        from hpcops.moe import routing
 
-        return lambda: select_experts(x["logits"], r.top_k, **_kwargs(r, x))
+        if launch is None:
+            return lambda: routing.select_experts(x["logits"], r.top_k, **_kwargs(r, x))
+        logits = x["logits"]
+        w = torch.empty(logits.shape[0], r.top_k, device=logits.device)
+        ids = torch.empty(logits.shape[0], r.top_k, dtype=torch.int32, device=logits.device)
+        kw = _kwargs(r, x)
+        return lambda: routing._launch_select(logits, r.top_k, kw["scoring"], kw["bias"], kw["renormalize"],
+                                              kw["scale"], w, ids, launch=launch) or (w, ids)
     return prepare
+
+
+def _four_warps(experts: int) -> tuple[int, int]:
+    """The first launch rule (16 tokens of a 256-wide tile on 4 warps), kept as a row to compare."""
+    return max(1, min(64, 4096 // triton.next_power_of_2(experts))), 4
 
 
 def _torch(r: Routing):
@@ -93,6 +108,9 @@ def cases(opts: dict[str, Any]) -> Iterator[Case]:
                 suite="router", name=name,
                 make_inputs=lambda layer, device="cuda", r=r, t=t: _make_inputs(r, t, layer, device),
                 impls=[Impl("hpcops", _ours(r), ours=True),
+                       Impl("hpcops-4warps", _ours(r, _four_warps(r.experts)),
+                            note=f"variant: {_four_warps(r.experts)[0]} tokens a program on 4 warps "
+                                 "(cross-warp reductions)"),
                        Impl("torch", _torch(r), note="the torch sequence (hpcops.moe.reference.select_experts)")],
                 check=_check(r), bytes=t * r.experts * 4 + t * r.top_k * 8,
                 params={"model": r.model, "E": r.experts, "top_k": r.top_k, "scoring": r.scoring,
