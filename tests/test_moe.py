@@ -381,96 +381,6 @@ def test_bad_inputs(device, monkeypatch):
         assert name in str(info.value), (name, str(info.value))
 
 
-def test_select_experts_bad_inputs():
-    logits = torch.randn(3, 6)
-    with pytest.raises(ValueError, match="top_k"):
-        select_experts(logits, 7)
-    with pytest.raises(ValueError, match="scoring"):
-        select_experts(logits, 2, scoring="relu")
-    with pytest.raises(ValueError, match="bias"):
-        select_experts(logits, 2, scoring="sigmoid", bias=torch.zeros(5))
-    with pytest.raises(TypeError, match="bias"):
-        select_experts(logits, 2, scoring="sigmoid", bias=torch.zeros(6, dtype=torch.int32))
-    with pytest.raises(TypeError, match="router_logits"):
-        select_experts(logits.int(), 2)
-    with pytest.raises(TypeError, match="scale"):
-        select_experts(logits, 2, scale=torch.tensor(2.0))
-    with pytest.raises(ValueError, match="top_k"):
-        select_experts(logits, True)
-
-
-# ---------------------------------------------------------------------------------------------------
-# routing
-
-
-def test_select_experts_softmax():
-    logits = torch.randn(11, 9)
-    w, ids = select_experts(logits, 3)
-    assert w.dtype == torch.float32 and ids.dtype == torch.int32 and w.shape == (11, 3)
-    p = torch.softmax(logits, -1)
-    want_w, want_ids = p.topk(3, -1)
-    assert torch.equal(ids.long(), want_ids)
-    torch.testing.assert_close(w, want_w / want_w.sum(-1, keepdim=True))
-    w2, _ = select_experts(logits, 3, renormalize=False, scale=2.0)
-    torch.testing.assert_close(w2, want_w * 2)
-
-
-def test_select_experts_sigmoid_bias_hy3():
-    """Hy3: sigmoid scores, bias for selection only, renormalize, × 2.826."""
-    logits = torch.randn(7, 12)
-    bias = torch.zeros(12)
-    bias[5] = 10.0  # expert 5 always chosen though its score may be low
-    w, ids = select_experts(logits, 4, scoring="sigmoid", bias=bias, scale=2.826)
-    assert (ids == 5).any(-1).all()
-    s = torch.sigmoid(logits)
-    chosen = s.gather(1, ids.long())
-    torch.testing.assert_close(w, chosen / chosen.sum(-1, keepdim=True) * 2.826)
-    torch.testing.assert_close(w.sum(-1), torch.full((7,), 2.826))
-    assert torch.equal(torch.sort(ids, -1).values, torch.sort((s + bias).topk(4, -1).indices.int(), -1).values)
-
-
-@pytest.mark.parametrize(
-    "T,E,k,scoring,bias,renorm,scale",
-    [
-        (4, 192, 8, "sigmoid", True, True, 2.826),  # Hy3
-        (37, 192, 8, "sigmoid", True, True, 2.826),  # three token blocks, the last partial
-        (5, 256, 8, "sigmoid", True, True, 2.5),  # DeepSeek-V3's E
-        (9, 8, 2, "softmax", False, True, 1.0),  # Mixtral
-        (6, 60, 4, "softmax", False, False, 1.0),  # E not a power of two, no renormalization
-        (3, 128, 1, "sigmoid", False, False, 1.0),  # top-1, no bias
-        (2, 16, 16, "softmax", False, True, 1.0),  # k = E
-    ],
-)
-def test_select_experts_kernel_matches_reference(device, T, E, k, scoring, bias, renorm, scale):
-    from hpcops.moe.reference import select_experts as reference
-
-    g = torch.Generator().manual_seed(T * E + k)
-    logits = torch.randn(T, E, generator=g).to(device)
-    b = (0.2 * torch.randn(E, generator=g)).to(device) if bias else None
-    w, ids = select_experts(logits, k, scoring=scoring, bias=b, renormalize=renorm, scale=scale)
-    want_w, want_ids = reference(logits, k, scoring=scoring, bias=b, renormalize=renorm, scale=scale)
-    assert w.shape == ids.shape == (T, k) and w.dtype == torch.float32 and ids.dtype == torch.int32
-    assert torch.equal(ids, want_ids)
-    torch.testing.assert_close(w, want_w)
-
-
-def test_select_experts_kernel_edges(device):
-    """bf16 strided logits; equal scores (the lower id first); a NaN ranks last; an empty batch."""
-    logits = torch.randn(6, 24, device=device).bfloat16()[:, ::2]  # stride 2 along E
-    from hpcops.moe.reference import select_experts as reference
-
-    w, ids = select_experts(logits, 3)
-    want_w, want_ids = reference(logits, 3)
-    assert torch.equal(ids, want_ids) and torch.allclose(w, want_w)
-    tied = torch.zeros(2, 8, device=device)
-    tied[:, 5] = 1.0
-    tied[1, 2] = float("nan")
-    _, ids = select_experts(tied, 4, scoring="sigmoid")
-    assert ids.cpu().tolist() == [[5, 0, 1, 2], [5, 0, 1, 3]]
-    w, ids = select_experts(torch.empty(0, 8, device=device), 2)
-    assert w.shape == ids.shape == (0, 2)
-
-
 def test_public_exports():
     assert hpcops.fused_moe is fused_moe
     assert hpcops.select_experts is select_experts
@@ -478,21 +388,6 @@ def test_public_exports():
 
 # ---------------------------------------------------------------------------------------------------
 # torch.library
-
-
-def test_select_experts_opcheck(device):
-    from hpcops.moe.routing import select_experts_out_op
-
-    logits = torch.randn(5, 16, device=device)
-    bias = torch.randn(16, device=device)
-    w = torch.empty(5, 4, device=device)
-    ids = torch.empty(5, 4, dtype=torch.int32, device=device)
-    args = (logits, 4, "sigmoid", bias, True, 2.0, w, ids)
-    torch.library.opcheck(select_experts_out_op, args,
-                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
-    select_experts_out_op(*args)
-    want_w, want_ids = select_experts(logits, 4, scoring="sigmoid", bias=bias, scale=2.0)
-    assert torch.equal(ids, want_ids) and torch.equal(w, want_w)
 
 
 def test_opcheck(device):
