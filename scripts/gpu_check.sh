@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The GPU tier in one call on the H200 (through the device tool): tests + benchmarks + tuning.
 #   bash scripts/gpu_check.sh [STAGE ...]     stages: tests, tests:<paths>, bench:<suite>[,<suite>...],
-#                                             tune:<op>[,<op>...] (hpcops tune: decode, moe, moe-shapes, rope,
+#                                             setup (the preamble alone), tune:<op>[,<op>...] (hpcops tune: decode, moe, moe-shapes, rope,
 #                                             prefill),
 #                                             ep2 (two-GPU expert parallelism, scripts/moe_ep2.py),
 #                                             profile:decode (ncu), profile:moe (per-kernel µs, scripts/profile_moe.py;
 #                                             PROFILE_ARGS adds options), smoke (the smallest complete run of every GPU
 #                                             tool: hpcops tune <op> --smoke for every op, profile_decode.py)
+# Several GPUs in one device call: scripts/gpu_parallel.py (one queue of stages per GPU, one archive back).
 # Default: tests bench:decode,moe,rope,prefill. Results go to $OUT (or ./out): logs, and one
 # results.tar.gz holding bench/results/*.{json,md,png} to unpack into bench/results/ (the `tests`
 # stage writes results/gpu_tests.txt; `smoke` writes results/smoke/). Set GIT_REV to the commit of the
@@ -21,8 +22,11 @@ OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT" "$OUT/results"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+  # once a machine (jobs running side by side, scripts/gpu_parallel.py, find it done)
+  if [ -f /tmp/site/.hpcops-wheels ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+      --upgrade --target /tmp/site .whl/*.whl && touch /tmp/site/.hpcops-wheels; }; then
+    export PYTHONPATH=$PYTHONPATH:/tmp/site
+  fi
 fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || true
 stages=("$@")
@@ -101,6 +105,7 @@ for st in "${stages[@]}"; do
         python3 -m hpcops tune "$o" --out "$OUT/results" --no-progress ${TUNE_ARGS:-} 2>&1 \
           | tee -a "$OUT/tune.log" | grep -v '^\[' | tail -60 || status=1
       done ;;
+    setup) ;;  # the preamble only (FlashInfer wheels into /tmp/site, editable install): gpu_parallel.py runs it once
     *) echo "unknown stage $st"; status=2 ;;
   esac
   tar -czf "$OUT/results.tar.gz" -C "$OUT" results  # after every stage: a later timeout loses nothing

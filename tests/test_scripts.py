@@ -103,3 +103,49 @@ def test_profile_moe_help_and_gpu_check_stage():
     assert "--configs" in res.stdout and "--only" in res.stdout
     with open(os.path.join(SCRIPTS, "gpu_check.sh")) as f:
         assert "profile:moe)" in f.read()
+
+
+FAKE_CHECK = """#!/usr/bin/env bash
+# a stand-in for gpu_check.sh: results/ packed into results.tar.gz, as the real one does
+mkdir -p "$OUT/results"
+echo "stage $1 gpu=$CUDA_VISIBLE_DEVICES args=${BENCH_ARGS:-}" > "$OUT/gpu.txt"
+case "$1" in
+  setup) exit 0 ;;
+  slow) echo partial > "$OUT/results/partial.md"; sleep 60 ;;
+  fail) exit 3 ;;
+  *) echo "$1" > "$OUT/results/$1.md" ;;
+esac
+tar -czf "$OUT/results.tar.gz" -C "$OUT" results && rm -rf "$OUT/results"
+"""
+
+
+def test_gpu_parallel_queues_timeouts_and_one_archive(tmp_path):
+    """Queues run side by side on their GPUs, per-job environment and timeouts hold, a timed-out job keeps what it
+    wrote, and $OUT ends with all.tgz + the summaries only (the device tool returns at most 8 files)."""
+    import json
+    import tarfile
+
+    fake = tmp_path / "check.sh"
+    fake.write_text(FAKE_CHECK)
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(SCRIPTS, "gpu_parallel.py"), "--check", f"bash {fake}", "--limit", "60",
+         "tests ; BENCH_ARGS='--only fp8 --quick' bench:prefill", "timeout=2 slow ; fail"],
+        env={**os.environ, "OUT": str(out)}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr  # one job failed, one timed out
+    assert sorted(p.name for p in out.iterdir()) == ["all.tgz", "summary.json", "summary.txt"]
+    jobs = {(j["gpu"], j["stage"]): j for j in json.loads((out / "summary.json").read_text())}
+    assert jobs[(0, "tests")]["status"] == jobs[(0, "bench:prefill")]["status"] == "ok"
+    assert jobs[(1, "slow")]["status"].startswith("timeout") and jobs[(1, "slow")]["seconds"] < 20
+    assert jobs[(1, "fail")]["status"] == "failed (rc 3)"
+    with tarfile.open(out / "all.tgz") as t:
+        names = set(t.getnames())
+        gpu_txt = t.extractfile("gpu0-1-bench_prefill/gpu.txt").read().decode()
+    assert {"gpu0-0-tests/results/tests.md", "gpu1-0-slow/results/partial.md"} <= names
+    assert gpu_txt.strip() == "stage bench:prefill gpu=0 args=--only fp8 --quick"
+
+
+def test_gpu_parallel_rejects_a_bad_queue():
+    proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "gpu_parallel.py"), "bench:decode bench:moe"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "one stage a job" in proc.stderr
