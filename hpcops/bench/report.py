@@ -141,8 +141,8 @@ def write(result: SuiteResult, out_dir: str | Path) -> list[Path]:
     return paths
 
 
-def merge(suite: str, dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
-    """One report of `suite` from several runs' `<suite>.json` (a long suite split over `--only` runs with
+def joined(suite: str, dirs: list[str | Path]) -> SuiteResult:
+    """One result of `suite` from several runs' `<suite>.json` (a long suite split over `--only` runs with
     their own `--out`, each under a per-command time limit): cases in the order first seen, a later run's
     rows replacing an earlier run's for a case both measured; the machine (copy bandwidth) of the first run."""
     cases: dict[str, list[Row]] = {}
@@ -151,7 +151,12 @@ def merge(suite: str, dirs: list[str | Path], out_dir: str | Path) -> list[Path]
         res = load(Path(d) / f"{suite}.json")
         machine = machine or res.machine
         cases.update(by_case(res))
-    return write(SuiteResult(suite, [r for rows in cases.values() for r in rows], machine), out_dir)
+    return SuiteResult(suite, [r for rows in cases.values() for r in rows], machine)
+
+
+def merge(suite: str, dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
+    """`joined` runs of `suite`, written as one report in `out_dir`."""
+    return write(joined(suite, dirs), out_dir)
 
 
 if __name__ == "__main__":  # python -m hpcops.bench.report SUITE OUT_DIR RUN_DIR...

@@ -242,14 +242,9 @@ def merge(dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
     from hpcops.bench import report
     from hpcops.bench.runner import SuiteResult
 
-    rows: dict[str, list] = {}
-    machine: dict = {}
-    for d in dirs:
-        res = report.load(Path(d) / "layer.json")
-        machine = machine or res.machine
-        for case, case_rows in report.by_case(res).items():
-            rows[case] = [r for r in case_rows if r.impl != "baseline"]
-    done, extra = finish(SuiteResult("layer", [r for rs in rows.values() for r in rs], machine), out_dir)
+    res = report.joined("layer", dirs)
+    # the derived `baseline` rows are made again by `finish` from the joined parts
+    done, extra = finish(SuiteResult("layer", [r for r in res.rows if r.impl != "baseline"], res.machine), out_dir)
     return report.write(done, out_dir) + extra
 
 
