@@ -37,9 +37,11 @@ class DecodeConfig:
     block_n: keys per step of the KV loop (a multiple of the 64-token tile; 64 or 128);
     combine_chunks: chunks merged per step by the combine kernel;
     use_tma: load K/V tiles with TMA descriptors where the layout allows it (pages ≥ 64 tokens,
-        pages contiguous, 16-byte aligned rows, power-of-two head_dim); elsewhere pointer loads. On
-        (default) with lean_mode "tma": 4.3 % faster (geomean; 0–16 % per case, never slower) on the
-        twelve h8/1 cases of the H200 sweep (bench/results/decode_tune_lean.md).
+        pages contiguous, 16-byte aligned rows, power-of-two head_dim); elsewhere pointer loads. None
+        (default): TMA for a 16-bit KV cache (with lean_mode "tma": 4.4 % faster over the h8/1 sweep,
+        bench/results/decode_tune_lean.md, and best at h64/8), pointer loads for fp8 KV (there the lean
+        loop's recomputed offsets are level with TMA at h8/1 and 3–9 % faster at h64/8,
+        decode_tune_h64_lean.md). True / False: always / never where the layout allows it.
     pdl: launch the combine kernel with programmatic dependent launch (sm90), overlapping its
         launch with the attention kernel's tail: 0.5–8.5% faster in every decode scenario of the H200
         sweep (bench/results/decode_tune_h8.md, decode_tune_h64.md). Never under the interpreter.
@@ -92,7 +94,7 @@ class DecodeConfig:
     num_warps: int | None = None
     block_n: int = 64
     combine_chunks: int = 16
-    use_tma: bool = True
+    use_tma: bool | None = None
     pdl: bool = True
     min_rows: int = 16
     task_desc: bool = True
@@ -275,7 +277,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
                out.stride(0), out.stride(1))
     num_warps = _CONFIG.num_warps or (4 if d <= 128 else 8)
-    use_tma = _CONFIG.use_tma and _tma_ok(k_cache, TILE) and _tma_ok(v_cache, TILE)
+    want_tma = (not kv_fp8) if _CONFIG.use_tma is None else _CONFIG.use_tma
+    use_tma = want_tma and _tma_ok(k_cache, TILE) and _tma_ok(v_cache, TILE)
     lean = (kv_fp8 or use_tma) if _CONFIG.lean_loop is None else _CONFIG.lean_loop
     if use_tma:
         block_n = TILE

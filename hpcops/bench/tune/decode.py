@@ -87,7 +87,7 @@ DECODE_SPACE = (
     knob(("lean_loop", "use_tma", "lean_mode", "max_regs", "pps"), (True, True, "tma", 128, 4), near=None),
     knob("min_tiles", 2, 4, 8, 16),
     knob("pdl", False, True),
-    knob("use_tma", False, True),
+    knob("use_tma", None, False, True),
     knob("num_warps", None, 1, 2, 8, near=None),
     # fewer warps per program want more programs per SM (loads in flight); a 1-warp tile keeps the
     # softmax reductions inside a warp
