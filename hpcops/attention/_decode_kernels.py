@@ -3,11 +3,23 @@
 Rows of a program's M tile are the (query token j, query head g) pairs of one KV head:
 row = j·G + g, so one K/V tile load serves every query head of the group and every new token.
 Scores live in the log2 domain: s = (q·k) · sm_scale · log2(e) (· q_scale · k_scale for fp8).
+The paged-KV tile routine (block-table lookup, bad-block clamp, K/V loads, online-softmax step) is
+shared with prefill and lives in `_paged_tile.py`; the KV loops here (`_attend_tiles`, `_attend_whole`)
+call it.
 """
 
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from hpcops.attention._paged_tile import (
+    _accumulate_pv,
+    _clamp_block,
+    _load_block_id,
+    _load_kv_tile,
+    _softmax_step,
+    _tile_scores,
+)
 
 
 @triton.jit
@@ -69,46 +81,28 @@ def _attend_tiles(acc, m_i, l_i, q, s_scale, last_pos, k_ptr, v_ptr, k_desc, v_d
         in_seq = tok < stop
         if (BLOCK_SIZE >= BLOCK_N) and (BLOCK_N == TILE):
             # steps start on tile boundaries, so a one-tile step lies in one page: one block-table load
-            col = start // BLOCK_SIZE
-            page_s = tl.load(bt_row_ptr + col, mask=col < bt_width, other=-1)
-            ok = in_seq & (page_s >= 0) & (page_s < num_blocks)
-            page = tl.where(ok, page_s, 0).to(tl.int64)
+            page_s = _load_block_id(bt_row_ptr, start // BLOCK_SIZE, bt_width, True, False)
         else:
-            col = tok // BLOCK_SIZE
-            page = tl.load(bt_row_ptr + col, mask=in_seq & (col < bt_width), other=-1)
-            ok = in_seq & (page >= 0) & (page < num_blocks)
-            page = tl.where(ok, page, 0).to(tl.int64)
+            page_s = _load_block_id(bt_row_ptr, tok // BLOCK_SIZE, bt_width, in_seq, False)  # [BLOCK_N]
+        page, ok = _clamp_block(page_s, num_blocks, in_seq)
+        page = page.to(tl.int64)
         slot = (tok % BLOCK_SIZE).to(tl.int64)
         kv_mask = ok[:, None] & d_ok[None, :]
-        if USE_TMA:
-            row0 = (tl.where(page_s >= 0, page_s, 0) * BLOCK_SIZE + start % BLOCK_SIZE).to(tl.int32)
-            k = k_desc.load([row0, k_col])  # [BLOCK_N, D]
-        else:
-            k = tl.load(k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_kt + offs_d[None, :],
-                        mask=kv_mask, other=0.0)  # [BLOCK_N, D]
-        if KV_FP8:
-            if not Q_FP8:
-                k = k.to(tl.float16)
-        s = tl.dot(q, tl.trans(k)) * s_scale[:, None]  # [M, BLOCK_N]
+        # USE_TMA: a page id ≥ num_blocks reads past the cache (zeros); its keys are masked anyway
+        row0 = (tl.where(page_s >= 0, page_s, 0) * BLOCK_SIZE + start % BLOCK_SIZE).to(tl.int32)
+        k = _load_kv_tile(k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_kt + offs_d[None, :], kv_mask,
+                          k_desc, row0, k_col, ok, USE_TMA, not USE_TMA)  # [BLOCK_N, D]
+        s = _tile_scores(q, k, KV_FP8, Q_FP8) * s_scale[:, None]  # [M, BLOCK_N]
         visible = (tok[None, :] <= last_pos[:, None]) & ok[None, :]
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_ref)
-        p = tl.exp2(s - m_ref[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if USE_TMA:
-            v = v_desc.load([row0, v_col])  # [BLOCK_N, D]; rows past the sequence may hold anything
-            v = tl.where(ok[:, None], v, 0.0)
-        else:
-            v = tl.load(v_ptr + page[:, None] * stride_vb + slot[:, None] * stride_vt + offs_d[None, :],
-                        mask=kv_mask, other=0.0)  # [BLOCK_N, D]
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, s_scale, False)
+        # TMA: rows past the sequence may hold anything, zeroed
+        v = _load_kv_tile(v_ptr + page[:, None] * stride_vb + slot[:, None] * stride_vt + offs_d[None, :], kv_mask,
+                          v_desc, row0, v_col, ok, USE_TMA, True)  # [BLOCK_N, D]
         if KV_FP8:
-            pv = tl.dot(p.to(tl.float16), v.to(tl.float16))
+            acc = _accumulate_pv(acc, alpha, p, v, tl.float16, False)
         else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+            acc = _accumulate_pv(acc, alpha, p, v, v.dtype, False)
     return acc, m_i, l_i
 
 
@@ -141,57 +135,42 @@ def _attend_whole(acc, m_i, l_i, q, s_scale, k_ptr, v_ptr, k_desc, v_desc, k_col
             v_off = offs_n[:, None] * stride_vt + offs_d[None, :]
     # the page of the next step is loaded one step ahead (a loop-carried scalar), so that the K/V
     # loads, not the block-table load, take the software pipeline's stages
-    col = (tile_lo * TILE) // BLOCK_SIZE
-    next_page = tl.load(bt_row_ptr + col, mask=(col < bt_width) & (tile_lo < tile_hi), other=-1)
+    next_page = _load_block_id(bt_row_ptr, (tile_lo * TILE) // BLOCK_SIZE, bt_width, tile_lo < tile_hi, False)
     for start in tl.range(tile_lo * TILE, tile_hi * TILE, BLOCK_N, num_stages=NUM_STAGES):
-        page = next_page
-        col_n = (start + BLOCK_N) // BLOCK_SIZE
-        next_page = tl.load(bt_row_ptr + col_n, mask=(col_n < bt_width) & (start + BLOCK_N < tile_hi * TILE),
-                            other=-1)
-        ok = (page >= 0) & (page < num_blocks)
+        page_s = next_page
+        next_page = _load_block_id(bt_row_ptr, (start + BLOCK_N) // BLOCK_SIZE, bt_width,
+                                   start + BLOCK_N < tile_hi * TILE, False)
+        page, ok = _clamp_block(page_s, num_blocks, True)
+        page = page.to(tl.int64)
         slot = start % BLOCK_SIZE
-        if USE_TMA:
-            row0 = tl.where(ok, page, num_blocks) * BLOCK_SIZE + slot
-            k = k_desc.load([row0, k_col])  # [BLOCK_N, D]
+        row0 = tl.where(ok, page_s, num_blocks) * BLOCK_SIZE + slot  # USE_TMA
+        if LEAN_RECOMPUTE:
+            # this step's slots times a stride that depends on the page: nothing the compiler can
+            # hoist out of the loops (the persistent kernel's task loop included) and hold
+            rows = slot + offs_n  # [BLOCK_N]
+            k_off = rows[:, None] * tl.where(ok, stride_kt, 0) + offs_d[None, :]  # [BLOCK_N, D] int32
+            k_base = page * stride_kb
         else:
-            page = tl.where(ok, page, 0).to(tl.int64)
-            if LEAN_RECOMPUTE:
-                # this step's slots times a stride that depends on the page: nothing the compiler can
-                # hoist out of the loops (the persistent kernel's task loop included) and hold
-                rows = slot + offs_n  # [BLOCK_N]
-                k_off = rows[:, None] * tl.where(ok, stride_kt, 0) + offs_d[None, :]  # [BLOCK_N, D] int32
-                k_base = page * stride_kb
+            k_base = page * stride_kb + slot * stride_kt
+        k = _load_kv_tile(k_ptr + k_base + k_off, d_ok[None, :] & ok, k_desc, row0, k_col, ok, USE_TMA,
+                          not USE_TMA)  # [BLOCK_N, D]
+        s = _tile_scores(q, k, KV_FP8, Q_FP8) * s_scale[:, None] + tl.where(ok, 0.0, float("-inf"))  # [M, BLOCK_N]
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, s_scale, False)
+        if LEAN_RECOMPUTE:
+            if KV_SAME_STRIDES:
+                v_off = k_off
+                v_base = k_base
             else:
-                k_base = page * stride_kb + slot * stride_kt
-            k = tl.load(k_ptr + k_base + k_off, mask=d_ok[None, :] & ok, other=0.0)  # [BLOCK_N, D]
-        if KV_FP8:
-            if not Q_FP8:
-                k = k.to(tl.float16)
-        s = tl.dot(q, tl.trans(k)) * s_scale[:, None] + tl.where(ok, 0.0, float("-inf"))  # [M, BLOCK_N]
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_ref)
-        p = tl.exp2(s - m_ref[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if USE_TMA:
-            v = v_desc.load([row0, v_col])  # [BLOCK_N, D]
+                v_off = rows[:, None] * tl.where(ok, stride_vt, 0) + offs_d[None, :]  # [BLOCK_N, D] int32
+                v_base = page * stride_vb
         else:
-            if LEAN_RECOMPUTE:
-                if KV_SAME_STRIDES:
-                    v_off = k_off
-                    v_base = k_base
-                else:
-                    v_off = rows[:, None] * tl.where(ok, stride_vt, 0) + offs_d[None, :]  # [BLOCK_N, D] int32
-                    v_base = page * stride_vb
-            else:
-                v_base = page * stride_vb + slot * stride_vt
-            v = tl.load(v_ptr + v_base + v_off, mask=d_ok[None, :] & ok, other=0.0)  # [BLOCK_N, D]
+            v_base = page * stride_vb + slot * stride_vt
+        v = _load_kv_tile(v_ptr + v_base + v_off, d_ok[None, :] & ok, v_desc, row0, v_col, ok, USE_TMA,
+                          not USE_TMA)  # [BLOCK_N, D]
         if KV_FP8:
-            pv = tl.dot(p.to(tl.float16), v.to(tl.float16))
+            acc = _accumulate_pv(acc, alpha, p, v, tl.float16, False)
         else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+            acc = _accumulate_pv(acc, alpha, p, v, v.dtype, False)
     return acc, m_i, l_i
 
 

@@ -5,12 +5,23 @@ consecutive new tokens of one request times the `GROUP` query heads that share t
 (GQA packing), so each K/V tile is read once for the whole group. The tiles of every request are
 enumerated from a flat list built in-kernel from `cu_seqlens_q` with a prefix sum (no host sync),
 heaviest (last, causal) tile of each request first. See PREFILL.md.
+One KV step (`_prefill_kv_tile`) is built from the paged-KV tile routine shared with decode,
+`_paged_tile.py` (block-table lookup, bad-block clamp, K/V loads, online-softmax step).
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from hpcops.attention._paged_tile import (
+    _accumulate_pv,
+    _clamp_block,
+    _load_block_id,
+    _load_kv_tile,
+    _softmax_step,
+    _tile_scores,
+)
 
 
 @triton.jit
@@ -59,71 +70,44 @@ def _prefill_kv_tile(
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     kv_mask = offs_n < seq_len
-    if USE_TMA:
-        # one page per tile; the cache is seen as 2-D [num_blocks * PAGE, row] with kv heads as columns
-        blk = tl.load(bt_row + tl.minimum(start_n // PAGE, max_blocks - 1))
-        blk = tl.where((blk >= 0) & (blk < num_blocks), blk, 0)  # a bad block id (unchecked) reads block 0
-        row0 = blk * PAGE + start_n % PAGE
-        k = k_desc.load([row0, k_col])  # [BLOCK_N, HEAD_DIM]
+    if USE_TMA or (PAGE % BLOCK_N == 0):
+        # the whole tile lies in one page: one block id, contiguous slots (a column past the table's
+        # width reads its last entry)
+        blk = _load_block_id(bt_row, start_n // PAGE, max_blocks, True, True)
     else:
-        if PAGE % BLOCK_N == 0:
-            # the whole tile lies in one page: one block id, contiguous slots
-            blk = tl.load(bt_row + tl.minimum(start_n // PAGE, max_blocks - 1)).to(tl.int64)
-            blk = tl.where((blk >= 0) & (blk < num_blocks), blk, 0)  # bad ids (unchecked) read block 0
-            slot = (offs_n % PAGE).to(tl.int64)
-        else:
-            page_idx = offs_n // PAGE
-            kv_mask = kv_mask & (page_idx < max_blocks)
-            blk = tl.load(bt_row + page_idx, mask=kv_mask, other=0).to(tl.int64)  # [BLOCK_N]
-            blk = tl.where((blk >= 0) & (blk < num_blocks), blk, 0)
-            slot = (offs_n % PAGE).to(tl.int64)
-        k_rows = blk * stride_kb + slot * stride_kt
-        v_rows = blk * stride_vb + slot * stride_vt
-        k_ptrs = k_ptr + k_head_off + k_rows[:, None] + offs_d[None, :] * stride_kd
-        v_ptrs = v_ptr + v_head_off + v_rows[:, None] + offs_d[None, :] * stride_vd
-        if MASKED:
-            k = tl.load(k_ptrs, mask=kv_mask[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
-        else:
-            k = tl.load(k_ptrs)
-    if KV_FP8 and not QK_FP8:
-        k = k.to(q.dtype)
-    s = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N] fp32
-    # kv_limit <= seq_len - 1, so the causal test also masks the slots past seq_len
-    if FMA_SCALE:
-        if MASKED:
-            s = tl.where(offs_n[None, :] <= kv_limit[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1) * row_scale)
-        # a row whose keys are all masked so far keeps m = -inf; subtract 0 there instead of NaN
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s * row_scale[:, None] - m_safe[:, None])  # [BLOCK_M, BLOCK_N]
-    else:
+        page_idx = offs_n // PAGE
+        kv_mask = kv_mask & (page_idx < max_blocks)
+        blk = _load_block_id(bt_row, page_idx, max_blocks, kv_mask, False)  # [BLOCK_N]
+    blk, _ = _clamp_block(blk, num_blocks, True)  # a bad block id (unchecked) reads block 0
+    # USE_TMA: one page per tile; the cache is seen as 2-D [num_blocks * PAGE, row] with kv heads as columns
+    row0 = blk * PAGE + start_n % PAGE
+    slot = (offs_n % PAGE).to(tl.int64)
+    k_rows = blk.to(tl.int64) * stride_kb + slot * stride_kt
+    v_rows = blk.to(tl.int64) * stride_vb + slot * stride_vt
+    k_ptrs = k_ptr + k_head_off + k_rows[:, None] + offs_d[None, :] * stride_kd
+    v_ptrs = v_ptr + v_head_off + v_rows[:, None] + offs_d[None, :] * stride_vd
+    # K rows past seq_len are masked in the scores; their TMA rows are not zeroed
+    k = _load_kv_tile(
+        k_ptrs, kv_mask[:, None], k_desc, row0, k_col, kv_mask, USE_TMA, MASKED and not USE_TMA
+    )  # [BLOCK_N, HEAD_DIM]
+    s = _tile_scores(q, k, KV_FP8, QK_FP8)  # [BLOCK_M, BLOCK_N] fp32
+    if not FMA_SCALE:
         s = s * row_scale[:, None]
-        if MASKED:
-            s = tl.where(offs_n[None, :] <= kv_limit[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    if USE_TMA:
-        v = v_desc.load([row0, v_col])  # [BLOCK_N, HEAD_DIM]
-        if MASKED:
-            # slots past seq_len in the last page may hold anything (NaN): P = 0 there is not enough
-            v = tl.where(kv_mask[:, None], v, tl.zeros_like(v))
-    elif MASKED:
-        v = tl.load(v_ptrs, mask=kv_mask[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
-    else:
-        v = tl.load(v_ptrs)
+    if MASKED:
+        # kv_limit <= seq_len - 1, so the causal test also masks the slots past seq_len
+        s = tl.where(offs_n[None, :] <= kv_limit[:, None], s, float("-inf"))
+    p, alpha, m_new, l_i = _softmax_step(s, m_i, l_i, row_scale, FMA_SCALE)
+    # slots past seq_len in the last page may hold anything (NaN): P = 0 there is not enough
+    v = _load_kv_tile(v_ptrs, kv_mask[:, None], v_desc, row0, v_col, kv_mask, USE_TMA, MASKED)  # [BLOCK_N, HEAD_DIM]
     if PV_FP8:
         # P in [0, 1] is scaled by 256 into e4m3's normal range; the epilogue divides it out
-        acc = tl.dot((p * 256.0).to(v.dtype), v, acc)
+        acc = _accumulate_pv(acc, alpha, p * 256.0, v, v.dtype, True)
     elif QK_FP8:
-        acc = tl.dot(p.to(tl.bfloat16), v.to(tl.bfloat16), acc)
+        acc = _accumulate_pv(acc, alpha, p, v, tl.bfloat16, True)
     elif KV_FP8:
-        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc)
+        acc = _accumulate_pv(acc, alpha, p, v, q.dtype, True)
     else:
-        acc = tl.dot(p.to(v.dtype), v, acc)
+        acc = _accumulate_pv(acc, alpha, p, v, v.dtype, True)
     return acc, m_new, l_i
 
 
