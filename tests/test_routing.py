@@ -133,5 +133,7 @@ def test_select_experts_opcheck(device):
     torch.library.opcheck(select_experts_out_op, args,
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
     select_experts_out_op(*args)
+    with pytest.raises(TypeError, match="topk_ids"):
+        select_experts_out_op(logits, 4, "sigmoid", bias, True, 2.0, w, ids.long())
     want_w, want_ids = select_experts(logits, 4, scoring="sigmoid", bias=bias, scale=2.0)
     assert torch.equal(ids, want_ids) and torch.equal(w, want_w)

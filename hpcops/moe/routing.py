@@ -45,9 +45,8 @@ def select_experts(router_logits: torch.Tensor, top_k: int, *, scoring: str = "s
     E > 4096 or top_k > 64, take that torch reference.
     """
     _check_select(router_logits, top_k, scoring, bias, scale)
-    T, E = router_logits.shape
-    on_kernel = router_logits.is_cuda or _platform.is_interpreter() or kernels_are_replaced()
-    if not on_kernel or E > SELECT_MAX_EXPERTS or top_k > SELECT_MAX_TOP_K:
+    T = router_logits.shape[0]
+    if not _on_kernel(router_logits, top_k):
         from hpcops.moe.reference import select_experts as torch_select
 
         return torch_select(router_logits, top_k, scoring=scoring, bias=bias, renormalize=renormalize,
@@ -57,6 +56,13 @@ def select_experts(router_logits: torch.Tensor, top_k: int, *, scoring: str = "s
     ids = torch.empty((T, top_k), dtype=torch.int32, device=dev)
     _launch_select(router_logits, top_k, scoring, bias, renormalize, scale, weights, ids)
     return weights, ids
+
+
+def _on_kernel(router_logits: torch.Tensor, top_k: int) -> bool:
+    """The kernel computes the routing (else the torch reference): a CUDA tensor or the interpreter, within
+    SELECT_MAX_EXPERTS / SELECT_MAX_TOP_K."""
+    on_device = router_logits.is_cuda or _platform.is_interpreter() or kernels_are_replaced()
+    return on_device and router_logits.shape[1] <= SELECT_MAX_EXPERTS and top_k <= SELECT_MAX_TOP_K
 
 
 def select_launch(num_experts: int) -> tuple[int, int]:
@@ -105,6 +111,14 @@ def _check_select(router_logits, top_k, scoring, bias, scale) -> None:
 
 def _select_experts_out(router_logits: torch.Tensor, top_k: int, scoring: str, bias: torch.Tensor | None,  # noqa: UP045
                         renormalize: bool, scale: float, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> None:
+    _check_select(router_logits, top_k, scoring, bias, scale)
+    T = router_logits.shape[0]
+    check_tensor("topk_weights", topk_weights, dtypes=(torch.float32,), shape=(T, top_k),
+                 device=router_logits.device)
+    check_tensor("topk_ids", topk_ids, dtypes=(torch.int32,), shape=(T, top_k), device=router_logits.device)
+    if topk_weights.is_contiguous() and topk_ids.is_contiguous() and _on_kernel(router_logits, top_k):
+        _launch_select(router_logits, top_k, scoring, bias, renormalize, scale, topk_weights, topk_ids)
+        return
     w, ids = select_experts(router_logits, top_k, scoring=scoring, bias=bias, renormalize=renormalize, scale=scale)
     topk_weights.copy_(w)
     topk_ids.copy_(ids)
