@@ -14,7 +14,7 @@ def test_cases_are_listed():
     names = [c.name for c in cases]
     assert len(names) == len(set(names)) == len(router.ROUTINGS) * len(router.TOKENS)
     assert all(c.bytes > 0 and c.check is not None and c.impls[0].ours for c in cases)
-    assert [i.name for i in cases[0].impls] == ["hpcops", "hpcops-4warps", "hpcops-keyed", "torch"]
+    assert [i.name for i in cases[0].impls] == ["hpcops", "hpcops-4warps", "hpcops-1tok", "torch"]
     assert len(list(get_suite("router")({"quick": True}))) == len(router.ROUTINGS) * len(router.QUICK_TOKENS)
 
 
@@ -25,7 +25,7 @@ def test_gate_and_rows_agree(r, device):
     w, ids = router._ours(r)(x)()
     w2, ids2 = router._torch(r)(x)()
     w3, ids3 = router._ours(r, router._four_warps(r.experts))(x)()
-    w4, ids4 = router._ours(r, keyed=True)(x)()
+    w4, ids4 = router._ours(r, (1, 1))(x)()
     assert torch.equal(ids4, ids2) and torch.allclose(w4, w2)
     assert torch.equal(ids, ids2) and torch.allclose(w, w2)
     assert torch.equal(ids3, ids2) and torch.allclose(w3, w2)

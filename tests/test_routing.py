@@ -81,27 +81,29 @@ def test_select_experts_kernel_matches_reference(device, T, E, k, scoring, bias,
 
 @pytest.mark.parametrize("E,k,scoring",
                          [(192, 8, "sigmoid"), (60, 4, "softmax"), (16, 16, "softmax"), (8, 2, "sigmoid")])
-def test_select_experts_keyed_matches_reference(device, E, k, scoring):
-    """The kernel's KEYED form (one int64 max a round, weights gathered after): same ids and weights."""
+def test_select_experts_launches_match_reference(device, E, k, scoring):
+    """Every launch shape (tokens a program, warps) into NaN-filled outputs: the reference's ids and weights;
+    equal scores, -0.0 and a NaN order as the reference orders them."""
     from hpcops.moe import routing
     from hpcops.moe.reference import select_experts as reference
 
     g = torch.Generator().manual_seed(E + k)
     logits = torch.randn(19, E, generator=g).to(device)
     bias = (0.2 * torch.randn(E, generator=g)).to(device) if scoring == "sigmoid" else None
-    w = torch.full((19, k), float("nan"), device=device)
-    ids = torch.full((19, k), -1, dtype=torch.int32, device=device)
-    routing._launch_select(logits, k, scoring, bias, True, 2.5, w, ids, keyed=True)
     want_w, want_ids = reference(logits, k, scoring=scoring, bias=bias, scale=2.5)
-    assert torch.equal(ids, want_ids)
-    torch.testing.assert_close(w, want_w)
+    for launch in (None, (1, 1), (4, 1), (1, 4)):
+        w = torch.full((19, k), float("nan"), device=device)
+        ids = torch.full((19, k), -1, dtype=torch.int32, device=device)
+        routing._launch_select(logits, k, scoring, bias, True, 2.5, w, ids, launch=launch)
+        assert torch.equal(ids, want_ids), launch
+        torch.testing.assert_close(w, want_w)
     tied = torch.zeros(2, 8, device=device)
     tied[:, 5] = 1.0
     tied[1, 2] = float("nan")
     tied[0, 3] = -0.0
     w2 = torch.empty(2, 4, device=device)
     ids2 = torch.empty(2, 4, dtype=torch.int32, device=device)
-    routing._launch_select(tied, 4, "sigmoid", None, True, 1.0, w2, ids2, keyed=True)
+    routing._launch_select(tied, 4, "sigmoid", None, True, 1.0, w2, ids2)
     assert ids2.cpu().tolist() == [[5, 0, 1, 2], [5, 0, 1, 3]]
 
 

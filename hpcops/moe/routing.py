@@ -76,7 +76,7 @@ def select_launch(num_experts: int) -> tuple[int, int]:
 
 
 def _launch_select(router_logits, top_k, scoring, bias, renormalize, scale, weights, ids,
-                   launch: tuple[int, int] | None = None, keyed: bool = False) -> None:
+                   launch: tuple[int, int] | None = None) -> None:
     T, E = router_logits.shape
     if T == 0:
         return
@@ -86,7 +86,7 @@ def _launch_select(router_logits, top_k, scoring, bias, renormalize, scale, weig
         router_logits, router_logits.stride(0), router_logits.stride(1), bias if has_bias else weights,
         weights, ids, T, E, float(scale), TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
         E_PAD=triton.next_power_of_2(E), BLOCK_T=block_t, SIGMOID=scoring == "sigmoid", HAS_BIAS=has_bias,
-        RENORM=bool(renormalize), KEYED=keyed, num_warps=warps)
+        RENORM=bool(renormalize), num_warps=warps)
 
 
 def _check_select(router_logits, top_k, scoring, bias, scale) -> None:

@@ -58,20 +58,19 @@ def _kwargs(r: Routing, x: dict[str, Any]) -> dict[str, Any]:
     return {"scoring": r.scoring, "bias": x["bias"], "renormalize": True, "scale": r.scale}
 
 
-def _ours(r: Routing, launch: tuple[int, int] | None = None, keyed: bool = False):
-    """Ours; `launch` = (tokens a program, warps) instead of `routing.select_launch`'s choice; `keyed`: the
-    kernel's one-reduction-a-round form (KEYED)."""
+def _ours(r: Routing, launch: tuple[int, int] | None = None):
+    """Ours; `launch` = (tokens a program, warps) instead of `routing.select_launch`'s choice."""
     def prepare(x):
         from hpcops.moe import routing
 
-        if launch is None and not keyed:
+        if launch is None:
             return lambda: routing.select_experts(x["logits"], r.top_k, **_kwargs(r, x))
         logits = x["logits"]
         w = torch.empty(logits.shape[0], r.top_k, device=logits.device)
         ids = torch.empty(logits.shape[0], r.top_k, dtype=torch.int32, device=logits.device)
         kw = _kwargs(r, x)
         return lambda: routing._launch_select(logits, r.top_k, kw["scoring"], kw["bias"], kw["renormalize"],
-                                              kw["scale"], w, ids, launch=launch, keyed=keyed) or (w, ids)
+                                              kw["scale"], w, ids, launch=launch) or (w, ids)
     return prepare
 
 
@@ -112,8 +111,8 @@ def cases(opts: dict[str, Any]) -> Iterator[Case]:
                        Impl("hpcops-4warps", _ours(r, _four_warps(r.experts)),
                             note=f"variant: {_four_warps(r.experts)[0]} tokens a program on 4 warps "
                                  "(cross-warp reductions)"),
-                       Impl("hpcops-keyed", _ours(r, keyed=True),
-                            note="variant: one int64 max a round (score bits | column), weights gathered after"),
+                       Impl("hpcops-1tok", _ours(r, (1, 1)),
+                            note="variant: one token a program on 1 warp (more programs, less work each)"),
                        Impl("torch", _torch(r), note="the torch sequence (hpcops.moe.reference.select_experts)")],
                 check=_check(r), bytes=t * r.experts * 4 + t * r.top_k * 8,
                 params={"model": r.model, "E": r.experts, "top_k": r.top_k, "scoring": r.scoring,
