@@ -7,7 +7,14 @@ import os
 import sys
 
 from hpcops._platform import DEFAULT_NUM_SMS
-from hpcops.attention.plan import DEFAULT_MIN_TILES, DEFAULT_PROGRAMS_PER_SM, MAX_Q_LEN, TILE
+from hpcops.attention.plan import (
+    DEFAULT_MIN_TILES,
+    DEFAULT_PROGRAMS_PER_SM,
+    DEFAULT_TASK_COST,
+    MAX_Q_LEN,
+    MAX_TASK_COST,
+    TILE,
+)
 from hpcops.bench.scenarios import MAX_KV_LEN, MAX_REQUESTS, parse_lengths
 
 # Ranges `hpcops plan` accepts. Page sizes: what plan_decode and decode_attention accept (a power of
@@ -92,6 +99,9 @@ def _parser() -> argparse.ArgumentParser:
                          "SMs are assumed; HPCOPS_DECODE_PROGRAMS_PER_SM sets the per-SM count)")
     pl.add_argument("--min-tiles", type=_int_in(1, MAX_MIN_TILES), default=DEFAULT_MIN_TILES,
                     help=f"minimum {TILE}-token tiles per program, 1..{MAX_MIN_TILES} (default: %(default)s)")
+    pl.add_argument("--task-cost", type=_int_in(0, MAX_TASK_COST), default=DEFAULT_TASK_COST,
+                    help="what the cut charges each (head, request) on top of its tiles, in quarters of a tile, "
+                         f"0..{MAX_TASK_COST}; 0 = equal tiles per program (default: %(default)s)")
 
     b = sub.add_parser("bench", help="benchmark a suite on the GPU against peers (JSON + markdown + PNG)")
     b.add_argument("suites", nargs="+", help="decode, moe, moe-shapes, rope, prefill, layer (or 'all': all of these; "

@@ -10,7 +10,15 @@ import torch
 
 from hpcops._platform import DEFAULT_NUM_SMS, is_interpreter
 from hpcops.attention.decode import static_splits
-from hpcops.attention.plan import DEFAULT_MIN_TILES, DEFAULT_PROGRAMS_PER_SM, TILE, enumerate_tasks
+from hpcops.attention.plan import (
+    DEFAULT_MIN_TILES,
+    DEFAULT_PROGRAMS_PER_SM,
+    DEFAULT_TASK_COST,
+    TASK_UNITS,
+    TILE,
+    CostStream,
+    cost_bucket,
+)
 from hpcops.bench.scenarios import DECODE_SCENARIOS, parse_lengths
 
 BARS = " ▁▂▃▄▅▆▇█"
@@ -20,13 +28,16 @@ def _tiles(n: int) -> int:
     return max(1, -(-n // TILE))
 
 
-def dynamic_loads(lens: list[int], num_kv_heads: int, num_programs: int, min_tiles: int) -> list[int]:
+def dynamic_loads(lens: list[int], num_kv_heads: int, num_programs: int, min_tiles: int,
+                  task_cost: int = DEFAULT_TASK_COST) -> list[int]:
     """Tiles per program under the dynamic plan (host arithmetic identical to the device kernel)."""
-    tiles = [_tiles(n) for n in lens]
-    s = sum(tiles)
-    total = s * num_kv_heads
-    bucket = max(-(-total // num_programs), min_tiles)
-    return [max(0, min(bucket, total - i * bucket)) for i in range(num_programs)]
+    cum = [0]
+    for n in lens:
+        cum.append(cum[-1] + _tiles(n))
+    unit = TASK_UNITS if task_cost else 1
+    total = num_kv_heads * (unit * cum[-1] + task_cost * len(lens))
+    cs = CostStream(cum, num_kv_heads, task_cost, cost_bucket(total, num_programs, min_tiles, task_cost))
+    return [b - a for a, b in map(cs.program_range, range(num_programs))]
 
 
 def static_loads(lens: list[int], num_kv_heads: int, num_sms: int) -> list[int]:
@@ -176,9 +187,11 @@ def run_demo(check: bool = True, png: str | None = None) -> int:
     programs = DEFAULT_PROGRAMS_PER_SM * num_sms
     print(f"hpcops demo — load-balanced paged decode (H200-sized grid: {num_sms} SMs, heads h8/1)\n")
     print("\n".join(_legend(num_sms, programs)))
-    print(f"Every KV sequence is cut into {TILE}-token tiles; the dynamic plan splits the tile stream into equal")
-    print(f"buckets over {programs} persistent programs (≥ {DEFAULT_MIN_TILES} tiles each); the static schedule")
-    print("splits every request into the same number of chunks (classic split-KV).\n")
+    print("\n".join(textwrap.wrap(
+        f"Every KV sequence is cut into {TILE}-token tiles; the dynamic plan splits the tile stream into buckets "
+        f"of equal cost over {programs} persistent programs (≥ {DEFAULT_MIN_TILES} tiles each; a request's start "
+        f"costs {DEFAULT_TASK_COST / TASK_UNITS:g} tile more: its query load and its first tile's latency); the "
+        "static schedule splits every request into the same number of chunks (classic split-KV).", 100)) + "\n")
     rows = schedule_table(num_sms)
     hdr = f"{'scenario':16s}  {'programs with work':18s}  {'tiles per program, max/mean':27s}  busiest slot, tiles"
     sub = f"{'':16s}  {'static/dynamic':18s}  {'static':13s} {'dynamic':13s}  static dynamic   gain"
@@ -245,15 +258,17 @@ def print_plan(args) -> int:
     lens = args.lengths if isinstance(args.lengths, list) else parse_lengths(args.lengths)
     sl = torch.tensor(lens, dtype=torch.int32)
     kw = dict(num_kv_heads=args.num_kv_heads, q_len=args.q_len, block_size=args.block_size,
-              num_programs=args.num_programs, min_tiles=args.min_tiles)
+              num_programs=args.num_programs, min_tiles=args.min_tiles, task_cost=args.task_cost)
     if torch.cuda.is_available():
         plan = hpcops.plan_decode(sl.cuda(), **kw)
     else:
         plan = ref.plan_decode(sl, **kw)  # the identical tables, without the interpreter's start-up
     bucket, s, total, active = plan.host_tables()["header"]
-    tasks = enumerate_tasks(plan.host_tables()["cum"], bucket, s, total, plan.num_programs)
-    print(f"{len(lens)} requests, {sum(lens)} KV tokens, {args.num_kv_heads} kv heads: {total} tiles of {TILE}; "
-          f"{plan.num_programs} programs, bucket {bucket} tiles, {active} active, {len(tasks)} tasks, "
+    tasks = plan.tasks()
+    cost = plan.cut_task_cost
+    size = f"bucket {bucket} tiles" if not cost else f"bucket {bucket / 4:g} tiles of cost (a task costs {cost / 4:g})"
+    print(f"{len(lens)} requests, {sum(lens)} KV tokens, {args.num_kv_heads} kv heads: {s * args.num_kv_heads} tiles "
+          f"of {TILE}; {plan.num_programs} programs, {size}, {active} active, {len(tasks)} tasks, "
           f"{sum(1 for t in tasks if t[5])} split pieces")
     print(f"{'program':>7s} {'head':>4s} {'request':>7s} {'tiles':>11s} {'split':>5s}")
     for i, (prog, h, b, t0, n, split) in enumerate(tasks):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcops.attention.plan import DEFAULT_MIN_TILES, DEFAULT_PROGRAMS_PER_SM, MAX_Q_LEN
+from hpcops.attention.plan import DEFAULT_MIN_TILES, DEFAULT_PROGRAMS_PER_SM, DEFAULT_TASK_COST, MAX_Q_LEN
 from hpcops.bench.scenarios import MAX_KV_LEN, MAX_REQUESTS, parse_lengths
 from hpcops.cli import main
 
@@ -71,7 +71,7 @@ def test_plan_help_states_limits_and_defaults(capsys):
     assert str(MAX_REQUESTS) in text and f"{MAX_KV_LEN // 1024}K" in text
     assert f"{DEFAULT_PROGRAMS_PER_SM} per SM" in text and "4 x SMs" not in text
     for option, default in (("--num-kv-heads", 1), ("--q-len", 1), ("--block-size", 64),
-                            ("--min-tiles", DEFAULT_MIN_TILES)):
+                            ("--min-tiles", DEFAULT_MIN_TILES), ("--task-cost", DEFAULT_TASK_COST)):
         m = re.search(re.escape(option) + r" \S+ (.*?)(?= --|$)", text.split("options:")[1])
         assert m and f"(default: {default})" in m.group(1), (option, text)
     assert f"1..{MAX_Q_LEN}" in text
@@ -85,6 +85,7 @@ def test_plan_help_states_limits_and_defaults(capsys):
     (["--num-programs", "many"], "--num-programs", "1.."),
     (["--min-tiles", "0"], "--min-tiles", "1.."),          # was silently clamped to 1
     (["--min-tiles", "-3"], "--min-tiles", "1.."),
+    (["--task-cost", "-1"], "--task-cost", "0.."),
     (["--q-len", "0"], "--q-len", f"1..{MAX_Q_LEN}"),
     (["--q-len", str(MAX_Q_LEN + 1)], "--q-len", f"1..{MAX_Q_LEN}"),
     (["--num-kv-heads", "0"], "--num-kv-heads", "1.."),
@@ -104,8 +105,11 @@ def test_plan_prints_the_readme_example(capsys):
 
 
 def test_plan_honours_num_programs_and_min_tiles(capsys):
-    assert main(["plan", "5,6,700", "--num-programs", "3", "--min-tiles", "1"]) == 0
+    assert main(["plan", "5,6,700", "--num-programs", "3", "--min-tiles", "1", "--task-cost", "0"]) == 0
     assert "3 programs, bucket 5 tiles" in capsys.readouterr().out
+    # 13 tiles + 3 task starts of 3/4 tile: 61 quarters over 3 programs: buckets of 21 quarters
+    assert main(["plan", "5,6,700", "--num-programs", "3", "--min-tiles", "1", "--task-cost", "3"]) == 0
+    assert "3 programs, bucket 5.25 tiles of cost (a task costs 0.75), 3 active" in capsys.readouterr().out
 
 
 # --- hpcops demo / bench ------------------------------------------------------------------------
@@ -167,7 +171,7 @@ def test_demo_explains_its_terms_and_numbers(capsys):
     assert "64x4K: the static grid has 320 programs of ≤ 13 tiles for 264 slots, so 56 slots run two" in flat
     # 64x0.5K: the plan at 0.5x is explained by the tile floor
     assert "64x0.5K: short uniform requests are already balanced" in flat
-    assert f"floor of {DEFAULT_MIN_TILES} tiles per program" in flat and "leaves 136 idle" in flat
+    assert f"floor of {DEFAULT_MIN_TILES} tiles per program" in flat and "leaves 124 idle" in flat
 
 
 def test_demo_correctness_line_names_its_dtypes(capsys):

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import hpcops
+from hpcops.attention import plan as plan_mod
 from hpcops.attention import reference as ref
-from hpcops.attention.plan import enumerate_tasks
 from hpcops.quant import quantize_per_token_head
 from hpcops.testing import assert_close, capture_graph, make_paged_kv, nan_like
 
@@ -36,25 +36,61 @@ def test_plan_matches_reference(seed, device):
     hkv = rng.choice([1, 2, 8])
     c = rng.choice([1, 7, 132, 528])
     mt = rng.choice([1, 2, 8])
+    cost = rng.choice([0, 1, 3, 4, 9])
     sl = torch.tensor(lens, dtype=torch.int32, device=device)
     with _with_config(dict(task_desc=False)):
-        got = hpcops.plan_decode(sl, num_kv_heads=hkv, num_programs=c, min_tiles=mt)
-    want = ref.plan_decode(sl.cpu(), num_kv_heads=hkv, num_programs=c, min_tiles=mt)
-    assert _tables(got) == _tables(want) and not got.has_desc
+        got = hpcops.plan_decode(sl, num_kv_heads=hkv, num_programs=c, min_tiles=mt, task_cost=cost)
+        want = ref.plan_decode(sl.cpu(), num_kv_heads=hkv, num_programs=c, min_tiles=mt, task_cost=cost)
+    assert _tables(got) == _tables(want) and not got.has_desc and got.cut_task_cost == 0
+    _check_tasks(want, c, hkv, lens)
     with _with_config(dict(task_desc=True, plan_one_pass=bool(seed % 2))):
-        got = hpcops.plan_decode(sl, num_kv_heads=hkv, num_programs=c, min_tiles=mt)
-    assert got.has_desc and _tables(got) == _tables(want) and _desc(got) == _desc(want)
-    # every tile of every (head, request) is covered exactly once, by contiguous tasks
-    bucket, s, total, active = want.host_tables()["header"]
-    tasks = enumerate_tasks(want.host_tables()["cum"], bucket, s, total, c)
+        got = hpcops.plan_decode(sl, num_kv_heads=hkv, num_programs=c, min_tiles=mt, task_cost=cost)
+        want = ref.plan_decode(sl.cpu(), num_kv_heads=hkv, num_programs=c, min_tiles=mt, task_cost=cost)
+    assert got.has_desc and got.cut_task_cost == cost
+    assert _tables(got) == _tables(want) and _desc(got) == _desc(want)
+    _check_tasks(want, c, hkv, lens)
+
+
+def _check_tasks(plan, c, hkv, lens):
+    """Every tile of every (head, request) is covered exactly once, by contiguous tasks; programs
+    0..active-1 each hold a tile and no more than a bucket's worth; the descriptors say the same."""
+    bucket, s, total, active = plan.host_tables()["header"]
+    unit = plan_mod.TASK_UNITS if plan.cut_task_cost else 1
+    tasks = plan.tasks()
     tiles = {}
     for prog, h, req, t0, n, _ in tasks:
         assert n >= 1 and prog < c
         for t in range(t0, t0 + n):
             assert (h, req, t) not in tiles
             tiles[(h, req, t)] = prog
-    assert len(tiles) == total == hkv * sum(max(1, -(-n // 64)) for n in lens)
-    assert max(sum(n for p, *_, n, _ in tasks if p == i) for i in range(active)) <= bucket
+    assert len(tiles) == hkv * s == hkv * sum(max(1, -(-n // 64)) for n in lens)
+    assert sorted({p for p, *_ in tasks}) == list(range(active)) and active <= c
+    assert max(sum(n for p, *_, n, _ in tasks if p == i) for i in range(active)) <= -(-bucket // unit)
+    desc, _ = _desc(plan)
+    for i in range(active):
+        mine = [t for t in tasks if t[0] == i]
+        assert desc[i] == [mine[0][2], mine[0][1], mine[0][3], sum(t[4] for t in mine)]
+    assert all(d[0] == -1 for d in desc[active:])
+
+
+def test_plan_task_cost_evens_out_short_requests():
+    """32 two-tile requests then 32 of 64 tiles, 8 kv heads, 264 programs: the equal-tile cut gives one
+    program per head all 32 short requests (64 tiles, 32 tasks); with a task cost of 3/4 tile no
+    program carries more than ~65 tiles + tasks·3/4 of cost, and every program still holds a tile."""
+    lens = torch.tensor([128] * 32 + [4096] * 32, dtype=torch.int32)
+
+    def worst(plan):
+        per = {}
+        for prog, *_, n, _split in plan.tasks():
+            t, k = per.get(prog, (0, 0))
+            per[prog] = (t + n, k + 1)
+        return max(t + 0.75 * k for t, k in per.values())
+
+    with _with_config(dict(task_desc=True)):
+        flat = ref.plan_decode(lens, num_kv_heads=8, num_programs=264, min_tiles=4, task_cost=0)
+        costed = ref.plan_decode(lens, num_kv_heads=8, num_programs=264, min_tiles=4, task_cost=3)
+    assert worst(flat) == 64 + 0.75 * 32
+    assert worst(costed) <= 68 and costed.host_tables()["header"][3] == 264
 
 
 @pytest.mark.parametrize("launch", [dict(plan_block_c=16, plan_warps=1), dict(plan_block_c=0, plan_one_pass=True),
@@ -74,13 +110,12 @@ def test_plan_launch_knobs_same_tables(launch, b, device):
     old = dec.set_decode_config(**launch)
     try:
         for hkv, c, mt in ((1, 132, 2), (8, 37, 1)):
-            want = ref.plan_decode(sl.cpu(), num_kv_heads=hkv, num_programs=c, min_tiles=mt)
-            got = hpcops.plan_decode(sl, num_kv_heads=hkv, num_programs=c, min_tiles=mt)
-            assert _tables(got) == _tables(want)
-            dec.set_decode_config(task_desc=True)
-            got = hpcops.plan_decode(sl, num_kv_heads=hkv, num_programs=c, min_tiles=mt)
-            dec.set_decode_config(task_desc=False)
-            assert got.has_desc and _tables(got) == _tables(want) and _desc(got) == _desc(want)
+            for desc in (False, True):  # without descriptors the cut is in tiles, with them in cost
+                dec.set_decode_config(task_desc=desc)
+                want = ref.plan_decode(sl.cpu(), num_kv_heads=hkv, num_programs=c, min_tiles=mt)
+                got = hpcops.plan_decode(sl, num_kv_heads=hkv, num_programs=c, min_tiles=mt)
+                assert got.has_desc == desc and _tables(got) == _tables(want)
+                assert not desc or _desc(got) == _desc(want)
     finally:
         dec.set_decode_config(**old.__dict__)
 
@@ -120,8 +155,10 @@ def test_plan_replan_into_same_buffers(device):
 
 def test_plan_min_tiles_floor_prevents_oversplitting(device):
     sl = torch.tensor([256] * 4, dtype=torch.int32, device=device)  # 16 tiles in all
-    plan = ref.plan_decode(sl, num_kv_heads=1, num_programs=528, min_tiles=8)
+    plan = ref.plan_decode(sl, num_kv_heads=1, num_programs=528, min_tiles=8, task_cost=0)
     assert plan.host_tables()["header"] == [8, 16, 16, 2]
+    plan = ref.plan_decode(sl, num_kv_heads=1, num_programs=528, min_tiles=8, task_cost=3)
+    assert plan.host_tables()["header"] == [32, 16, 76, 3]  # units of 1/4 tile: 4·16 + 3·4
 
 
 def test_plan_errors(device):

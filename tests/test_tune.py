@@ -481,6 +481,14 @@ def test_merge_json_and_the_pinned_heuristic(tmp_path):
 def test_cli_usage(capsys, monkeypatch):
     assert main(["tune", "nope", "--dry-run"]) == 2
     assert "unknown op 'nope'" in capsys.readouterr().err
+    assert main(["tune", "decode", "--dry-run", "--knobs", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "names no knob of decode" in err and "task_cost" in err
+    # --knobs: only the moves of knobs whose fields are all named (here the plan's cost model)
+    assert main(["tune", "decode", "--dry-run", "--knobs", "task_cost,min_tiles", "--only", "64x4K h8/1 fp8"]) == 0
+    moves = [ln.split()[1:] for ln in capsys.readouterr().out.splitlines() if ln.startswith("  A ")]
+    assert moves and all(f.split("=")[0] in ("task_cost", "min_tiles") for m in moves for f in m)
+    assert ["task_cost=0"] in moves
     assert main(["tune", "rope", "--write"]) == 2
     assert "no tuned table" in capsys.readouterr().err
     assert set(OPS) == {"moe", "moe-shapes", "decode", "rope", "prefill"}

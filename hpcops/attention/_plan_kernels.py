@@ -12,35 +12,53 @@ def _tiles_of(seq_lens_ptr, idx, B, TILE: tl.constexpr):
 
 
 @triton.jit
-def _locate(ends, r, LO: tl.constexpr, HI: tl.constexpr):
-    """For each stream offset r [C] against one block of inclusive ends [BLOCK_B]: how many ends are
-    <= r, and (LO / HI, else 0) the largest of them (0 if none) / the smallest end > r (int32 max if none)."""
+def _locate(ends, r):
+    """For each stream offset r [C] against one block of increasing ends [BLOCK_B] (int32 max past
+    the batch): how many ends are <= r, the largest of them (0 if none) and the smallest end > r
+    (int32 max if none)."""
     le = ends[None, :] <= r[:, None]  # [C, BLOCK_B]
     cnt = tl.sum(le.to(tl.int32), axis=1)
-    lo = cnt * 0
-    hi = cnt * 0
-    if LO:
-        lo = tl.max(tl.where(le, ends[None, :], 0), axis=1)
-    if HI:
-        hi = tl.min(tl.where(le, 2147483647, ends[None, :]), axis=1)
+    lo = tl.max(tl.where(le, ends[None, :], 0), axis=1)
+    hi = tl.min(tl.where(le, 2147483647, ends[None, :]), axis=1)
     return cnt, lo, hi
 
 
 @triton.jit
+def _starts_of(incl, tiles, idx, B, unit, task_cost):
+    """Where each request's first tile starts in one kv head's cost stream (int32 max past the batch)."""
+    return tl.where(idx < B, unit * (incl - tiles) + task_cost * (idx + 1), 2147483647)
+
+
+@triton.jit
+def _in_stream(x, cnt, lo, hi, s_cost, s_total, unit, task_cost):
+    """Cost positions x [C] with (cnt, lo, hi) = `_locate(starts, x mod s_cost − 1)`: x's kv head, the
+    request b* whose first tile is the last to start before x (cnt = b* + 1; 0: none in this head),
+    b*'s first tile in the head (cum[b*]), its end (cum[b*+1]), and the tiles of b* that start before x."""
+    h = x // s_cost
+    r = x - h * s_cost
+    bs = cnt - 1
+    cum_b = (lo - task_cost * (bs + 1)) // unit
+    cum_next = tl.where(hi == 2147483647, s_total, (hi - task_cost * (bs + 2)) // unit)
+    before = tl.where(cnt > 0, tl.minimum((r - lo + unit - 1) // unit, cum_next - cum_b), 0)
+    return h, bs, cum_b, cum_next, before
+
+
+@triton.jit
 def _plan_tables(seq_lens_ptr, cum_ptr, header_ptr, first_b_ptr, last_b_ptr, task_desc_ptr, merge_desc_ptr,
-                 B, num_kv_heads, num_programs, min_tiles,
+                 B, num_kv_heads, num_programs, min_tiles, unit, task_cost,
                  TILE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr, ONE_BLOCK: tl.constexpr,
                  DESC: tl.constexpr):
-    """`plan_decode_kernel`'s one-pass (ONE_BLOCK) / descriptor (DESC) form."""
+    """`plan_decode_kernel`'s one-pass (ONE_BLOCK) / descriptor (DESC) form: the cost-stream cut of
+    plan.py (program k runs the tiles that start in [k·bucket, (k+1)·bucket) of the cost stream)."""
     pid = tl.program_id(0)
     offs_b = tl.arange(0, BLOCK_B)
     BIG: tl.constexpr = 2147483647
     if ONE_BLOCK:
-        tiles = _tiles_of(seq_lens_ptr, offs_b, B, TILE)
-        incl0 = tl.cumsum(tiles, axis=0)
+        tiles0 = _tiles_of(seq_lens_ptr, offs_b, B, TILE)
+        incl0 = tl.cumsum(tiles0, axis=0)
         if pid == 0:
             tl.store(cum_ptr + 1 + offs_b, incl0, mask=offs_b < B)
-        s_total = tl.sum(tiles, axis=0)
+        s_total = tl.sum(tiles0, axis=0)
     else:
         s_total = B * 0
         for start in range(0, B, BLOCK_B):
@@ -50,76 +68,90 @@ def _plan_tables(seq_lens_ptr, cum_ptr, header_ptr, first_b_ptr, last_b_ptr, tas
             if pid == 0:
                 tl.store(cum_ptr + 1 + idx, incl, mask=idx < B)
             s_total += tl.sum(tiles, axis=0)
-    total = s_total * num_kv_heads
-    bucket = tl.maximum((total + num_programs - 1) // num_programs, min_tiles)
+    s_cost = unit * s_total + task_cost * B
+    total = s_cost * num_kv_heads
+    bucket = tl.maximum(tl.maximum((total + num_programs - 1) // num_programs, unit * min_tiles), unit + task_cost)
     if pid == 0:
         tl.store(cum_ptr, 0)
         tl.store(header_ptr + 0, bucket)
         tl.store(header_ptr + 1, s_total)
         tl.store(header_ptr + 2, total)
-        tl.store(header_ptr + 3, (total + bucket - 1) // bucket)
-    # for each of this program's plan entries, the request holding its first and last tile
+        tl.store(header_ptr + 3, (total - unit) // bucket + 1)
+    # each plan entry's cost range [x0, x1); locate both ends among the requests' first-tile starts
     offs_c = pid * BLOCK_C + tl.arange(0, BLOCK_C)
-    p_first = offs_c * bucket
-    active = (offs_c < num_programs) & (p_first < total)
-    p_last = tl.minimum(p_first + bucket, total) - 1
-    safe_s = tl.maximum(s_total, 1)
-    h_first = p_first // safe_s
-    h_last = p_last // safe_s
-    r_first = p_first - h_first * safe_s
-    r_last = p_last - h_last * safe_s
+    x0 = tl.minimum(offs_c * bucket, total)
+    x1 = tl.minimum(x0 + bucket, total)
+    r0 = x0 - (x0 // s_cost) * s_cost
+    r1 = x1 - (x1 // s_cost) * s_cost
     if ONE_BLOCK:
-        ends = tl.where(offs_b < B, incl0, BIG)
-        cnt_first, lo_first, _ = _locate(ends, r_first, DESC, False)
-        cnt_last, lo_last, hi_last = _locate(ends, r_last, DESC, DESC)
+        starts = _starts_of(incl0, tiles0, offs_b, B, unit, task_cost)
+        cnt0, lo0, hi0 = _locate(starts, r0 - 1)
+        cnt1, lo1, hi1 = _locate(starts, r1 - 1)
     else:
-        cnt_first = tl.zeros([BLOCK_C], dtype=tl.int32)
-        cnt_last = tl.zeros([BLOCK_C], dtype=tl.int32)
-        lo_first = tl.zeros([BLOCK_C], dtype=tl.int32)
-        lo_last = tl.zeros([BLOCK_C], dtype=tl.int32)
-        hi_last = tl.full([BLOCK_C], BIG, tl.int32)
+        cnt0 = tl.zeros([BLOCK_C], dtype=tl.int32)
+        cnt1 = tl.zeros([BLOCK_C], dtype=tl.int32)
+        lo0 = tl.zeros([BLOCK_C], dtype=tl.int32)
+        lo1 = tl.zeros([BLOCK_C], dtype=tl.int32)
+        hi0 = tl.full([BLOCK_C], BIG, tl.int32)
+        hi1 = tl.full([BLOCK_C], BIG, tl.int32)
         carry = B * 0
         for start in range(0, B, BLOCK_B):
             idx = start + offs_b
             tiles = _tiles_of(seq_lens_ptr, idx, B, TILE)
-            incl = tl.cumsum(tiles, axis=0) + carry  # [BLOCK_B] inclusive ends
-            ends = tl.where(idx < B, incl, BIG)
-            # request b holds stream offset r iff cum[b] <= r < cum[b+1]: count the ends <= r
-            c1, l1, _ = _locate(ends, r_first, DESC, False)
-            c2, l2, h2 = _locate(ends, r_last, DESC, DESC)
-            cnt_first += c1
-            cnt_last += c2
-            lo_first = tl.maximum(lo_first, l1)
-            lo_last = tl.maximum(lo_last, l2)
-            hi_last = tl.minimum(hi_last, h2)
+            incl = tl.cumsum(tiles, axis=0) + carry
+            starts = _starts_of(incl, tiles, idx, B, unit, task_cost)
+            c0, l0, h0 = _locate(starts, r0 - 1)
+            c1, l1, h1 = _locate(starts, r1 - 1)
+            cnt0 += c0
+            cnt1 += c1
+            lo0 = tl.maximum(lo0, l0)
+            lo1 = tl.maximum(lo1, l1)
+            hi0 = tl.minimum(hi0, h0)
+            hi1 = tl.minimum(hi1, h1)
             carry += tl.sum(tiles, axis=0)
+    hd0, b0, cum0, next0, before0 = _in_stream(x0, cnt0, lo0, hi0, s_cost, s_total, unit, task_cost)
+    hd1, b1, cum1, next1, before1 = _in_stream(x1, cnt1, lo1, hi1, s_cost, s_total, unit, task_cost)
+    g0 = hd0 * s_total + tl.where(cnt0 > 0, cum0 + before0, 0)
+    g1 = hd1 * s_total + tl.where(cnt1 > 0, cum1 + before1, 0)
     c_ok = offs_c < num_programs
-    tl.store(first_b_ptr + offs_c, tl.where(active, cnt_first, -1), mask=c_ok)
-    tl.store(last_b_ptr + offs_c, tl.where(active, cnt_last, -1), mask=c_ok)
+    active = c_ok & (g1 > g0)
+    # the first tile: in b* when it still has tiles from x0 on, else the next request (or next head's first)
+    in_b = (cnt0 > 0) & (before0 < next0 - cum0)
+    nxt = tl.where(cnt0 > 0, b0 + 1, 0)
+    first_req = tl.where(in_b, b0, tl.where(nxt == B, 0, nxt))
+    first_head = tl.where(in_b | (nxt < B), hd0, hd0 + 1)
+    # the last tile: the last of b* before x1 (cnt1 > 0), else the last request of the previous head
+    t_last = tl.maximum((tl.load(seq_lens_ptr + B - 1) + TILE - 1) // TILE, 1)
+    last_req = tl.where(cnt1 > 0, b1, B - 1)
+    last_head = tl.where(cnt1 > 0, hd1, hd1 - 1)
+    tl.store(first_b_ptr + offs_c, tl.where(active, first_req, -1), mask=c_ok)
+    tl.store(last_b_ptr + offs_c, tl.where(active, last_req, -1), mask=c_ok)
     if DESC:
         # task descriptor: where the program starts (request, head, tile in the request), its length in tiles
         td = task_desc_ptr + offs_c * 8
-        tl.store(td + 0, tl.where(active, cnt_first, -1), mask=c_ok)
-        tl.store(td + 1, tl.where(active, h_first, 0), mask=c_ok)
-        tl.store(td + 2, tl.where(active, r_first - lo_first, 0), mask=c_ok)
-        tl.store(td + 3, tl.where(active, p_last + 1 - p_first, 0), mask=c_ok)
-        # merge descriptor: the split (head, request) that starts in this program's bucket and leaves it
-        pair_lo = h_last * safe_s + lo_last
-        pair_hi = h_last * safe_s + hi_last
-        first = pair_lo // bucket
-        last = (pair_hi - 1) // bucket
+        tl.store(td + 0, tl.where(active, first_req, -1), mask=c_ok)
+        tl.store(td + 1, tl.where(active, first_head, 0), mask=c_ok)
+        tl.store(td + 2, tl.where(active & in_b, before0, 0), mask=c_ok)
+        tl.store(td + 3, tl.where(active, g1 - g0, 0), mask=c_ok)
+        # merge descriptor: the split (head, request) that starts in this program and leaves it
+        pair_cum = tl.where(cnt1 > 0, cum1, s_total - t_last)  # the last tile's request: its first tile
+        pair_tiles = tl.where(cnt1 > 0, next1 - cum1, t_last)
+        pair_lo = last_head * s_total + pair_cum
+        pos = last_head * s_cost + unit * pair_cum + task_cost * (last_req + 1)  # its first tile's start
+        first = pos // bucket
+        last = (pos + unit * (pair_tiles - 1)) // bucket
         merge = active & (first == offs_c) & (last > first)
         md = merge_desc_ptr + offs_c * 4
-        tl.store(md + 0, tl.where(merge, cnt_last, -1), mask=c_ok)
-        tl.store(md + 1, tl.where(merge, h_last, 0), mask=c_ok)
-        tl.store(md + 2, tl.where(merge, 2 * offs_c + tl.where(pair_lo == offs_c * bucket, 0, 1), 0), mask=c_ok)
+        tl.store(md + 0, tl.where(merge, last_req, -1), mask=c_ok)
+        tl.store(md + 1, tl.where(merge, last_head, 0), mask=c_ok)
+        tl.store(md + 2, tl.where(merge, 2 * offs_c + tl.where(pair_lo == g0, 0, 1), 0), mask=c_ok)
         tl.store(md + 3, tl.where(merge, last - first + 1, 0), mask=c_ok)
 
 
 @triton.jit
 def plan_decode_kernel(
     seq_lens_ptr, cum_ptr, header_ptr, first_b_ptr, last_b_ptr, task_desc_ptr, merge_desc_ptr,
-    B, num_kv_heads, num_programs, min_tiles,
+    B, num_kv_heads, num_programs, min_tiles, unit, task_cost,
     TILE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr, ONE_BLOCK: tl.constexpr = False,
     DESC: tl.constexpr = False,
 ):
@@ -135,7 +167,8 @@ def plan_decode_kernel(
     """
     if ONE_BLOCK or DESC:
         _plan_tables(seq_lens_ptr, cum_ptr, header_ptr, first_b_ptr, last_b_ptr, task_desc_ptr, merge_desc_ptr,
-                     B, num_kv_heads, num_programs, min_tiles, TILE, BLOCK_B, BLOCK_C, ONE_BLOCK, DESC)
+                     B, num_kv_heads, num_programs, min_tiles, unit, task_cost, TILE, BLOCK_B, BLOCK_C, ONE_BLOCK,
+                     DESC)
     else:
         pid = tl.program_id(0)
         offs_b = tl.arange(0, BLOCK_B)

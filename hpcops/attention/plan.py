@@ -1,19 +1,29 @@
 """The decode plan: a load-balanced split of the KV tile stream over persistent programs.
 
 Every sequence is cut into 64-token tiles. The tile stream is laid out kv-head-major,
-request-minor (all tiles of head 0 for requests 0..B-1, then head 1, ...) and cut into equal
-buckets of ``bucket = max(ceil(total / num_programs), min_tiles)`` tiles, one per persistent
-program. A program walks its bucket; each maximal run of tiles of one (head, request) inside it
-is a *task*. A (head, request) whose tiles span several buckets is *split*: its programs write
-fp32 partial outputs + log-sum-exp into task-slot-indexed buffers and a combine kernel merges
-them; an unsplit one writes the output directly.
+request-minor (all tiles of head 0 for requests 0..B-1, then head 1, ...). A program walks a
+contiguous run of it; each maximal run of tiles of one (head, request) inside it is a *task*. A
+(head, request) whose tiles span several programs is *split*: its programs write fp32 partial
+outputs + log-sum-exp into task-slot-indexed buffers and a combine kernel merges them; an unsplit
+one writes the output directly.
+
+The cut is made in *cost*: a tile costs ``unit``, and every (head, request) also costs ``task_cost``
+before its first tile (a task's start: the q load, the first tile's latency before the pipeline
+fills, the output write). The cost stream is cut into equal buckets of
+``bucket = max(ceil(total / num_programs), unit·min_tiles, unit + task_cost)`` units, one per
+persistent program; program k runs the tiles that *start* in [k·bucket, (k+1)·bucket). So a program
+of many short requests gets fewer tiles than one inside a long request, and no program waits on a
+run of tiny tasks while the others idle. ``task_cost`` is in ``TASK_UNITS`` (4) per tile; with
+``task_cost = 0`` the unit is the tile and the cut is the plain equal-tile split
+``bucket = max(ceil(total / num_programs), min_tiles)``.
 
 Everything the kernels need follows from four numbers and two small tables, computed on the
 device in O(B) work by one launch (no host sync, no cross-program waits) into buffers allocated
 once for ``max_batch``, so that one decode step (plan + every layer) can be captured in a CUDA graph
 and replayed with new lengths:
 
-* ``header`` int32 [4]: bucket, S (tiles of one kv head = Σ_b T_b), total = Hkv·S, active programs;
+* ``header`` int32 [4]: bucket (cost units), S (tiles of one kv head = Σ_b T_b), total (cost units:
+  Hkv·(unit·S + task_cost·B)), active programs (they are programs 0..active−1);
 * ``cum`` int32 [max_batch + 1]: prefix sums of T_b = max(1, ceil(L_b / 64));
 * ``first_b`` / ``last_b`` int32 [num_programs]: the request holding each program's first / last
   tile (−1 for an idle program);
@@ -28,8 +38,9 @@ and replayed with new lengths:
 The two descriptor tables are written (``has_desc``) only when the plan is built with
 ``DecodeConfig.task_desc`` on, the only config that reads them.
 
-Program i covers stream positions [i·bucket, min((i+1)·bucket, total)). The split partials of
-program i live in slots 2i (its first task) and 2i+1 (its last task, when that differs).
+The split partials of program i live in slots 2i (its first task) and 2i+1 (its last task, when
+that differs). Without task descriptors (``DecodeConfig.task_desc`` off) the kernels walk the
+buckets from the header, in tiles: such a plan is built with ``task_cost = 0``.
 
 The contract: a plan is valid for exactly the ``seq_lens`` it was built from (and its num_kv_heads,
 q_len and block_size). The kernels read the lengths from ``seq_lens`` but the tile walk from the
@@ -43,6 +54,7 @@ sync per call), never while a CUDA graph is being captured.
 
 from __future__ import annotations
 
+import bisect
 import os
 from dataclasses import dataclass, field
 
@@ -58,6 +70,12 @@ MAX_Q_LEN = 8
 # floor of 4 tiles (256 tokens) per program so small batches are not over-split.
 DEFAULT_PROGRAMS_PER_SM = 2
 DEFAULT_MIN_TILES = 4
+# The cost the plan charges a task, in TASK_UNITS per tile (3: three quarters of a tile). A first
+# estimate from decode.md at 63aa781: a program of 32 two-tile tasks took 1.34x as long as one
+# 64-tile task (32x0.125K+32x4K h64/8), i.e. ~0.7 tile a task; the H200 sweep decides.
+TASK_UNITS = 4
+DEFAULT_TASK_COST = 3
+MAX_TASK_COST = 64
 
 
 # Launch choices of the plan kernel: DecodeConfig.plan_block_c, plan_warps, plan_block_b
@@ -94,7 +112,14 @@ class DecodePlan:
     task_desc: torch.Tensor
     merge_desc: torch.Tensor
     has_desc: bool = False
+    task_cost: int = 0  # as asked; the cut charges it only with descriptors (`cut_task_cost`)
     _workspace: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def cut_task_cost(self) -> int:
+        """The task cost the last plan was cut with: `task_cost` with task descriptors, else 0 (the
+        kernels without descriptors walk equal-tile buckets)."""
+        return self.task_cost if self.has_desc else 0
 
     @property
     def device(self) -> torch.device:
@@ -122,30 +147,75 @@ class DecodePlan:
     def tasks(self) -> list[tuple[int, int, int, int, int, bool]]:
         """Every task as (program, kv_head, request, first_tile, num_tiles, split) (host-side, syncs)."""
         t = self.host_tables()
-        bucket, s, total, _ = t["header"]
-        return enumerate_tasks(t["cum"], bucket, s, total, self.num_programs)
+        return enumerate_tasks(t["cum"], t["header"], self.num_programs, self.cut_task_cost)
 
 
-def enumerate_tasks(cum: list[int], bucket: int, s: int, total: int, num_programs: int):
-    """Walk the plan the way the persistent kernel does (pure Python)."""
+def cost_bucket(total: int, num_programs: int, min_tiles: int, task_cost: int) -> int:
+    """The plan's bucket in cost units (see the module docstring): at least min_tiles tiles and one
+    tile + one task start, so that every bucket but the last holds the start of a tile."""
+    unit = TASK_UNITS if task_cost else 1
+    return max(-(-total // num_programs), unit * min_tiles, unit + task_cost)
+
+
+class CostStream:
+    """The plan's cut in pure Python, with the plan kernel's integer arithmetic: `cum` the request tile
+    prefix sums [B + 1] (B ≥ 1), `task_cost` in TASK_UNITS a tile, `bucket` in cost units."""
+
+    def __init__(self, cum: list[int], num_kv_heads: int, task_cost: int, bucket: int):
+        self.cum, self.nb = list(cum), len(cum) - 1
+        self.s = self.cum[-1]
+        self.unit = TASK_UNITS if task_cost else 1
+        self.cost = task_cost
+        self.s_cost = self.unit * self.s + task_cost * self.nb
+        self.total = num_kv_heads * self.s_cost
+        self.bucket = bucket
+        self.active = (self.total - self.unit) // bucket + 1  # programs 0..active-1 hold a tile
+        # where each request's first tile starts in one head's cost stream
+        self._starts = [self.unit * self.cum[b] + task_cost * (b + 1) for b in range(self.nb)]
+
+    def tiles_before(self, x: int) -> int:
+        """Tiles of the whole stream (head-major) that start before cost position x."""
+        h, r = divmod(x, self.s_cost)
+        b = bisect.bisect_left(self._starts, r) - 1  # the last request whose first tile starts before r
+        if b < 0:
+            return h * self.s
+        t = self.cum[b + 1] - self.cum[b]
+        return h * self.s + self.cum[b] + min(-(-(r - self._starts[b]) // self.unit), t)
+
+    def program_range(self, k: int) -> tuple[int, int]:
+        """Program k's tiles [g0, g1) of the whole stream (empty past the active programs)."""
+        return (self.tiles_before(min(k * self.bucket, self.total)),
+                self.tiles_before(min((k + 1) * self.bucket, self.total)))
+
+    def locate(self, g: int) -> tuple[int, int, int]:
+        """(kv head, request, tile in the request) of stream tile g."""
+        h, r = divmod(g, self.s)
+        b = bisect.bisect_right(self.cum, r) - 1
+        return h, b, r - self.cum[b]
+
+    def program_of(self, g: int) -> int:
+        """The program that runs stream tile g (the bucket its start falls in)."""
+        h, b, j = self.locate(g)
+        return (h * self.s_cost + self.unit * (self.cum[b] + j) + self.cost * (b + 1)) // self.bucket
+
+
+def enumerate_tasks(cum: list[int], header: list[int], num_programs: int, task_cost: int = 0):
+    """Walk the plan the way the persistent kernel does (pure Python): every task as (program, kv_head,
+    request, first_tile, num_tiles, split). `cum` and `header` are the plan's host tables."""
+    bucket, s, total, active = header
+    if len(cum) < 2 or not total:
+        return []
+    s_cost = (TASK_UNITS if task_cost else 1) * s + task_cost * (len(cum) - 1)
+    cs = CostStream(cum, total // s_cost, task_cost, bucket)
     out = []
-    nb = len(cum) - 1
-    b = 0
-    for prog in range(num_programs):
-        p, p1 = prog * bucket, min((prog + 1) * bucket, total)
-        if p >= p1:
-            break
-        h, r = divmod(p, s)
-        while not (cum[b] <= r < cum[b + 1]):
-            b = (b + 1) % nb
-        while p < p1:
-            h, r = divmod(p, s)
-            n = min(p1 - p, cum[b + 1] - r)
-            start, end = h * s + cum[b], h * s + cum[b + 1]
-            split = start // bucket != (end - 1) // bucket
-            out.append((prog, h, b, r - cum[b], n, split))
-            p += n
-            b = (b + 1) % nb
+    for prog in range(min(active, num_programs)):
+        g, g1 = cs.program_range(prog)
+        while g < g1:
+            h, b, j = cs.locate(g)
+            t = cs.cum[b + 1] - cs.cum[b]
+            n = min(g1 - g, t - j)
+            out.append((prog, h, b, j, n, n < t))
+            g += n
     return out
 
 
@@ -155,7 +225,7 @@ def default_num_programs(q_len: int = 1, device: torch.device | str | None = Non
     return max(1, per_sm * _platform.num_sms(device))
 
 
-def _validate_plan_args(seq_lens, num_kv_heads, q_len, block_size, max_batch):
+def _validate_plan_args(seq_lens, num_kv_heads, q_len, block_size, max_batch, task_cost=None):
     check_tensor("seq_lens", seq_lens, dtypes=(torch.int32,), ndim=1)
     if not isinstance(num_kv_heads, int) or num_kv_heads < 1:
         raise ValueError(f"num_kv_heads must be a positive int, got {num_kv_heads!r}")
@@ -163,13 +233,16 @@ def _validate_plan_args(seq_lens, num_kv_heads, q_len, block_size, max_batch):
         raise ValueError(f"q_len must be an int in 1..{MAX_Q_LEN}, got {q_len!r}")
     if not isinstance(block_size, int) or block_size < 1 or block_size & (block_size - 1) or block_size > 256:
         raise ValueError(f"block_size must be a power of two in 1..256, got {block_size!r}")
+    if task_cost is not None and (type(task_cost) is not int or not 0 <= task_cost <= MAX_TASK_COST):
+        raise ValueError(f"task_cost must be an int in 0..{MAX_TASK_COST} (quarters of a tile), got {task_cost!r}")
     if max_batch is not None and seq_lens.shape[0] > max_batch:
         raise ValueError(f"seq_lens has {seq_lens.shape[0]} requests, more than the plan's max_batch={max_batch}")
 
 
 def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, block_size: int = 64,
                 max_batch: int | None = None, max_seq_len: int | None = None, num_programs: int | None = None,
-                min_tiles: int | None = None, out: DecodePlan | None = None) -> DecodePlan:
+                min_tiles: int | None = None, task_cost: int | None = None,
+                out: DecodePlan | None = None) -> DecodePlan:
     """Compute the load-balanced decode schedule for one step on the device.
 
     The plan is valid for exactly these `seq_lens` (and num_kv_heads, q_len, block_size): call this
@@ -186,10 +259,14 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
         max_seq_len: accepted for API symmetry with capacity planning; buffers do not depend on it.
         num_programs: persistent programs (default: programs-per-SM × SMs).
         min_tiles: minimum 64-token tiles per program (default `DEFAULT_MIN_TILES`).
+        task_cost: what the cut charges each (head, request) on top of its tiles, in quarters of a
+            tile (0..64; default `DEFAULT_TASK_COST`); applies with task descriptors (the default
+            `DecodeConfig.task_desc`). With `out=`, the plan's own.
         out: an existing plan whose buffers are reused (CUDA-graph replay with new lengths).
     """
     del max_seq_len  # buffers are sized by batch and program count only
-    _validate_plan_args(seq_lens, num_kv_heads, q_len, block_size, out.max_batch if out is not None else max_batch)
+    _validate_plan_args(seq_lens, num_kv_heads, q_len, block_size, out.max_batch if out is not None else max_batch,
+                        task_cost)
     check_kernel_device("seq_lens", seq_lens)
     if out is not None:
         if (num_kv_heads, q_len, block_size) != (out.num_kv_heads, out.q_len, out.block_size):
@@ -207,7 +284,7 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
         plan = DecodePlan(
             num_kv_heads=num_kv_heads, q_len=q_len, block_size=block_size, num_programs=c,
             min_tiles=max(1, min_tiles if min_tiles is not None else DEFAULT_MIN_TILES), max_batch=cap,
-            batch=seq_lens.shape[0],
+            batch=seq_lens.shape[0], task_cost=DEFAULT_TASK_COST if task_cost is None else task_cost,
             header=torch.zeros(4, dtype=torch.int32, device=dev),
             cum=torch.zeros(cap + 1, dtype=torch.int32, device=dev),
             first_b=torch.full((c,), -1, dtype=torch.int32, device=dev),
@@ -227,7 +304,7 @@ def check_plan_matches(plan: DecodePlan, seq_lens: torch.Tensor) -> None:
 
     want = ref.plan_decode(seq_lens, num_kv_heads=plan.num_kv_heads, q_len=plan.q_len,
                            block_size=plan.block_size, max_batch=plan.max_batch,
-                           num_programs=plan.num_programs, min_tiles=plan.min_tiles)
+                           num_programs=plan.num_programs, min_tiles=plan.min_tiles, task_cost=plan.task_cost)
     want.has_desc = plan.has_desc
     want = want.host_tables()
     have = plan.host_tables()
@@ -265,9 +342,10 @@ def _launch_plan(plan: DecodePlan, seq_lens: torch.Tensor) -> None:
     block_b = min(cfg.plan_block_b, max(16, 1 << (b - 1).bit_length()))
     block_c, warps = (cfg.plan_block_c, cfg.plan_warps) if cfg.plan_block_c else auto_plan_launch(b)
     grid = (triton_cdiv(plan.num_programs, block_c),)
+    cost = plan.cut_task_cost
     plan_decode_kernel[grid](
         seq_lens, plan.cum, plan.header, plan.first_b, plan.last_b, plan.task_desc, plan.merge_desc,
-        b, plan.num_kv_heads, plan.num_programs, plan.min_tiles,
+        b, plan.num_kv_heads, plan.num_programs, plan.min_tiles, TASK_UNITS if cost else 1, cost,
         TILE=TILE, BLOCK_B=block_b, BLOCK_C=block_c, ONE_BLOCK=cfg.plan_one_pass and b <= block_b,
         DESC=cfg.task_desc,
         num_warps=warps,

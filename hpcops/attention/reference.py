@@ -15,9 +15,13 @@ import torch
 from hpcops.attention._prefill_reference import prefill_attention
 from hpcops.attention.plan import (
     DEFAULT_MIN_TILES,
+    DEFAULT_TASK_COST,
+    TASK_UNITS,
     TILE,
+    CostStream,
     DecodePlan,
     _validate_plan_args,
+    cost_bucket,
     default_num_programs,
 )
 
@@ -26,52 +30,47 @@ __all__ = ["decode_attention", "plan_decode", "prefill_attention"]
 
 def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, block_size: int = 64,
                 max_batch: int | None = None, max_seq_len: int | None = None, num_programs: int | None = None,
-                min_tiles: int | None = None, out: DecodePlan | None = None) -> DecodePlan:
-    """Host/torch reference of `hpcops.plan_decode`: the same tables, computed with torch ops (the
-    descriptor tables always; `has_desc`, which `host_tables` shows them by, as the kernel's)."""
+                min_tiles: int | None = None, task_cost: int | None = None,
+                out: DecodePlan | None = None) -> DecodePlan:
+    """Host reference of `hpcops.plan_decode`: the same tables, computed in Python integers with
+    `plan.CostStream` (the descriptor tables always; `has_desc`, which `host_tables` shows them by,
+    and so the task cost the cut charges, as the kernel's)."""
     del max_seq_len
-    _validate_plan_args(seq_lens, num_kv_heads, q_len, block_size, out.max_batch if out else max_batch)
+    from hpcops.attention.decode import decode_config
+
+    _validate_plan_args(seq_lens, num_kv_heads, q_len, block_size, out.max_batch if out else max_batch, task_cost)
     dev = seq_lens.device
     b = seq_lens.shape[0]
     c = out.num_programs if out else (num_programs or default_num_programs(q_len, dev))
     mt = out.min_tiles if out else max(1, min_tiles if min_tiles is not None else DEFAULT_MIN_TILES)
     cap = out.max_batch if out else max(max_batch or b, 1)
-    lens = seq_lens.long().cpu()
-    tiles = torch.clamp((lens + TILE - 1) // TILE, min=1)
-    cum = torch.zeros(cap + 1, dtype=torch.long)
-    cum[1:b + 1] = torch.cumsum(tiles, 0)
-    s = int(tiles.sum())
-    total = s * num_kv_heads
-    bucket = max(-(-total // c), mt) if b else 0
-    header = torch.tensor([bucket, s, total, -(-total // bucket) if bucket else 0])
-    prog = torch.arange(c)
-    first_b = torch.full((c,), -1, dtype=torch.long)
-    last_b = torch.full((c,), -1, dtype=torch.long)
-    task_desc = torch.zeros((c, 8), dtype=torch.long)
-    task_desc[:, 0] = -1
-    merge_desc = torch.zeros((c, 4), dtype=torch.long)
-    merge_desc[:, 0] = -1
+    asked = out.task_cost if out else (DEFAULT_TASK_COST if task_cost is None else task_cost)
+    has_desc = decode_config().task_desc
+    cost = asked if has_desc else 0
+    cum = [0]
+    for n in seq_lens.long().cpu().tolist():
+        cum.append(cum[-1] + max(1, -(-n // TILE)))
+    header = [0, 0, 0, 0]
+    first_b, last_b = [-1] * c, [-1] * c
+    task_desc = [[-1, 0, 0, 0] for _ in range(c)]
+    merge_desc = [[-1, 0, 0, 0] for _ in range(c)]
     if b:
-        p0 = prog * bucket
-        active = p0 < total
-        p1 = torch.clamp(p0 + bucket, max=total) - 1
-        ends = cum[1:b + 1]
-        fb = torch.searchsorted(ends, p0 % max(s, 1), right=True)
-        lb = torch.searchsorted(ends, p1 % max(s, 1), right=True)
-        first_b = torch.where(active, fb, first_b)
-        last_b = torch.where(active, lb, last_b)
-        # descriptors (plan.py): one entry per active program
-        for k in prog[active].tolist():
-            pf, pl = k * bucket, min((k + 1) * bucket, total) - 1
-            bf, bl = int(fb[k]), int(lb[k])
-            hf, hl = pf // s, pl // s
-            task_desc[k, :4] = torch.tensor([bf, hf, pf - hf * s - int(cum[bf]), pl + 1 - pf])
-            pair_lo, pair_hi = hl * s + int(cum[bl]), hl * s + int(cum[bl + 1])
-            first, last = pair_lo // bucket, (pair_hi - 1) // bucket
+        unit = TASK_UNITS if cost else 1
+        total = num_kv_heads * (unit * cum[-1] + cost * b)
+        cs = CostStream(cum, num_kv_heads, cost, cost_bucket(total, c, mt, cost))
+        header = [cs.bucket, cs.s, cs.total, cs.active]
+        for k in range(min(c, cs.active)):
+            g0, g1 = cs.program_range(k)
+            hf, bf, jf = cs.locate(g0)
+            hl, bl, _ = cs.locate(g1 - 1)
+            first_b[k], last_b[k] = bf, bl
+            task_desc[k] = [bf, hf, jf, g1 - g0]
+            pair_lo, pair_hi = hl * cs.s + cum[bl], hl * cs.s + cum[bl + 1]
+            first, last = cs.program_of(pair_lo), cs.program_of(pair_hi - 1)
             if first == k and last > first:
-                merge_desc[k] = torch.tensor([bl, hl, 2 * k + (0 if pair_lo == k * bucket else 1), last - first + 1])
+                merge_desc[k] = [bl, hl, 2 * k + (0 if pair_lo == g0 else 1), last - first + 1]
     plan = out or DecodePlan(num_kv_heads=num_kv_heads, q_len=q_len, block_size=block_size, num_programs=c,
-                             min_tiles=mt, max_batch=cap, batch=b,
+                             min_tiles=mt, max_batch=cap, batch=b, task_cost=asked,
                              header=torch.empty(4, dtype=torch.int32, device=dev),
                              cum=torch.empty(cap + 1, dtype=torch.int32, device=dev),
                              first_b=torch.empty(c, dtype=torch.int32, device=dev),
@@ -79,16 +78,15 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
                              task_desc=torch.zeros((c, 8), dtype=torch.int32, device=dev),
                              merge_desc=torch.empty((c, 4), dtype=torch.int32, device=dev))
     plan.batch = b
-    from hpcops.attention.decode import decode_config
-
-    plan.has_desc = decode_config().task_desc  # the tables are always filled; shown as the kernel's
-    plan.header.copy_(header.to(torch.int32))
+    plan.has_desc = has_desc  # the tables are always filled; shown as the kernel's
+    i32 = dict(dtype=torch.int32)
+    plan.header.copy_(torch.tensor(header, **i32))
     # entries past the batch are not part of the map: keep the kernel's (it leaves them untouched)
-    plan.cum[: b + 1].copy_(cum[: b + 1].to(torch.int32))
-    plan.first_b.copy_(first_b.to(torch.int32))
-    plan.last_b.copy_(last_b.to(torch.int32))
-    plan.task_desc[:, :4].copy_(task_desc[:, :4].to(torch.int32))
-    plan.merge_desc.copy_(merge_desc.to(torch.int32))
+    plan.cum[: b + 1].copy_(torch.tensor(cum, **i32))
+    plan.first_b.copy_(torch.tensor(first_b, **i32))
+    plan.last_b.copy_(torch.tensor(last_b, **i32))
+    plan.task_desc[:, :4].copy_(torch.tensor(task_desc, **i32))
+    plan.merge_desc.copy_(torch.tensor(merge_desc, **i32))
     return plan
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 from pathlib import Path
@@ -42,6 +43,8 @@ def add_parser(sub) -> None:
     t.add_argument("--layers", type=int, default=None, help="layers per timing (default: the bench's L2-cold count)")
     t.add_argument("--margin", type=float, default=0.03,
                    help="a winner must beat the heuristic by this fraction (default: %(default)s)")
+    t.add_argument("--knobs", default=None, metavar="F1,F2",
+                   help="move only the knobs whose config fields are all among these (e.g. task_cost,min_tiles)")
     t.add_argument("--dry-run", action="store_true", help="list the phase-A candidates and exit (no GPU needed)")
     t.add_argument("--no-progress", action="store_true")
 
@@ -53,6 +56,20 @@ def _options(args) -> TuneOptions:
                        progress=not args.no_progress)
 
 
+def narrowed(op: TuneOp, knobs: str | None) -> TuneOp:
+    """`op` with only the knobs of its space whose fields are all in the comma-separated `knobs`."""
+    if not knobs:
+        return op
+    want = {k.strip() for k in knobs.split(",") if k.strip()}
+    space = tuple(k for k in op.space if set(k.fields) <= want)
+    if not space:
+        fields = sorted({f for k in op.space for f in k.fields})
+        raise ValueError(f"--knobs {knobs!r} names no knob of {op.name}; its fields: {', '.join(fields)}")
+    op = copy.copy(op)
+    op.space = space
+    return op
+
+
 def _command(name: str, args) -> str:
     parts = ["hpcops", "tune", name]
     if args.only:
@@ -62,6 +79,8 @@ def _command(name: str, args) -> str:
         parts += ["--timing", args.timing]
     if args.layers:
         parts += ["--layers", str(args.layers)]
+    if args.knobs:
+        parts += ["--knobs", args.knobs]
     return " ".join(parts)
 
 
@@ -122,9 +141,14 @@ def run(args) -> int:
         print(f"merged {n} entries for {dev!r} into {moe.table_path()} ({total} entries for it now)")
         return 0
     opts = _options(args)
+    try:
+        ops = {n: narrowed(get_op(n), args.knobs) for n in names}
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
     if args.dry_run:
         for n in names:
-            dry_run(get_op(n), opts)
+            dry_run(ops[n], opts)
         return 0
     if not on_gpu() and not is_interpreter():
         print("hpcops tune times on a CUDA GPU and none is visible (--dry-run lists the candidates)", file=sys.stderr)
@@ -132,7 +156,7 @@ def run(args) -> int:
     machine = _machine()
     status = 0
     for n in names:
-        op, command = get_op(n), _command(n, args)
+        op, command = ops[n], _command(n, args)
 
         def partial(res: TuneResult, op=op, command=command) -> None:
             res.machine = machine
