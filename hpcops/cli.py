@@ -10,6 +10,7 @@ from hpcops._platform import DEFAULT_NUM_SMS
 from hpcops.attention.plan import (
     DEFAULT_MIN_TILES,
     DEFAULT_PROGRAMS_PER_SM,
+    DEFAULT_SNAP,
     DEFAULT_TASK_COST,
     MAX_Q_LEN,
     MAX_TASK_COST,
@@ -102,6 +103,9 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--task-cost", type=_int_in(0, MAX_TASK_COST), default=DEFAULT_TASK_COST,
                     help="what the cut charges each (head, request) on top of its tiles, in quarters of a tile, "
                          f"0..{MAX_TASK_COST}; 0 = equal tiles per program (default: %(default)s)")
+    pl.add_argument("--snap", type=_int_in(0, MAX_TASK_COST), default=DEFAULT_SNAP,
+                    help="a cut that would leave at most this much of a request (quarters of a tile, at most a "
+                         f"quarter bucket), 0..{MAX_TASK_COST}, moves to its boundary (default: %(default)s)")
 
     b = sub.add_parser("bench", help="benchmark a suite on the GPU against peers (JSON + markdown + PNG)")
     b.add_argument("suites", nargs="+", help="decode, moe, moe-shapes, rope, prefill, layer (or 'all': all of these; "

@@ -13,6 +13,7 @@ from hpcops.attention.decode import static_splits
 from hpcops.attention.plan import (
     DEFAULT_MIN_TILES,
     DEFAULT_PROGRAMS_PER_SM,
+    DEFAULT_SNAP,
     DEFAULT_TASK_COST,
     TASK_UNITS,
     TILE,
@@ -29,14 +30,15 @@ def _tiles(n: int) -> int:
 
 
 def dynamic_loads(lens: list[int], num_kv_heads: int, num_programs: int, min_tiles: int,
-                  task_cost: int = DEFAULT_TASK_COST) -> list[int]:
+                  task_cost: int = DEFAULT_TASK_COST, snap: int = DEFAULT_SNAP) -> list[int]:
     """Tiles per program under the dynamic plan (host arithmetic identical to the device kernel)."""
     cum = [0]
     for n in lens:
         cum.append(cum[-1] + _tiles(n))
     unit = TASK_UNITS if task_cost else 1
     total = num_kv_heads * (unit * cum[-1] + task_cost * len(lens))
-    cs = CostStream(cum, num_kv_heads, task_cost, cost_bucket(total, num_programs, min_tiles, task_cost))
+    cs = CostStream(cum, num_kv_heads, task_cost, cost_bucket(total, num_programs, min_tiles, task_cost),
+                    snap if task_cost else 0)
     return [b - a for a, b in map(cs.program_range, range(num_programs))]
 
 
@@ -190,7 +192,8 @@ def run_demo(check: bool = True, png: str | None = None) -> int:
     print("\n".join(textwrap.wrap(
         f"Every KV sequence is cut into {TILE}-token tiles; the dynamic plan splits the tile stream into buckets "
         f"of equal cost over {programs} persistent programs (≥ {DEFAULT_MIN_TILES} tiles each; a request's start "
-        f"costs {DEFAULT_TASK_COST / TASK_UNITS:g} tile more: its query load and its first tile's latency); the "
+        f"costs {DEFAULT_TASK_COST / TASK_UNITS:g} tile{'' if DEFAULT_TASK_COST == TASK_UNITS else 's'} more: its "
+        "query load and its first tile's latency); the "
         "static schedule splits every request into the same number of chunks (classic split-KV).", 100)) + "\n")
     rows = schedule_table(num_sms)
     hdr = f"{'scenario':16s}  {'programs with work':18s}  {'tiles per program, max/mean':27s}  busiest slot, tiles"
@@ -258,7 +261,7 @@ def print_plan(args) -> int:
     lens = args.lengths if isinstance(args.lengths, list) else parse_lengths(args.lengths)
     sl = torch.tensor(lens, dtype=torch.int32)
     kw = dict(num_kv_heads=args.num_kv_heads, q_len=args.q_len, block_size=args.block_size,
-              num_programs=args.num_programs, min_tiles=args.min_tiles, task_cost=args.task_cost)
+              num_programs=args.num_programs, min_tiles=args.min_tiles, task_cost=args.task_cost, snap=args.snap)
     if torch.cuda.is_available():
         plan = hpcops.plan_decode(sl.cuda(), **kw)
     else:

@@ -171,7 +171,7 @@ def test_demo_explains_its_terms_and_numbers(capsys):
     assert "64x4K: the static grid has 320 programs of ≤ 13 tiles for 264 slots, so 56 slots run two" in flat
     # 64x0.5K: the plan at 0.5x is explained by the tile floor
     assert "64x0.5K: short uniform requests are already balanced" in flat
-    assert f"floor of {DEFAULT_MIN_TILES} tiles per program" in flat and "leaves 124 idle" in flat
+    assert f"floor of {DEFAULT_MIN_TILES} tiles per program" in flat and "leaves 104 idle" in flat
 
 
 def test_demo_correctness_line_names_its_dtypes(capsys):

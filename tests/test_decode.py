@@ -37,23 +37,27 @@ def test_plan_matches_reference(seed, device):
     c = rng.choice([1, 7, 132, 528])
     mt = rng.choice([1, 2, 8])
     cost = rng.choice([0, 1, 3, 4, 9])
+    snap = rng.choice([0, 4, 16, 64])
+    kw = dict(num_kv_heads=hkv, num_programs=c, min_tiles=mt, task_cost=cost, snap=snap)
     sl = torch.tensor(lens, dtype=torch.int32, device=device)
     with _with_config(dict(task_desc=False)):
-        got = hpcops.plan_decode(sl, num_kv_heads=hkv, num_programs=c, min_tiles=mt, task_cost=cost)
-        want = ref.plan_decode(sl.cpu(), num_kv_heads=hkv, num_programs=c, min_tiles=mt, task_cost=cost)
-    assert _tables(got) == _tables(want) and not got.has_desc and got.cut_task_cost == 0
+        got = hpcops.plan_decode(sl, **kw)
+        want = ref.plan_decode(sl.cpu(), **kw)
+    assert _tables(got) == _tables(want) and not got.has_desc and got.cut_task_cost == got.cut_snap == 0
     _check_tasks(want, c, hkv, lens)
     with _with_config(dict(task_desc=True, plan_one_pass=bool(seed % 2))):
-        got = hpcops.plan_decode(sl, num_kv_heads=hkv, num_programs=c, min_tiles=mt, task_cost=cost)
-        want = ref.plan_decode(sl.cpu(), num_kv_heads=hkv, num_programs=c, min_tiles=mt, task_cost=cost)
-    assert got.has_desc and got.cut_task_cost == cost
+        got = hpcops.plan_decode(sl, **kw)
+        want = ref.plan_decode(sl.cpu(), **kw)
+    assert got.has_desc and got.cut_task_cost == cost and got.cut_snap == (snap if cost else 0)
     assert _tables(got) == _tables(want) and _desc(got) == _desc(want)
     _check_tasks(want, c, hkv, lens)
 
 
 def _check_tasks(plan, c, hkv, lens):
-    """Every tile of every (head, request) is covered exactly once, by contiguous tasks; programs
-    0..active-1 each hold a tile and no more than a bucket's worth; the descriptors say the same."""
+    """Every tile of every (head, request) is covered exactly once, by contiguous tasks; only programs
+    below `active` hold tiles (a snap may close some), at most a bucket's worth + two snaps; the task and
+    merge descriptors say the same (a merge for each split pair, in the program of its first piece,
+    over all its pieces)."""
     bucket, s, total, active = plan.host_tables()["header"]
     unit = plan_mod.TASK_UNITS if plan.cut_task_cost else 1
     tasks = plan.tasks()
@@ -64,19 +68,28 @@ def _check_tasks(plan, c, hkv, lens):
             assert (h, req, t) not in tiles
             tiles[(h, req, t)] = prog
     assert len(tiles) == hkv * s == hkv * sum(max(1, -(-n // 64)) for n in lens)
-    assert sorted({p for p, *_ in tasks}) == list(range(active)) and active <= c
-    assert max(sum(n for p, *_, n, _ in tasks if p == i) for i in range(active)) <= -(-bucket // unit)
-    desc, _ = _desc(plan)
-    for i in range(active):
+    busy = sorted({p for p, *_ in tasks})
+    assert busy[-1] < active <= c and (plan.cut_snap or busy == list(range(active)))
+    snap = min(plan.cut_snap, bucket // 4)
+    assert max(sum(n for p, *_, n, _ in tasks if p == i) for i in busy) <= -(-(bucket + 2 * snap) // unit)
+    desc, merge = _desc(plan)
+    for i in range(c):
         mine = [t for t in tasks if t[0] == i]
-        assert desc[i] == [mine[0][2], mine[0][1], mine[0][3], sum(t[4] for t in mine)]
-    assert all(d[0] == -1 for d in desc[active:])
+        assert desc[i] == ([mine[0][2], mine[0][1], mine[0][3], sum(t[4] for t in mine)] if mine else
+                           [-1, 0, 0, 0])
+    pieces = {}
+    for prog, h, req, *_rest, split in tasks:
+        if split:
+            pieces.setdefault((h, req), []).append(prog)
+    want = {progs[0]: (req, h, len(progs)) for (h, req), progs in pieces.items()}
+    got = {k: (m[0], m[1], m[3]) for k, m in enumerate(merge) if m[0] >= 0}
+    assert got == want
 
 
 def test_plan_task_cost_evens_out_short_requests():
-    """32 two-tile requests then 32 of 64 tiles, 8 kv heads, 264 programs: the equal-tile cut gives one
-    program per head all 32 short requests (64 tiles, 32 tasks); with a task cost of 3/4 tile no
-    program carries more than ~65 tiles + tasks·3/4 of cost, and every program still holds a tile."""
+    """32 two-tile requests then 32 of 64 tiles, 8 kv heads, 264 programs; a task costing 2 tiles: the
+    equal-tile cut gives one program a head all 32 short requests (64 tiles + 32 tasks = 128 tiles of
+    cost); the cut in cost keeps every program within ~70, and every program still holds a tile."""
     lens = torch.tensor([128] * 32 + [4096] * 32, dtype=torch.int32)
 
     def worst(plan):
@@ -84,13 +97,30 @@ def test_plan_task_cost_evens_out_short_requests():
         for prog, *_, n, _split in plan.tasks():
             t, k = per.get(prog, (0, 0))
             per[prog] = (t + n, k + 1)
-        return max(t + 0.75 * k for t, k in per.values())
+        return max(t + 2 * k for t, k in per.values())
 
     with _with_config(dict(task_desc=True)):
         flat = ref.plan_decode(lens, num_kv_heads=8, num_programs=264, min_tiles=4, task_cost=0)
-        costed = ref.plan_decode(lens, num_kv_heads=8, num_programs=264, min_tiles=4, task_cost=3)
-    assert worst(flat) == 64 + 0.75 * 32
-    assert worst(costed) <= 68 and costed.host_tables()["header"][3] == 264
+        costed = ref.plan_decode(lens, num_kv_heads=8, num_programs=264, min_tiles=4, task_cost=8, snap=0)
+        snapped = ref.plan_decode(lens, num_kv_heads=8, num_programs=264, min_tiles=4, task_cost=8, snap=16)
+    assert worst(flat) == 64 + 2 * 32
+    assert worst(costed) <= 70 and costed.host_tables()["header"][3] == 264
+    # a snap trades a little balance for fewer split pairs
+    assert worst(snapped) <= 74
+    assert sum(t[5] for t in snapped.tasks()) < sum(t[5] for t in costed.tasks())
+
+
+def test_plan_snap_keeps_aligned_requests_whole():
+    """64 requests of 8 tiles, 8 kv heads: the equal-tile cut is aligned (2 requests a program); the cut
+    in cost drifts off the request boundaries and splits most of them; a snap of 4 tiles (capped at a
+    quarter bucket) brings the cuts back to the boundaries: no split at all."""
+    lens = torch.tensor([512] * 64, dtype=torch.int32)
+    with _with_config(dict(task_desc=True)):
+        kw = dict(num_kv_heads=8, num_programs=264, min_tiles=4, task_cost=8)
+        drift = ref.plan_decode(lens, snap=0, **kw)
+        snapped = ref.plan_decode(lens, snap=16, **kw)
+    assert sum(t[5] for t in drift.tasks()) > 300
+    assert sum(t[5] for t in snapped.tasks()) == 0 and not (snapped.merge_desc[:, 0] >= 0).any()
 
 
 @pytest.mark.parametrize("launch", [dict(plan_block_c=16, plan_warps=1), dict(plan_block_c=0, plan_one_pass=True),

@@ -79,7 +79,9 @@ def test_other_ops_spaces_are_valid():
     from hpcops.attention.prefill import PrefillConfig
     from hpcops.rope.prologue import RopeConfig
 
-    build = {"decode": lambda c: DecodeConfig(**{k: v for k, v in c.items() if k not in ("pps", "min_tiles")}),
+    from hpcops.bench.tune.decode import PLAN_KNOBS
+
+    build = {"decode": lambda c: DecodeConfig(**{k: v for k, v in c.items() if k not in PLAN_KNOBS}),
              "rope": lambda c: RopeConfig(**c), "prefill": lambda c: PrefillConfig(**c)}
     for name, make in build.items():
         op = get_op(name)

@@ -24,32 +24,56 @@ def _locate(ends, r):
 
 
 @triton.jit
+def _locate_one_block(starts, r, BLOCK_B: tl.constexpr):
+    """`_locate` over the whole batch in one block: the count by one reduction, the two neighbours
+    gathered from `starts` by it."""
+    cnt = tl.sum((starts[None, :] <= r[:, None]).to(tl.int32), axis=1)
+    lo = tl.where(cnt > 0, tl.gather(starts, tl.maximum(cnt - 1, 0), axis=0), 0)
+    hi = tl.gather(starts, tl.minimum(cnt, BLOCK_B - 1), axis=0)
+    hi = tl.where(cnt < BLOCK_B, hi, 2147483647)
+    return cnt, lo, hi
+
+
+@triton.jit
 def _starts_of(incl, tiles, idx, B, unit, task_cost):
     """Where each request's first tile starts in one kv head's cost stream (int32 max past the batch)."""
     return tl.where(idx < B, unit * (incl - tiles) + task_cost * (idx + 1), 2147483647)
 
 
 @triton.jit
-def _in_stream(x, cnt, lo, hi, s_cost, s_total, unit, task_cost):
+def _snapped(before, t, unit, snap):
+    """A cut leaving `before` of a request's t tiles on its left: moved to the request's nearer boundary
+    when the piece on that side is at most `snap` cost units (the left piece first on a tie)."""
+    split = (before > 0) & (before < t)
+    down = split & (before * unit <= snap) & (before <= t - before)
+    up = split & (~down) & ((t - before) * unit <= snap)
+    return tl.where(down, 0, tl.where(up, t, before))
+
+
+@triton.jit
+def _in_stream(x, cnt, lo, hi, s_cost, s_total, unit, task_cost, snap):
     """Cost positions x [C] with (cnt, lo, hi) = `_locate(starts, x mod s_cost − 1)`: x's kv head, the
     request b* whose first tile is the last to start before x (cnt = b* + 1; 0: none in this head),
-    b*'s first tile in the head (cum[b*]), its end (cum[b*+1]), and the tiles of b* that start before x."""
+    b*'s first tile in the head (cum[b*]), its end (cum[b*+1]), and the tiles of b* left of the
+    (snapped) cut."""
     h = x // s_cost
     r = x - h * s_cost
     bs = cnt - 1
     cum_b = (lo - task_cost * (bs + 1)) // unit
     cum_next = tl.where(hi == 2147483647, s_total, (hi - task_cost * (bs + 2)) // unit)
-    before = tl.where(cnt > 0, tl.minimum((r - lo + unit - 1) // unit, cum_next - cum_b), 0)
+    before = tl.minimum((r - lo + unit - 1) // unit, cum_next - cum_b)
+    before = tl.where(cnt > 0, _snapped(before, cum_next - cum_b, unit, snap), 0)
     return h, bs, cum_b, cum_next, before
 
 
 @triton.jit
 def _plan_tables(seq_lens_ptr, cum_ptr, header_ptr, first_b_ptr, last_b_ptr, task_desc_ptr, merge_desc_ptr,
-                 B, num_kv_heads, num_programs, min_tiles, unit, task_cost,
+                 B, num_kv_heads, num_programs, min_tiles, unit, task_cost, snap,
                  TILE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr, ONE_BLOCK: tl.constexpr,
                  DESC: tl.constexpr):
     """`plan_decode_kernel`'s one-pass (ONE_BLOCK) / descriptor (DESC) form: the cost-stream cut of
-    plan.py (program k runs the tiles that start in [k·bucket, (k+1)·bucket) of the cost stream)."""
+    plan.py (program k runs the tiles that start in [k·bucket, (k+1)·bucket) of the cost stream, each
+    cut snapped to a request boundary when it would cut off at most `snap` units)."""
     pid = tl.program_id(0)
     offs_b = tl.arange(0, BLOCK_B)
     BIG: tl.constexpr = 2147483647
@@ -71,6 +95,7 @@ def _plan_tables(seq_lens_ptr, cum_ptr, header_ptr, first_b_ptr, last_b_ptr, tas
     s_cost = unit * s_total + task_cost * B
     total = s_cost * num_kv_heads
     bucket = tl.maximum(tl.maximum((total + num_programs - 1) // num_programs, unit * min_tiles), unit + task_cost)
+    snap = tl.minimum(snap, bucket // 4)
     if pid == 0:
         tl.store(cum_ptr, 0)
         tl.store(header_ptr + 0, bucket)
@@ -85,8 +110,8 @@ def _plan_tables(seq_lens_ptr, cum_ptr, header_ptr, first_b_ptr, last_b_ptr, tas
     r1 = x1 - (x1 // s_cost) * s_cost
     if ONE_BLOCK:
         starts = _starts_of(incl0, tiles0, offs_b, B, unit, task_cost)
-        cnt0, lo0, hi0 = _locate(starts, r0 - 1)
-        cnt1, lo1, hi1 = _locate(starts, r1 - 1)
+        cnt0, lo0, hi0 = _locate_one_block(starts, r0 - 1, BLOCK_B)
+        cnt1, lo1, hi1 = _locate_one_block(starts, r1 - 1, BLOCK_B)
     else:
         cnt0 = tl.zeros([BLOCK_C], dtype=tl.int32)
         cnt1 = tl.zeros([BLOCK_C], dtype=tl.int32)
@@ -109,21 +134,23 @@ def _plan_tables(seq_lens_ptr, cum_ptr, header_ptr, first_b_ptr, last_b_ptr, tas
             hi0 = tl.minimum(hi0, h0)
             hi1 = tl.minimum(hi1, h1)
             carry += tl.sum(tiles, axis=0)
-    hd0, b0, cum0, next0, before0 = _in_stream(x0, cnt0, lo0, hi0, s_cost, s_total, unit, task_cost)
-    hd1, b1, cum1, next1, before1 = _in_stream(x1, cnt1, lo1, hi1, s_cost, s_total, unit, task_cost)
+    hd0, b0, cum0, next0, before0 = _in_stream(x0, cnt0, lo0, hi0, s_cost, s_total, unit, task_cost, snap)
+    hd1, b1, cum1, next1, before1 = _in_stream(x1, cnt1, lo1, hi1, s_cost, s_total, unit, task_cost, snap)
     g0 = hd0 * s_total + tl.where(cnt0 > 0, cum0 + before0, 0)
     g1 = hd1 * s_total + tl.where(cnt1 > 0, cum1 + before1, 0)
     c_ok = offs_c < num_programs
     active = c_ok & (g1 > g0)
-    # the first tile: in b* when it still has tiles from x0 on, else the next request (or next head's first)
+    # the first tile: in b* when it still has tiles from the cut on, else the next request (or head)
     in_b = (cnt0 > 0) & (before0 < next0 - cum0)
     nxt = tl.where(cnt0 > 0, b0 + 1, 0)
     first_req = tl.where(in_b, b0, tl.where(nxt == B, 0, nxt))
     first_head = tl.where(in_b | (nxt < B), hd0, hd0 + 1)
-    # the last tile: the last of b* before x1 (cnt1 > 0), else the last request of the previous head
-    t_last = tl.maximum((tl.load(seq_lens_ptr + B - 1) + TILE - 1) // TILE, 1)
-    last_req = tl.where(cnt1 > 0, b1, B - 1)
-    last_head = tl.where(cnt1 > 0, hd1, hd1 - 1)
+    # the last tile: the last of b* left of the cut (before1 > 0), else the request before b* (b* − 1,
+    # or the last request of the previous head), which then ends at the cut
+    in_last = (cnt1 > 0) & (before1 > 0)
+    prev = tl.where(cnt1 > 0, b1 - 1, -1)  # b* − 1 when the cut left nothing of b* (−1: previous head)
+    last_req = tl.where(in_last, b1, tl.where(prev >= 0, prev, B - 1))
+    last_head = tl.where(in_last | (prev >= 0), hd1, hd1 - 1)
     tl.store(first_b_ptr + offs_c, tl.where(active, first_req, -1), mask=c_ok)
     tl.store(last_b_ptr + offs_c, tl.where(active, last_req, -1), mask=c_ok)
     if DESC:
@@ -133,25 +160,31 @@ def _plan_tables(seq_lens_ptr, cum_ptr, header_ptr, first_b_ptr, last_b_ptr, tas
         tl.store(td + 1, tl.where(active, first_head, 0), mask=c_ok)
         tl.store(td + 2, tl.where(active & in_b, before0, 0), mask=c_ok)
         tl.store(td + 3, tl.where(active, g1 - g0, 0), mask=c_ok)
-        # merge descriptor: the split (head, request) that starts in this program and leaves it
-        pair_cum = tl.where(cnt1 > 0, cum1, s_total - t_last)  # the last tile's request: its first tile
-        pair_tiles = tl.where(cnt1 > 0, next1 - cum1, t_last)
-        pair_lo = last_head * s_total + pair_cum
-        pos = last_head * s_cost + unit * pair_cum + task_cost * (last_req + 1)  # its first tile's start
-        first = pos // bucket
-        last = (pos + unit * (pair_tiles - 1)) // bucket
-        merge = active & (first == offs_c) & (last > first)
+        # merge descriptor: the split (head, request) P of the last tile, when it starts in this program
+        # and leaves it. P's pieces: this program's, then one for each cut inside P; only the last cut
+        # inside P can have snapped (to P's end: the others are a bucket or more from both ends).
+        pair_cum = tl.where(in_last, cum1, lo1 * 0)
+        pair_tiles = tl.where(in_last, next1 - cum1, 0)
+        p_lo = tl.where(in_last, hd1 * s_total + cum1, 0)
+        p_hi = tl.where(in_last, hd1 * s_total + next1, 0)
+        pos = hd1 * s_cost + unit * pair_cum + task_cost * (b1 + 1)  # where P's first tile starts
+        last_cut = (pos + unit * (pair_tiles - 1)) // bucket  # the last cut left of P's last tile start
+        x_last = last_cut * bucket
+        cut_before = tl.minimum((x_last - pos + unit - 1) // unit, pair_tiles)
+        closed = _snapped(cut_before, pair_tiles, unit, snap) == pair_tiles
+        parts = last_cut - offs_c + 1 - tl.where(closed & (last_cut > offs_c), 1, 0)
+        merge = active & in_last & (p_lo >= g0) & (p_hi > g1)
         md = merge_desc_ptr + offs_c * 4
         tl.store(md + 0, tl.where(merge, last_req, -1), mask=c_ok)
         tl.store(md + 1, tl.where(merge, last_head, 0), mask=c_ok)
-        tl.store(md + 2, tl.where(merge, 2 * offs_c + tl.where(pair_lo == g0, 0, 1), 0), mask=c_ok)
-        tl.store(md + 3, tl.where(merge, last - first + 1, 0), mask=c_ok)
+        tl.store(md + 2, tl.where(merge, 2 * offs_c + tl.where(p_lo == g0, 0, 1), 0), mask=c_ok)
+        tl.store(md + 3, tl.where(merge, parts, 0), mask=c_ok)
 
 
 @triton.jit
 def plan_decode_kernel(
     seq_lens_ptr, cum_ptr, header_ptr, first_b_ptr, last_b_ptr, task_desc_ptr, merge_desc_ptr,
-    B, num_kv_heads, num_programs, min_tiles, unit, task_cost,
+    B, num_kv_heads, num_programs, min_tiles, unit, task_cost, snap,
     TILE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr, ONE_BLOCK: tl.constexpr = False,
     DESC: tl.constexpr = False,
 ):
@@ -167,8 +200,8 @@ def plan_decode_kernel(
     """
     if ONE_BLOCK or DESC:
         _plan_tables(seq_lens_ptr, cum_ptr, header_ptr, first_b_ptr, last_b_ptr, task_desc_ptr, merge_desc_ptr,
-                     B, num_kv_heads, num_programs, min_tiles, unit, task_cost, TILE, BLOCK_B, BLOCK_C, ONE_BLOCK,
-                     DESC)
+                     B, num_kv_heads, num_programs, min_tiles, unit, task_cost, snap, TILE, BLOCK_B, BLOCK_C,
+                     ONE_BLOCK, DESC)
     else:
         pid = tl.program_id(0)
         offs_b = tl.arange(0, BLOCK_B)

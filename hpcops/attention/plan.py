@@ -74,8 +74,11 @@ DEFAULT_MIN_TILES = 4
 # estimate from decode.md at 63aa781: a program of 32 two-tile tasks took 1.34x as long as one
 # 64-tile task (32x0.125K+32x4K h64/8), i.e. ~0.7 tile a task; the H200 sweep decides.
 TASK_UNITS = 4
-DEFAULT_TASK_COST = 3
+DEFAULT_TASK_COST = 8
 MAX_TASK_COST = 64
+# A cut that would leave at most DEFAULT_SNAP cost units of a request on one side of it moves to that
+# request's boundary (a split costs a task start, a partial write and a merge).
+DEFAULT_SNAP = 8
 
 
 # Launch choices of the plan kernel: DecodeConfig.plan_block_c, plan_warps, plan_block_b
@@ -113,6 +116,7 @@ class DecodePlan:
     merge_desc: torch.Tensor
     has_desc: bool = False
     task_cost: int = 0  # as asked; the cut charges it only with descriptors (`cut_task_cost`)
+    snap: int = 0  # likewise (`cut_snap`)
     _workspace: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -120,6 +124,11 @@ class DecodePlan:
         """The task cost the last plan was cut with: `task_cost` with task descriptors, else 0 (the
         kernels without descriptors walk equal-tile buckets)."""
         return self.task_cost if self.has_desc else 0
+
+    @property
+    def cut_snap(self) -> int:
+        """The snap the last plan was cut with: `snap` with task descriptors and a task cost, else 0."""
+        return self.snap if self.has_desc and self.task_cost else 0
 
     @property
     def device(self) -> torch.device:
@@ -147,7 +156,7 @@ class DecodePlan:
     def tasks(self) -> list[tuple[int, int, int, int, int, bool]]:
         """Every task as (program, kv_head, request, first_tile, num_tiles, split) (host-side, syncs)."""
         t = self.host_tables()
-        return enumerate_tasks(t["cum"], t["header"], self.num_programs, self.cut_task_cost)
+        return enumerate_tasks(t["cum"], t["header"], self.num_programs, self.cut_task_cost, self.cut_snap)
 
 
 def cost_bucket(total: int, num_programs: int, min_tiles: int, task_cost: int) -> int:
@@ -159,9 +168,10 @@ def cost_bucket(total: int, num_programs: int, min_tiles: int, task_cost: int) -
 
 class CostStream:
     """The plan's cut in pure Python, with the plan kernel's integer arithmetic: `cum` the request tile
-    prefix sums [B + 1] (B ≥ 1), `task_cost` in TASK_UNITS a tile, `bucket` in cost units."""
+    prefix sums [B + 1] (B ≥ 1), `task_cost` in TASK_UNITS a tile, `bucket` and `snap` in cost units
+    (`snap` < bucket is used)."""
 
-    def __init__(self, cum: list[int], num_kv_heads: int, task_cost: int, bucket: int):
+    def __init__(self, cum: list[int], num_kv_heads: int, task_cost: int, bucket: int, snap: int = 0):
         self.cum, self.nb = list(cum), len(cum) - 1
         self.s = self.cum[-1]
         self.unit = TASK_UNITS if task_cost else 1
@@ -169,21 +179,31 @@ class CostStream:
         self.s_cost = self.unit * self.s + task_cost * self.nb
         self.total = num_kv_heads * self.s_cost
         self.bucket = bucket
-        self.active = (self.total - self.unit) // bucket + 1  # programs 0..active-1 hold a tile
+        self.snap = min(snap, bucket // 4)
+        self.active = (self.total - self.unit) // bucket + 1  # programs past these hold no tile
         # where each request's first tile starts in one head's cost stream
         self._starts = [self.unit * self.cum[b] + task_cost * (b + 1) for b in range(self.nb)]
 
     def tiles_before(self, x: int) -> int:
-        """Tiles of the whole stream (head-major) that start before cost position x."""
+        """Tiles of the whole stream (head-major) that start before cost position x, after the snap: a
+        cut that would leave at most `snap` units of a request on one side moves to that request's
+        boundary (the nearer one)."""
         h, r = divmod(x, self.s_cost)
         b = bisect.bisect_left(self._starts, r) - 1  # the last request whose first tile starts before r
         if b < 0:
             return h * self.s
         t = self.cum[b + 1] - self.cum[b]
-        return h * self.s + self.cum[b] + min(-(-(r - self._starts[b]) // self.unit), t)
+        before = min(-(-(r - self._starts[b]) // self.unit), t)
+        if 0 < before < t:
+            if before * self.unit <= self.snap and before <= t - before:
+                before = 0
+            elif (t - before) * self.unit <= self.snap:
+                before = t
+        return h * self.s + self.cum[b] + before
 
     def program_range(self, k: int) -> tuple[int, int]:
-        """Program k's tiles [g0, g1) of the whole stream (empty past the active programs)."""
+        """Program k's tiles [g0, g1) of the whole stream (empty past the active programs, and where
+        a snap closed it)."""
         return (self.tiles_before(min(k * self.bucket, self.total)),
                 self.tiles_before(min((k + 1) * self.bucket, self.total)))
 
@@ -193,20 +213,15 @@ class CostStream:
         b = bisect.bisect_right(self.cum, r) - 1
         return h, b, r - self.cum[b]
 
-    def program_of(self, g: int) -> int:
-        """The program that runs stream tile g (the bucket its start falls in)."""
-        h, b, j = self.locate(g)
-        return (h * self.s_cost + self.unit * (self.cum[b] + j) + self.cost * (b + 1)) // self.bucket
 
-
-def enumerate_tasks(cum: list[int], header: list[int], num_programs: int, task_cost: int = 0):
+def enumerate_tasks(cum: list[int], header: list[int], num_programs: int, task_cost: int = 0, snap: int = 0):
     """Walk the plan the way the persistent kernel does (pure Python): every task as (program, kv_head,
     request, first_tile, num_tiles, split). `cum` and `header` are the plan's host tables."""
     bucket, s, total, active = header
     if len(cum) < 2 or not total:
         return []
     s_cost = (TASK_UNITS if task_cost else 1) * s + task_cost * (len(cum) - 1)
-    cs = CostStream(cum, total // s_cost, task_cost, bucket)
+    cs = CostStream(cum, total // s_cost, task_cost, bucket, snap)
     out = []
     for prog in range(min(active, num_programs)):
         g, g1 = cs.program_range(prog)
@@ -225,7 +240,7 @@ def default_num_programs(q_len: int = 1, device: torch.device | str | None = Non
     return max(1, per_sm * _platform.num_sms(device))
 
 
-def _validate_plan_args(seq_lens, num_kv_heads, q_len, block_size, max_batch, task_cost=None):
+def _validate_plan_args(seq_lens, num_kv_heads, q_len, block_size, max_batch, task_cost=None, snap=None):
     check_tensor("seq_lens", seq_lens, dtypes=(torch.int32,), ndim=1)
     if not isinstance(num_kv_heads, int) or num_kv_heads < 1:
         raise ValueError(f"num_kv_heads must be a positive int, got {num_kv_heads!r}")
@@ -235,13 +250,15 @@ def _validate_plan_args(seq_lens, num_kv_heads, q_len, block_size, max_batch, ta
         raise ValueError(f"block_size must be a power of two in 1..256, got {block_size!r}")
     if task_cost is not None and (type(task_cost) is not int or not 0 <= task_cost <= MAX_TASK_COST):
         raise ValueError(f"task_cost must be an int in 0..{MAX_TASK_COST} (quarters of a tile), got {task_cost!r}")
+    if snap is not None and (type(snap) is not int or not 0 <= snap <= MAX_TASK_COST):
+        raise ValueError(f"snap must be an int in 0..{MAX_TASK_COST} (quarters of a tile), got {snap!r}")
     if max_batch is not None and seq_lens.shape[0] > max_batch:
         raise ValueError(f"seq_lens has {seq_lens.shape[0]} requests, more than the plan's max_batch={max_batch}")
 
 
 def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, block_size: int = 64,
                 max_batch: int | None = None, max_seq_len: int | None = None, num_programs: int | None = None,
-                min_tiles: int | None = None, task_cost: int | None = None,
+                min_tiles: int | None = None, task_cost: int | None = None, snap: int | None = None,
                 out: DecodePlan | None = None) -> DecodePlan:
     """Compute the load-balanced decode schedule for one step on the device.
 
@@ -262,11 +279,14 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
         task_cost: what the cut charges each (head, request) on top of its tiles, in quarters of a
             tile (0..64; default `DEFAULT_TASK_COST`); applies with task descriptors (the default
             `DecodeConfig.task_desc`). With `out=`, the plan's own.
+        snap: a cut that would leave at most this much of a request (quarters of a tile, 0..64;
+            default `DEFAULT_SNAP`; with a task cost only) on one side moves to the request's nearer
+            boundary instead of splitting it. With `out=`, the plan's own.
         out: an existing plan whose buffers are reused (CUDA-graph replay with new lengths).
     """
     del max_seq_len  # buffers are sized by batch and program count only
     _validate_plan_args(seq_lens, num_kv_heads, q_len, block_size, out.max_batch if out is not None else max_batch,
-                        task_cost)
+                        task_cost, snap)
     check_kernel_device("seq_lens", seq_lens)
     if out is not None:
         if (num_kv_heads, q_len, block_size) != (out.num_kv_heads, out.q_len, out.block_size):
@@ -285,6 +305,7 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
             num_kv_heads=num_kv_heads, q_len=q_len, block_size=block_size, num_programs=c,
             min_tiles=max(1, min_tiles if min_tiles is not None else DEFAULT_MIN_TILES), max_batch=cap,
             batch=seq_lens.shape[0], task_cost=DEFAULT_TASK_COST if task_cost is None else task_cost,
+            snap=DEFAULT_SNAP if snap is None else snap,
             header=torch.zeros(4, dtype=torch.int32, device=dev),
             cum=torch.zeros(cap + 1, dtype=torch.int32, device=dev),
             first_b=torch.full((c,), -1, dtype=torch.int32, device=dev),
@@ -304,7 +325,8 @@ def check_plan_matches(plan: DecodePlan, seq_lens: torch.Tensor) -> None:
 
     want = ref.plan_decode(seq_lens, num_kv_heads=plan.num_kv_heads, q_len=plan.q_len,
                            block_size=plan.block_size, max_batch=plan.max_batch,
-                           num_programs=plan.num_programs, min_tiles=plan.min_tiles, task_cost=plan.task_cost)
+                           num_programs=plan.num_programs, min_tiles=plan.min_tiles, task_cost=plan.task_cost,
+                           snap=plan.snap)
     want.has_desc = plan.has_desc
     want = want.host_tables()
     have = plan.host_tables()
@@ -346,6 +368,7 @@ def _launch_plan(plan: DecodePlan, seq_lens: torch.Tensor) -> None:
     plan_decode_kernel[grid](
         seq_lens, plan.cum, plan.header, plan.first_b, plan.last_b, plan.task_desc, plan.merge_desc,
         b, plan.num_kv_heads, plan.num_programs, plan.min_tiles, TASK_UNITS if cost else 1, cost,
+        plan.cut_snap,
         TILE=TILE, BLOCK_B=block_b, BLOCK_C=block_c, ONE_BLOCK=cfg.plan_one_pass and b <= block_b,
         DESC=cfg.task_desc,
         num_warps=warps,

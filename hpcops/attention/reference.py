@@ -15,6 +15,7 @@ import torch
 from hpcops.attention._prefill_reference import prefill_attention
 from hpcops.attention.plan import (
     DEFAULT_MIN_TILES,
+    DEFAULT_SNAP,
     DEFAULT_TASK_COST,
     TASK_UNITS,
     TILE,
@@ -30,7 +31,7 @@ __all__ = ["decode_attention", "plan_decode", "prefill_attention"]
 
 def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, block_size: int = 64,
                 max_batch: int | None = None, max_seq_len: int | None = None, num_programs: int | None = None,
-                min_tiles: int | None = None, task_cost: int | None = None,
+                min_tiles: int | None = None, task_cost: int | None = None, snap: int | None = None,
                 out: DecodePlan | None = None) -> DecodePlan:
     """Host reference of `hpcops.plan_decode`: the same tables, computed in Python integers with
     `plan.CostStream` (the descriptor tables always; `has_desc`, which `host_tables` shows them by,
@@ -38,15 +39,18 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
     del max_seq_len
     from hpcops.attention.decode import decode_config
 
-    _validate_plan_args(seq_lens, num_kv_heads, q_len, block_size, out.max_batch if out else max_batch, task_cost)
+    _validate_plan_args(seq_lens, num_kv_heads, q_len, block_size, out.max_batch if out else max_batch, task_cost,
+                        snap)
     dev = seq_lens.device
     b = seq_lens.shape[0]
     c = out.num_programs if out else (num_programs or default_num_programs(q_len, dev))
     mt = out.min_tiles if out else max(1, min_tiles if min_tiles is not None else DEFAULT_MIN_TILES)
     cap = out.max_batch if out else max(max_batch or b, 1)
     asked = out.task_cost if out else (DEFAULT_TASK_COST if task_cost is None else task_cost)
+    asked_snap = out.snap if out else (DEFAULT_SNAP if snap is None else snap)
     has_desc = decode_config().task_desc
     cost = asked if has_desc else 0
+    cut_snap = asked_snap if cost else 0
     cum = [0]
     for n in seq_lens.long().cpu().tolist():
         cum.append(cum[-1] + max(1, -(-n // TILE)))
@@ -57,20 +61,22 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
     if b:
         unit = TASK_UNITS if cost else 1
         total = num_kv_heads * (unit * cum[-1] + cost * b)
-        cs = CostStream(cum, num_kv_heads, cost, cost_bucket(total, c, mt, cost))
+        cs = CostStream(cum, num_kv_heads, cost, cost_bucket(total, c, mt, cost), cut_snap)
         header = [cs.bucket, cs.s, cs.total, cs.active]
-        for k in range(min(c, cs.active)):
-            g0, g1 = cs.program_range(k)
+        ranges = [cs.program_range(k) for k in range(min(c, cs.active))]
+        for k, (g0, g1) in enumerate(ranges):
+            if g1 <= g0:
+                continue  # a snap closed this program
             hf, bf, jf = cs.locate(g0)
             hl, bl, _ = cs.locate(g1 - 1)
             first_b[k], last_b[k] = bf, bl
             task_desc[k] = [bf, hf, jf, g1 - g0]
             pair_lo, pair_hi = hl * cs.s + cum[bl], hl * cs.s + cum[bl + 1]
-            first, last = cs.program_of(pair_lo), cs.program_of(pair_hi - 1)
-            if first == k and last > first:
-                merge_desc[k] = [bl, hl, 2 * k + (0 if pair_lo == g0 else 1), last - first + 1]
+            if pair_lo >= g0 and pair_hi > g1:  # the pair of its last tile starts here and leaves
+                parts = sum(1 for a, z in ranges if a < z and a < pair_hi and z > pair_lo)
+                merge_desc[k] = [bl, hl, 2 * k + (0 if pair_lo == g0 else 1), parts]
     plan = out or DecodePlan(num_kv_heads=num_kv_heads, q_len=q_len, block_size=block_size, num_programs=c,
-                             min_tiles=mt, max_batch=cap, batch=b, task_cost=asked,
+                             min_tiles=mt, max_batch=cap, batch=b, task_cost=asked, snap=asked_snap,
                              header=torch.empty(4, dtype=torch.int32, device=dev),
                              cum=torch.empty(cap + 1, dtype=torch.int32, device=dev),
                              first_b=torch.empty(c, dtype=torch.int32, device=dev),

@@ -2,10 +2,11 @@
 
 Knobs: `DecodeConfig` (process-wide, `decode.set_decode_config`: pipeline depth, warps, TMA, PDL, score-tile
 rows, keys per step, task descriptors, lean loop and its addressing, register cap) and the plan's programs per
-SM, minimum tiles per program and task cost (`plan_decode`'s `num_programs`, `min_tiles`, `task_cost`).
+SM, minimum tiles per program, task cost and snap (`plan_decode`'s `num_programs`, `min_tiles`, `task_cost`,
+`snap`).
 Inputs are the suite's (`make_decode_inputs`, each layer its own caches); the gate compares the load-balanced
 schedule with the torch reference as the suite's check does; times are CUDA-graph replays (the bench's `hpcops`
-row), the plan outside the graph. `--knobs task_cost,min_tiles` moves only those.
+row), the plan outside the graph. `--knobs task_cost,snap,min_tiles` moves only those.
 
 The plan kernel's own launch (`DecodeConfig.plan_block_c`, `plan_warps`, `plan_block_b`) is tuned on
 separate `plan ...` scenarios (`--only plan`), which time the plan step alone: one graph of 8 plan
@@ -86,9 +87,12 @@ DECODE_SPACE = (
          near=None),
     knob(("lean_loop", "use_tma", "lean_mode", "max_regs", "pps"), (True, True, "tma", 128, 4), near=None),
     knob("min_tiles", 2, 4, 8, 16),
-    # the plan's cost model: what a task costs on top of its tiles (quarters of a tile; 0 = equal-tile cut)
-    knob("task_cost", 0, 1, 2, 3, 4, 6, 8, near=None),
-    knob(("task_cost", "min_tiles"), (2, 2), (3, 2), (4, 2), (3, 1), (4, 1), near=None),
+    # the plan's cost model: what a task costs on top of its tiles (quarters of a tile; 0 = equal-tile cut),
+    # and the snap that keeps a request whole when a cut would leave a small piece of it
+    knob("task_cost", 0, 4, 6, 12, 16, near=None),
+    knob("snap", 0, 4, 16, near=None),
+    knob(("task_cost", "snap"), (12, 0), (12, 16), (16, 16), (6, 0), near=None),
+    knob(("task_cost", "min_tiles"), (8, 2), (8, 1), near=None),
     knob("pdl", False, True),
     knob("use_tma", None, False, True),
     knob("num_warps", None, 1, 2, 8, near=None),
@@ -112,7 +116,7 @@ PLAN_SPACE = (
     knob("task_desc", False, True),
 )
 SPACE = tuple(_on("decode", k) for k in DECODE_SPACE) + tuple(_on("plan", k) for k in PLAN_SPACE)
-PLAN_KNOBS = ("pps", "min_tiles", "task_cost")
+PLAN_KNOBS = ("pps", "min_tiles", "task_cost", "snap")
 
 
 def _config_fields() -> tuple[str, ...]:
@@ -131,10 +135,10 @@ class DecodeTune(TuneOp):
 
     def base(self, s: suite.Scenario) -> Candidate:
         from hpcops.attention.decode import DecodeConfig
-        from hpcops.attention.plan import DEFAULT_MIN_TILES, DEFAULT_PROGRAMS_PER_SM, DEFAULT_TASK_COST
+        from hpcops.attention.plan import DEFAULT_MIN_TILES, DEFAULT_PROGRAMS_PER_SM, DEFAULT_SNAP, DEFAULT_TASK_COST
 
         return {**asdict(DecodeConfig()), "pps": DEFAULT_PROGRAMS_PER_SM, "min_tiles": DEFAULT_MIN_TILES,
-                "task_cost": DEFAULT_TASK_COST}
+                "task_cost": DEFAULT_TASK_COST, "snap": DEFAULT_SNAP}
 
     def make_inputs(self, s: suite.Scenario | PlanScenario, layer: int, device: str) -> dict[str, Any]:
         if isinstance(s, PlanScenario):
@@ -175,7 +179,8 @@ class DecodeTune(TuneOp):
 
             plan = hpcops.plan_decode(x["seq_lens"], num_kv_heads=x["k_cache"].shape[2], block_size=suite.PAGE,
                                       num_programs=cand["pps"] * num_sms(x["q"].device),
-                                      min_tiles=cand["min_tiles"], task_cost=cand["task_cost"])
+                                      min_tiles=cand["min_tiles"], task_cost=cand["task_cost"],
+                                      snap=cand["snap"])
             return lambda: hpcops.decode_attention(x["q"], x["k_cache"], x["v_cache"], x["block_table"],
                                                    x["seq_lens"], plan=plan, k_scale=x["k_scale"],
                                                    v_scale=x["v_scale"], out=x["out"])
@@ -187,7 +192,8 @@ class DecodeTune(TuneOp):
             from hpcops._platform import num_sms
 
             kw = dict(num_kv_heads=s.hkv, block_size=suite.PAGE, min_tiles=cand["min_tiles"],
-                      task_cost=cand["task_cost"], num_programs=cand["pps"] * num_sms(x["seq_lens"].device))
+                      task_cost=cand["task_cost"], snap=cand["snap"],
+                      num_programs=cand["pps"] * num_sms(x["seq_lens"].device))
             plan = hpcops.plan_decode(x["seq_lens"], **kw)
             return lambda: hpcops.plan_decode(x["seq_lens"], out=plan, **kw)
         return prepare
@@ -200,7 +206,7 @@ class DecodeTune(TuneOp):
             plan = self.prepare(s, cand)(x)()
             want = ref.plan_decode(x["seq_lens"].cpu(), num_kv_heads=s.hkv, block_size=suite.PAGE,
                                    num_programs=plan.num_programs, min_tiles=plan.min_tiles,
-                                   task_cost=plan.task_cost)
+                                   task_cost=plan.task_cost, snap=plan.snap)
             want.has_desc = plan.has_desc
             assert plan.host_tables() == want.host_tables(), f"plan [{name}]: tables differ from the reference"
             return
