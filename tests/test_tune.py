@@ -77,9 +77,8 @@ def test_moe_space_bounded_valid_and_starts_at_the_heuristic(gpu_heuristics, nam
 def test_other_ops_spaces_are_valid():
     from hpcops.attention.decode import DecodeConfig
     from hpcops.attention.prefill import PrefillConfig
-    from hpcops.rope.prologue import RopeConfig
-
     from hpcops.bench.tune.decode import PLAN_KNOBS
+    from hpcops.rope.prologue import RopeConfig
 
     build = {"decode": lambda c: DecodeConfig(**{k: v for k, v in c.items() if k not in PLAN_KNOBS}),
              "rope": lambda c: RopeConfig(**c), "prefill": lambda c: PrefillConfig(**c)}
