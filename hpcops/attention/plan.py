@@ -70,17 +70,15 @@ MAX_Q_LEN = 8
 # floor of 4 tiles (256 tokens) per program so small batches are not over-split.
 DEFAULT_PROGRAMS_PER_SM = 2
 DEFAULT_MIN_TILES = 4
-# The cost the plan charges a task (its start), in TASK_UNITS per tile: 8 = two tiles. From the H200
-# tunes (bench/results/decode_tune_task_cost*.md): 8 is best or within 3 % in 20 of the 24 decode
-# scenarios; 32x0.125K+32x4K h64/8 fp8 goes from 183 to 110 µs (0 = the equal-tile cut).
+# The cost the plan charges a task, in TASK_UNITS per tile (3: three quarters of a tile). A first
+# estimate from decode.md at 63aa781: a program of 32 two-tile tasks took 1.34x as long as one
+# 64-tile task (32x0.125K+32x4K h64/8), i.e. ~0.7 tile a task; the H200 sweep decides.
 TASK_UNITS = 4
 DEFAULT_TASK_COST = 8
 MAX_TASK_COST = 64
-# A cut that would leave at most `snap` cost units of a request on one side of it moves to that
-# request's boundary (a split costs a task start, a partial write and a merge). Off by default: in the
-# same tune snap 8 cost 64x4K h8/1 fp8 6 % and snap 16 up to 15 %, while only the aligned 64x0.5K h64/8
-# gains (16: 39.6 -> 32.5 µs); snap 0 has the best geomean (1.026x the per-scenario best, snap 8 1.028x).
-DEFAULT_SNAP = 0
+# A cut that would leave at most DEFAULT_SNAP cost units of a request on one side of it moves to that
+# request's boundary (a split costs a task start, a partial write and a merge).
+DEFAULT_SNAP = 8
 
 
 # Launch choices of the plan kernel: DecodeConfig.plan_block_c, plan_warps, plan_block_b
