@@ -18,7 +18,6 @@ from hpcops.attention.plan import (
     TASK_UNITS,
     TILE,
     CostStream,
-    cost_bucket,
 )
 from hpcops.bench.scenarios import DECODE_SCENARIOS, parse_lengths
 
@@ -35,10 +34,7 @@ def dynamic_loads(lens: list[int], num_kv_heads: int, num_programs: int, min_til
     cum = [0]
     for n in lens:
         cum.append(cum[-1] + _tiles(n))
-    unit = TASK_UNITS if task_cost else 1
-    total = num_kv_heads * (unit * cum[-1] + task_cost * len(lens))
-    cs = CostStream(cum, num_kv_heads, task_cost, cost_bucket(total, num_programs, min_tiles, task_cost),
-                    snap if task_cost else 0)
+    cs = CostStream.cut(cum, num_kv_heads, task_cost, num_programs, min_tiles, snap if task_cost else 0)
     return [b - a for a, b in map(cs.program_range, range(num_programs))]
 
 

@@ -59,7 +59,7 @@ def _check_tasks(plan, c, hkv, lens):
     merge descriptors say the same (a merge for each split pair, in the program of its first piece,
     over all its pieces)."""
     bucket, s, total, active = plan.host_tables()["header"]
-    unit = plan_mod.TASK_UNITS if plan.cut_task_cost else 1
+    unit = plan_mod.cost_unit(plan.cut_task_cost)
     tasks = plan.tasks()
     tiles = {}
     for prog, h, req, t0, n, _ in tasks:

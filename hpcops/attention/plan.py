@@ -23,7 +23,8 @@ once for ``max_batch``, so that one decode step (plan + every layer) can be capt
 and replayed with new lengths:
 
 * ``header`` int32 [4]: bucket (cost units), S (tiles of one kv head = Σ_b T_b), total (cost units:
-  Hkv·(unit·S + task_cost·B)), active programs (they are programs 0..active−1);
+  Hkv·(unit·S + task_cost·B)), active programs (programs past them hold no tile; a snap can also
+  leave one of them empty);
 * ``cum`` int32 [max_batch + 1]: prefix sums of T_b = max(1, ceil(L_b / 64));
 * ``first_b`` / ``last_b`` int32 [num_programs]: the request holding each program's first / last
   tile (−1 for an idle program);
@@ -70,14 +71,16 @@ MAX_Q_LEN = 8
 # floor of 4 tiles (256 tokens) per program so small batches are not over-split.
 DEFAULT_PROGRAMS_PER_SM = 2
 DEFAULT_MIN_TILES = 4
-# The cost the plan charges a task, in TASK_UNITS per tile (3: three quarters of a tile). A first
-# estimate from decode.md at 63aa781: a program of 32 two-tile tasks took 1.34x as long as one
-# 64-tile task (32x0.125K+32x4K h64/8), i.e. ~0.7 tile a task; the H200 sweep decides.
+# The cost the plan charges a task (its start), in TASK_UNITS per tile: 8 = two tiles. From the H200
+# tunes (bench/results/decode_tune_task_cost*.md): best or within 3 % in 20 of the 24 decode scenarios;
+# 32x0.125K+32x4K h64/8 fp8 goes from 183 to 110 µs (task cost 0 = the equal-tile cut).
 TASK_UNITS = 4
 DEFAULT_TASK_COST = 8
 MAX_TASK_COST = 64
-# A cut that would leave at most DEFAULT_SNAP cost units of a request on one side of it moves to that
-# request's boundary (a split costs a task start, a partial write and a merge).
+# A cut that would leave at most `snap` cost units of a request on one side of it moves to that
+# request's boundary (a split costs a task start, a partial write and a merge). 8 is what the H200
+# bench ran; the same call's tune measured snap 0 slightly ahead (geomean 1.026x the per-scenario best
+# against 1.028x; 64x4K h8/1 fp8 35.0 against 37.0 µs): the next default once the bench has run it.
 DEFAULT_SNAP = 8
 
 
@@ -159,11 +162,9 @@ class DecodePlan:
         return enumerate_tasks(t["cum"], t["header"], self.num_programs, self.cut_task_cost, self.cut_snap)
 
 
-def cost_bucket(total: int, num_programs: int, min_tiles: int, task_cost: int) -> int:
-    """The plan's bucket in cost units (see the module docstring): at least min_tiles tiles and one
-    tile + one task start, so that every bucket but the last holds the start of a tile."""
-    unit = TASK_UNITS if task_cost else 1
-    return max(-(-total // num_programs), unit * min_tiles, unit + task_cost)
+def cost_unit(task_cost: int) -> int:
+    """Cost units a tile: TASK_UNITS with a task cost, else 1 (the equal-tile cut, in tiles)."""
+    return TASK_UNITS if task_cost else 1
 
 
 class CostStream:
@@ -174,7 +175,7 @@ class CostStream:
     def __init__(self, cum: list[int], num_kv_heads: int, task_cost: int, bucket: int, snap: int = 0):
         self.cum, self.nb = list(cum), len(cum) - 1
         self.s = self.cum[-1]
-        self.unit = TASK_UNITS if task_cost else 1
+        self.unit = cost_unit(task_cost)
         self.cost = task_cost
         self.s_cost = self.unit * self.s + task_cost * self.nb
         self.total = num_kv_heads * self.s_cost
@@ -183,6 +184,16 @@ class CostStream:
         self.active = (self.total - self.unit) // bucket + 1  # programs past these hold no tile
         # where each request's first tile starts in one head's cost stream
         self._starts = [self.unit * self.cum[b] + task_cost * (b + 1) for b in range(self.nb)]
+
+    @classmethod
+    def cut(cls, cum: list[int], num_kv_heads: int, task_cost: int, num_programs: int, min_tiles: int,
+            snap: int = 0) -> CostStream:
+        """The plan's cut for `num_programs` programs: the bucket (cost units) at least min_tiles tiles
+        and one tile + one task start, so that every bucket but the last holds the start of a tile."""
+        unit = cost_unit(task_cost)
+        total = num_kv_heads * (unit * cum[-1] + task_cost * (len(cum) - 1))
+        bucket = max(-(-total // num_programs), unit * min_tiles, unit + task_cost)
+        return cls(cum, num_kv_heads, task_cost, bucket, snap)
 
     def tiles_before(self, x: int) -> int:
         """Tiles of the whole stream (head-major) that start before cost position x, after the snap: a
@@ -220,7 +231,7 @@ def enumerate_tasks(cum: list[int], header: list[int], num_programs: int, task_c
     bucket, s, total, active = header
     if len(cum) < 2 or not total:
         return []
-    s_cost = (TASK_UNITS if task_cost else 1) * s + task_cost * (len(cum) - 1)
+    s_cost = cost_unit(task_cost) * s + task_cost * (len(cum) - 1)
     cs = CostStream(cum, total // s_cost, task_cost, bucket, snap)
     out = []
     for prog in range(min(active, num_programs)):
@@ -367,7 +378,7 @@ def _launch_plan(plan: DecodePlan, seq_lens: torch.Tensor) -> None:
     cost = plan.cut_task_cost
     plan_decode_kernel[grid](
         seq_lens, plan.cum, plan.header, plan.first_b, plan.last_b, plan.task_desc, plan.merge_desc,
-        b, plan.num_kv_heads, plan.num_programs, plan.min_tiles, TASK_UNITS if cost else 1, cost,
+        b, plan.num_kv_heads, plan.num_programs, plan.min_tiles, cost_unit(cost), cost,
         plan.cut_snap,
         TILE=TILE, BLOCK_B=block_b, BLOCK_C=block_c, ONE_BLOCK=cfg.plan_one_pass and b <= block_b,
         DESC=cfg.task_desc,

@@ -17,12 +17,10 @@ from hpcops.attention.plan import (
     DEFAULT_MIN_TILES,
     DEFAULT_SNAP,
     DEFAULT_TASK_COST,
-    TASK_UNITS,
     TILE,
     CostStream,
     DecodePlan,
     _validate_plan_args,
-    cost_bucket,
     default_num_programs,
 )
 
@@ -59,9 +57,7 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
     task_desc = [[-1, 0, 0, 0] for _ in range(c)]
     merge_desc = [[-1, 0, 0, 0] for _ in range(c)]
     if b:
-        unit = TASK_UNITS if cost else 1
-        total = num_kv_heads * (unit * cum[-1] + cost * b)
-        cs = CostStream(cum, num_kv_heads, cost, cost_bucket(total, c, mt, cost), cut_snap)
+        cs = CostStream.cut(cum, num_kv_heads, cost, c, mt, cut_snap)
         header = [cs.bucket, cs.s, cs.total, cs.active]
         ranges = [cs.program_range(k) for k in range(min(c, cs.active))]
         for k, (g0, g1) in enumerate(ranges):
