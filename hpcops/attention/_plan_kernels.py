@@ -12,21 +12,10 @@ def _tiles_of(seq_lens_ptr, idx, B, TILE: tl.constexpr):
 
 
 @triton.jit
-def _locate(ends, r):
-    """For each stream offset r [C] against one block of increasing ends [BLOCK_B] (int32 max past
-    the batch): how many ends are <= r, the largest of them (0 if none) and the smallest end > r
-    (int32 max if none)."""
-    le = ends[None, :] <= r[:, None]  # [C, BLOCK_B]
-    cnt = tl.sum(le.to(tl.int32), axis=1)
-    lo = tl.max(tl.where(le, ends[None, :], 0), axis=1)
-    hi = tl.min(tl.where(le, 2147483647, ends[None, :]), axis=1)
-    return cnt, lo, hi
-
-
-@triton.jit
-def _locate_one_block(starts, r, BLOCK_B: tl.constexpr):
-    """`_locate` over the whole batch in one block: the count by one reduction, the two neighbours
-    gathered from `starts` by it."""
+def _locate(starts, r, BLOCK_B: tl.constexpr):
+    """For each stream offset r [C] against one block of increasing starts [BLOCK_B] (int32 max past
+    the batch): how many are <= r (one reduction of the [C, BLOCK_B] compare), the largest of them (0 if
+    none) and the smallest one > r (int32 max if none), both gathered by that count."""
     cnt = tl.sum((starts[None, :] <= r[:, None]).to(tl.int32), axis=1)
     lo = tl.where(cnt > 0, tl.gather(starts, tl.maximum(cnt - 1, 0), axis=0), 0)
     hi = tl.gather(starts, tl.minimum(cnt, BLOCK_B - 1), axis=0)
@@ -67,13 +56,23 @@ def _in_stream(x, cnt, lo, hi, s_cost, s_total, unit, task_cost, snap):
 
 
 @triton.jit
-def _plan_tables(seq_lens_ptr, cum_ptr, header_ptr, first_b_ptr, last_b_ptr, task_desc_ptr, merge_desc_ptr,
-                 B, num_kv_heads, num_programs, min_tiles, unit, task_cost, snap,
-                 TILE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr, ONE_BLOCK: tl.constexpr,
-                 DESC: tl.constexpr):
-    """`plan_decode_kernel`'s one-pass (ONE_BLOCK) / descriptor (DESC) form: the cost-stream cut of
-    plan.py (program k runs the tiles that start in [k·bucket, (k+1)·bucket) of the cost stream, each
-    cut snapped to a request boundary when it would cut off at most `snap` units)."""
+def plan_decode_kernel(
+    seq_lens_ptr, cum_ptr, header_ptr, first_b_ptr, last_b_ptr, task_desc_ptr, merge_desc_ptr,
+    B, num_kv_heads, num_programs, min_tiles, unit, task_cost, snap,
+    TILE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr, ONE_BLOCK: tl.constexpr = False,
+    DESC: tl.constexpr = False,
+):
+    """Tiles per request, their prefix sums, the bucket, each program's first/last request, and (DESC)
+    the per-program task and merge descriptors: the cost-stream cut of plan.py (program k runs the
+    tiles that start in [k·bucket, (k+1)·bucket) of the cost stream, each cut snapped to a request
+    boundary when it would cut off at most `snap` units).
+
+    Every program computes the prefix sums (O(B) loads), then serves BLOCK_C entries of the plan by
+    locating both ends of each entry's range among the requests' first-tile starts (one reduction of a
+    [BLOCK_C, BLOCK_B] compare per block of requests, the neighbours gathered); program 0 of this grid
+    writes `cum` and the header. No cross-program communication. ONE_BLOCK (B <= BLOCK_B): one load and
+    one scan, kept in registers for the compare; else the requests are read again, block by block.
+    """
     pid = tl.program_id(0)
     offs_b = tl.arange(0, BLOCK_B)
     BIG: tl.constexpr = 2147483647
@@ -110,8 +109,8 @@ def _plan_tables(seq_lens_ptr, cum_ptr, header_ptr, first_b_ptr, last_b_ptr, tas
     r1 = x1 - (x1 // s_cost) * s_cost
     if ONE_BLOCK:
         starts = _starts_of(incl0, tiles0, offs_b, B, unit, task_cost)
-        cnt0, lo0, hi0 = _locate_one_block(starts, r0 - 1, BLOCK_B)
-        cnt1, lo1, hi1 = _locate_one_block(starts, r1 - 1, BLOCK_B)
+        cnt0, lo0, hi0 = _locate(starts, r0 - 1, BLOCK_B)
+        cnt1, lo1, hi1 = _locate(starts, r1 - 1, BLOCK_B)
     else:
         cnt0 = tl.zeros([BLOCK_C], dtype=tl.int32)
         cnt1 = tl.zeros([BLOCK_C], dtype=tl.int32)
@@ -125,12 +124,14 @@ def _plan_tables(seq_lens_ptr, cum_ptr, header_ptr, first_b_ptr, last_b_ptr, tas
             tiles = _tiles_of(seq_lens_ptr, idx, B, TILE)
             incl = tl.cumsum(tiles, axis=0) + carry
             starts = _starts_of(incl, tiles, idx, B, unit, task_cost)
-            c0, l0, h0 = _locate(starts, r0 - 1)
-            c1, l1, h1 = _locate(starts, r1 - 1)
+            # blocks come in increasing order: the last block with a start <= r holds the largest, the first
+            # with one > r the smallest
+            c0, l0, h0 = _locate(starts, r0 - 1, BLOCK_B)
+            c1, l1, h1 = _locate(starts, r1 - 1, BLOCK_B)
             cnt0 += c0
             cnt1 += c1
-            lo0 = tl.maximum(lo0, l0)
-            lo1 = tl.maximum(lo1, l1)
+            lo0 = tl.where(c0 > 0, l0, lo0)
+            lo1 = tl.where(c1 > 0, l1, lo1)
             hi0 = tl.minimum(hi0, h0)
             hi1 = tl.minimum(hi1, h1)
             carry += tl.sum(tiles, axis=0)
@@ -179,71 +180,3 @@ def _plan_tables(seq_lens_ptr, cum_ptr, header_ptr, first_b_ptr, last_b_ptr, tas
         tl.store(md + 1, tl.where(merge, last_head, 0), mask=c_ok)
         tl.store(md + 2, tl.where(merge, 2 * offs_c + tl.where(p_lo == g0, 0, 1), 0), mask=c_ok)
         tl.store(md + 3, tl.where(merge, parts, 0), mask=c_ok)
-
-
-@triton.jit
-def plan_decode_kernel(
-    seq_lens_ptr, cum_ptr, header_ptr, first_b_ptr, last_b_ptr, task_desc_ptr, merge_desc_ptr,
-    B, num_kv_heads, num_programs, min_tiles, unit, task_cost, snap,
-    TILE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr, ONE_BLOCK: tl.constexpr = False,
-    DESC: tl.constexpr = False,
-):
-    """Tiles per request, their prefix sums, the bucket size, each program's first/last request, and
-    (DESC) the per-program descriptors (see plan.py).
-
-    Every program computes the prefix sums (O(B) loads), then serves BLOCK_C programs of the plan
-    with a dense [BLOCK_C, BLOCK_B] compare-count per block of requests; program 0 of this grid
-    writes `cum` and the header. No cross-program communication. Without ONE_BLOCK or DESC: two
-    passes over the requests (the prefix sums, then the compare-count; the launch the H200 results
-    measured). ONE_BLOCK (B <= BLOCK_B): one load and one scan, kept in registers for the compare.
-    DESC: also the task and merge descriptors (3 more reductions of the compare tile).
-    """
-    if ONE_BLOCK or DESC:
-        _plan_tables(seq_lens_ptr, cum_ptr, header_ptr, first_b_ptr, last_b_ptr, task_desc_ptr, merge_desc_ptr,
-                     B, num_kv_heads, num_programs, min_tiles, unit, task_cost, snap, TILE, BLOCK_B, BLOCK_C,
-                     ONE_BLOCK, DESC)
-    else:
-        pid = tl.program_id(0)
-        offs_b = tl.arange(0, BLOCK_B)
-        # pass 1: S = total tiles of one kv head
-        s_total = B * 0
-        for start in range(0, B, BLOCK_B):
-            idx = start + offs_b
-            n = tl.load(seq_lens_ptr + idx, mask=idx < B, other=0)
-            tiles = tl.maximum((n + TILE - 1) // TILE, 1)  # an empty sequence still owns one (empty) tile
-            tiles = tl.where(idx < B, tiles, 0)
-            incl = tl.cumsum(tiles, axis=0) + s_total
-            if pid == 0:
-                tl.store(cum_ptr + 1 + idx, incl, mask=idx < B)
-            s_total += tl.sum(tiles, axis=0)
-        total = s_total * num_kv_heads
-        bucket = tl.maximum((total + num_programs - 1) // num_programs, min_tiles)
-        if pid == 0:
-            tl.store(cum_ptr, 0)
-            tl.store(header_ptr + 0, bucket)
-            tl.store(header_ptr + 1, s_total)
-            tl.store(header_ptr + 2, total)
-            tl.store(header_ptr + 3, (total + bucket - 1) // bucket)
-        # pass 2: for each of this program's plan entries, the request holding its first and last tile
-        offs_c = pid * BLOCK_C + tl.arange(0, BLOCK_C)
-        p_first = offs_c * bucket
-        active = (offs_c < num_programs) & (p_first < total)
-        p_last = tl.minimum(p_first + bucket, total) - 1
-        safe_s = tl.maximum(s_total, 1)
-        r_first = p_first - (p_first // safe_s) * safe_s
-        r_last = p_last - (p_last // safe_s) * safe_s
-        cnt_first = tl.zeros([BLOCK_C], dtype=tl.int32)
-        cnt_last = tl.zeros([BLOCK_C], dtype=tl.int32)
-        carry = B * 0
-        for start in range(0, B, BLOCK_B):
-            idx = start + offs_b
-            n = tl.load(seq_lens_ptr + idx, mask=idx < B, other=0)
-            tiles = tl.where(idx < B, tl.maximum((n + TILE - 1) // TILE, 1), 0)
-            incl = tl.cumsum(tiles, axis=0) + carry  # [BLOCK_B] inclusive ends
-            ends = tl.where(idx < B, incl, 2147483647)
-            # request b holds stream offset r iff cum[b] <= r < cum[b+1]: count the ends <= r
-            cnt_first += tl.sum((ends[None, :] <= r_first[:, None]).to(tl.int32), axis=1)
-            cnt_last += tl.sum((ends[None, :] <= r_last[:, None]).to(tl.int32), axis=1)
-            carry += tl.sum(tiles, axis=0)
-        tl.store(first_b_ptr + offs_c, tl.where(active, cnt_first, -1), mask=offs_c < num_programs)
-        tl.store(last_b_ptr + offs_c, tl.where(active, cnt_last, -1), mask=offs_c < num_programs)
