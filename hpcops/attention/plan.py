@@ -78,10 +78,10 @@ TASK_UNITS = 4
 DEFAULT_TASK_COST = 8
 MAX_TASK_COST = 64
 # A cut that would leave at most `snap` cost units of a request on one side of it moves to that
-# request's boundary (a split costs a task start, a partial write and a merge). 8 is what the H200
-# bench ran; the same call's tune measured snap 0 slightly ahead (geomean 1.026x the per-scenario best
-# against 1.028x; 64x4K h8/1 fp8 35.0 against 37.0 µs): the next default once the bench has run it.
-DEFAULT_SNAP = 8
+# request's boundary (a split costs a task start, a partial write and a merge). 0 (no snap) from the H200
+# tune (bench/results/decode_tune_task_cost_snap.md): geomean 1.026x the per-scenario best against 1.028x
+# for 8; 64x4K h8/1 fp8 35.0 against 37.0 µs. 16 fixes 64x0.5K h64/8 but costs the long batches up to 15 %.
+DEFAULT_SNAP = 0
 
 
 # Launch choices of the plan kernel: DecodeConfig.plan_block_c, plan_warps, plan_block_b
