@@ -577,12 +577,16 @@ def test_plan_for_another_block_size_raises(device):
 # the lean loop's other addressing modes (offsets rebuilt each step; whole tiles through TMA)
 VARIANTS = [LEGACY, dict(lean_loop=True), dict(task_desc=False, lean_loop=False, plan_block_c=0),
             dict(lean_loop=True, lean_mode="recompute"), dict(lean_loop=True, lean_mode="tma", use_tma=True)]
-# cases where the lean loop applies (pages >= 64 tokens): causal edges across a tile boundary (q_len 8
-# at 65 tokens), empty and exactly-one-tile requests, odd GQA, head_dim 96, long splits
+# cases where the lean loop applies (pages >= 64 tokens, and smaller ones with lean_pages): causal edges
+# across a tile boundary (q_len 8 at 65 tokens), empty and exactly-one-tile requests, odd GQA, head_dim 96,
+# long splits
 VARIANT_CASES = [CASES[2], CASES[3], CASES[5], CASES[7], CASES[6],
                  Case((65, 0, 130, 64, 8), 8, 1, 64, 64, q_len=8, programs=5, min_tiles=1),
                  Case((200, 3, 0, 127), 6, 2, 64, 128, q_len=2, kv="fp8", programs=7, min_tiles=1),
-                 Case((1000, 70), 8, 1, 96, 64, kv="fp8q", programs=7, min_tiles=2)]
+                 Case((1000, 70), 8, 1, 96, 64, kv="fp8q", programs=7, min_tiles=2),
+                 # pages smaller than a step (DecodeConfig.lean_pages): a step spans 4 / 2 pages
+                 Case((65, 0, 130, 64, 8, 300), 8, 1, 64, 16, q_len=8, kv="fp8", programs=5, min_tiles=1),
+                 Case((200, 3, 0, 127), 6, 2, 64, 32, q_len=2, kv="fp8q", programs=7, min_tiles=1)]
 
 
 def _with_config(changes):
@@ -649,16 +653,16 @@ def test_lean_mode_unequal_kv_strides(mode, kv_dtype, device):
             assert_close(want, got, name=f"{schedule} {mode}")
 
 
-def _poisoned(device, kv_dtype=torch.bfloat16):
-    """Two requests on 64-token pages whose cache holds NaN past each sequence's end (last page's
+def _poisoned(device, kv_dtype=torch.bfloat16, bs=64):
+    """Two requests on `bs`-token pages whose cache holds NaN past each sequence's end (last page's
     tail and the spare block); the block table's spare column points out of range."""
     lens = [130, 70]
-    kv = make_paged_kv(lens, num_kv_heads=1, head_dim=64, block_size=64, dtype=kv_dtype, device=device,
+    kv = make_paged_kv(lens, num_kv_heads=1, head_dim=64, block_size=bs, dtype=kv_dtype, device=device,
                        packed=True, extra_cols=1)
     for b, n in enumerate(lens):
-        last = int(kv.block_table[b, (n - 1) // 64])
-        kv.k_cache[last, n % 64:] = float("nan")
-        kv.v_cache[last, n % 64:] = float("nan")
+        last = int(kv.block_table[b, (n - 1) // bs])
+        kv.k_cache[last, n % bs:] = float("nan")
+        kv.v_cache[last, n % bs:] = float("nan")
         kv.block_table[b, -1] = kv.k_cache.shape[0] + 5
     used = set(kv.block_table[:, :-1].flatten().tolist())
     spare = next(i for i in range(kv.k_cache.shape[0]) if i not in used)
@@ -668,40 +672,43 @@ def _poisoned(device, kv_dtype=torch.bfloat16):
 
 
 @pytest.mark.parametrize("variant", [{}] + VARIANTS, ids=lambda d: _vid(d) or "default")
-@pytest.mark.parametrize("q_len", [1, 3])
-def test_decode_nan_past_the_end_never_reaches_output(variant, q_len, device):
-    lens, kv = _poisoned(device)
+@pytest.mark.parametrize("q_len, bs", [(1, 64), (3, 64), (3, 16)])
+def test_decode_nan_past_the_end_never_reaches_output(variant, q_len, bs, device):
+    lens, kv = _poisoned(device, bs=bs)
     q = torch.randn(len(lens) * q_len, 4, 64, device=device).bfloat16()
     want = ref.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens)
     assert torch.isfinite(want).all()
     with _with_config(variant):
         for schedule in ("dynamic", "static"):
-            plan = hpcops.plan_decode(kv.seq_lens, num_kv_heads=1, q_len=q_len, num_programs=3, min_tiles=1)
+            plan = hpcops.plan_decode(kv.seq_lens, num_kv_heads=1, q_len=q_len, block_size=bs, num_programs=3,
+                                      min_tiles=1)
             got = hpcops.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, schedule=schedule,
                                           plan=plan if schedule == "dynamic" else None, out=nan_like(q))
             assert_close(want, got, name=f"{schedule} {variant}")
 
 
 @pytest.mark.parametrize("variant", [{}] + VARIANTS, ids=lambda d: _vid(d) or "default")
-def test_decode_bad_page_ids_are_not_read(variant, device, monkeypatch):
+@pytest.mark.parametrize("bs", [64, 16])
+def test_decode_bad_page_ids_are_not_read(variant, bs, device, monkeypatch):
     """A page id < 0 or >= num_blocks inside a sequence (unchecked: device values outside checking
     mode) is never read: its keys drop out of the softmax, its V rows contribute nothing."""
     from hpcops.attention import decode as dec
 
     monkeypatch.setattr(dec, "values_checkable", lambda t: False)
     lens = [300, 200]
-    kv = make_paged_kv(lens, num_kv_heads=1, head_dim=64, block_size=64, device=device, packed=True)
+    kv = make_paged_kv(lens, num_kv_heads=1, head_dim=64, block_size=bs, device=device, packed=True)
     q = torch.randn(2, 4, 64, device=device).bfloat16()
-    bad = {(0, 2): -1, (1, 1): kv.k_cache.shape[0]}  # (request, column) -> bad id
+    # (request, column) -> bad id; on 16-token pages the bad ones sit inside a 64-token step
+    bad = {(0, 2): -1, (1, 1): kv.k_cache.shape[0]} if bs == 64 else {(0, 9): -1, (1, 4): kv.k_cache.shape[0]}
     table = kv.block_table.clone()
     for (b, col), pid in bad.items():
         table[b, col] = pid
     want = torch.empty(2, 4, 64)
     for b, n in enumerate(lens):
-        keep = [t for t in range(n) if (b, t // 64) not in bad]
-        pages = kv.block_table[b, torch.tensor(keep) // 64].long()
-        k = kv.k_cache[pages, torch.tensor(keep) % 64, 0].float()  # [L', D]
-        v = kv.v_cache[pages, torch.tensor(keep) % 64, 0].float()
+        keep = [t for t in range(n) if (b, t // bs) not in bad]
+        pages = kv.block_table[b, torch.tensor(keep) // bs].long()
+        k = kv.k_cache[pages, torch.tensor(keep) % bs, 0].float()  # [L', D]
+        v = kv.v_cache[pages, torch.tensor(keep) % bs, 0].float()
         p = torch.softmax(q[b].float() @ k.T / 8.0, dim=-1)
         want[b] = p @ v
     with _with_config(variant):

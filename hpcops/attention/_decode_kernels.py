@@ -51,30 +51,39 @@ def _attend_tiles(acc, m_i, l_i, q, s_scale, last_pos, k_ptr, v_ptr, k_desc, v_d
                   offs_d, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
                   BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, NUM_STAGES: tl.constexpr,
                   USE_TMA: tl.constexpr, LEAN: tl.constexpr = False, Q_LEN: tl.constexpr = 1,
-                  LEAN_RECOMPUTE: tl.constexpr = False, KV_SAME_STRIDES: tl.constexpr = False):
+                  LEAN_RECOMPUTE: tl.constexpr = False, KV_SAME_STRIDES: tl.constexpr = False,
+                  LEAN_PAGES: tl.constexpr = False):
     """Online softmax over KV tiles [tile_lo, tile_hi) of one (request, kv head), BLOCK_N keys a step.
 
     acc [M, D], m_i [M], l_i [M] fp32 running state; last_pos [M]: last key each row may see.
     fp8 KV is widened to fp16 (one cvt per pair of values on sm90) and q is fp16 then.
     USE_TMA (pages ≥ BLOCK_N): K/V tiles come through TMA descriptors over the cache seen as 2-D
     [num_blocks·block_size, token row], the kv head at columns k_col / v_col.
-    LEAN (one-tile steps inside one page; otherwise ignored): the tiles every row sees whole run
-    unmasked (`_attend_whole`: through TMA with USE_TMA, else a scalar page base plus a [BLOCK_N, D]
-    offset tile, held across the loop or, LEAN_RECOMPUTE, rebuilt each step); only the tail (the tiles
-    holding the causal edge or the sequence end, at most 2) runs masked.
+    LEAN (one-tile steps inside one page, or with LEAN_PAGES over whole pages smaller than a tile;
+    otherwise ignored): the tiles every row sees whole run without the sequence and causal masks
+    (`_attend_whole`: through TMA with USE_TMA, else a scalar page base plus a [BLOCK_N, D] offset
+    tile, held across the loop or, LEAN_RECOMPUTE, rebuilt each step; small pages: a page id a key
+    row); only the tail (the tiles holding the causal edge or the sequence end, at most 2) runs masked.
     """
     offs_n = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEAD_DIM
     stop = tl.minimum(tile_hi * TILE, kv_len)
-    if LEAN and (BLOCK_SIZE >= BLOCK_N) and (BLOCK_N == TILE):
+    if LEAN and (BLOCK_N == TILE) and ((BLOCK_SIZE >= BLOCK_N) or
+                                       (LEAN_PAGES and (BLOCK_N % BLOCK_SIZE == 0) and not USE_TMA)):
         # keys < vis_end are in the sequence and visible to every row (last_pos = kv_len − Q_LEN + j):
         # whole tiles below it unmasked, the rest (the tail) by the masked loop below
         vis_end = kv_len - Q_LEN + 1
         mid = tl.minimum(tl.maximum(tl.maximum(vis_end, 0) // TILE, tile_lo), tile_hi)
-        acc, m_i, l_i = _attend_whole(
-            acc, m_i, l_i, q, s_scale, k_ptr, v_ptr, k_desc, v_desc, k_col, v_col, bt_row_ptr, bt_width,
-            num_blocks, stride_kb, stride_kt, stride_vb, stride_vt, tile_lo, mid, offs_d, HEAD_DIM, BLOCK_SIZE,
-            TILE, BLOCK_N, KV_FP8, Q_FP8, NUM_STAGES, USE_TMA, LEAN_RECOMPUTE, KV_SAME_STRIDES)
+        if BLOCK_SIZE < BLOCK_N:
+            acc, m_i, l_i = _attend_whole_pages(
+                acc, m_i, l_i, q, s_scale, k_ptr, v_ptr, bt_row_ptr, bt_width, num_blocks, stride_kb, stride_kt,
+                stride_vb, stride_vt, tile_lo, mid, offs_d, HEAD_DIM, BLOCK_SIZE, TILE, BLOCK_N, KV_FP8, Q_FP8,
+                NUM_STAGES, KV_SAME_STRIDES)
+        else:
+            acc, m_i, l_i = _attend_whole(
+                acc, m_i, l_i, q, s_scale, k_ptr, v_ptr, k_desc, v_desc, k_col, v_col, bt_row_ptr, bt_width,
+                num_blocks, stride_kb, stride_kt, stride_vb, stride_vt, tile_lo, mid, offs_d, HEAD_DIM,
+                BLOCK_SIZE, TILE, BLOCK_N, KV_FP8, Q_FP8, NUM_STAGES, USE_TMA, LEAN_RECOMPUTE, KV_SAME_STRIDES)
         tile_lo = mid
     for start in tl.range(tile_lo * TILE, tile_hi * TILE, BLOCK_N, num_stages=NUM_STAGES):
         tok = start + offs_n  # [BLOCK_N]
@@ -175,6 +184,47 @@ def _attend_whole(acc, m_i, l_i, q, s_scale, k_ptr, v_ptr, k_desc, v_desc, k_col
 
 
 @triton.jit
+def _attend_whole_pages(acc, m_i, l_i, q, s_scale, k_ptr, v_ptr, bt_row_ptr, bt_width, num_blocks,
+                        stride_kb, stride_kt, stride_vb, stride_vt, tile_lo, tile_hi, offs_d,
+                        HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+                        BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, Q_FP8: tl.constexpr,
+                        NUM_STAGES: tl.constexpr, KV_SAME_STRIDES: tl.constexpr = False):
+    """`_attend_whole` for pages smaller than a step (BLOCK_SIZE divides BLOCK_N == TILE; pointer loads).
+
+    A step spans BLOCK_N // BLOCK_SIZE pages: each key row takes its page id (one [BLOCK_N] load of
+    the block-table row, repeated ids, loaded a step ahead like `_attend_whole`'s scalar page) and its
+    slot n % BLOCK_SIZE (steps start on page boundaries). No sequence or causal mask; a bad page id
+    is never read: its rows score −inf and load V as 0.
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    d_ok = offs_d < HEAD_DIM
+    slot = offs_n % BLOCK_SIZE  # [BLOCK_N]
+    next_pages = _load_block_id(bt_row_ptr, (tile_lo * TILE + offs_n) // BLOCK_SIZE, bt_width, tile_lo < tile_hi,
+                                False)
+    for start in tl.range(tile_lo * TILE, tile_hi * TILE, BLOCK_N, num_stages=NUM_STAGES):
+        pages_s = next_pages
+        next_pages = _load_block_id(bt_row_ptr, (start + BLOCK_N + offs_n) // BLOCK_SIZE, bt_width,
+                                    start + BLOCK_N < tile_hi * TILE, False)
+        page, ok = _clamp_block(pages_s, num_blocks, True)  # [BLOCK_N]
+        page = page.to(tl.int64)
+        kv_mask = ok[:, None] & d_ok[None, :]
+        k_row = page * stride_kb + slot * stride_kt  # [BLOCK_N] int64
+        k = _load_kv_tile(k_ptr + k_row[:, None] + offs_d[None, :], kv_mask, k_ptr, 0, 0, ok, False, True)
+        s = _tile_scores(q, k, KV_FP8, Q_FP8) * s_scale[:, None] + tl.where(ok, 0.0, float("-inf"))[None, :]
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, s_scale, False)
+        if KV_SAME_STRIDES:
+            v_row = k_row
+        else:
+            v_row = page * stride_vb + slot * stride_vt
+        v = _load_kv_tile(v_ptr + v_row[:, None] + offs_d[None, :], kv_mask, v_ptr, 0, 0, ok, False, True)
+        if KV_FP8:
+            acc = _accumulate_pv(acc, alpha, p, v, tl.float16, False)
+        else:
+            acc = _accumulate_pv(acc, alpha, p, v, v.dtype, False)
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _finish_task(acc, m_i, l_i, v_scale, split, slot, b, h, offs_m, offs_d, out_ptr, part_o_ptr, part_lse_ptr,
                  stride_ot, stride_oh, Q_LEN: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr,
                  ROWS: tl.constexpr):
@@ -208,7 +258,7 @@ def decode_persistent_kernel(
     M_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr,
     KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, NUM_STAGES: tl.constexpr, USE_TMA: tl.constexpr,
     USE_PDL: tl.constexpr = False, TASK_DESC: tl.constexpr = False, LEAN: tl.constexpr = False,
-    LEAN_RECOMPUTE: tl.constexpr = False, KV_SAME_STRIDES: tl.constexpr = False,
+    LEAN_RECOMPUTE: tl.constexpr = False, KV_SAME_STRIDES: tl.constexpr = False, LEAN_PAGES: tl.constexpr = False,
 ):
     """One persistent program walks its bucket of the plan's tile stream, task by task.
 
@@ -248,7 +298,7 @@ def decode_persistent_kernel(
                 sm_scale_log2 * kv_scale, num_q_heads, bt_width, num_blocks, offs_m, offs_d,
                 stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
                 Q_LEN, G, HEAD_DIM, M_PAD, D_PAD, BLOCK_SIZE, TILE, BLOCK_N, KV_FP8, Q_FP8, NUM_STAGES, USE_TMA,
-                LEAN, LEAN_RECOMPUTE, KV_SAME_STRIDES)
+                LEAN, LEAN_RECOMPUTE, KV_SAME_STRIDES, LEAN_PAGES)
             split = (lo > 0) | (lo + n < t_b)
             _finish_task(acc, m_i, l_i, v_scale, split, 2 * pid + later, b, h, offs_m, offs_d, out_ptr,
                          part_o_ptr, part_lse_ptr, stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, Q_LEN * G)
@@ -294,7 +344,7 @@ def decode_persistent_kernel(
                 bt_ptr + b.to(tl.int64) * stride_bt, bt_width, num_blocks,
                 stride_kb, stride_kt, stride_vb, stride_vt, kv_len, r - start_b, r - start_b + n,
                 offs_d, HEAD_DIM, BLOCK_SIZE, TILE, BLOCK_N, KV_FP8, Q_FP8, NUM_STAGES, USE_TMA, LEAN, Q_LEN,
-                LEAN_RECOMPUTE, KV_SAME_STRIDES)
+                LEAN_RECOMPUTE, KV_SAME_STRIDES, LEAN_PAGES)
             pair_lo = h * s_tiles + start_b
             pair_hi = h * s_tiles + end_b
             split = (pair_lo // bucket) != ((pair_hi - 1) // bucket)
@@ -312,7 +362,8 @@ def _attend_task(q_ptr, k_ptr, v_ptr, k_desc, v_desc, bt_ptr, q_scale_ptr, b, h,
                  Q_LEN: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, M_PAD: tl.constexpr,
                  D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr,
                  KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, NUM_STAGES: tl.constexpr, USE_TMA: tl.constexpr,
-                 LEAN: tl.constexpr, LEAN_RECOMPUTE: tl.constexpr, KV_SAME_STRIDES: tl.constexpr):
+                 LEAN: tl.constexpr, LEAN_RECOMPUTE: tl.constexpr, KV_SAME_STRIDES: tl.constexpr,
+                 LEAN_PAGES: tl.constexpr):
     """One task: the q tile of (request b, kv head h), fresh softmax state, tiles [tile_lo, tile_hi)."""
     q, qs, j = _load_q(q_ptr, q_scale_ptr, b, h, offs_m, offs_d, stride_qt, stride_qh, num_q_heads,
                        Q_LEN, G, HEAD_DIM, KV_FP8, Q_FP8)
@@ -326,7 +377,7 @@ def _attend_task(q_ptr, k_ptr, v_ptr, k_desc, v_desc, bt_ptr, q_scale_ptr, b, h,
         bt_ptr + b.to(tl.int64) * stride_bt, bt_width, num_blocks,
         stride_kb, stride_kt, stride_vb, stride_vt, kv_len, tile_lo, tile_hi,
         offs_d, HEAD_DIM, BLOCK_SIZE, TILE, BLOCK_N, KV_FP8, Q_FP8, NUM_STAGES, USE_TMA, LEAN, Q_LEN,
-                LEAN_RECOMPUTE, KV_SAME_STRIDES)
+                LEAN_RECOMPUTE, KV_SAME_STRIDES, LEAN_PAGES)
     return acc, m_i, l_i, j
 
 
@@ -427,6 +478,7 @@ def decode_static_kernel(
     M_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr,
     KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, NUM_STAGES: tl.constexpr, USE_TMA: tl.constexpr,
     LEAN: tl.constexpr = False, LEAN_RECOMPUTE: tl.constexpr = False, KV_SAME_STRIDES: tl.constexpr = False,
+    LEAN_PAGES: tl.constexpr = False,
 ):
     """Classic static split-KV: program (b, h, s) takes the s-th of SPLITS equal chunks of request b."""
     b = tl.program_id(0)
@@ -457,7 +509,7 @@ def decode_static_kernel(
             bt_ptr + b.to(tl.int64) * stride_bt, bt_width, num_blocks,
             stride_kb, stride_kt, stride_vb, stride_vt, kv_len, lo, hi,
             offs_d, HEAD_DIM, BLOCK_SIZE, TILE, BLOCK_N, KV_FP8, Q_FP8, NUM_STAGES, USE_TMA, LEAN, Q_LEN,
-                LEAN_RECOMPUTE, KV_SAME_STRIDES)
+                LEAN_RECOMPUTE, KV_SAME_STRIDES, LEAN_PAGES)
         split = chunk < n_tiles
         slot = (b * num_kv_heads + h) * SPLITS + s
         _finish_task(acc, m_i, l_i, v_scale, split, slot, b, h, offs_m, offs_d, out_ptr, part_o_ptr,

@@ -78,6 +78,10 @@ class DecodeConfig:
         and reloaded once per task, none inside the KV loops (SASS, Triton 3.6). Off: with 3–4 programs
         an SM (`pps`) it wins up to 16 % on short or mixed batches but loses up to 30 % elsewhere in the
         H200 sweep (bench/results/decode_tune_lean.md).
+    lean_pages: the lean loop (where lean_loop is on) also over pages smaller than a step (16, 32 tokens,
+        pointer loads): each key row of a step takes its page id from one [block_n] load of the block-table
+        row, loaded a step ahead, and the whole tiles run without the sequence/causal masks; off: those
+        pages take the masked loop. lean_mode does not apply there (the row offsets are rebuilt each step).
     plan_block_c, plan_warps, plan_block_b: launch of the plan kernel (`plan_decode`, once per step):
         plan entries (persistent programs) served per plan program (16..256: smaller = more plan
         programs, each with a smaller [plan_block_c, block] compare-count tile; 0 = by batch size,
@@ -105,6 +109,7 @@ class DecodeConfig:
     plan_one_pass: bool = True
     lean_mode: str = "tma"
     max_regs: int | None = None
+    lean_pages: bool = True
 
     def __post_init__(self):
         check_choice("DecodeConfig.lean_mode", self.lean_mode, LEAN_MODES)
@@ -288,7 +293,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         descs = (k_cache, v_cache)
     recompute = lean and not use_tma and lean_mode != "hold"
     attn_knobs = dict(LEAN=lean, LEAN_RECOMPUTE=recompute,
-                      KV_SAME_STRIDES=recompute and k_cache.stride()[:2] == v_cache.stride()[:2])
+                      KV_SAME_STRIDES=recompute and k_cache.stride()[:2] == v_cache.stride()[:2],
+                      LEAN_PAGES=_CONFIG.lean_pages)
     if _CONFIG.max_regs is not None:  # a launch option (the interpreter drops it)
         attn_knobs["maxnreg"] = _CONFIG.max_regs
     if schedule == "static":

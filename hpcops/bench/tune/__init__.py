@@ -15,6 +15,7 @@ OPS: dict[str, str] = {
     "moe": "hpcops.bench.tune.moe",
     "moe-shapes": "hpcops.bench.tune.moe:SHAPES_OP",
     "decode": "hpcops.bench.tune.decode",
+    "decode-grid": "hpcops.bench.tune.decode:GRID_OP",
     "rope": "hpcops.bench.tune.rope",
     "prefill": "hpcops.bench.tune.prefill",
 }

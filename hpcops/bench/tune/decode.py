@@ -69,6 +69,8 @@ def _on(kind: str, k: Knob) -> Knob:
 # One line per knob; `pps` = persistent programs per SM, `min_tiles` = the plan's tile floor per program.
 # num_warps None = the launcher's choice (4 for head_dim <= 128).
 DECODE_SPACE = (
+    # pages smaller than a step (16, 32): the lean loop with a page id a key row, or the masked loop
+    knob("lean_pages", True, False),
     # first (a --quick run reaches both): the lean loop's leaner addressing (DecodeConfig.lean_mode;
     # fewer registers than "hold"'s 255, tests/test_decode_compile.py), on 16-bit KV too
     knob(("lean_loop", "use_tma", "lean_mode"), (True, False, "recompute"), (True, True, "tma"), near=None),
@@ -177,7 +179,8 @@ class DecodeTune(TuneOp):
             import hpcops
             from hpcops._platform import num_sms
 
-            plan = hpcops.plan_decode(x["seq_lens"], num_kv_heads=x["k_cache"].shape[2], block_size=suite.PAGE,
+            _, page, hkv, _ = x["k_cache"].shape
+            plan = hpcops.plan_decode(x["seq_lens"], num_kv_heads=hkv, block_size=page,
                                       num_programs=cand["pps"] * num_sms(x["q"].device),
                                       min_tiles=cand["min_tiles"], task_cost=cand["task_cost"],
                                       snap=cand["snap"])
@@ -220,3 +223,27 @@ class DecodeTune(TuneOp):
 
 
 OP = DecodeTune()
+
+
+class DecodeGridTune(DecodeTune):
+    """`hpcops tune decode-grid`: the same decode knobs over the `decode-grid` suite's cases (GQA, head_dim,
+    page size, KV dtype, lengths: `hpcops/bench/suites/decode_grid.py`; `--quick` its 12-case subset), with
+    that suite's inputs; `--only p16` and the like pick cases by name. The plan's launch is not moved here."""
+
+    name = "decode-grid"
+
+    def scenarios(self, quick: bool) -> list[Any]:
+        from hpcops.bench.suites import decode_grid
+
+        return decode_grid.scenarios(quick)
+
+    def make_inputs(self, s: Any, layer: int, device: str) -> dict[str, Any]:
+        from hpcops.bench.suites import decode_grid
+
+        return decode_grid.make_inputs(s, layer, device)
+
+    def params(self, s: Any) -> dict[str, Any]:
+        return dict(spec=s.spec, hq=s.hq, hkv=s.hkv, kv=s.kv, page=s.page, d=s.d)
+
+
+GRID_OP = DecodeGridTune()
