@@ -61,7 +61,7 @@ for st in "${stages[@]}"; do
       # The smallest complete run of every GPU tool: `hpcops tune <op> --smoke` for every op, profile_decode.py.
       sm="$OUT/results/smoke"
       mkdir -p "$sm"
-      for s in decode moe moe-shapes rope prefill; do
+      for s in decode decode-grid moe moe-shapes rope prefill; do
         echo "== hpcops tune $s --smoke" | tee -a "$sm/smoke.log"
         timeout 300 python3 -m hpcops tune "$s" --smoke --out "$sm" --no-progress >> "$sm/smoke.log" 2>&1 \
           && echo "tune_$s: ok" | tee -a "$sm/smoke.log" || { echo "tune_$s: FAILED" | tee -a "$sm/smoke.log"; status=1; }

@@ -58,9 +58,10 @@ class DecodeConfig:
         the tail (at most 2 tiles: the causal edge, the sequence end) runs the masked step. Applies
         where a step is one tile inside one page (block_n 64, pages ≥ 64 tokens, no TMA); elsewhere
         the masked loop runs as before. Bad page ids are never read in either loop. None (default): on
-        for an fp8 KV cache (the H200 sweep: 4–19% faster there) and for 16-bit KV read through TMA
-        (with lean_mode "tma": 4.4 % faster); off for 16-bit KV on pointer loads (the held and the
-        recomputed offsets measured within ±2 % there).
+        for an fp8 KV cache (the H200 sweep: 4–19% faster there), for 16-bit KV read through TMA
+        (with lean_mode "tma": 4.4 % faster) and for pages smaller than a step (with lean_pages: 1.16–1.47×
+        on 16-bit KV at pages 16 and 32, bench/results/decode-grid_tune_p16.md, _p32.md); off for 16-bit KV on
+        pointer loads over pages ≥ 64 (the held and the recomputed offsets measured within ±2 % there).
     lean_mode: how the lean loop addresses its whole tiles (sm90 registers a thread, persistent kernel,
         4 warps, D 128, from ptxas: tests/test_decode_compile.py). "hold" (default): a [BLOCK_N, D]
         int32 offset tile each for K and V, held across the loop (255 on fp8 KV, 249 on bf16: 2
@@ -78,10 +79,12 @@ class DecodeConfig:
         and reloaded once per task, none inside the KV loops (SASS, Triton 3.6). Off: with 3–4 programs
         an SM (`pps`) it wins up to 16 % on short or mixed batches but loses up to 30 % elsewhere in the
         H200 sweep (bench/results/decode_tune_lean.md).
-    lean_pages: the lean loop (where lean_loop is on) also over pages smaller than a step (16, 32 tokens,
-        pointer loads): each key row of a step takes its page id from one [block_n] load of the block-table
-        row, loaded a step ahead, and the whole tiles run without the sequence/causal masks; off: those
-        pages take the masked loop. lean_mode does not apply there (the row offsets are rebuilt each step).
+    lean_pages: the lean loop also over pages smaller than a step (16, 32 tokens, pointer loads): each
+        key row of a step takes its page id from one [block_n] load of the block-table row, loaded a step
+        ahead, and the whole tiles run without the sequence/causal masks; off: those pages take the masked
+        loop. lean_mode does not apply there (the row offsets are rebuilt each step). On: on fp8 KV 1.24×
+        at 1x256K+15x2K h8/1 p16, 1.38–1.45× on the grid's p16 corners, level on short batches (the H200
+        grid tune, bench/results/decode-grid_tune_p16.md, _p32.md).
     plan_block_c, plan_warps, plan_block_b: launch of the plan kernel (`plan_decode`, once per step):
         plan entries (persistent programs) served per plan program (16..256: smaller = more plan
         programs, each with a smaller [plan_block_c, block] compare-count tile; 0 = by batch size,
@@ -284,7 +287,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     num_warps = _CONFIG.num_warps or (4 if d <= 128 else 8)
     want_tma = (not kv_fp8) if _CONFIG.use_tma is None else _CONFIG.use_tma
     use_tma = want_tma and _tma_ok(k_cache, TILE) and _tma_ok(v_cache, TILE)
-    lean = (kv_fp8 or use_tma) if _CONFIG.lean_loop is None else _CONFIG.lean_loop
+    small_pages = _CONFIG.lean_pages and bs < TILE
+    lean = (kv_fp8 or use_tma or small_pages) if _CONFIG.lean_loop is None else _CONFIG.lean_loop
     if use_tma:
         block_n = TILE
         descs = (kv_descriptor(k_cache, TILE), kv_descriptor(v_cache, TILE))
