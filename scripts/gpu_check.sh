@@ -50,7 +50,8 @@ for st in "${stages[@]}"; do
           --junitxml="$OUT/results/tests/junit_$n.xml" > "$OUT/results/tests/$n.log" 2>&1 &
         pids+=($!)
       done
-      for p in "${pids[@]}"; do wait "$p" || status=1; done
+      # pytest's 5 = nothing collected (a module skipped whole, e.g. test_vllm.py without vLLM): not a failure
+      for p in "${pids[@]}"; do wait "$p"; rc=$?; [ $rc -eq 0 ] || [ $rc -eq 5 ] || status=1; done
       versions=$(python3 -c "import torch, triton; print(f'torch {torch.__version__}, triton {triton.__version__},', \
         torch.cuda.get_device_name())" 2>&1 | tail -1)
       python3 scripts/gpu_tests_report.py "$OUT/results/tests" --rev "${GIT_REV:-unknown}" --versions "$versions" \
