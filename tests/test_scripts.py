@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -164,3 +165,15 @@ def test_plan_model_ranks_cuts_on_the_host():
     bad = subprocess.run([sys.executable, os.path.join(SCRIPTS, "plan_model.py"), "--cuts", "8"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--cuts" in bad.stderr
+
+
+def test_gluon_decode_probe_compiles_for_sm90():
+    """scripts/probe_gluon_decode.py (issue 10's Hopper decode probe) builds for sm_90 without a GPU: fp8 wgmma for
+    Kᵀ·q and bf16 for Vᵀ·P (12 wgmma a tile), TMA tile loads, no spill. Its numbers come from the H200."""
+    pytest.importorskip("triton.backends.nvidia")
+    res = subprocess.run([sys.executable, os.path.join(SCRIPTS, "probe_gluon_decode.py"), "--compile-only",
+                          "--stages", "3"], capture_output=True, text=True, timeout=600,
+                         env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got["wgmma"] == 12 and got["tma_loads"] == 7 and got["spill_bytes"] == 0 and 0 < got["registers"] <= 128
