@@ -240,3 +240,39 @@ def compile_launch(fn, desc: dict, *, capability: int = 90):
     return triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", capability, 32),
                           options={"num_warps": desc["num_warps"], "num_stages": desc["num_stages"],
                                    "launch_pdl": desc["launch_pdl"]})
+
+
+def sm90_resources(compiled) -> dict[str, int]:
+    """Registers a thread, spilled bytes (stack + local) and shared memory of a kernel `triton.compile`d for a CUDA
+    target (read from its cubin with Triton's bundled cuobjdump: no GPU needed), and its wgmma / TMA-load counts."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+    try:
+        cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
+    finally:
+        os.remove(f.name)
+    found = re.search(r"REG:(\d+) STACK:(\d+) .*LOCAL:(\d+)", usage)
+    regs, stack, local = map(int, found.groups()) if found else (-1, -1, -1)
+    ptx = compiled.asm["ptx"]
+    return {"registers": regs, "spill_bytes": stack + local, "shared": compiled.metadata.shared,
+            "wgmma": ptx.count("wgmma.mma_async"), "tma_loads": ptx.count("cp.async.bulk.tensor")}
+
+
+def compile_gluon_sm90(fn, signature: dict[str, str], constexprs: dict[str, Any], *, num_warps: int = 4):
+    """`triton.compile` of a Gluon kernel for sm_90 from the CPU (it cannot run in the interpreter): `signature`
+    maps every argument to its type string ("*fp32", "i32", "tensordesc<fp8e4nv[64, 128],NVMMASharedLayout(...)>"),
+    constexpr arguments to "constexpr" with their values in `constexprs`."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    return triton.compile(GluonASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps})

@@ -22,13 +22,9 @@ import argparse
 import json
 import math
 import os
-import re
-import subprocess
 import sys
-import tempfile
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
@@ -176,9 +172,6 @@ def combine(part_o, part_lse, b: int, splits: int, v_scale: float) -> torch.Tens
 
 def compile_only(stages: int) -> dict:
     """Compile for sm_90 without a GPU (GluonASTSource, as PREFILL.md describes) and read registers and spills."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     lay_q = gl.NVMMASharedLayout.get_default_for([NQ, D], gl.float8e4nv)
     lay_kv = gl.NVMMASharedLayout.get_default_for([TILE, D], gl.float8e4nv)
     desc = "tensordesc<{}[{}, {}],{}>"
@@ -188,20 +181,9 @@ def compile_only(stages: int) -> dict:
            "bt_stride": "i32", "SPLITS": "constexpr", "NQ": "constexpr", "D": "constexpr", "TILE": "constexpr",
            "STAGES": "constexpr", "num_warps": "constexpr"}
     constexprs = {"SPLITS": 8, "NQ": NQ, "D": D, "TILE": TILE, "STAGES": stages, "num_warps": 4}
-    src = GluonASTSource(gluon_decode_split_kernel, sig, constexprs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    ptx = k.asm["ptx"]
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(k.asm["cubin"])
-    try:
-        cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-        usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
-    finally:
-        os.remove(f.name)
-    found = re.search(r"REG:(\d+) STACK:(\d+) .*LOCAL:(\d+)", usage)
-    regs, stack, local = map(int, found.groups()) if found else (-1, -1, -1)
-    return {"stages": stages, "registers": regs, "spill_bytes": stack + local, "shared": k.metadata.shared,
-            "wgmma": ptx.count("wgmma.mma_async"), "tma_loads": ptx.count("cp.async.bulk.tensor")}
+    from hpcops.testing import compile_gluon_sm90, sm90_resources
+
+    return {"stages": stages, **sm90_resources(compile_gluon_sm90(gluon_decode_split_kernel, sig, constexprs))}
 
 
 def main(argv=None) -> int:

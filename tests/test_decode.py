@@ -576,7 +576,9 @@ def test_plan_for_another_block_size_raises(device):
 # old kernels and plan, the lean loop on 16-bit KV too, and the old tile walk with the auto-launch plan;
 # the lean loop's other addressing modes (offsets rebuilt each step; whole tiles through TMA)
 VARIANTS = [LEGACY, dict(lean_loop=True), dict(task_desc=False, lean_loop=False, plan_block_c=0),
-            dict(lean_loop=True, lean_mode="recompute"), dict(lean_loop=True, lean_mode="tma", use_tma=True)]
+            dict(lean_loop=True, lean_mode="recompute"), dict(lean_loop=True, lean_mode="tma", use_tma=True),
+            # the Gluon kernel where it applies (GPU tier, sm_90; elsewhere, the CPU tier included, the tl kernel)
+            dict(gluon=True)]
 # cases where the lean loop applies (pages >= 64 tokens, and smaller ones with lean_pages): causal edges
 # across a tile boundary (q_len 8 at 65 tokens), empty and exactly-one-tile requests, odd GQA, head_dim 96,
 # long splits
@@ -740,3 +742,37 @@ def test_tune_plan_scenarios_gate_their_candidates(device):
             op.gate(s, x, c, label(c, cands[0]))
             assert op.prepare(s, c)(x)().has_desc == c["task_desc"]
     assert dec.decode_config() == before
+
+
+# the Gluon kernel's cases (DecodeConfig.gluon): Hy3's TP8 rank with the prologue's fp8 q (one long request split
+# over programs, a short one, an empty one), 16-bit KV with q_len 8 (causal edges, 16 q rows), GQA 16 with fp8 q,
+# fp16 at head_dim 256 on 256-token pages
+GLUON_CASES = [Case((3000, 70, 0, 1), 8, 1, 128, 64, kv="fp8q", programs=9, min_tiles=2),
+               Case((65, 0, 130, 64, 8), 2, 1, 64, 64, q_len=8, programs=5, min_tiles=1),
+               CASES[3], CASES[5], Case((500, 129), 8, 1, 128, 128, kv="bf16", programs=7, min_tiles=1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: c.id)
+def test_gpu_gluon_kernel_matches_reference(case):
+    """On an sm_90 GPU these cases take the Gluon kernel (no silent fallback) and match the torch reference."""
+    from hpcops.attention.decode import gluon_unsupported_reason
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon decode kernel is sm_90 only (wgmma)")
+    q, _, kv = _inputs(case, "cuda")
+    assert gluon_unsupported_reason(q, kv.k_cache, kv.v_cache, case.q_len * case.hq // case.hkv) is None
+    with _with_config(dict(gluon=True)):
+        test_decode_matches_reference(case, "dynamic", "cuda")
+
+
+def test_gluon_reasons_name_what_does_not_fit(device):
+    """Where the Gluon kernel does not apply, the launcher says why (and runs the tl kernel)."""
+    from hpcops.attention.decode import gluon_unsupported_reason
+
+    kv = make_paged_kv([100], num_kv_heads=1, head_dim=64, block_size=16, device=device)
+    q = torch.randn(1, 8, 64, device=device).bfloat16()
+    why = gluon_unsupported_reason(q, kv.k_cache, kv.v_cache, 8)
+    assert why is not None
+    if device == "cuda" and torch.cuda.get_device_capability()[0] == 9:
+        assert "block_size 16" in why

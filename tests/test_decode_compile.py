@@ -164,3 +164,55 @@ def test_compiles_for_sm90():
             assert r["regs"] <= VARIANTS[name]["maxnreg"], f"{name}: {r['regs']} registers over the cap"
         if name in LEAN_MAX_REGS:
             assert 0 < r["regs"] <= LEAN_MAX_REGS[name], f"{name}: {r['regs']} registers > {LEAN_MAX_REGS[name]}"
+
+
+GLUON_BUILDS = {  # name: (KV dtype, q dtype, head_dim, q rows padded, q_len, G, buffers, page)
+    "fp8q-d128-h8/1": ("fp8", "fp8", 128, 8, 1, 8, 3, 64),
+    "bf16-d128-h8/1": ("bf16", "bf16", 128, 8, 1, 8, 3, 64),
+    "fp8q-d128-q2-16rows": ("fp8", "fp8", 128, 16, 2, 8, 3, 64),
+    "bf16-d256-2buf": ("bf16", "bf16", 256, 8, 1, 8, 2, 64),
+    "fp8q-d64-page256": ("fp8", "fp8", 64, 8, 1, 8, 3, 256),
+}
+
+
+GLUON_BUILD = textwrap.dedent("""
+import json, sys
+from triton.experimental.gluon import language as gl
+from hpcops.attention._decode_gluon import decode_gluon_kernel
+from hpcops.testing import compile_gluon_sm90, sm90_resources
+
+kv, qd, d, nq, q_len, g, stages, page = json.loads(sys.argv[1])
+names = {"fp8": ("fp8e4nv", gl.float8e4nv), "bf16": ("bf16", gl.bfloat16)}
+layout = gl.NVMMASharedLayout.get_default_for([64, d], names[kv][1])
+desc = f"tensordesc<{names[kv][0]}[64, {d}],{layout}>"
+sig = dict(q_ptr="*" + names[qd][0], k_desc=desc, v_desc=desc, bt_ptr="*i32", seq_lens_ptr="*i32",
+           out_ptr="*bf16", part_o_ptr="*fp32", part_lse_ptr="*fp32", task_desc_ptr="*i32", q_scale_ptr="*fp32",
+           k_scale_ptr="*fp32", v_scale_ptr="*fp32", sm_scale_log2="fp32")
+sig.update({a: "i32" for a in ("B", "num_q_heads", "bt_width", "num_blocks", "stride_qt", "stride_qh",
+                               "stride_kh", "stride_vh", "stride_bt", "stride_ot", "stride_oh")})
+consts = dict(Q_LEN=q_len, G=g, NQ=nq, D=d, PAGE=page, TILE=64, STAGES=stages, KV_FP8=kv == "fp8",
+              Q_FP8=qd == "fp8", num_warps=4)
+sig.update({a: "constexpr" for a in consts})
+print(json.dumps(sm90_resources(compile_gluon_sm90(decode_gluon_kernel, sig, consts))))
+""")
+
+
+@pytest.mark.parametrize("name", list(GLUON_BUILDS))
+def test_gluon_decode_kernel_builds_for_sm90(name):
+    """DecodeConfig.gluon's kernel (it cannot run in the interpreter) compiles for sm_90 at the launcher's shapes
+    with no spill: Kᵀ·q as wgmma (K never widened), TMA tile loads, and registers that leave room for
+    programs beside it (the tl kernel takes 128–255). Built in a process without TRITON_INTERPRET."""
+    pytest.importorskip("triton.backends.nvidia")
+    kv, qd, d, nq, q_len, g, stages, page = GLUON_BUILDS[name]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    res = subprocess.run([sys.executable, "-c", GLUON_BUILD, json.dumps(GLUON_BUILDS[name])], capture_output=True,
+                         text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    r = json.loads(res.stdout.strip().splitlines()[-1])
+    print(name, r)
+    k_steps = d // (32 if kv == "fp8" else 16)  # Sᵀ = K·qᵀ: one wgmma per K step
+    pv = (d // 64) * 4  # Oᵀ += Vᵀ·Pᵀ: D/64 row blocks (4 warps × 16) × 64 keys / 16
+    assert r["spill_bytes"] == 0 and 0 < r["registers"] <= 168, r
+    assert r["wgmma"] == k_steps + pv and r["tma_loads"] == 2 * stages, r
+    assert r["shared"] <= 160 * 1024, r

@@ -39,3 +39,15 @@ def kv_descriptor(cache: torch.Tensor, block_n: int):
     nb, page, hkv, d = cache.shape
     _, st, sh, _ = cache.stride()
     return TensorDescriptor(cache, [nb * page, (hkv - 1) * sh + d], [st, 1], [block_n, d])
+
+
+def gluon_kv_descriptor(cache: torch.Tensor, block_n: int):
+    """`kv_descriptor` for a Gluon kernel: the same 2-D view and box, with its shared-memory layout."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    nb, page, hkv, d = cache.shape
+    _, st, sh, _ = cache.stride()
+    dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}[cache.dtype]
+    layout = gl.NVMMASharedLayout.get_default_for([block_n, d], dtype)
+    return TensorDescriptor(cache, [nb * page, (hkv - 1) * sh + d], [st, 1], [block_n, d], layout)

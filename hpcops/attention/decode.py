@@ -85,6 +85,12 @@ class DecodeConfig:
         loop. lean_mode does not apply there (the row offsets are rebuilt each step). On: on fp8 KV 1.24×
         at 1x256K+15x2K h8/1 p16, 1.38–1.45× on the grid's p16 corners, level on short batches (the H200
         grid tune, bench/results/decode-grid_tune_p16.md, _p32.md).
+    gluon: the dynamic schedule's attention kernel in Gluon on Hopper (`_decode_gluon.py`: TMA-fed K/V tiles, a
+        swap-AB wgmma tile with the keys on the MMA's 64-row side, fp8 K never widened) where it applies
+        (`gluon_unsupported_reason`: an sm_90 GPU, pages of a multiple of 64 tokens readable by TMA, head_dim 64 /
+        128 / 256, q_len·G ≤ 16, an fp8 q over fp8 KV or a 16-bit q over the same 16-bit KV, task_desc on);
+        elsewhere the `tl` kernel runs. Off until the H200 has measured it behind the plan (its split-KV probe:
+        bench/results/README.md, "A Hopper (Gluon) decode tile").
     plan_block_c, plan_warps, plan_block_b: launch of the plan kernel (`plan_decode`, once per step):
         plan entries (persistent programs) served per plan program (16..256: smaller = more plan
         programs, each with a smaller [plan_block_c, block] compare-count tile; 0 = by batch size,
@@ -113,6 +119,7 @@ class DecodeConfig:
     lean_mode: str = "tma"
     max_regs: int | None = None
     lean_pages: bool = True
+    gluon: bool = False
 
     def __post_init__(self):
         check_choice("DecodeConfig.lean_mode", self.lean_mode, LEAN_MODES)
@@ -233,6 +240,31 @@ def _validate(q, k_cache, v_cache, block_table, seq_lens, plan, schedule, k_scal
     return q_len, hkv, hq // hkv, kv_fp8
 
 
+def gluon_unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: int) -> str | None:
+    """Why the Gluon decode kernel (`DecodeConfig.gluon`) cannot serve this call (None: it can)."""
+    if _platform.is_interpreter() or not q.is_cuda:
+        return "not a CUDA device (the interpreter cannot run Gluon)"
+    if torch.cuda.get_device_capability(q.device)[0] != 9:
+        return "not an sm_90 (Hopper) GPU: the kernel's MMA is wgmma"
+    d = k_cache.shape[-1]
+    if d not in (64, 128, 256):
+        return f"head_dim {d} (64, 128 or 256)"
+    if rows > 16:
+        return f"q_len·G = {rows} q rows a kv head (at most 16)"
+    if k_cache.dtype == FP8_E4M3:
+        if q.dtype != FP8_E4M3:
+            return "fp8 KV with a 16-bit q (the kernel takes the prologue's fp8 q)"
+    elif q.dtype != k_cache.dtype:
+        return f"q dtype {q.dtype} differs from the KV dtype {k_cache.dtype}"
+    if not _CONFIG.task_desc:
+        return "DecodeConfig.task_desc is off"
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        why = tma_unsupported_reason(cache, TILE)
+        if why is not None:
+            return f"{name}: {why}"
+    return None
+
+
 def _tma_ok(cache: torch.Tensor, block_n: int) -> bool:
     d = cache.shape[-1]
     return d & (d - 1) == 0 and tma_unsupported_reason(cache, block_n) is None
@@ -326,19 +358,43 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
     pdl = _CONFIG.pdl and not _platform.is_interpreter() and q.is_cuda
     pdl_launch = {"launch_pdl": True} if pdl else {}
-    decode_persistent_kernel[(plan.num_programs,)](
-        q, k_cache, v_cache, *descs, block_table, seq_lens, out, part_o, part_lse,
-        plan.header, plan.cum, plan.task_desc if _CONFIG.task_desc else plan.first_b,
-        q_scale if q_fp8 else dummy, *args_kv,
-        sm_scale * LOG2E, b, hq, block_table.shape[1], nb, *strides,
-        BLOCK_SIZE=bs, TILE=TILE, BLOCK_N=block_n, KV_FP8=kv_fp8, Q_FP8=q_fp8, NUM_STAGES=_num_stages(),
-        num_warps=num_warps, M_PAD=m_pad, USE_TMA=use_tma, USE_PDL=pdl, TASK_DESC=_CONFIG.task_desc,
-        **attn_knobs, **common)
+    if _CONFIG.gluon and gluon_unsupported_reason(q, k_cache, v_cache, rows) is None:
+        _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, out, part_o, part_lse, plan, q_scale, args_kv,
+                      sm_scale, q_len, g, rows)
+    else:
+        decode_persistent_kernel[(plan.num_programs,)](
+            q, k_cache, v_cache, *descs, block_table, seq_lens, out, part_o, part_lse,
+            plan.header, plan.cum, plan.task_desc if _CONFIG.task_desc else plan.first_b,
+            q_scale if q_fp8 else dummy, *args_kv,
+            sm_scale * LOG2E, b, hq, block_table.shape[1], nb, *strides,
+            BLOCK_SIZE=bs, TILE=TILE, BLOCK_N=block_n, KV_FP8=kv_fp8, Q_FP8=q_fp8, NUM_STAGES=_num_stages(),
+            num_warps=num_warps, M_PAD=m_pad, USE_TMA=use_tma, USE_PDL=pdl, TASK_DESC=_CONFIG.task_desc,
+            **attn_knobs, **common)
     decode_combine_kernel[(plan.num_programs, rows)](
         part_o, part_lse, out, plan.header, plan.cum, plan.merge_desc if _CONFIG.task_desc else plan.last_b,
         out.stride(0), out.stride(1),
         CB=_CONFIG.combine_chunks, USE_PDL=pdl, MERGE_DESC=_CONFIG.task_desc, num_warps=4, **common, **pdl_launch)
     return out
+
+
+def _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, out, part_o, part_lse, plan, q_scale, args_kv,
+                  sm_scale, q_len, g, rows):
+    """The dynamic schedule's attention kernel in Gluon (`DecodeConfig.gluon`); the combine follows as usual."""
+    from hpcops.attention._decode_gluon import decode_gluon_kernel
+    from hpcops.attention._tma import gluon_kv_descriptor
+
+    nb, bs, _, d = k_cache.shape
+    kv_fp8 = k_cache.dtype == FP8_E4M3
+    # K and V buffers of 64 keys: 3 deep where they fit beside other programs, 2 for 16-bit KV at head_dim 256
+    stages = 2 if (not kv_fp8 and d > 128) else 3
+    decode_gluon_kernel[(plan.num_programs,)](
+        q, gluon_kv_descriptor(k_cache, TILE), gluon_kv_descriptor(v_cache, TILE), block_table, seq_lens, out,
+        part_o, part_lse, plan.task_desc, q_scale if q_scale is not None else seq_lens, *args_kv,
+        sm_scale * LOG2E, seq_lens.shape[0], q.shape[1], block_table.shape[1], nb,
+        q.stride(0), q.stride(1), k_cache.stride(2), v_cache.stride(2), block_table.stride(0),
+        out.stride(0), out.stride(1),
+        Q_LEN=q_len, G=g, NQ=max(8, triton.next_power_of_2(rows)), D=d, PAGE=bs, TILE=TILE, STAGES=stages,
+        KV_FP8=kv_fp8, Q_FP8=q.dtype == FP8_E4M3, num_warps=4)
 
 
 def static_splits(batch: int, num_kv_heads: int, device=None) -> int:

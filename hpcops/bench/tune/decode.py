@@ -69,6 +69,8 @@ def _on(kind: str, k: Knob) -> Knob:
 # One line per knob; `pps` = persistent programs per SM, `min_tiles` = the plan's tile floor per program.
 # num_warps None = the launcher's choice (4 for head_dim <= 128).
 DECODE_SPACE = (
+    # the Gluon kernel (sm_90; where it applies, else the tl kernel runs and this re-times the default)
+    knob("gluon", False, True),
     # pages smaller than a step (16, 32): the lean loop with a page id a key row, or the masked loop
     knob("lean_pages", True, False),
     # first (a --quick run reaches both): the lean loop's leaner addressing (DecodeConfig.lean_mode;

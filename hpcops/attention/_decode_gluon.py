@@ -1,0 +1,186 @@
+"""Hopper decode attention in Gluon (`triton.experimental.gluon`): the plan's persistent walk with a TMA-fed
+swap-AB wgmma tile. Only @gluon.jit code lives here; `decode.py` launches it (`DecodeConfig.gluon`).
+
+Why (bench/results/README.md, "A Hopper (Gluon) decode tile"): the `tl` tile pads the q rows of one kv head to
+a 16-row mma.sync tile, widens fp8 K to fp16 and spends ~2 µs a 64-key tile with 2 programs an SM; a split-KV
+Gluon probe of this tile streamed 64x4K h8/1 fp8 at 2.96 TB/s (22.6 µs before its combine, against 35.4).
+
+The tile, per 64 keys of one (request, kv head): K and V arrive by TMA (the cache as 2-D [blocks·page, token row]
+as `_tma.py` describes; a bad page id reads past the cache, where TMA fills zeros), STAGES buffers deep on
+mbarriers, issued STAGES − 1 tiles ahead inside a task. Sᵀ [64 keys, NQ rows] = K · qᵀ is one wgmma with the
+keys on its 64-row M side and the NQ q rows (q_len·G padded to 8 or 16) as N: fp8 K with the fp8 q of the
+prologue, or 16-bit K with a 16-bit q, K never widened. The online softmax runs per column (a q row). Oᵀ [D, NQ]
++= Vᵀ · Pᵀ is a 16-bit wgmma with Vᵀ as the register operand (fp8 V widened there; keys past the sequence or on
+a bad page zeroed there, so a NaN in the cache never meets a zero probability) and Pᵀ through shared memory.
+
+The walk is `decode_persistent_kernel`'s with task descriptors (`_decode_kernels.py`): a program starts from
+its task_desc row and runs its tasks in order; an unsplit task writes the output, a split one its fp32 partial
+and log2-sum-exp into slot 2·pid (first task) or 2·pid + 1, merged by the `tl` combine kernel. Scores are in
+the log2 domain as there: s = q·k · sm_scale · log2(e) (· q_scale · k_scale for fp8).
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+
+
+@gluon.jit
+def _issue_tile(k_desc, v_desc, k_smem, v_smem, bars, bt_row, bt_width, num_blocks, tile, k_col, v_col, slot,
+                ok, PAGE: gl.constexpr, TILE: gl.constexpr, KV_BYTES: gl.constexpr):
+    """TMA of K and V tile `tile` of one request into buffer `slot` (nothing when not `ok`)."""
+    col = tile * TILE // PAGE
+    page = gl.load(bt_row + col, mask=ok & (col < bt_width), other=-1)
+    good = (page >= 0) & (page < num_blocks)
+    row0 = gl.where(good, page, num_blocks) * PAGE + (tile * TILE) % PAGE  # a bad page: past the cache (zeros)
+    bar = bars.index(slot)
+    mbarrier.expect(bar, KV_BYTES, pred=ok)
+    tma.async_copy_global_to_shared(k_desc, [row0, k_col], bar, k_smem.index(slot), pred=ok)
+    tma.async_copy_global_to_shared(v_desc, [row0, v_col], bar, v_smem.index(slot), pred=ok)
+
+
+@gluon.jit
+def decode_gluon_kernel(
+    q_ptr, k_desc, v_desc, bt_ptr, seq_lens_ptr, out_ptr, part_o_ptr, part_lse_ptr, task_desc_ptr,
+    q_scale_ptr, k_scale_ptr, v_scale_ptr, sm_scale_log2, B, num_q_heads, bt_width, num_blocks,
+    stride_qt, stride_qh, stride_kh, stride_vh, stride_bt, stride_ot, stride_oh,
+    Q_LEN: gl.constexpr, G: gl.constexpr, NQ: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
+    TILE: gl.constexpr, STAGES: gl.constexpr, KV_FP8: gl.constexpr, Q_FP8: gl.constexpr, num_warps: gl.constexpr,
+):
+    ROWS: gl.constexpr = Q_LEN * G
+    KV_BYTES: gl.constexpr = 2 * TILE * D * k_desc.dtype.primitive_bitwidth // 8
+    K_STEP: gl.constexpr = 256 // k_desc.dtype.primitive_bitwidth
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, NQ, K_STEP])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, NQ, 16])
+    vt_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    q_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
+                                              warps_per_cta=[num_warps, 1], order=[1, 0])
+    q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NQ, D], k_desc.dtype)
+    # P·V in bf16 over fp8 V (widened in registers), else in V's own 16-bit dtype
+    PV: gl.constexpr = gl.bfloat16 if KV_FP8 else v_desc.dtype
+    p_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NQ, TILE], PV)
+    cols_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    cols_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+    rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    keys_v: gl.constexpr = gl.SliceLayout(0, vt_layout)
+
+    q_smem = gl.allocate_shared_memory(k_desc.dtype, [NQ, D], q_smem_layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, TILE, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, TILE, D], v_desc.layout)
+    p_smem = gl.allocate_shared_memory(PV, [NQ, TILE], p_smem_layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for ib in gl.static_range(STAGES):
+        mbarrier.init(bars.index(ib), count=1)
+    q_t = q_smem.permute((1, 0))  # [D, NQ], K-major: B of Sᵀ = K·qᵀ
+    p_t = p_smem.permute((1, 0))  # [TILE, NQ], K-major: B of Oᵀ = Vᵀ·Pᵀ
+
+    pid = gl.program_id(0)
+    kv_scale = 1.0
+    v_scale = 1.0
+    if KV_FP8:
+        kv_scale = gl.load(k_scale_ptr)
+        v_scale = gl.load(v_scale_ptr)
+    td = task_desc_ptr + pid * 8
+    b = gl.load(td)
+    h = gl.load(td + 1)
+    lo = gl.load(td + 2)
+    left = gl.load(td + 3)
+    kv_len = gl.load(seq_lens_ptr + b, mask=b >= 0, other=0)
+    later = pid * 0
+    used = pid * 0  # tiles through the buffers so far: buffer used % STAGES, mbarrier phase (used // STAGES) & 1
+
+    r_s = gl.arange(0, NQ, layout=cols_s)  # the q row of a column: r = j·G + g
+    r_o = gl.arange(0, NQ, layout=cols_o)
+    d_o = gl.arange(0, D, layout=rows_o)
+    key_s = gl.arange(0, TILE, layout=rows_s)
+    key_v = gl.arange(0, TILE, layout=keys_v)
+    rq = gl.arange(0, NQ, layout=gl.SliceLayout(1, q_layout))
+    dq = gl.arange(0, D, layout=gl.SliceLayout(0, q_layout))
+    while left > 0:
+        b_next = gl.where(b + 1 == B, 0, b + 1)
+        kv_next = gl.load(seq_lens_ptr + b_next)
+        t_b = gl.maximum((kv_len + TILE - 1) // TILE, 1)
+        n = gl.minimum(left, t_b - lo)
+        bt_row = bt_ptr + b.to(gl.int64) * stride_bt
+        k_col = h * stride_kh
+        v_col = h * stride_vh
+        for i0 in gl.static_range(STAGES - 1):  # the task's first tiles in flight
+            _issue_tile(k_desc, v_desc, k_smem, v_smem, bars, bt_row, bt_width, num_blocks, lo + i0, k_col, v_col,
+                        (used + i0) % STAGES, i0 < n, PAGE, TILE, KV_BYTES)
+
+        # q rows of (b, h) into shared memory; padded rows are 0
+        jq = rq // G
+        tok = (b * Q_LEN + jq).to(gl.int64)
+        head = h * G + rq % G
+        q_ok = (rq < ROWS)[:, None] & (dq < D)[None, :]
+        q = gl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + dq[None, :], mask=q_ok, other=0.0)
+        q_smem.store(q.to(k_desc.dtype))
+        fence_async_shared()
+        if Q_FP8:
+            qs = gl.load(q_scale_ptr + (b * Q_LEN + r_s // G) * num_q_heads + h * G + r_s % G, mask=r_s < ROWS,
+                         other=0.0)
+        else:
+            qs = gl.full([NQ], 1.0, gl.float32, layout=cols_s)
+        s_scale = qs * (sm_scale_log2 * kv_scale)
+        last_s = kv_len - Q_LEN + r_s // G  # the last key row r may see (causal among the new tokens)
+        m_i = gl.full([NQ], float("-inf"), gl.float32, layout=cols_s)
+        l_i = gl.zeros([NQ], gl.float32, layout=cols_s)
+        o = gl.zeros([D, NQ], gl.float32, layout=o_layout)
+
+        for i in range(n):
+            # refill the buffer the previous tile left (its wgmmas were waited for)
+            j = i + STAGES - 1
+            _issue_tile(k_desc, v_desc, k_smem, v_smem, bars, bt_row, bt_width, num_blocks, lo + j, k_col, v_col,
+                        (used + j) % STAGES, j < n, PAGE, TILE, KV_BYTES)
+            tile = lo + i
+            col = tile * TILE // PAGE
+            page = gl.load(bt_row + col, mask=col < bt_width, other=-1)
+            good = (page >= 0) & (page < num_blocks)
+            s = (used + i) % STAGES
+            mbarrier.wait(bars.index(s), phase=((used + i) // STAGES) & 1)
+            st = warpgroup_mma(k_smem.index(s), q_t, gl.zeros([TILE, NQ], gl.float32, layout=s_layout), use_acc=False)
+            key = tile * TILE + key_s
+            seen = (key[:, None] <= last_s[None, :]) & good
+            st = gl.where(seen, st * s_scale[None, :], float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(st, axis=0))
+            m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_ref)
+            p = gl.exp2(st - m_ref[None, :])
+            l_i = l_i * alpha + gl.sum(p, axis=0)
+            m_i = m_new
+            p_smem.store(gl.permute(p.to(PV), (1, 0)))
+            fence_async_shared()
+            vt = v_smem.index(s).permute((1, 0)).load(vt_layout)  # [D, TILE]
+            v_ok = (tile * TILE + key_v < kv_len) & good
+            vt = gl.where(v_ok[None, :], vt.to(PV), 0.0).to(PV)
+            o = o * gl.convert_layout(alpha, cols_o)[None, :]
+            o = warpgroup_mma(vt, p_t, o)
+        used += n
+
+        # finish the task: the output (unsplit) or the fp32 partial and its log2-sum-exp (split)
+        l_o = gl.convert_layout(l_i, cols_o)
+        m_o = gl.convert_layout(m_i, cols_o)
+        l_safe = gl.where(l_o == 0.0, 1.0, l_o)
+        o = o / l_safe[None, :] * v_scale
+        row_ok = r_o < ROWS
+        split = (lo > 0) | (lo + n < t_b)
+        if split:
+            base = (2 * pid + later).to(gl.int64) * ROWS
+            lse = gl.where(l_o == 0.0, float("-inf"), m_o + gl.log2(l_safe))
+            gl.store(part_o_ptr + (base + r_o)[None, :] * D + d_o[:, None], o, mask=row_ok[None, :])
+            gl.store(part_lse_ptr + base + r_o, lse, mask=row_ok)
+        else:
+            tok_o = (b * Q_LEN + r_o // G).to(gl.int64)
+            head_o = h * G + r_o % G
+            ptrs = out_ptr + tok_o[None, :] * stride_ot + head_o[None, :] * stride_oh + d_o[:, None]
+            gl.store(ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[None, :])
+        left -= n
+        h = gl.where(b_next == 0, h + 1, h)
+        b = b_next
+        kv_len = kv_next
+        lo = 0
+        later = 1
+    for ib in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(ib))
