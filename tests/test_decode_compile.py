@@ -129,6 +129,9 @@ VARIANTS["persistent-row-fp8kv-masked"] = _attn(kv="fp8e4nv", **{**ROW, "LEAN": 
 VARIANTS["persistent-row-fp8kv-page16"] = _attn(kv="fp8e4nv", bs=16, **ROW)
 VARIANTS["static-row-fp8kv"] = _attn("decode_static_kernel", kv="fp8e4nv", SPLITS=4,
                                      **{k: v for k, v in ROW.items() if k != "TASK_DESC"})
+# the tune moves (hpcops/bench/tune/decode.py): 8 warps (~128 registers), a cap of 168 (3 programs an SM)
+VARIANTS["persistent-row-fp8kv-8warps"] = _attn(kv="fp8e4nv", warps=8, **ROW)
+VARIANTS["persistent-row-fp8kv-cap168"] = _attn(kv="fp8e4nv", maxnreg=168, **ROW)
 # ptxas spills (stack frame bytes) seen with Triton 3.6, no more allowed: the lean TMA loop on fp8 KV
 # (ptxas stops at 128 registers) keeps 4 values on the stack, stored before the task loop and
 # reloaded once per task (SASS: no STL/LDL inside the KV loops); the 1-warp variant's was there

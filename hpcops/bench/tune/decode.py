@@ -75,10 +75,12 @@ def _at_gqa1(*values: Any):
 # One line per knob; `pps` = persistent programs per SM, `min_tiles` = the plan's tile floor per program.
 # num_warps None = the launcher's choice (4 for head_dim <= 128).
 DECODE_SPACE = (
-    # GQA 1 (one query row a kv head): the CUDA-core row path (DecodeConfig.row_path), alone and on 8 warps
-    # (half its [block_n, D] per-slot accumulator a thread: ~128 registers instead of ~222 on fp8 KV, d 128)
+    # GQA 1 (one query row a kv head): the CUDA-core row path (DecodeConfig.row_path), alone, on 8 warps (half
+    # its [block_n, D] per-slot accumulator a thread: ~128 registers instead of ptxas's ~222 on fp8 KV, d 128)
+    # and capped at 168 registers for 3 programs an SM (fp8 KV: no spills; bf16 spills 72 bytes)
     knob("row_path", values_fn=_at_gqa1(False, True)),
     knob(("row_path", "num_warps"), values_fn=_at_gqa1((True, 8)), near=None),
+    knob(("row_path", "max_regs", "pps"), values_fn=_at_gqa1((True, 168, 3)), near=None),
     # pages smaller than a step (16, 32): the lean loop with a page id a key row, or the masked loop
     knob("lean_pages", True, False),
     # first (a --quick run reaches both): the lean loop's leaner addressing (DecodeConfig.lean_mode;
