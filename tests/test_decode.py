@@ -738,6 +738,7 @@ ROW_CASES = [
     Case((1000,), 1, 1, 64, 64, programs=5, min_tiles=1),                 # one request split 5 ways, bf16
     Case((90, 33), 3, 3, 96, 32, packed=False),                           # head_dim 96 (padded), page 32
     Case((257, 5), 2, 2, 256, 256, kv="fp16"),                            # head_dim 256, page 256
+    Case((300, 40), 1, 1, 256, 16, kv="fp8", programs=4, min_tiles=1),    # head_dim 256 on 16-token pages
 ]
 # the lean loop on (the row path's default: offsets rebuilt each step) and off (the masked loop alone), held
 # offsets, the old tile walk, 128-key steps (the masked loop; use_tma is ignored by the row path)
@@ -763,6 +764,16 @@ def test_row_path_nan_past_the_end_never_reaches_output(variant, bs, device):
 @pytest.mark.parametrize("bs", [64, 16])
 def test_row_path_bad_page_ids_are_not_read(variant, bs, device, monkeypatch):
     _bad_page_ids(variant, bs, 1, device, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", [ROW, dict(ROW, num_warps=8), dict(ROW, max_regs=168)], ids=_vid)
+@pytest.mark.parametrize("spec, fp8", [("2x32K+30x4K", True), ("64x4K", False), ("32x0.125K+32x4K", True)],
+                         ids=lambda v: str(v))
+def test_gpu_row_path_real_sizes(spec, fp8, variant):
+    """The row path at h8/8 (GQA 1) at real sizes, as the tune moves it (alone, 8 warps, 168 registers)."""
+    with _with_config(variant):
+        _gpu_real_sizes(spec, 8, 8, fp8)
 
 
 def test_row_path_is_taken(device, monkeypatch):
