@@ -92,8 +92,10 @@ class DecodeConfig:
         rows, each updated alone: no reduction over keys inside the loop), the slots merged into one row
         at the end of each task. Both schedules; K/V through pointer loads (use_tma does not apply);
         lean_loop None means on there, with lean_mode "tma" taken as "recompute". Elsewhere (q_len·G > 1)
-        ignored. Off by default until the H200 measures it (`hpcops tune decode-grid --only h8/8`): at
-        GQA 1 the MMA path reaches 0.58–0.86× FlashInfer's CUDA-core decode.
+        ignored. sm90 registers a thread (fp8 KV, D 128, from ptxas: tests/test_decode_compile.py): ~222 on
+        4 warps (2 programs an SM), 165 without spills under max_regs 168 (3), ~128 on 8 warps; block_n 128
+        doubles the slot state (spills). Off by default until the H200 measures it (`hpcops tune
+        decode-grid --only h8/8`): at GQA 1 the MMA path reaches 0.58–0.86× FlashInfer's CUDA-core decode.
     plan_block_c, plan_warps, plan_block_b: launch of the plan kernel (`plan_decode`, once per step):
         plan entries (persistent programs) served per plan program (16..256: smaller = more plan
         programs, each with a smaller [plan_block_c, block] compare-count tile; 0 = by batch size,
