@@ -676,8 +676,12 @@ def _poisoned(device, kv_dtype=torch.bfloat16, bs=64):
 @pytest.mark.parametrize("variant", [{}] + VARIANTS, ids=lambda d: _vid(d) or "default")
 @pytest.mark.parametrize("q_len, bs", [(1, 64), (3, 64), (3, 16)])
 def test_decode_nan_past_the_end_never_reaches_output(variant, q_len, bs, device):
+    _nan_past_the_end(variant, q_len, bs, 4, device)
+
+
+def _nan_past_the_end(variant, q_len, bs, hq, device):
     lens, kv = _poisoned(device, bs=bs)
-    q = torch.randn(len(lens) * q_len, 4, 64, device=device).bfloat16()
+    q = torch.randn(len(lens) * q_len, hq, 64, device=device).bfloat16()
     want = ref.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens)
     assert torch.isfinite(want).all()
     with _with_config(variant):
@@ -694,18 +698,22 @@ def test_decode_nan_past_the_end_never_reaches_output(variant, q_len, bs, device
 def test_decode_bad_page_ids_are_not_read(variant, bs, device, monkeypatch):
     """A page id < 0 or >= num_blocks inside a sequence (unchecked: device values outside checking
     mode) is never read: its keys drop out of the softmax, its V rows contribute nothing."""
+    _bad_page_ids(variant, bs, 4, device, monkeypatch)
+
+
+def _bad_page_ids(variant, bs, hq, device, monkeypatch):
     from hpcops.attention import decode as dec
 
     monkeypatch.setattr(dec, "values_checkable", lambda t: False)
     lens = [300, 200]
     kv = make_paged_kv(lens, num_kv_heads=1, head_dim=64, block_size=bs, device=device, packed=True)
-    q = torch.randn(2, 4, 64, device=device).bfloat16()
+    q = torch.randn(2, hq, 64, device=device).bfloat16()
     # (request, column) -> bad id; on 16-token pages the bad ones sit inside a 64-token step
     bad = {(0, 2): -1, (1, 1): kv.k_cache.shape[0]} if bs == 64 else {(0, 9): -1, (1, 4): kv.k_cache.shape[0]}
     table = kv.block_table.clone()
     for (b, col), pid in bad.items():
         table[b, col] = pid
-    want = torch.empty(2, 4, 64)
+    want = torch.empty(2, hq, 64)
     for b, n in enumerate(lens):
         keep = [t for t in range(n) if (b, t // bs) not in bad]
         pages = kv.block_table[b, torch.tensor(keep) // bs].long()
@@ -718,6 +726,77 @@ def test_decode_bad_page_ids_are_not_read(variant, bs, device, monkeypatch):
             got = hpcops.decode_attention(q, kv.k_cache, kv.v_cache, table, kv.seq_lens, schedule=schedule,
                                           out=nan_like(q))
             assert_close(want.bfloat16(), got, name=f"{schedule} {variant}")
+
+
+# ---------------------------------------------------------------- GQA 1: the row path (DecodeConfig.row_path)
+ROW = dict(row_path=True)
+# one query row a (request, kv head): q_len 1, as many q heads as kv heads
+ROW_CASES = [
+    Case((1, 63, 65, 200), 4, 4, 64, 16),                                 # page 16 ±1, a 1-token request
+    Case((129, 1, 0, 64), 2, 2, 64, 64, kv="fp16"),                       # empty + 1-token requests, page 64
+    Case((300, 17, 0), 2, 2, 128, 64, kv="fp8"),                          # fp8 KV, head_dim 128
+    Case((127, 128, 129), 3, 3, 64, 16, kv="fp8q"),                       # fp8 query, page 16
+    Case((1000, 70), 2, 2, 128, 64, kv="fp8q", programs=7, min_tiles=1),  # a long request split 7 ways
+    Case((1000,), 1, 1, 64, 64, programs=5, min_tiles=1),                 # one request split 5 ways, bf16
+    Case((90, 33), 3, 3, 96, 32, packed=False),                           # head_dim 96 (padded), page 32
+    Case((257, 5), 2, 2, 256, 256, kv="fp16"),                            # head_dim 256, page 256
+    Case((300, 40), 1, 1, 256, 16, kv="fp8", programs=4, min_tiles=1),    # head_dim 256 on 16-token pages
+]
+# the lean loop on (the row path's default: offsets rebuilt each step) and off (the masked loop alone), held
+# offsets, the old tile walk, 128-key steps (the masked loop; use_tma is ignored by the row path)
+ROW_VARIANTS = [ROW, dict(ROW, lean_loop=False), dict(ROW, lean_mode="hold"), dict(ROW, task_desc=False),
+                dict(ROW, block_n=128, use_tma=True)]
+
+
+@pytest.mark.parametrize("variant", ROW_VARIANTS, ids=_vid)
+@pytest.mark.parametrize("case", ROW_CASES, ids=lambda c: c.id)
+def test_row_path_matches_reference(case, variant, device):
+    with _with_config(variant):
+        for schedule in ("dynamic", "static"):
+            test_decode_matches_reference(case, schedule, device)
+
+
+@pytest.mark.parametrize("variant", ROW_VARIANTS[:2], ids=_vid)
+@pytest.mark.parametrize("bs", [64, 16])
+def test_row_path_nan_past_the_end_never_reaches_output(variant, bs, device):
+    _nan_past_the_end(variant, 1, bs, 1, device)
+
+
+@pytest.mark.parametrize("variant", ROW_VARIANTS[:2], ids=_vid)
+@pytest.mark.parametrize("bs", [64, 16])
+def test_row_path_bad_page_ids_are_not_read(variant, bs, device, monkeypatch):
+    _bad_page_ids(variant, bs, 1, device, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", [ROW, dict(ROW, num_warps=8), dict(ROW, max_regs=168)], ids=_vid)
+@pytest.mark.parametrize("spec, fp8", [("2x32K+30x4K", True), ("64x4K", False), ("32x0.125K+32x4K", True)],
+                         ids=lambda v: str(v))
+def test_gpu_row_path_real_sizes(spec, fp8, variant):
+    """The row path at h8/8 (GQA 1) at real sizes, as the tune moves it (alone, 8 warps, 168 registers)."""
+    with _with_config(variant):
+        _gpu_real_sizes(spec, 8, 8, fp8)
+
+
+def test_row_path_is_taken(device, monkeypatch):
+    """With row_path on, a GQA-1 batch goes through the row path (its per-slot merge runs once a task);
+    off, or at GQA 2 or q_len 2, never. CPU tier only: an interpreted kernel reads its helpers from the
+    module when it runs, so a counting wrapper sees the calls."""
+    if device != "cpu":
+        pytest.skip("counts helper calls of interpreted kernels")
+    from hpcops.attention import _decode_kernels as kernels
+
+    calls = []
+    merge = kernels._merge_slots
+    monkeypatch.setattr(kernels, "_merge_slots", lambda *a: calls.append(1) or merge(*a))
+    for variant, case, taken in ((ROW, ROW_CASES[2], True), ({}, ROW_CASES[2], False),
+                                 (ROW, Case((300, 17), 4, 2, 64, 64), False),
+                                 (ROW, Case((300, 17), 2, 2, 64, 64, q_len=2), False)):
+        for schedule in ("dynamic", "static"):
+            calls.clear()
+            with _with_config(variant):
+                test_decode_matches_reference(case, schedule, device)
+            assert bool(calls) == taken, (variant, case.id, schedule, len(calls))
 
 
 def test_tune_plan_scenarios_gate_their_candidates(device):

@@ -120,6 +120,18 @@ for _mode, _dt, _cap in (("hold", "fp8kv", 168), ("recompute", "fp8kv", 168), ("
                          ("recompute", "fp8kv", 128), ("tma", "fp8q", 128)):
     VARIANTS[f"persistent-lean-{_mode}-{_dt}-cap{_cap}"] = _attn(
         TASK_DESC=True, maxnreg=_cap, kv="fp8e4nv", q="fp8e4nv" if _dt == "fp8q" else "bf16", **LEAN_MODES[_mode])
+# the row path (DecodeConfig.row_path) at GQA 1 as the launcher passes it: the lean loop on, offsets rebuilt
+# each step (lean_mode "tma" without TMA); fp8 KV (bf16 / fp8 q), bf16 KV, the masked loop alone, 16-token pages
+ROW = dict(g=1, TASK_DESC=True, ROW_PATH=True, LEAN=True, LEAN_RECOMPUTE=True, KV_SAME_STRIDES=True, LEAN_PAGES=True)
+for _dt, _qkv in {"fp8kv": dict(kv="fp8e4nv"), "fp8q": dict(q="fp8e4nv", kv="fp8e4nv"), "bf16": {}}.items():
+    VARIANTS[f"persistent-row-{_dt}"] = _attn(**_qkv, **ROW)
+VARIANTS["persistent-row-fp8kv-masked"] = _attn(kv="fp8e4nv", **{**ROW, "LEAN": False})
+VARIANTS["persistent-row-fp8kv-page16"] = _attn(kv="fp8e4nv", bs=16, **ROW)
+VARIANTS["static-row-fp8kv"] = _attn("decode_static_kernel", kv="fp8e4nv", SPLITS=4,
+                                     **{k: v for k, v in ROW.items() if k != "TASK_DESC"})
+# the tune moves (hpcops/bench/tune/decode.py): 8 warps (~128 registers), a cap of 168 (3 programs an SM)
+VARIANTS["persistent-row-fp8kv-8warps"] = _attn(kv="fp8e4nv", warps=8, **ROW)
+VARIANTS["persistent-row-fp8kv-cap168"] = _attn(kv="fp8e4nv", maxnreg=168, **ROW)
 # ptxas spills (stack frame bytes) seen with Triton 3.6, no more allowed: the lean TMA loop on fp8 KV
 # (ptxas stops at 128 registers) keeps 4 values on the stack, stored before the task loop and
 # reloaded once per task (SASS: no STL/LDL inside the KV loops); the 1-warp variant's was there

@@ -2,6 +2,8 @@
 
 Rows of a program's M tile are the (query token j, query head g) pairs of one KV head:
 row = j·G + g, so one K/V tile load serves every query head of the group and every new token.
+At Q_LEN·G == 1 the row path (ROW_PATH, `_attend_task`) keeps no M tile: the one query row meets each K
+tile on the CUDA cores and the online softmax is kept per key slot, merged into one row per task.
 Scores live in the log2 domain: s = (q·k) · sm_scale · log2(e) (· q_scale · k_scale for fp8).
 The paged-KV tile routine (block-table lookup, bad-block clamp, K/V loads, online-softmax step) is
 shared with prefill and lives in `_paged_tile.py`; the KV loops here (`_attend_tiles`, `_attend_whole`)
@@ -17,6 +19,9 @@ from hpcops.attention._paged_tile import (
     _clamp_block,
     _load_block_id,
     _load_kv_tile,
+    _row_accumulate_pv,
+    _row_scores,
+    _row_softmax_step,
     _softmax_step,
     _tile_scores,
 )
@@ -45,6 +50,33 @@ def _load_q(q_ptr, q_scale_ptr, b, h, offs_m, offs_d, stride_qt, stride_qh, num_
 
 
 @triton.jit
+def _load_q_row(q_ptr, q_scale_ptr, b, h, offs_d, stride_qt, stride_qh, num_q_heads, HEAD_DIM: tl.constexpr,
+                Q_FP8: tl.constexpr):
+    """The row path's query (Q_LEN·G == 1: token b, head h): q [D] fp32 and its scale (q_scale for an fp8 q, else 1)."""
+    tok = b.to(tl.int64)
+    q = tl.load(q_ptr + tok * stride_qt + h * stride_qh + offs_d, mask=offs_d < HEAD_DIM, other=0.0)
+    if Q_FP8:
+        qs = tl.load(q_scale_ptr + tok * num_q_heads + h)
+    else:
+        qs = 1.0
+    return q.to(tl.float32), qs
+
+
+@triton.jit
+def _merge_slots(acc, m_i, l_i, M_PAD: tl.constexpr):
+    """The row path's per-key-slot state (acc [BLOCK_N, D], m_i, l_i [BLOCK_N]) merged into one row:
+    m = max_n m_n, w_n = 2^(m_n − m), acc = Σ_n w_n·acc_n, l = Σ_n w_n·l_n, returned as the [M_PAD, D],
+    [M_PAD] state `_finish_task` takes (every row the merged one; only row 0 is stored). No key seen: l = 0.
+    """
+    m = tl.max(m_i, 0)
+    w = tl.exp2(m_i - tl.where(m == float("-inf"), 0.0, m))  # [BLOCK_N]
+    o = tl.sum(acc * w[:, None], 0)  # [D]
+    l_row = tl.sum(l_i * w, 0)
+    zeros = tl.zeros([M_PAD], dtype=tl.float32)
+    return zeros[:, None] + o[None, :], zeros + m, zeros + l_row
+
+
+@triton.jit
 def _attend_tiles(acc, m_i, l_i, q, s_scale, last_pos, k_ptr, v_ptr, k_desc, v_desc, k_col, v_col,
                   bt_row_ptr, bt_width, num_blocks,
                   stride_kb, stride_kt, stride_vb, stride_vt, kv_len, tile_lo, tile_hi,
@@ -52,7 +84,7 @@ def _attend_tiles(acc, m_i, l_i, q, s_scale, last_pos, k_ptr, v_ptr, k_desc, v_d
                   BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, NUM_STAGES: tl.constexpr,
                   USE_TMA: tl.constexpr, LEAN: tl.constexpr = False, Q_LEN: tl.constexpr = 1,
                   LEAN_RECOMPUTE: tl.constexpr = False, KV_SAME_STRIDES: tl.constexpr = False,
-                  LEAN_PAGES: tl.constexpr = False):
+                  LEAN_PAGES: tl.constexpr = False, ROW: tl.constexpr = False):
     """Online softmax over KV tiles [tile_lo, tile_hi) of one (request, kv head), BLOCK_N keys a step.
 
     acc [M, D], m_i [M], l_i [M] fp32 running state; last_pos [M]: last key each row may see.
@@ -64,6 +96,9 @@ def _attend_tiles(acc, m_i, l_i, q, s_scale, last_pos, k_ptr, v_ptr, k_desc, v_d
     (`_attend_whole`: through TMA with USE_TMA, else a scalar page base plus a [BLOCK_N, D] offset
     tile, held across the loop or, LEAN_RECOMPUTE, rebuilt each step; small pages: a page id a key
     row); only the tail (the tiles holding the causal edge or the sequence end, at most 2) runs masked.
+    ROW (one query row, Q_LEN·G == 1; pointer loads): q [D] fp32, s_scale and last_pos scalars, and the
+    state kept per key slot, acc [BLOCK_N, D], m_i, l_i [BLOCK_N] (`_row_softmax_step`): scores and P·V
+    on the CUDA cores, no MMA and no reduction over keys inside the loops (`_merge_slots` after them).
     """
     offs_n = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEAD_DIM
@@ -78,12 +113,12 @@ def _attend_tiles(acc, m_i, l_i, q, s_scale, last_pos, k_ptr, v_ptr, k_desc, v_d
             acc, m_i, l_i = _attend_whole_pages(
                 acc, m_i, l_i, q, s_scale, k_ptr, v_ptr, bt_row_ptr, bt_width, num_blocks, stride_kb, stride_kt,
                 stride_vb, stride_vt, tile_lo, mid, offs_d, HEAD_DIM, BLOCK_SIZE, TILE, BLOCK_N, KV_FP8, Q_FP8,
-                NUM_STAGES, KV_SAME_STRIDES)
+                NUM_STAGES, KV_SAME_STRIDES, ROW)
         else:
             acc, m_i, l_i = _attend_whole(
                 acc, m_i, l_i, q, s_scale, k_ptr, v_ptr, k_desc, v_desc, k_col, v_col, bt_row_ptr, bt_width,
                 num_blocks, stride_kb, stride_kt, stride_vb, stride_vt, tile_lo, mid, offs_d, HEAD_DIM,
-                BLOCK_SIZE, TILE, BLOCK_N, KV_FP8, Q_FP8, NUM_STAGES, USE_TMA, LEAN_RECOMPUTE, KV_SAME_STRIDES)
+                BLOCK_SIZE, TILE, BLOCK_N, KV_FP8, Q_FP8, NUM_STAGES, USE_TMA, LEAN_RECOMPUTE, KV_SAME_STRIDES, ROW)
         tile_lo = mid
     for start in tl.range(tile_lo * TILE, tile_hi * TILE, BLOCK_N, num_stages=NUM_STAGES):
         tok = start + offs_n  # [BLOCK_N]
@@ -101,14 +136,20 @@ def _attend_tiles(acc, m_i, l_i, q, s_scale, last_pos, k_ptr, v_ptr, k_desc, v_d
         row0 = (tl.where(page_s >= 0, page_s, 0) * BLOCK_SIZE + start % BLOCK_SIZE).to(tl.int32)
         k = _load_kv_tile(k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_kt + offs_d[None, :], kv_mask,
                           k_desc, row0, k_col, ok, USE_TMA, not USE_TMA)  # [BLOCK_N, D]
-        s = _tile_scores(q, k, KV_FP8, Q_FP8) * s_scale[:, None]  # [M, BLOCK_N]
-        visible = (tok[None, :] <= last_pos[:, None]) & ok[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, s_scale, False)
+        if ROW:
+            s = tl.where((tok <= last_pos) & ok, _row_scores(q, k) * s_scale, float("-inf"))  # [BLOCK_N]
+            p, alpha, m_i, l_i = _row_softmax_step(s, m_i, l_i)
+        else:
+            s = _tile_scores(q, k, KV_FP8, Q_FP8) * s_scale[:, None]  # [M, BLOCK_N]
+            visible = (tok[None, :] <= last_pos[:, None]) & ok[None, :]
+            s = tl.where(visible, s, float("-inf"))
+            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, s_scale, False)
         # TMA: rows past the sequence may hold anything, zeroed
         v = _load_kv_tile(v_ptr + page[:, None] * stride_vb + slot[:, None] * stride_vt + offs_d[None, :], kv_mask,
                           v_desc, row0, v_col, ok, USE_TMA, True)  # [BLOCK_N, D]
-        if KV_FP8:
+        if ROW:
+            acc = _row_accumulate_pv(acc, alpha, p, v)
+        elif KV_FP8:
             acc = _accumulate_pv(acc, alpha, p, v, tl.float16, False)
         else:
             acc = _accumulate_pv(acc, alpha, p, v, v.dtype, False)
@@ -121,7 +162,7 @@ def _attend_whole(acc, m_i, l_i, q, s_scale, k_ptr, v_ptr, k_desc, v_desc, k_col
                   offs_d, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
                   BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, NUM_STAGES: tl.constexpr,
                   USE_TMA: tl.constexpr = False, LEAN_RECOMPUTE: tl.constexpr = False,
-                  KV_SAME_STRIDES: tl.constexpr = False):
+                  KV_SAME_STRIDES: tl.constexpr = False, ROW: tl.constexpr = False):
     """Tiles [tile_lo, tile_hi) whose keys every row sees (BLOCK_N == TILE, one page per step): no
     sequence or causal mask; a bad page id (< 0 or ≥ num_blocks) is never read, its keys score −inf
     and its V rows load as 0.
@@ -133,6 +174,7 @@ def _attend_whole(acc, m_i, l_i, q, s_scale, k_ptr, v_ptr, k_desc, v_desc, k_col
     page-dependent stride (a few integer ops per element; with a stride that does not vary, recomputed
     offsets were hoisted out of the loops and held again: 255); KV_SAME_STRIDES (stride_kt ==
     stride_vt and stride_kb == stride_vb, the launcher's promise): K's offsets serve V too.
+    ROW: one query row, state per key slot (`_attend_tiles`).
     """
     offs_n = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEAD_DIM
@@ -163,8 +205,12 @@ def _attend_whole(acc, m_i, l_i, q, s_scale, k_ptr, v_ptr, k_desc, v_desc, k_col
             k_base = page * stride_kb + slot * stride_kt
         k = _load_kv_tile(k_ptr + k_base + k_off, d_ok[None, :] & ok, k_desc, row0, k_col, ok, USE_TMA,
                           not USE_TMA)  # [BLOCK_N, D]
-        s = _tile_scores(q, k, KV_FP8, Q_FP8) * s_scale[:, None] + tl.where(ok, 0.0, float("-inf"))  # [M, BLOCK_N]
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, s_scale, False)
+        if ROW:
+            s = _row_scores(q, k) * s_scale + tl.where(ok, 0.0, float("-inf"))  # [BLOCK_N]
+            p, alpha, m_i, l_i = _row_softmax_step(s, m_i, l_i)
+        else:
+            s = _tile_scores(q, k, KV_FP8, Q_FP8) * s_scale[:, None] + tl.where(ok, 0.0, float("-inf"))  # [M, BLOCK_N]
+            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, s_scale, False)
         if LEAN_RECOMPUTE:
             if KV_SAME_STRIDES:
                 v_off = k_off
@@ -176,7 +222,9 @@ def _attend_whole(acc, m_i, l_i, q, s_scale, k_ptr, v_ptr, k_desc, v_desc, k_col
             v_base = page * stride_vb + slot * stride_vt
         v = _load_kv_tile(v_ptr + v_base + v_off, d_ok[None, :] & ok, v_desc, row0, v_col, ok, USE_TMA,
                           not USE_TMA)  # [BLOCK_N, D]
-        if KV_FP8:
+        if ROW:
+            acc = _row_accumulate_pv(acc, alpha, p, v)
+        elif KV_FP8:
             acc = _accumulate_pv(acc, alpha, p, v, tl.float16, False)
         else:
             acc = _accumulate_pv(acc, alpha, p, v, v.dtype, False)
@@ -188,13 +236,13 @@ def _attend_whole_pages(acc, m_i, l_i, q, s_scale, k_ptr, v_ptr, bt_row_ptr, bt_
                         stride_kb, stride_kt, stride_vb, stride_vt, tile_lo, tile_hi, offs_d,
                         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
                         BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, Q_FP8: tl.constexpr,
-                        NUM_STAGES: tl.constexpr, KV_SAME_STRIDES: tl.constexpr = False):
+                        NUM_STAGES: tl.constexpr, KV_SAME_STRIDES: tl.constexpr = False, ROW: tl.constexpr = False):
     """`_attend_whole` for pages smaller than a step (BLOCK_SIZE divides BLOCK_N == TILE; pointer loads).
 
     A step spans BLOCK_N // BLOCK_SIZE pages: each key row takes its page id (one [BLOCK_N] load of
     the block-table row, repeated ids, loaded a step ahead like `_attend_whole`'s scalar page) and its
     slot n % BLOCK_SIZE (steps start on page boundaries). No sequence or causal mask; a bad page id
-    is never read: its rows score −inf and load V as 0.
+    is never read: its rows score −inf and load V as 0. ROW: one query row, state per key slot (`_attend_tiles`).
     """
     offs_n = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEAD_DIM
@@ -210,14 +258,20 @@ def _attend_whole_pages(acc, m_i, l_i, q, s_scale, k_ptr, v_ptr, bt_row_ptr, bt_
         kv_mask = ok[:, None] & d_ok[None, :]
         k_row = page * stride_kb + slot * stride_kt  # [BLOCK_N] int64
         k = _load_kv_tile(k_ptr + k_row[:, None] + offs_d[None, :], kv_mask, k_ptr, 0, 0, ok, False, True)
-        s = _tile_scores(q, k, KV_FP8, Q_FP8) * s_scale[:, None] + tl.where(ok, 0.0, float("-inf"))[None, :]
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, s_scale, False)
+        if ROW:
+            s = _row_scores(q, k) * s_scale + tl.where(ok, 0.0, float("-inf"))  # [BLOCK_N]
+            p, alpha, m_i, l_i = _row_softmax_step(s, m_i, l_i)
+        else:
+            s = _tile_scores(q, k, KV_FP8, Q_FP8) * s_scale[:, None] + tl.where(ok, 0.0, float("-inf"))[None, :]
+            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, s_scale, False)
         if KV_SAME_STRIDES:
             v_row = k_row
         else:
             v_row = page * stride_vb + slot * stride_vt
         v = _load_kv_tile(v_ptr + v_row[:, None] + offs_d[None, :], kv_mask, v_ptr, 0, 0, ok, False, True)
-        if KV_FP8:
+        if ROW:
+            acc = _row_accumulate_pv(acc, alpha, p, v)
+        elif KV_FP8:
             acc = _accumulate_pv(acc, alpha, p, v, tl.float16, False)
         else:
             acc = _accumulate_pv(acc, alpha, p, v, v.dtype, False)
@@ -259,6 +313,7 @@ def decode_persistent_kernel(
     KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, NUM_STAGES: tl.constexpr, USE_TMA: tl.constexpr,
     USE_PDL: tl.constexpr = False, TASK_DESC: tl.constexpr = False, LEAN: tl.constexpr = False,
     LEAN_RECOMPUTE: tl.constexpr = False, KV_SAME_STRIDES: tl.constexpr = False, LEAN_PAGES: tl.constexpr = False,
+    ROW_PATH: tl.constexpr = False,
 ):
     """One persistent program walks its bucket of the plan's tile stream, task by task.
 
@@ -269,6 +324,7 @@ def decode_persistent_kernel(
     the first starts at tile 0 of the next request; a task is split iff it does not cover its
     request), the next request's length loaded before the current task's tiles.
     LEAN, LEAN_RECOMPUTE, KV_SAME_STRIDES: the whole-tile loop and its addressing (`_attend_tiles`).
+    ROW_PATH: one query row a task (Q_LEN·G == 1) on the CUDA cores (`_attend_task`).
     """
     pid = tl.program_id(0)
     if USE_PDL:
@@ -298,7 +354,7 @@ def decode_persistent_kernel(
                 sm_scale_log2 * kv_scale, num_q_heads, bt_width, num_blocks, offs_m, offs_d,
                 stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
                 Q_LEN, G, HEAD_DIM, M_PAD, D_PAD, BLOCK_SIZE, TILE, BLOCK_N, KV_FP8, Q_FP8, NUM_STAGES, USE_TMA,
-                LEAN, LEAN_RECOMPUTE, KV_SAME_STRIDES, LEAN_PAGES)
+                LEAN, LEAN_RECOMPUTE, KV_SAME_STRIDES, LEAN_PAGES, ROW_PATH)
             split = (lo > 0) | (lo + n < t_b)
             _finish_task(acc, m_i, l_i, v_scale, split, 2 * pid + later, b, h, offs_m, offs_d, out_ptr,
                          part_o_ptr, part_lse_ptr, stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, Q_LEN * G)
@@ -330,21 +386,12 @@ def decode_persistent_kernel(
             end_b = tl.load(cum_ptr + b + 1)
             n = tl.minimum(p1 - p, end_b - r)
             kv_len = tl.load(seq_lens_ptr + b)
-            q, qs, j = _load_q(q_ptr, q_scale_ptr, b, h, offs_m, offs_d, stride_qt, stride_qh, num_q_heads,
-                               Q_LEN, G, HEAD_DIM, KV_FP8, Q_FP8)
-            s_scale = qs * (sm_scale_log2 * kv_scale)
-            last_pos = kv_len - Q_LEN + j
-            acc = tl.zeros([M_PAD, D_PAD], dtype=tl.float32)
-            m_i = tl.full([M_PAD], float("-inf"), tl.float32)
-            l_i = tl.zeros([M_PAD], dtype=tl.float32)
-            acc, m_i, l_i = _attend_tiles(
-                acc, m_i, l_i, q, s_scale, last_pos,
-                k_ptr + h.to(tl.int64) * stride_kh, v_ptr + h.to(tl.int64) * stride_vh,
-                k_desc, v_desc, h * stride_kh, h * stride_vh,
-                bt_ptr + b.to(tl.int64) * stride_bt, bt_width, num_blocks,
-                stride_kb, stride_kt, stride_vb, stride_vt, kv_len, r - start_b, r - start_b + n,
-                offs_d, HEAD_DIM, BLOCK_SIZE, TILE, BLOCK_N, KV_FP8, Q_FP8, NUM_STAGES, USE_TMA, LEAN, Q_LEN,
-                LEAN_RECOMPUTE, KV_SAME_STRIDES, LEAN_PAGES)
+            acc, m_i, l_i, j = _attend_task(
+                q_ptr, k_ptr, v_ptr, k_desc, v_desc, bt_ptr, q_scale_ptr, b, h, kv_len, r - start_b, r - start_b + n,
+                sm_scale_log2 * kv_scale, num_q_heads, bt_width, num_blocks, offs_m, offs_d,
+                stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+                Q_LEN, G, HEAD_DIM, M_PAD, D_PAD, BLOCK_SIZE, TILE, BLOCK_N, KV_FP8, Q_FP8, NUM_STAGES, USE_TMA,
+                LEAN, LEAN_RECOMPUTE, KV_SAME_STRIDES, LEAN_PAGES, ROW_PATH)
             pair_lo = h * s_tiles + start_b
             pair_hi = h * s_tiles + end_b
             split = (pair_lo // bucket) != ((pair_hi - 1) // bucket)
@@ -363,21 +410,41 @@ def _attend_task(q_ptr, k_ptr, v_ptr, k_desc, v_desc, bt_ptr, q_scale_ptr, b, h,
                  D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr,
                  KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, NUM_STAGES: tl.constexpr, USE_TMA: tl.constexpr,
                  LEAN: tl.constexpr, LEAN_RECOMPUTE: tl.constexpr, KV_SAME_STRIDES: tl.constexpr,
-                 LEAN_PAGES: tl.constexpr):
-    """One task: the q tile of (request b, kv head h), fresh softmax state, tiles [tile_lo, tile_hi)."""
-    q, qs, j = _load_q(q_ptr, q_scale_ptr, b, h, offs_m, offs_d, stride_qt, stride_qh, num_q_heads,
-                       Q_LEN, G, HEAD_DIM, KV_FP8, Q_FP8)
-    acc = tl.zeros([M_PAD, D_PAD], dtype=tl.float32)
-    m_i = tl.full([M_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([M_PAD], dtype=tl.float32)
+                 LEAN_PAGES: tl.constexpr, ROW_PATH: tl.constexpr = False):
+    """One task: the q tile of (request b, kv head h), fresh softmax state, tiles [tile_lo, tile_hi).
+
+    ROW_PATH (Q_LEN·G == 1, pointer loads): the one query row against each K tile on the CUDA cores, the
+    online softmax kept per key slot (`_attend_tiles`), merged into one row at the end (`_merge_slots`);
+    instead of padding the row to an M_PAD-row MMA tile and reducing over keys every step.
+    """
+    if ROW_PATH:
+        tl.static_assert(Q_LEN * G == 1, "the row path takes one query row a (request, kv head)")
+        tl.static_assert(not USE_TMA, "the row path reads K/V through pointers")
+        q, qs = _load_q_row(q_ptr, q_scale_ptr, b, h, offs_d, stride_qt, stride_qh, num_q_heads, HEAD_DIM, Q_FP8)
+        acc = tl.zeros([BLOCK_N, D_PAD], dtype=tl.float32)
+        m_i = tl.full([BLOCK_N], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_N], dtype=tl.float32)
+        s_scale = qs * scale_log2
+        last_pos = kv_len - 1
+        j = offs_m
+    else:
+        q, qs, j = _load_q(q_ptr, q_scale_ptr, b, h, offs_m, offs_d, stride_qt, stride_qh, num_q_heads,
+                           Q_LEN, G, HEAD_DIM, KV_FP8, Q_FP8)
+        acc = tl.zeros([M_PAD, D_PAD], dtype=tl.float32)
+        m_i = tl.full([M_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([M_PAD], dtype=tl.float32)
+        s_scale = qs * scale_log2
+        last_pos = kv_len - Q_LEN + j
     acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q, qs * scale_log2, kv_len - Q_LEN + j,
+        acc, m_i, l_i, q, s_scale, last_pos,
         k_ptr + h.to(tl.int64) * stride_kh, v_ptr + h.to(tl.int64) * stride_vh,
         k_desc, v_desc, h * stride_kh, h * stride_vh,
         bt_ptr + b.to(tl.int64) * stride_bt, bt_width, num_blocks,
         stride_kb, stride_kt, stride_vb, stride_vt, kv_len, tile_lo, tile_hi,
         offs_d, HEAD_DIM, BLOCK_SIZE, TILE, BLOCK_N, KV_FP8, Q_FP8, NUM_STAGES, USE_TMA, LEAN, Q_LEN,
-                LEAN_RECOMPUTE, KV_SAME_STRIDES, LEAN_PAGES)
+        LEAN_RECOMPUTE, KV_SAME_STRIDES, LEAN_PAGES, ROW_PATH)
+    if ROW_PATH:
+        acc, m_i, l_i = _merge_slots(acc, m_i, l_i, M_PAD)
     return acc, m_i, l_i, j
 
 
@@ -478,7 +545,7 @@ def decode_static_kernel(
     M_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr,
     KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, NUM_STAGES: tl.constexpr, USE_TMA: tl.constexpr,
     LEAN: tl.constexpr = False, LEAN_RECOMPUTE: tl.constexpr = False, KV_SAME_STRIDES: tl.constexpr = False,
-    LEAN_PAGES: tl.constexpr = False,
+    LEAN_PAGES: tl.constexpr = False, ROW_PATH: tl.constexpr = False,
 ):
     """Classic static split-KV: program (b, h, s) takes the s-th of SPLITS equal chunks of request b."""
     b = tl.program_id(0)
@@ -497,19 +564,12 @@ def decode_static_kernel(
         if KV_FP8:
             kv_scale = tl.load(k_scale_ptr)
             v_scale = tl.load(v_scale_ptr)
-        q, qs, j = _load_q(q_ptr, q_scale_ptr, b, h, offs_m, offs_d, stride_qt, stride_qh, num_q_heads,
-                           Q_LEN, G, HEAD_DIM, KV_FP8, Q_FP8)
-        acc = tl.zeros([M_PAD, D_PAD], dtype=tl.float32)
-        m_i = tl.full([M_PAD], float("-inf"), tl.float32)
-        l_i = tl.zeros([M_PAD], dtype=tl.float32)
-        acc, m_i, l_i = _attend_tiles(
-            acc, m_i, l_i, q, qs * (sm_scale_log2 * kv_scale), kv_len - Q_LEN + j,
-            k_ptr + h.to(tl.int64) * stride_kh, v_ptr + h.to(tl.int64) * stride_vh,
-            k_desc, v_desc, h * stride_kh, h * stride_vh,
-            bt_ptr + b.to(tl.int64) * stride_bt, bt_width, num_blocks,
-            stride_kb, stride_kt, stride_vb, stride_vt, kv_len, lo, hi,
-            offs_d, HEAD_DIM, BLOCK_SIZE, TILE, BLOCK_N, KV_FP8, Q_FP8, NUM_STAGES, USE_TMA, LEAN, Q_LEN,
-                LEAN_RECOMPUTE, KV_SAME_STRIDES, LEAN_PAGES)
+        acc, m_i, l_i, j = _attend_task(
+            q_ptr, k_ptr, v_ptr, k_desc, v_desc, bt_ptr, q_scale_ptr, b, h, kv_len, lo, hi,
+            sm_scale_log2 * kv_scale, num_q_heads, bt_width, num_blocks, offs_m, offs_d,
+            stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+            Q_LEN, G, HEAD_DIM, M_PAD, D_PAD, BLOCK_SIZE, TILE, BLOCK_N, KV_FP8, Q_FP8, NUM_STAGES, USE_TMA,
+            LEAN, LEAN_RECOMPUTE, KV_SAME_STRIDES, LEAN_PAGES, ROW_PATH)
         split = chunk < n_tiles
         slot = (b * num_kv_heads + h) * SPLITS + s
         _finish_task(acc, m_i, l_i, v_scale, split, slot, b, h, offs_m, offs_d, out_ptr, part_o_ptr,

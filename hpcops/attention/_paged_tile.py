@@ -1,8 +1,9 @@
 """The paged-KV tile routine that decode (`_decode_kernels.py`) and prefill (`_prefill_kernels.py`) share.
 
 Only @triton.jit helpers (inlined into their callers): the block-table lookup, the bad-block clamp,
-the K/V tile load (pointers or a TMA descriptor) and the online-softmax step in the exp2 domain. A
-new variant of the KV loop (sliding window, sinks, soft-cap) is written here once.
+the K/V tile load (pointers or a TMA descriptor) and the online-softmax step in the exp2 domain, with
+its one-query-row form (`_row_*`: decode's row path, no MMA, state per key slot). A new variant of the
+KV loop (sliding window, sinks, soft-cap) is written here once.
 
 A bad block id (< 0 or ≥ num_blocks) is never an address: `_clamp_block` maps it to block 0 and says
 which ids were good (decode's TMA rows put a bad page past the cache instead, where a descriptor
@@ -103,3 +104,31 @@ def _accumulate_pv(acc, alpha, p, v, PV_DTYPE: tl.constexpr, ACC_IN_DOT: tl.cons
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(PV_DTYPE), v.to(PV_DTYPE))
     return acc
+
+
+@triton.jit
+def _row_scores(q, k):
+    """q·kᵀ [BLOCK_N] fp32 of one query row q [D] fp32 and a K tile [BLOCK_N, D] on the CUDA cores (no
+    MMA): K widened to fp32 element by element (fp8 and 16-bit alike), reduced over d."""
+    return tl.sum(k.to(tl.float32) * q[None, :], 1)
+
+
+@triton.jit
+def _row_softmax_step(s, m_i, l_i):
+    """The online softmax of one query row kept per key slot: s, m_i, l_i [BLOCK_N] (masked keys at −inf).
+
+    Slot n sees key n of every step and is updated alone (no reduction over keys): returns
+    (p, alpha, m_new, l_new), all [BLOCK_N]; the caller rescales accumulator row n by alpha[n] and adds
+    p[n]·v[n]. A slot that has seen only masked keys keeps m = −inf and subtracts 0 instead (p = 0, no NaN).
+    """
+    m_new = tl.maximum(m_i, s)
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref)
+    return p, alpha, m_new, l_i * alpha + p
+
+
+@triton.jit
+def _row_accumulate_pv(acc, alpha, p, v):
+    """acc [BLOCK_N, D] fp32 (a row per key slot) rescaled by alpha [BLOCK_N] plus p[n]·v[n], V widened to fp32."""
+    return acc * alpha[:, None] + p[:, None] * v.to(tl.float32)

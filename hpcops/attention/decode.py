@@ -91,6 +91,17 @@ class DecodeConfig:
         128 / 256, q_len·G ≤ 16, an fp8 q over fp8 KV or a 16-bit q over the same 16-bit KV, task_desc on);
         elsewhere the `tl` kernel runs. Off until the H200 has measured it behind the plan (its split-KV probe:
         bench/results/README.md, "A Hopper (Gluon) decode tile").
+    row_path: where a (request, kv head) has one query row (q_len·G == 1: q_len 1 and as many q heads as
+        kv heads), its KV loop runs on the CUDA cores instead of padding the row to a min_rows-row MMA
+        tile: scores q·k as fp32 products summed over d (K widened to fp32 element by element), the
+        online softmax kept per key slot (block_n running maxima, sums and fp32 [block_n, D] accumulator
+        rows, each updated alone: no reduction over keys inside the loop), the slots merged into one row
+        at the end of each task. Both schedules; K/V through pointer loads (use_tma does not apply);
+        lean_loop None means on there, with lean_mode "tma" taken as "recompute". Elsewhere (q_len·G > 1)
+        ignored. sm90 registers a thread (fp8 KV, D 128, from ptxas: tests/test_decode_compile.py): ~222 on
+        4 warps (2 programs an SM), 165 without spills under max_regs 168 (3), ~128 on 8 warps; block_n 128
+        doubles the slot state (spills). Off by default until the H200 measures it (`hpcops tune
+        decode-grid --only h8/8`): at GQA 1 the MMA path reaches 0.58–0.86× FlashInfer's CUDA-core decode.
     plan_block_c, plan_warps, plan_block_b: launch of the plan kernel (`plan_decode`, once per step):
         plan entries (persistent programs) served per plan program (16..256: smaller = more plan
         programs, each with a smaller [plan_block_c, block] compare-count tile; 0 = by batch size,
@@ -120,6 +131,7 @@ class DecodeConfig:
     max_regs: int | None = None
     lean_pages: bool = True
     gluon: bool = False
+    row_path: bool = False
 
     def __post_init__(self):
         check_choice("DecodeConfig.lean_mode", self.lean_mode, LEAN_MODES)
@@ -317,10 +329,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
                out.stride(0), out.stride(1))
     num_warps = _CONFIG.num_warps or (4 if d <= 128 else 8)
+    row_path = _CONFIG.row_path and rows == 1
     want_tma = (not kv_fp8) if _CONFIG.use_tma is None else _CONFIG.use_tma
-    use_tma = want_tma and _tma_ok(k_cache, TILE) and _tma_ok(v_cache, TILE)
+    use_tma = want_tma and not row_path and _tma_ok(k_cache, TILE) and _tma_ok(v_cache, TILE)
     small_pages = _CONFIG.lean_pages and bs < TILE
-    lean = (kv_fp8 or use_tma or small_pages) if _CONFIG.lean_loop is None else _CONFIG.lean_loop
+    lean = (kv_fp8 or use_tma or small_pages or row_path) if _CONFIG.lean_loop is None else _CONFIG.lean_loop
     if use_tma:
         block_n = TILE
         descs = (kv_descriptor(k_cache, TILE), kv_descriptor(v_cache, TILE))
@@ -330,7 +343,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     recompute = lean and not use_tma and lean_mode != "hold"
     attn_knobs = dict(LEAN=lean, LEAN_RECOMPUTE=recompute,
                       KV_SAME_STRIDES=recompute and k_cache.stride()[:2] == v_cache.stride()[:2],
-                      LEAN_PAGES=_CONFIG.lean_pages)
+                      LEAN_PAGES=_CONFIG.lean_pages, ROW_PATH=row_path)
     if _CONFIG.max_regs is not None:  # a launch option (the interpreter drops it)
         attn_knobs["maxnreg"] = _CONFIG.max_regs
     if schedule == "static":

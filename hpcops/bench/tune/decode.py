@@ -66,11 +66,23 @@ def _on(kind: str, k: Knob) -> Knob:
     return replace(k, values=values)
 
 
+def _at_gqa1(*values: Any):
+    """A knob's values on GQA-1 scenarios (hq == hkv: one query row a kv head, where `row_path` acts), none
+    elsewhere (there the move would time the heuristic again)."""
+    return lambda base, s: values if s.hq == s.hkv else ()
+
+
 # One line per knob; `pps` = persistent programs per SM, `min_tiles` = the plan's tile floor per program.
 # num_warps None = the launcher's choice (4 for head_dim <= 128).
 DECODE_SPACE = (
     # the Gluon kernel (sm_90; where it applies, else the tl kernel runs and this re-times the default)
     knob("gluon", False, True),
+    # GQA 1 (one query row a kv head): the CUDA-core row path (DecodeConfig.row_path), alone, on 8 warps (half
+    # its [block_n, D] per-slot accumulator a thread: ~128 registers instead of ptxas's ~222 on fp8 KV, d 128)
+    # and capped at 168 registers for 3 programs an SM (fp8 KV: no spills; bf16 spills 72 bytes)
+    knob("row_path", values_fn=_at_gqa1(False, True)),
+    knob(("row_path", "num_warps"), values_fn=_at_gqa1((True, 8)), near=None),
+    knob(("row_path", "max_regs", "pps"), values_fn=_at_gqa1((True, 168, 3)), near=None),
     # pages smaller than a step (16, 32): the lean loop with a page id a key row, or the masked loop
     knob("lean_pages", True, False),
     # first (a --quick run reaches both): the lean loop's leaner addressing (DecodeConfig.lean_mode;
