@@ -5,8 +5,10 @@ rows, keys per step, task descriptors, lean loop and its addressing, register ca
 SM, minimum tiles per program, task cost and snap (`plan_decode`'s `num_programs`, `min_tiles`, `task_cost`,
 `snap`).
 Inputs are the suite's (`make_decode_inputs`, each layer its own caches); the gate compares the load-balanced
-schedule with the torch reference as the suite's check does; times are CUDA-graph replays (the bench's `hpcops`
-row), the plan outside the graph. `--knobs task_cost,snap,min_tiles` moves only those.
+schedule with the torch reference as the suite's check does; times are CUDA-graph replays of the bench's
+`hpcops-fp8q` row over fp8 KV (the prologue's fp8 q; tunes before 2026-12 timed the bf16-q `hpcops` row there,
+level within ~2 %) and its `hpcops` row over 16-bit KV, the plan outside the graph. `--knobs task_cost,snap,min_tiles`
+moves only those.
 
 The plan kernel's own launch (`DecodeConfig.plan_block_c`, `plan_warps`, `plan_block_b`) is tuned on
 separate `plan ...` scenarios (`--only plan`), which time the plan step alone: one graph of 8 plan
@@ -141,6 +143,12 @@ def _config_fields() -> tuple[str, ...]:
     return tuple(f.name for f in fields(DecodeConfig))
 
 
+def _query(x: dict[str, Any]):
+    """The q a scenario is timed with: over fp8 KV the prologue's fp8 q and its scales (the bench's
+    `hpcops-fp8q` row, the one issue 10's targets count, and the only one the Gluon kernel serves), else bf16."""
+    return (x["q8"], x["q_scale"]) if "q8" in x else (x["q"], None)
+
+
 class DecodeTune(TuneOp):
     name = "decode"
     timing = "graph"
@@ -198,9 +206,10 @@ class DecodeTune(TuneOp):
                                       num_programs=cand["pps"] * num_sms(x["q"].device),
                                       min_tiles=cand["min_tiles"], task_cost=cand["task_cost"],
                                       snap=cand["snap"])
-            return lambda: hpcops.decode_attention(x["q"], x["k_cache"], x["v_cache"], x["block_table"],
+            q, q_scale = _query(x)
+            return lambda: hpcops.decode_attention(q, x["k_cache"], x["v_cache"], x["block_table"],
                                                    x["seq_lens"], plan=plan, k_scale=x["k_scale"],
-                                                   v_scale=x["v_scale"], out=x["out"])
+                                                   v_scale=x["v_scale"], q_scale=q_scale, out=x["out"])
         return prepare
 
     def _prepare_plan(self, s: PlanScenario, cand: Candidate):
@@ -231,8 +240,9 @@ class DecodeTune(TuneOp):
         x["out"].fill_(float("nan"))
         got = self.prepare(s, cand)(x)()
         if "reference" not in x:
-            x["reference"] = ref.decode_attention(x["q"], x["k_cache"], x["v_cache"], x["block_table"],
-                                                  x["seq_lens"], k_scale=x["k_scale"], v_scale=x["v_scale"])
+            q, q_scale = _query(x)
+            x["reference"] = ref.decode_attention(q, x["k_cache"], x["v_cache"], x["block_table"], x["seq_lens"],
+                                                  k_scale=x["k_scale"], v_scale=x["v_scale"], q_scale=q_scale)
         assert_close(x["reference"], got, name=f"decode [{name}]")
 
 
