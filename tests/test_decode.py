@@ -855,3 +855,14 @@ def test_gluon_reasons_name_what_does_not_fit(device):
     assert why is not None
     if device == "cuda" and torch.cuda.get_device_capability()[0] == 9:
         assert "block_size 16" in why
+
+
+def test_bench_gluon_row_is_unavailable_where_the_kernel_does_not_apply():
+    """The decode bench's `hpcops-gluon` row says why it cannot run (here: no CUDA device) instead of timing the tl
+    kernel under the Gluon name."""
+    from hpcops.bench.registry import PeerUnavailable
+    from hpcops.bench.suites import decode as suite
+
+    x = suite.make_decode_inputs([100, 30], 8, 1, True, seed=0, device="cpu")
+    with pytest.raises(PeerUnavailable, match="the Gluon kernel does not apply here: not a CUDA device"):
+        suite._gluon(x)
