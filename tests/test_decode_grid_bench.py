@@ -79,9 +79,10 @@ def test_cases_rows_and_commands():
     cases = list(grid.cases({"quick": True}))
     fp8 = next(c for c in cases if c.params["kv"] == "fp8")
     bf16 = next(c for c in cases if c.params["kv"] == "bf16")
-    assert [i.name for i in fp8.impls] == ["hpcops-fp8q", "hpcops", "flashinfer-decode", "flashinfer-tc",
-                                           "vllm-unified"]
-    assert [i.name for i in bf16.impls] == ["hpcops", "flashinfer-decode", "flashinfer-tc", "vllm-unified"]
+    assert [i.name for i in fp8.impls] == ["hpcops-fp8q", "hpcops", "hpcops-gluon", "flashinfer-decode",
+                                           "flashinfer-tc", "vllm-unified"]
+    assert [i.name for i in bf16.impls] == ["hpcops", "hpcops-gluon", "flashinfer-decode", "flashinfer-tc",
+                                            "vllm-unified"]
     assert all(i.timing == "graph" for c in cases for i in c.impls)
     assert fp8.command == f"hpcops bench decode --grid --only '{fp8.name}'"
     assert SUITES["decode-grid"] == "hpcops.bench.suites.decode_grid"
@@ -272,8 +273,9 @@ def test_suite_runs_through_the_runner(tiny, hermetic_peers, monkeypatch, device
     res = runner.run_suite("decode-grid", {"quick": True, "layers": 1}, only="h16/1 d128 p64 fp8",
                            progress=False, machine={"gpu": "cpu", "copy_gbps": 1000.0})
     status = {r.impl: r.status for r in res.rows}
-    assert [r.case for r in res.rows][0] == "3x70 h16/1 d128 p64 fp8" and len(res.rows) == 5
+    assert [r.case for r in res.rows][0] == "3x70 h16/1 d128 p64 fp8" and len(res.rows) == 6
     assert status["hpcops-fp8q"] == status["hpcops"] == "ok"
+    assert status["hpcops-gluon"].startswith("unavailable: the Gluon kernel does not apply here")
     assert status["flashinfer-decode"].startswith("unavailable: flashinfer not importable")
     (s,) = grid.summarize(res)
     if status["vllm-unified"] == "ok":

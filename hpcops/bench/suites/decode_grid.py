@@ -16,6 +16,8 @@ the `decode` suite):
 - `hpcops-fp8q` (fp8 KV only; first, so `x ours` is against it) — the decode with the fp8 q our fused
   prologue emits: on fp8 KV it is the row the targets count (issue 10);
 - `hpcops` — the decode with a bf16 q (the row the targets count on bf16 KV);
+- `hpcops-gluon` — the decode on the Hopper kernel (`DecodeConfig.gluon`; the bench `decode` suite's row), not yet
+  in the verdict;
 - `flashinfer-decode` / `flashinfer-tc` — FlashInfer's BatchDecodeWithPagedKVCacheWrapper without and
   with tensor cores, planned outside the graph (the `decode` suite's adapter);
 - `vllm-unified` — vLLM's Triton unified attention (`.peers/vllm_kernels`, vendored with
@@ -59,7 +61,7 @@ from hpcops.attention import reference as ref
 from hpcops.bench.registry import Case, Impl, PeerUnavailable, import_vendored
 from hpcops.bench.scenarios import log_uniform_lens, parse_lengths
 from hpcops.bench.suites._moe_common import VENDOR_VLLM
-from hpcops.bench.suites.decode import _flashinfer, _ours, make_decode_inputs
+from hpcops.bench.suites.decode import _flashinfer, _gluon, _ours, make_decode_inputs
 from hpcops.testing import assert_close
 
 SUITE = "decode-grid"
@@ -264,6 +266,8 @@ def impls(c: GridCase) -> list[Impl]:
     ours = [Impl("hpcops", _ours("dynamic"), ours=True)]
     if c.fp8:
         ours.insert(0, Impl("hpcops-fp8q", _ours("dynamic", fp8q=True), ours=True))
+    # the Hopper kernel (DecodeConfig.gluon) beside them, not yet in the verdict: unavailable where it does not apply
+    ours.append(Impl("hpcops-gluon", _gluon, ours=True))
     return ours + [Impl("flashinfer-decode", gated_peer("flashinfer-decode", _flashinfer(False))),
                    Impl("flashinfer-tc", gated_peer("flashinfer-tc", _flashinfer(True))),
                    Impl(VLLM, gated_peer(VLLM, vllm_unified), note=VLLM_NOTE)]
