@@ -828,7 +828,10 @@ def test_tune_plan_scenarios_gate_their_candidates(device):
 # fp16 at head_dim 256 on 256-token pages
 GLUON_CASES = [Case((3000, 70, 0, 1), 8, 1, 128, 64, kv="fp8q", programs=9, min_tiles=2),
                Case((65, 0, 130, 64, 8), 2, 1, 64, 64, q_len=8, programs=5, min_tiles=1),
-               CASES[3], CASES[5], Case((500, 129), 8, 1, 128, 128, kv="bf16", programs=7, min_tiles=1)]
+               CASES[3], CASES[5], Case((500, 129), 8, 1, 128, 128, kv="bf16", programs=7, min_tiles=1),
+               # pages under a tile: one TMA box a page
+               Case((700, 33, 0), 8, 1, 128, 16, kv="fp8q", programs=6, min_tiles=1),
+               Case((260, 64, 1), 4, 2, 64, 32, q_len=2, kv="bf16", programs=5, min_tiles=1)]
 
 
 @pytest.mark.gpu
@@ -849,12 +852,12 @@ def test_gluon_reasons_name_what_does_not_fit(device):
     """Where the Gluon kernel does not apply, the launcher says why (and runs the tl kernel)."""
     from hpcops.attention.decode import gluon_unsupported_reason
 
-    kv = make_paged_kv([100], num_kv_heads=1, head_dim=64, block_size=16, device=device)
-    q = torch.randn(1, 8, 64, device=device).bfloat16()
+    kv = make_paged_kv([100], num_kv_heads=1, head_dim=96, block_size=16, device=device)
+    q = torch.randn(1, 8, 96, device=device).bfloat16()
     why = gluon_unsupported_reason(q, kv.k_cache, kv.v_cache, 8)
     assert why is not None
     if device == "cuda" and torch.cuda.get_device_capability()[0] == 9:
-        assert "block_size 16" in why
+        assert "head_dim 96" in why
 
 
 def test_bench_gluon_row_is_unavailable_where_the_kernel_does_not_apply():

@@ -184,6 +184,8 @@ GLUON_BUILDS = {  # name: (KV dtype, q dtype, head_dim, q rows padded, q_len, G,
     "fp8q-d128-q2-16rows": ("fp8", "fp8", 128, 16, 2, 8, 3, 64),
     "bf16-d256-2buf": ("bf16", "bf16", 256, 8, 1, 8, 2, 64),
     "fp8q-d64-page256": ("fp8", "fp8", 64, 8, 1, 8, 3, 256),
+    "fp8q-d128-page16": ("fp8", "fp8", 128, 8, 1, 8, 3, 16),
+    "bf16-d128-page32": ("bf16", "bf16", 128, 8, 1, 8, 3, 32),
 }
 
 
@@ -195,8 +197,9 @@ from hpcops.testing import compile_gluon_sm90, sm90_resources
 
 kv, qd, d, nq, q_len, g, stages, page = json.loads(sys.argv[1])
 names = {"fp8": ("fp8e4nv", gl.float8e4nv), "bf16": ("bf16", gl.bfloat16)}
-layout = gl.NVMMASharedLayout.get_default_for([64, d], names[kv][1])
-desc = f"tensordesc<{names[kv][0]}[64, {d}],{layout}>"
+box = min(64, page)  # the launcher's TMA box: a 64-key tile, or a page under 64 tokens
+layout = gl.NVMMASharedLayout.get_default_for([box, d], names[kv][1])
+desc = f"tensordesc<{names[kv][0]}[{box}, {d}],{layout}>"
 sig = dict(q_ptr="*" + names[qd][0], k_desc=desc, v_desc=desc, bt_ptr="*i32", seq_lens_ptr="*i32",
            out_ptr="*bf16", part_o_ptr="*fp32", part_lse_ptr="*fp32", task_desc_ptr="*i32", q_scale_ptr="*fp32",
            k_scale_ptr="*fp32", v_scale_ptr="*fp32", sm_scale_log2="fp32")
@@ -226,5 +229,6 @@ def test_gluon_decode_kernel_builds_for_sm90(name):
     k_steps = d // (32 if kv == "fp8" else 16)  # Sᵀ = K·qᵀ: one wgmma per K step
     pv = (d // 64) * 4  # Oᵀ += Vᵀ·Pᵀ: D/64 row blocks (4 warps × 16) × 64 keys / 16
     assert r["spill_bytes"] == 0 and 0 < r["registers"] <= 168, r
-    assert r["wgmma"] == k_steps + pv and r["tma_loads"] == 2 * stages, r
+    boxes = max(1, 64 // page)  # TMA boxes a tile, for K and for V
+    assert r["wgmma"] == k_steps + pv and r["tma_loads"] == 2 * stages * boxes, r
     assert r["shared"] <= 160 * 1024, r

@@ -6,7 +6,8 @@ a 16-row mma.sync tile, widens fp8 K to fp16 and spends ~2 µs a 64-key tile wit
 Gluon probe of this tile streamed 64x4K h8/1 fp8 at 2.96 TB/s (22.6 µs before its combine, against 35.4).
 
 The tile, per 64 keys of one (request, kv head): K and V arrive by TMA (the cache as 2-D [blocks·page, token row]
-as `_tma.py` describes; a bad page id reads past the cache, where TMA fills zeros), STAGES buffers deep on
+as `_tma.py` describes, one box a tile, or one a page on pages of 16 or 32 tokens; a bad page id reads past the
+cache, where TMA fills zeros), STAGES buffers deep on
 mbarriers, issued STAGES − 1 tiles ahead inside a task. Sᵀ [64 keys, NQ rows] = K · qᵀ is one wgmma with the
 keys on its 64-row M side and the NQ q rows (q_len·G padded to 8 or 16) as N: fp8 K with the fp8 q of the
 prologue, or 16-bit K with a 16-bit q, K never widened. The online softmax runs per column (a q row). Oᵀ [D, NQ]
@@ -27,15 +28,41 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 @gluon.jit
 def _issue_tile(k_desc, v_desc, k_smem, v_smem, bars, bt_row, bt_width, num_blocks, tile, k_col, v_col, slot,
                 ok, PAGE: gl.constexpr, TILE: gl.constexpr, KV_BYTES: gl.constexpr):
-    """TMA of K and V tile `tile` of one request into buffer `slot` (nothing when not `ok`)."""
-    col = tile * TILE // PAGE
-    page = gl.load(bt_row + col, mask=ok & (col < bt_width), other=-1)
-    good = (page >= 0) & (page < num_blocks)
-    row0 = gl.where(good, page, num_blocks) * PAGE + (tile * TILE) % PAGE  # a bad page: past the cache (zeros)
+    """TMA of K and V tile `tile` of one request into buffer `slot` (nothing when not `ok`): one box of TILE
+    rows inside a page, or over pages smaller than a tile one [PAGE, D] box a page (the descriptors' box)."""
     bar = bars.index(slot)
     mbarrier.expect(bar, KV_BYTES, pred=ok)
-    tma.async_copy_global_to_shared(k_desc, [row0, k_col], bar, k_smem.index(slot), pred=ok)
-    tma.async_copy_global_to_shared(v_desc, [row0, v_col], bar, v_smem.index(slot), pred=ok)
+    if PAGE >= TILE:
+        col = tile * TILE // PAGE
+        page = gl.load(bt_row + col, mask=ok & (col < bt_width), other=-1)
+        good = (page >= 0) & (page < num_blocks)
+        row0 = gl.where(good, page, num_blocks) * PAGE + (tile * TILE) % PAGE  # a bad page: past the cache (zeros)
+        tma.async_copy_global_to_shared(k_desc, [row0, k_col], bar, k_smem.index(slot), pred=ok)
+        tma.async_copy_global_to_shared(v_desc, [row0, v_col], bar, v_smem.index(slot), pred=ok)
+    else:
+        for sub in gl.static_range(TILE // PAGE):
+            col = tile * (TILE // PAGE) + sub
+            page = gl.load(bt_row + col, mask=ok & (col < bt_width), other=-1)
+            good = (page >= 0) & (page < num_blocks)
+            row0 = gl.where(good, page, num_blocks) * PAGE
+            tma.async_copy_global_to_shared(k_desc, [row0, k_col], bar, k_smem.index(slot).slice(sub * PAGE, PAGE),
+                                            pred=ok)
+            tma.async_copy_global_to_shared(v_desc, [row0, v_col], bar, v_smem.index(slot).slice(sub * PAGE, PAGE),
+                                            pred=ok)
+
+
+@gluon.jit
+def _page_good(bt_row, bt_width, num_blocks, tile, keys, PAGE: gl.constexpr, TILE: gl.constexpr):
+    """Whether each key of tile `tile` (`keys` [TILE] in some layout) sits on a good page id."""
+    if PAGE >= TILE:
+        col = tile * TILE // PAGE
+        page = gl.load(bt_row + col, mask=col < bt_width, other=-1)
+        good = (page >= 0) & (page < num_blocks)
+        return (keys >= 0) & good
+    else:
+        col = tile * (TILE // PAGE) + keys // PAGE
+        page = gl.load(bt_row + col, mask=col < bt_width, other=-1)
+        return (page >= 0) & (page < num_blocks)
 
 
 @gluon.jit
@@ -135,14 +162,12 @@ def decode_gluon_kernel(
             _issue_tile(k_desc, v_desc, k_smem, v_smem, bars, bt_row, bt_width, num_blocks, lo + j, k_col, v_col,
                         (used + j) % STAGES, j < n, PAGE, TILE, KV_BYTES)
             tile = lo + i
-            col = tile * TILE // PAGE
-            page = gl.load(bt_row + col, mask=col < bt_width, other=-1)
-            good = (page >= 0) & (page < num_blocks)
             s = (used + i) % STAGES
             mbarrier.wait(bars.index(s), phase=((used + i) // STAGES) & 1)
             st = warpgroup_mma(k_smem.index(s), q_t, gl.zeros([TILE, NQ], gl.float32, layout=s_layout), use_acc=False)
             key = tile * TILE + key_s
-            seen = (key[:, None] <= last_s[None, :]) & good
+            good_s = _page_good(bt_row, bt_width, num_blocks, tile, key_s, PAGE, TILE)
+            seen = (key[:, None] <= last_s[None, :]) & good_s[:, None]
             st = gl.where(seen, st * s_scale[None, :], float("-inf"))
             m_new = gl.maximum(m_i, gl.max(st, axis=0))
             m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -153,7 +178,7 @@ def decode_gluon_kernel(
             p_smem.store(gl.permute(p.to(PV), (1, 0)))
             fence_async_shared()
             vt = v_smem.index(s).permute((1, 0)).load(vt_layout)  # [D, TILE]
-            v_ok = (tile * TILE + key_v < kv_len) & good
+            v_ok = (tile * TILE + key_v < kv_len) & _page_good(bt_row, bt_width, num_blocks, tile, key_v, PAGE, TILE)
             vt = gl.where(v_ok[None, :], vt.to(PV), 0.0).to(PV)
             o = o * gl.convert_layout(alpha, cols_o)[None, :]
             o = warpgroup_mma(vt, p_t, o)

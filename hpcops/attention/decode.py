@@ -87,7 +87,8 @@ class DecodeConfig:
         grid tune, bench/results/decode-grid_tune_p16.md, _p32.md).
     gluon: the dynamic schedule's attention kernel in Gluon on Hopper (`_decode_gluon.py`: TMA-fed K/V tiles, a
         swap-AB wgmma tile with the keys on the MMA's 64-row side, fp8 K never widened) where it applies
-        (`gluon_unsupported_reason`: an sm_90 GPU, pages of a multiple of 64 tokens readable by TMA, head_dim 64 /
+        (`gluon_unsupported_reason`: an sm_90 GPU, pages of 8–64 tokens dividing 64 or a multiple of 64, readable by
+        TMA (pages under 64 tokens: one TMA box a page), head_dim 64 /
         128 / 256, q_len·G ≤ 16, an fp8 q over fp8 KV or a 16-bit q over the same 16-bit KV, task_desc on);
         elsewhere the `tl` kernel runs. Off until the H200 has measured it behind the plan (its split-KV probe:
         bench/results/README.md, "A Hopper (Gluon) decode tile").
@@ -270,8 +271,11 @@ def gluon_unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         return f"q dtype {q.dtype} differs from the KV dtype {k_cache.dtype}"
     if not _CONFIG.task_desc:
         return "DecodeConfig.task_desc is off"
+    page = k_cache.shape[1]
+    if page < TILE and (page < 8 or TILE % page):
+        return f"block_size {page} (pages of 8–64 tokens must divide the 64-key tile)"
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        why = tma_unsupported_reason(cache, TILE)
+        why = tma_unsupported_reason(cache, min(TILE, page))
         if why is not None:
             return f"{name}: {why}"
     return None
@@ -401,7 +405,8 @@ def _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, out, part_o, part_
     # K and V buffers of 64 keys: 3 deep where they fit beside other programs, 2 for 16-bit KV at head_dim 256
     stages = 2 if (not kv_fp8 and d > 128) else 3
     decode_gluon_kernel[(plan.num_programs,)](
-        q, gluon_kv_descriptor(k_cache, TILE), gluon_kv_descriptor(v_cache, TILE), block_table, seq_lens, out,
+        q, gluon_kv_descriptor(k_cache, min(TILE, bs)), gluon_kv_descriptor(v_cache, min(TILE, bs)), block_table,
+        seq_lens, out,
         part_o, part_lse, plan.task_desc, q_scale if q_scale is not None else seq_lens, *args_kv,
         sm_scale * LOG2E, seq_lens.shape[0], q.shape[1], block_table.shape[1], nb,
         q.stride(0), q.stride(1), k_cache.stride(2), v_cache.stride(2), block_table.stride(0),
