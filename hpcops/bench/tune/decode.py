@@ -79,6 +79,8 @@ def _at_gqa1(*values: Any):
 DECODE_SPACE = (
     # the Gluon kernel (sm_90; where it applies, else the tl kernel runs and this re-times the default)
     knob("gluon", False, True),
+    # with more programs an SM (its ~85 registers leave room; the split-KV probe was fastest at ~4 an SM)
+    knob(("gluon", "pps"), (True, 3), (True, 4), (True, 6), near=None),
     # GQA 1 (one query row a kv head): the CUDA-core row path (DecodeConfig.row_path), alone, on 8 warps (half
     # its [block_n, D] per-slot accumulator a thread: ~128 registers instead of ptxas's ~222 on fp8 KV, d 128)
     # and capped at 168 registers for 3 programs an SM (fp8 KV: no spills; bf16 spills 72 bytes)
