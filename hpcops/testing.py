@@ -240,3 +240,25 @@ def compile_launch(fn, desc: dict, *, capability: int = 90):
     return triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", capability, 32),
                           options={"num_warps": desc["num_warps"], "num_stages": desc["num_stages"],
                                    "launch_pdl": desc["launch_pdl"]})
+
+
+def sm90_resources(compiled) -> dict[str, int]:
+    """Registers a thread and spilled bytes (stack + local, from the cubin through Triton's bundled cuobjdump: no
+    GPU needed) and shared memory of a kernel `triton.compile`d for a CUDA target."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+    try:
+        cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
+    finally:
+        os.remove(f.name)
+    found = re.search(r"REG:(\d+) STACK:(\d+) .*LOCAL:(\d+)", usage)
+    regs, stack, local = map(int, found.groups()) if found else (-1, -1, -1)
+    return {"registers": regs, "spill_bytes": stack + local, "shared": compiled.metadata.shared}

@@ -22,10 +22,7 @@ import argparse
 import json
 import math
 import os
-import re
-import subprocess
 import sys
-import tempfile
 
 import torch
 import triton
@@ -191,17 +188,10 @@ def compile_only(stages: int) -> dict:
     src = GluonASTSource(gluon_decode_split_kernel, sig, constexprs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     ptx = k.asm["ptx"]
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(k.asm["cubin"])
-    try:
-        cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-        usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
-    finally:
-        os.remove(f.name)
-    found = re.search(r"REG:(\d+) STACK:(\d+) .*LOCAL:(\d+)", usage)
-    regs, stack, local = map(int, found.groups()) if found else (-1, -1, -1)
-    return {"stages": stages, "registers": regs, "spill_bytes": stack + local, "shared": k.metadata.shared,
-            "wgmma": ptx.count("wgmma.mma_async"), "tma_loads": ptx.count("cp.async.bulk.tensor")}
+    from hpcops.testing import sm90_resources
+
+    return {"stages": stages, **sm90_resources(k), "wgmma": ptx.count("wgmma.mma_async"),
+            "tma_loads": ptx.count("cp.async.bulk.tensor")}
 
 
 def main(argv=None) -> int:
