@@ -16,11 +16,12 @@ import textwrap
 import pytest
 
 SCRIPT = textwrap.dedent(r"""
-import inspect, json, os, re, subprocess, sys, tempfile
+import inspect, json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from hpcops.attention import _decode_kernels as K
+from hpcops.testing import sm90_resources
 
 PTRS = {"q_ptr": "Q", "k_ptr": "KV", "v_ptr": "KV", "bt_ptr": "i32", "seq_lens_ptr": "i32", "out_ptr": "bf16",
         "part_o_ptr": "fp32", "part_lse_ptr": "fp32", "header_ptr": "i32", "cum_ptr": "i32", "first_b_ptr": "i32",
@@ -53,18 +54,10 @@ def build(kernel, q, kv, tma, const, warps, stages, maxnreg=None):
     options = {"num_warps": warps, "num_stages": stages, "maxnreg": maxnreg}
     cc = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     ptx = cc.asm["ptx"]
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(cc.asm["cubin"])
-    try:
-        cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-        usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
-    finally:
-        os.remove(f.name)
-    found = re.search(r"REG:(\d+) STACK:(\d+) .*LOCAL:(\d+)", usage)
-    regs, stack, local = map(int, found.groups()) if found else (-1, -1, -1)
-    return {"regs": regs, "spill_bytes": stack + local,
+    res = sm90_resources(cc)
+    return {"regs": res["registers"], "spill_bytes": res["spill_bytes"],
             "cp_async": ptx.count("cp.async.c"), "tma": ptx.count("cp.async.bulk.tensor"),
-            "local": ptx.count("st.local"), "smem": cc.metadata.shared, "griddep": ptx.count("griddepcontrol")}
+            "local": ptx.count("st.local"), "smem": res["shared"], "griddep": ptx.count("griddepcontrol")}
 
 out = {}
 for name, v in json.loads(sys.argv[1]).items():
