@@ -1,0 +1,157 @@
+"""Decode attention's other kernels: the GQA-1 row path (DecodeConfig.row_path) and the Hopper Gluon kernel
+(DecodeConfig.gluon), against the torch reference. Split from test_decode.py so the GPU tier (one process a
+file) runs them beside the rest.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_decode import CASES, Case, _gpu_real_sizes, _inputs, _vid, _with_config
+from test_decode import test_decode_matches_reference as _decode_matches_reference
+from test_decode_paths import _bad_page_ids, _nan_past_the_end
+
+from hpcops.testing import make_paged_kv
+
+# ---------------------------------------------------------------- GQA 1: the row path (DecodeConfig.row_path)
+ROW = dict(row_path=True)
+# one query row a (request, kv head): q_len 1, as many q heads as kv heads
+ROW_CASES = [
+    Case((1, 63, 65, 200), 4, 4, 64, 16),                                 # page 16 ±1, a 1-token request
+    Case((129, 1, 0, 64), 2, 2, 64, 64, kv="fp16"),                       # empty + 1-token requests, page 64
+    Case((300, 17, 0), 2, 2, 128, 64, kv="fp8"),                          # fp8 KV, head_dim 128
+    Case((127, 128, 129), 3, 3, 64, 16, kv="fp8q"),                       # fp8 query, page 16
+    Case((1000, 70), 2, 2, 128, 64, kv="fp8q", programs=7, min_tiles=1),  # a long request split 7 ways
+    Case((1000,), 1, 1, 64, 64, programs=5, min_tiles=1),                 # one request split 5 ways, bf16
+    Case((90, 33), 3, 3, 96, 32, packed=False),                           # head_dim 96 (padded), page 32
+    Case((257, 5), 2, 2, 256, 256, kv="fp16"),                            # head_dim 256, page 256
+    Case((300, 40), 1, 1, 256, 16, kv="fp8", programs=4, min_tiles=1),    # head_dim 256 on 16-token pages
+]
+# the lean loop on (the row path's default: offsets rebuilt each step) and off (the masked loop alone), held
+# offsets, the old tile walk, 128-key steps (the masked loop; use_tma is ignored by the row path)
+ROW_VARIANTS = [ROW, dict(ROW, lean_loop=False), dict(ROW, lean_mode="hold"), dict(ROW, task_desc=False),
+                dict(ROW, block_n=128, use_tma=True)]
+
+
+@pytest.mark.parametrize("variant", ROW_VARIANTS, ids=_vid)
+@pytest.mark.parametrize("case", ROW_CASES, ids=lambda c: c.id)
+def test_row_path_matches_reference(case, variant, device):
+    with _with_config(variant):
+        for schedule in ("dynamic", "static"):
+            _decode_matches_reference(case, schedule, device)
+
+
+@pytest.mark.parametrize("variant", ROW_VARIANTS[:2], ids=_vid)
+@pytest.mark.parametrize("bs", [64, 16])
+def test_row_path_nan_past_the_end_never_reaches_output(variant, bs, device):
+    _nan_past_the_end(variant, 1, bs, 1, device)
+
+
+@pytest.mark.parametrize("variant", ROW_VARIANTS[:2], ids=_vid)
+@pytest.mark.parametrize("bs", [64, 16])
+def test_row_path_bad_page_ids_are_not_read(variant, bs, device, monkeypatch):
+    _bad_page_ids(variant, bs, 1, device, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", [ROW, dict(ROW, num_warps=8), dict(ROW, max_regs=168)], ids=_vid)
+@pytest.mark.parametrize("spec, fp8", [("2x32K+30x4K", True), ("64x4K", False), ("32x0.125K+32x4K", True)],
+                         ids=lambda v: str(v))
+def test_gpu_row_path_real_sizes(spec, fp8, variant):
+    """The row path at h8/8 (GQA 1) at real sizes, as the tune moves it (alone, 8 warps, 168 registers)."""
+    with _with_config(variant):
+        _gpu_real_sizes(spec, 8, 8, fp8)
+
+
+def test_row_path_is_taken(device, monkeypatch):
+    """With row_path on, a GQA-1 batch goes through the row path (its per-slot merge runs once a task);
+    by default (None) over fp8 KV only; off, or at GQA 2 or q_len 2, never. CPU tier only: an interpreted kernel reads its helpers from the
+    module when it runs, so a counting wrapper sees the calls."""
+    if device != "cpu":
+        pytest.skip("counts helper calls of interpreted kernels")
+    from hpcops.attention import _decode_kernels as kernels
+
+    calls = []
+    merge = kernels._merge_slots
+    monkeypatch.setattr(kernels, "_merge_slots", lambda *a: calls.append(1) or merge(*a))
+    for variant, case, taken in ((ROW, ROW_CASES[2], True), (dict(row_path=False), ROW_CASES[2], False),
+                                 ({}, ROW_CASES[2], True), ({}, ROW_CASES[1], False), (ROW, ROW_CASES[1], True),
+                                 (ROW, Case((300, 17), 4, 2, 64, 64), False),
+                                 (ROW, Case((300, 17), 2, 2, 64, 64, q_len=2), False)):
+        for schedule in ("dynamic", "static"):
+            calls.clear()
+            with _with_config(variant):
+                _decode_matches_reference(case, schedule, device)
+            assert bool(calls) == taken, (variant, case.id, schedule, len(calls))
+
+
+def test_tune_plan_scenarios_gate_their_candidates(device):
+    """`hpcops tune decode --only plan`: every plan-launch candidate builds the reference's tables (CPU
+    tier: interpreted; GPU tier: natively), inside its context, and leaves the process-wide config as it was."""
+    from hpcops.attention import decode as dec
+    from hpcops.bench.tune import get_op
+    from hpcops.bench.tune.decode import PlanScenario
+    from hpcops.bench.tune.engine import Limits, phase_a
+    from hpcops.bench.tune.space import label
+
+    op = get_op("decode")
+    assert any(isinstance(s, PlanScenario) for s in op.scenarios(True))
+    s = PlanScenario("40x100+3x0", 2)
+    x = op.make_inputs(s, 0, device)
+    cands = [c for _, c in phase_a(op, s, Limits.of(False, False))]
+    moved = {k for c in cands[1:] for k, v in c.items() if cands[0][k] != v}
+    assert moved == {"plan_block_c", "plan_warps", "plan_block_b", "plan_one_pass", "task_desc"}
+    before = dec.decode_config()
+    for c in cands:
+        with op.context(c):
+            op.gate(s, x, c, label(c, cands[0]))
+            assert op.prepare(s, c)(x)().has_desc == c["task_desc"]
+    assert dec.decode_config() == before
+
+
+# the Gluon kernel's cases (DecodeConfig.gluon): Hy3's TP8 rank with the prologue's fp8 q (one long request split
+# over programs, a short one, an empty one), 16-bit KV with q_len 8 (causal edges, 16 q rows), GQA 16 with fp8 q,
+# fp16 at head_dim 256 on 256-token pages
+GLUON_CASES = [Case((3000, 70, 0, 1), 8, 1, 128, 64, kv="fp8q", programs=9, min_tiles=2),
+               Case((65, 0, 130, 64, 8), 2, 1, 64, 64, q_len=8, programs=5, min_tiles=1),
+               CASES[3], CASES[5], Case((500, 129), 8, 1, 128, 128, kv="bf16", programs=7, min_tiles=1),
+               # pages under a tile: one TMA box a page
+               Case((700, 33, 0), 8, 1, 128, 16, kv="fp8q", programs=6, min_tiles=1),
+               Case((260, 64, 1), 4, 2, 64, 32, q_len=2, kv="bf16", programs=5, min_tiles=1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: c.id)
+def test_gpu_gluon_kernel_matches_reference(case):
+    """On an sm_90 GPU these cases take the Gluon kernel (no silent fallback) and match the torch reference."""
+    from hpcops.attention.decode import gluon_unsupported_reason
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon decode kernel is sm_90 only (wgmma)")
+    q, _, kv = _inputs(case, "cuda")
+    assert gluon_unsupported_reason(q, kv.k_cache, kv.v_cache, case.q_len * case.hq // case.hkv) is None
+    with _with_config(dict(gluon=True)):
+        _decode_matches_reference(case, "dynamic", "cuda")
+
+
+def test_gluon_reasons_name_what_does_not_fit(device):
+    """Where the Gluon kernel does not apply, the launcher says why (and runs the tl kernel)."""
+    from hpcops.attention.decode import gluon_unsupported_reason
+
+    kv = make_paged_kv([100], num_kv_heads=1, head_dim=96, block_size=16, device=device)
+    q = torch.randn(1, 8, 96, device=device).bfloat16()
+    why = gluon_unsupported_reason(q, kv.k_cache, kv.v_cache, 8)
+    assert why is not None
+    if device == "cuda" and torch.cuda.get_device_capability()[0] == 9:
+        assert "head_dim 96" in why
+
+
+def test_bench_gluon_row_is_unavailable_where_the_kernel_does_not_apply():
+    """The decode bench's `hpcops-gluon` row says why it cannot run (here: no CUDA device) instead of timing the tl
+    kernel under the Gluon name."""
+    from hpcops.bench.registry import PeerUnavailable
+    from hpcops.bench.suites import decode as suite
+
+    x = suite.make_decode_inputs([100, 30], 8, 1, True, seed=0, device="cpu")
+    with pytest.raises(PeerUnavailable, match="the Gluon kernel does not apply here: not a CUDA device"):
+        suite._gluon(x)

@@ -1,0 +1,155 @@
+"""Decode attention's launch paths beside the default one: the knob variants (old kernels, lean loop modes,
+register caps), NaN and bad page ids per path, the GQA-1 row path and the Gluon kernel. Split from
+test_decode.py so the GPU tier (one process a file) runs them side by side.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_decode import CASES, FP8, LEGACY, Case, _vid, _with_config
+from test_decode import test_decode_matches_reference as _decode_matches_reference
+
+import hpcops
+from hpcops.attention import reference as ref
+from hpcops.testing import assert_close, make_paged_kv, nan_like
+
+# ---------------------------------------------------------------- knob variants (task_desc, lean_loop)
+# the defaults run in every test above (task_desc, lean loop on fp8 KV, one-pass 16-entry plan); here the
+# old kernels and plan, the lean loop on 16-bit KV too, and the old tile walk with the auto-launch plan;
+# the lean loop's other addressing modes (offsets rebuilt each step; whole tiles through TMA)
+VARIANTS = [LEGACY, dict(lean_loop=True), dict(task_desc=False, lean_loop=False, plan_block_c=0),
+            dict(lean_loop=True, lean_mode="recompute"), dict(lean_loop=True, lean_mode="tma", use_tma=True),
+            # the Gluon kernel where it applies (GPU tier, sm_90; elsewhere, the CPU tier included, the tl kernel)
+            dict(gluon=True)]
+# cases where the lean loop applies (pages >= 64 tokens, and smaller ones with lean_pages): causal edges
+# across a tile boundary (q_len 8 at 65 tokens), empty and exactly-one-tile requests, odd GQA, head_dim 96,
+# long splits
+VARIANT_CASES = [CASES[2], CASES[3], CASES[5], CASES[7], CASES[6],
+                 Case((65, 0, 130, 64, 8), 8, 1, 64, 64, q_len=8, programs=5, min_tiles=1),
+                 Case((200, 3, 0, 127), 6, 2, 64, 128, q_len=2, kv="fp8", programs=7, min_tiles=1),
+                 Case((1000, 70), 8, 1, 96, 64, kv="fp8q", programs=7, min_tiles=2),
+                 # pages smaller than a step (DecodeConfig.lean_pages): a step spans 4 / 2 pages
+                 Case((65, 0, 130, 64, 8, 300), 8, 1, 64, 16, q_len=8, kv="fp8", programs=5, min_tiles=1),
+                 Case((200, 3, 0, 127), 6, 2, 64, 32, q_len=2, kv="fp8q", programs=7, min_tiles=1)]
+
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=_vid)
+@pytest.mark.parametrize("case", VARIANT_CASES, ids=lambda c: c.id)
+def test_decode_variants_match_reference(case, variant, device):
+    with _with_config(variant):
+        _decode_matches_reference(case, "dynamic", device)
+        if variant.get("lean_loop"):
+            _decode_matches_reference(case, "static", device)
+
+
+def test_lean_mode_and_max_regs_errors():
+    from hpcops.attention import decode as dec
+
+    with pytest.raises(ValueError, match="DecodeConfig.lean_mode"):
+        dec.set_decode_config(lean_mode="shared")
+    for bad in (16, 256, True, 168.0):
+        with pytest.raises(ValueError, match="DecodeConfig.max_regs"):
+            dec.set_decode_config(max_regs=bad)
+    assert dec.decode_config() == dec.DecodeConfig()  # a rejected change leaves the config as it was
+
+
+def test_max_regs_launches(device):
+    """A register cap is a launch option (ptxas .maxnreg; the interpreter drops it): the result is the same."""
+    with _with_config(dict(lean_loop=True, lean_mode="recompute", max_regs=168)):
+        for schedule in ("dynamic", "static"):
+            _decode_matches_reference(CASES[2], schedule, device)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("mode", ["recompute", "tma"])
+def test_lean_mode_unequal_kv_strides(mode, kv_dtype, device):
+    """K and V caches with different strides (V a column slice of a wider buffer): the recompute mode's
+    offsets are built for each (no shared tile), TMA falls back to pointer loads or reads each view."""
+    kv = make_paged_kv([200, 65], num_kv_heads=2, head_dim=64, block_size=64, dtype=kv_dtype, device=device)
+    wide = torch.zeros(*kv.v_cache.shape[:-1], 128, dtype=kv_dtype, device=device)
+    wide[..., 32:96] = kv.v_cache
+    v_view = wide[..., 32:96]
+    assert v_view.stride() != kv.k_cache.stride()
+    q = torch.randn(2, 8, 64, device=device).bfloat16()
+    want = ref.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, k_scale=kv.k_scale,
+                                v_scale=kv.v_scale)
+    with _with_config(dict(lean_loop=True, lean_mode=mode, use_tma=mode == "tma")):
+        for schedule in ("dynamic", "static"):
+            got = hpcops.decode_attention(q, kv.k_cache, v_view, kv.block_table, kv.seq_lens, schedule=schedule,
+                                          k_scale=kv.k_scale, v_scale=kv.v_scale, out=nan_like(q))
+            assert_close(want, got, name=f"{schedule} {mode}")
+
+
+def _poisoned(device, kv_dtype=torch.bfloat16, bs=64):
+    """Two requests on `bs`-token pages whose cache holds NaN past each sequence's end (last page's
+    tail and the spare block); the block table's spare column points out of range."""
+    lens = [130, 70]
+    kv = make_paged_kv(lens, num_kv_heads=1, head_dim=64, block_size=bs, dtype=kv_dtype, device=device,
+                       packed=True, extra_cols=1)
+    for b, n in enumerate(lens):
+        last = int(kv.block_table[b, (n - 1) // bs])
+        kv.k_cache[last, n % bs:] = float("nan")
+        kv.v_cache[last, n % bs:] = float("nan")
+        kv.block_table[b, -1] = kv.k_cache.shape[0] + 5
+    used = set(kv.block_table[:, :-1].flatten().tolist())
+    spare = next(i for i in range(kv.k_cache.shape[0]) if i not in used)
+    kv.k_cache[spare] = float("nan")
+    kv.v_cache[spare] = float("nan")
+    return lens, kv
+
+
+@pytest.mark.parametrize("variant", [{}] + VARIANTS, ids=lambda d: _vid(d) or "default")
+@pytest.mark.parametrize("q_len, bs", [(1, 64), (3, 64), (3, 16)])
+def test_decode_nan_past_the_end_never_reaches_output(variant, q_len, bs, device):
+    _nan_past_the_end(variant, q_len, bs, 4, device)
+
+
+def _nan_past_the_end(variant, q_len, bs, hq, device):
+    lens, kv = _poisoned(device, bs=bs)
+    q = torch.randn(len(lens) * q_len, hq, 64, device=device).bfloat16()
+    want = ref.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens)
+    assert torch.isfinite(want).all()
+    with _with_config(variant):
+        for schedule in ("dynamic", "static"):
+            plan = hpcops.plan_decode(kv.seq_lens, num_kv_heads=1, q_len=q_len, block_size=bs, num_programs=3,
+                                      min_tiles=1)
+            got = hpcops.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, schedule=schedule,
+                                          plan=plan if schedule == "dynamic" else None, out=nan_like(q))
+            assert_close(want, got, name=f"{schedule} {variant}")
+
+
+@pytest.mark.parametrize("variant", [{}] + VARIANTS, ids=lambda d: _vid(d) or "default")
+@pytest.mark.parametrize("bs", [64, 16])
+def test_decode_bad_page_ids_are_not_read(variant, bs, device, monkeypatch):
+    """A page id < 0 or >= num_blocks inside a sequence (unchecked: device values outside checking
+    mode) is never read: its keys drop out of the softmax, its V rows contribute nothing."""
+    _bad_page_ids(variant, bs, 4, device, monkeypatch)
+
+
+def _bad_page_ids(variant, bs, hq, device, monkeypatch):
+    from hpcops.attention import decode as dec
+
+    monkeypatch.setattr(dec, "values_checkable", lambda t: False)
+    lens = [300, 200]
+    kv = make_paged_kv(lens, num_kv_heads=1, head_dim=64, block_size=bs, device=device, packed=True)
+    q = torch.randn(2, hq, 64, device=device).bfloat16()
+    # (request, column) -> bad id; on 16-token pages the bad ones sit inside a 64-token step
+    bad = {(0, 2): -1, (1, 1): kv.k_cache.shape[0]} if bs == 64 else {(0, 9): -1, (1, 4): kv.k_cache.shape[0]}
+    table = kv.block_table.clone()
+    for (b, col), pid in bad.items():
+        table[b, col] = pid
+    want = torch.empty(2, hq, 64)
+    for b, n in enumerate(lens):
+        keep = [t for t in range(n) if (b, t // bs) not in bad]
+        pages = kv.block_table[b, torch.tensor(keep) // bs].long()
+        k = kv.k_cache[pages, torch.tensor(keep) % bs, 0].float()  # [L', D]
+        v = kv.v_cache[pages, torch.tensor(keep) % bs, 0].float()
+        p = torch.softmax(q[b].float() @ k.T / 8.0, dim=-1)
+        want[b] = p @ v
+    with _with_config(variant):
+        for schedule in ("dynamic", "static"):
+            got = hpcops.decode_attention(q, kv.k_cache, kv.v_cache, table, kv.seq_lens, schedule=schedule,
+                                          out=nan_like(q))
+            assert_close(want.bfloat16(), got, name=f"{schedule} {variant}")
