@@ -4,7 +4,8 @@
 #                                             setup (the preamble alone), tune:<op>[,<op>...] (hpcops tune: decode, moe, moe-shapes, rope,
 #                                             prefill),
 #                                             ep2 (two-GPU expert parallelism, scripts/moe_ep2.py),
-#                                             profile:decode (ncu), profile:moe (per-kernel µs, scripts/profile_moe.py;
+#                                             profile:decode (ncu), profile:decode-kernels (per-kernel µs of a step),
+#                                             profile:moe (per-kernel µs, scripts/profile_moe.py;
 #                                             PROFILE_ARGS adds options), smoke (the smallest complete run of every GPU
 #                                             tool: hpcops tune <op> --smoke for every op, profile_decode.py)
 # Several GPUs in one device call: scripts/gpu_parallel.py (one queue of stages per GPU, one archive back).
@@ -95,6 +96,12 @@ for st in "${stages[@]}"; do
           --section SchedulerStats --section WarpStateStats \
           python3 scripts/profile_decode.py $args 2>&1 | tee -a "$OUT/results/ncu_decode.txt" | tail -60
       done ;;
+    profile:decode-kernels)
+      # per-kernel device time of a decode step (plan, attention, combine) per DecodeConfig variant:
+      # results/profile_decode_kernels.txt (PROFILE_ARGS: --only, --variants; scripts/profile_decode_kernels.py)
+      eval "pargs=(${PROFILE_ARGS:-})"  # shell quoting kept: --only "64x4K h8/1 fp8"
+      timeout 420 python3 scripts/profile_decode_kernels.py "${pargs[@]}" 2>&1 \
+        | tee -a "$OUT/results/profile_decode_kernels.txt" | tail -80 || status=1 ;;
     profile:moe)
       # per-kernel device time of fused_moe (and vLLM's GEMMs) on the moe suite's scenarios: results/profile_moe.txt
       timeout 420 python3 scripts/profile_moe.py ${PROFILE_ARGS:-} 2>&1 | tee -a "$OUT/results/profile_moe.txt" | tail -80 \

@@ -1,0 +1,99 @@
+"""Where a decode step spends its device time: per-kernel µs (plan, attention, combine) of `decode_attention`
+on the decode bench's scenarios, per DecodeConfig variant, L2-cold (each layer its own caches), from
+torch.profiler. A GPU tool: through gpu_check.sh's `profile:decode-kernels` stage, or
+
+    python3 scripts/profile_decode_kernels.py --only "64x4K h8/1 fp8,64x0.5K h8/1 fp8" \
+        --variants "gluon=1;gluon=1 pps=3;schedule=static"
+
+fp8-KV scenarios run with the prologue's fp8 q (the bench's `hpcops-fp8q` row). The plan step is profiled
+beside the attention (`plan_decode` every call, as once per step in a model); `pps` = persistent programs per
+SM (the plan's num_programs). Each variant prints one table: kernel, launches per call, µs per call, share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from profile_moe import per_kernel_us  # noqa: E402
+
+
+def parse_variant(text: str) -> dict:
+    """`gluon=1 pps=3 schedule=static` -> {"gluon": True, "pps": 3, "schedule": "static"}."""
+    out = {}
+    for item in text.split():
+        key, _, value = item.partition("=")
+        if not value:
+            raise ValueError(f"--variants: {item!r} is not key=value")
+        out[key] = value if key == "schedule" else int(value)
+    return out
+
+
+def calls_for(x: dict, variant: dict):
+    """A no-argument call of one layer's decode step (plan + attention) under `variant`."""
+    import hpcops
+    from hpcops import _platform
+    from hpcops.attention import decode as dec
+
+    schedule = variant.get("schedule", "dynamic")
+    knobs = {k: bool(v) if k in ("gluon", "row_path") else v for k, v in variant.items()
+             if k not in ("schedule", "pps")}
+    pps = variant.get("pps")
+    _, page, hkv, _ = x["k_cache"].shape
+    q, qs = (x["q8"], x["q_scale"]) if "q8" in x else (x["q"], None)
+    programs = None if pps is None else pps * _platform.num_sms(q.device)
+
+    def run():
+        old = dec.set_decode_config(**knobs)
+        try:
+            plan = None
+            if schedule == "dynamic":
+                plan = hpcops.plan_decode(x["seq_lens"], num_kv_heads=hkv, block_size=page, num_programs=programs)
+            hpcops.decode_attention(q, x["k_cache"], x["v_cache"], x["block_table"], x["seq_lens"], plan=plan,
+                                    schedule=schedule, k_scale=x["k_scale"], v_scale=x["v_scale"], q_scale=qs,
+                                    out=x["out"])
+        finally:
+            dec.set_decode_config(**old.__dict__)
+    return run
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", default="64x0.5K h8/1 fp8,64x4K h8/1 fp8,32x0.125K+32x4K h8/1 fp8,"
+                                       "2x32K+30x4K h8/1 fp8,1x64K+15x4K h8/1 fp8,1x128K+31x4K h8/1 fp8")
+    ap.add_argument("--variants", default="gluon=1;gluon=1 pps=3;schedule=static",
+                    help="';'-separated DecodeConfig overrides beside the default, e.g. \"gluon=1 pps=3\"")
+    ap.add_argument("--layers", type=int, default=8)
+    args = ap.parse_args()
+    from hpcops.bench.suites import decode as suite
+
+    variants = [{}] + [parse_variant(v) for v in args.variants.split(";") if v.strip()]
+    wanted = [w.strip() for w in args.only.split(",")]
+    known = {s.name: s for s in suite.scenarios()}
+    for name in wanted:
+        if name not in known:
+            raise SystemExit(f"--only: unknown scenario {name!r}; known: {', '.join(known)}")
+        s = known[name]
+        layers = [suite.make_decode_inputs(s.lens, s.hq, s.hkv, s.fp8, seed=i) for i in range(args.layers)]
+        for variant in variants:
+            label = " ".join(f"{k}={v}" for k, v in variant.items()) or "default"
+            try:
+                times = per_kernel_us([calls_for(x, variant) for x in layers])
+            except Exception as exc:  # a variant that does not apply here: say so, go on
+                print(f"\n{name} {label}: failed ({type(exc).__name__}: {str(exc)[:160]})")
+                continue
+            call = sum(us for _, us in times.values())
+            print(f"\n{name} {label}: {call:.1f} µs of device time per call")
+            for kname, (launches, us) in times.items():
+                print(f"  {us:8.1f} µs {100 * us / call:5.1f}%  x{launches:g}  {kname[:100]}")
+        del layers
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
