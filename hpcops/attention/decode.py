@@ -99,10 +99,12 @@ class DecodeConfig:
         rows, each updated alone: no reduction over keys inside the loop), the slots merged into one row
         at the end of each task. Both schedules; K/V through pointer loads (use_tma does not apply);
         lean_loop None means on there, with lean_mode "tma" taken as "recompute". Elsewhere (q_len·G > 1)
-        ignored. sm90 registers a thread (fp8 KV, D 128, from ptxas: tests/test_decode_compile.py): ~222 on
-        4 warps (2 programs an SM), 165 without spills under max_regs 168 (3), ~128 on 8 warps; block_n 128
-        doubles the slot state (spills). Off by default until the H200 measures it (`hpcops tune
-        decode-grid --only h8/8`): at GQA 1 the MMA path reaches 0.58–0.86× FlashInfer's CUDA-core decode.
+        ignored. None (default) = on over fp8 KV, off over 16-bit KV: the H200 grid tune
+        (bench/results/decode-grid_tune_gqa1_rows.md) has it 1.09–1.88× faster than the MMA tile on fp8 KV
+        (32x8K h8/8 d128 183 -> 135 µs, d256 p16 521 -> 304, 1x256K+15x2K d64 p32 174 -> 93) and 2–16 %
+        slower on bf16 KV, where the MMA tile already streams at the copy bandwidth. sm90 registers a thread
+        (fp8 KV, D 128, from ptxas: tests/test_decode_compile.py): ~222 on 4 warps (2 programs an SM), 165
+        without spills under max_regs 168 (3), ~128 on 8 warps; block_n 128 doubles the slot state (spills).
     plan_block_c, plan_warps, plan_block_b: launch of the plan kernel (`plan_decode`, once per step):
         plan entries (persistent programs) served per plan program (16..256: smaller = more plan
         programs, each with a smaller [plan_block_c, block] compare-count tile; 0 = by batch size,
@@ -132,7 +134,7 @@ class DecodeConfig:
     max_regs: int | None = None
     lean_pages: bool = True
     gluon: bool = False
-    row_path: bool = False
+    row_path: bool | None = None
 
     def __post_init__(self):
         check_choice("DecodeConfig.lean_mode", self.lean_mode, LEAN_MODES)
@@ -333,7 +335,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
                out.stride(0), out.stride(1))
     num_warps = _CONFIG.num_warps or (4 if d <= 128 else 8)
-    row_path = _CONFIG.row_path and rows == 1
+    row_path = (kv_fp8 if _CONFIG.row_path is None else _CONFIG.row_path) and rows == 1
     want_tma = (not kv_fp8) if _CONFIG.use_tma is None else _CONFIG.use_tma
     use_tma = want_tma and not row_path and _tma_ok(k_cache, TILE) and _tma_ok(v_cache, TILE)
     small_pages = _CONFIG.lean_pages and bs < TILE
