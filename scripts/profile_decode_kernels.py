@@ -6,8 +6,9 @@ torch.profiler. A GPU tool: through gpu_check.sh's `profile:decode-kernels` stag
         --variants "gluon=1;gluon=1 pps=3;schedule=static"
 
 fp8-KV scenarios run with the prologue's fp8 q (the bench's `hpcops-fp8q` row). The plan step is profiled
-beside the attention (`plan_decode` every call, as once per step in a model); `pps` = persistent programs per
-SM (the plan's num_programs). Each variant prints one table: kernel, launches per call, µs per call, share.
+beside the attention (`plan_decode(..., out=plan)` every call, as once per step in a model: its buffers are
+made once); `pps` = persistent programs per SM (the plan's num_programs). Each variant prints one table:
+kernel, launches per call, µs per call, share.
 """
 
 from __future__ import annotations
@@ -47,12 +48,19 @@ def calls_for(x: dict, variant: dict):
     q, qs = (x["q8"], x["q_scale"]) if "q8" in x else (x["q"], None)
     programs = None if pps is None else pps * _platform.num_sms(q.device)
 
+    old = dec.set_decode_config(**knobs)
+    try:  # the plan's buffers once (their zero-fills are not a step's work); each call re-plans into them
+        plan = None
+        if schedule == "dynamic":
+            plan = hpcops.plan_decode(x["seq_lens"], num_kv_heads=hkv, block_size=page, num_programs=programs)
+    finally:
+        dec.set_decode_config(**old.__dict__)
+
     def run():
         old = dec.set_decode_config(**knobs)
         try:
-            plan = None
-            if schedule == "dynamic":
-                plan = hpcops.plan_decode(x["seq_lens"], num_kv_heads=hkv, block_size=page, num_programs=programs)
+            if plan is not None:
+                hpcops.plan_decode(x["seq_lens"], num_kv_heads=hkv, block_size=page, out=plan)
             hpcops.decode_attention(q, x["k_cache"], x["v_cache"], x["block_table"], x["seq_lens"], plan=plan,
                                     schedule=schedule, k_scale=x["k_scale"], v_scale=x["v_scale"], q_scale=qs,
                                     out=x["out"])
@@ -65,7 +73,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", default="64x0.5K h8/1 fp8,64x4K h8/1 fp8,32x0.125K+32x4K h8/1 fp8,"
                                        "2x32K+30x4K h8/1 fp8,1x64K+15x4K h8/1 fp8,1x128K+31x4K h8/1 fp8")
-    ap.add_argument("--variants", default="gluon=1;gluon=1 pps=3;schedule=static",
+    ap.add_argument("--variants", default="combine_chunks=16;combine_chunks=32;gluon=1;gluon=1 pps=3;gluon=1 pps=4;"
+                                          "schedule=static",
                     help="';'-separated DecodeConfig overrides beside the default, e.g. \"gluon=1 pps=3\"")
     ap.add_argument("--layers", type=int, default=8)
     args = ap.parse_args()

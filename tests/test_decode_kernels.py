@@ -65,8 +65,8 @@ def test_gpu_row_path_real_sizes(spec, fp8, variant):
 
 def test_row_path_is_taken(device, monkeypatch):
     """With row_path on, a GQA-1 batch goes through the row path (its per-slot merge runs once a task);
-    by default (None) over fp8 KV only; off, or at GQA 2 or q_len 2, never. CPU tier only: an interpreted kernel reads its helpers from the
-    module when it runs, so a counting wrapper sees the calls."""
+    by default (None) over fp8 KV only; off, or at GQA 2 or q_len 2, never. CPU tier only: an interpreted
+    kernel reads its helpers from the module when it runs, so a counting wrapper sees the calls."""
     if device != "cpu":
         pytest.skip("counts helper calls of interpreted kernels")
     from hpcops.attention import _decode_kernels as kernels

@@ -20,6 +20,8 @@ from hpcops.testing import assert_close, make_paged_kv, nan_like
 # the lean loop's other addressing modes (offsets rebuilt each step; whole tiles through TMA)
 VARIANTS = [LEGACY, dict(lean_loop=True), dict(task_desc=False, lean_loop=False, plan_block_c=0),
             dict(lean_loop=True, lean_mode="recompute"), dict(lean_loop=True, lean_mode="tma", use_tma=True),
+            # the combine's merge in rounds of 2 partials (the default merges up to 64 in one round)
+            dict(combine_chunks=2),
             # the Gluon kernel where it applies (GPU tier, sm_90; elsewhere, the CPU tier included, the tl kernel)
             dict(gluon=True)]
 # cases where the lean loop applies (pages >= 64 tokens, and smaller ones with lean_pages): causal edges
@@ -52,6 +54,9 @@ def test_lean_mode_and_max_regs_errors():
     for bad in (16, 256, True, 168.0):
         with pytest.raises(ValueError, match="DecodeConfig.max_regs"):
             dec.set_decode_config(max_regs=bad)
+    for bad in (0, 1, 24, 512, 16.0, True):
+        with pytest.raises(ValueError, match="DecodeConfig.combine_chunks"):
+            dec.set_decode_config(combine_chunks=bad)
     assert dec.decode_config() == dec.DecodeConfig()  # a rejected change leaves the config as it was
 
 

@@ -53,7 +53,8 @@ def _issue_tile(k_desc, v_desc, k_smem, v_smem, bars, bt_row, bt_width, num_bloc
 
 @gluon.jit
 def _page_good(bt_row, bt_width, num_blocks, tile, keys, PAGE: gl.constexpr, TILE: gl.constexpr):
-    """Whether each key of tile `tile` (`keys` [TILE] in some layout) sits on a good page id."""
+    """Whether each key of tile `tile` (`keys` [TILE], the key offsets in the tile, in some layout) sits on a good
+    page id: one page id a tile (pages of TILE tokens or more), else one a key."""
     if PAGE >= TILE:
         col = tile * TILE // PAGE
         page = gl.load(bt_row + col, mask=col < bt_width, other=-1)
@@ -162,11 +163,12 @@ def decode_gluon_kernel(
             _issue_tile(k_desc, v_desc, k_smem, v_smem, bars, bt_row, bt_width, num_blocks, lo + j, k_col, v_col,
                         (used + j) % STAGES, j < n, PAGE, TILE, KV_BYTES)
             tile = lo + i
+            # the tile's page ids, read before the wait so their latency hides behind it
+            good_s = _page_good(bt_row, bt_width, num_blocks, tile, key_s, PAGE, TILE)
             s = (used + i) % STAGES
             mbarrier.wait(bars.index(s), phase=((used + i) // STAGES) & 1)
             st = warpgroup_mma(k_smem.index(s), q_t, gl.zeros([TILE, NQ], gl.float32, layout=s_layout), use_acc=False)
             key = tile * TILE + key_s
-            good_s = _page_good(bt_row, bt_width, num_blocks, tile, key_s, PAGE, TILE)
             seen = (key[:, None] <= last_s[None, :]) & good_s[:, None]
             st = gl.where(seen, st * s_scale[None, :], float("-inf"))
             m_new = gl.maximum(m_i, gl.max(st, axis=0))

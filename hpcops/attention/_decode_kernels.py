@@ -454,34 +454,32 @@ def _merge_chunks(part_o_ptr, part_lse_ptr, first_slot, rest_base, rest_step, n_
                   D_PAD: tl.constexpr, CB: tl.constexpr):
     """out[row] = Σ_c 2^(lse_c − m) · O_c / Σ_c 2^(lse_c − m) over chunk slots first_slot, rest_base + c·rest_step.
 
-    Two passes over the chunks in blocks of CB (max, then weighted sum): independent loads, no chain.
+    One pass over the chunks in blocks of CB, the running maximum rescaling what came before (an online
+    softmax over the partials): a merge of at most CB partials is one round of loads (lse and O together),
+    a longer one ceil(n / CB) rounds.
     """
     ROWS: tl.constexpr = Q_LEN * G
     offs_c = tl.arange(0, CB)
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < HEAD_DIM
-    m = tl.full([CB], float("-inf"), tl.float32)
-    for c0 in range(0, n_chunks, CB):
-        c = c0 + offs_c
-        slot = tl.where(c == 0, first_slot, rest_base + c * rest_step).to(tl.int64)
-        lse = tl.load(part_lse_ptr + slot * ROWS + row, mask=c < n_chunks, other=float("-inf"))
-        m = tl.maximum(m, lse)
-    m_all = tl.max(m, axis=0)
-    m_ref = tl.where(m_all == float("-inf"), 0.0, m_all)
-    acc = tl.zeros([CB, D_PAD], dtype=tl.float32)
-    w = tl.zeros([CB], dtype=tl.float32)
+    m_run = tl.max(tl.full([CB], float("-inf"), tl.float32), axis=0)
+    w = tl.sum(tl.zeros([CB], dtype=tl.float32), axis=0)
+    acc = tl.zeros([D_PAD], dtype=tl.float32)
     for c0 in range(0, n_chunks, CB):
         c = c0 + offs_c
         c_ok = c < n_chunks
         slot = tl.where(c == 0, first_slot, rest_base + c * rest_step).to(tl.int64)
         lse = tl.load(part_lse_ptr + slot * ROWS + row, mask=c_ok, other=float("-inf"))
-        wc = tl.exp2(lse - m_ref)  # [CB]
         o = tl.load(part_o_ptr + (slot * ROWS + row)[:, None] * HEAD_DIM + offs_d[None, :],
                     mask=c_ok[:, None] & d_ok[None, :], other=0.0)  # [CB, D]
-        acc += o * wc[:, None]
-        w += wc
-    total_w = tl.sum(w, axis=0)
-    res = tl.sum(acc, axis=0) / tl.where(total_w == 0.0, 1.0, total_w)
+        m_new = tl.maximum(m_run, tl.max(lse, axis=0))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_run - m_ref)
+        wc = tl.exp2(lse - m_ref)  # [CB]; 0 for an empty partial or a masked slot
+        acc = acc * alpha + tl.sum(o * wc[:, None], axis=0)
+        w = w * alpha + tl.sum(wc, axis=0)
+        m_run = m_new
+    res = acc / tl.where(w == 0.0, 1.0, w)
     j = row // G
     g = row % G
     tok = (b * Q_LEN + j).to(tl.int64)
