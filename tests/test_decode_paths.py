@@ -46,6 +46,17 @@ def test_decode_variants_match_reference(case, variant, device):
             _decode_matches_reference(case, "static", device)
 
 
+@pytest.mark.parametrize("variant", [{}, dict(combine_chunks=32), dict(combine_chunks=16)], ids=_vid)
+def test_combine_merges_many_partials(variant, device):
+    """A request split over more partials than the combine's 16-partial tile: the default merges them in one
+    64-partial round, combine_chunks 32 in rounds of 32, 16 in rounds of 16 (a running maximum across rounds);
+    a 2-partial request beside it takes the small tile. Both schedules."""
+    case = Case((2000, 70), 2, 1, 64, 64, kv="fp8q", programs=40, min_tiles=1)
+    for schedule in ("dynamic", "static"):
+        with _with_config(variant):
+            _decode_matches_reference(case, schedule, device)
+
+
 def test_lean_mode_and_max_regs_errors():
     from hpcops.attention import decode as dec
 

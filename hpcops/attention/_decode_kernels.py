@@ -488,6 +488,21 @@ def _merge_chunks(part_o_ptr, part_lse_ptr, first_slot, rest_base, rest_step, n_
 
 
 @triton.jit
+def _merge_partials(part_o_ptr, part_lse_ptr, first_slot, rest_base, rest_step, n_chunks, b, h, row, out_ptr,
+                    stride_ot, stride_oh, Q_LEN: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    D_PAD: tl.constexpr, CB: tl.constexpr):
+    """`_merge_chunks` in one round of a 16-partial tile where that holds them all (most merges: fewer
+    addresses and registers a program), else in rounds of CB."""
+    SMALL: tl.constexpr = 16 if CB > 16 else CB
+    if n_chunks <= SMALL:
+        _merge_chunks(part_o_ptr, part_lse_ptr, first_slot, rest_base, rest_step, n_chunks, b, h, row, out_ptr,
+                      stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, SMALL)
+    else:
+        _merge_chunks(part_o_ptr, part_lse_ptr, first_slot, rest_base, rest_step, n_chunks, b, h, row, out_ptr,
+                      stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, CB)
+
+
+@triton.jit
 def decode_combine_kernel(
     part_o_ptr, part_lse_ptr, out_ptr, header_ptr, cum_ptr, last_b_ptr, stride_ot, stride_oh,
     Q_LEN: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CB: tl.constexpr,
@@ -510,8 +525,8 @@ def decode_combine_kernel(
         if b >= 0:
             if USE_PDL:
                 gdc_wait()
-            _merge_chunks(part_o_ptr, part_lse_ptr, first_slot, 2 * k, 2, n_chunks, b, h, row, out_ptr,
-                          stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, CB)
+            _merge_partials(part_o_ptr, part_lse_ptr, first_slot, 2 * k, 2, n_chunks, b, h, row, out_ptr,
+                            stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, CB)
     else:
         b = tl.load(last_b_ptr + k)
         if b >= 0:
@@ -528,8 +543,8 @@ def decode_combine_kernel(
                 if USE_PDL:
                     gdc_wait()
                 first_slot = 2 * k + tl.where(pair_lo == k * bucket, 0, 1)
-                _merge_chunks(part_o_ptr, part_lse_ptr, first_slot, 2 * k, 2, last - first + 1, b, h, row, out_ptr,
-                              stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, CB)
+                _merge_partials(part_o_ptr, part_lse_ptr, first_slot, 2 * k, 2, last - first + 1, b, h, row,
+                                out_ptr, stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, CB)
 
 
 @triton.jit
@@ -589,5 +604,5 @@ def decode_static_combine_kernel(
     n_chunks = (n_tiles + chunk - 1) // chunk
     if n_chunks > 1:
         base = (b * num_kv_heads + h) * SPLITS
-        _merge_chunks(part_o_ptr, part_lse_ptr, base, base, 1, n_chunks, b, h, row, out_ptr, stride_ot, stride_oh,
-                      Q_LEN, G, HEAD_DIM, D_PAD, CB)
+        _merge_partials(part_o_ptr, part_lse_ptr, base, base, 1, n_chunks, b, h, row, out_ptr, stride_ot, stride_oh,
+                        Q_LEN, G, HEAD_DIM, D_PAD, CB)

@@ -37,7 +37,8 @@ class DecodeConfig:
     block_n: keys per step of the KV loop (a multiple of the 64-token tile; 64 or 128);
     combine_chunks: partials merged per round of loads by the combine kernels (one pass, a running
         maximum), at most 8192 / head_dim (padded): a [chunks, head_dim] fp32 tile of 64 registers a thread
-        on 4 warps. 64 (was 16 in two passes): a merge of up to 64 partials is one round of loads;
+        on 4 warps. 64 (was 16 in two passes): a merge of up to 64 partials is one round of loads; merges of
+        up to 16 take a 16-partial tile (fewer addresses a program: the H200 had 64 slower there);
     use_tma: load K/V tiles with TMA descriptors where the layout allows it (pages ≥ 64 tokens,
         pages contiguous, 16-byte aligned rows, power-of-two head_dim); elsewhere pointer loads. None
         (default): TMA for a 16-bit KV cache (with lean_mode "tma": 4.4 % faster over the h8/1 sweep,
