@@ -20,7 +20,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from profile_moe import per_kernel_us  # noqa: E402
+from profile_moe import per_kernel_us, print_kernel_table  # noqa: E402
 
 
 def parse_variant(text: str) -> dict:
@@ -95,10 +95,7 @@ def main() -> int:
             except Exception as exc:  # a variant that does not apply here: say so, go on
                 print(f"\n{name} {label}: failed ({type(exc).__name__}: {str(exc)[:160]})")
                 continue
-            call = sum(us for _, us in times.values())
-            print(f"\n{name} {label}: {call:.1f} µs of device time per call")
-            for kname, (launches, us) in times.items():
-                print(f"  {us:8.1f} µs {100 * us / call:5.1f}%  x{launches:g}  {kname[:100]}")
+            print_kernel_table(f"{name} {label}", times)
         del layers
         torch.cuda.empty_cache()
     return 0

@@ -39,6 +39,14 @@ def per_kernel_us(fns, calls: int = 5) -> dict[str, tuple[float, float]]:
     return {k: (count[k] / n, total[k] / n) for k in sorted(total, key=total.get, reverse=True)}
 
 
+def print_kernel_table(title: str, times: dict[str, tuple[float, float]]) -> None:
+    """`per_kernel_us`'s result as a table: the call's total, then µs, share and launches per kernel."""
+    call = sum(us for _, us in times.values())
+    print(f"\n{title}: {call:.1f} µs of device time per call")
+    for name, (launches, us) in times.items():
+        print(f"  {us:8.1f} µs {100 * us / call:5.1f}%  x{launches:g}  {name[:100]}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", default="B4-tp8-fp8t,B16-tp8-fp8t,B64-tp8-fp8t,B512-tp8-fp8t,B2048-tp8-fp8t,"
@@ -60,11 +68,7 @@ def main() -> int:
         except Exception as exc:  # no .peers here: ours only
             print(f"{s.name}: vllm-triton unavailable ({type(exc).__name__}: {str(exc)[:100]})")
         for label, fns in rows:
-            times = per_kernel_us(fns)
-            call = sum(us for _, us in times.values())
-            print(f"\n{s.name} {label}: {call:.1f} µs of device time per call")
-            for name, (launches, us) in times.items():
-                print(f"  {us:8.1f} µs {100 * us / call:5.1f}%  x{launches:g}  {name[:100]}")
+            print_kernel_table(f"{s.name} {label}", per_kernel_us(fns))
         del layers
         torch.cuda.empty_cache()
     return 0

@@ -106,6 +106,24 @@ def test_profile_moe_help_and_gpu_check_stage():
         assert "profile:moe)" in f.read()
 
 
+def test_profile_decode_kernels_options_and_gpu_check_stage():
+    """The decode step profiler parses its variants and names an unknown scenario without a GPU; gpu_check.sh
+    has its stage."""
+    sys.path.insert(0, SCRIPTS)
+    try:
+        import profile_decode_kernels as prof
+    finally:
+        sys.path.remove(SCRIPTS)
+    assert prof.parse_variant("gluon=1 pps=3 schedule=static") == {"gluon": 1, "pps": 3, "schedule": "static"}
+    with pytest.raises(ValueError, match="not key=value"):
+        prof.parse_variant("gluon")
+    res = subprocess.run([sys.executable, os.path.join(SCRIPTS, "profile_decode_kernels.py"), "--only", "nope"],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+    assert res.returncode != 0 and "unknown scenario 'nope'" in res.stderr
+    with open(os.path.join(SCRIPTS, "gpu_check.sh")) as f:
+        assert "profile:decode-kernels)" in f.read()
+
+
 FAKE_CHECK = """#!/usr/bin/env bash
 # a stand-in for gpu_check.sh: results/ packed into results.tar.gz, as the real one does
 mkdir -p "$OUT/results"
