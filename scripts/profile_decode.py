@@ -18,7 +18,14 @@ def main() -> int:
     ap.add_argument("--heads", default="8/1")
     ap.add_argument("--kv", default="fp8", choices=("fp8", "bf16"))
     ap.add_argument("--schedule", default="dynamic", choices=("dynamic", "static"))
+    ap.add_argument("--config", default="", help="DecodeConfig overrides, e.g. tail_merge=1,pdl=0 (ints; 0/1 flags)")
     args = ap.parse_args()
+    if args.config:
+        from hpcops.attention.decode import decode_config, set_decode_config
+
+        now = decode_config()
+        changes = {k: int(v) for k, v in (item.split("=", 1) for item in args.config.split(","))}
+        set_decode_config(**{k: bool(v) if isinstance(getattr(now, k), bool) else v for k, v in changes.items()})
     hq, hkv = (int(x) for x in args.heads.split("/"))
     sc = Scenario(args.spec, hq, hkv, args.kv == "fp8")
     x = make_decode_inputs(sc.lens, hq, hkv, sc.fp8, seed=0)

@@ -3,7 +3,7 @@ on the decode bench's scenarios, per DecodeConfig variant, L2-cold (each layer i
 torch.profiler. A GPU tool: through gpu_check.sh's `profile:decode-kernels` stage, or
 
     python3 scripts/profile_decode_kernels.py --only "64x4K h8/1 fp8,64x0.5K h8/1 fp8" \
-        --variants "gluon=1;gluon=1 pps=3;schedule=static"
+        --variants "tail_merge=1;gluon=1 pps=3;schedule=static"
 
 fp8-KV scenarios run with the prologue's fp8 q (the bench's `hpcops-fp8q` row). The plan step is profiled
 beside the attention (`plan_decode(..., out=plan)` every call, as once per step in a model: its buffers are
@@ -41,7 +41,7 @@ def calls_for(x: dict, variant: dict):
     from hpcops.attention import decode as dec
 
     schedule = variant.get("schedule", "dynamic")
-    knobs = {k: bool(v) if k in ("gluon", "row_path") else v for k, v in variant.items()
+    knobs = {k: bool(v) if k in ("gluon", "row_path", "tail_merge", "pdl") else v for k, v in variant.items()
              if k not in ("schedule", "pps")}
     pps = variant.get("pps")
     _, page, hkv, _ = x["k_cache"].shape
@@ -73,8 +73,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", default="64x0.5K h8/1 fp8,64x4K h8/1 fp8,32x0.125K+32x4K h8/1 fp8,"
                                        "2x32K+30x4K h8/1 fp8,1x64K+15x4K h8/1 fp8,1x128K+31x4K h8/1 fp8")
-    ap.add_argument("--variants", default="combine_chunks=16;combine_chunks=32;gluon=1;gluon=1 pps=3;gluon=1 pps=4;"
-                                          "schedule=static",
+    ap.add_argument("--variants", default="tail_merge=1;tail_merge=1 pps=3;gluon=1 pps=3;schedule=static",
                     help="';'-separated DecodeConfig overrides beside the default, e.g. \"gluon=1 pps=3\"")
     ap.add_argument("--layers", type=int, default=8)
     args = ap.parse_args()

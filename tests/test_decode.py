@@ -395,7 +395,8 @@ GPU_SCENARIOS = [("2x32K+30x4K", 8, 1, True), ("1x128K+31x4K", 8, 1, False), ("6
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", [{}, LEGACY, POINTER, dict(use_tma=False, lean_mode="recompute", lean_loop=True)],
+@pytest.mark.parametrize("variant", [{}, LEGACY, POINTER, dict(use_tma=False, lean_mode="recompute", lean_loop=True),
+                                     dict(tail_merge=True)],
                          ids=lambda d: _vid(d) or "default")
 @pytest.mark.parametrize("spec, hq, hkv, fp8", GPU_SCENARIOS, ids=lambda v: str(v))
 def test_gpu_real_sizes(spec, hq, hkv, fp8, variant):
@@ -425,7 +426,8 @@ def _gpu_real_sizes(spec, hq, hkv, fp8):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", [{}, LEGACY, dict(lean_loop=True, plan_block_c=32, plan_warps=2)],
+@pytest.mark.parametrize("variant", [{}, LEGACY, dict(lean_loop=True, plan_block_c=32, plan_warps=2),
+                                     dict(tail_merge=True)],
                          ids=lambda d: _vid(d) or "default")
 @pytest.mark.parametrize("q_len", [1, 3])
 def test_gpu_cuda_graph_replay_with_new_lengths(q_len, variant):
@@ -463,9 +465,9 @@ def _gpu_graph_replay(q_len):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("schedule", ["dynamic", "static"])
+@pytest.mark.parametrize("schedule", ["dynamic", "static", "dynamic-tail_merge"])
 def test_gpu_compute_sanitizer(schedule):
-    """memcheck over a small mixed batch (page-boundary lengths, splits) finds no error."""
+    """memcheck over a small mixed batch (page-boundary lengths, splits) finds no error (the tail merge too)."""
     import os
     import shutil
     import subprocess
@@ -477,7 +479,7 @@ def test_gpu_compute_sanitizer(schedule):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [tool, "--tool", "memcheck", "--error-exitcode", "3", sys.executable,
            os.path.join(root, "scripts", "profile_decode.py"), "--spec", "3x63+1x65+1x700+2x4K", "--kv", "fp8",
-           "--schedule", schedule]
+           "--schedule", schedule.split("-")[0]] + (["--config", "tail_merge=1"] if "tail" in schedule else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": root})
     if "Device not supported" in proc.stdout + proc.stderr:

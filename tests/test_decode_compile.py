@@ -25,7 +25,8 @@ from hpcops.testing import sm90_resources
 
 PTRS = {"q_ptr": "Q", "k_ptr": "KV", "v_ptr": "KV", "bt_ptr": "i32", "seq_lens_ptr": "i32", "out_ptr": "bf16",
         "part_o_ptr": "fp32", "part_lse_ptr": "fp32", "header_ptr": "i32", "cum_ptr": "i32", "first_b_ptr": "i32",
-        "last_b_ptr": "i32", "q_scale_ptr": "fp32", "k_scale_ptr": "fp32", "v_scale_ptr": "fp32"}
+        "last_b_ptr": "i32", "q_scale_ptr": "fp32", "k_scale_ptr": "fp32", "v_scale_ptr": "fp32",
+        "pair_desc_ptr": "i32", "merge_sem_ptr": "i32"}
 
 def build(kernel, q, kv, tma, const, warps, stages, maxnreg=None):
     fn = getattr(K, kernel)
@@ -125,6 +126,16 @@ VARIANTS["static-row-fp8kv"] = _attn("decode_static_kernel", kv="fp8e4nv", SPLIT
 # the tune moves (hpcops/bench/tune/decode.py): 8 warps (~128 registers), a cap of 168 (3 programs an SM)
 VARIANTS["persistent-row-fp8kv-8warps"] = _attn(kv="fp8e4nv", warps=8, **ROW)
 VARIANTS["persistent-row-fp8kv-cap168"] = _attn(kv="fp8e4nv", maxnreg=168, **ROW)
+# DecodeConfig.tail_merge as the launcher passes it (q rows padded to R_PAD, TAIL_PARTS partials a round): the
+# fp8 default (recompute), bf16 over TMA, the row path, and 64 q rows (one partial a round)
+TAIL = dict(TASK_DESC=True, TAIL_MERGE=True)
+VARIANTS["persistent-lean-recompute-fp8q-tail"] = _attn(q="fp8e4nv", kv="fp8e4nv", R_PAD=8, TAIL_PARTS=4, **TAIL,
+                                                        **LEAN_MODES["recompute"])
+VARIANTS["persistent-lean-tma-bf16-tail"] = _attn(R_PAD=8, TAIL_PARTS=4, **TAIL, **LEAN_MODES["tma"])
+VARIANTS["persistent-row-fp8q-tail"] = _attn(q="fp8e4nv", kv="fp8e4nv", R_PAD=1, TAIL_PARTS=16,
+                                             **{**ROW, **TAIL})
+VARIANTS["persistent-fp8q-q4-g16-tail"] = _attn(q="fp8e4nv", kv="fp8e4nv", q_len=4, g=16, R_PAD=64, TAIL_PARTS=1,
+                                                **TAIL, **LEAN_MODES["recompute"])
 # ptxas spills (stack frame bytes) seen with Triton 3.6, no more allowed: the lean TMA loop on fp8 KV
 # (ptxas stops at 128 registers) keeps 4 values on the stack, stored before the task loop and
 # reloaded once per task (SASS: no STL/LDL inside the KV loops); the 1-warp variant's was there

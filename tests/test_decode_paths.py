@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_decode import CASES, FP8, LEGACY, Case, _vid, _with_config
+from test_decode import CASES, FP8, LEGACY, Case, _inputs, _vid, _with_config
 from test_decode import test_decode_matches_reference as _decode_matches_reference
 
 import hpcops
@@ -22,6 +22,8 @@ VARIANTS = [LEGACY, dict(lean_loop=True), dict(task_desc=False, lean_loop=False,
             dict(lean_loop=True, lean_mode="recompute"), dict(lean_loop=True, lean_mode="tma", use_tma=True),
             # the combine's merge in rounds of 2 partials (the default merges up to 64 in one round)
             dict(combine_chunks=2),
+            # split requests merged by the attention program that writes their last partial (no combine kernel)
+            dict(tail_merge=True),
             # the Gluon kernel where it applies (GPU tier, sm_90; elsewhere, the CPU tier included, the tl kernel)
             dict(gluon=True)]
 # cases where the lean loop applies (pages >= 64 tokens, and smaller ones with lean_pages): causal edges
@@ -55,6 +57,53 @@ def test_combine_merges_many_partials(variant, device):
     for schedule in ("dynamic", "static"):
         with _with_config(variant):
             _decode_matches_reference(case, schedule, device)
+
+
+@pytest.mark.parametrize("case", [Case((2000, 70), 2, 1, 64, 64, kv="fp8q", programs=40, min_tiles=1),
+                                  Case((700, 64, 3, 129), 12, 4, 128, 64, q_len=3, programs=9, min_tiles=1)],
+                         ids=lambda c: c.id)
+def test_tail_merge_replans_into_the_same_buffers(case, device):
+    """DecodeConfig.tail_merge: the plan's pair table matches its merge table, every count is back at 0 after
+    a call, and a re-plan of other lengths into the same buffers (as each decode step) merges right again; a
+    request split over more partials than a round (16) merges in rounds."""
+    with _with_config(dict(tail_merge=True)):
+        q, q_scale, kv = _inputs(case, device)
+        plan = hpcops.plan_decode(kv.seq_lens, num_kv_heads=case.hkv, q_len=case.q_len, block_size=case.bs,
+                                  num_programs=case.programs, min_tiles=case.min_tiles)
+        for step, lens in enumerate((list(case.lens), [n // 3 + 5 for n in case.lens])):
+            seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+            hpcops.plan_decode(seq_lens, num_kv_heads=case.hkv, q_len=case.q_len, block_size=case.bs, out=plan)
+            md = plan.merge_desc.tolist()
+            assert any(r[0] >= 0 for r in md), "the case must split a request"
+            for k, (b, h, slot, parts) in enumerate(md):
+                if b >= 0:
+                    assert plan.pair_desc[h * len(lens) + b, :3].tolist() == [k, parts, slot], (step, k)
+            out = nan_like(torch.empty(q.shape, dtype=torch.bfloat16 if q.dtype == FP8 else q.dtype, device=device))
+            hpcops.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_table, seq_lens, plan=plan,
+                                    k_scale=kv.k_scale, v_scale=kv.v_scale, q_scale=q_scale, out=out)
+            want = ref.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_table, seq_lens, k_scale=kv.k_scale,
+                                        v_scale=kv.v_scale, q_scale=q_scale)
+            assert_close(want, out, name=f"tail merge, step {step}")
+            assert int(plan.merge_sem.abs().sum()) == 0, plan.merge_sem.tolist()
+        # the reference plan builds the same pair rows
+        want_plan = ref.plan_decode(seq_lens, num_kv_heads=case.hkv, q_len=case.q_len, block_size=case.bs,
+                                    num_programs=case.programs, min_tiles=case.min_tiles)
+        for b, h, _slot, _parts in want_plan.merge_desc.tolist():
+            if b >= 0:
+                idx = h * len(lens) + b
+                assert want_plan.pair_desc[idx].tolist() == plan.pair_desc[idx].tolist()
+
+
+def test_tail_merge_errors(device):
+    from hpcops.attention import decode as dec
+
+    with pytest.raises(ValueError, match="tail_merge needs task_desc"):
+        dec.set_decode_config(tail_merge=True, task_desc=False)
+    case = Case((300, 200), 4, 1, 64, 64, programs=6, min_tiles=1)
+    q, _, kv = _inputs(case, device)
+    plan = hpcops.plan_decode(kv.seq_lens, num_kv_heads=1, block_size=64, num_programs=6, min_tiles=1)
+    with _with_config(dict(tail_merge=True)), pytest.raises(ValueError, match="plan was built without"):
+        hpcops.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, plan=plan)
 
 
 def test_lean_mode_and_max_regs_errors():

@@ -304,7 +304,7 @@ def _finish_task(acc, m_i, l_i, v_scale, split, slot, b, h, offs_m, offs_d, out_
 @triton.jit
 def decode_persistent_kernel(
     q_ptr, k_ptr, v_ptr, k_desc, v_desc, bt_ptr, seq_lens_ptr, out_ptr, part_o_ptr, part_lse_ptr,
-    header_ptr, cum_ptr, first_b_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
+    header_ptr, cum_ptr, first_b_ptr, pair_desc_ptr, merge_sem_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
     sm_scale_log2, B, num_q_heads, bt_width, num_blocks,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_bt, stride_ot, stride_oh,
@@ -313,7 +313,8 @@ def decode_persistent_kernel(
     KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, NUM_STAGES: tl.constexpr, USE_TMA: tl.constexpr,
     USE_PDL: tl.constexpr = False, TASK_DESC: tl.constexpr = False, LEAN: tl.constexpr = False,
     LEAN_RECOMPUTE: tl.constexpr = False, KV_SAME_STRIDES: tl.constexpr = False, LEAN_PAGES: tl.constexpr = False,
-    ROW_PATH: tl.constexpr = False,
+    ROW_PATH: tl.constexpr = False, TAIL_MERGE: tl.constexpr = False, R_PAD: tl.constexpr = 1,
+    TAIL_PARTS: tl.constexpr = 1,
 ):
     """One persistent program walks its bucket of the plan's tile stream, task by task.
 
@@ -325,6 +326,9 @@ def decode_persistent_kernel(
     request), the next request's length loaded before the current task's tiles.
     LEAN, LEAN_RECOMPUTE, KV_SAME_STRIDES: the whole-tile loop and its addressing (`_attend_tiles`).
     ROW_PATH: one query row a task (Q_LEN·G == 1) on the CUDA cores (`_attend_task`).
+    TAIL_MERGE (with TASK_DESC): a split task, once its partial is written, counts it into the pair's
+    merge_sem; the program that writes the last partial merges the pair into the output (`_tail_merge`),
+    so no combine kernel runs. R_PAD: Q_LEN·G padded to a power of two; TAIL_PARTS: partials a round.
     """
     pid = tl.program_id(0)
     if USE_PDL:
@@ -358,6 +362,10 @@ def decode_persistent_kernel(
             split = (lo > 0) | (lo + n < t_b)
             _finish_task(acc, m_i, l_i, v_scale, split, 2 * pid + later, b, h, offs_m, offs_d, out_ptr,
                          part_o_ptr, part_lse_ptr, stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, Q_LEN * G)
+            if TAIL_MERGE:
+                if split:
+                    _tail_merge(part_o_ptr, part_lse_ptr, pair_desc_ptr, merge_sem_ptr, b, h, B, out_ptr,
+                                stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, R_PAD, TAIL_PARTS)
             left -= n
             h = tl.where(b_next == 0, h + 1, h)
             b = b_next
@@ -485,6 +493,63 @@ def _merge_chunks(part_o_ptr, part_lse_ptr, first_slot, rest_base, rest_step, n_
     tok = (b * Q_LEN + j).to(tl.int64)
     tl.store(out_ptr + tok * stride_ot + (h * G + g) * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty),
              mask=d_ok)
+
+
+@triton.jit
+def _merge_rows(part_o_ptr, part_lse_ptr, first_slot, rest_base, rest_step, n_parts, b, h, out_ptr,
+                stride_ot, stride_oh, Q_LEN: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr,
+                D_PAD: tl.constexpr, R_PAD: tl.constexpr, TB: tl.constexpr):
+    """Every q row of a split (request b, kv head h) at once: out = Σ_c 2^(lse_c − m) · O_c / Σ_c 2^(lse_c − m)
+    over slots first_slot, rest_base + c·rest_step, in rounds of TB partials ([TB, R_PAD, D_PAD] tiles, a
+    running maximum per row). Partials are read past L1 (`.cg`): other programs wrote them in this launch."""
+    ROWS: tl.constexpr = Q_LEN * G
+    offs_c = tl.arange(0, TB)
+    offs_r = tl.arange(0, R_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    r_ok = offs_r < ROWS
+    d_ok = offs_d < HEAD_DIM
+    m_run = tl.full([R_PAD], float("-inf"), tl.float32)
+    w = tl.zeros([R_PAD], dtype=tl.float32)
+    acc = tl.zeros([R_PAD, D_PAD], dtype=tl.float32)
+    for c0 in range(0, n_parts, TB):
+        c = c0 + offs_c
+        slot = tl.where(c == 0, first_slot, rest_base + c * rest_step).to(tl.int64)
+        row = slot[:, None] * ROWS + offs_r[None, :]  # [TB, R_PAD]
+        ok = (c < n_parts)[:, None] & r_ok[None, :]
+        lse = tl.load(part_lse_ptr + row, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(part_o_ptr + row[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+                    mask=ok[:, :, None] & d_ok[None, None, :], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m_run, tl.max(lse, axis=0))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_run - m_ref)
+        wc = tl.exp2(lse - m_ref[None, :])  # [TB, R_PAD]; 0 for an empty partial or a masked slot
+        acc = acc * alpha[:, None] + tl.sum(o * wc[:, :, None], axis=0)
+        w = w * alpha + tl.sum(wc, axis=0)
+        m_run = m_new
+    res = acc / tl.where(w == 0.0, 1.0, w)[:, None]
+    tok = (b * Q_LEN + offs_r // G).to(tl.int64)
+    ptrs = out_ptr + tok[:, None] * stride_ot + (h * G + offs_r % G)[:, None] * stride_oh + offs_d[None, :]
+    tl.store(ptrs, res.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _tail_merge(part_o_ptr, part_lse_ptr, pair_desc_ptr, merge_sem_ptr, b, h, B, out_ptr, stride_ot, stride_oh,
+                Q_LEN: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                R_PAD: tl.constexpr, TB: tl.constexpr):
+    """A split task's partial is written: count it in (release: the CTA barrier orders every thread's partial
+    stores before the one-thread atomic, as a semaphore release does); the program that brings the count to
+    the pair's partials merges them (acquire) and sets the count back to 0 for the next call."""
+    idx = (h * B + b).to(tl.int64)
+    pd = pair_desc_ptr + idx * 4
+    owner = tl.load(pd)
+    parts = tl.load(pd + 1)
+    first_slot = tl.load(pd + 2)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(merge_sem_ptr + idx, 1, sem="acq_rel", scope="gpu")
+    if arrived == parts - 1:
+        tl.store(merge_sem_ptr + idx, 0)
+        _merge_rows(part_o_ptr, part_lse_ptr, first_slot, 2 * owner, 2, parts, b, h, out_ptr, stride_ot, stride_oh,
+                    Q_LEN, G, HEAD_DIM, D_PAD, R_PAD, TB)
 
 
 @triton.jit

@@ -57,10 +57,10 @@ def _in_stream(x, cnt, lo, hi, s_cost, s_total, unit, task_cost, snap):
 
 @triton.jit
 def plan_decode_kernel(
-    seq_lens_ptr, cum_ptr, header_ptr, first_b_ptr, last_b_ptr, task_desc_ptr, merge_desc_ptr,
+    seq_lens_ptr, cum_ptr, header_ptr, first_b_ptr, last_b_ptr, task_desc_ptr, merge_desc_ptr, pair_desc_ptr,
     B, num_kv_heads, num_programs, min_tiles, unit, task_cost, snap,
     TILE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr, ONE_BLOCK: tl.constexpr = False,
-    DESC: tl.constexpr = False,
+    DESC: tl.constexpr = False, PAIRS: tl.constexpr = False,
 ):
     """Tiles per request, their prefix sums, the bucket, each program's first/last request, and (DESC)
     the per-program task and merge descriptors: the cost-stream cut of plan.py (program k runs the
@@ -72,6 +72,8 @@ def plan_decode_kernel(
     [BLOCK_C, BLOCK_B] compare per block of requests, the neighbours gathered); program 0 of this grid
     writes `cum` and the header. No cross-program communication. ONE_BLOCK (B <= BLOCK_B): one load and
     one scan, kept in registers for the compare; else the requests are read again, block by block.
+    PAIRS (with DESC): each merge also written from the pair's side, pair_desc[head·B + request] = (owning
+    program, partials, first slot), for the attention kernel's tail merge.
     """
     pid = tl.program_id(0)
     offs_b = tl.arange(0, BLOCK_B)
@@ -180,3 +182,8 @@ def plan_decode_kernel(
         tl.store(md + 1, tl.where(merge, last_head, 0), mask=c_ok)
         tl.store(md + 2, tl.where(merge, 2 * offs_c + tl.where(p_lo == g0, 0, 1), 0), mask=c_ok)
         tl.store(md + 3, tl.where(merge, parts, 0), mask=c_ok)
+        if PAIRS:
+            pd = pair_desc_ptr + (last_head * B + last_req).to(tl.int64) * 4
+            tl.store(pd + 0, offs_c, mask=c_ok & merge)
+            tl.store(pd + 1, parts, mask=c_ok & merge)
+            tl.store(pd + 2, 2 * offs_c + tl.where(p_lo == g0, 0, 1), mask=c_ok & merge)

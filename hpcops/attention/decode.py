@@ -108,6 +108,14 @@ class DecodeConfig:
         slower on bf16 KV, where the MMA tile already streams at the copy bandwidth. sm90 registers a thread
         (fp8 KV, D 128, from ptxas: tests/test_decode_compile.py): ~222 on 4 warps (2 programs an SM), 165
         without spills under max_regs 168 (3), ~128 on 8 warps; block_n 128 doubles the slot state (spills).
+    tail_merge: the dynamic schedule merges split requests in the attention kernel instead of a combine
+        kernel after it: a program that writes a split's partial counts it into the plan's `merge_sem`
+        (CTA barrier, then one release/acquire atomic, as a semaphore does), and the one that writes the
+        last partial merges them all (`_tail_merge`: every q row at once, rounds of 4096-element tiles) and
+        resets the count. Saves the combine launch and its dependent wait: in the H200 profile
+        (bench/results/profile_decode_kernels.txt) the combine took 4.2-6.2 µs of 19-38 µs h8/1 steps.
+        Needs task_desc, and a plan built with it on (the plan then also writes `pair_desc`); the `tl`
+        kernel only (with `gluon` the combine still runs). Off until the H200 measures it.
     plan_block_c, plan_warps, plan_block_b: launch of the plan kernel (`plan_decode`, once per step):
         plan entries (persistent programs) served per plan program (16..256: smaller = more plan
         programs, each with a smaller [plan_block_c, block] compare-count tile; 0 = by batch size,
@@ -138,12 +146,15 @@ class DecodeConfig:
     lean_pages: bool = True
     gluon: bool = False
     row_path: bool | None = None
+    tail_merge: bool = False
 
     def __post_init__(self):
         check_choice("DecodeConfig.lean_mode", self.lean_mode, LEAN_MODES)
         regs = self.max_regs
         if regs is not None and (type(regs) is not int or not 32 <= regs <= 255):
             raise ValueError(f"DecodeConfig.max_regs must be None or an int in 32..255, got {self.max_regs!r}")
+        if self.tail_merge and not self.task_desc:
+            raise ValueError("DecodeConfig.tail_merge needs task_desc (the plan's pair table is written with it)")
         cb = self.combine_chunks
         if type(cb) is not int or not 2 <= cb <= 256 or cb & (cb - 1):
             raise ValueError(f"DecodeConfig.combine_chunks must be a power of two in 2..256, got {cb!r}")
@@ -169,6 +180,12 @@ def decode_config() -> DecodeConfig:
 def _combine_chunks(head_dim: int) -> int:
     """Partials a combine round: DecodeConfig.combine_chunks, at most a [CB, D_PAD] fp32 tile of 8192 elements."""
     return max(1, min(_CONFIG.combine_chunks, 8192 // triton.next_power_of_2(head_dim)))
+
+
+def _tail_parts(r_pad: int, head_dim: int) -> int:
+    """Partials a round of the tail merge: a [parts, r_pad, D_PAD] fp32 tile of at most 4096 elements (4 at
+    8 rows of 128: with their 64-bit addresses the merge then fits the attention loop's registers), ≤ 16."""
+    return max(1, min(16, 4096 // (r_pad * triton.next_power_of_2(head_dim))))
 
 
 def _num_stages() -> int:
@@ -388,18 +405,28 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
     pdl = _CONFIG.pdl and not _platform.is_interpreter() and q.is_cuda
     pdl_launch = {"launch_pdl": True} if pdl else {}
+    tail = False
     if _CONFIG.gluon and gluon_unsupported_reason(q, k_cache, v_cache, rows) is None:
         _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, out, part_o, part_lse, plan, q_scale, args_kv,
                       sm_scale, q_len, g, rows)
     else:
+        tail = _CONFIG.tail_merge
+        if tail and not plan.has_pairs:
+            raise ValueError("plan was built without DecodeConfig.tail_merge (no pair table): re-plan with "
+                             "hpcops.plan_decode under the same config as decode_attention")
+        r_pad = triton.next_power_of_2(rows)
         decode_persistent_kernel[(plan.num_programs,)](
             q, k_cache, v_cache, *descs, block_table, seq_lens, out, part_o, part_lse,
             plan.header, plan.cum, plan.task_desc if _CONFIG.task_desc else plan.first_b,
+            plan.pair_desc if tail else dummy, plan.merge_sem if tail else dummy,
             q_scale if q_fp8 else dummy, *args_kv,
             sm_scale * LOG2E, b, hq, block_table.shape[1], nb, *strides,
             BLOCK_SIZE=bs, TILE=TILE, BLOCK_N=block_n, KV_FP8=kv_fp8, Q_FP8=q_fp8, NUM_STAGES=_num_stages(),
-            num_warps=num_warps, M_PAD=m_pad, USE_TMA=use_tma, USE_PDL=pdl, TASK_DESC=_CONFIG.task_desc,
-            **attn_knobs, **common)
+            num_warps=num_warps, M_PAD=m_pad, USE_TMA=use_tma, USE_PDL=pdl and not tail,
+            TASK_DESC=_CONFIG.task_desc, **attn_knobs, **common,
+            **(dict(TAIL_MERGE=True, R_PAD=r_pad, TAIL_PARTS=_tail_parts(r_pad, d)) if tail else {}))
+    if tail:
+        return out
     decode_combine_kernel[(plan.num_programs, rows)](
         part_o, part_lse, out, plan.header, plan.cum, plan.merge_desc if _CONFIG.task_desc else plan.last_b,
         out.stride(0), out.stride(1),

@@ -35,6 +35,13 @@ and replayed with new lengths:
 * ``merge_desc`` int32 [num_programs, 4]: the split (head, request) the combine program k merges
   (the one that starts in bucket k and leaves it): request (−1 none), head, first partial slot,
   number of partials.
+* ``pair_desc`` int32 [max_batch·num_kv_heads, 4] and ``merge_sem`` int32 [max_batch·num_kv_heads]
+  (``DecodeConfig.tail_merge``): for a split (head h, request b), row h·B + b of ``pair_desc`` holds
+  its merge (the program k that owns it, partials, first slot: ``merge_desc`` row k seen from the pair;
+  rows of unsplit pairs are stale and never read), and ``merge_sem`` counts the partials written so far
+  in the current call. The attention program that writes a pair's last partial merges the pair and sets
+  its count back to 0, so the counts are 0 between calls (allocated zeroed; a plan must not serve two
+  decode calls running at once, as its partial buffers already must not).
 
 The two descriptor tables are written (``has_desc``) only when the plan is built with
 ``DecodeConfig.task_desc`` on, the only config that reads them.
@@ -117,7 +124,10 @@ class DecodePlan:
     last_b: torch.Tensor
     task_desc: torch.Tensor
     merge_desc: torch.Tensor
+    pair_desc: torch.Tensor | None = None
+    merge_sem: torch.Tensor | None = None
     has_desc: bool = False
+    has_pairs: bool = False  # pair_desc written by the last plan (DecodeConfig.tail_merge)
     task_cost: int = 0  # as asked; the cut charges it only with descriptors (`cut_task_cost`)
     snap: int = 0  # likewise (`cut_snap`)
     _workspace: dict = field(default_factory=dict, repr=False)
@@ -323,9 +333,17 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
             last_b=torch.full((c,), -1, dtype=torch.int32, device=dev),
             task_desc=torch.zeros((c, 8), dtype=torch.int32, device=dev),
             merge_desc=torch.zeros((c, 4), dtype=torch.int32, device=dev),
+            **pair_buffers(cap, num_kv_heads, dev),
         )
     _launch_plan(plan, seq_lens)
     return plan
+
+
+def pair_buffers(max_batch: int, num_kv_heads: int, device) -> dict[str, torch.Tensor]:
+    """A plan's `pair_desc` and `merge_sem` (zeroed: the tail merge's counts start at 0)."""
+    n = max_batch * num_kv_heads
+    return {"pair_desc": torch.zeros((n, 4), dtype=torch.int32, device=device),
+            "merge_sem": torch.zeros(n, dtype=torch.int32, device=device)}
 
 
 def check_plan_matches(plan: DecodePlan, seq_lens: torch.Tensor) -> None:
@@ -360,6 +378,9 @@ def _launch_plan(plan: DecodePlan, seq_lens: torch.Tensor) -> None:
     cfg = decode_config()
     b = seq_lens.shape[0]
     plan.has_desc = cfg.task_desc
+    plan.has_pairs = cfg.task_desc and cfg.tail_merge
+    if plan.has_pairs and plan.pair_desc is None:
+        raise ValueError("DecodeConfig.tail_merge needs a plan with pair buffers (built by plan_decode)")
     if b == 0:
         plan.header.zero_()
         plan.first_b.fill_(-1)
@@ -378,10 +399,11 @@ def _launch_plan(plan: DecodePlan, seq_lens: torch.Tensor) -> None:
     cost = plan.cut_task_cost
     plan_decode_kernel[grid](
         seq_lens, plan.cum, plan.header, plan.first_b, plan.last_b, plan.task_desc, plan.merge_desc,
+        plan.pair_desc if plan.has_pairs else plan.merge_desc,
         b, plan.num_kv_heads, plan.num_programs, plan.min_tiles, cost_unit(cost), cost,
         plan.cut_snap,
         TILE=TILE, BLOCK_B=block_b, BLOCK_C=block_c, ONE_BLOCK=cfg.plan_one_pass and b <= block_b,
-        DESC=cfg.task_desc,
+        DESC=cfg.task_desc, PAIRS=plan.has_pairs,
         num_warps=warps,
     )
 

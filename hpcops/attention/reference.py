@@ -22,6 +22,7 @@ from hpcops.attention.plan import (
     DecodePlan,
     _validate_plan_args,
     default_num_programs,
+    pair_buffers,
 )
 
 __all__ = ["decode_attention", "plan_decode", "prefill_attention"]
@@ -78,7 +79,8 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
                              first_b=torch.empty(c, dtype=torch.int32, device=dev),
                              last_b=torch.empty(c, dtype=torch.int32, device=dev),
                              task_desc=torch.zeros((c, 8), dtype=torch.int32, device=dev),
-                             merge_desc=torch.empty((c, 4), dtype=torch.int32, device=dev))
+                             merge_desc=torch.empty((c, 4), dtype=torch.int32, device=dev),
+                             **pair_buffers(cap, num_kv_heads, dev))
     plan.batch = b
     plan.has_desc = has_desc  # the tables are always filled; shown as the kernel's
     i32 = dict(dtype=torch.int32)
@@ -89,6 +91,11 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
     plan.last_b.copy_(torch.tensor(last_b, **i32))
     plan.task_desc[:, :4].copy_(torch.tensor(task_desc, **i32))
     plan.merge_desc.copy_(torch.tensor(merge_desc, **i32))
+    plan.has_pairs = plan.pair_desc is not None and has_desc
+    if plan.has_pairs:  # each merge seen from its pair (rows of unsplit pairs left as they are)
+        for k, (bl, hl, slot, parts) in enumerate(merge_desc):
+            if bl >= 0:
+                plan.pair_desc[hl * b + bl].copy_(torch.tensor([k, parts, slot, 0], **i32))
     return plan
 
 

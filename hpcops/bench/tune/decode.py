@@ -77,6 +77,9 @@ def _at_gqa1(*values: Any):
 # One line per knob; `pps` = persistent programs per SM, `min_tiles` = the plan's tile floor per program.
 # num_warps None = the launcher's choice (4 for head_dim <= 128).
 DECODE_SPACE = (
+    # split requests merged in the attention kernel's tail (no combine kernel), alone and with 3 programs an SM
+    knob("tail_merge", False, True),
+    knob(("tail_merge", "pps"), (True, 3), near=None),
     # the Gluon kernel (sm_90; where it applies, else the tl kernel runs and this re-times the default)
     knob("gluon", False, True),
     # with more programs an SM (its ~85 registers leave room; the split-KV probe was fastest at ~4 an SM)
