@@ -190,6 +190,10 @@ GLUON_BUILDS = {  # name: (KV dtype, q dtype, head_dim, q rows padded, q_len, G,
     "fp8q-d64-page256": ("fp8", "fp8", 64, 8, 1, 8, 3, 256),
     "fp8q-d128-page16": ("fp8", "fp8", 128, 8, 1, 8, 3, 16),
     "bf16-d128-page32": ("bf16", "bf16", 128, 8, 1, 8, 3, 32),
+    # DecodeConfig.tail_merge: (R_PAD, partials a round) as the launcher passes them
+    "fp8q-d128-h8/1-tail": ("fp8", "fp8", 128, 8, 1, 8, 3, 64, [8, 4]),
+    "bf16-d256-2buf-tail": ("bf16", "bf16", 256, 8, 1, 8, 2, 64, [8, 2]),
+    "fp8q-d128-q2-16rows-tail": ("fp8", "fp8", 128, 16, 2, 8, 3, 64, [16, 2]),
 }
 
 
@@ -199,18 +203,21 @@ from triton.experimental.gluon import language as gl
 from hpcops.attention._decode_gluon import decode_gluon_kernel
 from hpcops.testing import compile_gluon_sm90, sm90_resources
 
-kv, qd, d, nq, q_len, g, stages, page = json.loads(sys.argv[1])
+kv, qd, d, nq, q_len, g, stages, page, *tail = json.loads(sys.argv[1])
 names = {"fp8": ("fp8e4nv", gl.float8e4nv), "bf16": ("bf16", gl.bfloat16)}
 box = min(64, page)  # the launcher's TMA box: a 64-key tile, or a page under 64 tokens
 layout = gl.NVMMASharedLayout.get_default_for([box, d], names[kv][1])
 desc = f"tensordesc<{names[kv][0]}[{box}, {d}],{layout}>"
 sig = dict(q_ptr="*" + names[qd][0], k_desc=desc, v_desc=desc, bt_ptr="*i32", seq_lens_ptr="*i32",
-           out_ptr="*bf16", part_o_ptr="*fp32", part_lse_ptr="*fp32", task_desc_ptr="*i32", q_scale_ptr="*fp32",
-           k_scale_ptr="*fp32", v_scale_ptr="*fp32", sm_scale_log2="fp32")
+           out_ptr="*bf16", part_o_ptr="*fp32", part_lse_ptr="*fp32", task_desc_ptr="*i32", pair_desc_ptr="*i32",
+           merge_sem_ptr="*i32", q_scale_ptr="*fp32", k_scale_ptr="*fp32", v_scale_ptr="*fp32",
+           sm_scale_log2="fp32")
 sig.update({a: "i32" for a in ("B", "num_q_heads", "bt_width", "num_blocks", "stride_qt", "stride_qh",
                                "stride_kh", "stride_vh", "stride_bt", "stride_ot", "stride_oh")})
 consts = dict(Q_LEN=q_len, G=g, NQ=nq, D=d, PAGE=page, TILE=64, STAGES=stages, KV_FP8=kv == "fp8",
               Q_FP8=qd == "fp8", num_warps=4)
+if tail:
+    consts.update(TAIL_MERGE=True, R_PAD=tail[0][0], TAIL_PARTS=tail[0][1])
 sig.update({a: "constexpr" for a in consts})
 print(json.dumps(sm90_resources(compile_gluon_sm90(decode_gluon_kernel, sig, consts))))
 """)
@@ -222,7 +229,7 @@ def test_gluon_decode_kernel_builds_for_sm90(name):
     with no spill: Kᵀ·q as wgmma (K never widened), TMA tile loads, and registers that leave room for
     programs beside it (the tl kernel takes 128–255). Built in a process without TRITON_INTERPRET."""
     pytest.importorskip("triton.backends.nvidia")
-    kv, qd, d, nq, q_len, g, stages, page = GLUON_BUILDS[name]
+    kv, qd, d, nq, q_len, g, stages, page = GLUON_BUILDS[name][:8]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     res = subprocess.run([sys.executable, "-c", GLUON_BUILD, json.dumps(GLUON_BUILDS[name])], capture_output=True,

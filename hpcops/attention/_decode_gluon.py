@@ -16,7 +16,8 @@ a bad page zeroed there, so a NaN in the cache never meets a zero probability) a
 
 The walk is `decode_persistent_kernel`'s with task descriptors (`_decode_kernels.py`): a program starts from
 its task_desc row and runs its tasks in order; an unsplit task writes the output, a split one its fp32 partial
-and log2-sum-exp into slot 2·pid (first task) or 2·pid + 1, merged by the `tl` combine kernel. Scores are in
+and log2-sum-exp into slot 2·pid (first task) or 2·pid + 1, merged by the `tl` combine kernel, or (TAIL_MERGE,
+`DecodeConfig.tail_merge`) by the program that writes a pair's last partial (`_tail_merge`). Scores are in
 the log2 domain as there: s = q·k · sm_scale · log2(e) (· q_scale · k_scale for fp8).
 """
 
@@ -67,12 +68,65 @@ def _page_good(bt_row, bt_width, num_blocks, tile, keys, PAGE: gl.constexpr, TIL
 
 
 @gluon.jit
+def _tail_merge(part_o_ptr, part_lse_ptr, pair_desc_ptr, merge_sem_ptr, b, h, B, out_ptr, stride_ot, stride_oh,
+                Q_LEN: gl.constexpr, G: gl.constexpr, D: gl.constexpr, R_PAD: gl.constexpr, TB: gl.constexpr,
+                num_warps: gl.constexpr):
+    """`_decode_kernels._tail_merge` in Gluon (DecodeConfig.tail_merge): count this program's partial of split
+    (b, h) in (CTA barrier, one acq_rel atomic); the program that writes the last merges every q row of the pair
+    in rounds of TB partials ([TB, R_PAD, D] tiles, a running maximum a row) and resets the count."""
+    ROWS: gl.constexpr = Q_LEN * G
+    idx = (h * B + b).to(gl.int64)
+    owner = gl.load(pair_desc_ptr + idx * 4)
+    parts = gl.load(pair_desc_ptr + idx * 4 + 1)
+    first_slot = gl.load(pair_desc_ptr + idx * 4 + 2)
+    gl.thread_barrier()
+    arrived = gl.atomic_add(merge_sem_ptr + idx, 1, sem="acq_rel", scope="gpu")
+    if arrived == parts - 1:
+        gl.store(merge_sem_ptr + idx, 0)
+        l3: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_warp=[1, 1, 32],
+                                            warps_per_cta=[1, num_warps, 1], order=[2, 1, 0])
+        l_rd: gl.constexpr = gl.SliceLayout(0, l3)  # [R_PAD, D]
+        l_tr: gl.constexpr = gl.SliceLayout(2, l3)  # [TB, R_PAD]
+        l_r: gl.constexpr = gl.SliceLayout(1, l_rd)
+        offs_c = gl.arange(0, TB, layout=gl.SliceLayout(1, l_tr))
+        offs_r = gl.arange(0, R_PAD, layout=gl.SliceLayout(0, l_tr))
+        offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, l_rd))
+        d3 = gl.expand_dims(gl.expand_dims(offs_d, 0), 0)  # [1, 1, D]
+        m_run = gl.full([R_PAD], float("-inf"), gl.float32, layout=gl.SliceLayout(0, l_tr))
+        w = gl.zeros([R_PAD], gl.float32, layout=gl.SliceLayout(0, l_tr))
+        acc = gl.zeros([R_PAD, D], gl.float32, layout=l_rd)
+        for c0 in range(0, parts, TB):
+            c = c0 + offs_c
+            slot = gl.where(c == 0, first_slot, 2 * owner + 2 * c).to(gl.int64)
+            row = gl.expand_dims(slot, 1) * ROWS + gl.expand_dims(offs_r, 0)  # [TB, R_PAD]
+            ok = gl.expand_dims(c < parts, 1) & gl.expand_dims(offs_r < ROWS, 0)
+            lse = gl.load(part_lse_ptr + row, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            o = gl.load(part_o_ptr + gl.expand_dims(row, 2) * D + d3, mask=gl.expand_dims(ok, 2), other=0.0,
+                        cache_modifier=".cg")  # [TB, R_PAD, D]
+            m_new = gl.maximum(m_run, gl.max(lse, axis=0))
+            m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_run - m_ref)
+            wc = gl.exp2(lse - gl.expand_dims(m_ref, 0))  # [TB, R_PAD]
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, l_r), 1) + gl.sum(o * gl.expand_dims(wc, 2), axis=0)
+            w = w * alpha + gl.sum(wc, axis=0)
+            m_run = m_new
+        w_r = gl.convert_layout(w, l_r)
+        res = acc / gl.expand_dims(gl.where(w_r == 0.0, 1.0, w_r), 1)
+        r = gl.arange(0, R_PAD, layout=l_r)
+        tok = (b * Q_LEN + r // G).to(gl.int64)
+        ptrs = out_ptr + gl.expand_dims(tok * stride_ot + (h * G + r % G) * stride_oh, 1) + gl.expand_dims(offs_d, 0)
+        gl.store(ptrs, res.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(r < ROWS, 1))
+
+
+@gluon.jit
 def decode_gluon_kernel(
     q_ptr, k_desc, v_desc, bt_ptr, seq_lens_ptr, out_ptr, part_o_ptr, part_lse_ptr, task_desc_ptr,
+    pair_desc_ptr, merge_sem_ptr,
     q_scale_ptr, k_scale_ptr, v_scale_ptr, sm_scale_log2, B, num_q_heads, bt_width, num_blocks,
     stride_qt, stride_qh, stride_kh, stride_vh, stride_bt, stride_ot, stride_oh,
     Q_LEN: gl.constexpr, G: gl.constexpr, NQ: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
     TILE: gl.constexpr, STAGES: gl.constexpr, KV_FP8: gl.constexpr, Q_FP8: gl.constexpr, num_warps: gl.constexpr,
+    TAIL_MERGE: gl.constexpr = False, R_PAD: gl.constexpr = 1, TAIL_PARTS: gl.constexpr = 1,
 ):
     ROWS: gl.constexpr = Q_LEN * G
     KV_BYTES: gl.constexpr = 2 * TILE * D * k_desc.dtype.primitive_bitwidth // 8
@@ -198,6 +252,9 @@ def decode_gluon_kernel(
             lse = gl.where(l_o == 0.0, float("-inf"), m_o + gl.log2(l_safe))
             gl.store(part_o_ptr + (base + r_o)[None, :] * D + d_o[:, None], o, mask=row_ok[None, :])
             gl.store(part_lse_ptr + base + r_o, lse, mask=row_ok)
+            if TAIL_MERGE:
+                _tail_merge(part_o_ptr, part_lse_ptr, pair_desc_ptr, merge_sem_ptr, b, h, B, out_ptr, stride_ot,
+                            stride_oh, Q_LEN, G, D, R_PAD, TAIL_PARTS, num_warps)
         else:
             tok_o = (b * Q_LEN + r_o // G).to(gl.int64)
             head_o = h * G + r_o % G

@@ -114,8 +114,8 @@ class DecodeConfig:
         last partial merges them all (`_tail_merge`: every q row at once, rounds of 4096-element tiles) and
         resets the count. Saves the combine launch and its dependent wait: in the H200 profile
         (bench/results/profile_decode_kernels.txt) the combine took 4.2-6.2 µs of 19-38 µs h8/1 steps.
-        Needs task_desc, and a plan built with it on (the plan then also writes `pair_desc`); the `tl`
-        kernel only (with `gluon` the combine still runs). Off until the H200 measures it.
+        Needs task_desc, and a plan built with it on (the plan then also writes `pair_desc`); both the `tl`
+        and the Gluon kernel. Off until the H200 measures it.
     plan_block_c, plan_warps, plan_block_b: launch of the plan kernel (`plan_decode`, once per step):
         plan entries (persistent programs) served per plan program (16..256: smaller = more plan
         programs, each with a smaller [plan_block_c, block] compare-count tile; 0 = by batch size,
@@ -405,16 +405,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
     pdl = _CONFIG.pdl and not _platform.is_interpreter() and q.is_cuda
     pdl_launch = {"launch_pdl": True} if pdl else {}
-    tail = False
+    tail = _CONFIG.tail_merge
+    if tail and not plan.has_pairs:
+        raise ValueError("plan was built without DecodeConfig.tail_merge (no pair table): re-plan with "
+                         "hpcops.plan_decode under the same config as decode_attention")
+    r_pad = triton.next_power_of_2(rows)
+    tail_knobs = dict(TAIL_MERGE=True, R_PAD=r_pad, TAIL_PARTS=_tail_parts(r_pad, d)) if tail else {}
     if _CONFIG.gluon and gluon_unsupported_reason(q, k_cache, v_cache, rows) is None:
         _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, out, part_o, part_lse, plan, q_scale, args_kv,
-                      sm_scale, q_len, g, rows)
+                      sm_scale, q_len, g, rows, tail_knobs)
     else:
-        tail = _CONFIG.tail_merge
-        if tail and not plan.has_pairs:
-            raise ValueError("plan was built without DecodeConfig.tail_merge (no pair table): re-plan with "
-                             "hpcops.plan_decode under the same config as decode_attention")
-        r_pad = triton.next_power_of_2(rows)
         decode_persistent_kernel[(plan.num_programs,)](
             q, k_cache, v_cache, *descs, block_table, seq_lens, out, part_o, part_lse,
             plan.header, plan.cum, plan.task_desc if _CONFIG.task_desc else plan.first_b,
@@ -423,8 +423,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             sm_scale * LOG2E, b, hq, block_table.shape[1], nb, *strides,
             BLOCK_SIZE=bs, TILE=TILE, BLOCK_N=block_n, KV_FP8=kv_fp8, Q_FP8=q_fp8, NUM_STAGES=_num_stages(),
             num_warps=num_warps, M_PAD=m_pad, USE_TMA=use_tma, USE_PDL=pdl and not tail,
-            TASK_DESC=_CONFIG.task_desc, **attn_knobs, **common,
-            **(dict(TAIL_MERGE=True, R_PAD=r_pad, TAIL_PARTS=_tail_parts(r_pad, d)) if tail else {}))
+            TASK_DESC=_CONFIG.task_desc, **attn_knobs, **common, **tail_knobs)
     if tail:
         return out
     decode_combine_kernel[(plan.num_programs, rows)](
@@ -435,8 +434,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, out, part_o, part_lse, plan, q_scale, args_kv,
-                  sm_scale, q_len, g, rows):
-    """The dynamic schedule's attention kernel in Gluon (`DecodeConfig.gluon`); the combine follows as usual."""
+                  sm_scale, q_len, g, rows, tail_knobs):
+    """The dynamic schedule's attention kernel in Gluon (`DecodeConfig.gluon`); the combine follows, unless the
+    kernel merges the splits itself (`tail_knobs`: DecodeConfig.tail_merge)."""
     from hpcops.attention._decode_gluon import decode_gluon_kernel
     from hpcops.attention._tma import gluon_kv_descriptor
 
@@ -447,12 +447,14 @@ def _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, out, part_o, part_
     decode_gluon_kernel[(plan.num_programs,)](
         q, gluon_kv_descriptor(k_cache, min(TILE, bs)), gluon_kv_descriptor(v_cache, min(TILE, bs)), block_table,
         seq_lens, out,
-        part_o, part_lse, plan.task_desc, q_scale if q_scale is not None else seq_lens, *args_kv,
+        part_o, part_lse, plan.task_desc,
+        plan.pair_desc if tail_knobs else seq_lens, plan.merge_sem if tail_knobs else seq_lens,
+        q_scale if q_scale is not None else seq_lens, *args_kv,
         sm_scale * LOG2E, seq_lens.shape[0], q.shape[1], block_table.shape[1], nb,
         q.stride(0), q.stride(1), k_cache.stride(2), v_cache.stride(2), block_table.stride(0),
         out.stride(0), out.stride(1),
         Q_LEN=q_len, G=g, NQ=max(8, triton.next_power_of_2(rows)), D=d, PAGE=bs, TILE=TILE, STAGES=stages,
-        KV_FP8=kv_fp8, Q_FP8=q.dtype == FP8_E4M3, num_warps=4)
+        KV_FP8=kv_fp8, Q_FP8=q.dtype == FP8_E4M3, num_warps=4, **tail_knobs)
 
 
 def static_splits(batch: int, num_kv_heads: int, device=None) -> int:

@@ -80,6 +80,7 @@ DECODE_SPACE = (
     # split requests merged in the attention kernel's tail (no combine kernel), alone and with 3 programs an SM
     knob("tail_merge", False, True),
     knob(("tail_merge", "pps"), (True, 3), near=None),
+    knob(("gluon", "tail_merge", "pps"), (True, True, 2), (True, True, 3), (True, True, 4), near=None),
     # the Gluon kernel (sm_90; where it applies, else the tl kernel runs and this re-times the default)
     knob("gluon", False, True),
     # with more programs an SM (its ~85 registers leave room; the split-KV probe was fastest at ~4 an SM)
