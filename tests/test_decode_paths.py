@@ -72,7 +72,9 @@ def test_tail_merge_replans_into_the_same_buffers(case, device):
                                   num_programs=case.programs, min_tiles=case.min_tiles)
         for step, lens in enumerate((list(case.lens), [n // 3 + 5 for n in case.lens])):
             seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+            plan.merge_sem.fill_(7)  # as an aborted step would leave them: the plan zeroes the counts
             hpcops.plan_decode(seq_lens, num_kv_heads=case.hkv, q_len=case.q_len, block_size=case.bs, out=plan)
+            assert int(plan.merge_sem[: len(lens) * case.hkv].abs().sum()) == 0
             md = plan.merge_desc.tolist()
             assert any(r[0] >= 0 for r in md), "the case must split a request"
             for k, (b, h, slot, parts) in enumerate(md):

@@ -30,8 +30,8 @@ from triton.compiler import ASTSource
 from hpcops.attention._plan_kernels import plan_decode_kernel as fn
 
 out = {}
-for name, (block_c, block_b, one, warps, desc) in json.loads(sys.argv[1]).items():
-    const = dict(TILE=64, BLOCK_B=block_b, BLOCK_C=block_c, ONE_BLOCK=one, DESC=desc)
+for name, (block_c, block_b, one, warps, desc, *pairs) in json.loads(sys.argv[1]).items():
+    const = dict(TILE=64, BLOCK_B=block_b, BLOCK_C=block_c, ONE_BLOCK=one, DESC=desc, PAIRS=bool(pairs and pairs[0]))
     params = list(inspect.signature(fn.fn).parameters)
     sig = {p: "constexpr" if p in const else ("*i32" if p.endswith("_ptr") else "i32") for p in params}
     cexp = {(params.index(p),): v for p, v in const.items()}
@@ -44,7 +44,10 @@ PLAN_LAUNCHES = {"c16-b256-w1": (16, 256, True, 1, False), "c128-b64-w4-2pass": 
                  "c32-b256-w2-desc": (32, 256, True, 2, True),
                  "c128-b256-w4": (128, 256, True, 4, False), "c128-b256-w4-desc": (128, 256, True, 4, True),
                  "c64-b1024-w4-desc": (64, 1024, True, 4, True), "c32-b256-loop-w2-desc": (32, 256, False, 2, True),
-                 "c256-b64-w8": (256, 64, True, 8, False)}
+                 "c256-b64-w8": (256, 64, True, 8, False),
+                 # DecodeConfig.tail_merge: the pair table and the counts zeroed
+                 "c16-b256-w1-desc-pairs": (16, 256, True, 1, True, True),
+                 "c32-b256-loop-w2-desc-pairs": (32, 256, False, 2, True, True)}
 
 
 def test_knob_variants_compile_for_sm90():

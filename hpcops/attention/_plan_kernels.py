@@ -58,7 +58,7 @@ def _in_stream(x, cnt, lo, hi, s_cost, s_total, unit, task_cost, snap):
 @triton.jit
 def plan_decode_kernel(
     seq_lens_ptr, cum_ptr, header_ptr, first_b_ptr, last_b_ptr, task_desc_ptr, merge_desc_ptr, pair_desc_ptr,
-    B, num_kv_heads, num_programs, min_tiles, unit, task_cost, snap,
+    merge_sem_ptr, B, num_kv_heads, num_programs, min_tiles, unit, task_cost, snap,
     TILE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr, ONE_BLOCK: tl.constexpr = False,
     DESC: tl.constexpr = False, PAIRS: tl.constexpr = False,
 ):
@@ -73,7 +73,8 @@ def plan_decode_kernel(
     writes `cum` and the header. No cross-program communication. ONE_BLOCK (B <= BLOCK_B): one load and
     one scan, kept in registers for the compare; else the requests are read again, block by block.
     PAIRS (with DESC): each merge also written from the pair's side, pair_desc[head·B + request] = (owning
-    program, partials, first slot), for the attention kernel's tail merge.
+    program, partials, first slot), for the attention kernel's tail merge; program 0 zeroes the pairs' counts
+    (merge_sem), which the attention kernels leave at 0: a step starts clean even after an aborted one.
     """
     pid = tl.program_id(0)
     offs_b = tl.arange(0, BLOCK_B)
@@ -97,6 +98,11 @@ def plan_decode_kernel(
     total = s_cost * num_kv_heads
     bucket = tl.maximum(tl.maximum((total + num_programs - 1) // num_programs, unit * min_tiles), unit + task_cost)
     snap = tl.minimum(snap, bucket // 4)
+    if PAIRS:
+        if pid == 0:
+            for start in range(0, B * num_kv_heads, BLOCK_B):
+                tl.store(merge_sem_ptr + start + offs_b, tl.zeros([BLOCK_B], dtype=tl.int32),
+                         mask=start + offs_b < B * num_kv_heads)
     if pid == 0:
         tl.store(cum_ptr, 0)
         tl.store(header_ptr + 0, bucket)

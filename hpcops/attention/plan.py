@@ -40,8 +40,8 @@ and replayed with new lengths:
   its merge (the program k that owns it, partials, first slot: ``merge_desc`` row k seen from the pair;
   rows of unsplit pairs are stale and never read), and ``merge_sem`` counts the partials written so far
   in the current call. The attention program that writes a pair's last partial merges the pair and sets
-  its count back to 0, so the counts are 0 between calls (allocated zeroed; a plan must not serve two
-  decode calls running at once, as its partial buffers already must not).
+  its count back to 0, so the counts are 0 between calls (the plan kernel zeroes them too, each step; a
+  plan must not serve two decode calls running at once, as its partial buffers already must not).
 
 The two descriptor tables are written (``has_desc``) only when the plan is built with
 ``DecodeConfig.task_desc`` on, the only config that reads them.
@@ -399,7 +399,7 @@ def _launch_plan(plan: DecodePlan, seq_lens: torch.Tensor) -> None:
     cost = plan.cut_task_cost
     plan_decode_kernel[grid](
         seq_lens, plan.cum, plan.header, plan.first_b, plan.last_b, plan.task_desc, plan.merge_desc,
-        plan.pair_desc if plan.has_pairs else plan.merge_desc,
+        plan.pair_desc if plan.has_pairs else plan.merge_desc, plan.merge_sem if plan.has_pairs else plan.cum,
         b, plan.num_kv_heads, plan.num_programs, plan.min_tiles, cost_unit(cost), cost,
         plan.cut_snap,
         TILE=TILE, BLOCK_B=block_b, BLOCK_C=block_c, ONE_BLOCK=cfg.plan_one_pass and b <= block_b,

@@ -92,7 +92,8 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
     plan.task_desc[:, :4].copy_(torch.tensor(task_desc, **i32))
     plan.merge_desc.copy_(torch.tensor(merge_desc, **i32))
     plan.has_pairs = plan.pair_desc is not None and has_desc
-    if plan.has_pairs:  # each merge seen from its pair (rows of unsplit pairs left as they are)
+    if plan.has_pairs:  # each merge seen from its pair (rows of unsplit pairs left as they are); counts at 0
+        plan.merge_sem.zero_()
         for k, (bl, hl, slot, parts) in enumerate(merge_desc):
             if bl >= 0:
                 plan.pair_desc[hl * b + bl].copy_(torch.tensor([k, parts, slot, 0], **i32))
