@@ -314,7 +314,7 @@ def decode_persistent_kernel(
     USE_PDL: tl.constexpr = False, TASK_DESC: tl.constexpr = False, LEAN: tl.constexpr = False,
     LEAN_RECOMPUTE: tl.constexpr = False, KV_SAME_STRIDES: tl.constexpr = False, LEAN_PAGES: tl.constexpr = False,
     ROW_PATH: tl.constexpr = False, TAIL_MERGE: tl.constexpr = False, R_PAD: tl.constexpr = 1,
-    TAIL_PARTS: tl.constexpr = 1,
+    TAIL_PARTS: tl.constexpr = 1, TAIL_STAGES: tl.constexpr = 1,
 ):
     """One persistent program walks its bucket of the plan's tile stream, task by task.
 
@@ -328,7 +328,8 @@ def decode_persistent_kernel(
     ROW_PATH: one query row a task (Q_LEN·G == 1) on the CUDA cores (`_attend_task`).
     TAIL_MERGE (with TASK_DESC): a split task, once its partial is written, counts it into the pair's
     merge_sem; the program that writes the last partial merges the pair into the output (`_tail_merge`),
-    so no combine kernel runs. R_PAD: Q_LEN·G padded to a power of two; TAIL_PARTS: partials a round.
+    so no combine kernel runs. R_PAD: Q_LEN·G padded to a power of two; TAIL_PARTS: partials a round;
+    TAIL_STAGES: rounds of loads in flight (2 on the pointer path; 1 beside TMA, where 2 spills).
     """
     pid = tl.program_id(0)
     if USE_PDL:
@@ -365,7 +366,7 @@ def decode_persistent_kernel(
             if TAIL_MERGE:
                 if split:
                     _tail_merge(part_o_ptr, part_lse_ptr, pair_desc_ptr, merge_sem_ptr, b, h, B, out_ptr,
-                                stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, R_PAD, TAIL_PARTS)
+                                stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, R_PAD, TAIL_PARTS, TAIL_STAGES)
             left -= n
             h = tl.where(b_next == 0, h + 1, h)
             b = b_next
@@ -498,10 +499,11 @@ def _merge_chunks(part_o_ptr, part_lse_ptr, first_slot, rest_base, rest_step, n_
 @triton.jit
 def _merge_rows(part_o_ptr, part_lse_ptr, first_slot, rest_base, rest_step, n_parts, b, h, out_ptr,
                 stride_ot, stride_oh, Q_LEN: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr,
-                D_PAD: tl.constexpr, R_PAD: tl.constexpr, TB: tl.constexpr):
+                D_PAD: tl.constexpr, R_PAD: tl.constexpr, TB: tl.constexpr, STAGES: tl.constexpr):
     """Every q row of a split (request b, kv head h) at once: out = Σ_c 2^(lse_c − m) · O_c / Σ_c 2^(lse_c − m)
     over slots first_slot, rest_base + c·rest_step, in rounds of TB partials ([TB, R_PAD, D_PAD] tiles, a
-    running maximum per row). Partials are read past L1 (`.cg`): other programs wrote them in this launch."""
+    running maximum per row), STAGES rounds of loads in flight (a long split: ~130 partials at 1x128K+31x4K).
+    Partials are read past L1 (`.cg`): other programs wrote them in this launch."""
     ROWS: tl.constexpr = Q_LEN * G
     offs_c = tl.arange(0, TB)
     offs_r = tl.arange(0, R_PAD)
@@ -511,7 +513,7 @@ def _merge_rows(part_o_ptr, part_lse_ptr, first_slot, rest_base, rest_step, n_pa
     m_run = tl.full([R_PAD], float("-inf"), tl.float32)
     w = tl.zeros([R_PAD], dtype=tl.float32)
     acc = tl.zeros([R_PAD, D_PAD], dtype=tl.float32)
-    for c0 in range(0, n_parts, TB):
+    for c0 in tl.range(0, n_parts, TB, num_stages=STAGES):
         c = c0 + offs_c
         slot = tl.where(c == 0, first_slot, rest_base + c * rest_step).to(tl.int64)
         row = slot[:, None] * ROWS + offs_r[None, :]  # [TB, R_PAD]
@@ -535,7 +537,7 @@ def _merge_rows(part_o_ptr, part_lse_ptr, first_slot, rest_base, rest_step, n_pa
 @triton.jit
 def _tail_merge(part_o_ptr, part_lse_ptr, pair_desc_ptr, merge_sem_ptr, b, h, B, out_ptr, stride_ot, stride_oh,
                 Q_LEN: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                R_PAD: tl.constexpr, TB: tl.constexpr):
+                R_PAD: tl.constexpr, TB: tl.constexpr, STAGES: tl.constexpr):
     """A split task's partial is written: count it in (release: the CTA barrier orders every thread's partial
     stores before the one-thread atomic, as a semaphore release does); the program that brings the count to
     the pair's partials merges them (acquire) and sets the count back to 0 for the next call."""
@@ -549,7 +551,7 @@ def _tail_merge(part_o_ptr, part_lse_ptr, pair_desc_ptr, merge_sem_ptr, b, h, B,
     if arrived == parts - 1:
         tl.store(merge_sem_ptr + idx, 0)
         _merge_rows(part_o_ptr, part_lse_ptr, first_slot, 2 * owner, 2, parts, b, h, out_ptr, stride_ot, stride_oh,
-                    Q_LEN, G, HEAD_DIM, D_PAD, R_PAD, TB)
+                    Q_LEN, G, HEAD_DIM, D_PAD, R_PAD, TB, STAGES)
 
 
 @triton.jit

@@ -411,6 +411,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                          "hpcops.plan_decode under the same config as decode_attention")
     r_pad = triton.next_power_of_2(rows)
     tail_knobs = dict(TAIL_MERGE=True, R_PAD=r_pad, TAIL_PARTS=_tail_parts(r_pad, d)) if tail else {}
+    tl_tail = dict(tail_knobs, TAIL_STAGES=1 if use_tma else 2) if tail else {}
     if _CONFIG.gluon and gluon_unsupported_reason(q, k_cache, v_cache, rows) is None:
         _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, out, part_o, part_lse, plan, q_scale, args_kv,
                       sm_scale, q_len, g, rows, tail_knobs)
@@ -423,7 +424,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             sm_scale * LOG2E, b, hq, block_table.shape[1], nb, *strides,
             BLOCK_SIZE=bs, TILE=TILE, BLOCK_N=block_n, KV_FP8=kv_fp8, Q_FP8=q_fp8, NUM_STAGES=_num_stages(),
             num_warps=num_warps, M_PAD=m_pad, USE_TMA=use_tma, USE_PDL=pdl and not tail,
-            TASK_DESC=_CONFIG.task_desc, **attn_knobs, **common, **tail_knobs)
+            TASK_DESC=_CONFIG.task_desc, **attn_knobs, **common, **tl_tail)
     if tail:
         return out
     decode_combine_kernel[(plan.num_programs, rows)](
