@@ -147,13 +147,33 @@ def _attend_tiles(acc, m_i, l_i, q, s_scale, last_pos, k_ptr, v_ptr, k_desc, v_d
         # TMA: rows past the sequence may hold anything, zeroed
         v = _load_kv_tile(v_ptr + page[:, None] * stride_vb + slot[:, None] * stride_vt + offs_d[None, :], kv_mask,
                           v_desc, row0, v_col, ok, USE_TMA, True)  # [BLOCK_N, D]
-        if ROW:
-            acc = _row_accumulate_pv(acc, alpha, p, v)
-        elif KV_FP8:
-            acc = _accumulate_pv(acc, alpha, p, v, tl.float16, False)
-        else:
-            acc = _accumulate_pv(acc, alpha, p, v, v.dtype, False)
+        acc = _pv_step(acc, alpha, p, v, KV_FP8, ROW)
     return acc, m_i, l_i
+
+
+@triton.jit
+def _whole_step(q, k, ok, s_scale, m_i, l_i, KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, ROW: tl.constexpr):
+    """Scores of a whole tile (no causal edge, keys on bad pages (`ok` off) at −inf) and the online-softmax step:
+    the one query row on the CUDA cores (ROW) or the q tile through the MMA."""
+    if ROW:
+        s = _row_scores(q, k) * s_scale + tl.where(ok, 0.0, float("-inf"))  # [BLOCK_N]
+        p, alpha, m_i, l_i = _row_softmax_step(s, m_i, l_i)
+    else:
+        s = _tile_scores(q, k, KV_FP8, Q_FP8) * s_scale[:, None] + tl.where(ok, 0.0, float("-inf"))[None, :]
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, s_scale, False)
+    return p, alpha, m_i, l_i
+
+
+@triton.jit
+def _pv_step(acc, alpha, p, v, KV_FP8: tl.constexpr, ROW: tl.constexpr):
+    """acc·alpha + P·V: per key slot on the CUDA cores (ROW), else an MMA in fp16 over fp8 V or in V's dtype."""
+    if ROW:
+        acc = _row_accumulate_pv(acc, alpha, p, v)
+    elif KV_FP8:
+        acc = _accumulate_pv(acc, alpha, p, v, tl.float16, False)
+    else:
+        acc = _accumulate_pv(acc, alpha, p, v, v.dtype, False)
+    return acc
 
 
 @triton.jit
@@ -205,12 +225,7 @@ def _attend_whole(acc, m_i, l_i, q, s_scale, k_ptr, v_ptr, k_desc, v_desc, k_col
             k_base = page * stride_kb + slot * stride_kt
         k = _load_kv_tile(k_ptr + k_base + k_off, d_ok[None, :] & ok, k_desc, row0, k_col, ok, USE_TMA,
                           not USE_TMA)  # [BLOCK_N, D]
-        if ROW:
-            s = _row_scores(q, k) * s_scale + tl.where(ok, 0.0, float("-inf"))  # [BLOCK_N]
-            p, alpha, m_i, l_i = _row_softmax_step(s, m_i, l_i)
-        else:
-            s = _tile_scores(q, k, KV_FP8, Q_FP8) * s_scale[:, None] + tl.where(ok, 0.0, float("-inf"))  # [M, BLOCK_N]
-            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, s_scale, False)
+        p, alpha, m_i, l_i = _whole_step(q, k, ok, s_scale, m_i, l_i, KV_FP8, Q_FP8, ROW)
         if LEAN_RECOMPUTE:
             if KV_SAME_STRIDES:
                 v_off = k_off
@@ -222,12 +237,7 @@ def _attend_whole(acc, m_i, l_i, q, s_scale, k_ptr, v_ptr, k_desc, v_desc, k_col
             v_base = page * stride_vb + slot * stride_vt
         v = _load_kv_tile(v_ptr + v_base + v_off, d_ok[None, :] & ok, v_desc, row0, v_col, ok, USE_TMA,
                           not USE_TMA)  # [BLOCK_N, D]
-        if ROW:
-            acc = _row_accumulate_pv(acc, alpha, p, v)
-        elif KV_FP8:
-            acc = _accumulate_pv(acc, alpha, p, v, tl.float16, False)
-        else:
-            acc = _accumulate_pv(acc, alpha, p, v, v.dtype, False)
+        acc = _pv_step(acc, alpha, p, v, KV_FP8, ROW)
     return acc, m_i, l_i
 
 
@@ -258,23 +268,13 @@ def _attend_whole_pages(acc, m_i, l_i, q, s_scale, k_ptr, v_ptr, bt_row_ptr, bt_
         kv_mask = ok[:, None] & d_ok[None, :]
         k_row = page * stride_kb + slot * stride_kt  # [BLOCK_N] int64
         k = _load_kv_tile(k_ptr + k_row[:, None] + offs_d[None, :], kv_mask, k_ptr, 0, 0, ok, False, True)
-        if ROW:
-            s = _row_scores(q, k) * s_scale + tl.where(ok, 0.0, float("-inf"))  # [BLOCK_N]
-            p, alpha, m_i, l_i = _row_softmax_step(s, m_i, l_i)
-        else:
-            s = _tile_scores(q, k, KV_FP8, Q_FP8) * s_scale[:, None] + tl.where(ok, 0.0, float("-inf"))[None, :]
-            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, s_scale, False)
+        p, alpha, m_i, l_i = _whole_step(q, k, ok, s_scale, m_i, l_i, KV_FP8, Q_FP8, ROW)
         if KV_SAME_STRIDES:
             v_row = k_row
         else:
             v_row = page * stride_vb + slot * stride_vt
         v = _load_kv_tile(v_ptr + v_row[:, None] + offs_d[None, :], kv_mask, v_ptr, 0, 0, ok, False, True)
-        if ROW:
-            acc = _row_accumulate_pv(acc, alpha, p, v)
-        elif KV_FP8:
-            acc = _accumulate_pv(acc, alpha, p, v, tl.float16, False)
-        else:
-            acc = _accumulate_pv(acc, alpha, p, v, v.dtype, False)
+        acc = _pv_step(acc, alpha, p, v, KV_FP8, ROW)
     return acc, m_i, l_i
 
 
