@@ -235,6 +235,11 @@ def compile_launch(fn, desc: dict, *, capability: int = 90):
 
     consts = {a: (tl.core.dtype(v[3:]) if isinstance(v, str) and v.startswith("tl.") else v)
               for a, v in desc["consts"].items()}
+    # a constexpr the launch left out takes its default, as at run time (not a runtime i32: `if FLAG:` on one
+    # would compile the branch the real launch drops)
+    for p in getattr(fn, "params", ()):
+        if p.is_constexpr and p.name not in consts and p.name not in desc["sig"] and p.has_default:
+            consts[p.name] = p.default
     sig = {a: ("constexpr" if a in consts else desc["sig"].get(a, "i32")) for a in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a in desc["div16"]}
     return triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", capability, 32),
