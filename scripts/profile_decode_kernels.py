@@ -73,8 +73,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", default="64x0.5K h8/1 fp8,64x4K h8/1 fp8,32x0.125K+32x4K h8/1 fp8,"
                                        "2x32K+30x4K h8/1 fp8,1x64K+15x4K h8/1 fp8,1x128K+31x4K h8/1 fp8")
-    ap.add_argument("--variants", default="tail_merge=1;tail_merge=1 pps=3;gluon=1 pps=3;gluon=1 pps=3 tail_merge=1;"
-                                          "gluon=1 pps=4 tail_merge=1;schedule=static",
+    ap.add_argument("--variants", default="tail_merge=1;tail_merge=1 tail_group=0;gluon=1 pps=3;"
+                                          "gluon=1 pps=3 tail_merge=1;gluon=1 pps=3 tail_merge=1 tail_group=0;"
+                                          "gluon=1 pps=3 tail_merge=1 tail_group=8;schedule=static",
                     help="';'-separated DecodeConfig overrides beside the default, e.g. \"gluon=1 pps=3\"")
     ap.add_argument("--layers", type=int, default=8)
     args = ap.parse_args()

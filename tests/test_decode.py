@@ -396,7 +396,7 @@ GPU_SCENARIOS = [("2x32K+30x4K", 8, 1, True), ("1x128K+31x4K", 8, 1, False), ("6
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", [{}, LEGACY, POINTER, dict(use_tma=False, lean_mode="recompute", lean_loop=True),
-                                     dict(tail_merge=True)],
+                                     dict(tail_merge=True), dict(tail_merge=True, gluon=True)],
                          ids=lambda d: _vid(d) or "default")
 @pytest.mark.parametrize("spec, hq, hkv, fp8", GPU_SCENARIOS, ids=lambda v: str(v))
 def test_gpu_real_sizes(spec, hq, hkv, fp8, variant):
@@ -427,7 +427,7 @@ def _gpu_real_sizes(spec, hq, hkv, fp8):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", [{}, LEGACY, dict(lean_loop=True, plan_block_c=32, plan_warps=2),
-                                     dict(tail_merge=True)],
+                                     dict(tail_merge=True), dict(tail_merge=True, tail_group=2)],
                          ids=lambda d: _vid(d) or "default")
 @pytest.mark.parametrize("q_len", [1, 3])
 def test_gpu_cuda_graph_replay_with_new_lengths(q_len, variant):
@@ -465,9 +465,10 @@ def _gpu_graph_replay(q_len):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("schedule", ["dynamic", "static", "dynamic-tail_merge"])
+@pytest.mark.parametrize("schedule", ["dynamic", "static", "dynamic-tail_merge", "dynamic-tail_group"])
 def test_gpu_compute_sanitizer(schedule):
-    """memcheck over a small mixed batch (page-boundary lengths, splits) finds no error (the tail merge too)."""
+    """memcheck over a small mixed batch (page-boundary lengths, splits) finds no error (the tail merge too, in
+    one level and in two: groups of 2 partials)."""
     import os
     import shutil
     import subprocess
@@ -479,7 +480,9 @@ def test_gpu_compute_sanitizer(schedule):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [tool, "--tool", "memcheck", "--error-exitcode", "3", sys.executable,
            os.path.join(root, "scripts", "profile_decode.py"), "--spec", "3x63+1x65+1x700+2x4K", "--kv", "fp8",
-           "--schedule", schedule.split("-")[0]] + (["--config", "tail_merge=1"] if "tail" in schedule else [])
+           "--schedule", schedule.split("-")[0]]
+    cmd += {"dynamic-tail_merge": ["--config", "tail_merge=1"],
+            "dynamic-tail_group": ["--config", "tail_merge=1,tail_group=2"]}.get(schedule, [])
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": root})
     if "Device not supported" in proc.stdout + proc.stderr:

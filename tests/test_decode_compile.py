@@ -126,17 +126,19 @@ VARIANTS["static-row-fp8kv"] = _attn("decode_static_kernel", kv="fp8e4nv", SPLIT
 # the tune moves (hpcops/bench/tune/decode.py): 8 warps (~128 registers), a cap of 168 (3 programs an SM)
 VARIANTS["persistent-row-fp8kv-8warps"] = _attn(kv="fp8e4nv", warps=8, **ROW)
 VARIANTS["persistent-row-fp8kv-cap168"] = _attn(kv="fp8e4nv", maxnreg=168, **ROW)
-# DecodeConfig.tail_merge as the launcher passes it (q rows padded to R_PAD, TAIL_PARTS partials a round): the
-# fp8 default (recompute), bf16 over TMA, the row path, and 64 q rows (one partial a round)
+# DecodeConfig.tail_merge as the launcher passes it (q rows padded to R_PAD, TAIL_PARTS partials a round, groups
+# of 4 rounds: tail_group's default): the fp8 default (recompute), bf16 over TMA, the row path, and 64 q rows
+# (one partial a round)
 TAIL = dict(TASK_DESC=True, TAIL_MERGE=True)
 VARIANTS["persistent-lean-recompute-fp8q-tail"] = _attn(q="fp8e4nv", kv="fp8e4nv", R_PAD=8, TAIL_PARTS=4,
-                                                        TAIL_STAGES=2, **TAIL,
+                                                        TAIL_STAGES=2, TAIL_GROUP=16, **TAIL,
                                                         **LEAN_MODES["recompute"])
-VARIANTS["persistent-lean-tma-bf16-tail"] = _attn(R_PAD=8, TAIL_PARTS=4, **TAIL, **LEAN_MODES["tma"])
+VARIANTS["persistent-lean-tma-bf16-tail"] = _attn(R_PAD=8, TAIL_PARTS=4, TAIL_GROUP=16, **TAIL, **LEAN_MODES["tma"])
 VARIANTS["persistent-row-fp8q-tail"] = _attn(q="fp8e4nv", kv="fp8e4nv", R_PAD=1, TAIL_PARTS=16, TAIL_STAGES=2,
+                                             TAIL_GROUP=64,
                                              **{**ROW, **TAIL})
 VARIANTS["persistent-fp8q-q4-g16-tail"] = _attn(q="fp8e4nv", kv="fp8e4nv", q_len=4, g=16, R_PAD=64, TAIL_PARTS=1,
-                                                TAIL_STAGES=2,
+                                                TAIL_STAGES=2, TAIL_GROUP=4,
                                                 **TAIL, **LEAN_MODES["recompute"])
 # ptxas spills (stack frame bytes) seen with Triton 3.6, no more allowed: the lean TMA loop on fp8 KV
 # (ptxas stops at 128 registers) keeps 4 values on the stack, stored before the task loop and
@@ -192,7 +194,7 @@ GLUON_BUILDS = {  # name: (KV dtype, q dtype, head_dim, q rows padded, q_len, G,
     "fp8q-d64-page256": ("fp8", "fp8", 64, 8, 1, 8, 3, 256),
     "fp8q-d128-page16": ("fp8", "fp8", 128, 8, 1, 8, 3, 16),
     "bf16-d128-page32": ("bf16", "bf16", 128, 8, 1, 8, 3, 32),
-    # DecodeConfig.tail_merge: (R_PAD, partials a round) as the launcher passes them
+    # DecodeConfig.tail_merge: (R_PAD, partials a round) as the launcher passes them, groups of 4 rounds
     "fp8q-d128-h8/1-tail": ("fp8", "fp8", 128, 8, 1, 8, 3, 64, [8, 4]),
     "bf16-d256-2buf-tail": ("bf16", "bf16", 256, 8, 1, 8, 2, 64, [8, 2]),
     "fp8q-d128-q2-16rows-tail": ("fp8", "fp8", 128, 16, 2, 8, 3, 64, [16, 2]),
@@ -219,7 +221,7 @@ sig.update({a: "i32" for a in ("B", "num_q_heads", "bt_width", "num_blocks", "st
 consts = dict(Q_LEN=q_len, G=g, NQ=nq, D=d, PAGE=page, TILE=64, STAGES=stages, KV_FP8=kv == "fp8",
               Q_FP8=qd == "fp8", num_warps=4)
 if tail:
-    consts.update(TAIL_MERGE=True, R_PAD=tail[0][0], TAIL_PARTS=tail[0][1])
+    consts.update(TAIL_MERGE=True, R_PAD=tail[0][0], TAIL_PARTS=tail[0][1], TAIL_GROUP=4 * tail[0][1])
 sig.update({a: "constexpr" for a in consts})
 print(json.dumps(sm90_resources(compile_gluon_sm90(decode_gluon_kernel, sig, consts))))
 """)

@@ -121,18 +121,20 @@ GLUON_CASES = [Case((3000, 70, 0, 1), 8, 1, 128, 64, kv="fp8q", programs=9, min_
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tail", [False, True], ids=["combine", "tail_merge"])
+@pytest.mark.parametrize("tail", [{}, dict(tail_merge=True), dict(tail_merge=True, tail_group=2)],
+                         ids=["combine", "tail_merge", "tail_group2"])
 @pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: c.id)
 def test_gpu_gluon_kernel_matches_reference(case, tail):
     """On an sm_90 GPU these cases take the Gluon kernel (no silent fallback) and match the torch reference, its
-    splits merged by the combine kernel or in its own tail (DecodeConfig.tail_merge)."""
+    splits merged by the combine kernel or in its own tail (DecodeConfig.tail_merge), in one level or two
+    (tail_group 2: the 3000-token request's ~8 partials in groups of 2)."""
     from hpcops.attention.decode import gluon_unsupported_reason
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon decode kernel is sm_90 only (wgmma)")
     q, _, kv = _inputs(case, "cuda")
     assert gluon_unsupported_reason(q, kv.k_cache, kv.v_cache, case.q_len * case.hq // case.hkv) is None
-    with _with_config(dict(gluon=True, tail_merge=tail)):
+    with _with_config(dict(gluon=True, **tail)):
         _decode_matches_reference(case, "dynamic", "cuda")
 
 

@@ -24,6 +24,8 @@ VARIANTS = [LEGACY, dict(lean_loop=True), dict(task_desc=False, lean_loop=False,
             dict(combine_chunks=2),
             # split requests merged by the attention program that writes their last partial (no combine kernel)
             dict(tail_merge=True),
+            # ... in two levels: groups of 2 partials merged into their first slot, then the groups
+            dict(tail_merge=True, tail_group=2),
             # the Gluon kernel where it applies (GPU tier, sm_90; elsewhere, the CPU tier included, the tl kernel)
             dict(gluon=True)]
 # cases where the lean loop applies (pages >= 64 tokens, and smaller ones with lean_pages): causal edges
@@ -62,11 +64,13 @@ def test_combine_merges_many_partials(variant, device):
 @pytest.mark.parametrize("case", [Case((2000, 70), 2, 1, 64, 64, kv="fp8q", programs=40, min_tiles=1),
                                   Case((700, 64, 3, 129), 12, 4, 128, 64, q_len=3, programs=9, min_tiles=1)],
                          ids=lambda c: c.id)
-def test_tail_merge_replans_into_the_same_buffers(case, device):
-    """DecodeConfig.tail_merge: the plan's pair table matches its merge table, every count is back at 0 after
-    a call, and a re-plan of other lengths into the same buffers (as each decode step) merges right again; a
-    request split over more partials than a round (16) merges in rounds."""
-    with _with_config(dict(tail_merge=True)):
+@pytest.mark.parametrize("group", [None, 4, 3], ids=lambda g: f"group{g}")
+def test_tail_merge_replans_into_the_same_buffers(case, group, device):
+    """DecodeConfig.tail_merge: the plan's pair table matches its merge table, every count (the groups' and the
+    pairs') is back at 0 after a call, and a re-plan of other lengths into the same buffers (as each decode
+    step) merges right again; a request split over more partials than a round (16) merges in rounds; with
+    tail_group 4 or 3 the long split of the first case merges in two levels (the last group shorter)."""
+    with _with_config(dict(tail_merge=True, tail_group=group)):
         q, q_scale, kv = _inputs(case, device)
         plan = hpcops.plan_decode(kv.seq_lens, num_kv_heads=case.hkv, q_len=case.q_len, block_size=case.bs,
                                   num_programs=case.programs, min_tiles=case.min_tiles)
@@ -74,9 +78,12 @@ def test_tail_merge_replans_into_the_same_buffers(case, device):
             seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
             plan.merge_sem.fill_(7)  # as an aborted step would leave them: the plan zeroes the counts
             hpcops.plan_decode(seq_lens, num_kv_heads=case.hkv, q_len=case.q_len, block_size=case.bs, out=plan)
-            assert int(plan.merge_sem[: len(lens) * case.hkv].abs().sum()) == 0
+            assert plan.merge_sem.numel() == 2 * case.programs + plan.max_batch * case.hkv
+            assert int(plan.merge_sem[: 2 * case.programs + len(lens) * case.hkv].abs().sum()) == 0
             md = plan.merge_desc.tolist()
             assert any(r[0] >= 0 for r in md), "the case must split a request"
+            if group and case.lens[0] == 2000 and step == 0:
+                assert max(r[3] for r in md) > 2 * group, "the case must merge in two levels, several groups"
             for k, (b, h, slot, parts) in enumerate(md):
                 if b >= 0:
                     assert plan.pair_desc[h * len(lens) + b, :3].tolist() == [k, parts, slot], (step, k)
@@ -101,6 +108,9 @@ def test_tail_merge_errors(device):
 
     with pytest.raises(ValueError, match="tail_merge needs task_desc"):
         dec.set_decode_config(tail_merge=True, task_desc=False)
+    for bad in (1, -2, 5000, 2.0, "4"):
+        with pytest.raises(ValueError, match="tail_group"):
+            dec.set_decode_config(tail_group=bad)
     case = Case((300, 200), 4, 1, 64, 64, programs=6, min_tiles=1)
     q, _, kv = _inputs(case, device)
     plan = hpcops.plan_decode(kv.seq_lens, num_kv_heads=1, block_size=64, num_programs=6, min_tiles=1)

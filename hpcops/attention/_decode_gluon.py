@@ -68,54 +68,92 @@ def _page_good(bt_row, bt_width, num_blocks, tile, keys, PAGE: gl.constexpr, TIL
 
 
 @gluon.jit
-def _tail_merge(part_o_ptr, part_lse_ptr, pair_desc_ptr, merge_sem_ptr, b, h, B, out_ptr, stride_ot, stride_oh,
+def _merge_rows(part_o_ptr, part_lse_ptr, first_slot, rest_base, rest_step, n_parts, b, h, out_ptr, stride_ot,
+                stride_oh, Q_LEN: gl.constexpr, G: gl.constexpr, D: gl.constexpr, R_PAD: gl.constexpr,
+                TB: gl.constexpr, num_warps: gl.constexpr, TO_PART: gl.constexpr = False):
+    """`_decode_kernels._merge_rows` in Gluon: every q row of split (b, h) over slots first_slot,
+    rest_base + c·rest_step, in rounds of TB partials ([TB, R_PAD, D] tiles, a running maximum a row), into
+    the output or (TO_PART) into slot first_slot as a partial again."""
+    ROWS: gl.constexpr = Q_LEN * G
+    l3: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_warp=[1, 1, 32],
+                                        warps_per_cta=[1, num_warps, 1], order=[2, 1, 0])
+    l_rd: gl.constexpr = gl.SliceLayout(0, l3)  # [R_PAD, D]
+    l_tr: gl.constexpr = gl.SliceLayout(2, l3)  # [TB, R_PAD]
+    l_r: gl.constexpr = gl.SliceLayout(1, l_rd)
+    offs_c = gl.arange(0, TB, layout=gl.SliceLayout(1, l_tr))
+    offs_r = gl.arange(0, R_PAD, layout=gl.SliceLayout(0, l_tr))
+    offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, l_rd))
+    d3 = gl.expand_dims(gl.expand_dims(offs_d, 0), 0)  # [1, 1, D]
+    m_run = gl.full([R_PAD], float("-inf"), gl.float32, layout=gl.SliceLayout(0, l_tr))
+    w = gl.zeros([R_PAD], gl.float32, layout=gl.SliceLayout(0, l_tr))
+    acc = gl.zeros([R_PAD, D], gl.float32, layout=l_rd)
+    for c0 in range(0, n_parts, TB):
+        c = c0 + offs_c
+        slot = gl.where(c == 0, first_slot, rest_base + c * rest_step).to(gl.int64)
+        row = gl.expand_dims(slot, 1) * ROWS + gl.expand_dims(offs_r, 0)  # [TB, R_PAD]
+        ok = gl.expand_dims(c < n_parts, 1) & gl.expand_dims(offs_r < ROWS, 0)
+        lse = gl.load(part_lse_ptr + row, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        o = gl.load(part_o_ptr + gl.expand_dims(row, 2) * D + d3, mask=gl.expand_dims(ok, 2), other=0.0,
+                    cache_modifier=".cg")  # [TB, R_PAD, D]
+        m_new = gl.maximum(m_run, gl.max(lse, axis=0))
+        m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_run - m_ref)
+        wc = gl.exp2(lse - gl.expand_dims(m_ref, 0))  # [TB, R_PAD]
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, l_r), 1) + gl.sum(o * gl.expand_dims(wc, 2), axis=0)
+        w = w * alpha + gl.sum(wc, axis=0)
+        m_run = m_new
+    w_r = gl.convert_layout(w, l_r)
+    res = acc / gl.expand_dims(gl.where(w_r == 0.0, 1.0, w_r), 1)
+    r = gl.arange(0, R_PAD, layout=l_r)
+    if TO_PART:
+        dst = first_slot.to(gl.int64) * ROWS + r
+        gl.store(part_o_ptr + gl.expand_dims(dst, 1) * D + gl.expand_dims(offs_d, 0), res,
+                 mask=gl.expand_dims(r < ROWS, 1))
+        m_r = gl.convert_layout(m_run, l_r)
+        gl.store(part_lse_ptr + dst, gl.where(w_r == 0.0, float("-inf"), m_r + gl.log2(w_r)), mask=r < ROWS)
+    else:
+        tok = (b * Q_LEN + r // G).to(gl.int64)
+        ptrs = out_ptr + gl.expand_dims(tok * stride_ot + (h * G + r % G) * stride_oh, 1) + gl.expand_dims(offs_d, 0)
+        gl.store(ptrs, res.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(r < ROWS, 1))
+
+
+@gluon.jit
+def _tail_merge(part_o_ptr, part_lse_ptr, pair_desc_ptr, merge_sem_ptr, pid, b, h, B, out_ptr, stride_ot, stride_oh,
                 Q_LEN: gl.constexpr, G: gl.constexpr, D: gl.constexpr, R_PAD: gl.constexpr, TB: gl.constexpr,
-                num_warps: gl.constexpr):
+                GROUP: gl.constexpr, num_warps: gl.constexpr):
     """`_decode_kernels._tail_merge` in Gluon (DecodeConfig.tail_merge): count this program's partial of split
     (b, h) in (CTA barrier, one acq_rel atomic); the program that writes the last merges every q row of the pair
-    in rounds of TB partials ([TB, R_PAD, D] tiles, a running maximum a row) and resets the count."""
-    ROWS: gl.constexpr = Q_LEN * G
+    and resets the count. GROUP > 0 and more partials than GROUP: in two levels (groups of GROUP partials merged
+    into their first slot by the program that completes them, then the groups)."""
     idx = (h * B + b).to(gl.int64)
     owner = gl.load(pair_desc_ptr + idx * 4)
     parts = gl.load(pair_desc_ptr + idx * 4 + 1)
     first_slot = gl.load(pair_desc_ptr + idx * 4 + 2)
+    pair_sem = merge_sem_ptr + 2 * gl.num_programs(0) + idx
+    n_top = parts
+    step = parts * 0 + 2
+    ready = parts > 0
     gl.thread_barrier()
-    arrived = gl.atomic_add(merge_sem_ptr + idx, 1, sem="acq_rel", scope="gpu")
-    if arrived == parts - 1:
-        gl.store(merge_sem_ptr + idx, 0)
-        l3: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_warp=[1, 1, 32],
-                                            warps_per_cta=[1, num_warps, 1], order=[2, 1, 0])
-        l_rd: gl.constexpr = gl.SliceLayout(0, l3)  # [R_PAD, D]
-        l_tr: gl.constexpr = gl.SliceLayout(2, l3)  # [TB, R_PAD]
-        l_r: gl.constexpr = gl.SliceLayout(1, l_rd)
-        offs_c = gl.arange(0, TB, layout=gl.SliceLayout(1, l_tr))
-        offs_r = gl.arange(0, R_PAD, layout=gl.SliceLayout(0, l_tr))
-        offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, l_rd))
-        d3 = gl.expand_dims(gl.expand_dims(offs_d, 0), 0)  # [1, 1, D]
-        m_run = gl.full([R_PAD], float("-inf"), gl.float32, layout=gl.SliceLayout(0, l_tr))
-        w = gl.zeros([R_PAD], gl.float32, layout=gl.SliceLayout(0, l_tr))
-        acc = gl.zeros([R_PAD, D], gl.float32, layout=l_rd)
-        for c0 in range(0, parts, TB):
-            c = c0 + offs_c
-            slot = gl.where(c == 0, first_slot, 2 * owner + 2 * c).to(gl.int64)
-            row = gl.expand_dims(slot, 1) * ROWS + gl.expand_dims(offs_r, 0)  # [TB, R_PAD]
-            ok = gl.expand_dims(c < parts, 1) & gl.expand_dims(offs_r < ROWS, 0)
-            lse = gl.load(part_lse_ptr + row, mask=ok, other=float("-inf"), cache_modifier=".cg")
-            o = gl.load(part_o_ptr + gl.expand_dims(row, 2) * D + d3, mask=gl.expand_dims(ok, 2), other=0.0,
-                        cache_modifier=".cg")  # [TB, R_PAD, D]
-            m_new = gl.maximum(m_run, gl.max(lse, axis=0))
-            m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m_run - m_ref)
-            wc = gl.exp2(lse - gl.expand_dims(m_ref, 0))  # [TB, R_PAD]
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, l_r), 1) + gl.sum(o * gl.expand_dims(wc, 2), axis=0)
-            w = w * alpha + gl.sum(wc, axis=0)
-            m_run = m_new
-        w_r = gl.convert_layout(w, l_r)
-        res = acc / gl.expand_dims(gl.where(w_r == 0.0, 1.0, w_r), 1)
-        r = gl.arange(0, R_PAD, layout=l_r)
-        tok = (b * Q_LEN + r // G).to(gl.int64)
-        ptrs = out_ptr + gl.expand_dims(tok * stride_ot + (h * G + r % G) * stride_oh, 1) + gl.expand_dims(offs_d, 0)
-        gl.store(ptrs, res.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(r < ROWS, 1))
+    if GROUP > 0:
+        if parts > GROUP:
+            g_lo = (pid - owner) // GROUP * GROUP
+            g_n = gl.minimum(parts - g_lo, GROUP)
+            g_first = gl.where(g_lo == 0, first_slot, 2 * (owner + g_lo))
+            arrived = gl.atomic_add(merge_sem_ptr + g_first, 1, sem="acq_rel", scope="gpu")
+            ready = arrived == g_n - 1
+            if ready:
+                gl.store(merge_sem_ptr + g_first, 0)
+                _merge_rows(part_o_ptr, part_lse_ptr, g_first, 2 * (owner + g_lo), 2, g_n, b, h, out_ptr,
+                            stride_ot, stride_oh, Q_LEN, G, D, R_PAD, TB, num_warps, True)
+                gl.thread_barrier()
+            n_top = (parts + GROUP - 1) // GROUP
+            step = parts * 0 + 2 * GROUP
+    if ready:
+        arrived = gl.atomic_add(pair_sem, 1, sem="acq_rel", scope="gpu")
+        if arrived == n_top - 1:
+            gl.store(pair_sem, 0)
+            _merge_rows(part_o_ptr, part_lse_ptr, first_slot, 2 * owner, step, n_top, b, h, out_ptr, stride_ot,
+                        stride_oh, Q_LEN, G, D, R_PAD, TB, num_warps)
 
 
 @gluon.jit
@@ -127,6 +165,7 @@ def decode_gluon_kernel(
     Q_LEN: gl.constexpr, G: gl.constexpr, NQ: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
     TILE: gl.constexpr, STAGES: gl.constexpr, KV_FP8: gl.constexpr, Q_FP8: gl.constexpr, num_warps: gl.constexpr,
     TAIL_MERGE: gl.constexpr = False, R_PAD: gl.constexpr = 1, TAIL_PARTS: gl.constexpr = 1,
+    TAIL_GROUP: gl.constexpr = 0,
 ):
     ROWS: gl.constexpr = Q_LEN * G
     KV_BYTES: gl.constexpr = 2 * TILE * D * k_desc.dtype.primitive_bitwidth // 8
@@ -253,8 +292,8 @@ def decode_gluon_kernel(
             gl.store(part_o_ptr + (base + r_o)[None, :] * D + d_o[:, None], o, mask=row_ok[None, :])
             gl.store(part_lse_ptr + base + r_o, lse, mask=row_ok)
             if TAIL_MERGE:
-                _tail_merge(part_o_ptr, part_lse_ptr, pair_desc_ptr, merge_sem_ptr, b, h, B, out_ptr, stride_ot,
-                            stride_oh, Q_LEN, G, D, R_PAD, TAIL_PARTS, num_warps)
+                _tail_merge(part_o_ptr, part_lse_ptr, pair_desc_ptr, merge_sem_ptr, pid, b, h, B, out_ptr,
+                            stride_ot, stride_oh, Q_LEN, G, D, R_PAD, TAIL_PARTS, TAIL_GROUP, num_warps)
         else:
             tok_o = (b * Q_LEN + r_o // G).to(gl.int64)
             head_o = h * G + r_o % G

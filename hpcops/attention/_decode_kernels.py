@@ -314,7 +314,7 @@ def decode_persistent_kernel(
     USE_PDL: tl.constexpr = False, TASK_DESC: tl.constexpr = False, LEAN: tl.constexpr = False,
     LEAN_RECOMPUTE: tl.constexpr = False, KV_SAME_STRIDES: tl.constexpr = False, LEAN_PAGES: tl.constexpr = False,
     ROW_PATH: tl.constexpr = False, TAIL_MERGE: tl.constexpr = False, R_PAD: tl.constexpr = 1,
-    TAIL_PARTS: tl.constexpr = 1, TAIL_STAGES: tl.constexpr = 1,
+    TAIL_PARTS: tl.constexpr = 1, TAIL_STAGES: tl.constexpr = 1, TAIL_GROUP: tl.constexpr = 0,
 ):
     """One persistent program walks its bucket of the plan's tile stream, task by task.
 
@@ -329,7 +329,8 @@ def decode_persistent_kernel(
     TAIL_MERGE (with TASK_DESC): a split task, once its partial is written, counts it into the pair's
     merge_sem; the program that writes the last partial merges the pair into the output (`_tail_merge`),
     so no combine kernel runs. R_PAD: Q_LEN·G padded to a power of two; TAIL_PARTS: partials a round;
-    TAIL_STAGES: rounds of loads in flight (2 on the pointer path; 1 beside TMA, where 2 spills).
+    TAIL_STAGES: rounds of loads in flight (2 on the pointer path; 1 beside TMA, where 2 spills); TAIL_GROUP:
+    partials a group of the two-level merge of a long split (0: one level).
     """
     pid = tl.program_id(0)
     if USE_PDL:
@@ -365,8 +366,9 @@ def decode_persistent_kernel(
                          part_o_ptr, part_lse_ptr, stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, Q_LEN * G)
             if TAIL_MERGE:
                 if split:
-                    _tail_merge(part_o_ptr, part_lse_ptr, pair_desc_ptr, merge_sem_ptr, b, h, B, out_ptr,
-                                stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, R_PAD, TAIL_PARTS, TAIL_STAGES)
+                    _tail_merge(part_o_ptr, part_lse_ptr, pair_desc_ptr, merge_sem_ptr, pid, b, h, B, out_ptr,
+                                stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, R_PAD, TAIL_PARTS, TAIL_STAGES,
+                                TAIL_GROUP)
             left -= n
             h = tl.where(b_next == 0, h + 1, h)
             b = b_next
@@ -499,10 +501,12 @@ def _merge_chunks(part_o_ptr, part_lse_ptr, first_slot, rest_base, rest_step, n_
 @triton.jit
 def _merge_rows(part_o_ptr, part_lse_ptr, first_slot, rest_base, rest_step, n_parts, b, h, out_ptr,
                 stride_ot, stride_oh, Q_LEN: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr,
-                D_PAD: tl.constexpr, R_PAD: tl.constexpr, TB: tl.constexpr, STAGES: tl.constexpr):
+                D_PAD: tl.constexpr, R_PAD: tl.constexpr, TB: tl.constexpr, STAGES: tl.constexpr,
+                TO_PART: tl.constexpr = False):
     """Every q row of a split (request b, kv head h) at once: out = Σ_c 2^(lse_c − m) · O_c / Σ_c 2^(lse_c − m)
     over slots first_slot, rest_base + c·rest_step, in rounds of TB partials ([TB, R_PAD, D_PAD] tiles, a
-    running maximum per row), STAGES rounds of loads in flight (a long split: ~130 partials at 1x128K+31x4K).
+    running maximum per row), STAGES rounds of loads in flight. TO_PART: the result is a partial again, its O
+    and log2-sum-exp written into slot first_slot (a group of a two-level merge), not the output.
     Partials are read past L1 (`.cg`): other programs wrote them in this launch."""
     ROWS: tl.constexpr = Q_LEN * G
     offs_c = tl.arange(0, TB)
@@ -529,29 +533,59 @@ def _merge_rows(part_o_ptr, part_lse_ptr, first_slot, rest_base, rest_step, n_pa
         w = w * alpha + tl.sum(wc, axis=0)
         m_run = m_new
     res = acc / tl.where(w == 0.0, 1.0, w)[:, None]
-    tok = (b * Q_LEN + offs_r // G).to(tl.int64)
-    ptrs = out_ptr + tok[:, None] * stride_ot + (h * G + offs_r % G)[:, None] * stride_oh + offs_d[None, :]
-    tl.store(ptrs, res.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
+    if TO_PART:
+        dst = first_slot.to(tl.int64) * ROWS + offs_r
+        tl.store(part_o_ptr + dst[:, None] * HEAD_DIM + offs_d[None, :], res, mask=r_ok[:, None] & d_ok[None, :])
+        tl.store(part_lse_ptr + dst, tl.where(w == 0.0, float("-inf"), m_run + tl.log2(w)), mask=r_ok)
+    else:
+        tok = (b * Q_LEN + offs_r // G).to(tl.int64)
+        ptrs = out_ptr + tok[:, None] * stride_ot + (h * G + offs_r % G)[:, None] * stride_oh + offs_d[None, :]
+        tl.store(ptrs, res.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
-def _tail_merge(part_o_ptr, part_lse_ptr, pair_desc_ptr, merge_sem_ptr, b, h, B, out_ptr, stride_ot, stride_oh,
-                Q_LEN: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                R_PAD: tl.constexpr, TB: tl.constexpr, STAGES: tl.constexpr):
+def _tail_merge(part_o_ptr, part_lse_ptr, pair_desc_ptr, merge_sem_ptr, pid, b, h, B, out_ptr, stride_ot,
+                stride_oh, Q_LEN: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                R_PAD: tl.constexpr, TB: tl.constexpr, STAGES: tl.constexpr, GROUP: tl.constexpr):
     """A split task's partial is written: count it in (release: the CTA barrier orders every thread's partial
     stores before the one-thread atomic, as a semaphore release does); the program that brings the count to
-    the pair's partials merges them (acquire) and sets the count back to 0 for the next call."""
+    the pair's partials merges them (acquire) and sets the count back to 0 for the next call.
+
+    GROUP > 0 and a split of more than GROUP partials: two levels, so that no program merges a long split
+    alone (~136 partials at 1x64K+15x4K h8/1). Partial c (program owner + c) belongs to group c // GROUP; the
+    program that completes a group (its count: merge_sem[the group's first slot]) merges it into that first
+    slot, then counts the group into the pair; the one that completes the pair merges the groups' partials
+    (slots first_slot, 2·(owner + GROUP·g))."""
     idx = (h * B + b).to(tl.int64)
     pd = pair_desc_ptr + idx * 4
     owner = tl.load(pd)
     parts = tl.load(pd + 1)
     first_slot = tl.load(pd + 2)
+    pair_sem = merge_sem_ptr + 2 * tl.num_programs(0) + idx
+    n_top = parts
+    step = parts * 0 + 2
+    ready = parts > 0
     tl.debug_barrier()
-    arrived = tl.atomic_add(merge_sem_ptr + idx, 1, sem="acq_rel", scope="gpu")
-    if arrived == parts - 1:
-        tl.store(merge_sem_ptr + idx, 0)
-        _merge_rows(part_o_ptr, part_lse_ptr, first_slot, 2 * owner, 2, parts, b, h, out_ptr, stride_ot, stride_oh,
-                    Q_LEN, G, HEAD_DIM, D_PAD, R_PAD, TB, STAGES)
+    if GROUP > 0:
+        if parts > GROUP:
+            g_lo = (pid - owner) // GROUP * GROUP
+            g_n = tl.minimum(parts - g_lo, GROUP)
+            g_first = tl.where(g_lo == 0, first_slot, 2 * (owner + g_lo))
+            arrived = tl.atomic_add(merge_sem_ptr + g_first, 1, sem="acq_rel", scope="gpu")
+            ready = arrived == g_n - 1
+            if ready:
+                tl.store(merge_sem_ptr + g_first, 0)
+                _merge_rows(part_o_ptr, part_lse_ptr, g_first, 2 * (owner + g_lo), 2, g_n, b, h, out_ptr,
+                            stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, R_PAD, TB, STAGES, True)
+                tl.debug_barrier()
+            n_top = (parts + GROUP - 1) // GROUP
+            step = parts * 0 + 2 * GROUP
+    if ready:
+        arrived = tl.atomic_add(pair_sem, 1, sem="acq_rel", scope="gpu")
+        if arrived == n_top - 1:
+            tl.store(pair_sem, 0)
+            _merge_rows(part_o_ptr, part_lse_ptr, first_slot, 2 * owner, step, n_top, b, h, out_ptr, stride_ot,
+                        stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, R_PAD, TB, STAGES)
 
 
 @triton.jit

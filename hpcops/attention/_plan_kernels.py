@@ -73,8 +73,8 @@ def plan_decode_kernel(
     writes `cum` and the header. No cross-program communication. ONE_BLOCK (B <= BLOCK_B): one load and
     one scan, kept in registers for the compare; else the requests are read again, block by block.
     PAIRS (with DESC): each merge also written from the pair's side, pair_desc[head·B + request] = (owning
-    program, partials, first slot), for the attention kernel's tail merge; program 0 zeroes the pairs' counts
-    (merge_sem), which the attention kernels leave at 0: a step starts clean even after an aborted one.
+    program, partials, first slot), for the attention kernel's tail merge; program 0 zeroes the groups' and the
+    pairs' counts (merge_sem), which the attention kernels leave at 0: a step starts clean even after an aborted one.
     """
     pid = tl.program_id(0)
     offs_b = tl.arange(0, BLOCK_B)
@@ -100,9 +100,10 @@ def plan_decode_kernel(
     snap = tl.minimum(snap, bucket // 4)
     if PAIRS:
         if pid == 0:
-            for start in range(0, B * num_kv_heads, BLOCK_B):
+            n_sem = 2 * num_programs + B * num_kv_heads  # the groups' counts, then the pairs'
+            for start in range(0, n_sem, BLOCK_B):
                 tl.store(merge_sem_ptr + start + offs_b, tl.zeros([BLOCK_B], dtype=tl.int32),
-                         mask=start + offs_b < B * num_kv_heads)
+                         mask=start + offs_b < n_sem)
     if pid == 0:
         tl.store(cum_ptr, 0)
         tl.store(header_ptr + 0, bucket)

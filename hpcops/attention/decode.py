@@ -116,6 +116,12 @@ class DecodeConfig:
         (bench/results/profile_decode_kernels.txt) the combine took 4.2-6.2 µs of 19-38 µs h8/1 steps.
         Needs task_desc, and a plan built with it on (the plan then also writes `pair_desc`); both the `tl`
         and the Gluon kernel. Off until the H200 measures it.
+    tail_group: with tail_merge, a split of more partials than this is merged in two levels: groups of
+        tail_group consecutive partials, each merged into its first slot by the program that completes it,
+        then the groups by the program that completes the last group; so no program merges a long split
+        alone (one program merging ~136 partials of 8 rows took ~100 µs in the `tl` kernel and ~20 in the
+        Gluon kernel at 1x64K+15x4K h8/1, bench/results/decode_tune_tail_h8.md). None (default): four rounds
+        of the merge's tile (16 partials at 8 rows of 128, 64 at one row); 0: one level.
     plan_block_c, plan_warps, plan_block_b: launch of the plan kernel (`plan_decode`, once per step):
         plan entries (persistent programs) served per plan program (16..256: smaller = more plan
         programs, each with a smaller [plan_block_c, block] compare-count tile; 0 = by batch size,
@@ -147,6 +153,7 @@ class DecodeConfig:
     gluon: bool = False
     row_path: bool | None = None
     tail_merge: bool = False
+    tail_group: int | None = None
 
     def __post_init__(self):
         check_choice("DecodeConfig.lean_mode", self.lean_mode, LEAN_MODES)
@@ -155,6 +162,9 @@ class DecodeConfig:
             raise ValueError(f"DecodeConfig.max_regs must be None or an int in 32..255, got {self.max_regs!r}")
         if self.tail_merge and not self.task_desc:
             raise ValueError("DecodeConfig.tail_merge needs task_desc (the plan's pair table is written with it)")
+        tg = self.tail_group
+        if tg is not None and (type(tg) is not int or not (tg == 0 or 2 <= tg <= 4096)):
+            raise ValueError(f"DecodeConfig.tail_group must be None, 0 or an int in 2..4096, got {tg!r}")
         cb = self.combine_chunks
         if type(cb) is not int or not 2 <= cb <= 256 or cb & (cb - 1):
             raise ValueError(f"DecodeConfig.combine_chunks must be a power of two in 2..256, got {cb!r}")
@@ -186,6 +196,11 @@ def _tail_parts(r_pad: int, head_dim: int) -> int:
     """Partials a round of the tail merge: a [parts, r_pad, D_PAD] fp32 tile of at most 4096 elements (4 at
     8 rows of 128: with their 64-bit addresses the merge then fits the attention loop's registers), ≤ 16."""
     return max(1, min(16, 4096 // (r_pad * triton.next_power_of_2(head_dim))))
+
+
+def _tail_group(tail_parts: int) -> int:
+    """Partials a group of the two-level tail merge: DecodeConfig.tail_group, by default 4 rounds of the tile."""
+    return 4 * tail_parts if _CONFIG.tail_group is None else _CONFIG.tail_group
 
 
 def _num_stages() -> int:
@@ -410,7 +425,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError("plan was built without DecodeConfig.tail_merge (no pair table): re-plan with "
                          "hpcops.plan_decode under the same config as decode_attention")
     r_pad = triton.next_power_of_2(rows)
-    tail_knobs = dict(TAIL_MERGE=True, R_PAD=r_pad, TAIL_PARTS=_tail_parts(r_pad, d)) if tail else {}
+    tail_knobs = {}
+    if tail:
+        parts = _tail_parts(r_pad, d)
+        tail_knobs = dict(TAIL_MERGE=True, R_PAD=r_pad, TAIL_PARTS=parts, TAIL_GROUP=_tail_group(parts))
     tl_tail = dict(tail_knobs, TAIL_STAGES=1 if use_tma else 2) if tail else {}
     if _CONFIG.gluon and gluon_unsupported_reason(q, k_cache, v_cache, rows) is None:
         _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, out, part_o, part_lse, plan, q_scale, args_kv,

@@ -35,13 +35,15 @@ and replayed with new lengths:
 * ``merge_desc`` int32 [num_programs, 4]: the split (head, request) the combine program k merges
   (the one that starts in bucket k and leaves it): request (−1 none), head, first partial slot,
   number of partials.
-* ``pair_desc`` int32 [max_batch·num_kv_heads, 4] and ``merge_sem`` int32 [max_batch·num_kv_heads]
-  (``DecodeConfig.tail_merge``): for a split (head h, request b), row h·B + b of ``pair_desc`` holds
-  its merge (the program k that owns it, partials, first slot: ``merge_desc`` row k seen from the pair;
-  rows of unsplit pairs are stale and never read), and ``merge_sem`` counts the partials written so far
-  in the current call. The attention program that writes a pair's last partial merges the pair and sets
-  its count back to 0, so the counts are 0 between calls (the plan kernel zeroes them too, each step; a
-  plan must not serve two decode calls running at once, as its partial buffers already must not).
+* ``pair_desc`` int32 [max_batch·num_kv_heads, 4] and ``merge_sem`` int32 [2·num_programs +
+  max_batch·num_kv_heads] (``DecodeConfig.tail_merge``): for a split (head h, request b), row h·B + b of
+  ``pair_desc`` holds its merge (the program k that owns it, partials, first slot: ``merge_desc`` row k
+  seen from the pair; rows of unsplit pairs are stale and never read), and ``merge_sem[2·num_programs +
+  h·B + b]`` counts the partials (or, for a long split merged in two levels, the groups) merged so far in
+  the current call; ``merge_sem[s]`` counts the partials of the group whose first partial is in slot s.
+  The attention program that completes a count merges and sets the count back to 0, so the counts are 0
+  between calls (the plan kernel zeroes them too, each step; a plan must not serve two decode calls
+  running at once, as its partial buffers already must not).
 
 The two descriptor tables are written (``has_desc``) only when the plan is built with
 ``DecodeConfig.task_desc`` on, the only config that reads them.
@@ -333,17 +335,18 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
             last_b=torch.full((c,), -1, dtype=torch.int32, device=dev),
             task_desc=torch.zeros((c, 8), dtype=torch.int32, device=dev),
             merge_desc=torch.zeros((c, 4), dtype=torch.int32, device=dev),
-            **pair_buffers(cap, num_kv_heads, dev),
+            **pair_buffers(cap, num_kv_heads, c, dev),
         )
     _launch_plan(plan, seq_lens)
     return plan
 
 
-def pair_buffers(max_batch: int, num_kv_heads: int, device) -> dict[str, torch.Tensor]:
-    """A plan's `pair_desc` and `merge_sem` (zeroed: the tail merge's counts start at 0)."""
+def pair_buffers(max_batch: int, num_kv_heads: int, num_programs: int, device) -> dict[str, torch.Tensor]:
+    """A plan's `pair_desc` and `merge_sem` (zeroed: the tail merge's counts start at 0): the counts of the
+    groups (one a partial slot, 2 a program) before those of the pairs."""
     n = max_batch * num_kv_heads
     return {"pair_desc": torch.zeros((n, 4), dtype=torch.int32, device=device),
-            "merge_sem": torch.zeros(n, dtype=torch.int32, device=device)}
+            "merge_sem": torch.zeros(2 * num_programs + n, dtype=torch.int32, device=device)}
 
 
 def check_plan_matches(plan: DecodePlan, seq_lens: torch.Tensor) -> None:

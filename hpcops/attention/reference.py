@@ -80,7 +80,7 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
                              last_b=torch.empty(c, dtype=torch.int32, device=dev),
                              task_desc=torch.zeros((c, 8), dtype=torch.int32, device=dev),
                              merge_desc=torch.empty((c, 4), dtype=torch.int32, device=dev),
-                             **pair_buffers(cap, num_kv_heads, dev))
+                             **pair_buffers(cap, num_kv_heads, c, dev))
     plan.batch = b
     plan.has_desc = has_desc  # the tables are always filled; shown as the kernel's
     i32 = dict(dtype=torch.int32)

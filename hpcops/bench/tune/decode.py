@@ -81,6 +81,9 @@ DECODE_SPACE = (
     knob("tail_merge", False, True),
     knob(("tail_merge", "pps"), (True, 3), near=None),
     knob(("gluon", "tail_merge", "pps"), (True, True, 2), (True, True, 3), (True, True, 4), near=None),
+    knob(("gluon", "tail_merge", "tail_group", "pps"), (True, True, 8, 3), (True, True, 32, 3), (True, True, 0, 3),
+         near=None),
+    knob(("tail_merge", "tail_group"), (True, 8), (True, 0), near=None),
     # the Gluon kernel (sm_90; where it applies, else the tl kernel runs and this re-times the default)
     knob("gluon", False, True),
     # with more programs an SM (its ~85 registers leave room; the split-KV probe was fastest at ~4 an SM)
