@@ -150,12 +150,16 @@ def test_gluon_reasons_name_what_does_not_fit(device):
         assert "head_dim 96" in why
 
 
-def test_bench_gluon_row_is_unavailable_where_the_kernel_does_not_apply():
-    """The decode bench's `hpcops-gluon` row says why it cannot run (here: no CUDA device) instead of timing the tl
-    kernel under the Gluon name."""
+@pytest.mark.parametrize("tail", [False, True], ids=["gluon", "gluon-tail"])
+def test_bench_gluon_row_is_unavailable_where_the_kernel_does_not_apply(tail):
+    """The decode bench's `hpcops-gluon` and `hpcops-gluon-tail` rows say why they cannot run (here: no CUDA
+    device) instead of timing the tl kernel under the Gluon name; the config is left as it was."""
+    from hpcops.attention import decode as dec
     from hpcops.bench.registry import PeerUnavailable
     from hpcops.bench.suites import decode as suite
 
+    before = dec.decode_config()
     x = suite.make_decode_inputs([100, 30], 8, 1, True, seed=0, device="cpu")
     with pytest.raises(PeerUnavailable, match="the Gluon kernel does not apply here: not a CUDA device"):
-        suite._gluon(x)
+        suite._gluon(tail=tail)(x)
+    assert dec.decode_config() == before

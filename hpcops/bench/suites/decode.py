@@ -7,6 +7,8 @@ Implementations, each timed on the same inputs in the same run (L2-cold, one CUD
 - `hpcops-fp8q` — fp8 KV with an fp8 query (as the fused prologue emits it);
 - `hpcops-gluon` — the dynamic schedule on the Hopper kernel (`DecodeConfig.gluon`; fp8 q over fp8 KV, bf16 q
   over bf16 KV), `unavailable` where it does not apply (`gluon_unsupported_reason`: a CPU, a GPU other than sm_90);
+- `hpcops-gluon-tail` — the same with its splits merged in its own tail (`DecodeConfig.tail_merge`, no combine
+  kernel) and 3 programs an SM;
 - `hpcops-plan` — the plan step alone (once per decode step, not per layer);
 - `flashinfer-decode` / `flashinfer-tc` — FlashInfer's BatchDecodeWithPagedKVCacheWrapper without
   and with tensor cores (its two decode paths), planned outside the graph.
@@ -101,30 +103,43 @@ def _ours(schedule: str, fp8q: bool = False):
     return prepare
 
 
-def _gluon(x):
-    """The dynamic schedule with `DecodeConfig.gluon` on (the Hopper kernel), fp8 q over fp8 KV; gated here."""
-    from hpcops.attention import decode as dec
+def _gluon(tail: bool = False):
+    """The dynamic schedule with `DecodeConfig.gluon` on (the Hopper kernel), fp8 q over fp8 KV; gated here.
+    tail: its splits merged in its own tail (`tail_merge`, two levels past `tail_group`) with 3 programs an
+    SM, the H200 tune's best for the Gluon kernel (bench/results/decode_tune_tail_h8.md)."""
 
-    q, qs = (x["q8"], x["q_scale"]) if "q8" in x else (x["q"], None)
-    _, page, hkv, _ = x["k_cache"].shape
-    why = dec.gluon_unsupported_reason(q, x["k_cache"], x["v_cache"], q.shape[1] // hkv)
-    if why is not None:
-        raise PeerUnavailable(f"the Gluon kernel does not apply here: {why}")
-    plan = hpcops.plan_decode(x["seq_lens"], num_kv_heads=hkv, block_size=page)
+    def prepare(x):
+        from hpcops import _platform
+        from hpcops.attention import decode as dec
 
-    def run():
-        old = dec.set_decode_config(gluon=True)
-        try:
-            return hpcops.decode_attention(q, x["k_cache"], x["v_cache"], x["block_table"], x["seq_lens"], plan=plan,
-                                           k_scale=x["k_scale"], v_scale=x["v_scale"], q_scale=qs, out=x["out"])
+        q, qs = (x["q8"], x["q_scale"]) if "q8" in x else (x["q"], None)
+        _, page, hkv, _ = x["k_cache"].shape
+        why = dec.gluon_unsupported_reason(q, x["k_cache"], x["v_cache"], q.shape[1] // hkv)
+        if why is not None:
+            raise PeerUnavailable(f"the Gluon kernel does not apply here: {why}")
+        knobs = dict(gluon=True, tail_merge=tail)
+        programs = 3 * _platform.num_sms(q.device) if tail else None
+        old = dec.set_decode_config(**knobs)
+        try:  # the plan writes the pair table under the same config
+            plan = hpcops.plan_decode(x["seq_lens"], num_kv_heads=hkv, block_size=page, num_programs=programs)
         finally:
-            dec.set_decode_config(gluon=old.gluon)
+            dec.set_decode_config(**{k: getattr(old, k) for k in knobs})
 
-    x["out"].fill_(float("nan"))
-    want = ref.decode_attention(q, x["k_cache"], x["v_cache"], x["block_table"], x["seq_lens"], k_scale=x["k_scale"],
-                                v_scale=x["v_scale"], q_scale=qs)
-    assert_close(want, run(), name="decode (gluon)")
-    return run
+        def run():
+            before = dec.set_decode_config(**knobs)
+            try:
+                return hpcops.decode_attention(q, x["k_cache"], x["v_cache"], x["block_table"], x["seq_lens"],
+                                               plan=plan, k_scale=x["k_scale"], v_scale=x["v_scale"], q_scale=qs,
+                                               out=x["out"])
+            finally:
+                dec.set_decode_config(**{k: getattr(before, k) for k in knobs})
+
+        x["out"].fill_(float("nan"))
+        want = ref.decode_attention(q, x["k_cache"], x["v_cache"], x["block_table"], x["seq_lens"],
+                                    k_scale=x["k_scale"], v_scale=x["v_scale"], q_scale=qs)
+        assert_close(want, run(), name="decode (gluon" + (", tail merge)" if tail else ")"))
+        return run
+    return prepare
 
 
 def _plan_step(x):
@@ -184,7 +199,8 @@ def cases(opts: dict[str, Any]) -> Iterator[Case]:
                  Impl("hpcops-static", _ours("static"), ours=True)]
         if sc.fp8:
             impls.append(Impl("hpcops-fp8q", _ours("dynamic", fp8q=True), ours=True))
-        impls += [Impl("hpcops-gluon", _gluon, ours=True),
+        impls += [Impl("hpcops-gluon", _gluon(), ours=True),
+                  Impl("hpcops-gluon-tail", _gluon(tail=True), ours=True),
                   Impl("hpcops-plan", _plan_step, ours=True, per_step=True),
                   Impl("flashinfer-decode", _flashinfer(False)),
                   Impl("flashinfer-tc", _flashinfer(True))]

@@ -267,7 +267,7 @@ def impls(c: GridCase) -> list[Impl]:
     if c.fp8:
         ours.insert(0, Impl("hpcops-fp8q", _ours("dynamic", fp8q=True), ours=True))
     # the Hopper kernel (DecodeConfig.gluon) beside them, not yet in the verdict: unavailable where it does not apply
-    ours.append(Impl("hpcops-gluon", _gluon, ours=True))
+    ours.append(Impl("hpcops-gluon", _gluon(), ours=True))
     return ours + [Impl("flashinfer-decode", gated_peer("flashinfer-decode", _flashinfer(False))),
                    Impl("flashinfer-tc", gated_peer("flashinfer-tc", _flashinfer(True))),
                    Impl(VLLM, gated_peer(VLLM, vllm_unified), note=VLLM_NOTE)]
