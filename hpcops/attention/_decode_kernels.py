@@ -314,7 +314,7 @@ def decode_persistent_kernel(
     USE_PDL: tl.constexpr = False, TASK_DESC: tl.constexpr = False, LEAN: tl.constexpr = False,
     LEAN_RECOMPUTE: tl.constexpr = False, KV_SAME_STRIDES: tl.constexpr = False, LEAN_PAGES: tl.constexpr = False,
     ROW_PATH: tl.constexpr = False, TAIL_MERGE: tl.constexpr = False, R_PAD: tl.constexpr = 1,
-    TAIL_PARTS: tl.constexpr = 1, TAIL_STAGES: tl.constexpr = 1, TAIL_GROUP: tl.constexpr = 0,
+    TAIL_STAGES: tl.constexpr = 1, TAIL_GROUP: tl.constexpr = 0,
 ):
     """One persistent program walks its bucket of the plan's tile stream, task by task.
 
@@ -328,9 +328,8 @@ def decode_persistent_kernel(
     ROW_PATH: one query row a task (Q_LEN·G == 1) on the CUDA cores (`_attend_task`).
     TAIL_MERGE (with TASK_DESC): a split task, once its partial is written, counts it into the pair's
     merge_sem; the program that writes the last partial merges the pair into the output (`_tail_merge`),
-    so no combine kernel runs. R_PAD: Q_LEN·G padded to a power of two; TAIL_PARTS: partials a round;
-    TAIL_STAGES: rounds of loads in flight (2 on the pointer path; 1 beside TMA, where 2 spills); TAIL_GROUP:
-    partials a group of the two-level merge of a long split (0: one level).
+    so no combine kernel runs. R_PAD: Q_LEN·G padded to a power of two; TAIL_STAGES: partials' loads in
+    flight (`_merge_rows`); TAIL_GROUP: partials a group of the two-level merge of a long split (0: one level).
     """
     pid = tl.program_id(0)
     if USE_PDL:
@@ -367,8 +366,7 @@ def decode_persistent_kernel(
             if TAIL_MERGE:
                 if split:
                     _tail_merge(part_o_ptr, part_lse_ptr, pair_desc_ptr, merge_sem_ptr, pid, b, h, B, out_ptr,
-                                stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, R_PAD, TAIL_PARTS, TAIL_STAGES,
-                                TAIL_GROUP)
+                                stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, R_PAD, TAIL_STAGES, TAIL_GROUP)
             left -= n
             h = tl.where(b_next == 0, h + 1, h)
             b = b_next
@@ -501,52 +499,47 @@ def _merge_chunks(part_o_ptr, part_lse_ptr, first_slot, rest_base, rest_step, n_
 @triton.jit
 def _merge_rows(part_o_ptr, part_lse_ptr, first_slot, rest_base, rest_step, n_parts, b, h, out_ptr,
                 stride_ot, stride_oh, Q_LEN: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr,
-                D_PAD: tl.constexpr, R_PAD: tl.constexpr, TB: tl.constexpr, STAGES: tl.constexpr,
-                TO_PART: tl.constexpr = False):
+                D_PAD: tl.constexpr, R_PAD: tl.constexpr, STAGES: tl.constexpr, TO_PART: tl.constexpr = False):
     """Every q row of a split (request b, kv head h) at once: out = Σ_c 2^(lse_c − m) · O_c / Σ_c 2^(lse_c − m)
-    over slots first_slot, rest_base + c·rest_step, in rounds of TB partials ([TB, R_PAD, D_PAD] tiles, a
-    running maximum per row), STAGES rounds of loads in flight. TO_PART: the result is a partial again, its O
-    and log2-sum-exp written into slot first_slot (a group of a two-level merge), not the output.
+    over slots first_slot, rest_base + c·rest_step, one partial a step ([R_PAD, D_PAD] tile, a running maximum
+    a row: elementwise, no reduction across threads), STAGES partials' loads in flight. TO_PART: the result is
+    a partial again, its O and log2-sum-exp written into slot first_slot (a group of a two-level merge).
     Partials are read past L1 (`.cg`): other programs wrote them in this launch."""
     ROWS: tl.constexpr = Q_LEN * G
-    offs_c = tl.arange(0, TB)
     offs_r = tl.arange(0, R_PAD)
     offs_d = tl.arange(0, D_PAD)
     r_ok = offs_r < ROWS
-    d_ok = offs_d < HEAD_DIM
+    rd_ok = r_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
     m_run = tl.full([R_PAD], float("-inf"), tl.float32)
     w = tl.zeros([R_PAD], dtype=tl.float32)
     acc = tl.zeros([R_PAD, D_PAD], dtype=tl.float32)
-    for c0 in tl.range(0, n_parts, TB, num_stages=STAGES):
-        c = c0 + offs_c
-        slot = tl.where(c == 0, first_slot, rest_base + c * rest_step).to(tl.int64)
-        row = slot[:, None] * ROWS + offs_r[None, :]  # [TB, R_PAD]
-        ok = (c < n_parts)[:, None] & r_ok[None, :]
-        lse = tl.load(part_lse_ptr + row, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        o = tl.load(part_o_ptr + row[:, :, None] * HEAD_DIM + offs_d[None, None, :],
-                    mask=ok[:, :, None] & d_ok[None, None, :], other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m_run, tl.max(lse, axis=0))
+    for c in tl.range(0, n_parts, num_stages=STAGES):
+        row = tl.where(c == 0, first_slot, rest_base + c * rest_step).to(tl.int64) * ROWS + offs_r
+        lse = tl.load(part_lse_ptr + row, mask=r_ok, other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=rd_ok, other=0.0,
+                    cache_modifier=".cg")
+        m_new = tl.maximum(m_run, lse)
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_run - m_ref)
-        wc = tl.exp2(lse - m_ref[None, :])  # [TB, R_PAD]; 0 for an empty partial or a masked slot
-        acc = acc * alpha[:, None] + tl.sum(o * wc[:, :, None], axis=0)
-        w = w * alpha + tl.sum(wc, axis=0)
+        wc = tl.exp2(lse - m_ref)  # 0 for an empty partial or a masked row
+        acc = acc * alpha[:, None] + o * wc[:, None]
+        w = w * alpha + wc
         m_run = m_new
     res = acc / tl.where(w == 0.0, 1.0, w)[:, None]
     if TO_PART:
         dst = first_slot.to(tl.int64) * ROWS + offs_r
-        tl.store(part_o_ptr + dst[:, None] * HEAD_DIM + offs_d[None, :], res, mask=r_ok[:, None] & d_ok[None, :])
+        tl.store(part_o_ptr + dst[:, None] * HEAD_DIM + offs_d[None, :], res, mask=rd_ok)
         tl.store(part_lse_ptr + dst, tl.where(w == 0.0, float("-inf"), m_run + tl.log2(w)), mask=r_ok)
     else:
         tok = (b * Q_LEN + offs_r // G).to(tl.int64)
         ptrs = out_ptr + tok[:, None] * stride_ot + (h * G + offs_r % G)[:, None] * stride_oh + offs_d[None, :]
-        tl.store(ptrs, res.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
+        tl.store(ptrs, res.to(out_ptr.dtype.element_ty), mask=rd_ok)
 
 
 @triton.jit
 def _tail_merge(part_o_ptr, part_lse_ptr, pair_desc_ptr, merge_sem_ptr, pid, b, h, B, out_ptr, stride_ot,
                 stride_oh, Q_LEN: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                R_PAD: tl.constexpr, TB: tl.constexpr, STAGES: tl.constexpr, GROUP: tl.constexpr):
+                R_PAD: tl.constexpr, STAGES: tl.constexpr, GROUP: tl.constexpr):
     """A split task's partial is written: count it in (release: the CTA barrier orders every thread's partial
     stores before the one-thread atomic, as a semaphore release does); the program that brings the count to
     the pair's partials merges them (acquire) and sets the count back to 0 for the next call.
@@ -576,7 +569,7 @@ def _tail_merge(part_o_ptr, part_lse_ptr, pair_desc_ptr, merge_sem_ptr, pid, b, 
             if ready:
                 tl.store(merge_sem_ptr + g_first, 0)
                 _merge_rows(part_o_ptr, part_lse_ptr, g_first, 2 * (owner + g_lo), 2, g_n, b, h, out_ptr,
-                            stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, R_PAD, TB, STAGES, True)
+                            stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, R_PAD, STAGES, True)
                 tl.debug_barrier()
             n_top = (parts + GROUP - 1) // GROUP
             step = parts * 0 + 2 * GROUP
@@ -585,7 +578,7 @@ def _tail_merge(part_o_ptr, part_lse_ptr, pair_desc_ptr, merge_sem_ptr, pid, b, 
         if arrived == n_top - 1:
             tl.store(pair_sem, 0)
             _merge_rows(part_o_ptr, part_lse_ptr, first_slot, 2 * owner, step, n_top, b, h, out_ptr, stride_ot,
-                        stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, R_PAD, TB, STAGES)
+                        stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, R_PAD, STAGES)
 
 
 @triton.jit

@@ -429,7 +429,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if tail:
         parts = _tail_parts(r_pad, d)
         tail_knobs = dict(TAIL_MERGE=True, R_PAD=r_pad, TAIL_PARTS=parts, TAIL_GROUP=_tail_group(parts))
-    tl_tail = dict(tail_knobs, TAIL_STAGES=1 if use_tma else 2) if tail else {}
+    # the tl kernel's merge takes one partial a step (no TAIL_PARTS); 3 in flight on the pointer path, 1 beside
+    # TMA (where 2 or 3 spill 16 bytes: tests/test_decode_compile.py)
+    tl_tail = {k: v for k, v in tail_knobs.items() if k != "TAIL_PARTS"}
+    if tail:
+        tl_tail["TAIL_STAGES"] = 1 if use_tma else 3
     if _CONFIG.gluon and gluon_unsupported_reason(q, k_cache, v_cache, rows) is None:
         _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, out, part_o, part_lse, plan, q_scale, args_kv,
                       sm_scale, q_len, g, rows, tail_knobs)

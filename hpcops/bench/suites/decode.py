@@ -3,6 +3,8 @@ KV, page 64, head_dim 128.
 
 Implementations, each timed on the same inputs in the same run (L2-cold, one CUDA graph of layers):
 - `hpcops` — load-balanced persistent schedule (plan computed once per step, outside the graph);
+- `hpcops-tail` — the same with the splits merged in the attention kernel's tail (`DecodeConfig.tail_merge`,
+  opt-in: no combine kernel);
 - `hpcops-static` — the same inner loop over a classic static split-KV grid (the blog's ablation);
 - `hpcops-fp8q` — fp8 KV with an fp8 query (as the fused prologue emits it);
 - `hpcops-gluon` — the dynamic schedule on the Hopper kernel (`DecodeConfig.gluon`; fp8 q over fp8 KV, bf16 q
@@ -90,16 +92,38 @@ def make_decode_inputs(lens: list[int], hq: int, hkv: int, fp8: bool, seed: int,
     return x
 
 
-def _ours(schedule: str, fp8q: bool = False):
+def _ours(schedule: str, fp8q: bool = False, knobs: dict | None = None):
+    """hpcops' decode, planned outside the graph (once a step in a model); `knobs`: a DecodeConfig change for
+    this row alone (the plan built under it too)."""
     def prepare(x):
+        from hpcops.attention import decode as dec
+
+        def configured(fn):
+            if not knobs:
+                return fn()
+            old = dec.set_decode_config(**knobs)
+            try:
+                return fn()
+            finally:
+                dec.set_decode_config(**{k: getattr(old, k) for k in knobs})
+
         plan = None
-        if schedule == "dynamic":  # planned outside the graph, as once per step in a model
-            plan = hpcops.plan_decode(x["seq_lens"], num_kv_heads=x["k_cache"].shape[2],
-                                      block_size=x["k_cache"].shape[1])
+        if schedule == "dynamic":
+            plan = configured(lambda: hpcops.plan_decode(x["seq_lens"], num_kv_heads=x["k_cache"].shape[2],
+                                                         block_size=x["k_cache"].shape[1]))
         q, qs = (x["q8"], x["q_scale"]) if fp8q else (x["q"], None)
-        return lambda: hpcops.decode_attention(q, x["k_cache"], x["v_cache"], x["block_table"], x["seq_lens"],
-                                               plan=plan, schedule=schedule, k_scale=x["k_scale"],
-                                               v_scale=x["v_scale"], q_scale=qs, out=x["out"])
+
+        def run():
+            return configured(lambda: hpcops.decode_attention(
+                q, x["k_cache"], x["v_cache"], x["block_table"], x["seq_lens"], plan=plan, schedule=schedule,
+                k_scale=x["k_scale"], v_scale=x["v_scale"], q_scale=qs, out=x["out"]))
+
+        if knobs:  # a row off the defaults: its own correctness gate
+            x["out"].fill_(float("nan"))
+            want = ref.decode_attention(q, x["k_cache"], x["v_cache"], x["block_table"], x["seq_lens"],
+                                        k_scale=x["k_scale"], v_scale=x["v_scale"], q_scale=qs)
+            assert_close(want, run(), name=f"decode ({knobs})")
+        return run
     return prepare
 
 
@@ -196,6 +220,7 @@ def scenarios(quick: bool = False) -> list[Scenario]:
 def cases(opts: dict[str, Any]) -> Iterator[Case]:
     for sc in scenarios(opts.get("quick", False)):
         impls = [Impl("hpcops", _ours("dynamic"), ours=True),
+                 Impl("hpcops-tail", _ours("dynamic", knobs=dict(tail_merge=True)), ours=True),
                  Impl("hpcops-static", _ours("static"), ours=True)]
         if sc.fp8:
             impls.append(Impl("hpcops-fp8q", _ours("dynamic", fp8q=True), ours=True))
