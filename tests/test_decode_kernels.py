@@ -11,7 +11,9 @@ from test_decode import CASES, Case, _gpu_real_sizes, _inputs, _vid, _with_confi
 from test_decode import test_decode_matches_reference as _decode_matches_reference
 from test_decode_paths import _bad_page_ids, _nan_past_the_end
 
-from hpcops.testing import make_paged_kv
+import hpcops
+from hpcops.attention import reference as ref
+from hpcops.testing import assert_close, capture_graph, make_paged_kv, nan_like
 
 # ---------------------------------------------------------------- GQA 1: the row path (DecodeConfig.row_path)
 ROW = dict(row_path=True)
@@ -150,10 +152,9 @@ def test_gluon_reasons_name_what_does_not_fit(device):
         assert "head_dim 96" in why
 
 
-@pytest.mark.parametrize("tail", [False, True], ids=["gluon", "gluon-tail"])
-def test_bench_gluon_row_is_unavailable_where_the_kernel_does_not_apply(tail):
-    """The decode bench's `hpcops-gluon` and `hpcops-gluon-tail` rows say why they cannot run (here: no CUDA
-    device) instead of timing the tl kernel under the Gluon name; the config is left as it was."""
+def test_bench_gluon_row_is_unavailable_where_the_kernel_does_not_apply():
+    """The decode bench's `hpcops-gluon` row says why it cannot run (here: no CUDA device) instead of timing the
+    tl kernel under the Gluon name; the config is left as it was."""
     from hpcops.attention import decode as dec
     from hpcops.bench.registry import PeerUnavailable
     from hpcops.bench.suites import decode as suite
@@ -161,5 +162,88 @@ def test_bench_gluon_row_is_unavailable_where_the_kernel_does_not_apply(tail):
     before = dec.decode_config()
     x = suite.make_decode_inputs([100, 30], 8, 1, True, seed=0, device="cpu")
     with pytest.raises(PeerUnavailable, match="the Gluon kernel does not apply here: not a CUDA device"):
-        suite._gluon(tail=tail)(x)
+        suite._gluon()(x)
     assert dec.decode_config() == before
+
+
+# ---------------------------------------------------------------- the plan's kernel choice (plan_kernel)
+def test_plan_kernel_takes_gluon_only_where_it_applies(monkeypatch):
+    """`plan_decode`'s hints pick the Gluon kernel only for an fp8 q over fp8 KV at 2-16 q rows a kv head, head_dim
+    64/128/256, pages it reads, on sm_90, with DecodeConfig.gluon None; the tl kernel everywhere else (here the
+    device checks are stubbed to an H200's)."""
+    from hpcops.attention import decode as dec
+
+    monkeypatch.setattr(dec._platform, "is_interpreter", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    fp8, bf16 = torch.float8_e4m3fn, torch.bfloat16
+    hints = dict(num_q_heads=8, head_dim=128, q_dtype=fp8, kv_dtype=fp8)
+    assert dec.plan_kernel(1, 1, 64, "cuda", **hints) == "gluon"
+    assert dec.plan_kernel(8, 2, 16, "cuda", **{**hints, "num_q_heads": 64}) == "gluon"  # q_len 2, G 8, pages of 16
+    assert dec.plan_kernel(1, 1, 256, "cuda", **{**hints, "head_dim": 64}) == "gluon"
+    for change, why in ((dict(q_dtype=bf16), "16-bit q"), (dict(kv_dtype=bf16, q_dtype=bf16), "16-bit KV"),
+                        (dict(num_q_heads=1), "one q row: the row path"), (dict(num_q_heads=32), "32 q rows"),
+                        (dict(head_dim=96), "head_dim 96"), (dict(head_dim=None), "a hint missing")):
+        assert dec.plan_kernel(1, 1, 64, "cuda", **{**hints, **change}) == "tl", why
+    assert dec.plan_kernel(1, 1, 4, "cuda", **hints) == "tl", "pages of 4 tokens"
+    assert dec.plan_kernel(1, 1, 64, "cpu", **hints) == "tl", "not a CUDA device"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    assert dec.plan_kernel(1, 1, 64, "cuda", **hints) == "tl", "not sm_90"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    for forced in (True, False):
+        with _with_config(dict(gluon=forced)):
+            assert dec.plan_kernel(1, 1, 64, "cuda", **hints) == "tl", f"gluon={forced}: the plan is not built for it"
+
+
+def test_plan_with_hints_off_hopper_is_the_tl_plan(device):
+    """Off an H200 (here: the CPU tier) the hints change nothing: the tl plan, 2 programs an SM, no pair table;
+    the reference planner makes the same choice."""
+    seq_lens = torch.tensor([300, 70], dtype=torch.int32, device=device)
+    hints = dict(num_q_heads=8, head_dim=128, q_dtype=torch.float8_e4m3fn, kv_dtype=torch.float8_e4m3fn)
+    plan = hpcops.plan_decode(seq_lens, num_kv_heads=1, block_size=64, **hints)
+    want = ref.plan_decode(seq_lens.cpu(), num_kv_heads=1, block_size=64, **hints)
+    if device == "cuda" and torch.cuda.get_device_capability()[0] == 9:
+        assert plan.kernel == want.kernel == "gluon"
+    else:
+        assert (plan.kernel, want.kernel, plan.has_pairs) == ("tl", "tl", False)
+    assert plan.num_programs == want.num_programs
+
+
+@pytest.mark.gpu
+def test_gpu_default_plan_takes_gluon_for_fp8_q():
+    """On an H200 a plan told fp8 q over fp8 KV (h8/1) is the Gluon kernel's (3 programs an SM, the pair table);
+    decode_attention then runs the Gluon kernel with the tail merge by default, and one captured step (plan +
+    2 layers) replayed with new lengths matches the reference; told a bf16 q, the plan stays the tl kernel's."""
+    from hpcops._platform import num_sms
+    from hpcops.bench.suites.decode import make_decode_inputs
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon decode kernel is sm_90 only (wgmma)")
+    lens = [6000] + [300] * 7 + [4096] * 8
+    layers = [make_decode_inputs(lens, 8, 1, True, seed=s) for s in (4, 5)]
+    x = layers[0]
+    seq_lens = x["seq_lens"].clone()
+    kw = dict(num_kv_heads=1, block_size=64)
+    hints = dict(num_q_heads=8, head_dim=128, kv_dtype=x["k_cache"].dtype)
+    assert hpcops.plan_decode(seq_lens, q_dtype=torch.bfloat16, **kw, **hints).kernel == "tl"
+    plan = hpcops.plan_decode(seq_lens, q_dtype=x["q8"].dtype, **kw, **hints)
+    assert (plan.kernel, plan.num_programs, plan.has_pairs) == ("gluon", 3 * num_sms(), True)
+    outs = [nan_like(y["out"]) for y in layers]
+
+    def step():
+        hpcops.plan_decode(seq_lens, out=plan, **kw)
+        for y, o in zip(layers, outs):
+            hpcops.decode_attention(y["q8"], y["k_cache"], y["v_cache"], y["block_table"], seq_lens, plan=plan,
+                                    k_scale=y["k_scale"], v_scale=y["v_scale"], q_scale=y["q_scale"], out=o)
+
+    graph, _ = capture_graph(step)
+    for new in (lens, [6000 - 37 * i for i in range(16)], [1] * 15 + [6000]):
+        seq_lens.copy_(torch.tensor(new, dtype=torch.int32))
+        for o in outs:
+            o.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for y, o in zip(layers, outs):
+            want = ref.decode_attention(y["q8"], y["k_cache"], y["v_cache"], y["block_table"], seq_lens,
+                                        k_scale=y["k_scale"], v_scale=y["v_scale"], q_scale=y["q_scale"])
+            assert_close(want, o, name=f"gluon plan, graph replay, lens {new[:3]}...")
+        assert int(plan.merge_sem.abs().sum()) == 0

@@ -93,8 +93,10 @@ class DecodeConfig:
         (`gluon_unsupported_reason`: an sm_90 GPU, pages of 8–64 tokens dividing 64 or a multiple of 64, readable by
         TMA (pages under 64 tokens: one TMA box a page), head_dim 64 /
         128 / 256, q_len·G ≤ 16, an fp8 q over fp8 KV or a 16-bit q over the same 16-bit KV, task_desc on);
-        elsewhere the `tl` kernel runs. Off until the H200 has measured it behind the plan (its split-KV probe:
-        bench/results/README.md, "A Hopper (Gluon) decode tile").
+        elsewhere the `tl` kernel runs. True: wherever it applies; False: never; None (default): where the plan
+        was built for it (`DecodePlan.kernel` "gluon": `plan_decode` told an fp8 q over fp8 KV with 2–16 q rows a
+        kv head, `plan_kernel`), with the tail merge and 3 programs an SM. Over 16-bit KV, and with the
+        combine at 2 programs an SM, the `tl` kernel is as fast or faster (bench/results/decode.md).
     row_path: where a (request, kv head) has one query row (q_len·G == 1: q_len 1 and as many q heads as
         kv heads), its KV loop runs on the CUDA cores instead of padding the row to a min_rows-row MMA
         tile: scores q·k as fp32 products summed over d (K widened to fp32 element by element), the
@@ -111,11 +113,14 @@ class DecodeConfig:
     tail_merge: the dynamic schedule merges split requests in the attention kernel instead of a combine
         kernel after it: a program that writes a split's partial counts it into the plan's `merge_sem`
         (CTA barrier, then one release/acquire atomic, as a semaphore does), and the one that writes the
-        last partial merges them all (`_tail_merge`: every q row at once, rounds of 4096-element tiles) and
-        resets the count. Saves the combine launch and its dependent wait: in the H200 profile
-        (bench/results/profile_decode_kernels.txt) the combine took 4.2-6.2 µs of 19-38 µs h8/1 steps.
-        Needs task_desc, and a plan built with it on (the plan then also writes `pair_desc`); both the `tl`
-        and the Gluon kernel. Off until the H200 measures it.
+        last partial merges them all (`_tail_merge`: every q row at once; the `tl` kernel one partial a step,
+        the Gluon kernel rounds of 4096-element tiles) and resets the count. Saves the combine launch and its
+        dependent wait (4.2-6.2 µs of 19-38 µs h8/1 steps in the H200 profile). Needs task_desc, and a plan
+        built with it on (the plan then also writes `pair_desc`). True: both kernels; False: neither; None
+        (default): with the Gluon kernel where the plan wrote the pair table (a plan built for it). On the H200
+        the `tl` kernel + tail is level with its combine over the bench (`hpcops-tail`, geomean 1.006: h64/8
+        2-9 % faster, long h8/1 batches up to 14 % slower); the Gluon kernel at 3 programs an SM gains most
+        (`hpcops-gluon-tail`: h64/8 fp8 15-23 % faster than the `tl` default).
     tail_group: with tail_merge, a split of more partials than this is merged in two levels: groups of
         tail_group consecutive partials, each merged into its first slot by the program that completes it,
         then the groups by the program that completes the last group; so no program merges a long split
@@ -150,9 +155,9 @@ class DecodeConfig:
     lean_mode: str = "tma"
     max_regs: int | None = None
     lean_pages: bool = True
-    gluon: bool = False
+    gluon: bool | None = None
     row_path: bool | None = None
-    tail_merge: bool = False
+    tail_merge: bool | None = None
     tail_group: int | None = None
 
     def __post_init__(self):
@@ -298,6 +303,28 @@ def _validate(q, k_cache, v_cache, block_table, seq_lens, plan, schedule, k_scal
     return q_len, hkv, hq // hkv, kv_fp8
 
 
+def plan_kernel(num_kv_heads: int, q_len: int, block_size: int, device, *, num_q_heads: int | None = None,
+                head_dim: int | None = None, q_dtype: torch.dtype | None = None,
+                kv_dtype: torch.dtype | None = None) -> str:
+    """The attention kernel a new plan is built for ("gluon" or "tl"; `plan_decode`'s hints): "gluon" where
+    `DecodeConfig.gluon` is None (auto) and the step takes an fp8 q over fp8 KV on an sm_90 GPU, 2–16 q rows a kv
+    head, head_dim 64/128/256 and pages of 8–64 tokens dividing 64 or a multiple of 64 (one query row a kv head
+    keeps the `tl` kernel's row path: 1.09–1.88× the MMA tile there). Without all four hints, "tl"."""
+    if _CONFIG.gluon is not None or not _CONFIG.task_desc:
+        return "tl"
+    if None in (num_q_heads, head_dim, q_dtype, kv_dtype) or q_dtype != FP8_E4M3 or kv_dtype != FP8_E4M3:
+        return "tl"
+    rows = q_len * num_q_heads // num_kv_heads
+    if not 2 <= rows <= 16 or head_dim not in (64, 128, 256):
+        return "tl"
+    if block_size < TILE and (block_size < 8 or TILE % block_size):
+        return "tl"
+    device = torch.device(device)
+    if _platform.is_interpreter() or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
+        return "tl"
+    return "gluon"
+
+
 def gluon_unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: int) -> str | None:
     """Why the Gluon decode kernel (`DecodeConfig.gluon`) cannot serve this call (None: it can)."""
     if _platform.is_interpreter() or not q.is_cuda:
@@ -414,13 +441,18 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                 SPLITS=splits, TILE=TILE, CB=_combine_chunks(d), num_warps=4, **common)
         return out
     if plan is None:
-        plan = plan_decode(seq_lens, num_kv_heads=hkv, q_len=q_len, block_size=bs)
+        plan = plan_decode(seq_lens, num_kv_heads=hkv, q_len=q_len, block_size=bs, num_q_heads=hq, head_dim=d,
+                           q_dtype=q.dtype, kv_dtype=k_cache.dtype)
     part_o, part_lse = plan.workspace(rows, d)
     from hpcops.attention._decode_kernels import decode_combine_kernel, decode_persistent_kernel
 
     pdl = _CONFIG.pdl and not _platform.is_interpreter() and q.is_cuda
     pdl_launch = {"launch_pdl": True} if pdl else {}
-    tail = _CONFIG.tail_merge
+    # the Gluon kernel: asked for (gluon True), or by default where the plan was built for it (`plan_kernel`)
+    use_gluon = (_CONFIG.gluon or (_CONFIG.gluon is None and plan.kernel == "gluon")) and \
+        gluon_unsupported_reason(q, k_cache, v_cache, rows) is None
+    # the tail merge: asked for, or by default with the Gluon kernel where the plan wrote the pair table
+    tail = bool(_CONFIG.tail_merge or (_CONFIG.tail_merge is None and use_gluon and plan.has_pairs))
     if tail and not plan.has_pairs:
         raise ValueError("plan was built without DecodeConfig.tail_merge (no pair table): re-plan with "
                          "hpcops.plan_decode under the same config as decode_attention")
@@ -434,7 +466,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     tl_tail = {k: v for k, v in tail_knobs.items() if k != "TAIL_PARTS"}
     if tail:
         tl_tail["TAIL_STAGES"] = 1 if use_tma else 3
-    if _CONFIG.gluon and gluon_unsupported_reason(q, k_cache, v_cache, rows) is None:
+    if use_gluon:
         _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, out, part_o, part_lse, plan, q_scale, args_kv,
                       sm_scale, q_len, g, rows, tail_knobs)
     else:

@@ -79,6 +79,9 @@ MAX_Q_LEN = 8
 # (bench/results/decode_sweep.md): enough programs to keep ~2 tile loads in flight per SM, and a
 # floor of 4 tiles (256 tokens) per program so small batches are not over-split.
 DEFAULT_PROGRAMS_PER_SM = 2
+# the Gluon kernel's plans (`plan_kernel`): ~90 registers a thread leave room for 3 programs an SM, where the
+# tail merge wins most (bench/results/decode_tune_tail_h8.md: 4 an SM level or slower outside two cases)
+GLUON_PROGRAMS_PER_SM = 3
 DEFAULT_MIN_TILES = 4
 # The cost the plan charges a task (its start), in TASK_UNITS per tile: 8 = two tiles. From the H200
 # tunes (bench/results/decode_tune_task_cost*.md): best or within 3 % in 20 of the 24 decode scenarios;
@@ -130,6 +133,7 @@ class DecodePlan:
     merge_sem: torch.Tensor | None = None
     has_desc: bool = False
     has_pairs: bool = False  # pair_desc written by the last plan (DecodeConfig.tail_merge)
+    kernel: str = "tl"  # the attention kernel the plan was built for: "tl" or "gluon" (`decode.plan_kernel`)
     task_cost: int = 0  # as asked; the cut charges it only with descriptors (`cut_task_cost`)
     snap: int = 0  # likewise (`cut_snap`)
     _workspace: dict = field(default_factory=dict, repr=False)
@@ -282,7 +286,8 @@ def _validate_plan_args(seq_lens, num_kv_heads, q_len, block_size, max_batch, ta
 def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, block_size: int = 64,
                 max_batch: int | None = None, max_seq_len: int | None = None, num_programs: int | None = None,
                 min_tiles: int | None = None, task_cost: int | None = None, snap: int | None = None,
-                out: DecodePlan | None = None) -> DecodePlan:
+                out: DecodePlan | None = None, num_q_heads: int | None = None, head_dim: int | None = None,
+                q_dtype: torch.dtype | None = None, kv_dtype: torch.dtype | None = None) -> DecodePlan:
     """Compute the load-balanced decode schedule for one step on the device.
 
     The plan is valid for exactly these `seq_lens` (and num_kv_heads, q_len, block_size): call this
@@ -306,6 +311,13 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
             default `DEFAULT_SNAP`; with a task cost only) on one side moves to the request's nearer
             boundary instead of splitting it. With `out=`, the plan's own.
         out: an existing plan whose buffers are reused (CUDA-graph replay with new lengths).
+        num_q_heads, head_dim, q_dtype, kv_dtype: what the step's `decode_attention` calls take (all four, or
+            none). With them the plan picks its kernel (`DecodePlan.kernel`, `decode.plan_kernel`): an fp8 q
+            over fp8 KV on an sm_90 GPU, 2–16 q rows a kv head (q_len·G), head_dim 64/128/256 and pages the
+            Hopper kernel reads take the Gluon kernel with the tail merge and 3 programs an SM (the H200
+            bench: h8/1 fp8 1.39× FlashInfer against 1.32× for the `tl` kernel, h64/8 fp8 15–23 % faster;
+            bench/results/README.md); anything else, or no hints, the `tl` kernel with 2. With `out=`, the
+            plan's own. `DecodeConfig.gluon` False keeps every plan on the `tl` kernel.
     """
     del max_seq_len  # buffers are sized by batch and program count only
     _validate_plan_args(seq_lens, num_kv_heads, q_len, block_size, out.max_batch if out is not None else max_batch,
@@ -321,11 +333,16 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
         plan = out
         plan.batch = seq_lens.shape[0]
     else:
+        from hpcops.attention.decode import plan_kernel
+
         dev = seq_lens.device
         cap = max(max_batch or seq_lens.shape[0], 1)
-        c = num_programs or default_num_programs(q_len, dev)
+        kernel = plan_kernel(num_kv_heads, q_len, block_size, dev, num_q_heads=num_q_heads, head_dim=head_dim,
+                             q_dtype=q_dtype, kv_dtype=kv_dtype)
+        per_sm = GLUON_PROGRAMS_PER_SM if kernel == "gluon" else None
+        c = num_programs or default_num_programs(q_len, dev, programs_per_sm=per_sm)
         plan = DecodePlan(
-            num_kv_heads=num_kv_heads, q_len=q_len, block_size=block_size, num_programs=c,
+            kernel=kernel, num_kv_heads=num_kv_heads, q_len=q_len, block_size=block_size, num_programs=c,
             min_tiles=max(1, min_tiles if min_tiles is not None else DEFAULT_MIN_TILES), max_batch=cap,
             batch=seq_lens.shape[0], task_cost=DEFAULT_TASK_COST if task_cost is None else task_cost,
             snap=DEFAULT_SNAP if snap is None else snap,
@@ -381,7 +398,7 @@ def _launch_plan(plan: DecodePlan, seq_lens: torch.Tensor) -> None:
     cfg = decode_config()
     b = seq_lens.shape[0]
     plan.has_desc = cfg.task_desc
-    plan.has_pairs = cfg.task_desc and cfg.tail_merge
+    plan.has_pairs = cfg.task_desc and (cfg.tail_merge or (cfg.tail_merge is None and plan.kernel == "gluon"))
     if plan.has_pairs and plan.pair_desc is None:
         raise ValueError("DecodeConfig.tail_merge needs a plan with pair buffers (built by plan_decode)")
     if b == 0:

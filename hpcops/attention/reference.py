@@ -31,18 +31,23 @@ __all__ = ["decode_attention", "plan_decode", "prefill_attention"]
 def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, block_size: int = 64,
                 max_batch: int | None = None, max_seq_len: int | None = None, num_programs: int | None = None,
                 min_tiles: int | None = None, task_cost: int | None = None, snap: int | None = None,
-                out: DecodePlan | None = None) -> DecodePlan:
+                out: DecodePlan | None = None, num_q_heads: int | None = None, head_dim: int | None = None,
+                q_dtype: torch.dtype | None = None, kv_dtype: torch.dtype | None = None) -> DecodePlan:
     """Host reference of `hpcops.plan_decode`: the same tables, computed in Python integers with
     `plan.CostStream` (the descriptor tables always; `has_desc`, which `host_tables` shows them by,
-    and so the task cost the cut charges, as the kernel's)."""
+    and so the task cost the cut charges, as the kernel's); the same kernel choice from the same hints."""
     del max_seq_len
-    from hpcops.attention.decode import decode_config
+    from hpcops.attention.decode import decode_config, plan_kernel
+    from hpcops.attention.plan import GLUON_PROGRAMS_PER_SM
 
     _validate_plan_args(seq_lens, num_kv_heads, q_len, block_size, out.max_batch if out else max_batch, task_cost,
                         snap)
     dev = seq_lens.device
     b = seq_lens.shape[0]
-    c = out.num_programs if out else (num_programs or default_num_programs(q_len, dev))
+    kernel = out.kernel if out else plan_kernel(num_kv_heads, q_len, block_size, dev, num_q_heads=num_q_heads,
+                                                head_dim=head_dim, q_dtype=q_dtype, kv_dtype=kv_dtype)
+    per_sm = GLUON_PROGRAMS_PER_SM if kernel == "gluon" else None
+    c = out.num_programs if out else (num_programs or default_num_programs(q_len, dev, programs_per_sm=per_sm))
     mt = out.min_tiles if out else max(1, min_tiles if min_tiles is not None else DEFAULT_MIN_TILES)
     cap = out.max_batch if out else max(max_batch or b, 1)
     asked = out.task_cost if out else (DEFAULT_TASK_COST if task_cost is None else task_cost)
@@ -72,8 +77,8 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
             if pair_lo >= g0 and pair_hi > g1:  # the pair of its last tile starts here and leaves
                 parts = sum(1 for a, z in ranges if a < z and a < pair_hi and z > pair_lo)
                 merge_desc[k] = [bl, hl, 2 * k + (0 if pair_lo == g0 else 1), parts]
-    plan = out or DecodePlan(num_kv_heads=num_kv_heads, q_len=q_len, block_size=block_size, num_programs=c,
-                             min_tiles=mt, max_batch=cap, batch=b, task_cost=asked, snap=asked_snap,
+    plan = out or DecodePlan(kernel=kernel, num_kv_heads=num_kv_heads, q_len=q_len, block_size=block_size,
+                             num_programs=c, min_tiles=mt, max_batch=cap, batch=b, task_cost=asked, snap=asked_snap,
                              header=torch.empty(4, dtype=torch.int32, device=dev),
                              cum=torch.empty(cap + 1, dtype=torch.int32, device=dev),
                              first_b=torch.empty(c, dtype=torch.int32, device=dev),

@@ -6,11 +6,10 @@ Implementations, each timed on the same inputs in the same run (L2-cold, one CUD
 - `hpcops-tail` — the same with the splits merged in the attention kernel's tail (`DecodeConfig.tail_merge`,
   opt-in: no combine kernel);
 - `hpcops-static` — the same inner loop over a classic static split-KV grid (the blog's ablation);
-- `hpcops-fp8q` — fp8 KV with an fp8 query (as the fused prologue emits it);
-- `hpcops-gluon` — the dynamic schedule on the Hopper kernel (`DecodeConfig.gluon`; fp8 q over fp8 KV, bf16 q
+- `hpcops-fp8q` — fp8 KV with an fp8 query (as the fused prologue emits it): by default, on an H200, the
+  Gluon kernel with the tail merge and 3 programs an SM (the plan told the call's dtypes: `plan_kernel`);
+- `hpcops-gluon` — the dynamic schedule on the Hopper kernel forced (`DecodeConfig.gluon`; fp8 q over fp8 KV, bf16 q
   over bf16 KV), `unavailable` where it does not apply (`gluon_unsupported_reason`: a CPU, a GPU other than sm_90);
-- `hpcops-gluon-tail` — the same with its splits merged in its own tail (`DecodeConfig.tail_merge`, no combine
-  kernel) and 3 programs an SM;
 - `hpcops-plan` — the plan step alone (once per decode step, not per layer);
 - `flashinfer-decode` / `flashinfer-tc` — FlashInfer's BatchDecodeWithPagedKVCacheWrapper without
   and with tensor cores (its two decode paths), planned outside the graph.
@@ -108,10 +107,12 @@ def _ours(schedule: str, fp8q: bool = False, knobs: dict | None = None):
                 dec.set_decode_config(**{k: getattr(old, k) for k in knobs})
 
         plan = None
-        if schedule == "dynamic":
-            plan = configured(lambda: hpcops.plan_decode(x["seq_lens"], num_kv_heads=x["k_cache"].shape[2],
-                                                         block_size=x["k_cache"].shape[1]))
         q, qs = (x["q8"], x["q_scale"]) if fp8q else (x["q"], None)
+        if schedule == "dynamic":  # with what the calls take, as a model's step tells it (`plan_kernel`)
+            _, page, hkv, d = x["k_cache"].shape
+            plan = configured(lambda: hpcops.plan_decode(
+                x["seq_lens"], num_kv_heads=hkv, block_size=page, num_q_heads=q.shape[1], head_dim=d,
+                q_dtype=q.dtype, kv_dtype=x["k_cache"].dtype))
 
         def run():
             return configured(lambda: hpcops.decode_attention(
@@ -127,13 +128,11 @@ def _ours(schedule: str, fp8q: bool = False, knobs: dict | None = None):
     return prepare
 
 
-def _gluon(tail: bool = False):
-    """The dynamic schedule with `DecodeConfig.gluon` on (the Hopper kernel), fp8 q over fp8 KV; gated here.
-    tail: its splits merged in its own tail (`tail_merge`, two levels past `tail_group`) with 3 programs an
-    SM, the H200 tune's best for the Gluon kernel (bench/results/decode_tune_tail_h8.md)."""
+def _gluon():
+    """The dynamic schedule with `DecodeConfig.gluon` forced on (the Hopper kernel, with the combine: a plan
+    without hints), fp8 q over fp8 KV; gated here."""
 
     def prepare(x):
-        from hpcops import _platform
         from hpcops.attention import decode as dec
 
         q, qs = (x["q8"], x["q_scale"]) if "q8" in x else (x["q"], None)
@@ -141,27 +140,21 @@ def _gluon(tail: bool = False):
         why = dec.gluon_unsupported_reason(q, x["k_cache"], x["v_cache"], q.shape[1] // hkv)
         if why is not None:
             raise PeerUnavailable(f"the Gluon kernel does not apply here: {why}")
-        knobs = dict(gluon=True, tail_merge=tail)
-        programs = 3 * _platform.num_sms(q.device) if tail else None
-        old = dec.set_decode_config(**knobs)
-        try:  # the plan writes the pair table under the same config
-            plan = hpcops.plan_decode(x["seq_lens"], num_kv_heads=hkv, block_size=page, num_programs=programs)
-        finally:
-            dec.set_decode_config(**{k: getattr(old, k) for k in knobs})
+        plan = hpcops.plan_decode(x["seq_lens"], num_kv_heads=hkv, block_size=page)
 
         def run():
-            before = dec.set_decode_config(**knobs)
+            old = dec.set_decode_config(gluon=True)
             try:
                 return hpcops.decode_attention(q, x["k_cache"], x["v_cache"], x["block_table"], x["seq_lens"],
                                                plan=plan, k_scale=x["k_scale"], v_scale=x["v_scale"], q_scale=qs,
                                                out=x["out"])
             finally:
-                dec.set_decode_config(**{k: getattr(before, k) for k in knobs})
+                dec.set_decode_config(gluon=old.gluon)
 
         x["out"].fill_(float("nan"))
         want = ref.decode_attention(q, x["k_cache"], x["v_cache"], x["block_table"], x["seq_lens"],
                                     k_scale=x["k_scale"], v_scale=x["v_scale"], q_scale=qs)
-        assert_close(want, run(), name="decode (gluon" + (", tail merge)" if tail else ")"))
+        assert_close(want, run(), name="decode (gluon)")
         return run
     return prepare
 
@@ -225,7 +218,6 @@ def cases(opts: dict[str, Any]) -> Iterator[Case]:
         if sc.fp8:
             impls.append(Impl("hpcops-fp8q", _ours("dynamic", fp8q=True), ours=True))
         impls += [Impl("hpcops-gluon", _gluon(), ours=True),
-                  Impl("hpcops-gluon-tail", _gluon(tail=True), ours=True),
                   Impl("hpcops-plan", _plan_step, ours=True, per_step=True),
                   Impl("flashinfer-decode", _flashinfer(False)),
                   Impl("flashinfer-tc", _flashinfer(True))]

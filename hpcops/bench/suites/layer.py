@@ -320,7 +320,9 @@ def plan_for(x: dict[str, Any]):
 
     if x["prefill"]:
         return None
-    return plan_decode(x["seq_lens"], num_kv_heads=HKV, block_size=PAGE)
+    # what the step's decode takes (the prologue's fp8 q over an fp8 cache: the Gluon kernel on an H200)
+    return plan_decode(x["seq_lens"], num_kv_heads=HKV, block_size=PAGE, num_q_heads=HQ, head_dim=x["q_out"].shape[-1],
+                       q_dtype=x["q_out"].dtype, kv_dtype=x["k_cache"].dtype)
 
 
 def hpcops_layer(s: Scenario, x: dict[str, Any], plan, hidden: torch.Tensor, trace: dict | None = None):
