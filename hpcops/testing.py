@@ -216,8 +216,10 @@ def describe_launch(fn, args: tuple, kwargs: dict) -> dict:
             sig[a] = "i32" if -2**31 <= v < 2**31 else "i64"
             if v % 16 == 0 and v != 0:
                 div16.append(a)
-        elif hasattr(v, "block_shape") and hasattr(v, "base"):  # a host TensorDescriptor
-            sig[a] = f"tensordesc<{_SIG_TYPES[v.base.dtype]}{list(v.block_shape)}>".replace(" ", "")
+        elif hasattr(v, "block_shape") and hasattr(v, "base"):  # a host TensorDescriptor (Gluon's: with a layout)
+            layout = getattr(v, "layout", None)
+            sig[a] = (f"tensordesc<{_SIG_TYPES[v.base.dtype]}{list(v.block_shape)}"
+                      f"{'' if layout is None else ',' + str(layout)}>").replace(" ", "")
         else:
             raise TypeError(f"{getattr(fn, '__name__', fn)}: argument {a} of type {type(v).__name__} is not handled")
     consts = {a: (f"tl.{v}" if type(v).__name__ == "dtype" else v) for a, v in kwargs.items()
@@ -240,7 +242,11 @@ def compile_launch(fn, desc: dict, *, capability: int = 90):
     for p in getattr(fn, "params", ()):
         if p.is_constexpr and p.name not in consts and p.name not in desc["sig"] and p.has_default:
             consts[p.name] = p.default
+    if "num_warps" in fn.arg_names:  # a Gluon kernel's constexpr, given at launch as the launch option
+        consts.setdefault("num_warps", desc["num_warps"])
     sig = {a: ("constexpr" if a in consts else desc["sig"].get(a, "i32")) for a in fn.arg_names}
+    if type(fn).__name__ == "GluonJITFunction":  # a Gluon kernel: its own AST source
+        return compile_gluon_sm90(fn, sig, consts, num_warps=desc["num_warps"])
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a in desc["div16"]}
     return triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", capability, 32),
                           options={"num_warps": desc["num_warps"], "num_stages": desc["num_stages"],

@@ -7,8 +7,9 @@ torch.profiler. A GPU tool: through gpu_check.sh's `profile:decode-kernels` stag
 
 fp8-KV scenarios run with the prologue's fp8 q (the bench's `hpcops-fp8q` row). The plan step is profiled
 beside the attention (`plan_decode(..., out=plan)` every call, as once per step in a model: its buffers are
-made once); `pps` = persistent programs per SM (the plan's num_programs). Each variant prints one table:
-kernel, launches per call, µs per call, share.
+made once; told the call's dtypes, so over fp8 KV the default is the Gluon kernel with the tail merge at 3
+programs an SM, `gluon=0` the `tl` kernel); `pps` = persistent programs per SM (the plan's num_programs; unset:
+the plan's choice). Each variant prints one table: kernel, launches per call, µs per call, share.
 """
 
 from __future__ import annotations
@@ -44,15 +45,17 @@ def calls_for(x: dict, variant: dict):
     knobs = {k: bool(v) if k in ("gluon", "row_path", "tail_merge", "pdl") else v for k, v in variant.items()
              if k not in ("schedule", "pps")}
     pps = variant.get("pps")
-    _, page, hkv, _ = x["k_cache"].shape
+    _, page, hkv, d = x["k_cache"].shape
     q, qs = (x["q8"], x["q_scale"]) if "q8" in x else (x["q"], None)
     programs = None if pps is None else pps * _platform.num_sms(q.device)
 
     old = dec.set_decode_config(**knobs)
     try:  # the plan's buffers once (their zero-fills are not a step's work); each call re-plans into them
         plan = None
-        if schedule == "dynamic":
-            plan = hpcops.plan_decode(x["seq_lens"], num_kv_heads=hkv, block_size=page, num_programs=programs)
+        if schedule == "dynamic":  # told what the call takes, as a model's step (`decode.plan_kernel`)
+            plan = hpcops.plan_decode(x["seq_lens"], num_kv_heads=hkv, block_size=page, num_programs=programs,
+                                      num_q_heads=q.shape[1], head_dim=d, q_dtype=q.dtype,
+                                      kv_dtype=x["k_cache"].dtype)
     finally:
         dec.set_decode_config(**old.__dict__)
 
@@ -73,9 +76,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", default="64x0.5K h8/1 fp8,64x4K h8/1 fp8,32x0.125K+32x4K h8/1 fp8,"
                                        "2x32K+30x4K h8/1 fp8,1x64K+15x4K h8/1 fp8,1x128K+31x4K h8/1 fp8")
-    ap.add_argument("--variants", default="tail_merge=1;tail_merge=1 tail_group=0;gluon=1 pps=3;"
-                                          "gluon=1 pps=3 tail_merge=1;gluon=1 pps=3 tail_merge=1 tail_group=0;"
-                                          "gluon=1 pps=3 tail_merge=1 tail_group=8;schedule=static",
+    ap.add_argument("--variants", default="gluon=0;gluon=0 tail_merge=1;tail_merge=0;tail_group=0;tail_group=8;"
+                                          "schedule=static",
                     help="';'-separated DecodeConfig overrides beside the default, e.g. \"gluon=1 pps=3\"")
     ap.add_argument("--layers", type=int, default=8)
     args = ap.parse_args()

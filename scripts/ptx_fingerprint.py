@@ -1,7 +1,8 @@
 """Did the kernels a benchmark measured change since? Compare their sm_90 PTX across commits, no GPU.
 
 Runs the decode, MoE, rope and prefill entry points on the CPU with every Triton kernel replaced by a
-recorder (the launches the default configs make for the benchmarks' cases: heads, dtypes, batch sizes;
+recorder (the launches the default configs make for the benchmarks' cases: heads, dtypes, batch sizes; decode's
+as on an H200, where an fp8 q over fp8 KV takes the Gluon kernel, compiled through Gluon's own front end;
 rope and prefill through their bench suites' own scenarios and input builders), compiles
 each recorded launch ahead of time for sm_90 (`triton.compile`, as the compile tests do) and hashes the
 PTX with parameter numbering and debug info stripped (so an added, unused kernel argument does not
@@ -34,7 +35,8 @@ import tempfile
 
 OPS = ("decode", "moe", "rope", "prefill")
 # kernel modules of each op, and the modules that import kernels by name (patched too)
-KERNEL_MODULES = {"decode": ("hpcops.attention._decode_kernels", "hpcops.attention._plan_kernels"),
+KERNEL_MODULES = {"decode": ("hpcops.attention._decode_kernels", "hpcops.attention._plan_kernels",
+                              "hpcops.attention._decode_gluon"),
                   "moe": ("hpcops.moe._moe_kernels",), "rope": ("hpcops.rope._rope_kernels",),
                   "prefill": ("hpcops.attention._prefill_kernels",)}
 USER_MODULES = {"decode": ("hpcops.attention.plan", "hpcops.attention.decode"), "moe": ("hpcops.moe.fused_moe",),
@@ -54,22 +56,36 @@ def _launch_tools():
 
 
 def _decode_runs(label):
+    """The decode bench's rows as an H200 launches them: the plan told what the call takes (`plan_kernel`: an fp8
+    q over fp8 KV takes the Gluon kernel there), the device checks answered as on sm_90."""
     import hpcops
+    from hpcops.attention import decode as dec
     from hpcops.bench.suites.decode import make_decode_inputs
 
-    for hq, hkv in ((8, 1), (64, 8)):
-        for fp8 in (True, False):
-            x = make_decode_inputs([100, 300, 64, 1000], hq, hkv, fp8, 0, device="cpu")
-            runs = [("dynamic", False), ("static", False)] + ([("dynamic", True)] if fp8 else [])
-            for sched, fp8q in runs:
-                label(f"h{hq}/{hkv}-{'fp8' if fp8 else 'bf16'}-{sched}{'-fp8q' if fp8q else ''}")
-                plan = None
-                if sched == "dynamic":
-                    plan = hpcops.plan_decode(x["seq_lens"], num_kv_heads=hkv, block_size=64)
-                q, qs = (x["q8"], x["q_scale"]) if fp8q else (x["q"], None)
-                hpcops.decode_attention(q, x["k_cache"], x["v_cache"], x["block_table"], x["seq_lens"], plan=plan,
-                                        schedule=sched, k_scale=x["k_scale"], v_scale=x["v_scale"], q_scale=qs,
-                                        out=x["out"])
+    hopper = getattr(dec, "_hopper", None)  # an older tree (`--against`) may predate it
+    if hopper is not None:
+        dec._hopper = lambda device: None
+    try:
+        for hq, hkv in ((8, 1), (64, 8)):
+            for fp8 in (True, False):
+                x = make_decode_inputs([100, 300, 64, 1000], hq, hkv, fp8, 0, device="cpu")
+                runs = [("dynamic", False), ("static", False)] + ([("dynamic", True)] if fp8 else [])
+                for sched, fp8q in runs:
+                    label(f"h{hq}/{hkv}-{'fp8' if fp8 else 'bf16'}-{sched}{'-fp8q' if fp8q else ''}")
+                    q, qs = (x["q8"], x["q_scale"]) if fp8q else (x["q"], None)
+                    plan = None
+                    if sched == "dynamic":
+                        hints = dict(num_q_heads=hq, head_dim=128, q_dtype=q.dtype, kv_dtype=x["k_cache"].dtype)
+                        try:
+                            plan = hpcops.plan_decode(x["seq_lens"], num_kv_heads=hkv, block_size=64, **hints)
+                        except TypeError:  # an older tree without the hints
+                            plan = hpcops.plan_decode(x["seq_lens"], num_kv_heads=hkv, block_size=64)
+                    hpcops.decode_attention(q, x["k_cache"], x["v_cache"], x["block_table"], x["seq_lens"],
+                                            plan=plan, schedule=sched, k_scale=x["k_scale"], v_scale=x["v_scale"],
+                                            q_scale=qs, out=x["out"])
+    finally:
+        if hopper is not None:
+            dec._hopper = hopper
 
 
 def _moe_runs(label):

@@ -319,18 +319,25 @@ def plan_kernel(num_kv_heads: int, q_len: int, block_size: int, device, *, num_q
         return "tl"
     if block_size < TILE and (block_size < 8 or TILE % block_size):
         return "tl"
+    return "tl" if _hopper(device) else "gluon"
+
+
+def _hopper(device) -> str | None:
+    """Why `device` cannot run the Gluon kernel (None: an sm_90 GPU, outside the interpreter). One place, so that
+    `scripts/ptx_fingerprint.py` can record the launches an H200 makes from the CPU."""
     device = torch.device(device)
-    if _platform.is_interpreter() or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
-        return "tl"
-    return "gluon"
+    if _platform.is_interpreter() or device.type != "cuda":
+        return "not a CUDA device (the interpreter cannot run Gluon)"
+    if torch.cuda.get_device_capability(device)[0] != 9:
+        return "not an sm_90 (Hopper) GPU: the kernel's MMA is wgmma"
+    return None
 
 
 def gluon_unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: int) -> str | None:
     """Why the Gluon decode kernel (`DecodeConfig.gluon`) cannot serve this call (None: it can)."""
-    if _platform.is_interpreter() or not q.is_cuda:
-        return "not a CUDA device (the interpreter cannot run Gluon)"
-    if torch.cuda.get_device_capability(q.device)[0] != 9:
-        return "not an sm_90 (Hopper) GPU: the kernel's MMA is wgmma"
+    why = _hopper(q.device)
+    if why is not None:
+        return why
     d = k_cache.shape[-1]
     if d not in (64, 128, 256):
         return f"head_dim {d} (64, 128 or 256)"

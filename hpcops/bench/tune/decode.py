@@ -168,9 +168,10 @@ class DecodeTune(TuneOp):
 
     def base(self, s: suite.Scenario) -> Candidate:
         from hpcops.attention.decode import DecodeConfig
-        from hpcops.attention.plan import DEFAULT_MIN_TILES, DEFAULT_PROGRAMS_PER_SM, DEFAULT_SNAP, DEFAULT_TASK_COST
+        from hpcops.attention.plan import DEFAULT_MIN_TILES, DEFAULT_SNAP, DEFAULT_TASK_COST
 
-        return {**asdict(DecodeConfig()), "pps": DEFAULT_PROGRAMS_PER_SM, "min_tiles": DEFAULT_MIN_TILES,
+        # pps None: the plan's own choice (told the call's dtypes: 3 an SM for the Gluon kernel, else 2)
+        return {**asdict(DecodeConfig()), "pps": None, "min_tiles": DEFAULT_MIN_TILES,
                 "task_cost": DEFAULT_TASK_COST, "snap": DEFAULT_SNAP}
 
     def make_inputs(self, s: suite.Scenario | PlanScenario, layer: int, device: str) -> dict[str, Any]:
@@ -210,12 +211,14 @@ class DecodeTune(TuneOp):
             import hpcops
             from hpcops._platform import num_sms
 
-            _, page, hkv, _ = x["k_cache"].shape
-            plan = hpcops.plan_decode(x["seq_lens"], num_kv_heads=hkv, block_size=page,
-                                      num_programs=cand["pps"] * num_sms(x["q"].device),
-                                      min_tiles=cand["min_tiles"], task_cost=cand["task_cost"],
-                                      snap=cand["snap"])
+            _, page, hkv, d = x["k_cache"].shape
             q, q_scale = _query(x)
+            # told what the calls take, as the bench's rows and a model's step (`decode.plan_kernel`)
+            plan = hpcops.plan_decode(x["seq_lens"], num_kv_heads=hkv, block_size=page,
+                                      num_programs=cand["pps"] * num_sms(x["q"].device) if cand["pps"] else None,
+                                      min_tiles=cand["min_tiles"], task_cost=cand["task_cost"],
+                                      snap=cand["snap"], num_q_heads=q.shape[1], head_dim=d, q_dtype=q.dtype,
+                                      kv_dtype=x["k_cache"].dtype)
             return lambda: hpcops.decode_attention(q, x["k_cache"], x["v_cache"], x["block_table"],
                                                    x["seq_lens"], plan=plan, k_scale=x["k_scale"],
                                                    v_scale=x["v_scale"], q_scale=q_scale, out=x["out"])
@@ -225,10 +228,11 @@ class DecodeTune(TuneOp):
         def prepare(x):
             import hpcops
             from hpcops._platform import num_sms
+            from hpcops.attention.plan import DEFAULT_PROGRAMS_PER_SM
 
             kw = dict(num_kv_heads=s.hkv, block_size=suite.PAGE, min_tiles=cand["min_tiles"],
                       task_cost=cand["task_cost"], snap=cand["snap"],
-                      num_programs=cand["pps"] * num_sms(x["seq_lens"].device))
+                      num_programs=(cand["pps"] or DEFAULT_PROGRAMS_PER_SM) * num_sms(x["seq_lens"].device))
             plan = hpcops.plan_decode(x["seq_lens"], **kw)
             return lambda: hpcops.plan_decode(x["seq_lens"], out=plan, **kw)
         return prepare
