@@ -120,7 +120,7 @@ class DecodeConfig:
         (default): with the Gluon kernel where the plan wrote the pair table (a plan built for it). On the H200
         the `tl` kernel + tail is level with its combine over the bench (`hpcops-tail`, geomean 1.006: h64/8
         2-9 % faster, long h8/1 batches up to 14 % slower); the Gluon kernel at 3 programs an SM gains most
-        (`hpcops-gluon-tail`: h64/8 fp8 15-23 % faster than the `tl` default).
+        (`hpcops-fp8q` rows at `a686226`: h64/8 fp8 15-23 % faster than the `tl` kernel).
     tail_group: with tail_merge, a split of more partials than this is merged in two levels: groups of
         tail_group consecutive partials, each merged into its first slot by the program that completes it,
         then the groups by the program that completes the last group; so no program merges a long split
