@@ -55,11 +55,25 @@ class Job:
         return f"gpu{self.gpu}-{self.index}-" + re.sub(r"[^A-Za-z0-9_.-]+", "_", self.stage)
 
 
+def _split_jobs(spec: str) -> list[list[str]]:
+    """The queue's jobs as shell words: `;` separates jobs only outside quotes (PROFILE_ARGS may hold one)."""
+    lex = shlex.shlex(spec, posix=True, punctuation_chars=";")
+    lex.whitespace_split = True
+    jobs: list[list[str]] = [[]]
+    for tok in lex:
+        if tok and set(tok) == {";"}:
+            jobs.append([])
+        else:
+            jobs[-1].append(tok)
+    return [words for words in jobs if words]
+
+
 def parse_queue(gpu: int, spec: str) -> list[Job]:
-    """One GPU's queue: `[timeout=S] [VAR=value ...] stage ; ...` (shell quoting inside a job)."""
+    """One GPU's queue: `[timeout=S] [VAR=value ...] stage ; ...` (shell quoting inside a job; a quoted `;` stays
+    in its word)."""
     jobs = []
-    for n, part in enumerate(p for p in spec.split(";") if p.strip()):
-        words = shlex.split(part)
+    for n, words in enumerate(_split_jobs(spec)):
+        part = " ".join(words)
         job = Job(gpu, n, "")
         for w in words:
             key, eq, value = w.partition("=")
