@@ -49,26 +49,21 @@ def calls_for(x: dict, variant: dict):
     q, qs = (x["q8"], x["q_scale"]) if "q8" in x else (x["q"], None)
     programs = None if pps is None else pps * _platform.num_sms(q.device)
 
-    old = dec.set_decode_config(**knobs)
-    try:  # the plan's buffers once (their zero-fills are not a step's work); each call re-plans into them
-        plan = None
-        if schedule == "dynamic":  # told what the call takes, as a model's step (`decode.plan_kernel`)
+    plan = None
+    if schedule == "dynamic":  # the plan's buffers once (their zero-fills are not a step's work); each call
+        # re-plans into them; told what the call takes, as a model's step (`decode.plan_kernel`)
+        with dec.decode_config_changed(**knobs):
             plan = hpcops.plan_decode(x["seq_lens"], num_kv_heads=hkv, block_size=page, num_programs=programs,
                                       num_q_heads=q.shape[1], head_dim=d, q_dtype=q.dtype,
                                       kv_dtype=x["k_cache"].dtype)
-    finally:
-        dec.set_decode_config(**old.__dict__)
 
     def run():
-        old = dec.set_decode_config(**knobs)
-        try:
+        with dec.decode_config_changed(**knobs):
             if plan is not None:
                 hpcops.plan_decode(x["seq_lens"], num_kv_heads=hkv, block_size=page, out=plan)
             hpcops.decode_attention(q, x["k_cache"], x["v_cache"], x["block_table"], x["seq_lens"], plan=plan,
                                     schedule=schedule, k_scale=x["k_scale"], v_scale=x["v_scale"], q_scale=qs,
                                     out=x["out"])
-        finally:
-            dec.set_decode_config(**old.__dict__)
     return run
 
 

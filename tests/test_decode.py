@@ -367,16 +367,9 @@ def test_decode_tma_config(case, device):
 
 
 def _with_config(changes):
-    from hpcops.attention import decode as dec
+    from hpcops.attention.decode import decode_config_changed
 
-    class _Ctx:
-        def __enter__(self):
-            self.old = dec.set_decode_config(**changes)
-
-        def __exit__(self, *exc):
-            dec.set_decode_config(**self.old.__dict__)
-
-    return _Ctx()
+    return decode_config_changed(**changes)
 
 
 def _vid(d):

@@ -3,8 +3,10 @@ split-KV grid (``schedule="static"``, the ablation), sharing one inner loop."""
 
 from __future__ import annotations
 
+import contextlib
 import math
-from dataclasses import dataclass, replace
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import triton
@@ -185,6 +187,17 @@ def set_decode_config(**changes) -> DecodeConfig:
     old = _CONFIG
     _CONFIG = replace(_CONFIG, **changes)
     return old
+
+
+@contextlib.contextmanager
+def decode_config_changed(**changes) -> Iterator[DecodeConfig]:
+    """Within the block the decode config has `changes` (a bench row, a tune candidate, a test); the whole
+    previous config is back after it."""
+    old = set_decode_config(**changes)
+    try:
+        yield _CONFIG
+    finally:
+        set_decode_config(**asdict(old))
 
 
 def decode_config() -> DecodeConfig:
@@ -463,19 +476,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if tail and not plan.has_pairs:
         raise ValueError("plan was built without DecodeConfig.tail_merge (no pair table): re-plan with "
                          "hpcops.plan_decode under the same config as decode_attention")
-    r_pad = triton.next_power_of_2(rows)
-    tail_knobs = {}
+    gluon_tail, tl_tail = {}, {}
     if tail:
-        parts = _tail_parts(r_pad, d)
-        tail_knobs = dict(TAIL_MERGE=True, R_PAD=r_pad, TAIL_PARTS=parts, TAIL_GROUP=_tail_group(parts))
-    # the tl kernel's merge takes one partial a step (no TAIL_PARTS); 3 in flight on the pointer path, 1 beside
-    # TMA (where 2 or 3 spill 16 bytes: tests/test_decode_compile.py)
-    tl_tail = {k: v for k, v in tail_knobs.items() if k != "TAIL_PARTS"}
-    if tail:
-        tl_tail["TAIL_STAGES"] = 1 if use_tma else 3
+        r_pad = triton.next_power_of_2(rows)
+        parts = _tail_parts(r_pad, d)  # the Gluon merge's round: [parts, r_pad, D]
+        gluon_tail = dict(TAIL_MERGE=True, R_PAD=r_pad, TAIL_PARTS=parts, TAIL_GROUP=_tail_group(parts))
+        # the tl merge takes one partial a step: 3 in flight on the pointer path, 1 beside TMA (where 2 or 3
+        # spill 16 bytes: tests/test_decode_compile.py)
+        tl_tail = dict(TAIL_MERGE=True, R_PAD=r_pad, TAIL_GROUP=_tail_group(parts), TAIL_STAGES=1 if use_tma else 3)
     if use_gluon:
         _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, out, part_o, part_lse, plan, q_scale, args_kv,
-                      sm_scale, q_len, g, rows, tail_knobs)
+                      sm_scale, q_len, g, rows, gluon_tail)
     else:
         decode_persistent_kernel[(plan.num_programs,)](
             q, k_cache, v_cache, *descs, block_table, seq_lens, out, part_o, part_lse,
@@ -498,7 +509,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, out, part_o, part_lse, plan, q_scale, args_kv,
                   sm_scale, q_len, g, rows, tail_knobs):
     """The dynamic schedule's attention kernel in Gluon (`DecodeConfig.gluon`); the combine follows, unless the
-    kernel merges the splits itself (`tail_knobs`: DecodeConfig.tail_merge)."""
+    kernel merges the splits itself (`tail_knobs`: its TAIL_* constexprs, empty without the tail merge)."""
     from hpcops.attention._decode_gluon import decode_gluon_kernel
     from hpcops.attention._tma import gluon_kv_descriptor
 

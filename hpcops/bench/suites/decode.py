@@ -95,29 +95,21 @@ def _ours(schedule: str, fp8q: bool = False, knobs: dict | None = None):
     """hpcops' decode, planned outside the graph (once a step in a model); `knobs`: a DecodeConfig change for
     this row alone (the plan built under it too)."""
     def prepare(x):
-        from hpcops.attention import decode as dec
-
-        def configured(fn):
-            if not knobs:
-                return fn()
-            old = dec.set_decode_config(**knobs)
-            try:
-                return fn()
-            finally:
-                dec.set_decode_config(**{k: getattr(old, k) for k in knobs})
+        from hpcops.attention.decode import decode_config_changed
 
         plan = None
         q, qs = (x["q8"], x["q_scale"]) if fp8q else (x["q"], None)
         if schedule == "dynamic":  # with what the calls take, as a model's step tells it (`plan_kernel`)
             _, page, hkv, d = x["k_cache"].shape
-            plan = configured(lambda: hpcops.plan_decode(
-                x["seq_lens"], num_kv_heads=hkv, block_size=page, num_q_heads=q.shape[1], head_dim=d,
-                q_dtype=q.dtype, kv_dtype=x["k_cache"].dtype))
+            with decode_config_changed(**(knobs or {})):
+                plan = hpcops.plan_decode(x["seq_lens"], num_kv_heads=hkv, block_size=page, num_q_heads=q.shape[1],
+                                          head_dim=d, q_dtype=q.dtype, kv_dtype=x["k_cache"].dtype)
 
         def run():
-            return configured(lambda: hpcops.decode_attention(
-                q, x["k_cache"], x["v_cache"], x["block_table"], x["seq_lens"], plan=plan, schedule=schedule,
-                k_scale=x["k_scale"], v_scale=x["v_scale"], q_scale=qs, out=x["out"]))
+            with decode_config_changed(**(knobs or {})):
+                return hpcops.decode_attention(q, x["k_cache"], x["v_cache"], x["block_table"], x["seq_lens"],
+                                               plan=plan, schedule=schedule, k_scale=x["k_scale"],
+                                               v_scale=x["v_scale"], q_scale=qs, out=x["out"])
 
         if knobs:  # a row off the defaults: its own correctness gate
             x["out"].fill_(float("nan"))
@@ -143,13 +135,10 @@ def _gluon():
         plan = hpcops.plan_decode(x["seq_lens"], num_kv_heads=hkv, block_size=page)
 
         def run():
-            old = dec.set_decode_config(gluon=True)
-            try:
+            with dec.decode_config_changed(gluon=True):
                 return hpcops.decode_attention(q, x["k_cache"], x["v_cache"], x["block_table"], x["seq_lens"],
                                                plan=plan, k_scale=x["k_scale"], v_scale=x["v_scale"], q_scale=qs,
                                                out=x["out"])
-            finally:
-                dec.set_decode_config(gluon=old.gluon)
 
         x["out"].fill_(float("nan"))
         want = ref.decode_attention(q, x["k_cache"], x["v_cache"], x["block_table"], x["seq_lens"],

@@ -21,7 +21,6 @@ No tuned table: the defaults live in `DecodeConfig` and `plan.py`, changed by ha
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
@@ -193,15 +192,10 @@ class DecodeTune(TuneOp):
         return dict(spec=s.spec, hq=s.hq, hkv=s.hkv, kv="fp8" if s.fp8 else "bf16", page=suite.PAGE,
                     d=suite.HEAD_DIM)
 
-    @contextlib.contextmanager
     def context(self, cand: Candidate):
-        from hpcops.attention import decode as dec
+        from hpcops.attention.decode import decode_config_changed
 
-        old = dec.set_decode_config(**{f: cand[f] for f in _config_fields() if f in cand})
-        try:
-            yield
-        finally:
-            dec.set_decode_config(**asdict(old))
+        return decode_config_changed(**{f: cand[f] for f in _config_fields() if f in cand})
 
     def prepare(self, s: suite.Scenario | PlanScenario, cand: Candidate):
         if isinstance(s, PlanScenario):
