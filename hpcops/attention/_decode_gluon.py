@@ -68,12 +68,27 @@ def _page_good(bt_row, bt_width, num_blocks, tile, keys, PAGE: gl.constexpr, TIL
 
 
 @gluon.jit
+def _load_round(part_o_ptr, part_lse_ptr, c, first_slot, rest_base, rest_step, n_parts, offs_r, d3,
+                ROWS: gl.constexpr, D: gl.constexpr):
+    """One round of `_merge_rows`: the lse [TB, R_PAD] and O [TB, R_PAD, D] of partials c (masked past n_parts)."""
+    slot = gl.where(c == 0, first_slot, rest_base + c * rest_step).to(gl.int64)
+    row = gl.expand_dims(slot, 1) * ROWS + gl.expand_dims(offs_r, 0)  # [TB, R_PAD]
+    ok = gl.expand_dims(c < n_parts, 1) & gl.expand_dims(offs_r < ROWS, 0)
+    lse = gl.load(part_lse_ptr + row, mask=ok, other=float("-inf"), cache_modifier=".cg")
+    o = gl.load(part_o_ptr + gl.expand_dims(row, 2) * D + d3, mask=gl.expand_dims(ok, 2), other=0.0,
+                cache_modifier=".cg")
+    return lse, o
+
+
+@gluon.jit
 def _merge_rows(part_o_ptr, part_lse_ptr, first_slot, rest_base, rest_step, n_parts, b, h, out_ptr, stride_ot,
                 stride_oh, Q_LEN: gl.constexpr, G: gl.constexpr, D: gl.constexpr, R_PAD: gl.constexpr,
                 TB: gl.constexpr, num_warps: gl.constexpr, TO_PART: gl.constexpr = False):
     """`_decode_kernels._merge_rows` in Gluon: every q row of split (b, h) over slots first_slot,
-    rest_base + c·rest_step, in rounds of TB partials ([TB, R_PAD, D] tiles, a running maximum a row), into
-    the output or (TO_PART) into slot first_slot as a partial again."""
+    rest_base + c·rest_step, in rounds of TB partials ([TB, R_PAD, D] tiles, TB in each thread: a running
+    maximum a row, no reduction across threads), the next round's loads issued before this round's math (two
+    rounds in flight: a round is an L2 round trip), into the output or (TO_PART) into slot first_slot as a
+    partial again."""
     ROWS: gl.constexpr = Q_LEN * G
     l3: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_warp=[1, 1, 32],
                                         warps_per_cta=[1, num_warps, 1], order=[2, 1, 0])
@@ -87,14 +102,13 @@ def _merge_rows(part_o_ptr, part_lse_ptr, first_slot, rest_base, rest_step, n_pa
     m_run = gl.full([R_PAD], float("-inf"), gl.float32, layout=gl.SliceLayout(0, l_tr))
     w = gl.zeros([R_PAD], gl.float32, layout=gl.SliceLayout(0, l_tr))
     acc = gl.zeros([R_PAD, D], gl.float32, layout=l_rd)
+    lse_next, o_next = _load_round(part_o_ptr, part_lse_ptr, offs_c, first_slot, rest_base, rest_step, n_parts,
+                                   offs_r, d3, ROWS, D)
     for c0 in range(0, n_parts, TB):
-        c = c0 + offs_c
-        slot = gl.where(c == 0, first_slot, rest_base + c * rest_step).to(gl.int64)
-        row = gl.expand_dims(slot, 1) * ROWS + gl.expand_dims(offs_r, 0)  # [TB, R_PAD]
-        ok = gl.expand_dims(c < n_parts, 1) & gl.expand_dims(offs_r < ROWS, 0)
-        lse = gl.load(part_lse_ptr + row, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        o = gl.load(part_o_ptr + gl.expand_dims(row, 2) * D + d3, mask=gl.expand_dims(ok, 2), other=0.0,
-                    cache_modifier=".cg")  # [TB, R_PAD, D]
+        lse = lse_next
+        o = o_next
+        lse_next, o_next = _load_round(part_o_ptr, part_lse_ptr, c0 + TB + offs_c, first_slot, rest_base,
+                                       rest_step, n_parts, offs_r, d3, ROWS, D)
         m_new = gl.maximum(m_run, gl.max(lse, axis=0))
         m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_run - m_ref)
