@@ -109,8 +109,9 @@ for st in "${stages[@]}"; do
     tune:*)
       # `hpcops tune <op>` for each op: <op>_tune.{md,json} (+ moe_tuned.json) in results/; TUNE_ARGS adds options
       IFS=, read -ra ops <<< "${st#tune:}"
+      eval "targs=(${TUNE_ARGS:-})"  # shell quoting kept: --only "h8/1 fp8"
       for o in "${ops[@]}"; do
-        python3 -m hpcops tune "$o" --out "$OUT/results" --no-progress ${TUNE_ARGS:-} 2>&1 \
+        python3 -m hpcops tune "$o" --out "$OUT/results" --no-progress "${targs[@]}" 2>&1 \
           | tee -a "$OUT/tune.log" | grep -v '^\[' | tail -60 || status=1
       done ;;
     setup) ;;  # the preamble only (FlashInfer wheels into /tmp/site, editable install): gpu_parallel.py runs it once

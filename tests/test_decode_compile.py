@@ -197,6 +197,9 @@ GLUON_BUILDS = {  # name: (KV dtype, q dtype, head_dim, q rows padded, q_len, G,
     "fp8q-d128-h8/1-tail": ("fp8", "fp8", 128, 8, 1, 8, 3, 64, [8, 4]),
     "bf16-d256-2buf-tail": ("bf16", "bf16", 256, 8, 1, 8, 2, 64, [8, 2]),
     "fp8q-d128-q2-16rows-tail": ("fp8", "fp8", 128, 16, 2, 8, 3, 64, [16, 2]),
+    # DecodeConfig.merge_prefetch: two rounds of partials in flight (still <= 168 registers: 3 programs an SM)
+    "fp8q-d128-h8/1-tail-prefetch": ("fp8", "fp8", 128, 8, 1, 8, 3, 64, [8, 4, True]),
+    "fp8q-d128-q2-16rows-tail-prefetch": ("fp8", "fp8", 128, 16, 2, 8, 3, 64, [16, 2, True]),
 }
 
 
@@ -220,7 +223,8 @@ sig.update({a: "i32" for a in ("B", "num_q_heads", "bt_width", "num_blocks", "st
 consts = dict(Q_LEN=q_len, G=g, NQ=nq, D=d, PAGE=page, TILE=64, STAGES=stages, KV_FP8=kv == "fp8",
               Q_FP8=qd == "fp8", num_warps=4)
 if tail:
-    consts.update(TAIL_MERGE=True, R_PAD=tail[0][0], TAIL_PARTS=tail[0][1], TAIL_GROUP=4 * tail[0][1])
+    consts.update(TAIL_MERGE=True, R_PAD=tail[0][0], TAIL_PARTS=tail[0][1], TAIL_GROUP=4 * tail[0][1],
+                  MERGE_PREFETCH=bool(tail[0][2:] and tail[0][2]))
 sig.update({a: "constexpr" for a in consts})
 print(json.dumps(sm90_resources(compile_gluon_sm90(decode_gluon_kernel, sig, consts))))
 """)

@@ -111,6 +111,8 @@ def test_tail_merge_errors(device):
     for bad in (1, -2, 5000, 2.0, "4"):
         with pytest.raises(ValueError, match="tail_group"):
             dec.set_decode_config(tail_group=bad)
+    with pytest.raises(TypeError, match="merge_prefetch"):
+        dec.set_decode_config(merge_prefetch=1)
     case = Case((300, 200), 4, 1, 64, 64, programs=6, min_tiles=1)
     q, _, kv = _inputs(case, device)
     plan = hpcops.plan_decode(kv.seq_lens, num_kv_heads=1, block_size=64, num_programs=6, min_tiles=1)

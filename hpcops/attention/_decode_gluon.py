@@ -81,14 +81,27 @@ def _load_round(part_o_ptr, part_lse_ptr, c, first_slot, rest_base, rest_step, n
 
 
 @gluon.jit
+def _merge_round(lse, o, m_run, w, acc, l_r: gl.constexpr):
+    """Fold one round of partials (lse [TB, R_PAD], O [TB, R_PAD, D]) into the running maximum, weight and sum."""
+    m_new = gl.maximum(m_run, gl.max(lse, axis=0))
+    m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_run - m_ref)
+    wc = gl.exp2(lse - gl.expand_dims(m_ref, 0))  # [TB, R_PAD]
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, l_r), 1) + gl.sum(o * gl.expand_dims(wc, 2), axis=0)
+    w = w * alpha + gl.sum(wc, axis=0)
+    return m_new, w, acc
+
+
+@gluon.jit
 def _merge_rows(part_o_ptr, part_lse_ptr, first_slot, rest_base, rest_step, n_parts, b, h, out_ptr, stride_ot,
                 stride_oh, Q_LEN: gl.constexpr, G: gl.constexpr, D: gl.constexpr, R_PAD: gl.constexpr,
-                TB: gl.constexpr, num_warps: gl.constexpr, TO_PART: gl.constexpr = False):
+                TB: gl.constexpr, num_warps: gl.constexpr, TO_PART: gl.constexpr = False,
+                PREFETCH: gl.constexpr = False):
     """`_decode_kernels._merge_rows` in Gluon: every q row of split (b, h) over slots first_slot,
     rest_base + c·rest_step, in rounds of TB partials ([TB, R_PAD, D] tiles, TB in each thread: a running
-    maximum a row, no reduction across threads), the next round's loads issued before this round's math (two
-    rounds in flight: a round is an L2 round trip), into the output or (TO_PART) into slot first_slot as a
-    partial again."""
+    maximum a row, no reduction across threads), into the output or (TO_PART) into slot first_slot as a
+    partial again. PREFETCH (DecodeConfig.merge_prefetch): the next round's loads are issued before this
+    round's math (two rounds in flight: a round is an L2 round trip; the second round's registers)."""
     ROWS: gl.constexpr = Q_LEN * G
     l3: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_warp=[1, 1, 32],
                                         warps_per_cta=[1, num_warps, 1], order=[2, 1, 0])
@@ -102,20 +115,20 @@ def _merge_rows(part_o_ptr, part_lse_ptr, first_slot, rest_base, rest_step, n_pa
     m_run = gl.full([R_PAD], float("-inf"), gl.float32, layout=gl.SliceLayout(0, l_tr))
     w = gl.zeros([R_PAD], gl.float32, layout=gl.SliceLayout(0, l_tr))
     acc = gl.zeros([R_PAD, D], gl.float32, layout=l_rd)
-    lse_next, o_next = _load_round(part_o_ptr, part_lse_ptr, offs_c, first_slot, rest_base, rest_step, n_parts,
-                                   offs_r, d3, ROWS, D)
-    for c0 in range(0, n_parts, TB):
-        lse = lse_next
-        o = o_next
-        lse_next, o_next = _load_round(part_o_ptr, part_lse_ptr, c0 + TB + offs_c, first_slot, rest_base,
-                                       rest_step, n_parts, offs_r, d3, ROWS, D)
-        m_new = gl.maximum(m_run, gl.max(lse, axis=0))
-        m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_run - m_ref)
-        wc = gl.exp2(lse - gl.expand_dims(m_ref, 0))  # [TB, R_PAD]
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, l_r), 1) + gl.sum(o * gl.expand_dims(wc, 2), axis=0)
-        w = w * alpha + gl.sum(wc, axis=0)
-        m_run = m_new
+    if PREFETCH:
+        lse_next, o_next = _load_round(part_o_ptr, part_lse_ptr, offs_c, first_slot, rest_base, rest_step,
+                                       n_parts, offs_r, d3, ROWS, D)
+        for c0 in range(0, n_parts, TB):
+            lse = lse_next
+            o = o_next
+            lse_next, o_next = _load_round(part_o_ptr, part_lse_ptr, c0 + TB + offs_c, first_slot, rest_base,
+                                           rest_step, n_parts, offs_r, d3, ROWS, D)
+            m_run, w, acc = _merge_round(lse, o, m_run, w, acc, l_r)
+    else:
+        for c0 in range(0, n_parts, TB):
+            lse, o = _load_round(part_o_ptr, part_lse_ptr, c0 + offs_c, first_slot, rest_base, rest_step, n_parts,
+                                 offs_r, d3, ROWS, D)
+            m_run, w, acc = _merge_round(lse, o, m_run, w, acc, l_r)
     w_r = gl.convert_layout(w, l_r)
     res = acc / gl.expand_dims(gl.where(w_r == 0.0, 1.0, w_r), 1)
     r = gl.arange(0, R_PAD, layout=l_r)
@@ -134,7 +147,7 @@ def _merge_rows(part_o_ptr, part_lse_ptr, first_slot, rest_base, rest_step, n_pa
 @gluon.jit
 def _tail_merge(part_o_ptr, part_lse_ptr, pair_desc_ptr, merge_sem_ptr, pid, b, h, B, out_ptr, stride_ot, stride_oh,
                 Q_LEN: gl.constexpr, G: gl.constexpr, D: gl.constexpr, R_PAD: gl.constexpr, TB: gl.constexpr,
-                GROUP: gl.constexpr, num_warps: gl.constexpr):
+                GROUP: gl.constexpr, num_warps: gl.constexpr, PREFETCH: gl.constexpr = False):
     """`_decode_kernels._tail_merge` in Gluon (DecodeConfig.tail_merge): count this program's partial of split
     (b, h) in (CTA barrier, one acq_rel atomic); the program that writes the last merges every q row of the pair
     and resets the count. GROUP > 0 and more partials than GROUP: in two levels (groups of GROUP partials merged
@@ -158,7 +171,7 @@ def _tail_merge(part_o_ptr, part_lse_ptr, pair_desc_ptr, merge_sem_ptr, pid, b, 
             if ready:
                 gl.store(merge_sem_ptr + g_first, 0)
                 _merge_rows(part_o_ptr, part_lse_ptr, g_first, 2 * (owner + g_lo), 2, g_n, b, h, out_ptr,
-                            stride_ot, stride_oh, Q_LEN, G, D, R_PAD, TB, num_warps, True)
+                            stride_ot, stride_oh, Q_LEN, G, D, R_PAD, TB, num_warps, True, PREFETCH)
                 gl.thread_barrier()
             n_top = (parts + GROUP - 1) // GROUP
             step = parts * 0 + 2 * GROUP
@@ -167,7 +180,7 @@ def _tail_merge(part_o_ptr, part_lse_ptr, pair_desc_ptr, merge_sem_ptr, pid, b, 
         if arrived == n_top - 1:
             gl.store(pair_sem, 0)
             _merge_rows(part_o_ptr, part_lse_ptr, first_slot, 2 * owner, step, n_top, b, h, out_ptr, stride_ot,
-                        stride_oh, Q_LEN, G, D, R_PAD, TB, num_warps)
+                        stride_oh, Q_LEN, G, D, R_PAD, TB, num_warps, False, PREFETCH)
 
 
 @gluon.jit
@@ -179,7 +192,7 @@ def decode_gluon_kernel(
     Q_LEN: gl.constexpr, G: gl.constexpr, NQ: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
     TILE: gl.constexpr, STAGES: gl.constexpr, KV_FP8: gl.constexpr, Q_FP8: gl.constexpr, num_warps: gl.constexpr,
     TAIL_MERGE: gl.constexpr = False, R_PAD: gl.constexpr = 1, TAIL_PARTS: gl.constexpr = 1,
-    TAIL_GROUP: gl.constexpr = 0,
+    TAIL_GROUP: gl.constexpr = 0, MERGE_PREFETCH: gl.constexpr = False,
 ):
     ROWS: gl.constexpr = Q_LEN * G
     KV_BYTES: gl.constexpr = 2 * TILE * D * k_desc.dtype.primitive_bitwidth // 8
@@ -307,7 +320,8 @@ def decode_gluon_kernel(
             gl.store(part_lse_ptr + base + r_o, lse, mask=row_ok)
             if TAIL_MERGE:
                 _tail_merge(part_o_ptr, part_lse_ptr, pair_desc_ptr, merge_sem_ptr, pid, b, h, B, out_ptr,
-                            stride_ot, stride_oh, Q_LEN, G, D, R_PAD, TAIL_PARTS, TAIL_GROUP, num_warps)
+                            stride_ot, stride_oh, Q_LEN, G, D, R_PAD, TAIL_PARTS, TAIL_GROUP, num_warps,
+                            MERGE_PREFETCH)
         else:
             tok_o = (b * Q_LEN + r_o // G).to(gl.int64)
             head_o = h * G + r_o % G

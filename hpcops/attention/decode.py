@@ -129,6 +129,10 @@ class DecodeConfig:
         alone (one program merging ~136 partials of 8 rows took ~100 µs in the `tl` kernel and ~20 in the
         Gluon kernel at 1x64K+15x4K h8/1, bench/results/decode_tune_tail_h8.md). None (default): four rounds
         of the merge's tile (16 partials at 8 rows of 128, 64 at one row); 0: one level.
+    merge_prefetch: the Gluon kernel's tail merge issues the next round of partial loads before folding this
+        round (two L2 round trips in flight instead of one; sm_90 build 128 registers a thread at h8/1 d128
+        instead of 90, still 3 programs an SM, no spill). For merges of many partials (long splits, small
+        batches). Off by default until the H200 measures it; the `tl` kernel's merge has no such form.
     plan_block_c, plan_warps, plan_block_b: launch of the plan kernel (`plan_decode`, once per step):
         plan entries (persistent programs) served per plan program (16..256: smaller = more plan
         programs, each with a smaller [plan_block_c, block] compare-count tile; 0 = by batch size,
@@ -161,6 +165,7 @@ class DecodeConfig:
     row_path: bool | None = None
     tail_merge: bool | None = None
     tail_group: int | None = None
+    merge_prefetch: bool = False
 
     def __post_init__(self):
         check_choice("DecodeConfig.lean_mode", self.lean_mode, LEAN_MODES)
@@ -172,6 +177,8 @@ class DecodeConfig:
         tg = self.tail_group
         if tg is not None and (type(tg) is not int or not (tg == 0 or 2 <= tg <= 4096)):
             raise ValueError(f"DecodeConfig.tail_group must be None, 0 or an int in 2..4096, got {tg!r}")
+        if type(self.merge_prefetch) is not bool:
+            raise TypeError(f"DecodeConfig.merge_prefetch must be a bool, got {self.merge_prefetch!r}")
         cb = self.combine_chunks
         if type(cb) is not int or not 2 <= cb <= 256 or cb & (cb - 1):
             raise ValueError(f"DecodeConfig.combine_chunks must be a power of two in 2..256, got {cb!r}")
@@ -480,7 +487,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if tail:
         r_pad = triton.next_power_of_2(rows)
         parts = _tail_parts(r_pad, d)  # the Gluon merge's round: [parts, r_pad, D]
-        gluon_tail = dict(TAIL_MERGE=True, R_PAD=r_pad, TAIL_PARTS=parts, TAIL_GROUP=_tail_group(parts))
+        gluon_tail = dict(TAIL_MERGE=True, R_PAD=r_pad, TAIL_PARTS=parts, TAIL_GROUP=_tail_group(parts),
+                          MERGE_PREFETCH=bool(_CONFIG.merge_prefetch))
         # the tl merge takes one partial a step: 3 in flight on the pointer path, 1 beside TMA (where 2 or 3
         # spill 16 bytes: tests/test_decode_compile.py)
         tl_tail = dict(TAIL_MERGE=True, R_PAD=r_pad, TAIL_GROUP=_tail_group(parts), TAIL_STAGES=1 if use_tma else 3)

@@ -83,6 +83,8 @@ DECODE_SPACE = (
     knob(("gluon", "tail_merge", "tail_group", "pps"), (True, True, 8, 3), (True, True, 32, 3), (True, True, 0, 3),
          near=None),
     knob(("tail_merge", "tail_group"), (True, 8), (True, 0), near=None),
+    knob("merge_prefetch", False, True),
+    knob("tail_group", 8, 32, 0),
     # the Gluon kernel (sm_90; where it applies, else the tl kernel runs and this re-times the default)
     knob("gluon", False, True),
     # with more programs an SM (its ~85 registers leave room; the split-KV probe was fastest at ~4 an SM)
