@@ -41,13 +41,14 @@ for st in "${stages[@]}"; do
     tests)
       # Every test natively on the GPU: the CPU tier's cases plus the @pytest.mark.gpu ones. One
       # process per file, in parallel: Triton compilation is CPU-bound and the machine has 16 cores.
-      # Each file writes a JUnit report; gpu_tests_report.py sums them into results/gpu_tests.txt.
+      # Each file writes a JUnit report; gpu_tests_report.py sums them into results/gpu_tests.txt. Verbose logs:
+      # a test that hangs (killed by TEST_TIMEOUT, no JUnit report) is the last one named in its log.
       pids=()
       files=(tests/test_*.py)
       mkdir -p "$OUT/results/tests"
       for f in "${files[@]}"; do
         n=$(basename "$f" .py)
-        timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider -rs "$f" \
+        timeout ${TEST_TIMEOUT:-420} python3 -m pytest -v -p no:cacheprovider -rs "$f" \
           --junitxml="$OUT/results/tests/junit_$n.xml" > "$OUT/results/tests/$n.log" 2>&1 &
         pids+=($!)
       done

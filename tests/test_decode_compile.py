@@ -200,14 +200,6 @@ GLUON_BUILDS = {  # name: (KV dtype, q dtype, head_dim, q rows padded, q_len, G,
     # DecodeConfig.merge_prefetch: two rounds of partials in flight (still <= 168 registers: 3 programs an SM)
     "fp8q-d128-h8/1-tail-prefetch": ("fp8", "fp8", 128, 8, 1, 8, 3, 64, [8, 4, True]),
     "fp8q-d128-q2-16rows-tail-prefetch": ("fp8", "fp8", 128, 16, 2, 8, 3, 64, [16, 2, True]),
-    # DecodeConfig.page_ahead / task_ahead / gluon_stages (extra constexprs): the ring 4 deep on fp8 KV still fits 3
-    # programs an SM (<= 72 KB each)
-    "fp8q-d128-h8/1-tail-ahead": ("fp8", "fp8", 128, 8, 1, 8, 3, 64, [8, 4, True],
-                                  dict(PAGE_AHEAD=True, TASK_AHEAD=True)),
-    "fp8q-d128-h8/1-tail-ahead-4buf": ("fp8", "fp8", 128, 8, 1, 8, 4, 64, [8, 4, True],
-                                       dict(PAGE_AHEAD=True, TASK_AHEAD=True)),
-    "fp8q-d128-page16-ahead": ("fp8", "fp8", 128, 8, 1, 8, 3, 16, None, dict(PAGE_AHEAD=True, TASK_AHEAD=True)),
-    "bf16-d128-h8/1-ahead": ("bf16", "bf16", 128, 8, 1, 8, 3, 64, None, dict(PAGE_AHEAD=True, TASK_AHEAD=True)),
 }
 
 
@@ -217,9 +209,7 @@ from triton.experimental.gluon import language as gl
 from hpcops.attention._decode_gluon import decode_gluon_kernel
 from hpcops.testing import compile_gluon_sm90, sm90_resources
 
-kv, qd, d, nq, q_len, g, stages, page, *rest = json.loads(sys.argv[1])
-tail = rest[0] if rest else None
-extra = rest[1] if len(rest) > 1 else {}
+kv, qd, d, nq, q_len, g, stages, page, *tail = json.loads(sys.argv[1])
 names = {"fp8": ("fp8e4nv", gl.float8e4nv), "bf16": ("bf16", gl.bfloat16)}
 box = min(64, page)  # the launcher's TMA box: a 64-key tile, or a page under 64 tokens
 layout = gl.NVMMASharedLayout.get_default_for([box, d], names[kv][1])
@@ -233,9 +223,8 @@ sig.update({a: "i32" for a in ("B", "num_q_heads", "bt_width", "num_blocks", "st
 consts = dict(Q_LEN=q_len, G=g, NQ=nq, D=d, PAGE=page, TILE=64, STAGES=stages, KV_FP8=kv == "fp8",
               Q_FP8=qd == "fp8", num_warps=4)
 if tail:
-    consts.update(TAIL_MERGE=True, R_PAD=tail[0], TAIL_PARTS=tail[1], TAIL_GROUP=4 * tail[1],
-                  MERGE_PREFETCH=bool(tail[2:] and tail[2]))
-consts.update(extra)
+    consts.update(TAIL_MERGE=True, R_PAD=tail[0][0], TAIL_PARTS=tail[0][1], TAIL_GROUP=4 * tail[0][1],
+                  MERGE_PREFETCH=bool(tail[0][2:] and tail[0][2]))
 sig.update({a: "constexpr" for a in consts})
 print(json.dumps(sm90_resources(compile_gluon_sm90(decode_gluon_kernel, sig, consts))))
 """)
@@ -259,8 +248,5 @@ def test_gluon_decode_kernel_builds_for_sm90(name):
     pv = (d // 64) * 4  # Oᵀ += Vᵀ·Pᵀ: D/64 row blocks (4 warps × 16) × 64 keys / 16
     assert r["spill_bytes"] == 0 and 0 < r["registers"] <= 168, r
     boxes = max(1, 64 // page)  # TMA boxes a tile, for K and for V
-    # K and V a tile: the task's first STAGES - 1 tiles and the loop's refill; task_ahead issues the first task's
-    # before the loop over tasks and every next task's at the end of a task (two copies of the first tiles)
-    firsts = 2 if (GLUON_BUILDS[name][9:] and GLUON_BUILDS[name][9].get("TASK_AHEAD")) else 1
-    assert r["wgmma"] == k_steps + pv and r["tma_loads"] == 2 * (firsts * (stages - 1) + 1) * boxes, r
-    assert r["shared"] <= (72 if kv == "fp8" and d <= 128 else 160) * 1024, r
+    assert r["wgmma"] == k_steps + pv and r["tma_loads"] == 2 * stages * boxes, r
+    assert r["shared"] <= 160 * 1024, r

@@ -125,25 +125,18 @@ GLUON_CASES = [Case((3000, 70, 0, 1), 8, 1, 128, 64, kv="fp8q", programs=9, min_
 @pytest.mark.gpu
 @pytest.mark.parametrize("tail", [{}, dict(tail_merge=True), dict(tail_merge=True, tail_group=2),
                                   dict(tail_merge=True, merge_prefetch=False),
-                                  dict(tail_merge=True, tail_group=2, merge_prefetch=False),
-                                  dict(page_ahead=True, task_ahead=True),
-                                  dict(tail_merge=True, page_ahead=True, task_ahead=True),
-                                  dict(tail_merge=True, page_ahead=True, task_ahead=True, gluon_stages=4)],
-                         ids=["combine", "tail_merge", "tail_group2", "no-prefetch", "tail_group2-no-prefetch",
-                              "ahead", "tail-ahead", "tail-ahead-4buf"])
+                                  dict(tail_merge=True, tail_group=2, merge_prefetch=False)],
+                         ids=["combine", "tail_merge", "tail_group2", "no-prefetch", "tail_group2-no-prefetch"])
 @pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: c.id)
 def test_gpu_gluon_kernel_matches_reference(case, tail):
     """On an sm_90 GPU these cases take the Gluon kernel (no silent fallback) and match the torch reference, its
     splits merged by the combine kernel or in its own tail (DecodeConfig.tail_merge), in one level or two
     (tail_group 2: the 3000-token request's ~8 partials in groups of 2), with one round of partial loads in flight
-    or two (merge_prefetch, the default), with page ids and the next task's first tiles loaded ahead (page_ahead,
-    task_ahead), on a ring of 3 buffers or 4 (gluon_stages; 16-bit KV at head_dim 256 has no room for 4)."""
+    or two (merge_prefetch, the default)."""
     from hpcops.attention.decode import gluon_unsupported_reason
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon decode kernel is sm_90 only (wgmma)")
-    if tail.get("gluon_stages") == 4 and case.kv not in ("fp8", "fp8q") and case.d > 128:
-        pytest.skip("4 buffers of 64 keys of 16-bit KV at head_dim 256 take 256 KB of shared memory")
     q, _, kv = _inputs(case, "cuda")
     assert gluon_unsupported_reason(q, kv.k_cache, kv.v_cache, case.q_len * case.hq // case.hkv) is None
     with _with_config(dict(gluon=True, **tail)):

@@ -27,35 +27,20 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 
 @gluon.jit
-def _tile_row0(bt_row, bt_width, num_blocks, tile, ok, PAGE: gl.constexpr, TILE: gl.constexpr):
-    """The cache row of tile `tile`'s first key (pages of TILE tokens or more): its page id from the block-table row
-    (a bad page id or not `ok`: the row past the cache, which TMA fills with zeros)."""
-    col = tile * TILE // PAGE
-    page = gl.load(bt_row + col, mask=ok & (col < bt_width), other=-1)
-    good = (page >= 0) & (page < num_blocks)
-    return gl.where(good, page, num_blocks) * PAGE + (tile * TILE) % PAGE
-
-
-@gluon.jit
-def _issue_row(k_desc, v_desc, k_smem, v_smem, bars, row0, k_col, v_col, slot, ok, KV_BYTES: gl.constexpr):
-    """TMA of the K and V boxes at cache row `row0` into buffer `slot` (nothing when not `ok`)."""
-    bar = bars.index(slot)
-    mbarrier.expect(bar, KV_BYTES, pred=ok)
-    tma.async_copy_global_to_shared(k_desc, [row0, k_col], bar, k_smem.index(slot), pred=ok)
-    tma.async_copy_global_to_shared(v_desc, [row0, v_col], bar, v_smem.index(slot), pred=ok)
-
-
-@gluon.jit
 def _issue_tile(k_desc, v_desc, k_smem, v_smem, bars, bt_row, bt_width, num_blocks, tile, k_col, v_col, slot,
                 ok, PAGE: gl.constexpr, TILE: gl.constexpr, KV_BYTES: gl.constexpr):
     """TMA of K and V tile `tile` of one request into buffer `slot` (nothing when not `ok`): one box of TILE
     rows inside a page, or over pages smaller than a tile one [PAGE, D] box a page (the descriptors' box)."""
+    bar = bars.index(slot)
+    mbarrier.expect(bar, KV_BYTES, pred=ok)
     if PAGE >= TILE:
-        row0 = _tile_row0(bt_row, bt_width, num_blocks, tile, ok, PAGE, TILE)
-        _issue_row(k_desc, v_desc, k_smem, v_smem, bars, row0, k_col, v_col, slot, ok, KV_BYTES)
+        col = tile * TILE // PAGE
+        page = gl.load(bt_row + col, mask=ok & (col < bt_width), other=-1)
+        good = (page >= 0) & (page < num_blocks)
+        row0 = gl.where(good, page, num_blocks) * PAGE + (tile * TILE) % PAGE  # a bad page: past the cache (zeros)
+        tma.async_copy_global_to_shared(k_desc, [row0, k_col], bar, k_smem.index(slot), pred=ok)
+        tma.async_copy_global_to_shared(v_desc, [row0, v_col], bar, v_smem.index(slot), pred=ok)
     else:
-        bar = bars.index(slot)
-        mbarrier.expect(bar, KV_BYTES, pred=ok)
         for sub in gl.static_range(TILE // PAGE):
             col = tile * (TILE // PAGE) + sub
             page = gl.load(bt_row + col, mask=ok & (col < bt_width), other=-1)
@@ -65,15 +50,6 @@ def _issue_tile(k_desc, v_desc, k_smem, v_smem, bars, bt_row, bt_width, num_bloc
                                             pred=ok)
             tma.async_copy_global_to_shared(v_desc, [row0, v_col], bar, v_smem.index(slot).slice(sub * PAGE, PAGE),
                                             pred=ok)
-
-
-@gluon.jit
-def _issue_first(k_desc, v_desc, k_smem, v_smem, bars, bt_row, bt_width, num_blocks, lo, k_col, v_col, used, n,
-                 PAGE: gl.constexpr, TILE: gl.constexpr, STAGES: gl.constexpr, KV_BYTES: gl.constexpr):
-    """A task's first STAGES - 1 tiles (from tile `lo`, `n` in the task) into the buffers after `used`."""
-    for i0 in gl.static_range(STAGES - 1):
-        _issue_tile(k_desc, v_desc, k_smem, v_smem, bars, bt_row, bt_width, num_blocks, lo + i0, k_col, v_col,
-                    (used + i0) % STAGES, i0 < n, PAGE, TILE, KV_BYTES)
 
 
 @gluon.jit
@@ -216,8 +192,7 @@ def decode_gluon_kernel(
     Q_LEN: gl.constexpr, G: gl.constexpr, NQ: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
     TILE: gl.constexpr, STAGES: gl.constexpr, KV_FP8: gl.constexpr, Q_FP8: gl.constexpr, num_warps: gl.constexpr,
     TAIL_MERGE: gl.constexpr = False, R_PAD: gl.constexpr = 1, TAIL_PARTS: gl.constexpr = 1,
-    TAIL_GROUP: gl.constexpr = 0, MERGE_PREFETCH: gl.constexpr = False, PAGE_AHEAD: gl.constexpr = False,
-    TASK_AHEAD: gl.constexpr = False,
+    TAIL_GROUP: gl.constexpr = 0, MERGE_PREFETCH: gl.constexpr = False,
 ):
     ROWS: gl.constexpr = Q_LEN * G
     KV_BYTES: gl.constexpr = 2 * TILE * D * k_desc.dtype.primitive_bitwidth // 8
@@ -271,13 +246,6 @@ def decode_gluon_kernel(
     key_v = gl.arange(0, TILE, layout=keys_v)
     rq = gl.arange(0, NQ, layout=gl.SliceLayout(1, q_layout))
     dq = gl.arange(0, D, layout=gl.SliceLayout(0, q_layout))
-    # PAGE_AHEAD (pages of a tile or more): the page id of the tile a step issues is loaded a step earlier, so the
-    # TMA issue never waits on a block-table load
-    ROW_AHEAD: gl.constexpr = PAGE_AHEAD and PAGE >= TILE
-    if TASK_AHEAD:  # the first task's first tiles; later tasks' are issued before the previous task's epilogue
-        t_b = gl.maximum((kv_len + TILE - 1) // TILE, 1)
-        _issue_first(k_desc, v_desc, k_smem, v_smem, bars, bt_ptr + b.to(gl.int64) * stride_bt, bt_width, num_blocks,
-                     lo, h * stride_kh, h * stride_vh, used, gl.minimum(left, t_b - lo), PAGE, TILE, STAGES, KV_BYTES)
     while left > 0:
         b_next = gl.where(b + 1 == B, 0, b + 1)
         kv_next = gl.load(seq_lens_ptr + b_next)
@@ -286,9 +254,9 @@ def decode_gluon_kernel(
         bt_row = bt_ptr + b.to(gl.int64) * stride_bt
         k_col = h * stride_kh
         v_col = h * stride_vh
-        if not TASK_AHEAD:  # the task's first tiles in flight
-            _issue_first(k_desc, v_desc, k_smem, v_smem, bars, bt_row, bt_width, num_blocks, lo, k_col, v_col, used,
-                         n, PAGE, TILE, STAGES, KV_BYTES)
+        for i0 in gl.static_range(STAGES - 1):  # the task's first tiles in flight
+            _issue_tile(k_desc, v_desc, k_smem, v_smem, bars, bt_row, bt_width, num_blocks, lo + i0, k_col, v_col,
+                        (used + i0) % STAGES, i0 < n, PAGE, TILE, KV_BYTES)
 
         # q rows of (b, h) into shared memory; padded rows are 0
         jq = rq // G
@@ -309,19 +277,11 @@ def decode_gluon_kernel(
         l_i = gl.zeros([NQ], gl.float32, layout=cols_s)
         o = gl.zeros([D, NQ], gl.float32, layout=o_layout)
 
-        if ROW_AHEAD:
-            row_ahead = _tile_row0(bt_row, bt_width, num_blocks, lo + STAGES - 1, n > STAGES - 1, PAGE, TILE)
         for i in range(n):
             # refill the buffer the previous tile left (its wgmmas were waited for)
             j = i + STAGES - 1
-            if ROW_AHEAD:
-                row_j = row_ahead
-                row_ahead = _tile_row0(bt_row, bt_width, num_blocks, lo + j + 1, j + 1 < n, PAGE, TILE)
-                _issue_row(k_desc, v_desc, k_smem, v_smem, bars, row_j, k_col, v_col, (used + j) % STAGES, j < n,
-                           KV_BYTES)
-            else:
-                _issue_tile(k_desc, v_desc, k_smem, v_smem, bars, bt_row, bt_width, num_blocks, lo + j, k_col, v_col,
-                            (used + j) % STAGES, j < n, PAGE, TILE, KV_BYTES)
+            _issue_tile(k_desc, v_desc, k_smem, v_smem, bars, bt_row, bt_width, num_blocks, lo + j, k_col, v_col,
+                        (used + j) % STAGES, j < n, PAGE, TILE, KV_BYTES)
             tile = lo + i
             # the tile's page ids, read before the wait so their latency hides behind it
             good_s = _page_good(bt_row, bt_width, num_blocks, tile, key_s, PAGE, TILE)
@@ -345,12 +305,6 @@ def decode_gluon_kernel(
             o = o * gl.convert_layout(alpha, cols_o)[None, :]
             o = warpgroup_mma(vt, p_t, o)
         used += n
-        if TASK_AHEAD:  # the next task's first tiles (every buffer is free: the wgmmas were waited for)
-            h_n = gl.where(b_next == 0, h + 1, h)
-            t_n = gl.maximum((kv_next + TILE - 1) // TILE, 1)
-            _issue_first(k_desc, v_desc, k_smem, v_smem, bars, bt_ptr + b_next.to(gl.int64) * stride_bt, bt_width,
-                         num_blocks, 0, h_n * stride_kh, h_n * stride_vh, used, gl.minimum(left - n, t_n), PAGE, TILE,
-                         STAGES, KV_BYTES)
 
         # finish the task: the output (unsplit) or the fp32 partial and its log2-sum-exp (split)
         l_o = gl.convert_layout(l_i, cols_o)

@@ -128,19 +128,13 @@ class DecodeConfig:
         then the groups by the program that completes the last group; so no program merges a long split
         alone (one program merging ~136 partials of 8 rows took ~100 µs in the `tl` kernel and ~20 in the
         Gluon kernel at 1x64K+15x4K h8/1, bench/results/decode_tune_tail_h8.md). None (default): four rounds
-        of the merge's tile (16 partials at 8 rows of 128, 64 at one row); 0: one level.
+        of the merge's tile (16 partials at 8 rows of 128, 64 at one row), except in the Gluon kernel where a pair
+        can gather at most TAIL_ONE_LEVEL_MAX partials (programs per kv head): there one level; 0: one level.
     merge_prefetch: the Gluon kernel's tail merge issues the next round of partial loads before folding this
         round (two L2 round trips in flight instead of one; sm_90 build 128 registers a thread at h8/1 d128
         instead of 90, still 3 programs an SM, no spill). On (default): 1.5-5.5 % faster on every h8/1 fp8 case
         of the H200 bench at `1080690` (1x128K+31x4K 32.8 -> 30.9 µs, 1x64K+15x4K 24.2 -> 23.0; h64/8 level);
         the `tl` kernel's merge has no such form.
-    page_ahead: the Gluon kernel loads the page id of the tile it issues next a step earlier (pages of 64 tokens
-        or more), so no TMA issue waits on a block-table load inside the KV loop. Off by default until measured.
-    task_ahead: the Gluon kernel issues the next task's first tiles before this task's epilogue (its partial's
-        stores and the tail merge), so a program's loads do not stop between tasks. Off by default until measured.
-    gluon_stages: K/V buffers of 64 keys in the Gluon kernel's ring (STAGES - 1 tiles in flight). None: 3, or 2
-        for 16-bit KV at head_dim 256 (where 3 do not fit beside other programs); 4 on fp8 KV at head_dim 128
-        takes ~68 KB of shared memory a program (3 programs an SM still fit).
     plan_block_c, plan_warps, plan_block_b: launch of the plan kernel (`plan_decode`, once per step):
         plan entries (persistent programs) served per plan program (16..256: smaller = more plan
         programs, each with a smaller [plan_block_c, block] compare-count tile; 0 = by batch size,
@@ -174,9 +168,6 @@ class DecodeConfig:
     tail_merge: bool | None = None
     tail_group: int | None = None
     merge_prefetch: bool = True
-    page_ahead: bool = False
-    task_ahead: bool = False
-    gluon_stages: int | None = None
 
     def __post_init__(self):
         check_choice("DecodeConfig.lean_mode", self.lean_mode, LEAN_MODES)
@@ -188,12 +179,8 @@ class DecodeConfig:
         tg = self.tail_group
         if tg is not None and (type(tg) is not int or not (tg == 0 or 2 <= tg <= 4096)):
             raise ValueError(f"DecodeConfig.tail_group must be None, 0 or an int in 2..4096, got {tg!r}")
-        for name in ("merge_prefetch", "page_ahead", "task_ahead"):
-            if type(getattr(self, name)) is not bool:
-                raise TypeError(f"DecodeConfig.{name} must be a bool, got {getattr(self, name)!r}")
-        gs = self.gluon_stages
-        if gs is not None and (type(gs) is not int or not 2 <= gs <= 6):
-            raise ValueError(f"DecodeConfig.gluon_stages must be None or an int in 2..6, got {gs!r}")
+        if type(self.merge_prefetch) is not bool:
+            raise TypeError(f"DecodeConfig.merge_prefetch must be a bool, got {self.merge_prefetch!r}")
         cb = self.combine_chunks
         if type(cb) is not int or not 2 <= cb <= 256 or cb & (cb - 1):
             raise ValueError(f"DecodeConfig.combine_chunks must be a power of two in 2..256, got {cb!r}")
@@ -238,9 +225,21 @@ def _tail_parts(r_pad: int, head_dim: int) -> int:
     return max(1, min(16, 4096 // (r_pad * triton.next_power_of_2(head_dim))))
 
 
-def _tail_group(tail_parts: int) -> int:
-    """Partials a group of the two-level tail merge: DecodeConfig.tail_group, by default 4 rounds of the tile."""
-    return 4 * tail_parts if _CONFIG.tail_group is None else _CONFIG.tail_group
+def _tail_group(tail_parts: int, programs_per_kv_head: int | None = None) -> int:
+    """Partials a group of the two-level tail merge: DecodeConfig.tail_group; by default 4 rounds of the tile, or
+    (the Gluon kernel, `programs_per_kv_head` given) one level where a pair can gather at most ~64 partials."""
+    if _CONFIG.tail_group is not None:
+        return _CONFIG.tail_group
+    if programs_per_kv_head is not None and programs_per_kv_head <= TAIL_ONE_LEVEL_MAX:
+        return 0
+    return 4 * tail_parts
+
+
+# A (request, kv head) pair gathers at most ~num_programs / kv heads partials (one request holding the batch's
+# tiles); up to this many the Gluon kernel merges them in one level: the H200 tune at 5abd980 had one level 3-4 %
+# faster on every h64/8 fp8 case (49.5 programs a kv head; 1x128K+31x4K 153.5 -> 147.6 µs), while at h8/1 (396)
+# the long split needs two (1x64K+15x4K: 23.0 against 60.1 µs in one level).
+TAIL_ONE_LEVEL_MAX = 64
 
 
 def _num_stages() -> int:
@@ -502,7 +501,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if tail:
         r_pad = triton.next_power_of_2(rows)
         parts = _tail_parts(r_pad, d)  # the Gluon merge's round: [parts, r_pad, D]
-        gluon_tail = dict(TAIL_MERGE=True, R_PAD=r_pad, TAIL_PARTS=parts, TAIL_GROUP=_tail_group(parts),
+        gluon_tail = dict(TAIL_MERGE=True, R_PAD=r_pad, TAIL_PARTS=parts,
+                          TAIL_GROUP=_tail_group(parts, -(-plan.num_programs // hkv)),
                           MERGE_PREFETCH=bool(_CONFIG.merge_prefetch))
         # the tl merge takes one partial a step: 3 in flight on the pointer path, 1 beside TMA (where 2 or 3
         # spill 16 bytes: tests/test_decode_compile.py)
@@ -539,7 +539,7 @@ def _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, out, part_o, part_
     nb, bs, _, d = k_cache.shape
     kv_fp8 = k_cache.dtype == FP8_E4M3
     # K and V buffers of 64 keys: 3 deep where they fit beside other programs, 2 for 16-bit KV at head_dim 256
-    stages = _CONFIG.gluon_stages or (2 if (not kv_fp8 and d > 128) else 3)
+    stages = 2 if (not kv_fp8 and d > 128) else 3
     decode_gluon_kernel[(plan.num_programs,)](
         q, gluon_kv_descriptor(k_cache, min(TILE, bs)), gluon_kv_descriptor(v_cache, min(TILE, bs)), block_table,
         seq_lens, out,
@@ -550,8 +550,7 @@ def _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, out, part_o, part_
         q.stride(0), q.stride(1), k_cache.stride(2), v_cache.stride(2), block_table.stride(0),
         out.stride(0), out.stride(1),
         Q_LEN=q_len, G=g, NQ=max(8, triton.next_power_of_2(rows)), D=d, PAGE=bs, TILE=TILE, STAGES=stages,
-        KV_FP8=kv_fp8, Q_FP8=q.dtype == FP8_E4M3, num_warps=4, PAGE_AHEAD=_CONFIG.page_ahead,
-        TASK_AHEAD=_CONFIG.task_ahead, **tail_knobs)
+        KV_FP8=kv_fp8, Q_FP8=q.dtype == FP8_E4M3, num_warps=4, **tail_knobs)
 
 
 def static_splits(batch: int, num_kv_heads: int, device=None) -> int:

@@ -85,13 +85,6 @@ DECODE_SPACE = (
     knob(("tail_merge", "tail_group"), (True, 8), (True, 0), near=None),
     knob("merge_prefetch", False, True),
     knob("tail_group", 8, 32, 0),
-    # the Gluon kernel's loads ahead: page ids a step early, the next task's first tiles before the epilogue, a
-    # deeper ring (alone and together)
-    knob("page_ahead", False, True),
-    knob("task_ahead", False, True),
-    knob("gluon_stages", 4),
-    knob(("page_ahead", "task_ahead"), (True, True), near=None),
-    knob(("page_ahead", "task_ahead", "gluon_stages"), (True, True, 4), near=None),
     # the Gluon kernel (sm_90; where it applies, else the tl kernel runs and this re-times the default)
     knob("gluon", False, True),
     # with more programs an SM (its ~85 registers leave room; the split-KV probe was fastest at ~4 an SM)
