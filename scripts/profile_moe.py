@@ -59,6 +59,10 @@ def main() -> int:
 
     variants = [None, *common.config_overrides(args.configs)]
     wanted = args.only.split(",")
+    known = [s.name for s in suite.scenarios()]
+    unknown = [w for w in wanted if w not in known]
+    if unknown:  # a name that matches nothing would profile nothing and still exit 0
+        raise SystemExit(f"--only: unknown scenario(s) {', '.join(map(repr, unknown))}; known: {', '.join(known)}")
     for s in [s for s in suite.scenarios() if s.name in wanted]:
         layers = [common.make_inputs(s, i) for i in range(args.layers)]
         rows = [(common.override_label(kw) if kw else "hpcops", [common.ours(s, kw)(x) for x in layers])

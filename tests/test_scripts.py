@@ -97,13 +97,18 @@ def test_tune_has_a_smoke_run(op, capsys):
 
 
 def test_profile_moe_help_and_gpu_check_stage():
-    """The MoE per-kernel profiler parses its options without a GPU, and gpu_check.sh has its stage."""
+    """The MoE per-kernel profiler parses its options and names an unknown scenario without a GPU, and gpu_check.sh
+    has its stage."""
     res = subprocess.run([sys.executable, os.path.join(SCRIPTS, "profile_moe.py"), "--help"], capture_output=True,
                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
     assert res.returncode == 0, res.stderr
     assert "--configs" in res.stdout and "--only" in res.stdout
     with open(os.path.join(SCRIPTS, "gpu_check.sh")) as f:
         assert "profile:moe)" in f.read()
+    # a name that matches no scenario is an error naming the known ones (it once profiled nothing, exit 0)
+    res = subprocess.run([sys.executable, os.path.join(SCRIPTS, "profile_moe.py"), "--only", "tp8-fp8t"],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+    assert res.returncode != 0 and "unknown scenario(s) 'tp8-fp8t'" in res.stderr and "B4-tp8-fp8t" in res.stderr
 
 
 def test_profile_decode_kernels_options_and_gpu_check_stage():
