@@ -67,8 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError
     except ValueError:
         p.error("--cuts takes task_cost/snap pairs such as 0/0,8/16; --heads integers")
-    old = dec.set_decode_config(task_desc=True)  # the cut in cost needs the task descriptors
-    try:
+    with dec.decode_config_changed(task_desc=True):  # the cut in cost needs the task descriptors
         print("| scenario | kv heads | " + " | ".join(f"cost {c}/snap {s}" for c, s in cuts) + " |")
         print("|---|---:|" + "---:|" * len(cuts))
         for name, lens in scenarios():
@@ -77,8 +76,6 @@ def main(argv: list[str] | None = None) -> int:
             for h in heads:
                 cells = [busiest(lens, h, args.programs, args.min_tiles, c, s, args.task_weight) for c, s in cuts]
                 print(f"| {name} | {h} | " + " | ".join(f"{m:.1f} ({n})" for m, n in cells) + " |")
-    finally:
-        dec.set_decode_config(**old.__dict__)
     return 0
 
 

@@ -137,17 +137,13 @@ def test_plan_launch_knobs_same_tables(launch, b, device):
     rng = random.Random(b)
     lens = [rng.choice([0, 1, 64, 65, rng.randint(1, 3000)]) for _ in range(b)]
     sl = torch.tensor(lens, dtype=torch.int32, device=device)
-    old = dec.set_decode_config(**launch)
-    try:
-        for hkv, c, mt in ((1, 132, 2), (8, 37, 1)):
-            for desc in (False, True):  # without descriptors the cut is in tiles, with them in cost
-                dec.set_decode_config(task_desc=desc)
+    for hkv, c, mt in ((1, 132, 2), (8, 37, 1)):
+        for desc in (False, True):  # without descriptors the cut is in tiles, with them in cost
+            with dec.decode_config_changed(**launch, task_desc=desc):
                 want = ref.plan_decode(sl.cpu(), num_kv_heads=hkv, num_programs=c, min_tiles=mt)
                 got = hpcops.plan_decode(sl, num_kv_heads=hkv, num_programs=c, min_tiles=mt)
-                assert got.has_desc == desc and _tables(got) == _tables(want)
-                assert not desc or _desc(got) == _desc(want)
-    finally:
-        dec.set_decode_config(**old.__dict__)
+            assert got.has_desc == desc and _tables(got) == _tables(want)
+            assert not desc or _desc(got) == _desc(want)
 
 
 def test_plan_without_descriptors_is_refused_by_task_desc(device):
@@ -162,12 +158,8 @@ def test_plan_without_descriptors_is_refused_by_task_desc(device):
 def test_plan_launch_knob_errors(device):
     from hpcops.attention import decode as dec
 
-    old = dec.set_decode_config(plan_block_c=48)
-    try:
-        with pytest.raises(ValueError, match="plan_block_c"):
-            hpcops.plan_decode(torch.ones(3, dtype=torch.int32, device=device), num_kv_heads=1)
-    finally:
-        dec.set_decode_config(**old.__dict__)
+    with dec.decode_config_changed(plan_block_c=48), pytest.raises(ValueError, match="plan_block_c"):
+        hpcops.plan_decode(torch.ones(3, dtype=torch.int32, device=device), num_kv_heads=1)
 
 
 def test_plan_replan_into_same_buffers(device):
@@ -343,14 +335,11 @@ def test_bad_input(mutate, exc, match, device, monkeypatch):
 def test_decode_block_n_config(block_n, device):
     from hpcops.attention import decode as dec
 
-    old = dec.set_decode_config(block_n=block_n)
-    try:
-        # page 128 with tasks starting on odd tiles: a 128-key step straddles two pages
-        straddle = Case((300, 129), 4, 2, 64, 128, kv="fp16", programs=6, min_tiles=1)
+    # page 128 with tasks starting on odd tiles: a 128-key step straddles two pages
+    straddle = Case((300, 129), 4, 2, 64, 128, kv="fp16", programs=6, min_tiles=1)
+    with dec.decode_config_changed(block_n=block_n):
         for case in (CASES[0], CASES[7], CASES[6], straddle):
             test_decode_matches_reference(case, "dynamic", device)
-    finally:
-        dec.set_decode_config(**old.__dict__)
 
 
 @pytest.mark.parametrize("case", [CASES[2], CASES[3], CASES[5], CASES[7]], ids=lambda c: c.id)
@@ -358,12 +347,9 @@ def test_decode_tma_config(case, device):
     """TMA descriptor loads (pages ≥ 64 tokens; other cases fall back to pointer loads)."""
     from hpcops.attention import decode as dec
 
-    old = dec.set_decode_config(use_tma=True)
-    try:
+    with dec.decode_config_changed(use_tma=True):
         for schedule in ("dynamic", "static"):
             test_decode_matches_reference(case, schedule, device)
-    finally:
-        dec.set_decode_config(**old.__dict__)
 
 
 def _with_config(changes):
@@ -488,13 +474,10 @@ def test_decode_min_rows_config(device):
     """A 64-row score tile (rows padded past q_len·G): same results."""
     from hpcops.attention import decode as dec
 
-    old = dec.set_decode_config(min_rows=64)
-    try:
+    with dec.decode_config_changed(min_rows=64):
         for case in (CASES[2], CASES[7]):
             for schedule in ("dynamic", "static"):
                 test_decode_matches_reference(case, schedule, device)
-    finally:
-        dec.set_decode_config(**old.__dict__)
 
 
 def test_decode_tma_falls_back_on_head_major_pages(device):
@@ -508,11 +491,8 @@ def test_decode_tma_falls_back_on_head_major_pages(device):
     hnd_v = kv.v_cache.transpose(1, 2).contiguous().transpose(1, 2)
     assert tma_unsupported_reason(hnd_k, 64) is not None
     q = torch.randn(3, 8, 64, device=device).bfloat16()
-    old = dec.set_decode_config(use_tma=True)
-    try:
+    with dec.decode_config_changed(use_tma=True):
         got = hpcops.decode_attention(q, hnd_k, hnd_v, kv.block_table, kv.seq_lens, out=nan_like(q))
-    finally:
-        dec.set_decode_config(**old.__dict__)
     assert_close(ref.decode_attention(q, hnd_k, hnd_v, kv.block_table, kv.seq_lens), got)
 
 
