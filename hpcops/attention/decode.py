@@ -490,11 +490,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if tail:
         r_pad = triton.next_power_of_2(rows)
         parts = _tail_parts(r_pad, d)  # the Gluon merge's round: [parts, r_pad, D]
-        gluon_tail = dict(TAIL_MERGE=True, R_PAD=r_pad, TAIL_PARTS=parts, TAIL_GROUP=_tail_group(parts),
-                          MERGE_PREFETCH=bool(_CONFIG.merge_prefetch))
+        group = _tail_group(parts)
+        gluon_tail = dict(TAIL_MERGE=True, R_PAD=r_pad, TAIL_PARTS=parts, TAIL_GROUP=group,
+                          MERGE_PREFETCH=_CONFIG.merge_prefetch)
         # the tl merge takes one partial a step: 3 in flight on the pointer path, 1 beside TMA (where 2 or 3
         # spill 16 bytes: tests/test_decode_compile.py)
-        tl_tail = dict(TAIL_MERGE=True, R_PAD=r_pad, TAIL_GROUP=_tail_group(parts), TAIL_STAGES=1 if use_tma else 3)
+        tl_tail = dict(TAIL_MERGE=True, R_PAD=r_pad, TAIL_GROUP=group, TAIL_STAGES=1 if use_tma else 3)
     if use_gluon:
         _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, out, part_o, part_lse, plan, q_scale, args_kv,
                       sm_scale, q_len, g, rows, gluon_tail)
