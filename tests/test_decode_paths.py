@@ -103,6 +103,19 @@ def test_tail_merge_replans_into_the_same_buffers(case, group, device):
                 assert want_plan.pair_desc[idx].tolist() == plan.pair_desc[idx].tolist()
 
 
+def test_tail_group_default_is_one_level_where_few_partials_can_meet():
+    """The Gluon kernel merges in one level where a pair can gather at most TAIL_ONE_LEVEL_MAX partials (programs
+    per kv head: h64/8 at 3 programs an SM of 132) and in groups of 4 rounds above (h8/1); the tl kernel (no
+    programs given) always in groups; an explicit tail_group wins."""
+    from hpcops.attention import decode as dec
+
+    assert dec._tail_group(4, -(-396 // 8)) == 0 and dec._tail_group(4, dec.TAIL_ONE_LEVEL_MAX) == 0
+    assert dec._tail_group(4, 396) == 16 and dec._tail_group(4, dec.TAIL_ONE_LEVEL_MAX + 1) == 16
+    assert dec._tail_group(4) == 16
+    with dec.decode_config_changed(tail_group=8):
+        assert dec._tail_group(4, 50) == 8 and dec._tail_group(4, 396) == 8
+
+
 def test_tail_merge_errors(device):
     from hpcops.attention import decode as dec
 

@@ -128,14 +128,13 @@ class DecodeConfig:
         then the groups by the program that completes the last group; so no program merges a long split
         alone (one program merging ~136 partials of 8 rows took ~100 µs in the `tl` kernel and ~20 in the
         Gluon kernel at 1x64K+15x4K h8/1, bench/results/decode_tune_tail_h8.md). None (default): four rounds
-        of the merge's tile (16 partials at 8 rows of 128, 64 at one row); 0: one level.
+        of the merge's tile (16 partials at 8 rows of 128, 64 at one row), except in the Gluon kernel where a pair
+        can gather at most TAIL_ONE_LEVEL_MAX partials (programs per kv head): there one level; 0: one level.
     merge_prefetch: the Gluon kernel's tail merge issues the next round of partial loads before folding this
         round (two L2 round trips in flight instead of one; sm_90 build 128 registers a thread at h8/1 d128
-        instead of 90, still 3 programs an SM, no spill). For merges of many partials (long splits, small
-        batches). Opt-in: the H200 bench at `1080690` (`hpcops-fp8q-prefetch` against `hpcops-fp8q`) put it
-        1.5-5.5 % faster on every h8/1 fp8 case (geomean 1.396 -> 1.450x FlashInfer) and level at h64/8, but the
-        GPU tier of a tree with it on by default did not finish (branch `decode-defaults`); the `tl` kernel's
-        merge has no such form.
+        instead of 90, still 3 programs an SM, no spill). On (default): 1.5-5.5 % faster on every h8/1 fp8 case
+        of the H200 bench at `1080690` (1x128K+31x4K 32.8 -> 30.9 µs, 1x64K+15x4K 24.2 -> 23.0; h64/8 level);
+        the `tl` kernel's merge has no such form.
     plan_block_c, plan_warps, plan_block_b: launch of the plan kernel (`plan_decode`, once per step):
         plan entries (persistent programs) served per plan program (16..256: smaller = more plan
         programs, each with a smaller [plan_block_c, block] compare-count tile; 0 = by batch size,
@@ -168,7 +167,7 @@ class DecodeConfig:
     row_path: bool | None = None
     tail_merge: bool | None = None
     tail_group: int | None = None
-    merge_prefetch: bool = False
+    merge_prefetch: bool = True
 
     def __post_init__(self):
         check_choice("DecodeConfig.lean_mode", self.lean_mode, LEAN_MODES)
@@ -226,9 +225,21 @@ def _tail_parts(r_pad: int, head_dim: int) -> int:
     return max(1, min(16, 4096 // (r_pad * triton.next_power_of_2(head_dim))))
 
 
-def _tail_group(tail_parts: int) -> int:
-    """Partials a group of the two-level tail merge: DecodeConfig.tail_group, by default 4 rounds of the tile."""
-    return 4 * tail_parts if _CONFIG.tail_group is None else _CONFIG.tail_group
+def _tail_group(tail_parts: int, programs_per_kv_head: int | None = None) -> int:
+    """Partials a group of the two-level tail merge: DecodeConfig.tail_group; by default 4 rounds of the tile, or
+    (the Gluon kernel, `programs_per_kv_head` given) one level where a pair can gather at most ~64 partials."""
+    if _CONFIG.tail_group is not None:
+        return _CONFIG.tail_group
+    if programs_per_kv_head is not None and programs_per_kv_head <= TAIL_ONE_LEVEL_MAX:
+        return 0
+    return 4 * tail_parts
+
+
+# A (request, kv head) pair gathers at most ~num_programs / kv heads partials (one request holding the batch's
+# tiles); up to this many the Gluon kernel merges them in one level: the H200 tune at 5abd980 had one level 3-4 %
+# faster on every h64/8 fp8 case (49.5 programs a kv head; 1x128K+31x4K 153.5 -> 147.6 µs), while at h8/1 (396)
+# the long split needs two (1x64K+15x4K: 23.0 against 60.1 µs in one level).
+TAIL_ONE_LEVEL_MAX = 64
 
 
 def _num_stages() -> int:
@@ -490,12 +501,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if tail:
         r_pad = triton.next_power_of_2(rows)
         parts = _tail_parts(r_pad, d)  # the Gluon merge's round: [parts, r_pad, D]
-        group = _tail_group(parts)
-        gluon_tail = dict(TAIL_MERGE=True, R_PAD=r_pad, TAIL_PARTS=parts, TAIL_GROUP=group,
+        gluon_tail = dict(TAIL_MERGE=True, R_PAD=r_pad, TAIL_PARTS=parts,
+                          TAIL_GROUP=_tail_group(parts, -(-plan.num_programs // hkv)),
                           MERGE_PREFETCH=_CONFIG.merge_prefetch)
         # the tl merge takes one partial a step: 3 in flight on the pointer path, 1 beside TMA (where 2 or 3
         # spill 16 bytes: tests/test_decode_compile.py)
-        tl_tail = dict(TAIL_MERGE=True, R_PAD=r_pad, TAIL_GROUP=group, TAIL_STAGES=1 if use_tma else 3)
+        tl_tail = dict(TAIL_MERGE=True, R_PAD=r_pad, TAIL_GROUP=_tail_group(parts), TAIL_STAGES=1 if use_tma else 3)
     if use_gluon:
         _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, out, part_o, part_lse, plan, q_scale, args_kv,
                       sm_scale, q_len, g, rows, gluon_tail)
