@@ -479,18 +479,20 @@ def test_gpu_hy3(shape, T, kind):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tail", [False, True], ids=["reduce", "tail"])
 @pytest.mark.parametrize("swap", [False, True])
 @pytest.mark.parametrize("naive", [False, True])
 @pytest.mark.parametrize("kind", ["none", "fp8_tensor", "fp8_block"])
 @pytest.mark.parametrize("T", [4, 64])
-def test_gpu_hy3_paths(T, kind, naive, swap):
-    """Both GEMM forms (swap_ab) × both task forms (one task per pair / the index) at Hy3 sizes on the GPU
-    (TP8; EP8 for the 128-block scheme, which needs I % 128 == 0)."""
+def test_gpu_hy3_paths(T, kind, naive, swap, tail):
+    """Both GEMM forms (swap_ab) × both task forms (one task per pair / the index) × the top-k reduction launched
+    or in the down GEMM's tail (tail_reduce) at Hy3 sizes on the GPU (TP8; EP8 for the 128-block scheme, which
+    needs I % 128 == 0: there tokens with no local pair)."""
     inter, n_local = (192, None) if kind != "fp8_block" else (1536, 24)
     wts, tw, ids, emap, x = _hy3_inputs(T, inter, kind, n_local)
     shared = torch.randn_like(x)
     cfg = get_config(num_tokens=T, inter=inter, quant=kind, num_local_experts=n_local, **HY3_CFG)
-    cfg = cfg.with_(swap_ab=swap, naive_max_pairs=1 << 30 if naive else 0)
+    cfg = cfg.with_(swap_ab=swap, naive_max_pairs=1 << 30 if naive else 0, tail_reduce=tail)
     got = fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap, shared_output=shared,
                     out=nan_like(x), config=cfg)
     ref = R.fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap, shared_output=shared)
@@ -521,16 +523,24 @@ def test_gpu_ep8_ranks_sum_to_full(kind):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tail", [False, True], ids=["reduce", "tail"])
 @pytest.mark.parametrize("kind", ["fp8_tensor", "none", "fp8_block"])
 @pytest.mark.parametrize("T", [4, 64, 2048])
-def test_gpu_cuda_graph_replay(kind, T):
-    """Capture once, replay with new routing written into the same buffers: equals eager."""
+def test_gpu_cuda_graph_replay(kind, T, tail):
+    """Capture once, replay with new routing written into the same buffers: equals eager (with tail_reduce the
+    arrival counters live in the graph's pool and are zeroed by every replay's gate-up launch)."""
     inter, n_local = (192, None) if kind != "fp8_block" else (1536, 24)
     wts, tw, ids, emap, x = _hy3_inputs(T, inter, kind, n_local)
     out = torch.empty_like(x)
+    cfg = None  # the default config (the tuned table's entry for this GPU), or that with tail_reduce
+    if tail:
+        from hpcops.moe.fused_moe import device_name
+
+        cfg = get_config(num_tokens=T, inter=inter, quant=kind, num_local_experts=wts.w13.shape[0],
+                         device_name=device_name(x.device), **HY3_CFG).with_(tail_reduce=True)
 
     def step():
-        fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap, out=out)
+        fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap, out=out, config=cfg)
 
     graph, _ = capture_graph(step)
     for seed in (5, 6, 7):
@@ -540,7 +550,7 @@ def test_gpu_cuda_graph_replay(kind, T):
         x.copy_(torch.randn_like(x))
         graph.replay()
         torch.cuda.synchronize()
-        eager = fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap)
+        eager = fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap, config=cfg)
         assert torch.equal(out, eager) or assert_close(eager, out) is None
 
 
