@@ -199,26 +199,12 @@ def recorded_launches(*modules: ModuleType) -> Iterator[list]:
             setattr(m, a, v)
 
 
-def _constexpr_names(fn) -> set[str]:
-    """The constexpr parameters of a JIT function, or of an interpreted one (TRITON_INTERPRET: no `params`, read
-    from the Python function's annotations)."""
-    if hasattr(fn, "params"):
-        return {p.name for p in fn.params if p.is_constexpr}
-    import inspect
-
-    return {n for n, p in inspect.signature(fn.fn).parameters.items() if "constexpr" in str(p.annotation)}
-
-
 def describe_launch(fn, args: tuple, kwargs: dict) -> dict:
     """A recorded launch of JIT function `fn` as `compile_launch` inputs, JSON-serializable: argument
     types, constexprs (triton dtypes as "tl.<name>"), the arguments the JIT specializes as divisible
     by 16 (tensors, ints ≡ 0 mod 16), and the launch options."""
     sig, div16 = {}, []
-    # runtime arguments passed by keyword (a param that is not a constexpr) are described like positional ones
-    runtime = {a for a in fn.arg_names if a not in _constexpr_names(fn)}
-    by_kw = [(a, v) for a, v in kwargs.items() if a in runtime and a not in _LAUNCH_OPTIONS]
-    kwargs = {a: v for a, v in kwargs.items() if a not in dict(by_kw)}
-    for a, v in [*zip(fn.arg_names, args), *by_kw]:
+    for a, v in zip(fn.arg_names, args):
         if isinstance(v, torch.Tensor):
             sig[a] = "*" + _SIG_TYPES[v.dtype]
             div16.append(a)  # torch allocations are 16-byte aligned
@@ -253,10 +239,8 @@ def compile_launch(fn, desc: dict, *, capability: int = 90):
               for a, v in desc["consts"].items()}
     # a constexpr the launch left out takes its default, as at run time (not a runtime i32: `if FLAG:` on one
     # would compile the branch the real launch drops)
-    # (a runtime argument left out takes its default too: None is a constexpr None, as the JIT specializes it)
     for p in getattr(fn, "params", ()):
-        if p.name not in consts and p.name not in desc["sig"] and p.has_default and \
-                (p.is_constexpr or p.default is None):
+        if p.is_constexpr and p.name not in consts and p.name not in desc["sig"] and p.has_default:
             consts[p.name] = p.default
     if "num_warps" in fn.arg_names:  # a Gluon kernel's constexpr, given at launch as the launch option
         consts.setdefault("num_warps", desc["num_warps"])

@@ -151,7 +151,6 @@ class Case:
     block_n: int | None = None  # force the gate-up N tile (fp8_block: 128 quantizes in the epilogue)
     swap: bool | None = None  # force config.swap_ab
     naive: bool | None = None  # force one task per pair (True) or the index (False)
-    tail: bool = False  # config.tail_reduce: the top-k reduction in the down GEMM's tail
 
     @property
     def id(self) -> str:
@@ -172,8 +171,6 @@ class Case:
             s += f"-swap{int(self.swap)}"
         if self.naive is not None:
             s += "-naive" if self.naive else "-indexed"
-        if self.tail:
-            s += "-tail"
         return s
 
 
@@ -214,11 +211,6 @@ PATH_BASES = [
 ]
 PATH_CASES = [replace(c, swap=swap, naive=naive) for c in PATH_BASES for swap in (False, True)
               for naive in (False, True)]
-# MoeConfig.tail_reduce over both task forms: EP tokens with no local pair (the gate-up launch writes their row),
-# a shared output, fp8 and 16-bit, k 2-4, the multi-tile index (T 64)
-TAIL_CASES = [replace(c, tail=True, naive=naive) for c in PATH_BASES for naive in (False, True)] + \
-    [Case(64, k=5, inter=192, shared=True, use_out=True, ep=True, E=8, tail=True),
-     Case(20, quant="fp8_tensor", small_max=0, ep=True, E=8, tail=True)]
 
 
 def _tolerance(case: Case) -> dict:
@@ -252,8 +244,6 @@ def run_case(case: Case, device: str):
         cfg = cfg.with_(swap_ab=case.swap)
     if case.naive is not None:
         cfg = cfg.with_(naive_max_pairs=1 << 30 if case.naive else 0)
-    if case.tail:
-        cfg = cfg.with_(tail_reduce=True)
     out = nan_like(torch.empty(case.T, case.H, dtype=case.dtype, device=device)) if case.use_out else None
     got = fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap, shared_output=shared,
                     out=out, config=cfg)
@@ -264,7 +254,7 @@ def run_case(case: Case, device: str):
     return got, ref
 
 
-@pytest.mark.parametrize("case", CASES + PATH_CASES + TAIL_CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("case", CASES + PATH_CASES, ids=lambda c: c.id)
 def test_fused_moe(case, device):
     got, ref = run_case(case, device)
     assert got.dtype == case.dtype and got.shape == (case.T, case.H)
@@ -297,21 +287,6 @@ def test_fused_moe_fp8_input(mode, device):
     assert_close(ref, got, maxtol=4e-2, rmstol=1.5e-2)  # fp8 tolerance, see _tolerance
 
 
-def test_tail_reduce_launches_no_reduce_kernel(device, monkeypatch):
-    """With MoeConfig.tail_reduce the down GEMM's tail writes `out`: the reduce kernel is never launched, and the
-    result is the reference's (a NaN-filled `out`: every row written)."""
-    from hpcops.moe import _moe_kernels as K
-
-    class NoLaunch:
-        def __getitem__(self, grid):
-            raise AssertionError("moe_reduce_kernel launched with tail_reduce on")
-
-    monkeypatch.setattr(K, "moe_reduce_kernel", NoLaunch())
-    for naive in (True, False):
-        got, ref = run_case(Case(9, k=3, shared=True, use_out=True, ep=True, E=8, naive=naive, tail=True), device)
-        assert_close(ref, got)
-
-
 def test_all_experts_remote_gives_shared_output(device):
     """EP: tokens whose experts all live on other ranks → exactly shared_output (zeros without it)."""
     T, H, inter = 5, 256, 128
@@ -327,13 +302,6 @@ def test_all_experts_remote_gives_shared_output(device):
     assert torch.equal(out.cpu(), shared.cpu())
     out = fused_moe(x, wts.w13, wts.w2, tw, ids, expert_map=emap, out=nan_like(shared), config=cfg)
     assert (out.cpu() == 0).all()
-    for naive in (0, 1 << 30):  # the tail reduction: no pair arrives, the gate-up launch writes every row
-        tail = cfg.with_(tail_reduce=True, naive_max_pairs=naive)
-        out = fused_moe(x, wts.w13, wts.w2, tw, ids, expert_map=emap, shared_output=shared,
-                        out=nan_like(shared), config=tail)
-        assert torch.equal(out.cpu(), shared.cpu())
-        out = fused_moe(x, wts.w13, wts.w2, tw, ids, expert_map=emap, out=nan_like(shared), config=tail)
-        assert (out.cpu() == 0).all()
 
 
 def test_ep_ranks_sum_to_full(device):
@@ -479,20 +447,18 @@ def test_gpu_hy3(shape, T, kind):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tail", [False, True], ids=["reduce", "tail"])
 @pytest.mark.parametrize("swap", [False, True])
 @pytest.mark.parametrize("naive", [False, True])
 @pytest.mark.parametrize("kind", ["none", "fp8_tensor", "fp8_block"])
 @pytest.mark.parametrize("T", [4, 64])
-def test_gpu_hy3_paths(T, kind, naive, swap, tail):
-    """Both GEMM forms (swap_ab) × both task forms (one task per pair / the index) × the top-k reduction launched
-    or in the down GEMM's tail (tail_reduce) at Hy3 sizes on the GPU (TP8; EP8 for the 128-block scheme, which
-    needs I % 128 == 0: there tokens with no local pair)."""
+def test_gpu_hy3_paths(T, kind, naive, swap):
+    """Both GEMM forms (swap_ab) × both task forms (one task per pair / the index) at Hy3 sizes on the GPU
+    (TP8; EP8 for the 128-block scheme, which needs I % 128 == 0)."""
     inter, n_local = (192, None) if kind != "fp8_block" else (1536, 24)
     wts, tw, ids, emap, x = _hy3_inputs(T, inter, kind, n_local)
     shared = torch.randn_like(x)
     cfg = get_config(num_tokens=T, inter=inter, quant=kind, num_local_experts=n_local, **HY3_CFG)
-    cfg = cfg.with_(swap_ab=swap, naive_max_pairs=1 << 30 if naive else 0, tail_reduce=tail)
+    cfg = cfg.with_(swap_ab=swap, naive_max_pairs=1 << 30 if naive else 0)
     got = fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap, shared_output=shared,
                     out=nan_like(x), config=cfg)
     ref = R.fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap, shared_output=shared)
@@ -523,24 +489,16 @@ def test_gpu_ep8_ranks_sum_to_full(kind):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tail", [False, True], ids=["reduce", "tail"])
 @pytest.mark.parametrize("kind", ["fp8_tensor", "none", "fp8_block"])
 @pytest.mark.parametrize("T", [4, 64, 2048])
-def test_gpu_cuda_graph_replay(kind, T, tail):
-    """Capture once, replay with new routing written into the same buffers: equals eager (with tail_reduce the
-    arrival counters live in the graph's pool and are zeroed by every replay's gate-up launch)."""
+def test_gpu_cuda_graph_replay(kind, T):
+    """Capture once, replay with new routing written into the same buffers: equals eager."""
     inter, n_local = (192, None) if kind != "fp8_block" else (1536, 24)
     wts, tw, ids, emap, x = _hy3_inputs(T, inter, kind, n_local)
     out = torch.empty_like(x)
-    cfg = None  # the default config (the tuned table's entry for this GPU), or that with tail_reduce
-    if tail:
-        from hpcops.moe.fused_moe import device_name
-
-        cfg = get_config(num_tokens=T, inter=inter, quant=kind, num_local_experts=wts.w13.shape[0],
-                         device_name=device_name(x.device), **HY3_CFG).with_(tail_reduce=True)
 
     def step():
-        fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap, out=out, config=cfg)
+        fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap, out=out)
 
     graph, _ = capture_graph(step)
     for seed in (5, 6, 7):
@@ -550,7 +508,7 @@ def test_gpu_cuda_graph_replay(kind, T, tail):
         x.copy_(torch.randn_like(x))
         graph.replay()
         torch.cuda.synchronize()
-        eager = fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap, config=cfg)
+        eager = fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap)
         assert torch.equal(out, eager) or assert_close(eager, out) is None
 
 

@@ -67,11 +67,6 @@ def _launch_all() -> None:
                 emap = torch.zeros(192, dtype=torch.int32) if inter == 1536 else None
                 fused_moe(x, w13, w2, tw, ids, quant=quant, expert_map=emap, shared_output=torch.zeros_like(x),
                           config=cfg)
-                # MoeConfig.tail_reduce (opt-in): the gate-up launch's set-up programs, the down GEMM's tail; in
-                # both task forms (B 4: one task a pair, B 64: the index)
-                if T_cfg in (4, 64) and (kind, inter) in (("none", 192), ("fp8_tensor", 192), ("fp8_block", 1536)):
-                    fused_moe(x, w13, w2, tw, ids, quant=quant, expert_map=emap,
-                              shared_output=torch.zeros_like(x), config=cfg.with_(tail_reduce=True))
 
 
 _COMPILER = r"""

@@ -191,71 +191,6 @@ def moe_quant_x_kernel(x_ptr, q_ptr, s_ptr, in_scale_ptr, H, stride_x, stride_q,
 
 
 @triton.jit
-def _tail_prep(t, ids_ptr, map_ptr, cnt_ptr, shared_ptr, out_ptr, H, n_down_tiles, E_GLOBAL, E_LOCAL, stride_sh,
-               stride_out, TOP_K, HAS_MAP: tl.constexpr, HAS_SHARED: tl.constexpr, DOWN_TILES: tl.constexpr,
-               PREP_H: tl.constexpr):
-    """Token t's part of the tail reduction's set-up (run by the gate-up launch, so before any down program):
-    zero its arrival counts (one a down N tile), and where none of its pairs has a local expert (nothing will
-    arrive) write its output row now: the shared output, or zeros."""
-    t64 = t.to(tl.int64)
-    d = tl.arange(0, DOWN_TILES)
-    tl.store(cnt_ptr + t64 * n_down_tiles + d, tl.zeros((DOWN_TILES,), dtype=tl.int32), mask=d < n_down_tiles)
-    n_loc = 0
-    for j in range(TOP_K):
-        _, ok = _local_expert(ids_ptr, map_ptr, t64 * TOP_K + j, t >= 0, E_GLOBAL, E_LOCAL, HAS_MAP)
-        n_loc += ok.to(tl.int32)
-    if n_loc == 0:
-        for h0 in range(0, H, PREP_H):
-            cols = h0 + tl.arange(0, PREP_H)
-            cmask = cols < H
-            v = tl.zeros((PREP_H,), dtype=tl.float32)
-            if HAS_SHARED:
-                v = tl.load(shared_ptr + t64 * stride_sh + cols, mask=cmask, other=0.0).to(tl.float32)
-            tl.store(out_ptr + t64 * stride_out + cols, v.to(out_ptr.dtype.element_ty), mask=cmask)
-
-
-@triton.jit
-def _tail_reduce(rows, rmask, pid_n, cols, cmask, sorted_ptr, pos_ptr, ids_ptr, map_ptr, tw_ptr, y_ptr, shared_ptr,
-                 out_ptr, cnt_ptr, n_tiles, E_GLOBAL, E_LOCAL, stride_y, stride_tw, stride_sh, stride_out,
-                 TOP_K: tl.constexpr, NAIVE: tl.constexpr, HAS_MAP: tl.constexpr, HAS_SHARED: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The down GEMM's tail (MoeConfig.tail_reduce): count each row's (token, N tile) in (CTA barrier, then an
-    acq_rel atomic a row); for the tokens whose last local pair this was, out[t, cols] = Σ_j w[t, j]·y[pair(t, j),
-    cols] (+ shared), in fp32 from the y rows the other programs wrote (read through L2), and the count reset."""
-    if NAIVE:
-        pair = rows
-    else:
-        pair = tl.load(sorted_ptr + rows, mask=rmask, other=0)
-    tok = (pair // TOP_K).to(tl.int64)
-    need = tl.zeros((BLOCK_M,), dtype=tl.int32)
-    for j in tl.static_range(TOP_K):
-        _, ok = _local_expert(ids_ptr, map_ptr, tok * TOP_K + j, rmask, E_GLOBAL, E_LOCAL, HAS_MAP)
-        need += ok.to(tl.int32)
-    tl.debug_barrier()
-    cnt = cnt_ptr + tok * n_tiles + pid_n
-    arrived = tl.atomic_add(cnt, tl.full((BLOCK_M,), 1, tl.int32), mask=rmask, sem="acq_rel", scope="gpu")
-    last = rmask & (arrived == need - 1)
-    if tl.sum(last.to(tl.int32), axis=0) > 0:
-        tl.store(cnt, tl.zeros((BLOCK_M,), dtype=tl.int32), mask=last)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for j in tl.static_range(TOP_K):
-            if NAIVE:
-                _, ok = _local_expert(ids_ptr, map_ptr, tok * TOP_K + j, last, E_GLOBAL, E_LOCAL, HAS_MAP)
-                p = tl.where(ok, tok * TOP_K + j, -1)
-            else:
-                p = tl.load(pos_ptr + tok * TOP_K + j, mask=last, other=-1).to(tl.int64)
-            w = tl.load(tw_ptr + tok * stride_tw + j, mask=last, other=0.0)
-            v = tl.load(y_ptr + p[:, None] * stride_y + cols[None, :], mask=(last & (p >= 0))[:, None] & cmask[None, :],
-                        other=0.0, cache_modifier=".cg")
-            acc += w[:, None] * v.to(tl.float32)
-        if HAS_SHARED:
-            acc += tl.load(shared_ptr + tok[:, None] * stride_sh + cols[None, :], mask=last[:, None] & cmask[None, :],
-                           other=0.0).to(tl.float32)
-        tl.store(out_ptr + tok[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=last[:, None] & cmask[None, :])
-
-
-@triton.jit
 def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets_ptr, sorted_ptr, ids_ptr, map_ptr,
                        act_ptr, act_s_ptr, a2_ptr, rowmax_ptr,
                        H, I, CAP, TOP_K, E_GLOBAL, E_LOCAL,
@@ -265,11 +200,7 @@ def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets
                        QUANT: tl.constexpr, X_FP8: tl.constexpr, ACT_OUT: tl.constexpr,
                        ACT_DT: tl.constexpr, BF16_MUL: tl.constexpr,
                        NAIVE: tl.constexpr, HAS_MAP: tl.constexpr, SWAP_AB: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       cnt_ptr=None, shared_ptr=None, out_ptr=None, n_gemm=0, T=0, HID=0, n_down_tiles=0,
-                       stride_sh=0, stride_out=0, TAIL_REDUCE: tl.constexpr = False,
-                       HAS_SHARED: tl.constexpr = False, DOWN_TILES: tl.constexpr = 1,
-                       PREP_H: tl.constexpr = 1024):
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """act[r, n] = silu(x[tok(r)]·w13[e, n]) · (x[tok(r)]·w13[e, I+n]) for one (M tile, N tile) task.
 
     One weight tile of 2·BLOCK_N rows (the gate rows n0.., then the matching up rows I+n0..) and one dot per
@@ -280,14 +211,7 @@ def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets
     loading (FP8_TENSOR: the static a13 scale; FP8_BLOCK: dynamic per row and 128-group). ACT_OUT
     (`ActMode`, see codes.py): WIDE_ROW_AMAX and WIDE_GROUP_AMAX also atomic-max the amax of each row
     (or row and 128-group); FP8_GROUP needs BLOCK_N = 128, WIDE_GROUP_AMAX BLOCK_N < 128.
-    TAIL_REDUCE (the down GEMM sums the top-k rows in its tail): programs n_gemm.. (one a token) prepare it,
-    `_tail_prep`.
     """
-    if TAIL_REDUCE:
-        if tl.program_id(0) >= n_gemm:
-            _tail_prep(tl.program_id(0) - n_gemm, ids_ptr, map_ptr, cnt_ptr, shared_ptr, out_ptr, HID, n_down_tiles,
-                       E_GLOBAL, E_LOCAL, stride_sh, stride_out, TOP_K, HAS_MAP, HAS_SHARED, DOWN_TILES, PREP_H)
-            return
     n_tiles = tl.cdiv(I, BLOCK_N)
     e, rows, rmask, pid_n = _task_rows(tl.program_id(0), n_tiles, tasks_ptr, offsets_ptr, ids_ptr, map_ptr, CAP,
                                        E_GLOBAL, E_LOCAL, HAS_MAP, NAIVE, BLOCK_M)
@@ -400,15 +324,11 @@ def moe_down_kernel(act_ptr, act_s_ptr, a2_ptr, rowmax_ptr, w_ptr, ws_ptr, tasks
                     stride_y,
                     QUANT: tl.constexpr, ACT_IN: tl.constexpr,
                     NAIVE: tl.constexpr, HAS_MAP: tl.constexpr, SWAP_AB: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    sorted_ptr=None, pos_ptr=None, tw_ptr=None, shared_ptr=None, out_ptr=None, cnt_ptr=None,
-                    stride_tw=0, stride_sh=0, stride_out=0, TOP_K: tl.constexpr = 1,
-                    TAIL_REDUCE: tl.constexpr = False, HAS_SHARED: tl.constexpr = False):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """y[r, n] = act[r]·w2[e, n] for one (M tile, N tile) task, rows as the gate-up wrote them.
 
     ACT_IN (`ActMode`, as the gate-up wrote it): the WIDE_*_AMAX modes are quantized here, per row from
     the row amax (FP8_TENSOR) or per row and 128-group from the group amax (FP8_BLOCK).
-    TAIL_REDUCE: the top-k reduction in the tail (`_tail_reduce`), no reduce launch after.
     """
     n_tiles = tl.cdiv(H, BLOCK_N)
     e, rows, rmask, pid_n = _task_rows(tl.program_id(0), n_tiles, tasks_ptr, offsets_ptr, ids_ptr, map_ptr, CAP,
@@ -464,10 +384,6 @@ def moe_down_kernel(act_ptr, act_s_ptr, a2_ptr, rowmax_ptr, w_ptr, ws_ptr, tasks
             acc = acc * (r_s[:, None] * ws)
     y_ptrs = y_ptr + rows64[:, None] * stride_y + cols[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
-    if TAIL_REDUCE:
-        _tail_reduce(rows64, rmask, pid_n, cols, cmask, sorted_ptr, pos_ptr, ids_ptr, map_ptr, tw_ptr, y_ptr,
-                     shared_ptr, out_ptr, cnt_ptr, n_tiles, E_GLOBAL, E_LOCAL, stride_y, stride_tw, stride_sh,
-                     stride_out, TOP_K, NAIVE, HAS_MAP, HAS_SHARED, BLOCK_M, BLOCK_N)
 
 
 @triton.jit

@@ -36,11 +36,6 @@ class MoeConfig:
     (Hopper's wgmma needs 64 rows there): for M tiles below 64 rows.
     `naive_max_pairs`: up to this many (token, slot) pairs there is no index at all: one task per pair,
     its expert read from topk_ids; a weight tile is read once per pair routed to its expert (decode).
-    `tail_reduce`: the top-k reduction runs in the down GEMM's tail instead of a launch of its own: a program
-    counts each of its rows' (token, N tile) on a counter (zeroed by extra programs of the gate-up launch), and
-    the one that brings a token's last local pair sums the token's k rows of y into `out` for that N tile.
-    Off by default until the H200 measures it (it saves the reduce launch: 2.5–11.7 µs of the TP8 fp8 Hy3
-    batches B 4–512).
     """
 
     block_m: int = 16
@@ -59,7 +54,6 @@ class MoeConfig:
     validate_ids: bool = True
     swap_ab: bool = False
     naive_max_pairs: int = 0
-    tail_reduce: bool = False
 
     def with_(self, **kw) -> MoeConfig:
         return replace(self, **kw)
@@ -153,7 +147,7 @@ def heuristic_config(*, num_tokens: int, top_k: int, num_experts: int, hidden: i
 
 TUNABLE = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "down_block_n", "down_block_k",
            "down_num_warps", "down_num_stages", "reduce_block_h", "index_small_max", "prequant_x", "swap_ab",
-           "naive_max_pairs", "tail_reduce")
+           "naive_max_pairs")
 
 
 @functools.cache

@@ -91,30 +91,6 @@ def _validate_ids(topk_ids: torch.Tensor, n_global: int, expert_map: torch.Tenso
         check_index_range("expert_map", expert_map, -1, n_local, "a local expert id, or -1 for a remote expert")
 
 
-class _TailReduce:
-    """The launch arguments of `MoeConfig.tail_reduce`: the arrival counts ([T, down N tiles] int32, zeroed by the
-    gate-up launch's extra programs) and what the down GEMM's tail reads and writes."""
-
-    def __init__(self, cfg: MoeConfig, T: int, H: int, k: int, topk_weights, shared_output, out):
-        self.n_tiles = triton.cdiv(H, cfg.down_block_n)
-        self.cnt = torch.empty((T, self.n_tiles), dtype=torch.int32, device=out.device)
-        self.k, self.H, self.T, self.tw, self.out = k, H, T, topk_weights, out
-        self.has_shared = shared_output is not None
-        self.shared = shared_output if shared_output is not None else out
-
-    def prep(self, n_gemm: int) -> dict:
-        return dict(cnt_ptr=self.cnt, shared_ptr=self.shared, out_ptr=self.out, n_gemm=n_gemm, T=self.T,
-                    HID=self.H, n_down_tiles=self.n_tiles, stride_sh=self.shared.stride(0),
-                    stride_out=self.out.stride(0), TAIL_REDUCE=True, HAS_SHARED=self.has_shared,
-                    DOWN_TILES=triton.next_power_of_2(self.n_tiles))
-
-    def down(self, sorted_pair, pair_pos) -> dict:
-        return dict(sorted_ptr=sorted_pair, pos_ptr=pair_pos, tw_ptr=self.tw, shared_ptr=self.shared,
-                    out_ptr=self.out, cnt_ptr=self.cnt, stride_tw=self.tw.stride(0), stride_sh=self.shared.stride(0),
-                    stride_out=self.out.stride(0), TOP_K=self.k, TAIL_REDUCE=True,
-                    HAS_SHARED=self.has_shared)
-
-
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, *, quant: Fp8PerTensor | Fp8Block128 | None = None,
               expert_map: torch.Tensor | None = None, shared_output: torch.Tensor | None = None,
@@ -179,9 +155,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     act = scheme.activation(T * k, inter, out_dt, cfg, dummy)
     ws = scheme.weight_scales(E, dummy)
 
-    n_gemm = n_tasks * triton.cdiv(inter, cfg.block_n)
-    tail = _TailReduce(cfg, T, H, k, topk_weights, shared_output, out) if cfg.tail_reduce else None
-    K.moe_gate_up_kernel[(n_gemm + (T if tail else 0),)](
+    K.moe_gate_up_kernel[(n_tasks * triton.cdiv(inter, cfg.block_n),)](
         a.x, a.scale, w13, ws.w13, a.a13, tasks, offsets, sorted_pair, topk_ids, emap,
         act.act, act.scale, act.a2, act.rowmax,
         H, inter, n_tasks, k, n_global, E,
@@ -191,7 +165,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         QUANT=int(scheme.code), X_FP8=a.fp8, ACT_OUT=int(act.mode), ACT_DT=_TL_DTYPE[out_dt],
         BF16_MUL=cfg.act_mul == "bf16", SWAP_AB=cfg.swap_ab, **routing,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **(tail.prep(n_gemm) if tail else {}))
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     y = torch.empty((T * k, H), dtype=out_dt, device=x.device)
     K.moe_down_kernel[(n_tasks * triton.cdiv(H, cfg.down_block_n),)](
@@ -201,10 +175,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         y.stride(0),
         QUANT=int(scheme.code), ACT_IN=int(act.mode), SWAP_AB=cfg.swap_ab, **routing,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
-        num_warps=cfg.down_num_warps, num_stages=cfg.down_num_stages,
-        **(tail.down(sorted_pair, pair_pos) if tail else {}))
-    if tail:
-        return out
+        num_warps=cfg.down_num_warps, num_stages=cfg.down_num_stages)
 
     sh = shared_output if shared_output is not None else out
     bh = min(cfg.reduce_block_h, triton.next_power_of_2(H))

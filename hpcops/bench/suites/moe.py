@@ -11,8 +11,6 @@ Each layer has its own weights (L2-cold, as in a model). Rows, all on the same i
   of ALL its device work (kernels, memsets, copies), torch.profiler, eager. Excludes launch gaps.
   `hpcops-kernels` / `vllm-triton` is the like-for-like ratio (the report's `x ours` of `vllm-triton` is
   against this row).
-- `hpcops-tail` / `hpcops-tail-kernels`: the same with `MoeConfig.tail_reduce` (opt-in: the top-k reduction
-  in the down GEMM's tail, no reduce launch), timed as `hpcops` / `hpcops-kernels`; its own correctness gate.
 - `vllm-triton`: vLLM's own Triton `fused_experts` (vendored into `.peers/vllm_kernels` by
   `python3 ../shared/tools/vllm_peer/vendor.py --source wheel`, found there or in `$HPCOPS_PEERS_DIR`;
   unavailable otherwise), configured as vLLM configures it: `try_get_optimal_moe_config`, i.e. vLLM's tuned
@@ -106,10 +104,6 @@ def cases(opts: dict[str, Any]) -> Iterator[Case]:
                         note="sum of the device time of all its kernels per call (profiler), as vllm-triton"),
                    Impl("vllm-triton", _vllm(s), timing="kernels", kernel_filter=VLLM_KERNEL,
                         note="; ".join(filter(None, (VLLM_NOTE, _vllm_config_note(s))))),
-                   Impl("hpcops-tail", _ours(s, {"tail_reduce": True}, gate=True), ours=True,
-                        note="MoeConfig.tail_reduce (opt-in): the top-k reduction in the down GEMM's tail"),
-                   Impl("hpcops-tail-kernels", _ours(s, {"tail_reduce": True}), ours=True, timing="kernels",
-                        note="the same, timed as hpcops-kernels"),
                    *[Impl(common.override_label(kw), _ours(s, kw), note="config sweep") for kw in sweep],
                    Impl("torch-grouped-mm", _grouped_mm(s),
                         note="torch sort + gather + (scaled_)grouped_mm x2 + silu-mul + index_add"),

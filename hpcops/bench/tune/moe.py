@@ -34,8 +34,6 @@ from hpcops.bench.tune.space import Candidate, knob
 # reaches only the first knobs). A new MoeConfig field is one more line, e.g. knob("swap_ab", False, True).
 SPACE = (
     knob("naive_max_pairs", values_fn=lambda base, s: _naive_options(base["naive_max_pairs"], s.t * s.top_k)),
-    # the top-k reduction in the down GEMM's tail (no reduce launch); first, so a --quick run reaches it
-    knob("tail_reduce", False, True),
     knob("swap_ab", False, True),
     knob("block_n", 16, 32, 64, 128),
     knob("block_m", 16, 32, 64, 128),
