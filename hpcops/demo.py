@@ -34,7 +34,10 @@ def dynamic_loads(lens: list[int], num_kv_heads: int, num_programs: int, min_til
     cum = [0]
     for n in lens:
         cum.append(cum[-1] + _tiles(n))
-    cs = CostStream.cut(cum, num_kv_heads, task_cost, num_programs, min_tiles, snap if task_cost else 0)
+    from hpcops.attention.decode import decode_config
+
+    cs = CostStream.cut(cum, num_kv_heads, task_cost, num_programs, min_tiles, snap if task_cost else 0,
+                        decode_config().split_cost if task_cost else 0)
     return [b - a for a, b in map(cs.program_range, range(num_programs))]
 
 

@@ -38,6 +38,7 @@ def test_plan_matches_reference(seed, device):
     mt = rng.choice([1, 2, 8])
     cost = rng.choice([0, 1, 3, 4, 9])
     snap = rng.choice([0, 4, 16, 64])
+    split_cost = rng.choice([0, 16, 64, 256])
     kw = dict(num_kv_heads=hkv, num_programs=c, min_tiles=mt, task_cost=cost, snap=snap)
     sl = torch.tensor(lens, dtype=torch.int32, device=device)
     with _with_config(dict(task_desc=False)):
@@ -45,7 +46,7 @@ def test_plan_matches_reference(seed, device):
         want = ref.plan_decode(sl.cpu(), **kw)
     assert _tables(got) == _tables(want) and not got.has_desc and got.cut_task_cost == got.cut_snap == 0
     _check_tasks(want, c, hkv, lens)
-    with _with_config(dict(task_desc=True, plan_one_pass=bool(seed % 2))):
+    with _with_config(dict(task_desc=True, plan_one_pass=bool(seed % 2), split_cost=split_cost)):
         got = hpcops.plan_decode(sl, **kw)
         want = ref.plan_decode(sl.cpu(), **kw)
     assert got.has_desc and got.cut_task_cost == cost and got.cut_snap == (snap if cost else 0)
@@ -59,6 +60,7 @@ def _check_tasks(plan, c, hkv, lens):
     merge descriptors say the same (a merge for each split pair, in the program of its first piece,
     over all its pieces)."""
     bucket, s, total, active = plan.host_tables()["header"]
+    used_snap = plan.host_tables()["used_snap"]
     unit = plan_mod.cost_unit(plan.cut_task_cost)
     tasks = plan.tasks()
     tiles = {}
@@ -69,9 +71,13 @@ def _check_tasks(plan, c, hkv, lens):
             tiles[(h, req, t)] = prog
     assert len(tiles) == hkv * s == hkv * sum(max(1, -(-n // 64)) for n in lens)
     busy = sorted({p for p, *_ in tasks})
-    assert busy[-1] < active <= c and (plan.cut_snap or busy == list(range(active)))
-    snap = min(plan.cut_snap, bucket // 4)
-    assert max(sum(n for p, *_, n, _ in tasks if p == i) for i in busy) <= -(-(bucket + 2 * snap) // unit)
+    assert busy[-1] < active <= c and (used_snap or busy == list(range(active)))
+    load = max(sum(n for p, *_, n, _ in tasks if p == i) for i in busy)
+    if used_snap == plan_mod.WHOLE_SNAP:  # no request split; each end of a bucket moved by at most half a pair
+        c_max = unit * max(max(1, -(-n // 64)) for n in lens) + plan.cut_task_cost
+        assert not any(t[5] for t in tasks) and load <= -(-(bucket + c_max) // unit)
+    else:
+        assert used_snap == min(plan.cut_snap, bucket // 4) and load <= -(-(bucket + 2 * used_snap) // unit)
     desc, merge = _desc(plan)
     for i in range(c):
         mine = [t for t in tasks if t[0] == i]
@@ -115,12 +121,48 @@ def test_plan_snap_keeps_aligned_requests_whole():
     in cost drifts off the request boundaries and splits most of them; a snap of 4 tiles (capped at a
     quarter bucket) brings the cuts back to the boundaries: no split at all."""
     lens = torch.tensor([512] * 64, dtype=torch.int32)
-    with _with_config(dict(task_desc=True)):
+    with _with_config(dict(task_desc=True, split_cost=0)):  # the whole cut would keep them whole too
         kw = dict(num_kv_heads=8, num_programs=264, min_tiles=4, task_cost=8)
         drift = ref.plan_decode(lens, snap=0, **kw)
         snapped = ref.plan_decode(lens, snap=16, **kw)
     assert sum(t[5] for t in drift.tasks()) > 300
     assert sum(t[5] for t in snapped.tasks()) == 0 and not (snapped.merge_desc[:, 0] >= 0).any()
+
+
+@pytest.mark.parametrize("hkv, programs, snap, whole", [(1, 396, 0, 40), (8, 396, 0, 80), (8, 264, 0, 80)])
+def test_plan_split_cost_cuts_short_uniform_batches_whole(hkv, programs, snap, whole, device):
+    """64 requests of 8 tiles (64x0.5K): the equal cut in cost splits most of them (a bucket of 16 units at
+    h8/1, 52 at h64/8 on 396 programs); with DecodeConfig.split_cost 32 the plan cuts whole pairs (a bucket of 1
+    or 2 pairs of 40 units): no split, no merge, the kernel's tables the reference's. A batch of 64 tiles a
+    request (64x4K h8/1) keeps the equal cut: whole pairs (264 units) would cost far more than the split (43)."""
+    from hpcops.attention import decode as dec
+
+    kw = dict(num_kv_heads=hkv, num_programs=programs, min_tiles=4, task_cost=8, snap=snap)
+    short = torch.tensor([512] * 64, dtype=torch.int32, device=device)
+    long = torch.tensor([4096] * 64, dtype=torch.int32, device=device)
+    kw_long = dict(kw, num_kv_heads=1)
+    with dec.decode_config_changed(task_desc=True, split_cost=0):
+        split = ref.plan_decode(short.cpu(), **kw)
+        equal_long = ref.plan_decode(long.cpu(), **kw_long)
+    with dec.decode_config_changed(task_desc=True, split_cost=32):
+        got = hpcops.plan_decode(short, **kw)
+        want = ref.plan_decode(short.cpu(), **kw)
+        got_long = hpcops.plan_decode(long, **kw_long)
+    assert sum(t[5] for t in split.tasks()) > 40
+    assert _tables(got) == _tables(want) and _desc(got) == _desc(want)
+    assert got.host_tables()["used_snap"] == plan_mod.WHOLE_SNAP and got.host_tables()["header"][0] == whole
+    tasks = got.tasks()
+    assert not any(t[5] for t in tasks) and not (got.merge_desc[:, 0] >= 0).any()
+    assert sorted((h, b) for _, h, b, *_ in tasks) == [(h, b) for h in range(hkv) for b in range(64)]
+    assert _tables(got_long) == _tables(equal_long) and _desc(got_long) == _desc(equal_long)
+
+
+def test_split_cost_errors():
+    from hpcops.attention.decode import DecodeConfig
+
+    for bad in (-1, plan_mod.MAX_SPLIT_COST + 1, 1.5, None):
+        with pytest.raises(ValueError, match="split_cost"):
+            DecodeConfig(split_cost=bad)
 
 
 @pytest.mark.parametrize("launch", [dict(plan_block_c=16, plan_warps=1), dict(plan_block_c=0, plan_one_pass=True),
@@ -260,6 +302,22 @@ def test_decode_matches_reference(case, schedule, device):
             assert torch.all(got[i * case.q_len:(i + 1) * case.q_len] == 0)
 
 
+@pytest.mark.parametrize("tail", [False, True])
+def test_decode_whole_cut_matches_reference(tail, device):
+    """With DecodeConfig.split_cost the plan of a short uniform batch splits no request (checked on the
+    plan's tasks): the attention, with the combine or the tail merge, still equals the reference."""
+    from hpcops.attention import decode as dec
+
+    case = Case((150,) * 6, 4, 2, 64, 16, programs=8)
+    q, q_scale, kv = _inputs(case, device)
+    with dec.decode_config_changed(split_cost=32, tail_merge=tail):
+        plan = hpcops.plan_decode(kv.seq_lens, num_kv_heads=2, block_size=16, num_programs=8, min_tiles=1)
+        assert plan.host_tables()["used_snap"] == plan_mod.WHOLE_SNAP and not any(t[5] for t in plan.tasks())
+        got = hpcops.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, plan=plan,
+                                      out=nan_like(q))
+    assert_close(ref.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens), got)
+
+
 def test_decode_default_plan_and_scale(device):
     kv = make_paged_kv([40, 100], num_kv_heads=1, head_dim=64, block_size=16, device=device)
     q = torch.randn(2, 4, 64, device=device).bfloat16()
@@ -375,7 +433,7 @@ GPU_SCENARIOS = [("2x32K+30x4K", 8, 1, True), ("1x128K+31x4K", 8, 1, False), ("6
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", [{}, LEGACY, POINTER, dict(use_tma=False, lean_mode="recompute", lean_loop=True),
-                                     dict(tail_merge=True), dict(tail_merge=True, gluon=True)],
+                                     dict(tail_merge=True), dict(tail_merge=True, gluon=True), dict(split_cost=256)],
                          ids=lambda d: _vid(d) or "default")
 @pytest.mark.parametrize("spec, hq, hkv, fp8", GPU_SCENARIOS, ids=lambda v: str(v))
 def test_gpu_real_sizes(spec, hq, hkv, fp8, variant):
@@ -406,7 +464,8 @@ def _gpu_real_sizes(spec, hq, hkv, fp8):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", [{}, LEGACY, dict(lean_loop=True, plan_block_c=32, plan_warps=2),
-                                     dict(tail_merge=True), dict(tail_merge=True, tail_group=2)],
+                                     dict(tail_merge=True), dict(tail_merge=True, tail_group=2),
+                                     dict(split_cost=64, tail_merge=True)],
                          ids=lambda d: _vid(d) or "default")
 @pytest.mark.parametrize("q_len", [1, 3])
 def test_gpu_cuda_graph_replay_with_new_lengths(q_len, variant):

@@ -58,14 +58,15 @@ def _in_stream(x, cnt, lo, hi, s_cost, s_total, unit, task_cost, snap):
 @triton.jit
 def plan_decode_kernel(
     seq_lens_ptr, cum_ptr, header_ptr, first_b_ptr, last_b_ptr, task_desc_ptr, merge_desc_ptr, pair_desc_ptr,
-    merge_sem_ptr, B, num_kv_heads, num_programs, min_tiles, unit, task_cost, snap,
+    merge_sem_ptr, B, num_kv_heads, num_programs, min_tiles, unit, task_cost, snap, split_cost,
     TILE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr, ONE_BLOCK: tl.constexpr = False,
     DESC: tl.constexpr = False, PAIRS: tl.constexpr = False,
 ):
     """Tiles per request, their prefix sums, the bucket, each program's first/last request, and (DESC)
     the per-program task and merge descriptors: the cost-stream cut of plan.py (program k runs the
     tiles that start in [k·bucket, (k+1)·bucket) of the cost stream, each cut snapped to a request
-    boundary when it would cut off at most `snap` units).
+    boundary when it would cut off at most `snap` units; with `split_cost` > 0, where a bucket of whole largest
+    requests costs at most that much more than the equal one, that bucket and every cut at a request boundary).
 
     Every program computes the prefix sums (O(B) loads), then serves BLOCK_C entries of the plan by
     locating both ends of each entry's range among the requests' first-tile starts (one reduction of a
@@ -85,8 +86,10 @@ def plan_decode_kernel(
         if pid == 0:
             tl.store(cum_ptr + 1 + offs_b, incl0, mask=offs_b < B)
         s_total = tl.sum(tiles0, axis=0)
+        t_max = tl.max(tiles0, axis=0)
     else:
         s_total = B * 0
+        t_max = B * 0
         for start in range(0, B, BLOCK_B):
             idx = start + offs_b
             tiles = _tiles_of(seq_lens_ptr, idx, B, TILE)
@@ -94,10 +97,16 @@ def plan_decode_kernel(
             if pid == 0:
                 tl.store(cum_ptr + 1 + idx, incl, mask=idx < B)
             s_total += tl.sum(tiles, axis=0)
+            t_max = tl.maximum(t_max, tl.max(tiles, axis=0))
     s_cost = unit * s_total + task_cost * B
     total = s_cost * num_kv_heads
     bucket = tl.maximum(tl.maximum((total + num_programs - 1) // num_programs, unit * min_tiles), unit + task_cost)
     snap = tl.minimum(snap, bucket // 4)
+    c_max = unit * t_max + task_cost  # the largest (head, request)'s cost
+    whole = c_max * ((bucket + c_max - 1) // c_max)
+    no_split = (split_cost > 0) & (whole <= bucket + split_cost)
+    bucket = tl.where(no_split, whole, bucket)
+    snap = tl.where(no_split, BIG, snap)
     if PAIRS:
         if pid == 0:
             n_sem = 2 * num_programs + B * num_kv_heads  # the groups' counts, then the pairs'
@@ -110,6 +119,7 @@ def plan_decode_kernel(
         tl.store(header_ptr + 1, s_total)
         tl.store(header_ptr + 2, total)
         tl.store(header_ptr + 3, (total - unit) // bucket + 1)
+        tl.store(header_ptr + 4, snap)
     # each plan entry's cost range [x0, x1); locate both ends among the requests' first-tile starts
     offs_c = pid * BLOCK_C + tl.arange(0, BLOCK_C)
     x0 = tl.minimum(offs_c * bucket, total)

@@ -24,7 +24,7 @@ from hpcops._checks import (
 )
 from hpcops._library import register
 from hpcops.attention._tma import kv_descriptor, tma_unsupported_reason
-from hpcops.attention.plan import MAX_Q_LEN, TILE, DecodePlan, check_plan_matches, plan_decode
+from hpcops.attention.plan import MAX_Q_LEN, MAX_SPLIT_COST, TILE, DecodePlan, check_plan_matches, plan_decode
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 256)
 MAX_GQA = 16
@@ -135,6 +135,15 @@ class DecodeConfig:
         instead of 90, still 3 programs an SM, no spill). On (default): 1.5-5.5 % faster on every h8/1 fp8 case
         of the H200 bench at `1080690` (1x128K+31x4K 32.8 -> 30.9 µs, 1x64K+15x4K 24.2 -> 23.0; h64/8 level);
         the `tl` kernel's merge has no such form.
+    split_cost: the plan's cost model for splitting a request at all, in quarters of a tile (0..256; with a task
+        cost, i.e. task descriptors): what a split adds to the step (partial writes, the merge and its wait). Where
+        every (head, request) fits whole in a bucket of c_max·ceil(bucket / c_max) cost units (c_max: the
+        largest pair's cost) that is at most the equal cut's bucket + split_cost, the plan cuts there and moves
+        every cut to a request boundary: no request is split (the static split's cut on uniform short batches,
+        without its combine). Elsewhere the equal cut as before. 0 (default): never. 32 (8 tiles) would take the
+        64x0.5K batches (h8/1: one request a program instead of a 4-tile bucket; h64/8: two instead of 1.3) and
+        h64/8 64x4K on the `tl` kernel's 264 programs (two requests a program, 528 against 512 units), no long mix;
+        opt-in until the H200 tune (`hpcops tune decode --knobs split_cost,min_tiles`) measures it.
     plan_block_c, plan_warps, plan_block_b: launch of the plan kernel (`plan_decode`, once per step):
         plan entries (persistent programs) served per plan program (16..256: smaller = more plan
         programs, each with a smaller [plan_block_c, block] compare-count tile; 0 = by batch size,
@@ -168,6 +177,7 @@ class DecodeConfig:
     tail_merge: bool | None = None
     tail_group: int | None = None
     merge_prefetch: bool = True
+    split_cost: int = 0
 
     def __post_init__(self):
         check_choice("DecodeConfig.lean_mode", self.lean_mode, LEAN_MODES)
@@ -181,6 +191,10 @@ class DecodeConfig:
             raise ValueError(f"DecodeConfig.tail_group must be None, 0 or an int in 2..4096, got {tg!r}")
         if type(self.merge_prefetch) is not bool:
             raise TypeError(f"DecodeConfig.merge_prefetch must be a bool, got {self.merge_prefetch!r}")
+        sc = self.split_cost
+        if type(sc) is not int or not 0 <= sc <= MAX_SPLIT_COST:
+            raise ValueError(f"DecodeConfig.split_cost must be an int in 0..{MAX_SPLIT_COST} (quarters of a tile), "
+                             f"got {sc!r}")
         cb = self.combine_chunks
         if type(cb) is not int or not 2 <= cb <= 256 or cb & (cb - 1):
             raise ValueError(f"DecodeConfig.combine_chunks must be a power of two in 2..256, got {cb!r}")

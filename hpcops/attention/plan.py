@@ -22,9 +22,10 @@ device in O(B) work by one launch (no host sync, no cross-program waits) into bu
 once for ``max_batch``, so that one decode step (plan + every layer) can be captured in a CUDA graph
 and replayed with new lengths:
 
-* ``header`` int32 [4]: bucket (cost units), S (tiles of one kv head = Σ_b T_b), total (cost units:
+* ``header`` int32 [5]: bucket (cost units), S (tiles of one kv head = Σ_b T_b), total (cost units:
   Hkv·(unit·S + task_cost·B)), active programs (programs past them hold no tile; a snap can also
-  leave one of them empty);
+  leave some of them empty), the snap the cut used (cost units; int32 max: the whole cut, no request split,
+  ``DecodeConfig.split_cost``);
 * ``cum`` int32 [max_batch + 1]: prefix sums of T_b = max(1, ceil(L_b / 64));
 * ``first_b`` / ``last_b`` int32 [num_programs]: the request holding each program's first / last
   tile (−1 for an idle program);
@@ -94,6 +95,9 @@ MAX_TASK_COST = 64
 # tune (bench/results/decode_tune_task_cost_snap.md): geomean 1.026x the per-scenario best against 1.028x
 # for 8; 64x4K h8/1 fp8 35.0 against 37.0 µs. 16 fixes 64x0.5K h64/8 but costs the long batches up to 15 %.
 DEFAULT_SNAP = 0
+# DecodeConfig.split_cost's range (cost units); the snap of a cut that splits no request
+MAX_SPLIT_COST = 256
+WHOLE_SNAP = 2147483647
 
 
 # Launch choices of the plan kernel: DecodeConfig.plan_block_c, plan_warps, plan_block_b
@@ -166,7 +170,8 @@ class DecodePlan:
 
     def host_tables(self) -> dict[str, list[int]]:
         """The plan's tables on the host (syncs; for display and tests)."""
-        t = {"header": self.header.tolist(), "cum": self.cum[: self.batch + 1].tolist(),
+        h = self.header.tolist()
+        t = {"header": h[:4], "used_snap": h[4], "cum": self.cum[: self.batch + 1].tolist(),
              "first_b": self.first_b.tolist(), "last_b": self.last_b.tolist()}
         if self.has_desc:
             t.update(task_desc=self.task_desc[:, :4].tolist(), merge_desc=self.merge_desc.tolist())
@@ -175,7 +180,7 @@ class DecodePlan:
     def tasks(self) -> list[tuple[int, int, int, int, int, bool]]:
         """Every task as (program, kv_head, request, first_tile, num_tiles, split) (host-side, syncs)."""
         t = self.host_tables()
-        return enumerate_tasks(t["cum"], t["header"], self.num_programs, self.cut_task_cost, self.cut_snap)
+        return enumerate_tasks(t["cum"], t["header"], self.num_programs, self.cut_task_cost, t["used_snap"])
 
 
 def cost_unit(task_cost: int) -> int:
@@ -185,8 +190,8 @@ def cost_unit(task_cost: int) -> int:
 
 class CostStream:
     """The plan's cut in pure Python, with the plan kernel's integer arithmetic: `cum` the request tile
-    prefix sums [B + 1] (B ≥ 1), `task_cost` in TASK_UNITS a tile, `bucket` and `snap` in cost units
-    (`snap` < bucket is used)."""
+    prefix sums [B + 1] (B ≥ 1), `task_cost` in TASK_UNITS a tile, `bucket` and `snap` in cost units (`snap`
+    as the cut used it: `cut` clamps the asked one, WHOLE_SNAP moves every cut to a request boundary)."""
 
     def __init__(self, cum: list[int], num_kv_heads: int, task_cost: int, bucket: int, snap: int = 0):
         self.cum, self.nb = list(cum), len(cum) - 1
@@ -196,20 +201,27 @@ class CostStream:
         self.s_cost = self.unit * self.s + task_cost * self.nb
         self.total = num_kv_heads * self.s_cost
         self.bucket = bucket
-        self.snap = min(snap, bucket // 4)
+        self.snap = snap
         self.active = (self.total - self.unit) // bucket + 1  # programs past these hold no tile
         # where each request's first tile starts in one head's cost stream
         self._starts = [self.unit * self.cum[b] + task_cost * (b + 1) for b in range(self.nb)]
 
     @classmethod
     def cut(cls, cum: list[int], num_kv_heads: int, task_cost: int, num_programs: int, min_tiles: int,
-            snap: int = 0) -> CostStream:
+            snap: int = 0, split_cost: int = 0) -> CostStream:
         """The plan's cut for `num_programs` programs: the bucket (cost units) at least min_tiles tiles
-        and one tile + one task start, so that every bucket but the last holds the start of a tile."""
+        and one tile + one task start, so that every bucket but the last holds the start of a tile; the asked
+        snap clamped to a quarter bucket. With `split_cost` (cost units, > 0), the whole cut where it costs at
+        most that much more: a bucket of whole largest pairs (c_max·ceil(bucket / c_max)) and every cut moved
+        to a request boundary (`DecodeConfig.split_cost`)."""
         unit = cost_unit(task_cost)
         total = num_kv_heads * (unit * cum[-1] + task_cost * (len(cum) - 1))
         bucket = max(-(-total // num_programs), unit * min_tiles, unit + task_cost)
-        return cls(cum, num_kv_heads, task_cost, bucket, snap)
+        c_max = unit * max(b - a for a, b in zip(cum, cum[1:])) + task_cost
+        whole = c_max * -(-bucket // c_max)
+        if split_cost and whole <= bucket + split_cost:
+            return cls(cum, num_kv_heads, task_cost, whole, WHOLE_SNAP)
+        return cls(cum, num_kv_heads, task_cost, bucket, min(snap, bucket // 4))
 
     def tiles_before(self, x: int) -> int:
         """Tiles of the whole stream (head-major) that start before cost position x, after the snap: a
@@ -243,7 +255,8 @@ class CostStream:
 
 def enumerate_tasks(cum: list[int], header: list[int], num_programs: int, task_cost: int = 0, snap: int = 0):
     """Walk the plan the way the persistent kernel does (pure Python): every task as (program, kv_head,
-    request, first_tile, num_tiles, split). `cum` and `header` are the plan's host tables."""
+    request, first_tile, num_tiles, split). `cum` and `header` are the plan's host tables, `snap` the one its
+    cut used (`host_tables()["used_snap"]`)."""
     bucket, s, total, active = header
     if len(cum) < 2 or not total:
         return []
@@ -346,7 +359,7 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
             min_tiles=max(1, min_tiles if min_tiles is not None else DEFAULT_MIN_TILES), max_batch=cap,
             batch=seq_lens.shape[0], task_cost=DEFAULT_TASK_COST if task_cost is None else task_cost,
             snap=DEFAULT_SNAP if snap is None else snap,
-            header=torch.zeros(4, dtype=torch.int32, device=dev),
+            header=torch.zeros(5, dtype=torch.int32, device=dev),
             cum=torch.zeros(cap + 1, dtype=torch.int32, device=dev),
             first_b=torch.full((c,), -1, dtype=torch.int32, device=dev),
             last_b=torch.full((c,), -1, dtype=torch.int32, device=dev),
@@ -421,7 +434,7 @@ def _launch_plan(plan: DecodePlan, seq_lens: torch.Tensor) -> None:
         seq_lens, plan.cum, plan.header, plan.first_b, plan.last_b, plan.task_desc, plan.merge_desc,
         plan.pair_desc if plan.has_pairs else plan.merge_desc, plan.merge_sem if plan.has_pairs else plan.cum,
         b, plan.num_kv_heads, plan.num_programs, plan.min_tiles, cost_unit(cost), cost,
-        plan.cut_snap,
+        plan.cut_snap, cfg.split_cost if cost else 0,
         TILE=TILE, BLOCK_B=block_b, BLOCK_C=block_c, ONE_BLOCK=cfg.plan_one_pass and b <= block_b,
         DESC=cfg.task_desc, PAIRS=plan.has_pairs,
         num_warps=warps,

@@ -58,13 +58,13 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
     cum = [0]
     for n in seq_lens.long().cpu().tolist():
         cum.append(cum[-1] + max(1, -(-n // TILE)))
-    header = [0, 0, 0, 0]
+    header = [0, 0, 0, 0, 0]
     first_b, last_b = [-1] * c, [-1] * c
     task_desc = [[-1, 0, 0, 0] for _ in range(c)]
     merge_desc = [[-1, 0, 0, 0] for _ in range(c)]
     if b:
-        cs = CostStream.cut(cum, num_kv_heads, cost, c, mt, cut_snap)
-        header = [cs.bucket, cs.s, cs.total, cs.active]
+        cs = CostStream.cut(cum, num_kv_heads, cost, c, mt, cut_snap, decode_config().split_cost if cost else 0)
+        header = [cs.bucket, cs.s, cs.total, cs.active, cs.snap]
         ranges = [cs.program_range(k) for k in range(min(c, cs.active))]
         for k, (g0, g1) in enumerate(ranges):
             if g1 <= g0:
@@ -79,7 +79,7 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
                 merge_desc[k] = [bl, hl, 2 * k + (0 if pair_lo == g0 else 1), parts]
     plan = out or DecodePlan(kernel=kernel, num_kv_heads=num_kv_heads, q_len=q_len, block_size=block_size,
                              num_programs=c, min_tiles=mt, max_batch=cap, batch=b, task_cost=asked, snap=asked_snap,
-                             header=torch.empty(4, dtype=torch.int32, device=dev),
+                             header=torch.empty(5, dtype=torch.int32, device=dev),
                              cum=torch.empty(cap + 1, dtype=torch.int32, device=dev),
                              first_b=torch.empty(c, dtype=torch.int32, device=dev),
                              last_b=torch.empty(c, dtype=torch.int32, device=dev),

@@ -121,6 +121,9 @@ DECODE_SPACE = (
     knob("snap", 0, 4, 16, near=None),
     knob(("task_cost", "snap"), (12, 0), (12, 16), (16, 16), (6, 0), near=None),
     knob(("task_cost", "min_tiles"), (8, 2), (8, 1), near=None),
+    # what a split costs (DecodeConfig.split_cost): up to that much longer buckets of whole requests, no split
+    knob("split_cost", 0, 16, 32, 64, 128, near=None),
+    knob(("split_cost", "min_tiles"), (32, 2), (64, 2), (32, 1), near=None),
     knob("pdl", False, True),
     knob("use_tma", None, False, True),
     knob("num_warps", None, 1, 2, 8, near=None),
