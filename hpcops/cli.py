@@ -13,6 +13,7 @@ from hpcops.attention.plan import (
     DEFAULT_SNAP,
     DEFAULT_TASK_COST,
     MAX_Q_LEN,
+    MAX_SPLIT_COST,
     MAX_TASK_COST,
     TILE,
 )
@@ -106,6 +107,10 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--snap", type=_int_in(0, MAX_TASK_COST), default=DEFAULT_SNAP,
                     help="a cut that would leave at most this much of a request (quarters of a tile, at most a "
                          f"quarter bucket), 0..{MAX_TASK_COST}, moves to its boundary (default: %(default)s)")
+    pl.add_argument("--split-cost", type=_int_in(0, MAX_SPLIT_COST), default=None,
+                    help=f"what splitting a request costs, in quarters of a tile, 0..{MAX_SPLIT_COST}: where whole "
+                         "requests fit buckets at most this much longer, no request is split; 0 = never (default: "
+                         "the plan's kernel's, DecodeConfig.split_cost)")
 
     b = sub.add_parser("bench", help="benchmark a suite on the GPU against peers (JSON + markdown + PNG)")
     b.add_argument("suites", nargs="+", help="decode, moe, moe-shapes, rope, prefill, layer (or 'all': all of these; "

@@ -15,9 +15,12 @@ from hpcops.attention.plan import (
     DEFAULT_PROGRAMS_PER_SM,
     DEFAULT_SNAP,
     DEFAULT_TASK_COST,
+    SPLIT_COST_TL,
     TASK_UNITS,
     TILE,
+    WHOLE_SNAP,
     CostStream,
+    split_cost_for,
 )
 from hpcops.bench.scenarios import DECODE_SCENARIOS, parse_lengths
 
@@ -34,10 +37,8 @@ def dynamic_loads(lens: list[int], num_kv_heads: int, num_programs: int, min_til
     cum = [0]
     for n in lens:
         cum.append(cum[-1] + _tiles(n))
-    from hpcops.attention.decode import decode_config
-
     cs = CostStream.cut(cum, num_kv_heads, task_cost, num_programs, min_tiles, snap if task_cost else 0,
-                        decode_config().split_cost if task_cost else 0)
+                        split_cost_for("tl") if task_cost else 0)  # the plan without dtype hints: the tl kernel
     return [b - a for a, b in map(cs.program_range, range(num_programs))]
 
 
@@ -172,7 +173,16 @@ def _notes(rows: list[dict], programs: int) -> list[str]:
                      f"({queued['sta_span']} tiles); the dynamic plan never has more programs than slots, so "
                      "its busiest slot is its busiest program.")
     for r in rows:
-        if r["dyn_span"] > r["sta_span"]:
+        if r["dyn_span"] > r["sta_span"] and _whole_cut(r["spec"], programs):
+            notes.append(f"{r['spec']}: short uniform requests. The plan keeps each one whole ({r['dyn_n']} programs "
+                         f"of {r['dyn_max']} tiles, {programs - r['dyn_n']} idle) where splitting would save less "
+                         f"than it costs: a split request's partials are written, merged by a second kernel and "
+                         f"waited for, which the plan charges as {SPLIT_COST_TL / TASK_UNITS:g} tiles "
+                         "(DecodeConfig.split_cost). So in tiles it reads "
+                         f"{r['sta_span'] / r['dyn_span']:.2f}x against the static split's {r['sta_n']} programs of "
+                         f"≤ {r['sta_max']} (and its merge); in time the H200 has it level with or faster than "
+                         "the static split: see bench/results/decode.md.")
+        elif r["dyn_span"] > r["sta_span"]:
             even = -(-r["tiles"] // programs)
             notes.append(f"{r['spec']}: short uniform requests are already balanced by the static split "
                          f"({r['sta_n']} programs of ≤ {r['sta_max']} tiles). The plan's floor of {DEFAULT_MIN_TILES} "
@@ -181,6 +191,15 @@ def _notes(rows: list[dict], programs: int) -> list[str]:
                          f"{r['sta_span'] / r['dyn_span']:.1f}x (without the floor: {even} tiles per program, as "
                          "even as the static split). Tile counts, not times: see bench/results/decode.md.")
     return [line for n in notes for line in textwrap.wrap(n, 100)]
+
+
+def _whole_cut(spec: str, programs: int) -> bool:
+    """Whether the demo's plan of one kv head (`dynamic_loads`) cuts `spec` whole (no request split)."""
+    cum = [0]
+    for n in parse_lengths(spec):
+        cum.append(cum[-1] + _tiles(n))
+    cs = CostStream.cut(cum, 1, DEFAULT_TASK_COST, programs, DEFAULT_MIN_TILES, DEFAULT_SNAP, split_cost_for("tl"))
+    return cs.snap == WHOLE_SNAP
 
 
 def run_demo(check: bool = True, png: str | None = None) -> int:
@@ -261,17 +280,23 @@ def print_plan(args) -> int:
     sl = torch.tensor(lens, dtype=torch.int32)
     kw = dict(num_kv_heads=args.num_kv_heads, q_len=args.q_len, block_size=args.block_size,
               num_programs=args.num_programs, min_tiles=args.min_tiles, task_cost=args.task_cost, snap=args.snap)
-    if torch.cuda.is_available():
-        plan = hpcops.plan_decode(sl.cuda(), **kw)
-    else:
-        plan = ref.plan_decode(sl, **kw)  # the identical tables, without the interpreter's start-up
+    from hpcops.attention.decode import decode_config_changed
+
+    split_cost = getattr(args, "split_cost", None)
+    with decode_config_changed(**({} if split_cost is None else dict(split_cost=split_cost))):
+        if torch.cuda.is_available():
+            plan = hpcops.plan_decode(sl.cuda(), **kw)
+        else:
+            plan = ref.plan_decode(sl, **kw)  # the identical tables, without the interpreter's start-up
     bucket, s, total, active = plan.host_tables()["header"]
+    whole = plan.host_tables()["used_snap"] == WHOLE_SNAP
     tasks = plan.tasks()
     cost = plan.cut_task_cost
     size = f"bucket {bucket} tiles" if not cost else f"bucket {bucket / 4:g} tiles of cost (a task costs {cost / 4:g})"
     print(f"{len(lens)} requests, {sum(lens)} KV tokens, {args.num_kv_heads} kv heads: {s * args.num_kv_heads} tiles "
           f"of {TILE}; {plan.num_programs} programs, {size}, {active} active, {len(tasks)} tasks, "
-          f"{sum(1 for t in tasks if t[5])} split pieces")
+          f"{sum(1 for t in tasks if t[5])} split pieces" + (" (whole requests: splitting would cost more)" if whole
+                                                              else ""))
     print(f"{'program':>7s} {'head':>4s} {'request':>7s} {'tiles':>11s} {'split':>5s}")
     for i, (prog, h, b, t0, n, split) in enumerate(tasks):
         if i == 40 and len(tasks) > 48:

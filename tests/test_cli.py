@@ -108,8 +108,13 @@ def test_plan_honours_num_programs_and_min_tiles(capsys):
     assert main(["plan", "5,6,700", "--num-programs", "3", "--min-tiles", "1", "--task-cost", "0"]) == 0
     assert "3 programs, bucket 5 tiles" in capsys.readouterr().out
     # 13 tiles + 3 task starts of 3/4 tile: 61 quarters over 3 programs: buckets of 21 quarters
-    assert main(["plan", "5,6,700", "--num-programs", "3", "--min-tiles", "1", "--task-cost", "3"]) == 0
+    # (with splits: --split-cost 0); the default split cost (8 tiles) keeps the 11-tile request whole instead
+    assert main(["plan", "5,6,700", "--num-programs", "3", "--min-tiles", "1", "--task-cost", "3",
+                 "--split-cost", "0"]) == 0
     assert "3 programs, bucket 5.25 tiles of cost (a task costs 0.75), 3 active" in capsys.readouterr().out
+    assert main(["plan", "5,6,700", "--num-programs", "3", "--min-tiles", "1", "--task-cost", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "bucket 11.75 tiles of cost" in out and "0 split pieces (whole requests" in out
 
 
 # --- hpcops demo / bench ------------------------------------------------------------------------
@@ -169,9 +174,9 @@ def test_demo_explains_its_terms_and_numbers(capsys):
         assert term in text.split("Every KV sequence")[0], term  # in the legend, before the table
     # 64x4K: static max 13 per program vs busiest slot 26: 320 programs on 264 slots
     assert "64x4K: the static grid has 320 programs of ≤ 13 tiles for 264 slots, so 56 slots run two" in flat
-    # 64x0.5K: the plan at 0.5x is explained by the tile floor
-    assert "64x0.5K: short uniform requests are already balanced" in flat
-    assert f"floor of {DEFAULT_MIN_TILES} tiles per program" in flat and "leaves 104 idle" in flat
+    # 64x0.5K: the plan's whole cut (one request a program) is explained by the split cost, with its numbers
+    assert "64x0.5K: short uniform requests. The plan keeps each one whole (64 programs of 8 tiles, 200 idle)" in flat
+    assert "charges as 8 tiles (DecodeConfig.split_cost)" in flat and "reads 0.25x against" in flat
 
 
 def test_demo_correctness_line_names_its_dtypes(capsys):

@@ -70,7 +70,7 @@ def test_tail_merge_replans_into_the_same_buffers(case, group, device):
     pairs') is back at 0 after a call, and a re-plan of other lengths into the same buffers (as each decode
     step) merges right again; a request split over more partials than a round (16) merges in rounds; with
     tail_group 4 or 3 the long split of the first case merges in two levels (the last group shorter)."""
-    with _with_config(dict(tail_merge=True, tail_group=group)):
+    with _with_config(dict(tail_merge=True, tail_group=group, split_cost=0)):  # splits, never the whole cut
         q, q_scale, kv = _inputs(case, device)
         plan = hpcops.plan_decode(kv.seq_lens, num_kv_heads=case.hkv, q_len=case.q_len, block_size=case.bs,
                                   num_programs=case.programs, min_tiles=case.min_tiles)

@@ -192,14 +192,16 @@ def test_gpu_parallel_rejects_a_bad_queue():
 
 def test_plan_model_ranks_cuts_on_the_host():
     """scripts/plan_model.py: the busiest program under the tiles + tasks model, from the reference plans; the
-    cost cut relieves the short-request mix at h64/8, the equal-tile cut keeps 64x0.5K h64/8 unsplit."""
-    res = subprocess.run([sys.executable, os.path.join(SCRIPTS, "plan_model.py"), "--cuts", "0/0,8/0", "--heads", "8",
-                          "--only", "K"], capture_output=True, text=True, timeout=300)
+    cost cut relieves the short-request mix at h64/8, the equal-tile cut keeps 64x0.5K h64/8 unsplit, the cost cut
+    splits it unless a split cost keeps it whole (the third cut: the tl kernel's default)."""
+    res = subprocess.run([sys.executable, os.path.join(SCRIPTS, "plan_model.py"), "--cuts", "0/0,8/0/0,8/0",
+                          "--heads", "8", "--only", "K"], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     rows = {ln.split("|")[1].strip(): ln for ln in res.stdout.splitlines() if ln.startswith("| ") and "---" not in ln}
     cell = lambda name, i: float(rows[name].split("|")[3 + i].split()[0])  # noqa: E731
     assert cell("32x0.125K+32x4K", 0) == 64 + 2 * 32 and cell("32x0.125K+32x4K", 1) <= 70
     assert "(0)" in rows["64x0.5K"].split("|")[3] and "(0)" not in rows["64x0.5K"].split("|")[4]
+    assert "(0)" in rows["64x0.5K"].split("|")[5] and "(0)" not in rows["32x0.125K+32x4K"].split("|")[5]
     bad = subprocess.run([sys.executable, os.path.join(SCRIPTS, "plan_model.py"), "--cuts", "8"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--cuts" in bad.stderr

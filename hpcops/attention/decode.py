@@ -140,10 +140,13 @@ class DecodeConfig:
         every (head, request) fits whole in a bucket of c_max·ceil(bucket / c_max) cost units (c_max: the
         largest pair's cost) that is at most the equal cut's bucket + split_cost, the plan cuts there and moves
         every cut to a request boundary: no request is split (the static split's cut on uniform short batches,
-        without its combine). Elsewhere the equal cut as before. 0 (default): never. 32 (8 tiles) would take the
-        64x0.5K batches (h8/1: one request a program instead of a 4-tile bucket; h64/8: two instead of 1.3) and
-        h64/8 64x4K on the `tl` kernel's 264 programs (two requests a program, 528 against 512 units), no long mix;
-        opt-in until the H200 tune (`hpcops tune decode --knobs split_cost,min_tiles`) measures it.
+        without its combine). Elsewhere the equal cut as before. 0: never. None (default): by the plan's kernel,
+        `plan.SPLIT_COST_TL` (32, 8 tiles) for the `tl` kernel and 0 for the Gluon kernel. The H200 tune at `78dfefb`
+        (bench/results/decode_tune_split_cost.md): on the `tl` kernel (merges through the combine kernel, 2 programs an
+        SM) 32 takes 64x0.5K h8/1 bf16 from 13.0 to 11.6 µs (one request a program instead of a 4-tile bucket),
+        h64/8 from 45.8 to 38.6 (two requests a program instead of 1.3: the static split's 38.6) and 64x4K h64/8
+        from 255.9 to 249.4, and moves no long mix; on the Gluon kernel (merges in its tail, 3 programs an SM)
+        whole cuts are slower (64x0.5K h8/1 fp8 12.6 -> 14.6 µs, h64/8 30.4 -> 33.4).
     plan_block_c, plan_warps, plan_block_b: launch of the plan kernel (`plan_decode`, once per step):
         plan entries (persistent programs) served per plan program (16..256: smaller = more plan
         programs, each with a smaller [plan_block_c, block] compare-count tile; 0 = by batch size,
@@ -177,7 +180,7 @@ class DecodeConfig:
     tail_merge: bool | None = None
     tail_group: int | None = None
     merge_prefetch: bool = True
-    split_cost: int = 0
+    split_cost: int | None = None
 
     def __post_init__(self):
         check_choice("DecodeConfig.lean_mode", self.lean_mode, LEAN_MODES)
@@ -192,9 +195,9 @@ class DecodeConfig:
         if type(self.merge_prefetch) is not bool:
             raise TypeError(f"DecodeConfig.merge_prefetch must be a bool, got {self.merge_prefetch!r}")
         sc = self.split_cost
-        if type(sc) is not int or not 0 <= sc <= MAX_SPLIT_COST:
-            raise ValueError(f"DecodeConfig.split_cost must be an int in 0..{MAX_SPLIT_COST} (quarters of a tile), "
-                             f"got {sc!r}")
+        if sc is not None and (type(sc) is not int or not 0 <= sc <= MAX_SPLIT_COST):
+            raise ValueError(f"DecodeConfig.split_cost must be None or an int in 0..{MAX_SPLIT_COST} (quarters of a "
+                             f"tile), got {sc!r}")
         cb = self.combine_chunks
         if type(cb) is not int or not 2 <= cb <= 256 or cb & (cb - 1):
             raise ValueError(f"DecodeConfig.combine_chunks must be a power of two in 2..256, got {cb!r}")

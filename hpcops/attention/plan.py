@@ -98,6 +98,21 @@ DEFAULT_SNAP = 0
 # DecodeConfig.split_cost's range (cost units); the snap of a cut that splits no request
 MAX_SPLIT_COST = 256
 WHOLE_SNAP = 2147483647
+# DecodeConfig.split_cost None: by the plan's kernel (the H200 tune at 78dfefb, decode_tune_split_cost.md): the tl
+# kernel (combine kernel, 2 programs an SM) gains from whole cuts of short batches (64x0.5K 1.10-1.18x, h64/8 64x4K
+# 1.03x); the Gluon kernel (tail merge, 3 an SM) loses (0.87-0.90x), so 0 there
+SPLIT_COST_TL = 32
+
+
+def split_cost_for(kernel: str) -> int:
+    """The split cost (cost units) the plan charges for `kernel` ("tl" or "gluon"): DecodeConfig.split_cost, or
+    by default SPLIT_COST_TL for the tl kernel and 0 (never a whole cut) for the Gluon kernel."""
+    from hpcops.attention.decode import decode_config
+
+    asked = decode_config().split_cost
+    if asked is not None:
+        return asked
+    return 0 if kernel == "gluon" else SPLIT_COST_TL
 
 
 # Launch choices of the plan kernel: DecodeConfig.plan_block_c, plan_warps, plan_block_b
@@ -434,7 +449,7 @@ def _launch_plan(plan: DecodePlan, seq_lens: torch.Tensor) -> None:
         seq_lens, plan.cum, plan.header, plan.first_b, plan.last_b, plan.task_desc, plan.merge_desc,
         plan.pair_desc if plan.has_pairs else plan.merge_desc, plan.merge_sem if plan.has_pairs else plan.cum,
         b, plan.num_kv_heads, plan.num_programs, plan.min_tiles, cost_unit(cost), cost,
-        plan.cut_snap, cfg.split_cost if cost else 0,
+        plan.cut_snap, split_cost_for(plan.kernel) if cost else 0,
         TILE=TILE, BLOCK_B=block_b, BLOCK_C=block_c, ONE_BLOCK=cfg.plan_one_pass and b <= block_b,
         DESC=cfg.task_desc, PAIRS=plan.has_pairs,
         num_warps=warps,

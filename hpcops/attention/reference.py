@@ -23,6 +23,7 @@ from hpcops.attention.plan import (
     _validate_plan_args,
     default_num_programs,
     pair_buffers,
+    split_cost_for,
 )
 
 __all__ = ["decode_attention", "plan_decode", "prefill_attention"]
@@ -63,7 +64,7 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
     task_desc = [[-1, 0, 0, 0] for _ in range(c)]
     merge_desc = [[-1, 0, 0, 0] for _ in range(c)]
     if b:
-        cs = CostStream.cut(cum, num_kv_heads, cost, c, mt, cut_snap, decode_config().split_cost if cost else 0)
+        cs = CostStream.cut(cum, num_kv_heads, cost, c, mt, cut_snap, split_cost_for(kernel) if cost else 0)
         header = [cs.bucket, cs.s, cs.total, cs.active, cs.snap]
         ranges = [cs.program_range(k) for k in range(min(c, cs.active))]
         for k, (g0, g1) in enumerate(ranges):
