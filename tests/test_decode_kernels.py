@@ -169,6 +169,20 @@ def test_bench_gluon_row_is_unavailable_where_the_kernel_does_not_apply():
     assert dec.decode_config() == before
 
 
+def test_bench_has_the_blog_table4_decode_rows():
+    """The decode bench times the blog's table-4 decode rows (vLLM's 8q1s1k, 16q1s2k, 32q1s1k, 64q1s4k) at h64/8 bf16
+    beside its six scenarios at both head shapes and KV dtypes, each case once; --quick keeps its two scenarios."""
+    from hpcops.bench.suites import decode as suite
+
+    names = [s.name for s in suite.scenarios()]
+    assert len(names) == len(set(names)) == 24 + 3
+    for spec in ("8x1K", "16x2K", "32x1K", "64x4K"):
+        assert f"{spec} h64/8 bf16" in names
+        count, k = spec.split("x")
+        assert suite.Scenario(spec, 64, 8, False).lens == [int(k[:-1]) * 1024] * int(count)
+    assert not any(n.startswith(("8x1K", "16x2K", "32x1K")) for n in (s.name for s in suite.scenarios(quick=True)))
+
+
 # ---------------------------------------------------------------- the plan's kernel choice (plan_kernel)
 def test_plan_kernel_takes_gluon_only_where_it_applies(monkeypatch):
     """`plan_decode`'s hints pick the Gluon kernel only for an fp8 q over fp8 KV at 2-16 q rows a kv head, head_dim

@@ -1,5 +1,6 @@
 """Bench suite `decode`: the blog's six decode scenarios (DESIGN.md), h8/1 and h64/8, fp8 and bf16
-KV, page 64, head_dim 128.
+KV, page 64, head_dim 128; and the blog's table-4 decode rows (8q1s1k, 16q1s2k, 32q1s1k: 8x1K, 16x2K, 32x1K) at
+h64/8 bf16 (its 64q1s4k is 64x4K h64/8 bf16).
 
 Implementations, each timed on the same inputs in the same run (L2-cold, one CUDA graph of layers):
 - `hpcops` — load-balanced persistent schedule (plan computed once per step, outside the graph);
@@ -29,7 +30,7 @@ import torch
 import hpcops
 from hpcops.attention import reference as ref
 from hpcops.bench.registry import Case, Impl, PeerUnavailable, flashinfer_workspace
-from hpcops.bench.scenarios import DECODE_HEADS, DECODE_SCENARIOS, parse_lengths
+from hpcops.bench.scenarios import DECODE_HEADS, DECODE_SCENARIOS, TABLE4_DECODE, parse_lengths
 from hpcops.quant import quantize_per_token_head
 from hpcops.testing import assert_close
 
@@ -196,7 +197,8 @@ def _check(x):
 
 def scenarios(quick: bool = False) -> list[Scenario]:
     specs = DECODE_SCENARIOS if not quick else ("64x4K", "1x128K+31x4K")
-    return [Scenario(s, hq, hkv, fp8) for hq, hkv in DECODE_HEADS for fp8 in (True, False) for s in specs]
+    table4 = [] if quick else [Scenario(s, 64, 8, False) for s, _ in TABLE4_DECODE if s not in specs]
+    return [Scenario(s, hq, hkv, fp8) for hq, hkv in DECODE_HEADS for fp8 in (True, False) for s in specs] + table4
 
 
 def cases(opts: dict[str, Any]) -> Iterator[Case]:
