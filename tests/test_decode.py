@@ -160,9 +160,10 @@ def test_plan_split_cost_cuts_short_uniform_batches_whole(hkv, programs, snap, w
 def test_split_cost_errors():
     from hpcops.attention.decode import DecodeConfig
 
-    for bad in (-1, plan_mod.MAX_SPLIT_COST + 1, 1.5, None):
+    for bad in (-1, plan_mod.MAX_SPLIT_COST + 1, 1.5, "32"):
         with pytest.raises(ValueError, match="split_cost"):
             DecodeConfig(split_cost=bad)
+    assert DecodeConfig().split_cost is None and DecodeConfig(split_cost=0).split_cost == 0
 
 
 @pytest.mark.parametrize("launch", [dict(plan_block_c=16, plan_warps=1), dict(plan_block_c=0, plan_one_pass=True),
@@ -221,8 +222,11 @@ def test_plan_min_tiles_floor_prevents_oversplitting(device):
     sl = torch.tensor([256] * 4, dtype=torch.int32, device=device)  # 16 tiles in all
     plan = ref.plan_decode(sl, num_kv_heads=1, num_programs=528, min_tiles=8, task_cost=0)
     assert plan.host_tables()["header"] == [8, 16, 16, 2]
-    plan = ref.plan_decode(sl, num_kv_heads=1, num_programs=528, min_tiles=8, task_cost=3)
+    with _with_config(dict(split_cost=0)):  # the floor alone (the tl kernel's split cost would keep them whole)
+        plan = ref.plan_decode(sl, num_kv_heads=1, num_programs=528, min_tiles=8, task_cost=3)
     assert plan.host_tables()["header"] == [32, 16, 76, 3]  # units of 1/4 tile: 4·16 + 3·4
+    plan = ref.plan_decode(sl, num_kv_heads=1, num_programs=528, min_tiles=8, task_cost=3)
+    assert plan.host_tables()["header"] == [38, 16, 76, 2]  # 2 requests of 4 tiles + 3/4 a bucket: none split
 
 
 def test_plan_errors(device):
