@@ -34,12 +34,18 @@ def _tiles(n: int) -> int:
 def dynamic_loads(lens: list[int], num_kv_heads: int, num_programs: int, min_tiles: int,
                   task_cost: int = DEFAULT_TASK_COST, snap: int = DEFAULT_SNAP) -> list[int]:
     """Tiles per program under the dynamic plan (host arithmetic identical to the device kernel)."""
+    cs = _cut(lens, num_kv_heads, num_programs, min_tiles, task_cost, snap)
+    return [b - a for a, b in map(cs.program_range, range(num_programs))]
+
+
+def _cut(lens: list[int], num_kv_heads: int, num_programs: int, min_tiles: int, task_cost: int,
+         snap: int) -> CostStream:
+    """The dynamic plan's cut of `lens` (the plan without dtype hints: the tl kernel's split cost)."""
     cum = [0]
     for n in lens:
         cum.append(cum[-1] + _tiles(n))
-    cs = CostStream.cut(cum, num_kv_heads, task_cost, num_programs, min_tiles, snap if task_cost else 0,
-                        split_cost_for("tl") if task_cost else 0)  # the plan without dtype hints: the tl kernel
-    return [b - a for a, b in map(cs.program_range, range(num_programs))]
+    return CostStream.cut(cum, num_kv_heads, task_cost, num_programs, min_tiles, snap if task_cost else 0,
+                          split_cost_for("tl") if task_cost else 0)
 
 
 def static_loads(lens: list[int], num_kv_heads: int, num_sms: int) -> list[int]:
@@ -195,11 +201,7 @@ def _notes(rows: list[dict], programs: int) -> list[str]:
 
 def _whole_cut(spec: str, programs: int) -> bool:
     """Whether the demo's plan of one kv head (`dynamic_loads`) cuts `spec` whole (no request split)."""
-    cum = [0]
-    for n in parse_lengths(spec):
-        cum.append(cum[-1] + _tiles(n))
-    cs = CostStream.cut(cum, 1, DEFAULT_TASK_COST, programs, DEFAULT_MIN_TILES, DEFAULT_SNAP, split_cost_for("tl"))
-    return cs.snap == WHOLE_SNAP
+    return _cut(parse_lengths(spec), 1, programs, DEFAULT_MIN_TILES, DEFAULT_TASK_COST, DEFAULT_SNAP).snap == WHOLE_SNAP
 
 
 def run_demo(check: bool = True, png: str | None = None) -> int:

@@ -197,7 +197,7 @@ def _check(x):
 
 def scenarios(quick: bool = False) -> list[Scenario]:
     specs = DECODE_SCENARIOS if not quick else ("64x4K", "1x128K+31x4K")
-    table4 = [] if quick else [Scenario(s, 64, 8, False) for s, _ in TABLE4_DECODE if s not in specs]
+    table4 = [] if quick else [Scenario(s, 64, 8, False) for s in TABLE4_DECODE if s not in specs]
     return [Scenario(s, hq, hkv, fp8) for hq, hkv in DECODE_HEADS for fp8 in (True, False) for s in specs] + table4
 
 
