@@ -272,6 +272,68 @@ def test_tma_choice():
         _use_tma(kv.k_cache, kv.v_cache, dataclasses.replace(bn32, tma=True))
 
 
+def test_gluon_config_and_reasons(monkeypatch):
+    """PrefillConfig.gluon: the heuristic's Gluon tiles, and `gluon_unsupported_reason` for every call the kernel
+    cannot take (checked on CPU tensors with the device test patched to pass: the GPU tier runs the kernel)."""
+    from hpcops.attention import decode as decode_mod
+    from hpcops.attention.prefill import gluon_config, gluon_unsupported_reason
+    from hpcops.testing import make_paged_kv
+
+    bf16 = torch.bfloat16
+    g = prefill_config(head_dim=128, group=8, max_seqlen_q=4096, q_dtype=bf16, kv_dtype=bf16, gluon=True)
+    assert (g.block_m, g.block_n, g.num_warps, g.num_stages, g.gluon) == (128, 128, 8, 2, True)
+    assert gluon_config(head_dim=128, group=8, max_seqlen_q=8).block_m == 64  # 64 rows hold q_len·G
+    assert gluon_config(head_dim=256, group=2, max_seqlen_q=4096).block_n == 64
+    # fp8 stays on the tl kernel's tiles
+    fp8 = prefill_config(head_dim=128, group=8, max_seqlen_q=4096, q_dtype=FP8, kv_dtype=FP8, gluon=None)
+    assert fp8.gluon is False and fp8.block_n == 128
+    assert PrefillConfig().gluon is False
+
+    kv = make_paged_kv([300], num_kv_heads=2, head_dim=128, block_size=64, dtype=bf16, device="cpu")
+    q = torch.zeros(300, 16, 128, dtype=bf16)
+    cfg = gluon_config(head_dim=128, group=8, max_seqlen_q=300)
+    assert "CUDA" in gluon_unsupported_reason(q, kv.k_cache, kv.v_cache, cfg, 0.1)
+    monkeypatch.setattr(decode_mod, "_hopper", lambda device: None)
+    ok = gluon_unsupported_reason(q, kv.k_cache, kv.v_cache, cfg, 0.1)
+    assert ok is None
+    fp8kv = make_paged_kv([300], num_kv_heads=2, head_dim=128, block_size=64, dtype=FP8, device="cpu")
+    page16 = make_paged_kv([300], num_kv_heads=2, head_dim=128, block_size=16, dtype=bf16, device="cpu")
+    page4 = make_paged_kv([300], num_kv_heads=2, head_dim=128, block_size=4, dtype=bf16, device="cpu")
+    hnd = torch.zeros(kv.k_cache.shape[0], 2, 64, 128, dtype=bf16).transpose(1, 2)  # [blocks, heads, slots, D]
+    rep = dataclasses.replace
+    for why, args in [
+        ("16-bit q", (q, fp8kv.k_cache, fp8kv.v_cache, cfg, 0.1)),
+        ("16-bit q", (q.half(), kv.k_cache, kv.v_cache, cfg, 0.1)),
+        ("positive scale", (q, kv.k_cache, kv.v_cache, cfg, -0.1)),
+        ("block_m 32", (q, kv.k_cache, kv.v_cache, rep(cfg, block_m=32, num_warps=2), 0.1)),
+        ("on 4 warps", (q, kv.k_cache, kv.v_cache, rep(cfg, num_warps=4), 0.1)),
+        ("below the GQA group", (torch.zeros(300, 256, 128, dtype=bf16), kv.k_cache, kv.v_cache,
+                                 rep(cfg, block_m=64, num_warps=4), 0.1)),
+        ("two buffers", (q, kv.k_cache, kv.v_cache, rep(cfg, num_stages=1), 0.1)),
+        ("block_size 4", (q, page4.k_cache, page4.v_cache, cfg, 0.1)),
+        ("shared memory", (q, kv.k_cache, kv.v_cache, rep(cfg, num_stages=4), 0.1)),
+        ("q is not contiguous", (torch.zeros(300, 16, 256, dtype=bf16)[..., ::2], kv.k_cache, kv.v_cache, cfg, 0.1)),
+        ("k_cache: blocks are not back to back", (q, hnd, kv.v_cache, cfg, 0.1)),
+    ]:
+        got = gluon_unsupported_reason(*args)
+        assert got is not None and why in got, (why, got)
+    assert gluon_unsupported_reason(q, page16.k_cache, page16.v_cache, cfg, 0.1) is None  # a TMA box a page
+    assert "out is not contiguous" in gluon_unsupported_reason(q, kv.k_cache, kv.v_cache, cfg, 0.1,
+                                                             torch.zeros(300, 16, 256, dtype=bf16)[..., ::2])
+
+
+def test_gluon_true_raises_where_it_cannot_run(device: str):
+    """gluon=True insists: on the CPU (or the interpreter) a ValueError names why; gluon=None falls back to tl."""
+    case = Case("gluon-cpu", [40], [40], hq=4, hkv=1, head_dim=64, block_size=16)
+    q, kv, cu, _ = _inputs(case, device)
+    args = (q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, cu)
+    cfg = PrefillConfig(block_m=64, block_n=16, num_warps=4, num_stages=2, gluon=True)
+    with pytest.raises(ValueError, match=r"gluon=True.*(CUDA|sm_90)"):
+        prefill_attention(*args, max_seqlen_q=40, config=cfg)
+    auto = dataclasses.replace(cfg, gluon=None)
+    assert_close(reference(*args, max_seqlen_q=40), prefill_attention(*args, max_seqlen_q=40, config=auto))
+
+
 def test_pv_fp8_needs_block_n_32():
     with pytest.raises(ValueError, match="pv_fp8 needs block_n >= 32"):
         PrefillConfig(block_n=16, pv_fp8=True)
@@ -481,6 +543,51 @@ def test_prefill_gpu_configs(config: PrefillConfig):
         Case("cfg", [1200, 4096], [1200, 333], hq=16, hkv=2, head_dim=128, block_size=64, config=config),
         "cuda",
     )
+
+
+def _gluon(name: str, seq_lens: list[int], q_lens: list[int], *, block_m: int = 128, block_n: int = 128,
+            stages: int = 2, heads_inner: bool = True, **kw) -> Case:
+    cfg = PrefillConfig(block_m=block_m, block_n=block_n, num_warps=block_m // 16, num_stages=stages,
+                        heads_inner=heads_inner, gluon=True)
+    kw = {"hq": 64, "hkv": 8, "head_dim": 128, "block_size": 64, **kw}
+    return Case(name, seq_lens, q_lens, config=cfg, **kw)
+
+
+GLUON_CASES = [
+    _gluon("gluon-q2k-h64/8", [2048], [2048]),
+    _gluon("gluon-extend-mixed-h64/8", [4096, 3000, 1, 700, 129], [1024, 1, 1, 700, 64], pad_rows=5),
+    _gluon("gluon-2q1ks4k-h8/1-128x64-3buf", [4096, 4096], [1024, 1024], hq=8, hkv=1, block_n=64, stages=3),
+    _gluon("gluon-h8/1-64x128-headmajor", [1500, 77], [1500, 3], hq=8, hkv=1, block_m=64, heads_inner=False),
+    _gluon("gluon-mha-page16", [1000, 513], [1000, 17], hq=4, hkv=4, block_size=16),
+    _gluon("gluon-page256-fp16", [2500, 300], [2000, 300], hq=16, hkv=2, block_size=256, q_dtype=torch.float16,
+           kv_dtype=torch.float16),
+    _gluon("gluon-d64-gqa3-page32", [777, 129], [777, 64], hq=12, hkv=4, head_dim=64, block_size=32),
+    _gluon("gluon-d256", [513, 2000], [513, 100], hq=8, hkv=2, head_dim=256, block_n=64),
+    _gluon("gluon-d256-64x64", [513, 2000], [513, 100], hq=8, hkv=2, head_dim=256, block_m=64, block_n=64),
+    _gluon("gluon-packed-kv", [1200, 64], [600, 64], hq=16, hkv=2, packed=True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GLUON_CASES, ids=str)
+def test_prefill_gluon_gpu(case: Case):
+    """The Gluon kernel (PrefillConfig.gluon=True) against the reference: causal bottom-right extend and prefill,
+    GQA 1–8, head_dim 64/128/256, pages under / equal to / over a tile, NaN in every unused cache slot, q padding
+    rows left unwritten."""
+    _run_case(case, "cuda")
+
+
+@pytest.mark.gpu
+def test_prefill_gluon_gpu_cuda_graph():
+    case = _gluon("gluon-graph", [2048, 100], [512, 100], hq=8, hkv=1)
+    q, kv, cu, _ = _inputs(case, "cuda")
+    args = (q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, cu)
+    out = nan_like(q)
+    graph, _ = capture_graph(lambda: prefill_attention(*args, max_seqlen_q=512, out=out, config=case.config))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close(reference(*args, max_seqlen_q=512), out)
 
 
 @pytest.mark.gpu

@@ -137,3 +137,57 @@ def test_compiles_for_sm90():
         assert r["smem"] <= 227 * 1024, (name, r)
     for name, cfg in VARIANTS.items():
         assert (res[name]["tma"] > 0) == cfg["tma"], (name, res[name])
+
+
+GLUON_BUILD = textwrap.dedent("""
+import json, sys
+from triton.experimental.gluon import language as gl
+from hpcops.attention._prefill_gluon import prefill_gluon_kernel
+from hpcops.testing import compile_gluon_sm90, sm90_resources
+
+d, g, bm, tile, page, stages, dt = json.loads(sys.argv[1])
+gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[dt]
+box = min(tile, page)  # the launcher's TMA box: a tile inside a page, or one page
+desc = f"tensordesc<{dt}[{box}, {d}],{gl.NVMMASharedLayout.get_default_for([box, d], gdt)}>"
+sig = dict(q_ptr="*" + dt, k_desc=desc, v_desc=desc, bt_ptr="*i32", seq_lens_ptr="*i32", cu_seqlens_q_ptr="*i32",
+           out_ptr="*" + dt, sm_scale_log2="fp32")
+sig.update({a: "i32" for a in ("num_reqs", "tiles_per_head", "num_kv_heads", "bt_width", "num_blocks", "stride_qt",
+                               "stride_qh", "stride_kh", "stride_vh", "stride_bt", "stride_ot", "stride_oh")})
+consts = dict(D=d, G=g, BLOCK_M=bm, TILE=tile, PAGE=page, BLOCK_B=16, STAGES=stages, HEADS_INNER=True,
+              num_warps=bm // 16)
+sig.update({a: "constexpr" for a in consts})
+print(json.dumps(sm90_resources(compile_gluon_sm90(prefill_gluon_kernel, sig, consts, num_warps=bm // 16))))
+""")
+
+GLUON_BUILDS = {  # name: (head_dim, G, block_m, block_n, page, stages, dtype)
+    "d128-h8/1-128x128": (128, 8, 128, 128, 64, 2, "bf16"),  # gluon_config's D = 128 default, pages of 64
+    "d128-mha-128x128-page16": (128, 1, 128, 128, 16, 2, "bf16"),
+    "d128-64x128-page256-fp16": (128, 8, 64, 128, 256, 2, "fp16"),
+    "d128-128x64-3buf": (128, 8, 128, 64, 64, 3, "bf16"),
+    "d128-128x128-3buf": (128, 8, 128, 128, 64, 3, "bf16"),
+    "d64-128x128": (64, 3, 128, 128, 32, 2, "bf16"),
+    "d256-128x64": (256, 2, 128, 64, 64, 2, "bf16"),
+    "d256-64x64": (256, 2, 64, 64, 64, 2, "bf16"),
+}
+
+
+@pytest.mark.parametrize("name", list(GLUON_BUILDS))
+def test_gluon_prefill_kernel_builds_for_sm90(name):
+    """PrefillConfig.gluon's kernel (Gluon cannot run in the interpreter) compiles for sm_90 at the launcher's
+    shapes with no spill: S = q·Kᵀ and O += P·V as wgmma (P from registers), K/V by TMA (STAGES tiles before the
+    loop, one refill in it; a box a page when pages are under a tile), shared memory within one SM's 227 KB."""
+    pytest.importorskip("triton.backends.nvidia")
+    d, g, bm, tile, page, stages, dt = GLUON_BUILDS[name]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    res = subprocess.run([sys.executable, "-c", GLUON_BUILD, json.dumps(GLUON_BUILDS[name])], capture_output=True,
+                         text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    r = json.loads(res.stdout.strip().splitlines()[-1])
+    print(name, r)
+    assert r["spill_bytes"] == 0 and 0 < r["registers"] <= 255, r
+    # the first tile's S and the loop's (D/16 K steps each), the loop's P·V and the last tile's (block_n/16)
+    assert r["wgmma"] == 2 * (d // 16) + 2 * (tile // 16), r
+    boxes = max(1, tile // page)
+    assert r["tma_loads"] == 2 * (stages + 1) * boxes, r
+    assert r["shared"] <= 227 * 1024, r

@@ -18,8 +18,9 @@ from hpcops._checks import (
     values_checkable,
 )
 from hpcops._library import register
+from hpcops.attention import decode as _decode
 from hpcops.attention._prefill_kernels import prefill_attention_fwd_kernel
-from hpcops.attention._tma import kv_descriptor, tma_unsupported_reason
+from hpcops.attention._tma import gluon_kv_descriptor, kv_descriptor, tma_unsupported_reason
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
@@ -44,6 +45,13 @@ class PrefillConfig:
     fp8 dequantization scales k_scale, q_scale are taken as ≥ 0).
     `heads_inner`: launch order tile-major (pid = tile·Hkv + kv_head: the heaviest tiles of all kv
     heads first) instead of head-major (one kv head's tiles after another).
+    `gluon`: run the Hopper kernel in Gluon (`_prefill_gluon.py`: TMA-fed K/V, asynchronous wgmma with one
+    tile's softmax under the next tile's MMAs) instead of the `tl` kernel. It takes a 16-bit q over a KV cache
+    of the same dtype on an sm_90 GPU, `block_m` 64 or 128 on `block_m // 16` warps, a cache TMA can read in
+    tiles of `block_n` keys (or a page a box), and a positive softmax scale (`gluon_unsupported_reason`).
+    `True` insists (ValueError with the reason), `False` never uses it, `None` uses it where it can run.
+    `tma`, `pv_fp8`, `quant_q` and `fma_scale` are the `tl` kernel's (the Gluon kernel always reads by TMA and
+    scales inside exp2).
     """
 
     block_m: int = 128
@@ -55,6 +63,7 @@ class PrefillConfig:
     quant_q: bool = False
     fma_scale: bool = True
     heads_inner: bool = False
+    gluon: bool | None = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
@@ -69,11 +78,20 @@ class PrefillConfig:
 
 
 def prefill_config(
-    *, head_dim: int, group: int, max_seqlen_q: int, q_dtype: torch.dtype, kv_dtype: torch.dtype
+    *,
+    head_dim: int,
+    group: int,
+    max_seqlen_q: int,
+    q_dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    gluon: bool | None = False,
 ) -> PrefillConfig:
     """The heuristic config (H200 sweeps, bench/results/prefill_tune_*.md): for D = 128 a 16-bit q runs
     64×64 tiles on one warpgroup, an fp8 q over fp8 KV 128×128 tiles on two, both in tile-major order;
-    smaller M tiles for short queries."""
+    smaller M tiles for short queries. `gluon` (True or None, `PrefillConfig.gluon`): the Gluon kernel's tiles
+    where it can take this dtype pair (`gluon_config`), with that `gluon` field."""
+    if gluon is not False and q_dtype in HALF_DTYPES and kv_dtype == q_dtype:
+        return gluon_config(head_dim=head_dim, group=group, max_seqlen_q=max_seqlen_q, gluon=gluon)
     fp8 = kv_dtype == FP8_E4M3 and q_dtype == FP8_E4M3
     heads_inner = False
     if head_dim <= 64:
@@ -99,6 +117,16 @@ def prefill_config(
     elif block_m >= 128:
         warps = 8  # a group wider than 64 heads: two warpgroups for its 128-row tile
     return PrefillConfig(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages, heads_inner=heads_inner)
+
+
+def gluon_config(*, head_dim: int, group: int, max_seqlen_q: int, gluon: bool | None = True) -> PrefillConfig:
+    """The Gluon kernel's tiles (`PrefillConfig.gluon`): 128 q rows on two warpgroups, 64 when q_len·G fits in
+    64 rows; 128-key tiles up to head_dim 128 (240 registers, no spill), 64 keys above; two K/V buffers."""
+    rows = group * max(int(max_seqlen_q), 1)
+    block_m = 64 if rows <= 64 else 128
+    block_n = 128 if head_dim <= 128 else 64
+    return PrefillConfig(block_m=block_m, block_n=block_n, num_warps=block_m // 16, num_stages=2, heads_inner=True,
+                         gluon=gluon)
 
 
 def _check_mode(check: bool | None, seq_lens: torch.Tensor) -> bool:
@@ -209,6 +237,59 @@ def _use_tma(k_cache: torch.Tensor, v_cache: torch.Tensor, config: PrefillConfig
     return False
 
 
+GLUON_SMEM_BYTES = 227 * 1024  # an H100/H200 SM's shared memory for one block
+
+
+def gluon_unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             config: PrefillConfig, scale: float, out: torch.Tensor | None = None) -> str | None:
+    """Why the Gluon prefill kernel (`PrefillConfig.gluon`) cannot serve this call (None: it can)."""
+    why = _decode._hopper(q.device)
+    if why is not None:
+        return why
+    d = q.shape[-1]
+    for name, t in (("q", q), ("out", out)):
+        if t is not None and t.stride(-1) != 1:
+            return f"{name} is not contiguous along head_dim"
+    if q.dtype not in HALF_DTYPES or k_cache.dtype != q.dtype:
+        return f"q {q.dtype} over a {k_cache.dtype} cache (the Gluon kernel takes a 16-bit q over the same KV dtype)"
+    if not scale > 0:
+        return f"softmax scale {scale} (the Gluon kernel scales inside exp2: it needs a positive scale)"
+    bm, bn, page = config.block_m, config.block_n, k_cache.shape[1]
+    if bm not in (64, 128) or config.num_warps != bm // 16:
+        return f"block_m {bm} on {config.num_warps} warps (64 or 128 rows, 16 a warp)"
+    if bm < q.shape[1] // k_cache.shape[2]:
+        return f"block_m {bm} is below the GQA group ({q.shape[1] // k_cache.shape[2]} heads)"
+    if bn > 256 or config.num_stages < 2:
+        return f"block_n {bn} / num_stages {config.num_stages} (at most 256 keys a tile, two buffers at least)"
+    if page < bn and (page < 8 or bn % page):
+        return f"block_size {page} (pages under block_n {bn} must divide it, 8 tokens at least)"
+    smem = (bm + 2 * config.num_stages * bn) * d * q.element_size()
+    if smem > GLUON_SMEM_BYTES:
+        return f"{smem} bytes of shared memory for q and {config.num_stages} K/V buffers (at most {GLUON_SMEM_BYTES})"
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        why = tma_unsupported_reason(cache, min(bn, page))
+        if why is not None:
+            return f"{name}: {why}"
+    return None
+
+
+def _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, out, sm_scale, tiles_per_head, block_b,
+                  config: PrefillConfig) -> None:
+    """The Gluon kernel (`PrefillConfig.gluon`) over the `tl` kernel's flat tile list."""
+    from hpcops.attention._prefill_gluon import prefill_gluon_kernel
+
+    hq, d = q.shape[1], q.shape[2]
+    page, hkv = k_cache.shape[1], k_cache.shape[2]
+    box = min(config.block_n, page)
+    prefill_gluon_kernel[(tiles_per_head * hkv,)](
+        q, gluon_kv_descriptor(k_cache, box), gluon_kv_descriptor(v_cache, box), block_table, seq_lens,
+        cu_seqlens_q, out, sm_scale * 1.4426950408889634, block_table.shape[0], tiles_per_head, hkv,
+        block_table.shape[1], k_cache.shape[0], q.stride(0), q.stride(1), k_cache.stride(2), v_cache.stride(2),
+        block_table.stride(0), out.stride(0), out.stride(1),
+        D=d, G=hq // hkv, BLOCK_M=config.block_m, TILE=config.block_n, PAGE=page, BLOCK_B=block_b,
+        STAGES=config.num_stages, HEADS_INNER=bool(config.heads_inner), num_warps=config.num_warps)
+
+
 def _launch(
     q,
     k_cache,
@@ -236,6 +317,13 @@ def _launch(
         )
     if config.block_m < group:
         raise ValueError(f"PrefillConfig.block_m ({config.block_m}) must be >= the GQA group size ({group})")
+    sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
+    use_gluon = False
+    if config.gluon is not False:
+        why = gluon_unsupported_reason(q, k_cache, v_cache, config, sm_scale, out)
+        if why is not None and config.gluon:
+            raise ValueError(f"PrefillConfig(gluon=True) cannot serve this call: {why}")
+        use_gluon = why is None
     # after every argument check: whether the kernels can run where the tensors are
     check_kernel_device("q", q)
     if total_q == 0 or b == 0:
@@ -244,7 +332,10 @@ def _launch(
     # Σ_b cdiv(q_len_b, T) <= (Σ q_len_b + B (T - 1)) / T: a bound from host shapes, no sync
     tiles_per_head = (total_q + b * (tokens - 1)) // tokens
     block_b = max(16, triton.next_power_of_2(b))
-    sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
+    if use_gluon:
+        _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, out, sm_scale, tiles_per_head,
+                      block_b, config)
+        return
     dummy = k_cache  # stands in for absent optional pointers (never read)
     use_tma = _use_tma(k_cache, v_cache, config)
     if use_tma:
@@ -409,4 +500,11 @@ prefill_attention_op = register(
     "prefill_attention", _prefill_attention_op, mutates_args=("out",), fake=_prefill_attention_fake
 )
 
-__all__ = ["PrefillConfig", "prefill_attention", "prefill_config", "prefill_attention_op"]
+__all__ = [
+    "PrefillConfig",
+    "gluon_config",
+    "gluon_unsupported_reason",
+    "prefill_attention",
+    "prefill_config",
+    "prefill_attention_op",
+]

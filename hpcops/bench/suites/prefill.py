@@ -14,7 +14,8 @@ h8/1 (one TP8 rank), head_dim 128, page 64, bf16 and fp8 KV. FLOPs are those of 
   tensors and expanded to Hq heads beforehand), bottom-right causal mask.
 With fp8 KV we time bf16 q (`hpcops`) and fp8 q with per-token-head scales (`hpcops-fp8q`), plus the
 variant `hpcops-quant-q` (bf16 q quantized per row inside the kernel, PrefillConfig(quant_q=True)).
-`hpcops-notma` (PrefillConfig(tma=False)) tracks the pointer path now that TMA is the default.
+`hpcops-notma` (PrefillConfig(tma=False)) tracks the pointer path now that TMA is the default;
+`hpcops-gluon` (bf16, PrefillConfig(gluon=True)) the Hopper kernel in Gluon with its own tiles (`gluon_config`).
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ def _make_inputs(s: Scenario, layer: int, device: str = "cuda") -> dict[str, Any
     return x
 
 
-BOOL_FIELDS = ("pv_fp8", "quant_q", "fma_scale", "heads_inner")
+BOOL_FIELDS = ("pv_fp8", "quant_q", "fma_scale", "heads_inner", "gluon")
 
 
 def config_override(variant: dict | None = None):
@@ -159,6 +160,7 @@ def _ours(fp8_q: bool, variant: dict | None = None):
                 max_seqlen_q=x["max_q"],
                 q_dtype=q.dtype,
                 kv_dtype=kv.k_cache.dtype,
+                gluon=fields.get("gluon", False),
             )
             config = dataclasses.replace(base, **fields)
         kw = dict(
@@ -308,6 +310,10 @@ def _check(x) -> None:
     _ours(False)(x)()
     rows, heads, want = _sampled_reference(x, x["q"], None)
     assert_close(want, x["out"][rows][:, heads], name="prefill bf16 q")
+    if "q8" not in x and x["q"].is_cuda and torch.cuda.get_device_capability(x["q"].device)[0] == 9:
+        # the Gluon variant's row is checked on the same sample (it runs on Hopper only)
+        out = _ours(False, {"gluon": True})(x)().clone()
+        assert_close(want, out[rows][:, heads], name="prefill bf16 q, gluon")
     if "q8" in x:
         _ours(True)(x)()
         rows, heads, want = _sampled_reference(x, x["q8"], x["q_scale"])
@@ -326,6 +332,11 @@ def cases(opts: dict) -> Iterator[Case]:
                     impls.append(Impl("hpcops-fp8q", _ours(True), ours=True, note="fp8 q per token-head"))
                     impls.append(
                         Impl("hpcops-quant-q", _ours(False, {"quant_q": True}), note="variant: bf16 q, quant_q=True")
+                    )
+                if not fp8:
+                    # the Hopper kernel in Gluon (PrefillConfig.gluon, its heuristic tiles) beside the tl default
+                    impls.append(
+                        Impl("hpcops-gluon", _ours(False, {"gluon": True}), note="variant: PrefillConfig(gluon=True)")
                     )
                 # variants timed in the same run: the pointer path (TMA is the default where the layout allows)
                 impls.append(

@@ -18,6 +18,7 @@ OPS: dict[str, str] = {
     "decode-grid": "hpcops.bench.tune.decode:GRID_OP",
     "rope": "hpcops.bench.tune.rope",
     "prefill": "hpcops.bench.tune.prefill",
+    "prefill-gluon": "hpcops.bench.tune.prefill:GLUON_OP",
 }
 
 

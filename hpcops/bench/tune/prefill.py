@@ -6,6 +6,9 @@ or off), pv_fp8 (fp8 KV with fp8 q or quant_q), quant_q (bf16 q over fp8 KV), he
 Inputs and timing (CUDA-graph replay) are the suite's; a candidate runs as the suite's config variants
 do (`_ours(fp8_q, variant)`) and is gated on the suite's sampled fp32 reference. No tuned table:
 `prefill_config` is changed by hand from what this reports.
+
+`hpcops tune prefill-gluon`: the Gluon kernel's tiles (`PrefillConfig.gluon`, `gluon_config`) on the bf16 scenarios
+(its dtypes): the (block_m, num_warps) tile, block_n, pipeline depth and launch order.
 """
 
 from __future__ import annotations
@@ -97,4 +100,33 @@ class PrefillTune(TuneOp):
         assert_close(want, got[rows][:, heads], name=f"prefill [{name}]", **tol)
 
 
+GLUON_SPACE = (
+    knob(("block_m", "num_warps"), (128, 8), (64, 4), near=None),
+    knob("block_n", 64, 128),
+    knob("num_stages", 2, 3),
+    knob("heads_inner", False, True),
+)
+
+
+class PrefillGluonTune(PrefillTune):
+    name = "prefill-gluon"
+    space = GLUON_SPACE
+
+    def scenarios(self, quick: bool) -> list[PrefillCase]:
+        return [c for c in super().scenarios(quick) if not (c.s.fp8 or c.fp8_q)]
+
+    def base(self, c: PrefillCase) -> Candidate:
+        from hpcops.attention.prefill import gluon_config
+
+        return asdict(gluon_config(head_dim=suite.HEAD_DIM, group=c.s.hq // c.s.hkv,
+                                   max_seqlen_q=max(q for q, _ in c.s.reqs)))
+
+    def valid(self, c: PrefillCase, cand: Candidate) -> bool:
+        from hpcops.attention.prefill import GLUON_SMEM_BYTES
+
+        smem = (cand["block_m"] + 2 * cand["num_stages"] * cand["block_n"]) * suite.HEAD_DIM * 2
+        return smem <= GLUON_SMEM_BYTES and cand["block_m"] >= c.s.hq // c.s.hkv
+
+
 OP = PrefillTune()
+GLUON_OP = PrefillGluonTune()

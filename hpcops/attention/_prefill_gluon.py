@@ -1,0 +1,216 @@
+"""Hopper prefill attention in Gluon (`triton.experimental.gluon`): the `tl` kernel's flat tile list and GQA
+packing, with K/V tiles by TMA on mbarriers and both GEMMs as asynchronous wgmma so that one tile's softmax runs
+while the tensor cores work on the neighbouring tile's P·V. Only @gluon.jit code lives here; `prefill.py`
+launches it (`PrefillConfig.gluon`). 16-bit q and KV only (the fp8 paths stay on the `tl` kernel).
+
+Why (PREFILL.md, "Register use"): the `tl` kernel is held to 64×64 tiles on one warpgroup by its registers,
+and Triton 3.6's `tl.range(warp_specialize=True)` does nothing on sm_90, so its softmax never overlaps its own
+MMAs. Here a program owns a BLOCK_M-row q tile (16 rows a warp, BLOCK_M / 64 warpgroups) and walks its KV tiles
+in this order, per tile j (FA3's intra-warpgroup overlap):
+
+    issue S_{j+1} = Q·K_{j+1}ᵀ          (async wgmma, q and K from shared memory)
+    issue O += P_j·V_j                  (async wgmma, P_j from registers, V from shared memory)
+    wait for S_{j+1}; softmax of S_{j+1} → P_{j+1}, α_{j+1}   (while P_j·V_j runs)
+    wait for O; refill tile j's buffer (TMA of tile j + STAGES); O ·= α_{j+1}
+
+The online softmax is the `tl` kernel's with FMA_SCALE (max on the raw dot, exp2(s·c − m)); keys past a row's
+causal limit are −inf in the tiles that reach the diagonal. V rows past seq_len (the last page's unused slots:
+anything, NaN included) are zeroed in shared memory before their P·V, since a zero probability times NaN is NaN.
+A bad page id reads past the cache (TMA fills zeros): a wrong answer, never an illegal address, as the `tl` path.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+
+@gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _issue_kv(k_desc, v_desc, k_smem, v_smem, bars, bt_row, bt_width, num_blocks, tile, k_col, v_col, slot, ok,
+              PAGE: gl.constexpr, TILE: gl.constexpr, KV_BYTES: gl.constexpr):
+    """TMA of K and V tile `tile` (keys [tile·TILE, (tile+1)·TILE)) into buffer `slot`, nothing when not `ok`:
+    one box inside a page, or one [PAGE, D] box a page when pages are smaller than a tile. A page id outside
+    [0, num_blocks) points past the cache, where TMA fills zeros."""
+    bar = bars.index(slot)
+    mbarrier.expect(bar, KV_BYTES, pred=ok)
+    if PAGE >= TILE:
+        col = tile * TILE // PAGE
+        page = gl.load(bt_row + col, mask=ok & (col < bt_width), other=-1)
+        good = (page >= 0) & (page < num_blocks)
+        row0 = gl.where(good, page, num_blocks) * PAGE + (tile * TILE) % PAGE
+        tma.async_copy_global_to_shared(k_desc, [row0, k_col], bar, k_smem.index(slot), pred=ok)
+        tma.async_copy_global_to_shared(v_desc, [row0, v_col], bar, v_smem.index(slot), pred=ok)
+    else:
+        for sub in gl.static_range(TILE // PAGE):
+            col = tile * (TILE // PAGE) + sub
+            page = gl.load(bt_row + col, mask=ok & (col < bt_width), other=-1)
+            good = (page >= 0) & (page < num_blocks)
+            row0 = gl.where(good, page, num_blocks) * PAGE
+            tma.async_copy_global_to_shared(k_desc, [row0, k_col], bar, k_smem.index(slot).slice(sub * PAGE, PAGE),
+                                            pred=ok)
+            tma.async_copy_global_to_shared(v_desc, [row0, v_col], bar, v_smem.index(slot).slice(sub * PAGE, PAGE),
+                                            pred=ok)
+
+
+@gluon.jit
+def _softmax_tile(s, m_i, l_i, c, key0, kv_limit, keys, MASKED):
+    """One online-softmax step on the raw scores s [BLOCK_M, TILE] (exp2 domain, logit scale c > 0):
+    (p, α, m, l). MASKED (the tile reaches a row's causal limit): keys past kv_limit [BLOCK_M] are −inf."""
+    if MASKED:
+        s = gl.where((key0 + keys)[None, :] <= kv_limit[:, None], s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * c)
+    m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_ref)
+    p = gl.exp2(s * c - m_ref[:, None])
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    return p, alpha, m_new, l_i
+
+
+@gluon.jit
+def _zero_v_tail(v_buf, tile, seq_len, TILE: gl.constexpr, ld_layout: gl.constexpr):
+    """Zero the rows of V tile `tile` (buffer `v_buf` [TILE, D]) past seq_len: the last page's unused slots hold
+    anything, NaN included, and a zero probability times NaN is NaN. Nothing for the tiles inside the sequence."""
+    if (tile + 1) * TILE > seq_len:
+        v = v_buf.load(ld_layout)
+        key = tile * TILE + gl.arange(0, TILE, layout=gl.SliceLayout(1, ld_layout))
+        v_buf.store(gl.where((key < seq_len)[:, None], v, 0.0).to(v.dtype))
+        fence_async_shared()
+
+
+@gluon.jit
+def prefill_gluon_kernel(
+    q_ptr, k_desc, v_desc, bt_ptr, seq_lens_ptr, cu_seqlens_q_ptr, out_ptr, sm_scale_log2,
+    num_reqs, tiles_per_head, num_kv_heads, bt_width, num_blocks,
+    stride_qt, stride_qh, stride_kh, stride_vh, stride_bt, stride_ot, stride_oh,
+    D: gl.constexpr, G: gl.constexpr, BLOCK_M: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr,
+    BLOCK_B: gl.constexpr, STAGES: gl.constexpr, HEADS_INNER: gl.constexpr, num_warps: gl.constexpr,
+):
+    gl.static_assert(num_warps == BLOCK_M // 16, "a warp owns 16 rows of the q tile")
+    gl.static_assert(STAGES >= 2, "the refill of tile j + STAGES needs two buffers at least")
+    TOKENS: gl.constexpr = BLOCK_M // G
+    DT: gl.constexpr = k_desc.dtype
+    KV_BYTES: gl.constexpr = 2 * TILE * D * DT.primitive_bitwidth // 8
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, TILE, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    ld_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
+                                               warps_per_cta=[num_warps, 1], order=[1, 0])
+    q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], DT)
+    rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    keys_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    cols_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+    b_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32],
+                                              warps_per_cta=[num_warps], order=[0])
+
+    pid = gl.program_id(0)
+    if HEADS_INNER:
+        kv_head = pid % num_kv_heads
+        tile = pid // num_kv_heads
+    else:
+        kv_head = pid // tiles_per_head
+        tile = pid % tiles_per_head
+
+    # the flat tile list: request b owns tiles [cum[b] − n[b], cum[b]), n[b] = cdiv(q_len[b], TOKENS)
+    offs_b = gl.arange(0, BLOCK_B, layout=b_layout)
+    b_ok = offs_b < num_reqs
+    q_lo = gl.load(cu_seqlens_q_ptr + offs_b, mask=b_ok, other=0)
+    q_hi = gl.load(cu_seqlens_q_ptr + offs_b + 1, mask=b_ok, other=0)
+    n_tiles = (q_hi - q_lo + TOKENS - 1) // TOKENS
+    cum = gl.associative_scan(n_tiles, 0, _add)
+    if tile >= gl.sum(n_tiles, axis=0):
+        return
+    req = gl.sum((cum <= tile).to(gl.int32), axis=0)
+    sel = offs_b == req
+    req_tiles = gl.sum(gl.where(sel, n_tiles, 0), axis=0)
+    req_first = gl.sum(gl.where(sel, cum, 0), axis=0) - req_tiles
+    m_blk = req_tiles - 1 - (tile - req_first)  # the heaviest (last) tile of a request first
+
+    q_start = gl.load(cu_seqlens_q_ptr + req)
+    q_len = gl.load(cu_seqlens_q_ptr + req + 1) - q_start
+    seq_len = gl.load(seq_lens_ptr + req)
+    ctx_len = seq_len - q_len
+    first_tok = m_blk * TOKENS
+    last_tok = gl.minimum(first_tok + TOKENS, q_len) - 1
+    full_end = (ctx_len + first_tok + 1) // TILE  # tiles every row sees entirely: no mask
+    n = (ctx_len + last_tok + TILE) // TILE  # tiles up to the last row's diagonal
+
+    q_smem = gl.allocate_shared_memory(DT, [BLOCK_M, D], q_smem_layout)
+    k_smem = gl.allocate_shared_memory(DT, [STAGES, TILE, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(DT, [STAGES, TILE, D], v_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for ib in gl.static_range(STAGES):
+        mbarrier.init(bars.index(ib), count=1)
+    bt_row = bt_ptr + req.to(gl.int64) * stride_bt
+    k_col = kv_head * stride_kh
+    v_col = kv_head * stride_vh
+    for i0 in gl.static_range(STAGES):
+        _issue_kv(k_desc, v_desc, k_smem, v_smem, bars, bt_row, bt_width, num_blocks, i0, k_col, v_col, i0,
+                  i0 < n, PAGE, TILE, KV_BYTES)
+
+    # the q tile (row r: token first_tok + r // G, head kv_head·G + r % G) into shared memory; padded rows 0
+    rq = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld_layout))
+    dq = gl.arange(0, D, layout=gl.SliceLayout(0, ld_layout))
+    tok_q = first_tok + rq // G
+    q_rows = (q_start + tok_q).to(gl.int64) * stride_qt + (kv_head * G + rq % G).to(gl.int64) * stride_qh
+    q_ok = (tok_q < q_len)[:, None] & (dq < D)[None, :]
+    q_smem.store(gl.load(q_ptr + q_rows[:, None] + dq[None, :], mask=q_ok, other=0.0))
+    fence_async_shared()
+
+    r_s = gl.arange(0, BLOCK_M, layout=rows_s)
+    keys = gl.arange(0, TILE, layout=keys_s)
+    kv_limit = ctx_len + gl.minimum(first_tok + r_s // G, q_len - 1)  # the last key row r sees
+    c = sm_scale_log2
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=rows_s)
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=rows_s)
+    o = gl.zeros([BLOCK_M, D], gl.float32, layout=o_layout)
+
+    # tile 0: its scores and probabilities before the loop
+    mbarrier.wait(bars.index(0), phase=0)
+    s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), gl.zeros([BLOCK_M, TILE], gl.float32, layout=s_layout),
+                      use_acc=False)
+    p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, c, 0, kv_limit, keys, full_end == 0)
+    p = gl.convert_layout(p.to(DT), p_layout)
+    for j in range(n - 1):
+        slot = j % STAGES
+        nxt = (j + 1) % STAGES
+        _zero_v_tail(v_smem.index(slot), j, seq_len, TILE, ld_layout)
+        mbarrier.wait(bars.index(nxt), phase=((j + 1) // STAGES) & 1)
+        s_tok = warpgroup_mma(q_smem, k_smem.index(nxt).permute((1, 0)),
+                              gl.zeros([BLOCK_M, TILE], gl.float32, layout=s_layout), use_acc=False, is_async=True)
+        o_tok = warpgroup_mma(p, v_smem.index(slot), o, is_async=True)
+        s = warpgroup_mma_wait(1, deps=[s_tok])  # S_{j+1} done, P_j·V_j may still run
+        p_next, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, c, (j + 1) * TILE, kv_limit, keys, j + 1 >= full_end)
+        p_next = gl.convert_layout(p_next.to(DT), p_layout)
+        o, p = warpgroup_mma_wait(0, deps=[o_tok, p])
+        # tile j's buffers are free: tile j + STAGES goes into them
+        _issue_kv(k_desc, v_desc, k_smem, v_smem, bars, bt_row, bt_width, num_blocks, j + STAGES, k_col, v_col,
+                  slot, j + STAGES < n, PAGE, TILE, KV_BYTES)
+        o = o * gl.convert_layout(alpha, rows_o)[:, None]
+        p = p_next
+    last = (n - 1) % STAGES
+    _zero_v_tail(v_smem.index(last), n - 1, seq_len, TILE, ld_layout)
+    o = warpgroup_mma(p, v_smem.index(last), o)
+    for ib in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(ib))
+
+    l_o = gl.convert_layout(l_i, rows_o)
+    o = o / gl.where(l_o > 0.0, l_o, 1.0)[:, None]
+    r_o = gl.arange(0, BLOCK_M, layout=rows_o)
+    d_o = gl.arange(0, D, layout=cols_o)
+    tok_o = first_tok + r_o // G
+    o_rows = (q_start + tok_o).to(gl.int64) * stride_ot + (kv_head * G + r_o % G).to(gl.int64) * stride_oh
+    gl.store(out_ptr + o_rows[:, None] + d_o[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=(tok_o < q_len)[:, None] & (d_o < D)[None, :])
