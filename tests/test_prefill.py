@@ -323,15 +323,22 @@ def test_gluon_config_and_reasons(monkeypatch):
 
 
 def test_gluon_true_raises_where_it_cannot_run(device: str):
-    """gluon=True insists: on the CPU (or the interpreter) a ValueError names why; gluon=None falls back to tl."""
+    """gluon=True insists: where the kernel cannot run (the CPU, the interpreter, a GPU other than sm_90) a
+    ValueError names why; gluon=None falls back to the tl kernel there. On an H200 both run the Gluon kernel."""
+    from hpcops.attention.prefill import gluon_unsupported_reason
+
     case = Case("gluon-cpu", [40], [40], hq=4, hkv=1, head_dim=64, block_size=16)
     q, kv, cu, _ = _inputs(case, device)
     args = (q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, cu)
     cfg = PrefillConfig(block_m=64, block_n=16, num_warps=4, num_stages=2, gluon=True)
-    with pytest.raises(ValueError, match=r"gluon=True.*(CUDA|sm_90)"):
-        prefill_attention(*args, max_seqlen_q=40, config=cfg)
+    want = reference(*args, max_seqlen_q=40)
+    if gluon_unsupported_reason(q, kv.k_cache, kv.v_cache, cfg, 0.125) is None:
+        assert_close(want, prefill_attention(*args, max_seqlen_q=40, config=cfg))
+    else:
+        with pytest.raises(ValueError, match=r"gluon=True.*(CUDA|sm_90)"):
+            prefill_attention(*args, max_seqlen_q=40, config=cfg)
     auto = dataclasses.replace(cfg, gluon=None)
-    assert_close(reference(*args, max_seqlen_q=40), prefill_attention(*args, max_seqlen_q=40, config=auto))
+    assert_close(want, prefill_attention(*args, max_seqlen_q=40, config=auto))
 
 
 def test_pv_fp8_needs_block_n_32():
