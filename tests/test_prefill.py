@@ -306,6 +306,8 @@ def test_gluon_config_and_reasons(monkeypatch):
         ("16-bit q", (q.half(), kv.k_cache, kv.v_cache, cfg, 0.1)),
         ("positive scale", (q, kv.k_cache, kv.v_cache, cfg, -0.1)),
         ("block_m 32", (q, kv.k_cache, kv.v_cache, rep(cfg, block_m=32, num_warps=2), 0.1)),
+        ("gluon_ws with block_m 64", (q, kv.k_cache, kv.v_cache, rep(cfg, block_m=64, num_warps=4, gluon_ws=True),
+                                      0.1)),
         ("on 4 warps", (q, kv.k_cache, kv.v_cache, rep(cfg, num_warps=4), 0.1)),
         ("below the GQA group", (torch.zeros(300, 256, 128, dtype=bf16), kv.k_cache, kv.v_cache,
                                  rep(cfg, block_m=64, num_warps=4), 0.1)),
@@ -553,9 +555,9 @@ def test_prefill_gpu_configs(config: PrefillConfig):
 
 
 def _gluon(name: str, seq_lens: list[int], q_lens: list[int], *, block_m: int = 128, block_n: int = 128,
-            stages: int = 2, heads_inner: bool = True, **kw) -> Case:
+            stages: int = 2, heads_inner: bool = True, ws: bool = False, **kw) -> Case:
     cfg = PrefillConfig(block_m=block_m, block_n=block_n, num_warps=block_m // 16, num_stages=stages,
-                        heads_inner=heads_inner, gluon=True)
+                        heads_inner=heads_inner, gluon=True, gluon_ws=ws)
     kw = {"hq": 64, "hkv": 8, "head_dim": 128, "block_size": 64, **kw}
     return Case(name, seq_lens, q_lens, config=cfg, **kw)
 
@@ -572,6 +574,16 @@ GLUON_CASES = [
     _gluon("gluon-d256", [513, 2000], [513, 100], hq=8, hkv=2, head_dim=256, block_n=64),
     _gluon("gluon-d256-64x64", [513, 2000], [513, 100], hq=8, hkv=2, head_dim=256, block_m=64, block_n=64),
     _gluon("gluon-packed-kv", [1200, 64], [600, 64], hq=16, hkv=2, packed=True),
+    # the warp-specialized kernel (PrefillConfig.gluon_ws): producer warp + two ping-pong consumer warpgroups
+    _gluon("gluon-ws-q2k-h64/8", [2048], [2048], ws=True),
+    _gluon("gluon-ws-extend-mixed-h64/8-3buf", [4096, 3000, 1, 700, 129], [1024, 1, 1, 700, 64], pad_rows=5,
+           stages=3, ws=True),
+    _gluon("gluon-ws-2q1ks4k-h8/1-128x64-headmajor", [4096, 4096], [1024, 1024], hq=8, hkv=1, block_n=64,
+           heads_inner=False, ws=True),
+    _gluon("gluon-ws-mha-page16", [1000, 513], [1000, 17], hq=4, hkv=4, block_size=16, ws=True),
+    _gluon("gluon-ws-d64-gqa3-page32-fp16", [777, 129], [777, 64], hq=12, hkv=4, head_dim=64, block_size=32,
+           q_dtype=torch.float16, kv_dtype=torch.float16, ws=True),
+    _gluon("gluon-ws-d256", [513, 2000], [513, 100], hq=8, hkv=2, head_dim=256, block_n=64, ws=True),
 ]
 
 
@@ -585,8 +597,9 @@ def test_prefill_gluon_gpu(case: Case):
 
 
 @pytest.mark.gpu
-def test_prefill_gluon_gpu_cuda_graph():
-    case = _gluon("gluon-graph", [2048, 100], [512, 100], hq=8, hkv=1)
+@pytest.mark.parametrize("ws", [False, True], ids=["tiled", "ws"])
+def test_prefill_gluon_gpu_cuda_graph(ws: bool):
+    case = _gluon("gluon-graph", [2048, 100], [512, 100], hq=8, hkv=1, ws=ws)
     q, kv, cu, _ = _inputs(case, "cuda")
     args = (q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, cu)
     out = nan_like(q)

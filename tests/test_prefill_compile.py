@@ -191,3 +191,63 @@ def test_gluon_prefill_kernel_builds_for_sm90(name):
     boxes = max(1, tile // page)
     assert r["tma_loads"] == 2 * (stages + 1) * boxes, r
     assert r["shared"] <= 227 * 1024, r
+
+
+GLUON_WS_BUILD = textwrap.dedent(r"""
+import json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+from hpcops.attention._prefill_gluon import prefill_gluon_ws_kernel
+from hpcops.attention.prefill import GLUON_WS_CONSUMER_REGS
+from hpcops.testing import sm90_resources
+
+d, g, tile, page, stages, dt = json.loads(sys.argv[1])
+gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[dt]
+box = min(tile, page)
+desc = f"tensordesc<{dt}[{box}, {d}],{gl.NVMMASharedLayout.get_default_for([box, d], gdt)}>"
+sig = dict(q_ptr="*" + dt, k_desc=desc, v_desc=desc, bt_ptr="*i32", seq_lens_ptr="*i32", cu_seqlens_q_ptr="*i32",
+           out_ptr="*" + dt, sm_scale_log2="fp32")
+sig.update({a: "i32" for a in ("num_reqs", "tiles_per_head", "num_kv_heads", "bt_width", "num_blocks", "stride_qt",
+                               "stride_qh", "stride_kh", "stride_vh", "stride_bt", "stride_ot", "stride_oh")})
+consts = dict(D=d, G=g, TILE=tile, PAGE=page, BLOCK_B=16, STAGES=stages, HEADS_INNER=True,
+              CONSUMER_REGS=GLUON_WS_CONSUMER_REGS, num_warps=4)
+sig.update({a: "constexpr" for a in consts})
+c = triton.compile(GluonASTSource(prefill_gluon_ws_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": 4, "maxnreg": 168})
+r = sm90_resources(c)
+ptx = c.asm["ptx"]
+r["setmaxnreg"] = sorted({int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)})
+r["cta_barriers"] = len(re.findall(r"\bbar\.sync\s+0;", ptx))  # bar.sync 0 without a thread count: the whole CTA
+print(json.dumps(r))
+""")
+
+GLUON_WS_BUILDS = {  # name: (head_dim, G, block_n, page, stages, dtype)
+    "d128-h8/1-128": (128, 8, 128, 64, 2, "bf16"),
+    "d128-128-3buf": (128, 8, 128, 64, 3, "bf16"),
+    "d128-mha-page16": (128, 1, 128, 16, 2, "bf16"),
+    "d64-64-fp16": (64, 3, 64, 32, 2, "fp16"),
+    "d256-64": (256, 2, 64, 64, 2, "bf16"),
+}
+
+
+@pytest.mark.parametrize("name", list(GLUON_WS_BUILDS))
+def test_gluon_ws_prefill_kernel_builds_for_sm90(name):
+    """PrefillConfig.gluon_ws's kernel compiles for sm_90 with no spill: two consumer copies of the loop (wgmma:
+    each consumer's first S, its loop's S and P·V, its last P·V), registers moved by setmaxnreg to 240 for the
+    consumers and 24 for the producer, and no CTA-wide barrier (the partitions meet on mbarriers only)."""
+    pytest.importorskip("triton.backends.nvidia")
+    d, g, tile, page, stages, dt = GLUON_WS_BUILDS[name]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    res = subprocess.run([sys.executable, "-c", GLUON_WS_BUILD, json.dumps(GLUON_WS_BUILDS[name])],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    r = json.loads(res.stdout.strip().splitlines()[-1])
+    print(name, r)
+    assert r["spill_bytes"] == 0, r
+    assert r["wgmma"] == 2 * (2 * (d // 16) + 2 * (tile // 16)), r
+    assert {24, 240} <= set(r["setmaxnreg"]), r
+    assert r["cta_barriers"] == 0, r
+    assert r["shared"] <= 227 * 1024, r

@@ -214,3 +214,178 @@ def prefill_gluon_kernel(
     o_rows = (q_start + tok_o).to(gl.int64) * stride_ot + (kv_head * G + r_o % G).to(gl.int64) * stride_oh
     gl.store(out_ptr + o_rows[:, None] + d_o[None, :], o.to(out_ptr.dtype.element_ty),
              mask=(tok_o < q_len)[:, None] & (d_o < D)[None, :])
+
+
+# ---- warp-specialized variant (PrefillConfig.gluon_ws): a TMA producer warp and two consumer warpgroups ----------
+# FA3's structure: one producer warp fills the K/V ring (`full` barriers, expect-tx) and waits until both consumers
+# have released a buffer (`empty`, two arrivals); each consumer warpgroup owns 64 rows of the 128-row q tile and runs
+# the loop above on its own registers, and the two take turns issuing their wgmmas (`turn` barriers, ping-pong), so
+# that one's softmax runs while the other's GEMMs hold the tensor cores. Partitions synchronize only through
+# mbarriers: no CTA-wide bar.sync in the loop (the non-specialized kernel has one before every mbarrier wait, which
+# keeps its two warpgroups in lock step, softmax against softmax).
+
+
+
+@gluon.jit
+def _ws_producer(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr,
+                 STAGES: gl.constexpr):
+    (q_ptr, out_ptr, k_desc, v_desc, q_smem, k_smem, v_smem, full, empty, turn, bt_row, bt_width, num_blocks, k_col,
+     v_col, n, q_start, q_len, first_tok, ctx_len, seq_len, kv_head, c, stride_qt, stride_qh, stride_ot,
+     stride_oh) = args
+    KV_BYTES: gl.constexpr = 2 * TILE * D * k_desc.dtype.primitive_bitwidth // 8
+    for j in range(n):
+        slot = j % STAGES
+        # a buffer is free once both consumers released it (mbarriers start with phase 1 complete)
+        mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)
+        _issue_kv(k_desc, v_desc, k_smem, v_smem, full, bt_row, bt_width, num_blocks, j, k_col, v_col, slot, True,
+                  PAGE, TILE, KV_BYTES)
+
+
+@gluon.jit
+def _ws_consume(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr,
+                STAGES: gl.constexpr, WG: gl.constexpr):
+    (q_ptr, out_ptr, k_desc, v_desc, q_smem, k_smem, v_smem, full, empty, turn, bt_row, bt_width, num_blocks, k_col,
+     v_col, n, q_start, q_len, first_tok, ctx_len, seq_len, kv_head, c, stride_qt, stride_qh, stride_ot,
+     stride_oh) = args
+    ROWS: gl.constexpr = 64  # q rows a consumer warpgroup
+    DT: gl.constexpr = k_desc.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, TILE, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    ld_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
+                                               order=[1, 0])
+    rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    q_buf = q_smem.index(WG)
+
+    # this warpgroup's 64 q rows (row r of the tile: token first_tok + r // G, head kv_head·G + r % G)
+    rq = WG * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, ld_layout))
+    dq = gl.arange(0, D, layout=gl.SliceLayout(0, ld_layout))
+    tok_q = first_tok + rq // G
+    q_rows = (q_start + tok_q).to(gl.int64) * stride_qt + (kv_head * G + rq % G).to(gl.int64) * stride_qh
+    q_buf.store(gl.load(q_ptr + q_rows[:, None] + dq[None, :], mask=(tok_q < q_len)[:, None] & (dq < D)[None, :],
+                        other=0.0))
+    fence_async_shared()
+
+    r_s = WG * ROWS + gl.arange(0, ROWS, layout=rows_s)
+    keys = gl.arange(0, TILE, layout=gl.SliceLayout(0, s_layout))
+    kv_limit = ctx_len + gl.minimum(first_tok + r_s // G, q_len - 1)
+    full_end = (ctx_len + first_tok + WG * ROWS // G + 1) // TILE  # tiles all of this warpgroup's rows see
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=rows_s)
+    l_i = gl.zeros([ROWS], gl.float32, layout=rows_s)
+    o = gl.zeros([ROWS, D], gl.float32, layout=o_layout)
+
+    mbarrier.wait(full.index(0), 0)
+    s = warpgroup_mma(q_buf, k_smem.index(0).permute((1, 0)), gl.zeros([ROWS, TILE], gl.float32, layout=s_layout),
+                      use_acc=False)
+    p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, c, 0, kv_limit, keys, full_end == 0)
+    p = gl.convert_layout(p.to(DT), p_layout)
+    for j in range(n - 1):
+        slot = j % STAGES
+        nxt = (j + 1) % STAGES
+        _zero_v_tail(v_smem.index(slot), j, seq_len, TILE, ld_layout)
+        mbarrier.wait(full.index(nxt), ((j + 1) // STAGES) & 1)
+        # my turn at the tensor cores: warpgroup 0 first (its first wait passes on the initial phase)
+        mbarrier.wait(turn.index(WG), (j & 1) ^ (1 - WG))
+        s_tok = warpgroup_mma(q_buf, k_smem.index(nxt).permute((1, 0)),
+                              gl.zeros([ROWS, TILE], gl.float32, layout=s_layout), use_acc=False, is_async=True)
+        o_tok = warpgroup_mma(p, v_smem.index(slot), o, is_async=True)
+        mbarrier.arrive(turn.index(1 - WG), count=1)
+        s = warpgroup_mma_wait(1, deps=[s_tok])
+        p_next, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, c, (j + 1) * TILE, kv_limit, keys, j + 1 >= full_end)
+        p_next = gl.convert_layout(p_next.to(DT), p_layout)
+        o, p = warpgroup_mma_wait(0, deps=[o_tok, p])
+        mbarrier.arrive(empty.index(slot), count=1)
+        o = o * gl.convert_layout(alpha, rows_o)[:, None]
+        p = p_next
+    last = (n - 1) % STAGES
+    _zero_v_tail(v_smem.index(last), n - 1, seq_len, TILE, ld_layout)
+    o = warpgroup_mma(p, v_smem.index(last), o)
+
+    l_o = gl.convert_layout(l_i, rows_o)
+    o = o / gl.where(l_o > 0.0, l_o, 1.0)[:, None]
+    r_o = WG * ROWS + gl.arange(0, ROWS, layout=rows_o)
+    d_o = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+    tok_o = first_tok + r_o // G
+    o_rows = (q_start + tok_o).to(gl.int64) * stride_ot + (kv_head * G + r_o % G).to(gl.int64) * stride_oh
+    gl.store(out_ptr + o_rows[:, None] + d_o[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=(tok_o < q_len)[:, None] & (d_o < D)[None, :])
+
+
+@gluon.jit
+def _ws_consumer0(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr,
+                  STAGES: gl.constexpr):
+    _ws_consume(args, D, G, TILE, PAGE, STAGES, 0)
+
+
+@gluon.jit
+def _ws_consumer1(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr,
+                  STAGES: gl.constexpr):
+    _ws_consume(args, D, G, TILE, PAGE, STAGES, 1)
+
+
+@gluon.jit
+def prefill_gluon_ws_kernel(
+    q_ptr, k_desc, v_desc, bt_ptr, seq_lens_ptr, cu_seqlens_q_ptr, out_ptr, sm_scale_log2,
+    num_reqs, tiles_per_head, num_kv_heads, bt_width, num_blocks,
+    stride_qt, stride_qh, stride_kh, stride_vh, stride_bt, stride_ot, stride_oh,
+    D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr, BLOCK_B: gl.constexpr,
+    STAGES: gl.constexpr, HEADS_INNER: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
+):
+    """`prefill_gluon_kernel`'s maths on a 128-row q tile, warp-specialized: launched with num_warps = 4 (the
+    default partition, consumer 0) plus a 4-warp worker (consumer 1, CONSUMER_REGS registers) and a 1-warp TMA
+    producer (24 registers)."""
+    gl.static_assert(num_warps == 4, "the default partition is consumer warpgroup 0")
+    gl.static_assert(STAGES >= 2, "two K/V buffers at least")
+    BLOCK_M: gl.constexpr = 128  # two consumer warpgroups of 64 rows
+    TOKENS: gl.constexpr = BLOCK_M // G
+    DT: gl.constexpr = k_desc.dtype
+    b_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[num_warps],
+                                              order=[0])
+    pid = gl.program_id(0)
+    if HEADS_INNER:
+        kv_head = pid % num_kv_heads
+        tile = pid // num_kv_heads
+    else:
+        kv_head = pid // tiles_per_head
+        tile = pid % tiles_per_head
+    offs_b = gl.arange(0, BLOCK_B, layout=b_layout)
+    b_ok = offs_b < num_reqs
+    q_lo = gl.load(cu_seqlens_q_ptr + offs_b, mask=b_ok, other=0)
+    q_hi = gl.load(cu_seqlens_q_ptr + offs_b + 1, mask=b_ok, other=0)
+    n_tiles = (q_hi - q_lo + TOKENS - 1) // TOKENS
+    cum = gl.associative_scan(n_tiles, 0, _add)
+    if tile >= gl.sum(n_tiles, axis=0):
+        return
+    req = gl.sum((cum <= tile).to(gl.int32), axis=0)
+    sel = offs_b == req
+    req_tiles = gl.sum(gl.where(sel, n_tiles, 0), axis=0)
+    req_first = gl.sum(gl.where(sel, cum, 0), axis=0) - req_tiles
+    m_blk = req_tiles - 1 - (tile - req_first)
+    q_start = gl.load(cu_seqlens_q_ptr + req)
+    q_len = gl.load(cu_seqlens_q_ptr + req + 1) - q_start
+    seq_len = gl.load(seq_lens_ptr + req)
+    ctx_len = seq_len - q_len
+    first_tok = m_blk * TOKENS
+    last_tok = gl.minimum(first_tok + TOKENS, q_len) - 1
+    n = (ctx_len + last_tok + TILE) // TILE
+
+    q_smem = gl.allocate_shared_memory(DT, [2, 64, D], gl.NVMMASharedLayout.get_default_for([64, D], DT))
+    k_smem = gl.allocate_shared_memory(DT, [STAGES, TILE, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(DT, [STAGES, TILE, D], v_desc.layout)
+    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for ib in gl.static_range(STAGES):
+        mbarrier.init(full.index(ib), count=1)
+        mbarrier.init(empty.index(ib), count=2)  # both consumers release a buffer
+    for ib in gl.static_range(2):
+        mbarrier.init(turn.index(ib), count=1)
+    bt_row = bt_ptr + req.to(gl.int64) * stride_bt
+    args = (q_ptr, out_ptr, k_desc, v_desc, q_smem, k_smem, v_smem, full, empty, turn, bt_row, bt_width, num_blocks,
+            kv_head * stride_kh, kv_head * stride_vh, n, q_start, q_len, first_tok, ctx_len, seq_len, kv_head,
+            sm_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh)
+    gl.warp_specialize([(_ws_consumer0, (args, D, G, TILE, PAGE, STAGES)),
+                        (_ws_consumer1, (args, D, G, TILE, PAGE, STAGES)),
+                        (_ws_producer, (args, D, G, TILE, PAGE, STAGES))], [4, 1], [CONSUMER_REGS, 24])

@@ -50,6 +50,8 @@ class PrefillConfig:
     of the same dtype on an sm_90 GPU, `block_m` 64 or 128 on `block_m // 16` warps, a cache TMA can read in
     tiles of `block_n` keys (or a page a box), and a positive softmax scale (`gluon_unsupported_reason`).
     `True` insists (ValueError with the reason), `False` never uses it, `None` uses it where it can run.
+    `gluon_ws` (with `gluon`, block_m 128 on 8 warps): the warp-specialized Gluon kernel, FA3's layout: a TMA
+    producer warp and two consumer warpgroups of 64 q rows that take turns at the tensor cores.
     `tma`, `pv_fp8`, `quant_q` and `fma_scale` are the `tl` kernel's (the Gluon kernel always reads by TMA and
     scales inside exp2).
     """
@@ -64,6 +66,7 @@ class PrefillConfig:
     fma_scale: bool = True
     heads_inner: bool = False
     gluon: bool | None = False
+    gluon_ws: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
@@ -238,6 +241,7 @@ def _use_tma(k_cache: torch.Tensor, v_cache: torch.Tensor, config: PrefillConfig
 
 
 GLUON_SMEM_BYTES = 227 * 1024  # an H100/H200 SM's shared memory for one block
+GLUON_WS_CONSUMER_REGS = 240  # registers of a consumer warpgroup in the warp-specialized kernel
 
 
 def gluon_unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -257,6 +261,8 @@ def gluon_unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     bm, bn, page = config.block_m, config.block_n, k_cache.shape[1]
     if bm not in (64, 128) or config.num_warps != bm // 16:
         return f"block_m {bm} on {config.num_warps} warps (64 or 128 rows, 16 a warp)"
+    if config.gluon_ws and bm != 128:
+        return f"gluon_ws with block_m {bm} (two consumer warpgroups of 64 rows: block_m 128)"
     if bm < q.shape[1] // k_cache.shape[2]:
         return f"block_m {bm} is below the GQA group ({q.shape[1] // k_cache.shape[2]} heads)"
     if bn > 256 or config.num_stages < 2:
@@ -276,18 +282,25 @@ def gluon_unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
 def _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, out, sm_scale, tiles_per_head, block_b,
                   config: PrefillConfig) -> None:
     """The Gluon kernel (`PrefillConfig.gluon`) over the `tl` kernel's flat tile list."""
-    from hpcops.attention._prefill_gluon import prefill_gluon_kernel
+    from hpcops.attention._prefill_gluon import prefill_gluon_kernel, prefill_gluon_ws_kernel
 
     hq, d = q.shape[1], q.shape[2]
     page, hkv = k_cache.shape[1], k_cache.shape[2]
     box = min(config.block_n, page)
-    prefill_gluon_kernel[(tiles_per_head * hkv,)](
-        q, gluon_kv_descriptor(k_cache, box), gluon_kv_descriptor(v_cache, box), block_table, seq_lens,
-        cu_seqlens_q, out, sm_scale * 1.4426950408889634, block_table.shape[0], tiles_per_head, hkv,
-        block_table.shape[1], k_cache.shape[0], q.stride(0), q.stride(1), k_cache.stride(2), v_cache.stride(2),
-        block_table.stride(0), out.stride(0), out.stride(1),
-        D=d, G=hq // hkv, BLOCK_M=config.block_m, TILE=config.block_n, PAGE=page, BLOCK_B=block_b,
-        STAGES=config.num_stages, HEADS_INNER=bool(config.heads_inner), num_warps=config.num_warps)
+    args = (q, gluon_kv_descriptor(k_cache, box), gluon_kv_descriptor(v_cache, box), block_table, seq_lens,
+            cu_seqlens_q, out, sm_scale * 1.4426950408889634, block_table.shape[0], tiles_per_head, hkv,
+            block_table.shape[1], k_cache.shape[0], q.stride(0), q.stride(1), k_cache.stride(2), v_cache.stride(2),
+            block_table.stride(0), out.stride(0), out.stride(1))
+    common = dict(D=d, G=hq // hkv, TILE=config.block_n, PAGE=page, BLOCK_B=block_b, STAGES=config.num_stages,
+                  HEADS_INNER=bool(config.heads_inner))
+    if config.gluon_ws:
+        # 3 warpgroups (consumer 0 = the default partition, consumer 1, the producer warp rounded up): 168 registers
+        # each at launch, moved by setmaxnreg to 240 / 240 / 24 inside the specialized region
+        prefill_gluon_ws_kernel[(tiles_per_head * hkv,)](*args, **common, CONSUMER_REGS=GLUON_WS_CONSUMER_REGS,
+                                                         num_warps=4, maxnreg=168)
+    else:
+        prefill_gluon_kernel[(tiles_per_head * hkv,)](*args, **common, BLOCK_M=config.block_m,
+                                                      num_warps=config.num_warps)
 
 
 def _launch(

@@ -117,7 +117,7 @@ def _make_inputs(s: Scenario, layer: int, device: str = "cuda") -> dict[str, Any
     return x
 
 
-BOOL_FIELDS = ("pv_fp8", "quant_q", "fma_scale", "heads_inner", "gluon")
+BOOL_FIELDS = ("pv_fp8", "quant_q", "fma_scale", "heads_inner", "gluon", "gluon_ws")
 
 
 def config_override(variant: dict | None = None):
@@ -312,8 +312,9 @@ def _check(x) -> None:
     assert_close(want, x["out"][rows][:, heads], name="prefill bf16 q")
     if "q8" not in x and x["q"].is_cuda and torch.cuda.get_device_capability(x["q"].device)[0] == 9:
         # the Gluon variant's row is checked on the same sample (it runs on Hopper only)
-        out = _ours(False, {"gluon": True})(x)().clone()
-        assert_close(want, out[rows][:, heads], name="prefill bf16 q, gluon")
+        for variant in ({"gluon": True}, {"gluon": True, "gluon_ws": True, "block_m": 128, "num_warps": 8}):
+            out = _ours(False, variant)(x)().clone()
+            assert_close(want, out[rows][:, heads], name=f"prefill bf16 q, {variant}")
     if "q8" in x:
         _ours(True)(x)()
         rows, heads, want = _sampled_reference(x, x["q8"], x["q_scale"])
@@ -337,6 +338,13 @@ def cases(opts: dict) -> Iterator[Case]:
                     # the Hopper kernel in Gluon (PrefillConfig.gluon, its heuristic tiles) beside the tl default
                     impls.append(
                         Impl("hpcops-gluon", _ours(False, {"gluon": True}), note="variant: PrefillConfig(gluon=True)")
+                    )
+                    impls.append(
+                        Impl(
+                            "hpcops-gluon-ws",
+                            _ours(False, {"gluon": True, "gluon_ws": True, "block_m": 128, "num_warps": 8}),
+                            note="variant: PrefillConfig(gluon=True, gluon_ws=True), 128-row tiles",
+                        )
                     )
                 # variants timed in the same run: the pointer path (TMA is the default where the layout allows)
                 impls.append(

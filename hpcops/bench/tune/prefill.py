@@ -8,7 +8,8 @@ do (`_ours(fp8_q, variant)`) and is gated on the suite's sampled fp32 reference.
 `prefill_config` is changed by hand from what this reports.
 
 `hpcops tune prefill-gluon`: the Gluon kernel's tiles (`PrefillConfig.gluon`, `gluon_config`) on the bf16 scenarios
-(its dtypes): the (block_m, num_warps) tile, block_n, pipeline depth and launch order.
+(its dtypes): the warp-specialized kernel or not, the (block_m, num_warps) tile, block_n, pipeline depth and launch
+order.
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ class PrefillTune(TuneOp):
 
 
 GLUON_SPACE = (
+    knob("gluon_ws", False, True),
     knob(("block_m", "num_warps"), (128, 8), (64, 4), near=None),
     knob("block_n", 64, 128),
     knob("num_stages", 2, 3),
@@ -125,7 +127,8 @@ class PrefillGluonTune(PrefillTune):
         from hpcops.attention.prefill import GLUON_SMEM_BYTES
 
         smem = (cand["block_m"] + 2 * cand["num_stages"] * cand["block_n"]) * suite.HEAD_DIM * 2
-        return smem <= GLUON_SMEM_BYTES and cand["block_m"] >= c.s.hq // c.s.hkv
+        ws_ok = not cand["gluon_ws"] or cand["block_m"] == 128  # two consumer warpgroups of 64 rows
+        return smem <= GLUON_SMEM_BYTES and cand["block_m"] >= c.s.hq // c.s.hkv and ws_ok
 
 
 OP = PrefillTune()
