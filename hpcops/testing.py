@@ -162,7 +162,7 @@ def capture_graph(fn: Callable[[], Any], *, capture_error_mode: str = "global") 
 
 _SIG_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
               torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv"}
-_LAUNCH_OPTIONS = ("num_warps", "num_stages", "launch_pdl")
+_LAUNCH_OPTIONS = ("num_warps", "num_stages", "launch_pdl", "maxnreg")
 
 
 class LaunchRecorder:
@@ -224,8 +224,11 @@ def describe_launch(fn, args: tuple, kwargs: dict) -> dict:
             raise TypeError(f"{getattr(fn, '__name__', fn)}: argument {a} of type {type(v).__name__} is not handled")
     consts = {a: (f"tl.{v}" if type(v).__name__ == "dtype" else v) for a, v in kwargs.items()
               if a not in _LAUNCH_OPTIONS}
-    return {"sig": sig, "consts": consts, "div16": div16, "num_warps": kwargs.get("num_warps", 4),
+    desc = {"sig": sig, "consts": consts, "div16": div16, "num_warps": kwargs.get("num_warps", 4),
             "num_stages": kwargs.get("num_stages", 3), "launch_pdl": kwargs.get("launch_pdl", False)}
+    if kwargs.get("maxnreg") is not None:  # a warp-specialized Gluon kernel's register budget
+        desc["maxnreg"] = kwargs["maxnreg"]
+    return desc
 
 
 def compile_launch(fn, desc: dict, *, capability: int = 90):
@@ -246,7 +249,7 @@ def compile_launch(fn, desc: dict, *, capability: int = 90):
         consts.setdefault("num_warps", desc["num_warps"])
     sig = {a: ("constexpr" if a in consts else desc["sig"].get(a, "i32")) for a in fn.arg_names}
     if type(fn).__name__ == "GluonJITFunction":  # a Gluon kernel: its own AST source
-        return compile_gluon_sm90(fn, sig, consts, num_warps=desc["num_warps"])
+        return compile_gluon_sm90(fn, sig, consts, num_warps=desc["num_warps"], maxnreg=desc.get("maxnreg"))
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a in desc["div16"]}
     return triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", capability, 32),
                           options={"num_warps": desc["num_warps"], "num_stages": desc["num_stages"],
@@ -277,13 +280,15 @@ def sm90_resources(compiled) -> dict[str, int]:
             "wgmma": ptx.count("wgmma.mma_async"), "tma_loads": ptx.count("cp.async.bulk.tensor")}
 
 
-def compile_gluon_sm90(fn, signature: dict[str, str], constexprs: dict[str, Any], *, num_warps: int = 4):
+def compile_gluon_sm90(fn, signature: dict[str, str], constexprs: dict[str, Any], *, num_warps: int = 4,
+                       maxnreg: int | None = None):
     """`triton.compile` of a Gluon kernel for sm_90 from the CPU (it cannot run in the interpreter): `signature`
     maps every argument to its type string ("*fp32", "i32", "tensordesc<fp8e4nv[64, 128],NVMMASharedLayout(...)>"),
-    constexpr arguments to "constexpr" with their values in `constexprs`."""
+    constexpr arguments to "constexpr" with their values in `constexprs`; `maxnreg` as the launch passes it (the
+    warp-specialized kernels)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    return triton.compile(GluonASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps})
+    options = {"num_warps": num_warps} | ({"maxnreg": maxnreg} if maxnreg is not None else {})
+    return triton.compile(GluonASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32), options=options)

@@ -281,9 +281,24 @@ def test_gluon_config_and_reasons(monkeypatch):
 
     bf16 = torch.bfloat16
     g = prefill_config(head_dim=128, group=8, max_seqlen_q=4096, q_dtype=bf16, kv_dtype=bf16, gluon=True)
-    assert (g.block_m, g.block_n, g.num_warps, g.num_stages, g.gluon) == (128, 128, 8, 2, True)
-    assert gluon_config(head_dim=128, group=8, max_seqlen_q=8).block_m == 64  # 64 rows hold q_len·G
-    assert gluon_config(head_dim=256, group=2, max_seqlen_q=4096).block_n == 64
+    assert (g.block_m, g.block_n, g.num_warps, g.num_stages, g.gluon, g.gluon_ws) == (128, 128, 8, 3, True, True)
+    assert prefill_config(head_dim=128, group=8, max_seqlen_q=4096, q_dtype=bf16, kv_dtype=bf16).gluon is False
+    small = gluon_config(head_dim=128, group=8, max_seqlen_q=8)  # 64 rows hold q_len·G: one warpgroup, no WS
+    assert (small.block_m, small.num_warps, small.gluon_ws) == (64, 4, False)
+    d256 = gluon_config(head_dim=256, group=2, max_seqlen_q=4096)
+    assert (d256.block_n, d256.num_stages, d256.gluon_ws) == (64, 2, True)  # three 64x256 buffers do not fit
+    # the automatic choice (gluon=None): few 128-row tiles (h8/1 q512: 32) take 64-row tiles; many short queries
+    # and fewer than 64 rows keep the tl kernel (None); long queries at h64/8 the warp-specialized kernel
+    few = gluon_config(head_dim=128, group=8, max_seqlen_q=512, num_kv_heads=1, total_q=512, gluon=None)
+    assert (few.block_m, few.gluon_ws, few.gluon) == (64, False, None)
+    assert gluon_config(head_dim=128, group=8, max_seqlen_q=512, num_kv_heads=8, total_q=512, gluon=None) is None
+    assert gluon_config(head_dim=128, group=8, max_seqlen_q=4, num_kv_heads=8, total_q=4000, gluon=None) is None
+    long = prefill_config(head_dim=128, group=8, max_seqlen_q=8192, q_dtype=bf16, kv_dtype=bf16, gluon=None,
+                          num_kv_heads=8, total_q=8192)
+    assert (long.block_m, long.gluon_ws, long.gluon) == (128, True, None)
+    tl = prefill_config(head_dim=128, group=8, max_seqlen_q=512, q_dtype=bf16, kv_dtype=bf16, gluon=None,
+                        num_kv_heads=8, total_q=512)
+    assert (tl.block_m, tl.block_n, tl.gluon) == (64, 64, False)  # the tl heuristic's tiles
     # fp8 stays on the tl kernel's tiles
     fp8 = prefill_config(head_dim=128, group=8, max_seqlen_q=4096, q_dtype=FP8, kv_dtype=FP8, gluon=None)
     assert fp8.gluon is False and fp8.block_n == 128
@@ -291,7 +306,7 @@ def test_gluon_config_and_reasons(monkeypatch):
 
     kv = make_paged_kv([300], num_kv_heads=2, head_dim=128, block_size=64, dtype=bf16, device="cpu")
     q = torch.zeros(300, 16, 128, dtype=bf16)
-    cfg = gluon_config(head_dim=128, group=8, max_seqlen_q=300)
+    cfg = gluon_config(head_dim=128, group=8, max_seqlen_q=300)  # 128-row WS tiles, 3 buffers
     assert "CUDA" in gluon_unsupported_reason(q, kv.k_cache, kv.v_cache, cfg, 0.1)
     monkeypatch.setattr(decode_mod, "_hopper", lambda device: None)
     ok = gluon_unsupported_reason(q, kv.k_cache, kv.v_cache, cfg, 0.1)
@@ -305,15 +320,14 @@ def test_gluon_config_and_reasons(monkeypatch):
         ("16-bit q", (q, fp8kv.k_cache, fp8kv.v_cache, cfg, 0.1)),
         ("16-bit q", (q.half(), kv.k_cache, kv.v_cache, cfg, 0.1)),
         ("positive scale", (q, kv.k_cache, kv.v_cache, cfg, -0.1)),
-        ("block_m 32", (q, kv.k_cache, kv.v_cache, rep(cfg, block_m=32, num_warps=2), 0.1)),
-        ("gluon_ws with block_m 64", (q, kv.k_cache, kv.v_cache, rep(cfg, block_m=64, num_warps=4, gluon_ws=True),
-                                      0.1)),
+        ("block_m 32", (q, kv.k_cache, kv.v_cache, rep(cfg, block_m=32, num_warps=2, gluon_ws=False), 0.1)),
         ("on 4 warps", (q, kv.k_cache, kv.v_cache, rep(cfg, num_warps=4), 0.1)),
         ("below the GQA group", (torch.zeros(300, 256, 128, dtype=bf16), kv.k_cache, kv.v_cache,
-                                 rep(cfg, block_m=64, num_warps=4), 0.1)),
+                                 rep(cfg, block_m=64, num_warps=4, gluon_ws=False), 0.1)),
         ("two buffers", (q, kv.k_cache, kv.v_cache, rep(cfg, num_stages=1), 0.1)),
         ("block_size 4", (q, page4.k_cache, page4.v_cache, cfg, 0.1)),
         ("shared memory", (q, kv.k_cache, kv.v_cache, rep(cfg, num_stages=4), 0.1)),
+        ("gluon_ws with block_m 64", (q, kv.k_cache, kv.v_cache, rep(cfg, block_m=64, num_warps=4), 0.1)),
         ("q is not contiguous", (torch.zeros(300, 16, 256, dtype=bf16)[..., ::2], kv.k_cache, kv.v_cache, cfg, 0.1)),
         ("k_cache: blocks are not back to back", (q, hnd, kv.v_cache, cfg, 0.1)),
     ]:

@@ -88,13 +88,19 @@ def prefill_config(
     q_dtype: torch.dtype,
     kv_dtype: torch.dtype,
     gluon: bool | None = False,
+    num_kv_heads: int | None = None,
+    total_q: int | None = None,
 ) -> PrefillConfig:
     """The heuristic config (H200 sweeps, bench/results/prefill_tune_*.md): for D = 128 a 16-bit q runs
     64×64 tiles on one warpgroup, an fp8 q over fp8 KV 128×128 tiles on two, both in tile-major order;
     smaller M tiles for short queries. `gluon` (True or None, `PrefillConfig.gluon`): the Gluon kernel's tiles
-    where it can take this dtype pair (`gluon_config`), with that `gluon` field."""
+    (`gluon_config`, which also reads `num_kv_heads` and `total_q`) where it takes this dtype pair, a 16-bit q
+    over KV of its dtype; None keeps the tl tiles where `gluon_config` finds the tl kernel faster."""
     if gluon is not False and q_dtype in HALF_DTYPES and kv_dtype == q_dtype:
-        return gluon_config(head_dim=head_dim, group=group, max_seqlen_q=max_seqlen_q, gluon=gluon)
+        cfg = gluon_config(head_dim=head_dim, group=group, max_seqlen_q=max_seqlen_q, num_kv_heads=num_kv_heads,
+                           total_q=total_q, gluon=gluon)
+        if cfg is not None:
+            return cfg
     fp8 = kv_dtype == FP8_E4M3 and q_dtype == FP8_E4M3
     heads_inner = False
     if head_dim <= 64:
@@ -122,14 +128,33 @@ def prefill_config(
     return PrefillConfig(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages, heads_inner=heads_inner)
 
 
-def gluon_config(*, head_dim: int, group: int, max_seqlen_q: int, gluon: bool | None = True) -> PrefillConfig:
-    """The Gluon kernel's tiles (`PrefillConfig.gluon`): 128 q rows on two warpgroups, 64 when q_len·G fits in
-    64 rows; 128-key tiles up to head_dim 128 (240 registers, no spill), 64 keys above; two K/V buffers."""
+GLUON_SMEM_BYTES = 227 * 1024  # an H100/H200 SM's shared memory for one block
+GLUON_WS_CONSUMER_REGS = 240  # registers of a consumer warpgroup in the warp-specialized kernel
+GLUON_FEW_TILES = 96  # fewer 128-row tiles than this (of an H200's 132 SMs) run on 64-row tiles
+GLUON_MIN_Q = 512  # up to this q_len with many tiles the heuristic keeps the tl kernel (faster at h64/8 q512)
+
+
+def gluon_config(*, head_dim: int, group: int, max_seqlen_q: int, num_kv_heads: int | None = None,
+                 total_q: int | None = None, gluon: bool | None = True) -> PrefillConfig | None:
+    """The Gluon kernel's tiles (`PrefillConfig.gluon`), from the H200 sweep (`bench/results/prefill-gluon_tune.md`):
+    the warp-specialized kernel on 128-row q tiles, 128-key tiles up to head_dim 128 (64 above) and three K/V buffers
+    where they fit in shared memory (two at head_dim 256); 64-row tiles on one warpgroup (not specialized) where
+    fewer than GLUON_FEW_TILES 128-row tiles would leave SMs idle (h8/1 q512 and q1ks2k, 32 and 64 tiles: 1.3-1.8x;
+    at 128 tiles, h8/1 q2k and 2q1ks4k, the warp-specialized tile is level or faster). `gluon=None`
+    (the automatic choice) returns None where the tl kernel is the faster one: q_len·G under 64 rows (the tl tile
+    shrinks to 16 rows), or a longest query of at most GLUON_MIN_Q tokens with many tiles."""
     rows = group * max(int(max_seqlen_q), 1)
-    block_m = 64 if rows <= 64 else 128
+    tiles = None
+    if num_kv_heads is not None and total_q is not None:
+        tiles = num_kv_heads * triton.cdiv(max(int(total_q), 1) * group, 128)
+    few = rows <= 64 or (tiles is not None and tiles < GLUON_FEW_TILES)
+    if gluon is None and (rows < 64 or (not few and max_seqlen_q <= GLUON_MIN_Q)):
+        return None
+    block_m = 64 if few else 128
     block_n = 128 if head_dim <= 128 else 64
-    return PrefillConfig(block_m=block_m, block_n=block_n, num_warps=block_m // 16, num_stages=2, heads_inner=True,
-                         gluon=gluon)
+    stages = 3 if (block_m + 6 * block_n) * head_dim * 2 <= GLUON_SMEM_BYTES else 2
+    return PrefillConfig(block_m=block_m, block_n=block_n, num_warps=block_m // 16, num_stages=stages,
+                         heads_inner=True, gluon=gluon, gluon_ws=block_m == 128)
 
 
 def _check_mode(check: bool | None, seq_lens: torch.Tensor) -> bool:
@@ -240,8 +265,6 @@ def _use_tma(k_cache: torch.Tensor, v_cache: torch.Tensor, config: PrefillConfig
     return False
 
 
-GLUON_SMEM_BYTES = 227 * 1024  # an H100/H200 SM's shared memory for one block
-GLUON_WS_CONSUMER_REGS = 240  # registers of a consumer warpgroup in the warp-specialized kernel
 
 
 def gluon_unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -324,13 +347,16 @@ def _launch(
     b = block_table.shape[0]
     q_fp8 = q.dtype == FP8_E4M3
     kv_fp8 = k_cache.dtype == FP8_E4M3
+    sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
     if config is None:
-        config = prefill_config(
-            head_dim=d, group=group, max_seqlen_q=max_seqlen_q, q_dtype=q.dtype, kv_dtype=k_cache.dtype
-        )
+        # the heuristic: the Gluon kernel where it runs and is the faster one, else the tl kernel's tiles
+        config = prefill_config(head_dim=d, group=group, max_seqlen_q=max_seqlen_q, q_dtype=q.dtype,
+                                kv_dtype=k_cache.dtype, gluon=None, num_kv_heads=hkv, total_q=total_q)
+        if config.gluon is None and gluon_unsupported_reason(q, k_cache, v_cache, config, sm_scale, out) is not None:
+            config = prefill_config(head_dim=d, group=group, max_seqlen_q=max_seqlen_q, q_dtype=q.dtype,
+                                    kv_dtype=k_cache.dtype)
     if config.block_m < group:
         raise ValueError(f"PrefillConfig.block_m ({config.block_m}) must be >= the GQA group size ({group})")
-    sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
     use_gluon = False
     if config.gluon is not False:
         why = gluon_unsupported_reason(q, k_cache, v_cache, config, sm_scale, out)

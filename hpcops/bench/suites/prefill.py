@@ -15,7 +15,9 @@ h8/1 (one TP8 rank), head_dim 128, page 64, bf16 and fp8 KV. FLOPs are those of 
 With fp8 KV we time bf16 q (`hpcops`) and fp8 q with per-token-head scales (`hpcops-fp8q`), plus the
 variant `hpcops-quant-q` (bf16 q quantized per row inside the kernel, PrefillConfig(quant_q=True)).
 `hpcops-notma` (PrefillConfig(tma=False)) tracks the pointer path now that TMA is the default;
-`hpcops-gluon` (bf16, PrefillConfig(gluon=True)) the Hopper kernel in Gluon with its own tiles (`gluon_config`).
+with 16-bit q and KV the default (`hpcops`) takes the Hopper kernel in Gluon where `gluon_config` picks it (the
+warp-specialized FA3-style kernel at h64/8 from q1ks2k), and `hpcops-tl` (PrefillConfig(gluon=False)) times the
+`tl` kernel beside it.
 """
 
 from __future__ import annotations
@@ -310,11 +312,10 @@ def _check(x) -> None:
     _ours(False)(x)()
     rows, heads, want = _sampled_reference(x, x["q"], None)
     assert_close(want, x["out"][rows][:, heads], name="prefill bf16 q")
-    if "q8" not in x and x["q"].is_cuda and torch.cuda.get_device_capability(x["q"].device)[0] == 9:
-        # the Gluon variant's row is checked on the same sample (it runs on Hopper only)
-        for variant in ({"gluon": True}, {"gluon": True, "gluon_ws": True, "block_m": 128, "num_warps": 8}):
-            out = _ours(False, variant)(x)().clone()
-            assert_close(want, out[rows][:, heads], name=f"prefill bf16 q, {variant}")
+    if "q8" not in x:
+        # the tl kernel's row (the default takes the Gluon kernel on an H200) is checked on the same sample
+        out = _ours(False, {"gluon": False})(x)().clone()
+        assert_close(want, out[rows][:, heads], name="prefill bf16 q, tl kernel")
     if "q8" in x:
         _ours(True)(x)()
         rows, heads, want = _sampled_reference(x, x["q8"], x["q_scale"])
@@ -335,16 +336,9 @@ def cases(opts: dict) -> Iterator[Case]:
                         Impl("hpcops-quant-q", _ours(False, {"quant_q": True}), note="variant: bf16 q, quant_q=True")
                     )
                 if not fp8:
-                    # the Hopper kernel in Gluon (PrefillConfig.gluon, its heuristic tiles) beside the tl default
+                    # the tl kernel beside the default, which takes the Gluon kernel here on an H200 (gluon_config)
                     impls.append(
-                        Impl("hpcops-gluon", _ours(False, {"gluon": True}), note="variant: PrefillConfig(gluon=True)")
-                    )
-                    impls.append(
-                        Impl(
-                            "hpcops-gluon-ws",
-                            _ours(False, {"gluon": True, "gluon_ws": True, "block_m": 128, "num_warps": 8}),
-                            note="variant: PrefillConfig(gluon=True, gluon_ws=True), 128-row tiles",
-                        )
+                        Impl("hpcops-tl", _ours(False, {"gluon": False}), note="variant: PrefillConfig(gluon=False)")
                     )
                 # variants timed in the same run: the pointer path (TMA is the default where the layout allows)
                 impls.append(

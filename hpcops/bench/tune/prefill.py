@@ -121,7 +121,8 @@ class PrefillGluonTune(PrefillTune):
         from hpcops.attention.prefill import gluon_config
 
         return asdict(gluon_config(head_dim=suite.HEAD_DIM, group=c.s.hq // c.s.hkv,
-                                   max_seqlen_q=max(q for q, _ in c.s.reqs)))
+                                   max_seqlen_q=max(q for q, _ in c.s.reqs), num_kv_heads=c.s.hkv,
+                                   total_q=sum(q for q, _ in c.s.reqs)))
 
     def valid(self, c: PrefillCase, cand: Candidate) -> bool:
         from hpcops.attention.prefill import GLUON_SMEM_BYTES
