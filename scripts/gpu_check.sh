@@ -2,7 +2,7 @@
 # The GPU tier in one call on the H200 (through the device tool): tests + benchmarks + tuning.
 #   bash scripts/gpu_check.sh [STAGE ...]     stages: tests, tests:<paths>, bench:<suite>[,<suite>...],
 #                                             setup (the preamble alone), tune:<op>[,<op>...] (hpcops tune: decode, moe, moe-shapes, rope,
-#                                             prefill),
+#                                             prefill, prefill-gluon),
 #                                             ep2 (two-GPU expert parallelism, scripts/moe_ep2.py),
 #                                             profile:decode (ncu), profile:decode-kernels (per-kernel µs of a step),
 #                                             profile:moe (per-kernel µs, scripts/profile_moe.py;
@@ -64,7 +64,7 @@ for st in "${stages[@]}"; do
       # The smallest complete run of every GPU tool: `hpcops tune <op> --smoke` for every op, profile_decode.py.
       sm="$OUT/results/smoke"
       mkdir -p "$sm"
-      for s in decode decode-grid moe moe-shapes rope prefill; do
+      for s in decode decode-grid moe moe-shapes rope prefill prefill-gluon; do
         echo "== hpcops tune $s --smoke" | tee -a "$sm/smoke.log"
         timeout 300 python3 -m hpcops tune "$s" --smoke --out "$sm" --no-progress >> "$sm/smoke.log" 2>&1 \
           && echo "tune_$s: ok" | tee -a "$sm/smoke.log" || { echo "tune_$s: FAILED" | tee -a "$sm/smoke.log"; status=1; }

@@ -83,7 +83,7 @@ def test_smoke_stage_covers_every_gpu_script():
     assert "    tune:*)" in sh and 'python3 -m hpcops tune "$o" --out "$OUT/results"' in sh
 
 
-@pytest.mark.parametrize("op", ["decode", "decode-grid", "moe", "moe-shapes", "rope", "prefill"])
+@pytest.mark.parametrize("op", ["decode", "decode-grid", "moe", "moe-shapes", "rope", "prefill", "prefill-gluon"])
 def test_tune_has_a_smoke_run(op, capsys):
     """`hpcops tune OP --smoke` narrows the tune to one scenario, 2 candidates (listed with --dry-run, no GPU)."""
     from hpcops.cli import main

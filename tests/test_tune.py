@@ -492,7 +492,7 @@ def test_cli_usage(capsys, monkeypatch):
     assert ["task_cost=0"] in moves
     assert main(["tune", "rope", "--write"]) == 2
     assert "no tuned table" in capsys.readouterr().err
-    assert set(OPS) == {"moe", "moe-shapes", "decode", "decode-grid", "rope", "prefill"}
+    assert set(OPS) == {"moe", "moe-shapes", "decode", "decode-grid", "rope", "prefill", "prefill-gluon"}
     # decode-grid: the decode knobs over the grid's cases (no plan-launch moves), picked by name
     assert main(["tune", "decode-grid", "--dry-run", "--only", "p16", "--knobs", "lean_pages,lean_loop"]) == 0
     out = capsys.readouterr().out
