@@ -24,6 +24,7 @@ Exit status 1 when a launch differs. Needs no GPU; takes a few minutes (Triton c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import importlib
 import json
@@ -55,17 +56,29 @@ def _launch_tools():
     return mod
 
 
+@contextlib.contextmanager
+def _as_on_sm90():
+    """Within the block the Gluon device check (`decode._hopper`, which prefill's also asks) answers as on an
+    sm_90 GPU, so that the CPU records the launches an H200 makes. An older tree (`--against`) may predate it."""
+    from hpcops.attention import decode as dec
+
+    hopper = getattr(dec, "_hopper", None)
+    if hopper is not None:
+        dec._hopper = lambda device: None
+    try:
+        yield
+    finally:
+        if hopper is not None:
+            dec._hopper = hopper
+
+
 def _decode_runs(label):
     """The decode bench's rows as an H200 launches them: the plan told what the call takes (`plan_kernel`: an fp8
     q over fp8 KV takes the Gluon kernel there), the device checks answered as on sm_90."""
     import hpcops
-    from hpcops.attention import decode as dec
     from hpcops.bench.suites.decode import make_decode_inputs
 
-    hopper = getattr(dec, "_hopper", None)  # an older tree (`--against`) may predate it
-    if hopper is not None:
-        dec._hopper = lambda device: None
-    try:
+    with _as_on_sm90():
         for hq, hkv in ((8, 1), (64, 8)):
             for fp8 in (True, False):
                 x = make_decode_inputs([100, 300, 64, 1000], hq, hkv, fp8, 0, device="cpu")
@@ -83,9 +96,6 @@ def _decode_runs(label):
                     hpcops.decode_attention(q, x["k_cache"], x["v_cache"], x["block_table"], x["seq_lens"],
                                             plan=plan, schedule=sched, k_scale=x["k_scale"], v_scale=x["v_scale"],
                                             q_scale=qs, out=x["out"])
-    finally:
-        if hopper is not None:
-            dec._hopper = hopper
 
 
 def _moe_runs(label):
@@ -125,22 +135,14 @@ def _moe_runs(label):
 def _suite_runs(label, suite_name):
     """Our row of every case of a bench suite (its own scenarios and input builders, on the CPU), the device
     checks answered as on sm_90 (prefill's default takes the Gluon kernel there)."""
-    from hpcops.attention import decode as dec
-
     suite = importlib.import_module(f"hpcops.bench.suites.{suite_name}")
-    hopper = getattr(dec, "_hopper", None)
-    if hopper is not None:
-        dec._hopper = lambda device: None
-    try:
+    with _as_on_sm90():
         for case in suite.cases({}):
             x = case.make_inputs(0, "cpu")
             for impl in case.impls:
                 if impl.ours:
                     label(f"{case.name}:{impl.name}")
                     impl.prepare(x)()
-    finally:
-        if hopper is not None:
-            dec._hopper = hopper
 
 
 def _normalized_ptx(ptx: str) -> str:
