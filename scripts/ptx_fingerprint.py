@@ -146,11 +146,13 @@ def _suite_runs(label, suite_name):
 
 
 def _normalized_ptx(ptx: str) -> str:
+    """The PTX without its debug sections (DWARF `.b8` / `.b32` / `.b64` data, whose `$L__tmp` label numbers move
+    when a helper function is inlined elsewhere), comments, parameter declarations and names."""
     keep = []
     for line in ptx.splitlines():
         s = line.strip()
-        if ".param" in s or "debug" in s or s.startswith(("//", ".file", ".loc", "$L__", ".b8", ".b32", ".section",
-                                                           ".version", ".target", "}")):
+        if ".param" in s or "debug" in s or s.startswith(("//", ".file", ".loc", "$L__", ".b8", ".b32", ".b64",
+                                                           ".section", ".version", ".target", "}")):
             continue
         keep.append(line)
     return re.sub(r"\w+_param_\d+", "P", "\n".join(keep))
