@@ -24,16 +24,42 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
+    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-
-from hpcops.attention._decode_gluon import _issue_tile  # K/V TMA of one tile into a ring buffer (decode's)
 
 
 @gluon.jit
 def _add(a, b):
     return a + b
+
+
+@gluon.jit
+def _issue_kv(k_desc, v_desc, k_smem, v_smem, bars, bt_row, bt_width, num_blocks, tile, k_col, v_col, slot, ok,
+              PAGE: gl.constexpr, TILE: gl.constexpr, KV_BYTES: gl.constexpr):
+    """TMA of K and V tile `tile` (keys [tile·TILE, (tile+1)·TILE)) into buffer `slot`, nothing when not `ok`:
+    one box inside a page, or one [PAGE, D] box a page when pages are smaller than a tile. A page id outside
+    [0, num_blocks) points past the cache, where TMA fills zeros."""
+    bar = bars.index(slot)
+    mbarrier.expect(bar, KV_BYTES, pred=ok)
+    if PAGE >= TILE:
+        col = tile * TILE // PAGE
+        page = gl.load(bt_row + col, mask=ok & (col < bt_width), other=-1)
+        good = (page >= 0) & (page < num_blocks)
+        row0 = gl.where(good, page, num_blocks) * PAGE + (tile * TILE) % PAGE
+        tma.async_copy_global_to_shared(k_desc, [row0, k_col], bar, k_smem.index(slot), pred=ok)
+        tma.async_copy_global_to_shared(v_desc, [row0, v_col], bar, v_smem.index(slot), pred=ok)
+    else:
+        for sub in gl.static_range(TILE // PAGE):
+            col = tile * (TILE // PAGE) + sub
+            page = gl.load(bt_row + col, mask=ok & (col < bt_width), other=-1)
+            good = (page >= 0) & (page < num_blocks)
+            row0 = gl.where(good, page, num_blocks) * PAGE
+            tma.async_copy_global_to_shared(k_desc, [row0, k_col], bar, k_smem.index(slot).slice(sub * PAGE, PAGE),
+                                            pred=ok)
+            tma.async_copy_global_to_shared(v_desc, [row0, v_col], bar, v_smem.index(slot).slice(sub * PAGE, PAGE),
+                                            pred=ok)
 
 
 @gluon.jit
@@ -131,7 +157,7 @@ def prefill_gluon_kernel(
     k_col = kv_head * stride_kh
     v_col = kv_head * stride_vh
     for i0 in gl.static_range(STAGES):
-        _issue_tile(k_desc, v_desc, k_smem, v_smem, bars, bt_row, bt_width, num_blocks, i0, k_col, v_col, i0,
+        _issue_kv(k_desc, v_desc, k_smem, v_smem, bars, bt_row, bt_width, num_blocks, i0, k_col, v_col, i0,
                   i0 < n, PAGE, TILE, KV_BYTES)
 
     # the q tile (row r: token first_tok + r // G, head kv_head·G + r % G) into shared memory; padded rows 0
@@ -170,7 +196,7 @@ def prefill_gluon_kernel(
         p_next = gl.convert_layout(p_next.to(DT), p_layout)
         o, p = warpgroup_mma_wait(0, deps=[o_tok, p])
         # tile j's buffers are free: tile j + STAGES goes into them
-        _issue_tile(k_desc, v_desc, k_smem, v_smem, bars, bt_row, bt_width, num_blocks, j + STAGES, k_col, v_col,
+        _issue_kv(k_desc, v_desc, k_smem, v_smem, bars, bt_row, bt_width, num_blocks, j + STAGES, k_col, v_col,
                   slot, j + STAGES < n, PAGE, TILE, KV_BYTES)
         o = o * gl.convert_layout(alpha, rows_o)[:, None]
         p = p_next
@@ -211,7 +237,7 @@ def _ws_producer(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAG
         slot = j % STAGES
         # a buffer is free once both consumers released it (mbarriers start with phase 1 complete)
         mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)
-        _issue_tile(k_desc, v_desc, k_smem, v_smem, full, bt_row, bt_width, num_blocks, j, k_col, v_col, slot, True,
+        _issue_kv(k_desc, v_desc, k_smem, v_smem, full, bt_row, bt_width, num_blocks, j, k_col, v_col, slot, True,
                   PAGE, TILE, KV_BYTES)
 
 
