@@ -280,6 +280,23 @@ def sm90_resources(compiled) -> dict[str, int]:
             "wgmma": ptx.count("wgmma.mma_async"), "tma_loads": ptx.count("cp.async.bulk.tensor")}
 
 
+def sm90_build_in_subprocess(script: str, arg: Any, *, timeout: float = 600) -> dict:
+    """Run a compile-test `script` (`python -c script json(arg)`) in a fresh process without TRITON_INTERPRET (sm_90
+    builds need the real NVIDIA backend, not the interpreter the CPU tier runs under), with this checkout first on
+    the path; the JSON object on its last line of output. AssertionError with the tail of stderr when it fails."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    res = subprocess.run([sys.executable, "-c", script, json.dumps(arg)], capture_output=True, text=True, env=env,
+                         timeout=timeout)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
 def compile_gluon_sm90(fn, signature: dict[str, str], constexprs: dict[str, Any], *, num_warps: int = 4,
                        maxnreg: int | None = None):
     """`triton.compile` of a Gluon kernel for sm_90 from the CPU (it cannot run in the interpreter): `signature`

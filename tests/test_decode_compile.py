@@ -15,6 +15,8 @@ import textwrap
 
 import pytest
 
+from hpcops.testing import sm90_build_in_subprocess
+
 SCRIPT = textwrap.dedent(r"""
 import inspect, json, sys
 import triton
@@ -237,12 +239,7 @@ def test_gluon_decode_kernel_builds_for_sm90(name):
     programs beside it (the tl kernel takes 128–255). Built in a process without TRITON_INTERPRET."""
     pytest.importorskip("triton.backends.nvidia")
     kv, qd, d, nq, q_len, g, stages, page = GLUON_BUILDS[name][:8]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    res = subprocess.run([sys.executable, "-c", GLUON_BUILD, json.dumps(GLUON_BUILDS[name])], capture_output=True,
-                         text=True, env=env, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    r = json.loads(res.stdout.strip().splitlines()[-1])
+    r = sm90_build_in_subprocess(GLUON_BUILD, GLUON_BUILDS[name])
     print(name, r)
     k_steps = d // (32 if kv == "fp8" else 16)  # Sᵀ = K·qᵀ: one wgmma per K step
     pv = (d // 64) * 4  # Oᵀ += Vᵀ·Pᵀ: D/64 row blocks (4 warps × 16) × 64 keys / 16

@@ -14,6 +14,8 @@ import textwrap
 
 import pytest
 
+from hpcops.testing import sm90_build_in_subprocess
+
 SCRIPT = textwrap.dedent(r"""
 import inspect, json, re, sys, time
 import triton
@@ -178,12 +180,7 @@ def test_gluon_prefill_kernel_builds_for_sm90(name):
     loop, one refill in it; a box a page when pages are under a tile), shared memory within one SM's 227 KB."""
     pytest.importorskip("triton.backends.nvidia")
     d, g, bm, tile, page, stages, dt = GLUON_BUILDS[name]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    res = subprocess.run([sys.executable, "-c", GLUON_BUILD, json.dumps(GLUON_BUILDS[name])], capture_output=True,
-                         text=True, env=env, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    r = json.loads(res.stdout.strip().splitlines()[-1])
+    r = sm90_build_in_subprocess(GLUON_BUILD, GLUON_BUILDS[name])
     print(name, r)
     assert r["spill_bytes"] == 0 and 0 < r["registers"] <= 255, r
     # the first tile's S and the loop's (D/16 K steps each), the loop's P·V and the last tile's (block_n/16)
@@ -239,12 +236,7 @@ def test_gluon_ws_prefill_kernel_builds_for_sm90(name):
     consumers and 24 for the producer, and no CTA-wide barrier (the partitions meet on mbarriers only)."""
     pytest.importorskip("triton.backends.nvidia")
     d, g, tile, page, stages, dt = GLUON_WS_BUILDS[name]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    res = subprocess.run([sys.executable, "-c", GLUON_WS_BUILD, json.dumps(GLUON_WS_BUILDS[name])],
-                         capture_output=True, text=True, env=env, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    r = json.loads(res.stdout.strip().splitlines()[-1])
+    r = sm90_build_in_subprocess(GLUON_WS_BUILD, GLUON_WS_BUILDS[name])
     print(name, r)
     assert r["spill_bytes"] == 0, r
     assert r["wgmma"] == 2 * (2 * (d // 16) + 2 * (tile // 16)), r

@@ -1,7 +1,9 @@
 """Hopper prefill attention in Gluon (`triton.experimental.gluon`): the `tl` kernel's flat tile list and GQA
 packing, with K/V tiles by TMA on mbarriers and both GEMMs as asynchronous wgmma so that one tile's softmax runs
-while the tensor cores work on the neighbouring tile's P·V. Only @gluon.jit code lives here; `prefill.py`
-launches it (`PrefillConfig.gluon`). 16-bit q and KV only (the fp8 paths stay on the `tl` kernel).
+while the tensor cores work on the neighbouring tile's P·V. Two kernels share that loop (`_attend`):
+`prefill_gluon_kernel` (one program refills its own ring) and `prefill_gluon_ws_kernel` (warp-specialized: a TMA
+producer warp and two consumer warpgroups, below). Only @gluon.jit code lives here; `prefill.py` launches them
+(`PrefillConfig.gluon`, `gluon_ws`). 16-bit q and KV only (the fp8 paths stay on the `tl` kernel).
 
 Why (PREFILL.md, "Register use"): the `tl` kernel is held to 64×64 tiles on one warpgroup by its registers,
 and Triton 3.6's `tl.range(warp_specialize=True)` does nothing on sm_90, so its softmax never overlaps its own
@@ -24,10 +26,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+
+from hpcops.attention._decode_gluon import _issue_tile  # K/V TMA of one tile into a ring buffer (decode's)
 
 
 @gluon.jit
@@ -36,30 +39,29 @@ def _add(a, b):
 
 
 @gluon.jit
-def _issue_kv(k_desc, v_desc, k_smem, v_smem, bars, bt_row, bt_width, num_blocks, tile, k_col, v_col, slot, ok,
-              PAGE: gl.constexpr, TILE: gl.constexpr, KV_BYTES: gl.constexpr):
-    """TMA of K and V tile `tile` (keys [tile·TILE, (tile+1)·TILE)) into buffer `slot`, nothing when not `ok`:
-    one box inside a page, or one [PAGE, D] box a page when pages are smaller than a tile. A page id outside
-    [0, num_blocks) points past the cache, where TMA fills zeros."""
-    bar = bars.index(slot)
-    mbarrier.expect(bar, KV_BYTES, pred=ok)
-    if PAGE >= TILE:
-        col = tile * TILE // PAGE
-        page = gl.load(bt_row + col, mask=ok & (col < bt_width), other=-1)
-        good = (page >= 0) & (page < num_blocks)
-        row0 = gl.where(good, page, num_blocks) * PAGE + (tile * TILE) % PAGE
-        tma.async_copy_global_to_shared(k_desc, [row0, k_col], bar, k_smem.index(slot), pred=ok)
-        tma.async_copy_global_to_shared(v_desc, [row0, v_col], bar, v_smem.index(slot), pred=ok)
+def _tile_of(cu_seqlens_q_ptr, num_reqs, tiles_per_head, num_kv_heads, TOKENS: gl.constexpr, BLOCK_B: gl.constexpr,
+             HEADS_INNER: gl.constexpr, b_layout: gl.constexpr):
+    """This program's (kv head, request, q tile of the request, ok) from the flat tile list: request b owns tiles
+    [cum[b] − n[b], cum[b]) with n[b] = cdiv(q_len[b], TOKENS), its heaviest (last) tile first; ok is False for
+    the programs past Σ n[b] (the grid is a bound from host shapes)."""
+    pid = gl.program_id(0)
+    if HEADS_INNER:
+        kv_head = pid % num_kv_heads
+        tile = pid // num_kv_heads
     else:
-        for sub in gl.static_range(TILE // PAGE):
-            col = tile * (TILE // PAGE) + sub
-            page = gl.load(bt_row + col, mask=ok & (col < bt_width), other=-1)
-            good = (page >= 0) & (page < num_blocks)
-            row0 = gl.where(good, page, num_blocks) * PAGE
-            tma.async_copy_global_to_shared(k_desc, [row0, k_col], bar, k_smem.index(slot).slice(sub * PAGE, PAGE),
-                                            pred=ok)
-            tma.async_copy_global_to_shared(v_desc, [row0, v_col], bar, v_smem.index(slot).slice(sub * PAGE, PAGE),
-                                            pred=ok)
+        kv_head = pid // tiles_per_head
+        tile = pid % tiles_per_head
+    offs_b = gl.arange(0, BLOCK_B, layout=b_layout)
+    b_ok = offs_b < num_reqs
+    q_lo = gl.load(cu_seqlens_q_ptr + offs_b, mask=b_ok, other=0)
+    q_hi = gl.load(cu_seqlens_q_ptr + offs_b + 1, mask=b_ok, other=0)
+    n_tiles = (q_hi - q_lo + TOKENS - 1) // TOKENS
+    cum = gl.associative_scan(n_tiles, 0, _add)
+    req = gl.sum((cum <= tile).to(gl.int32), axis=0)
+    sel = offs_b == req
+    req_tiles = gl.sum(gl.where(sel, n_tiles, 0), axis=0)
+    req_first = gl.sum(gl.where(sel, cum, 0), axis=0) - req_tiles
+    return kv_head, req, req_tiles - 1 - (tile - req_first), tile < gl.sum(n_tiles, axis=0)
 
 
 @gluon.jit
@@ -88,6 +90,90 @@ def _zero_v_tail(v_buf, tile, seq_len, TILE: gl.constexpr, ld_layout: gl.constex
 
 
 @gluon.jit
+def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, turn, bt_row, bt_width, num_blocks,
+            k_col, v_col, n, q_start, q_len, first_tok, ctx_len, seq_len, kv_head, c, stride_qt, stride_qh,
+            stride_ot, stride_oh, ROW0: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr, D: gl.constexpr,
+            G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, WS: gl.constexpr,
+            WG: gl.constexpr):
+    """Rows [ROW0, ROW0 + ROWS) of the q tile (row r: token first_tok + r // G, head kv_head·G + r % G) over the
+    request's first n K/V tiles, on WARPS warps (16 rows a warp), into `out`. The tiles arrive in the STAGES-deep
+    ring on `full`. Not WS: this routine refills the ring (tile j + STAGES once tile j is done). WS (consumer
+    warpgroup WG of the specialized kernel): it releases buffers on `empty` for the producer, and issues its
+    wgmmas in its turn (`turn[WG]`, then passes the turn on)."""
+    DT: gl.constexpr = k_desc.dtype
+    KV_BYTES: gl.constexpr = 2 * TILE * D * DT.primitive_bitwidth // 8
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                       instr_shape=[16, TILE, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                       instr_shape=[16, D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    ld_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
+                                               warps_per_cta=[WARPS, 1], order=[1, 0])
+    rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    # the q rows into shared memory; rows past q_len are 0
+    rq = ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, ld_layout))
+    dq = gl.arange(0, D, layout=gl.SliceLayout(0, ld_layout))
+    tok_q = first_tok + rq // G
+    q_rows = (q_start + tok_q).to(gl.int64) * stride_qt + (kv_head * G + rq % G).to(gl.int64) * stride_qh
+    q_buf.store(gl.load(q_ptr + q_rows[:, None] + dq[None, :], mask=(tok_q < q_len)[:, None] & (dq < D)[None, :],
+                        other=0.0))
+    fence_async_shared()
+
+    r_s = ROW0 + gl.arange(0, ROWS, layout=rows_s)
+    keys = gl.arange(0, TILE, layout=gl.SliceLayout(0, s_layout))
+    kv_limit = ctx_len + gl.minimum(first_tok + r_s // G, q_len - 1)  # the last key row r sees
+    full_end = (ctx_len + first_tok + ROW0 // G + 1) // TILE  # tiles all these rows see entirely: no mask
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=rows_s)
+    l_i = gl.zeros([ROWS], gl.float32, layout=rows_s)
+    o = gl.zeros([ROWS, D], gl.float32, layout=o_layout)
+
+    # tile 0: its scores and probabilities before the loop
+    mbarrier.wait(full.index(0), 0)
+    s = warpgroup_mma(q_buf, k_smem.index(0).permute((1, 0)), gl.zeros([ROWS, TILE], gl.float32, layout=s_layout),
+                      use_acc=False)
+    p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, c, 0, kv_limit, keys, full_end == 0)
+    p = gl.convert_layout(p.to(DT), p_layout)
+    for j in range(n - 1):
+        slot = j % STAGES
+        nxt = (j + 1) % STAGES
+        _zero_v_tail(v_smem.index(slot), j, seq_len, TILE, ld_layout)
+        mbarrier.wait(full.index(nxt), ((j + 1) // STAGES) & 1)
+        if WS:  # my turn at the tensor cores: warpgroup 0 first (its first wait passes on the initial phase)
+            mbarrier.wait(turn.index(WG), (j & 1) ^ (1 - WG))
+        s_tok = warpgroup_mma(q_buf, k_smem.index(nxt).permute((1, 0)),
+                              gl.zeros([ROWS, TILE], gl.float32, layout=s_layout), use_acc=False, is_async=True)
+        o_tok = warpgroup_mma(p, v_smem.index(slot), o, is_async=True)
+        if WS:
+            mbarrier.arrive(turn.index(1 - WG), count=1)
+        s = warpgroup_mma_wait(1, deps=[s_tok])  # S_{j+1} done, P_j·V_j may still run
+        p_next, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, c, (j + 1) * TILE, kv_limit, keys, j + 1 >= full_end)
+        p_next = gl.convert_layout(p_next.to(DT), p_layout)
+        o, p = warpgroup_mma_wait(0, deps=[o_tok, p])
+        # tile j's buffers are free
+        if WS:
+            mbarrier.arrive(empty.index(slot), count=1)
+        else:
+            _issue_tile(k_desc, v_desc, k_smem, v_smem, full, bt_row, bt_width, num_blocks, j + STAGES, k_col, v_col,
+                        slot, j + STAGES < n, PAGE, TILE, KV_BYTES)
+        o = o * gl.convert_layout(alpha, rows_o)[:, None]
+        p = p_next
+    last = (n - 1) % STAGES
+    _zero_v_tail(v_smem.index(last), n - 1, seq_len, TILE, ld_layout)
+    o = warpgroup_mma(p, v_smem.index(last), o)
+
+    l_o = gl.convert_layout(l_i, rows_o)
+    o = o / gl.where(l_o > 0.0, l_o, 1.0)[:, None]
+    r_o = ROW0 + gl.arange(0, ROWS, layout=rows_o)
+    d_o = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+    tok_o = first_tok + r_o // G
+    o_rows = (q_start + tok_o).to(gl.int64) * stride_ot + (kv_head * G + r_o % G).to(gl.int64) * stride_oh
+    gl.store(out_ptr + o_rows[:, None] + d_o[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=(tok_o < q_len)[:, None] & (d_o < D)[None, :])
+
+
+@gluon.jit
 def prefill_gluon_kernel(
     q_ptr, k_desc, v_desc, bt_ptr, seq_lens_ptr, cu_seqlens_q_ptr, out_ptr, sm_scale_log2,
     num_reqs, tiles_per_head, num_kv_heads, bt_width, num_blocks,
@@ -100,54 +186,21 @@ def prefill_gluon_kernel(
     TOKENS: gl.constexpr = BLOCK_M // G
     DT: gl.constexpr = k_desc.dtype
     KV_BYTES: gl.constexpr = 2 * TILE * D * DT.primitive_bitwidth // 8
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, TILE, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, D, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    ld_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
-                                               warps_per_cta=[num_warps, 1], order=[1, 0])
-    q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], DT)
-    rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    keys_s: gl.constexpr = gl.SliceLayout(0, s_layout)
-    rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    cols_o: gl.constexpr = gl.SliceLayout(0, o_layout)
     b_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32],
                                               warps_per_cta=[num_warps], order=[0])
-
-    pid = gl.program_id(0)
-    if HEADS_INNER:
-        kv_head = pid % num_kv_heads
-        tile = pid // num_kv_heads
-    else:
-        kv_head = pid // tiles_per_head
-        tile = pid % tiles_per_head
-
-    # the flat tile list: request b owns tiles [cum[b] − n[b], cum[b]), n[b] = cdiv(q_len[b], TOKENS)
-    offs_b = gl.arange(0, BLOCK_B, layout=b_layout)
-    b_ok = offs_b < num_reqs
-    q_lo = gl.load(cu_seqlens_q_ptr + offs_b, mask=b_ok, other=0)
-    q_hi = gl.load(cu_seqlens_q_ptr + offs_b + 1, mask=b_ok, other=0)
-    n_tiles = (q_hi - q_lo + TOKENS - 1) // TOKENS
-    cum = gl.associative_scan(n_tiles, 0, _add)
-    if tile >= gl.sum(n_tiles, axis=0):
+    kv_head, req, m_blk, ok = _tile_of(cu_seqlens_q_ptr, num_reqs, tiles_per_head, num_kv_heads, TOKENS, BLOCK_B,
+                                       HEADS_INNER, b_layout)
+    if not ok:
         return
-    req = gl.sum((cum <= tile).to(gl.int32), axis=0)
-    sel = offs_b == req
-    req_tiles = gl.sum(gl.where(sel, n_tiles, 0), axis=0)
-    req_first = gl.sum(gl.where(sel, cum, 0), axis=0) - req_tiles
-    m_blk = req_tiles - 1 - (tile - req_first)  # the heaviest (last) tile of a request first
-
     q_start = gl.load(cu_seqlens_q_ptr + req)
     q_len = gl.load(cu_seqlens_q_ptr + req + 1) - q_start
     seq_len = gl.load(seq_lens_ptr + req)
     ctx_len = seq_len - q_len
     first_tok = m_blk * TOKENS
     last_tok = gl.minimum(first_tok + TOKENS, q_len) - 1
-    full_end = (ctx_len + first_tok + 1) // TILE  # tiles every row sees entirely: no mask
     n = (ctx_len + last_tok + TILE) // TILE  # tiles up to the last row's diagonal
 
-    q_smem = gl.allocate_shared_memory(DT, [BLOCK_M, D], q_smem_layout)
+    q_smem = gl.allocate_shared_memory(DT, [BLOCK_M, D], gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], DT))
     k_smem = gl.allocate_shared_memory(DT, [STAGES, TILE, D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(DT, [STAGES, TILE, D], v_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -157,73 +210,22 @@ def prefill_gluon_kernel(
     k_col = kv_head * stride_kh
     v_col = kv_head * stride_vh
     for i0 in gl.static_range(STAGES):
-        _issue_kv(k_desc, v_desc, k_smem, v_smem, bars, bt_row, bt_width, num_blocks, i0, k_col, v_col, i0,
-                  i0 < n, PAGE, TILE, KV_BYTES)
-
-    # the q tile (row r: token first_tok + r // G, head kv_head·G + r % G) into shared memory; padded rows 0
-    rq = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld_layout))
-    dq = gl.arange(0, D, layout=gl.SliceLayout(0, ld_layout))
-    tok_q = first_tok + rq // G
-    q_rows = (q_start + tok_q).to(gl.int64) * stride_qt + (kv_head * G + rq % G).to(gl.int64) * stride_qh
-    q_ok = (tok_q < q_len)[:, None] & (dq < D)[None, :]
-    q_smem.store(gl.load(q_ptr + q_rows[:, None] + dq[None, :], mask=q_ok, other=0.0))
-    fence_async_shared()
-
-    r_s = gl.arange(0, BLOCK_M, layout=rows_s)
-    keys = gl.arange(0, TILE, layout=keys_s)
-    kv_limit = ctx_len + gl.minimum(first_tok + r_s // G, q_len - 1)  # the last key row r sees
-    c = sm_scale_log2
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=rows_s)
-    l_i = gl.zeros([BLOCK_M], gl.float32, layout=rows_s)
-    o = gl.zeros([BLOCK_M, D], gl.float32, layout=o_layout)
-
-    # tile 0: its scores and probabilities before the loop
-    mbarrier.wait(bars.index(0), phase=0)
-    s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), gl.zeros([BLOCK_M, TILE], gl.float32, layout=s_layout),
-                      use_acc=False)
-    p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, c, 0, kv_limit, keys, full_end == 0)
-    p = gl.convert_layout(p.to(DT), p_layout)
-    for j in range(n - 1):
-        slot = j % STAGES
-        nxt = (j + 1) % STAGES
-        _zero_v_tail(v_smem.index(slot), j, seq_len, TILE, ld_layout)
-        mbarrier.wait(bars.index(nxt), phase=((j + 1) // STAGES) & 1)
-        s_tok = warpgroup_mma(q_smem, k_smem.index(nxt).permute((1, 0)),
-                              gl.zeros([BLOCK_M, TILE], gl.float32, layout=s_layout), use_acc=False, is_async=True)
-        o_tok = warpgroup_mma(p, v_smem.index(slot), o, is_async=True)
-        s = warpgroup_mma_wait(1, deps=[s_tok])  # S_{j+1} done, P_j·V_j may still run
-        p_next, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, c, (j + 1) * TILE, kv_limit, keys, j + 1 >= full_end)
-        p_next = gl.convert_layout(p_next.to(DT), p_layout)
-        o, p = warpgroup_mma_wait(0, deps=[o_tok, p])
-        # tile j's buffers are free: tile j + STAGES goes into them
-        _issue_kv(k_desc, v_desc, k_smem, v_smem, bars, bt_row, bt_width, num_blocks, j + STAGES, k_col, v_col,
-                  slot, j + STAGES < n, PAGE, TILE, KV_BYTES)
-        o = o * gl.convert_layout(alpha, rows_o)[:, None]
-        p = p_next
-    last = (n - 1) % STAGES
-    _zero_v_tail(v_smem.index(last), n - 1, seq_len, TILE, ld_layout)
-    o = warpgroup_mma(p, v_smem.index(last), o)
+        _issue_tile(k_desc, v_desc, k_smem, v_smem, bars, bt_row, bt_width, num_blocks, i0, k_col, v_col, i0,
+                    i0 < n, PAGE, TILE, KV_BYTES)
+    _attend(q_ptr, out_ptr, k_desc, v_desc, q_smem, k_smem, v_smem, bars, bars, bars, bt_row, bt_width, num_blocks,
+            k_col, v_col, n, q_start, q_len, first_tok, ctx_len, seq_len, kv_head, sm_scale_log2, stride_qt,
+            stride_qh, stride_ot, stride_oh, 0, BLOCK_M, num_warps, D, G, TILE, PAGE, STAGES, False, 0)
     for ib in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(ib))
-
-    l_o = gl.convert_layout(l_i, rows_o)
-    o = o / gl.where(l_o > 0.0, l_o, 1.0)[:, None]
-    r_o = gl.arange(0, BLOCK_M, layout=rows_o)
-    d_o = gl.arange(0, D, layout=cols_o)
-    tok_o = first_tok + r_o // G
-    o_rows = (q_start + tok_o).to(gl.int64) * stride_ot + (kv_head * G + r_o % G).to(gl.int64) * stride_oh
-    gl.store(out_ptr + o_rows[:, None] + d_o[None, :], o.to(out_ptr.dtype.element_ty),
-             mask=(tok_o < q_len)[:, None] & (d_o < D)[None, :])
 
 
 # ---- warp-specialized variant (PrefillConfig.gluon_ws): a TMA producer warp and two consumer warpgroups ----------
 # FA3's structure: one producer warp fills the K/V ring (`full` barriers, expect-tx) and waits until both consumers
 # have released a buffer (`empty`, two arrivals); each consumer warpgroup owns 64 rows of the 128-row q tile and runs
-# the loop above on its own registers, and the two take turns issuing their wgmmas (`turn` barriers, ping-pong), so
+# `_attend` on its own registers, and the two take turns issuing their wgmmas (`turn` barriers, ping-pong), so
 # that one's softmax runs while the other's GEMMs hold the tensor cores. Partitions synchronize only through
 # mbarriers: no CTA-wide bar.sync in the loop (the non-specialized kernel has one before every mbarrier wait, which
 # keeps its two warpgroups in lock step, softmax against softmax).
-
 
 
 @gluon.jit
@@ -237,8 +239,8 @@ def _ws_producer(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAG
         slot = j % STAGES
         # a buffer is free once both consumers released it (mbarriers start with phase 1 complete)
         mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)
-        _issue_kv(k_desc, v_desc, k_smem, v_smem, full, bt_row, bt_width, num_blocks, j, k_col, v_col, slot, True,
-                  PAGE, TILE, KV_BYTES)
+        _issue_tile(k_desc, v_desc, k_smem, v_smem, full, bt_row, bt_width, num_blocks, j, k_col, v_col, slot, True,
+                    PAGE, TILE, KV_BYTES)
 
 
 @gluon.jit
@@ -247,70 +249,9 @@ def _ws_consume(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE
     (q_ptr, out_ptr, k_desc, v_desc, q_smem, k_smem, v_smem, full, empty, turn, bt_row, bt_width, num_blocks, k_col,
      v_col, n, q_start, q_len, first_tok, ctx_len, seq_len, kv_head, c, stride_qt, stride_qh, stride_ot,
      stride_oh) = args
-    ROWS: gl.constexpr = 64  # q rows a consumer warpgroup
-    DT: gl.constexpr = k_desc.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, TILE, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    ld_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
-                                               order=[1, 0])
-    rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    q_buf = q_smem.index(WG)
-
-    # this warpgroup's 64 q rows (row r of the tile: token first_tok + r // G, head kv_head·G + r % G)
-    rq = WG * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, ld_layout))
-    dq = gl.arange(0, D, layout=gl.SliceLayout(0, ld_layout))
-    tok_q = first_tok + rq // G
-    q_rows = (q_start + tok_q).to(gl.int64) * stride_qt + (kv_head * G + rq % G).to(gl.int64) * stride_qh
-    q_buf.store(gl.load(q_ptr + q_rows[:, None] + dq[None, :], mask=(tok_q < q_len)[:, None] & (dq < D)[None, :],
-                        other=0.0))
-    fence_async_shared()
-
-    r_s = WG * ROWS + gl.arange(0, ROWS, layout=rows_s)
-    keys = gl.arange(0, TILE, layout=gl.SliceLayout(0, s_layout))
-    kv_limit = ctx_len + gl.minimum(first_tok + r_s // G, q_len - 1)
-    full_end = (ctx_len + first_tok + WG * ROWS // G + 1) // TILE  # tiles all of this warpgroup's rows see
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=rows_s)
-    l_i = gl.zeros([ROWS], gl.float32, layout=rows_s)
-    o = gl.zeros([ROWS, D], gl.float32, layout=o_layout)
-
-    mbarrier.wait(full.index(0), 0)
-    s = warpgroup_mma(q_buf, k_smem.index(0).permute((1, 0)), gl.zeros([ROWS, TILE], gl.float32, layout=s_layout),
-                      use_acc=False)
-    p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, c, 0, kv_limit, keys, full_end == 0)
-    p = gl.convert_layout(p.to(DT), p_layout)
-    for j in range(n - 1):
-        slot = j % STAGES
-        nxt = (j + 1) % STAGES
-        _zero_v_tail(v_smem.index(slot), j, seq_len, TILE, ld_layout)
-        mbarrier.wait(full.index(nxt), ((j + 1) // STAGES) & 1)
-        # my turn at the tensor cores: warpgroup 0 first (its first wait passes on the initial phase)
-        mbarrier.wait(turn.index(WG), (j & 1) ^ (1 - WG))
-        s_tok = warpgroup_mma(q_buf, k_smem.index(nxt).permute((1, 0)),
-                              gl.zeros([ROWS, TILE], gl.float32, layout=s_layout), use_acc=False, is_async=True)
-        o_tok = warpgroup_mma(p, v_smem.index(slot), o, is_async=True)
-        mbarrier.arrive(turn.index(1 - WG), count=1)
-        s = warpgroup_mma_wait(1, deps=[s_tok])
-        p_next, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, c, (j + 1) * TILE, kv_limit, keys, j + 1 >= full_end)
-        p_next = gl.convert_layout(p_next.to(DT), p_layout)
-        o, p = warpgroup_mma_wait(0, deps=[o_tok, p])
-        mbarrier.arrive(empty.index(slot), count=1)
-        o = o * gl.convert_layout(alpha, rows_o)[:, None]
-        p = p_next
-    last = (n - 1) % STAGES
-    _zero_v_tail(v_smem.index(last), n - 1, seq_len, TILE, ld_layout)
-    o = warpgroup_mma(p, v_smem.index(last), o)
-
-    l_o = gl.convert_layout(l_i, rows_o)
-    o = o / gl.where(l_o > 0.0, l_o, 1.0)[:, None]
-    r_o = WG * ROWS + gl.arange(0, ROWS, layout=rows_o)
-    d_o = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-    tok_o = first_tok + r_o // G
-    o_rows = (q_start + tok_o).to(gl.int64) * stride_ot + (kv_head * G + r_o % G).to(gl.int64) * stride_oh
-    gl.store(out_ptr + o_rows[:, None] + d_o[None, :], o.to(out_ptr.dtype.element_ty),
-             mask=(tok_o < q_len)[:, None] & (d_o < D)[None, :])
+    _attend(q_ptr, out_ptr, k_desc, v_desc, q_smem.index(WG), k_smem, v_smem, full, empty, turn, bt_row, bt_width,
+            num_blocks, k_col, v_col, n, q_start, q_len, first_tok, ctx_len, seq_len, kv_head, c, stride_qt,
+            stride_qh, stride_ot, stride_oh, WG * 64, 64, 4, D, G, TILE, PAGE, STAGES, True, WG)
 
 
 @gluon.jit
@@ -343,26 +284,10 @@ def prefill_gluon_ws_kernel(
     DT: gl.constexpr = k_desc.dtype
     b_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[num_warps],
                                               order=[0])
-    pid = gl.program_id(0)
-    if HEADS_INNER:
-        kv_head = pid % num_kv_heads
-        tile = pid // num_kv_heads
-    else:
-        kv_head = pid // tiles_per_head
-        tile = pid % tiles_per_head
-    offs_b = gl.arange(0, BLOCK_B, layout=b_layout)
-    b_ok = offs_b < num_reqs
-    q_lo = gl.load(cu_seqlens_q_ptr + offs_b, mask=b_ok, other=0)
-    q_hi = gl.load(cu_seqlens_q_ptr + offs_b + 1, mask=b_ok, other=0)
-    n_tiles = (q_hi - q_lo + TOKENS - 1) // TOKENS
-    cum = gl.associative_scan(n_tiles, 0, _add)
-    if tile >= gl.sum(n_tiles, axis=0):
+    kv_head, req, m_blk, ok = _tile_of(cu_seqlens_q_ptr, num_reqs, tiles_per_head, num_kv_heads, TOKENS, BLOCK_B,
+                                       HEADS_INNER, b_layout)
+    if not ok:
         return
-    req = gl.sum((cum <= tile).to(gl.int32), axis=0)
-    sel = offs_b == req
-    req_tiles = gl.sum(gl.where(sel, n_tiles, 0), axis=0)
-    req_first = gl.sum(gl.where(sel, cum, 0), axis=0) - req_tiles
-    m_blk = req_tiles - 1 - (tile - req_first)
     q_start = gl.load(cu_seqlens_q_ptr + req)
     q_len = gl.load(cu_seqlens_q_ptr + req + 1) - q_start
     seq_len = gl.load(seq_lens_ptr + req)

@@ -265,8 +265,6 @@ def _use_tma(k_cache: torch.Tensor, v_cache: torch.Tensor, config: PrefillConfig
     return False
 
 
-
-
 def gluon_unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              config: PrefillConfig, scale: float, out: torch.Tensor | None = None) -> str | None:
     """Why the Gluon prefill kernel (`PrefillConfig.gluon`) cannot serve this call (None: it can)."""
