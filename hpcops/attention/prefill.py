@@ -134,6 +134,11 @@ GLUON_FEW_TILES = 96  # fewer 128-row tiles than this (of an H200's 132 SMs) run
 GLUON_MIN_Q = 512  # up to this q_len with many tiles the heuristic keeps the tl kernel (faster at h64/8 q512)
 
 
+def gluon_smem_bytes(block_m: int, block_n: int, stages: int, head_dim: int, elem_bytes: int = 2) -> int:
+    """Shared memory of a Gluon prefill program: its q tile and `stages` K/V buffer pairs."""
+    return (block_m + 2 * stages * block_n) * head_dim * elem_bytes
+
+
 def gluon_config(*, head_dim: int, group: int, max_seqlen_q: int, num_kv_heads: int | None = None,
                  total_q: int | None = None, gluon: bool | None = True) -> PrefillConfig | None:
     """The Gluon kernel's tiles (`PrefillConfig.gluon`), from the H200 sweep (`bench/results/prefill-gluon_tune.md`):
@@ -152,7 +157,7 @@ def gluon_config(*, head_dim: int, group: int, max_seqlen_q: int, num_kv_heads: 
         return None
     block_m = 64 if few else 128
     block_n = 128 if head_dim <= 128 else 64
-    stages = 3 if (block_m + 6 * block_n) * head_dim * 2 <= GLUON_SMEM_BYTES else 2
+    stages = 3 if gluon_smem_bytes(block_m, block_n, 3, head_dim) <= GLUON_SMEM_BYTES else 2
     return PrefillConfig(block_m=block_m, block_n=block_n, num_warps=block_m // 16, num_stages=stages,
                          heads_inner=True, gluon=gluon, gluon_ws=block_m == 128)
 
@@ -290,7 +295,7 @@ def gluon_unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         return f"block_n {bn} / num_stages {config.num_stages} (at most 256 keys a tile, two buffers at least)"
     if page < bn and (page < 8 or bn % page):
         return f"block_size {page} (pages under block_n {bn} must divide it, 8 tokens at least)"
-    smem = (bm + 2 * config.num_stages * bn) * d * q.element_size()
+    smem = gluon_smem_bytes(bm, bn, config.num_stages, d, q.element_size())
     if smem > GLUON_SMEM_BYTES:
         return f"{smem} bytes of shared memory for q and {config.num_stages} K/V buffers (at most {GLUON_SMEM_BYTES})"
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -346,21 +351,23 @@ def _launch(
     q_fp8 = q.dtype == FP8_E4M3
     kv_fp8 = k_cache.dtype == FP8_E4M3
     sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
+    why = "not asked for"  # why the Gluon kernel does not run (None: it does)
     if config is None:
         # the heuristic: the Gluon kernel where it runs and is the faster one, else the tl kernel's tiles
         config = prefill_config(head_dim=d, group=group, max_seqlen_q=max_seqlen_q, q_dtype=q.dtype,
                                 kv_dtype=k_cache.dtype, gluon=None, num_kv_heads=hkv, total_q=total_q)
-        if config.gluon is None and gluon_unsupported_reason(q, k_cache, v_cache, config, sm_scale, out) is not None:
-            config = prefill_config(head_dim=d, group=group, max_seqlen_q=max_seqlen_q, q_dtype=q.dtype,
-                                    kv_dtype=k_cache.dtype)
-    if config.block_m < group:
-        raise ValueError(f"PrefillConfig.block_m ({config.block_m}) must be >= the GQA group size ({group})")
-    use_gluon = False
-    if config.gluon is not False:
+        if config.gluon is None:
+            why = gluon_unsupported_reason(q, k_cache, v_cache, config, sm_scale, out)
+            if why is not None:
+                config = prefill_config(head_dim=d, group=group, max_seqlen_q=max_seqlen_q, q_dtype=q.dtype,
+                                        kv_dtype=k_cache.dtype)
+    elif config.gluon is not False:
         why = gluon_unsupported_reason(q, k_cache, v_cache, config, sm_scale, out)
         if why is not None and config.gluon:
             raise ValueError(f"PrefillConfig(gluon=True) cannot serve this call: {why}")
-        use_gluon = why is None
+    if config.block_m < group:
+        raise ValueError(f"PrefillConfig.block_m ({config.block_m}) must be >= the GQA group size ({group})")
+    use_gluon = why is None
     # after every argument check: whether the kernels can run where the tensors are
     check_kernel_device("q", q)
     if total_q == 0 or b == 0:
@@ -540,6 +547,7 @@ prefill_attention_op = register(
 __all__ = [
     "PrefillConfig",
     "gluon_config",
+    "gluon_smem_bytes",
     "gluon_unsupported_reason",
     "prefill_attention",
     "prefill_config",

@@ -125,9 +125,9 @@ class PrefillGluonTune(PrefillTune):
                                    total_q=sum(q for q, _ in c.s.reqs)))
 
     def valid(self, c: PrefillCase, cand: Candidate) -> bool:
-        from hpcops.attention.prefill import GLUON_SMEM_BYTES
+        from hpcops.attention.prefill import GLUON_SMEM_BYTES, gluon_smem_bytes
 
-        smem = (cand["block_m"] + 2 * cand["num_stages"] * cand["block_n"]) * suite.HEAD_DIM * 2
+        smem = gluon_smem_bytes(cand["block_m"], cand["block_n"], cand["num_stages"], suite.HEAD_DIM)
         ws_ok = not cand["gluon_ws"] or cand["block_m"] == 128  # two consumer warpgroups of 64 rows
         return smem <= GLUON_SMEM_BYTES and cand["block_m"] >= c.s.hq // c.s.hkv and ws_ok
 
