@@ -178,7 +178,8 @@ def _inputs(case: Case, device: str, seed: int = 0):
 
 
 def _tolerance(case: Case) -> dict:
-    if case.config is not None and case.config.pv_fp8 and (case.q_fp8 or case.config.quant_q):
+    gluon_fp8 = case.config is not None and case.config.gluon_ws and case.q_fp8
+    if gluon_fp8 or (case.config is not None and case.config.pv_fp8 and (case.q_fp8 or case.config.quant_q)):
         # P is rounded to e4m3 (3 mantissa bits) before P·V: ~2^-5 relative error per weight
         return {"maxtol": 6e-2, "rmstol": 3e-2}  # measured 1.8e-2 / 1.6e-2 on the CPU case
     if case.config is not None and case.config.quant_q and not case.q_fp8:
@@ -315,6 +316,8 @@ def test_gluon_config_and_reasons(monkeypatch):
     page16 = make_paged_kv([300], num_kv_heads=2, head_dim=128, block_size=16, dtype=bf16, device="cpu")
     page4 = make_paged_kv([300], num_kv_heads=2, head_dim=128, block_size=4, dtype=bf16, device="cpu")
     hnd = torch.zeros(kv.k_cache.shape[0], 2, 64, 128, dtype=bf16).transpose(1, 2)  # [blocks, heads, slots, D]
+    q8 = q.to(FP8)
+    fp8kv256 = make_paged_kv([300], num_kv_heads=2, head_dim=256, block_size=64, dtype=FP8, device="cpu")
     rep = dataclasses.replace
     for why, args in [
         ("16-bit q", (q, fp8kv.k_cache, fp8kv.v_cache, cfg, 0.1)),
@@ -328,12 +331,18 @@ def test_gluon_config_and_reasons(monkeypatch):
         ("block_size 4", (q, page4.k_cache, page4.v_cache, cfg, 0.1)),
         ("shared memory", (q, kv.k_cache, kv.v_cache, rep(cfg, num_stages=4), 0.1)),
         ("gluon_ws with block_m 64", (q, kv.k_cache, kv.v_cache, rep(cfg, block_m=64, num_warps=4), 0.1)),
+        ("warp-specialized kernel only", (q8, fp8kv.k_cache, fp8kv.v_cache, rep(cfg, gluon_ws=False, block_m=64,
+                                                                                num_warps=4), 0.1)),
+        ("a multiple of 32", (q8, fp8kv.k_cache, fp8kv.v_cache, rep(cfg, block_n=16), 0.1)),
+        ("head_dim 256 with fp8", (torch.zeros(300, 16, 256, dtype=FP8), fp8kv256.k_cache, fp8kv256.v_cache,
+                                   rep(cfg, block_n=64), 0.1)),
         ("q is not contiguous", (torch.zeros(300, 16, 256, dtype=bf16)[..., ::2], kv.k_cache, kv.v_cache, cfg, 0.1)),
         ("k_cache: blocks are not back to back", (q, hnd, kv.v_cache, cfg, 0.1)),
     ]:
         got = gluon_unsupported_reason(*args)
         assert got is not None and why in got, (why, got)
     assert gluon_unsupported_reason(q, page16.k_cache, page16.v_cache, cfg, 0.1) is None  # a TMA box a page
+    assert gluon_unsupported_reason(q8, fp8kv.k_cache, fp8kv.v_cache, cfg, 0.1) is None  # fp8 on the WS kernel
     assert "out is not contiguous" in gluon_unsupported_reason(q, kv.k_cache, kv.v_cache, cfg, 0.1,
                                                              torch.zeros(300, 16, 256, dtype=bf16)[..., ::2])
 
@@ -598,6 +607,12 @@ GLUON_CASES = [
     _gluon("gluon-ws-d64-gqa3-page32-fp16", [777, 129], [777, 64], hq=12, hkv=4, head_dim=64, block_size=32,
            q_dtype=torch.float16, kv_dtype=torch.float16, ws=True),
     _gluon("gluon-ws-d256", [513, 2000], [513, 100], hq=8, hkv=2, head_dim=256, block_n=64, ws=True),
+    # fp8 q over fp8 KV on the warp-specialized kernel (opt-in): fp8 QKᵀ and P·V, e4m3(P·256)
+    _gluon("gluon-ws-fp8-q2k-h64/8", [2048], [2048], ws=True, kv_dtype=FP8, q_fp8=True, stages=3),
+    _gluon("gluon-ws-fp8-extend-mixed-h8/1", [4096, 3000, 1, 700, 129], [1024, 1, 1, 700, 64], hq=8, hkv=1,
+           pad_rows=5, ws=True, kv_dtype=FP8, q_fp8=True),
+    _gluon("gluon-ws-fp8-mha-page16-bn64", [1000, 513], [1000, 17], hq=4, hkv=4, block_size=16, block_n=64, ws=True,
+           kv_dtype=FP8, q_fp8=True),
 ]
 
 

@@ -201,15 +201,17 @@ from hpcops.attention.prefill import GLUON_WS_CONSUMER_REGS
 from hpcops.testing import sm90_resources
 
 d, g, tile, page, stages, dt = json.loads(sys.argv[1])
-gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[dt]
+gdt = {"bf16": gl.bfloat16, "fp16": gl.float16, "fp8e4nv": gl.float8e4nv}[dt]
 box = min(tile, page)
 desc = f"tensordesc<{dt}[{box}, {d}],{gl.NVMMASharedLayout.get_default_for([box, d], gdt)}>"
 sig = dict(q_ptr="*" + dt, k_desc=desc, v_desc=desc, bt_ptr="*i32", seq_lens_ptr="*i32", cu_seqlens_q_ptr="*i32",
-           out_ptr="*" + dt, sm_scale_log2="fp32")
+           out_ptr="*" + ("bf16" if dt == "fp8e4nv" else dt), sm_scale_log2="fp32", q_scale_ptr="*fp32",
+           k_scale_ptr="*fp32", v_scale_ptr="*fp32")
 sig.update({a: "i32" for a in ("num_reqs", "tiles_per_head", "num_kv_heads", "bt_width", "num_blocks", "stride_qt",
-                               "stride_qh", "stride_kh", "stride_vh", "stride_bt", "stride_ot", "stride_oh")})
+                               "stride_qh", "stride_kh", "stride_vh", "stride_bt", "stride_ot", "stride_oh",
+                               "stride_qst", "stride_qsh")})
 consts = dict(D=d, G=g, TILE=tile, PAGE=page, BLOCK_B=16, STAGES=stages, HEADS_INNER=True,
-              CONSUMER_REGS=GLUON_WS_CONSUMER_REGS, num_warps=4)
+              CONSUMER_REGS=GLUON_WS_CONSUMER_REGS, num_warps=4, FP8=dt == "fp8e4nv")
 sig.update({a: "constexpr" for a in consts})
 c = triton.compile(GluonASTSource(prefill_gluon_ws_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": 4, "maxnreg": 168})
@@ -226,20 +228,24 @@ GLUON_WS_BUILDS = {  # name: (head_dim, G, block_n, page, stages, dtype)
     "d128-mha-page16": (128, 1, 128, 16, 2, "bf16"),
     "d64-64-fp16": (64, 3, 64, 32, 2, "fp16"),
     "d256-64": (256, 2, 64, 64, 2, "bf16"),
+    "fp8-d128-h8/1-128-3buf": (128, 8, 128, 64, 3, "fp8e4nv"),  # PrefillConfig(gluon_ws=True) over fp8 q and KV
+    "fp8-d128-mha-64-page16": (128, 1, 64, 16, 3, "fp8e4nv"),
 }
 
 
 @pytest.mark.parametrize("name", list(GLUON_WS_BUILDS))
 def test_gluon_ws_prefill_kernel_builds_for_sm90(name):
     """PrefillConfig.gluon_ws's kernel compiles for sm_90 with no spill: two consumer copies of the loop (wgmma:
-    each consumer's first S, its loop's S and P·V, its last P·V), registers moved by setmaxnreg to 240 for the
-    consumers and 24 for the producer, and no CTA-wide barrier (the partitions meet on mbarriers only)."""
+    each consumer's first S, its loop's S and P·V, its last P·V; fp8: K steps of 32), registers moved by
+    setmaxnreg to 240 for the consumers and 24 for the producer, and no CTA-wide barrier (the partitions meet on
+    mbarriers only)."""
     pytest.importorskip("triton.backends.nvidia")
     d, g, tile, page, stages, dt = GLUON_WS_BUILDS[name]
     r = sm90_build_in_subprocess(GLUON_WS_BUILD, GLUON_WS_BUILDS[name])
     print(name, r)
     assert r["spill_bytes"] == 0, r
-    assert r["wgmma"] == 2 * (2 * (d // 16) + 2 * (tile // 16)), r
+    k_step = 32 if dt == "fp8e4nv" else 16  # an fp8 wgmma takes 32 of K a step
+    assert r["wgmma"] == 2 * (2 * (d // k_step) + 2 * (tile // k_step)), r
     assert {24, 240} <= set(r["setmaxnreg"]), r
     assert r["cta_barriers"] == 0, r
     assert r["shared"] <= 227 * 1024, r

@@ -65,15 +65,19 @@ def _tile_of(cu_seqlens_q_ptr, num_reqs, tiles_per_head, num_kv_heads, TOKENS: g
 
 
 @gluon.jit
-def _softmax_tile(s, m_i, l_i, c, key0, kv_limit, keys, MASKED):
-    """One online-softmax step on the raw scores s [BLOCK_M, TILE] (exp2 domain, logit scale c > 0):
-    (p, α, m, l). MASKED (the tile reaches a row's causal limit): keys past kv_limit [BLOCK_M] are −inf."""
+def _softmax_tile(s, m_i, l_i, c, key0, kv_limit, keys, MASKED, ROW_SCALE: gl.constexpr = False):
+    """One online-softmax step on the raw scores s [BLOCK_M, TILE] (exp2 domain, logit scale c > 0, one for the
+    tile or, ROW_SCALE, one a row [BLOCK_M]): (p, α, m, l). MASKED (the tile reaches a row's causal limit): keys
+    past kv_limit [BLOCK_M] are −inf."""
     if MASKED:
         s = gl.where((key0 + keys)[None, :] <= kv_limit[:, None], s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, axis=1) * c)
     m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_ref)
-    p = gl.exp2(s * c - m_ref[:, None])
+    if ROW_SCALE:
+        p = gl.exp2(s * c[:, None] - m_ref[:, None])
+    else:
+        p = gl.exp2(s * c - m_ref[:, None])
     l_i = l_i * alpha + gl.sum(p, axis=1)
     return p, alpha, m_new, l_i
 
@@ -90,23 +94,51 @@ def _zero_v_tail(v_buf, tile, seq_len, TILE: gl.constexpr, ld_layout: gl.constex
 
 
 @gluon.jit
+def _p_operand(p, DT: gl.constexpr, FP8: gl.constexpr):
+    """The probabilities as P·V's A operand: DT (16-bit), or with FP8 e4m3(P·256) (P in [0, 1] scaled into
+    e4m3's normal range; the epilogue divides the 256 out)."""
+    if FP8:
+        return (p * 256.0).to(gl.float8e4nv)
+    return p.to(DT)
+
+
+@gluon.jit
+def _transpose_v(v_buf, vt_buf, tile, seq_len, TILE: gl.constexpr, ld_layout: gl.constexpr):
+    """V tile `tile` ([TILE, D], as the cache holds it) into `vt_buf` as Vᵀ [D, TILE]: an fp8 wgmma's B operand must
+    be K-major (keys contiguous) for P·V. Rows past seq_len become 0 on the way (see `_zero_v_tail`)."""
+    v = v_buf.load(ld_layout)
+    if (tile + 1) * TILE > seq_len:
+        key = tile * TILE + gl.arange(0, TILE, layout=gl.SliceLayout(1, ld_layout))
+        v = gl.where((key < seq_len)[:, None], v, gl.zeros_like(v))
+    vt_buf.store(gl.permute(v, (1, 0)))
+    fence_async_shared()
+
+
+@gluon.jit
 def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, turn, bt_row, bt_width, num_blocks,
             k_col, v_col, n, q_start, q_len, first_tok, ctx_len, seq_len, kv_head, c, stride_qt, stride_qh,
-            stride_ot, stride_oh, ROW0: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr, D: gl.constexpr,
-            G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, WS: gl.constexpr,
-            WG: gl.constexpr):
+            stride_ot, stride_oh, fp8_args, ROW0: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr,
+            D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
+            WS: gl.constexpr, WG: gl.constexpr, FP8: gl.constexpr = False):
     """Rows [ROW0, ROW0 + ROWS) of the q tile (row r: token first_tok + r // G, head kv_head·G + r % G) over the
     request's first n K/V tiles, on WARPS warps (16 rows a warp), into `out`. The tiles arrive in the STAGES-deep
     ring on `full`. Not WS: this routine refills the ring (tile j + STAGES once tile j is done). WS (consumer
     warpgroup WG of the specialized kernel): it releases buffers on `empty` for the producer, and issues its
-    wgmmas in its turn (`turn[WG]`, then passes the turn on)."""
+    wgmmas in its turn (`turn[WG]`, then passes the turn on).
+
+    FP8 (fp8 q over fp8 KV; `fp8_args` = (q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, vt_buf,
+    p_buf)): S = q8·K8ᵀ as an fp8 wgmma with a logit scale a row (q_scale[token, head]·k_scale·c); P is quantized
+    as e4m3(P·256) into this warpgroup's `p_buf` [ROWS, TILE] and O += P8·V8 is an fp8 wgmma over Vᵀ, which the
+    warpgroup writes into its own `vt_buf` [D, TILE] before each P·V (`_transpose_v`); the epilogue multiplies by
+    v_scale / 256 (the `tl` kernel's `pv_fp8` numerics: e4m3 probabilities, ~2 % RMS error on random data)."""
     DT: gl.constexpr = k_desc.dtype
     KV_BYTES: gl.constexpr = 2 * TILE * D * DT.primitive_bitwidth // 8
+    K_STEP: gl.constexpr = 32 if FP8 else 16
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                       instr_shape=[16, TILE, 16])
+                                                       instr_shape=[16, TILE, K_STEP])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                       instr_shape=[16, D, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+                                                       instr_shape=[16, D, K_STEP])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4 if FP8 else 2)
     ld_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
                                                warps_per_cta=[WARPS, 1], order=[1, 0])
     rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -124,6 +156,14 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
     r_s = ROW0 + gl.arange(0, ROWS, layout=rows_s)
     keys = gl.arange(0, TILE, layout=gl.SliceLayout(0, s_layout))
     kv_limit = ctx_len + gl.minimum(first_tok + r_s // G, q_len - 1)  # the last key row r sees
+    if FP8:
+        q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, vt_buf, p_buf = fp8_args
+        tok_s = first_tok + r_s // G
+        qs = gl.load(q_scale_ptr + (q_start + tok_s).to(gl.int64) * stride_qst + (kv_head * G + r_s % G) * stride_qsh,
+                     mask=tok_s < q_len, other=0.0)
+        # one logit scale a row; > 0 so that −inf · c never makes a NaN (a zero q scale only zeroes the logits)
+        c = gl.maximum(qs * (gl.load(k_scale_ptr) * c), 1e-30)
+        out_scale = gl.load(v_scale_ptr) * (1.0 / 256.0)
     full_end = (ctx_len + first_tok + ROW0 // G + 1) // TILE  # tiles all these rows see entirely: no mask
     m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=rows_s)
     l_i = gl.zeros([ROWS], gl.float32, layout=rows_s)
@@ -133,24 +173,41 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
     mbarrier.wait(full.index(0), 0)
     s = warpgroup_mma(q_buf, k_smem.index(0).permute((1, 0)), gl.zeros([ROWS, TILE], gl.float32, layout=s_layout),
                       use_acc=False)
-    p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, c, 0, kv_limit, keys, full_end == 0)
-    p = gl.convert_layout(p.to(DT), p_layout)
+    p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, c, 0, kv_limit, keys, full_end == 0, FP8)
+    if FP8:  # P·V's A operand from shared memory (an 8-bit register operand cannot be kept alive across the wait)
+        p_buf.store(_p_operand(p, DT, True))
+        fence_async_shared()
+    else:
+        p = gl.convert_layout(_p_operand(p, DT, False), p_layout)
     for j in range(n - 1):
         slot = j % STAGES
         nxt = (j + 1) % STAGES
-        _zero_v_tail(v_smem.index(slot), j, seq_len, TILE, ld_layout)
+        if FP8:
+            _transpose_v(v_smem.index(slot), vt_buf, j, seq_len, TILE, ld_layout)
+        else:
+            _zero_v_tail(v_smem.index(slot), j, seq_len, TILE, ld_layout)
         mbarrier.wait(full.index(nxt), ((j + 1) // STAGES) & 1)
         if WS:  # my turn at the tensor cores: warpgroup 0 first (its first wait passes on the initial phase)
             mbarrier.wait(turn.index(WG), (j & 1) ^ (1 - WG))
         s_tok = warpgroup_mma(q_buf, k_smem.index(nxt).permute((1, 0)),
                               gl.zeros([ROWS, TILE], gl.float32, layout=s_layout), use_acc=False, is_async=True)
-        o_tok = warpgroup_mma(p, v_smem.index(slot), o, is_async=True)
+        if FP8:
+            o_tok = warpgroup_mma(p_buf, vt_buf.permute((1, 0)), o, is_async=True)
+        else:
+            o_tok = warpgroup_mma(p, v_smem.index(slot), o, is_async=True)
         if WS:
             mbarrier.arrive(turn.index(1 - WG), count=1)
         s = warpgroup_mma_wait(1, deps=[s_tok])  # S_{j+1} done, P_j·V_j may still run
-        p_next, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, c, (j + 1) * TILE, kv_limit, keys, j + 1 >= full_end)
-        p_next = gl.convert_layout(p_next.to(DT), p_layout)
-        o, p = warpgroup_mma_wait(0, deps=[o_tok, p])
+        p_next, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, c, (j + 1) * TILE, kv_limit, keys, j + 1 >= full_end,
+                                                FP8)
+        if FP8:
+            p8 = _p_operand(p_next, DT, True)
+            o = warpgroup_mma_wait(0, deps=[o_tok])
+            p_buf.store(p8)  # P_j·V_j is done with the buffer
+            fence_async_shared()
+        else:
+            p_next = gl.convert_layout(_p_operand(p_next, DT, False), p_layout)
+            o, p = warpgroup_mma_wait(0, deps=[o_tok, p])
         # tile j's buffers are free
         if WS:
             mbarrier.arrive(empty.index(slot), count=1)
@@ -158,13 +215,21 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
             _issue_tile(k_desc, v_desc, k_smem, v_smem, full, bt_row, bt_width, num_blocks, j + STAGES, k_col, v_col,
                         slot, j + STAGES < n, PAGE, TILE, KV_BYTES)
         o = o * gl.convert_layout(alpha, rows_o)[:, None]
-        p = p_next
+        if not FP8:
+            p = p_next
     last = (n - 1) % STAGES
-    _zero_v_tail(v_smem.index(last), n - 1, seq_len, TILE, ld_layout)
-    o = warpgroup_mma(p, v_smem.index(last), o)
+    if FP8:
+        _transpose_v(v_smem.index(last), vt_buf, n - 1, seq_len, TILE, ld_layout)
+        o = warpgroup_mma(p_buf, vt_buf.permute((1, 0)), o)
+    else:
+        _zero_v_tail(v_smem.index(last), n - 1, seq_len, TILE, ld_layout)
+        o = warpgroup_mma(p, v_smem.index(last), o)
 
     l_o = gl.convert_layout(l_i, rows_o)
-    o = o / gl.where(l_o > 0.0, l_o, 1.0)[:, None]
+    if FP8:
+        o = o * (out_scale / gl.where(l_o > 0.0, l_o, 1.0))[:, None]
+    else:
+        o = o / gl.where(l_o > 0.0, l_o, 1.0)[:, None]
     r_o = ROW0 + gl.arange(0, ROWS, layout=rows_o)
     d_o = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
     tok_o = first_tok + r_o // G
@@ -214,7 +279,7 @@ def prefill_gluon_kernel(
                     i0 < n, PAGE, TILE, KV_BYTES)
     _attend(q_ptr, out_ptr, k_desc, v_desc, q_smem, k_smem, v_smem, bars, bars, bars, bt_row, bt_width, num_blocks,
             k_col, v_col, n, q_start, q_len, first_tok, ctx_len, seq_len, kv_head, sm_scale_log2, stride_qt,
-            stride_qh, stride_ot, stride_oh, 0, BLOCK_M, num_warps, D, G, TILE, PAGE, STAGES, False, 0)
+            stride_qh, stride_ot, stride_oh, (), 0, BLOCK_M, num_warps, D, G, TILE, PAGE, STAGES, False, 0)
     for ib in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(ib))
 
@@ -230,10 +295,10 @@ def prefill_gluon_kernel(
 
 @gluon.jit
 def _ws_producer(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr,
-                 STAGES: gl.constexpr):
+                 STAGES: gl.constexpr, FP8: gl.constexpr):
     (q_ptr, out_ptr, k_desc, v_desc, q_smem, k_smem, v_smem, full, empty, turn, bt_row, bt_width, num_blocks, k_col,
      v_col, n, q_start, q_len, first_tok, ctx_len, seq_len, kv_head, c, stride_qt, stride_qh, stride_ot,
-     stride_oh) = args
+     stride_oh, q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, vt_smem, p_smem) = args
     KV_BYTES: gl.constexpr = 2 * TILE * D * k_desc.dtype.primitive_bitwidth // 8
     for j in range(n):
         slot = j % STAGES
@@ -245,25 +310,27 @@ def _ws_producer(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAG
 
 @gluon.jit
 def _ws_consume(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr,
-                STAGES: gl.constexpr, WG: gl.constexpr):
+                STAGES: gl.constexpr, FP8: gl.constexpr, WG: gl.constexpr):
     (q_ptr, out_ptr, k_desc, v_desc, q_smem, k_smem, v_smem, full, empty, turn, bt_row, bt_width, num_blocks, k_col,
      v_col, n, q_start, q_len, first_tok, ctx_len, seq_len, kv_head, c, stride_qt, stride_qh, stride_ot,
-     stride_oh) = args
+     stride_oh, q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, vt_smem, p_smem) = args
     _attend(q_ptr, out_ptr, k_desc, v_desc, q_smem.index(WG), k_smem, v_smem, full, empty, turn, bt_row, bt_width,
             num_blocks, k_col, v_col, n, q_start, q_len, first_tok, ctx_len, seq_len, kv_head, c, stride_qt,
-            stride_qh, stride_ot, stride_oh, WG * 64, 64, 4, D, G, TILE, PAGE, STAGES, True, WG)
+            stride_qh, stride_ot, stride_oh,
+            (q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, vt_smem.index(WG), p_smem.index(WG)),
+            WG * 64, 64, 4, D, G, TILE, PAGE, STAGES, True, WG, FP8)
 
 
 @gluon.jit
 def _ws_consumer0(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr,
-                  STAGES: gl.constexpr):
-    _ws_consume(args, D, G, TILE, PAGE, STAGES, 0)
+                  STAGES: gl.constexpr, FP8: gl.constexpr):
+    _ws_consume(args, D, G, TILE, PAGE, STAGES, FP8, 0)
 
 
 @gluon.jit
 def _ws_consumer1(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr,
-                  STAGES: gl.constexpr):
-    _ws_consume(args, D, G, TILE, PAGE, STAGES, 1)
+                  STAGES: gl.constexpr, FP8: gl.constexpr):
+    _ws_consume(args, D, G, TILE, PAGE, STAGES, FP8, 1)
 
 
 @gluon.jit
@@ -271,12 +338,14 @@ def prefill_gluon_ws_kernel(
     q_ptr, k_desc, v_desc, bt_ptr, seq_lens_ptr, cu_seqlens_q_ptr, out_ptr, sm_scale_log2,
     num_reqs, tiles_per_head, num_kv_heads, bt_width, num_blocks,
     stride_qt, stride_qh, stride_kh, stride_vh, stride_bt, stride_ot, stride_oh,
+    q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr,
     D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr, BLOCK_B: gl.constexpr,
     STAGES: gl.constexpr, HEADS_INNER: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    FP8: gl.constexpr = False,
 ):
     """`prefill_gluon_kernel`'s maths on a 128-row q tile, warp-specialized: launched with num_warps = 4 (the
     default partition, consumer 0) plus a 4-warp worker (consumer 1, CONSUMER_REGS registers) and a 1-warp TMA
-    producer (24 registers)."""
+    producer (24 registers). FP8: an fp8 q (per token-head scales) over fp8 KV, both GEMMs in fp8 (`_attend`)."""
     gl.static_assert(num_warps == 4, "the default partition is consumer warpgroup 0")
     gl.static_assert(STAGES >= 2, "two K/V buffers at least")
     BLOCK_M: gl.constexpr = 128  # two consumer warpgroups of 64 rows
@@ -302,6 +371,12 @@ def prefill_gluon_ws_kernel(
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    if FP8:  # each consumer's Vᵀ (the fp8 P·V's B operand, keys contiguous) and its e4m3 P (the A operand)
+        vt_smem = gl.allocate_shared_memory(DT, [2, D, TILE], gl.NVMMASharedLayout.get_default_for([D, TILE], DT))
+        p_smem = gl.allocate_shared_memory(DT, [2, 64, TILE], gl.NVMMASharedLayout.get_default_for([64, TILE], DT))
+    else:
+        vt_smem = q_smem  # not read
+        p_smem = q_smem
     for ib in gl.static_range(STAGES):
         mbarrier.init(full.index(ib), count=1)
         mbarrier.init(empty.index(ib), count=2)  # both consumers release a buffer
@@ -310,7 +385,8 @@ def prefill_gluon_ws_kernel(
     bt_row = bt_ptr + req.to(gl.int64) * stride_bt
     args = (q_ptr, out_ptr, k_desc, v_desc, q_smem, k_smem, v_smem, full, empty, turn, bt_row, bt_width, num_blocks,
             kv_head * stride_kh, kv_head * stride_vh, n, q_start, q_len, first_tok, ctx_len, seq_len, kv_head,
-            sm_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh)
-    gl.warp_specialize([(_ws_consumer0, (args, D, G, TILE, PAGE, STAGES)),
-                        (_ws_consumer1, (args, D, G, TILE, PAGE, STAGES)),
-                        (_ws_producer, (args, D, G, TILE, PAGE, STAGES))], [4, 1], [CONSUMER_REGS, 24])
+            sm_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, q_scale_ptr, stride_qst, stride_qsh,
+            k_scale_ptr, v_scale_ptr, vt_smem, p_smem)
+    gl.warp_specialize([(_ws_consumer0, (args, D, G, TILE, PAGE, STAGES, FP8)),
+                        (_ws_consumer1, (args, D, G, TILE, PAGE, STAGES, FP8)),
+                        (_ws_producer, (args, D, G, TILE, PAGE, STAGES, FP8))], [4, 1], [CONSUMER_REGS, 24])

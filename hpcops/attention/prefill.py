@@ -51,7 +51,9 @@ class PrefillConfig:
     tiles of `block_n` keys (or a page a box), and a positive softmax scale (`gluon_unsupported_reason`).
     `True` insists (ValueError with the reason), `False` never uses it, `None` uses it where it can run.
     `gluon_ws` (with `gluon`, block_m 128 on 8 warps): the warp-specialized Gluon kernel, FA3's layout: a TMA
-    producer warp and two consumer warpgroups of 64 q rows that take turns at the tensor cores.
+    producer warp and two consumer warpgroups of 64 q rows that take turns at the tensor cores. It also takes an
+    fp8 q over fp8 KV (opt-in: not the heuristic's choice until measured), both GEMMs in fp8 with e4m3(P·256)
+    probabilities (as `pv_fp8`).
     `tma`, `pv_fp8`, `quant_q` and `fma_scale` are the `tl` kernel's (the Gluon kernel always reads by TMA and
     scales inside exp2).
     """
@@ -280,8 +282,16 @@ def gluon_unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     for name, t in (("q", q), ("out", out)):
         if t is not None and t.stride(-1) != 1:
             return f"{name} is not contiguous along head_dim"
-    if q.dtype not in HALF_DTYPES or k_cache.dtype != q.dtype:
-        return f"q {q.dtype} over a {k_cache.dtype} cache (the Gluon kernel takes a 16-bit q over the same KV dtype)"
+    fp8 = q.dtype == FP8_E4M3
+    if (q.dtype not in HALF_DTYPES and not fp8) or k_cache.dtype != q.dtype:
+        return (f"q {q.dtype} over a {k_cache.dtype} cache (the Gluon kernels take a 16-bit q over the same KV dtype, "
+                "or with gluon_ws an fp8 q over fp8 KV)")
+    if fp8 and not config.gluon_ws:
+        return "an fp8 q over fp8 KV runs on the warp-specialized kernel only (gluon_ws)"
+    if fp8 and d > 128:
+        return f"head_dim {d} with fp8 (the fp8 consumer's registers spill above 128: 496 bytes at 256 in ptxas)"
+    if fp8 and config.block_n % 32:
+        return f"block_n {config.block_n} with fp8 (an fp8 P·V dot has K = block_n: a multiple of 32)"
     if not scale > 0:
         return f"softmax scale {scale} (the Gluon kernel scales inside exp2: it needs a positive scale)"
     bm, bn, page = config.block_m, config.block_n, k_cache.shape[1]
@@ -296,6 +306,8 @@ def gluon_unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     if page < bn and (page < 8 or bn % page):
         return f"block_size {page} (pages under block_n {bn} must divide it, 8 tokens at least)"
     smem = gluon_smem_bytes(bm, bn, config.num_stages, d, q.element_size())
+    if fp8:
+        smem += 2 * (d + 64) * bn  # each consumer's Vᵀ [D, block_n] and e4m3 P [64, block_n]
     if smem > GLUON_SMEM_BYTES:
         return f"{smem} bytes of shared memory for q and {config.num_stages} K/V buffers (at most {GLUON_SMEM_BYTES})"
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -306,8 +318,9 @@ def gluon_unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
 
 
 def _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, out, sm_scale, tiles_per_head, block_b,
-                  config: PrefillConfig) -> None:
-    """The Gluon kernel (`PrefillConfig.gluon`) over the `tl` kernel's flat tile list."""
+                  config: PrefillConfig, q_scale=None, k_scale=None, v_scale=None) -> None:
+    """The Gluon kernel (`PrefillConfig.gluon`) over the `tl` kernel's flat tile list; with an fp8 q (its
+    `q_scale`) over fp8 KV the warp-specialized kernel's FP8 mode."""
     from hpcops.attention._prefill_gluon import prefill_gluon_kernel, prefill_gluon_ws_kernel
 
     hq, d = q.shape[1], q.shape[2]
@@ -320,10 +333,15 @@ def _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, out,
     common = dict(D=d, G=hq // hkv, TILE=config.block_n, PAGE=page, BLOCK_B=block_b, STAGES=config.num_stages,
                   HEADS_INNER=bool(config.heads_inner))
     if config.gluon_ws:
+        fp8 = q.dtype == FP8_E4M3
+        # fp8: q's per token-head scales and the KV scales; else placeholders the kernel does not read
+        scales = ((q_scale, q_scale.stride(0), q_scale.stride(1), k_scale, v_scale) if fp8 else
+                  (seq_lens, 0, 0, seq_lens, seq_lens))
         # 3 warpgroups (consumer 0 = the default partition, consumer 1, the producer warp rounded up): 168 registers
         # each at launch, moved by setmaxnreg to 240 / 240 / 24 inside the specialized region
-        prefill_gluon_ws_kernel[(tiles_per_head * hkv,)](*args, **common, CONSUMER_REGS=GLUON_WS_CONSUMER_REGS,
-                                                         num_warps=4, maxnreg=168)
+        prefill_gluon_ws_kernel[(tiles_per_head * hkv,)](*args, *scales, **common,
+                                                         CONSUMER_REGS=GLUON_WS_CONSUMER_REGS, FP8=fp8, num_warps=4,
+                                                         maxnreg=168)
     else:
         prefill_gluon_kernel[(tiles_per_head * hkv,)](*args, **common, BLOCK_M=config.block_m,
                                                       num_warps=config.num_warps)
@@ -378,7 +396,7 @@ def _launch(
     block_b = max(16, triton.next_power_of_2(b))
     if use_gluon:
         _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, out, sm_scale, tiles_per_head,
-                      block_b, config)
+                      block_b, config, q_scale, k_scale, v_scale)
         return
     dummy = k_cache  # stands in for absent optional pointers (never read)
     use_tma = _use_tma(k_cache, v_cache, config)

@@ -119,6 +119,10 @@ def _make_inputs(s: Scenario, layer: int, device: str = "cuda") -> dict[str, Any
     return x
 
 
+# the warp-specialized Gluon kernel over an fp8 q and fp8 KV (opt-in), timed beside the fp8-q default
+GLUON_FP8 = {"gluon": True, "gluon_ws": True, "block_m": 128, "num_warps": 8, "block_n": 128, "num_stages": 3,
+             "heads_inner": True}
+
 BOOL_FIELDS = ("pv_fp8", "quant_q", "fma_scale", "heads_inner", "gluon", "gluon_ws")
 
 
@@ -320,6 +324,10 @@ def _check(x) -> None:
         _ours(True)(x)()
         rows, heads, want = _sampled_reference(x, x["q8"], x["q_scale"])
         assert_close(want, x["out_fp8q"][rows][:, heads], name="prefill fp8 q")
+        if x["q"].is_cuda and torch.cuda.get_device_capability(x["q"].device)[0] == 9:
+            # the Gluon fp8 row (Hopper only): e4m3 probabilities, the pv_fp8 tolerance
+            out = _ours(True, GLUON_FP8)(x)().clone()
+            assert_close(want, out[rows][:, heads], name="prefill fp8 q, gluon", maxtol=6e-2, rmstol=3e-2)
 
 
 def cases(opts: dict) -> Iterator[Case]:
@@ -334,6 +342,10 @@ def cases(opts: dict) -> Iterator[Case]:
                     impls.append(Impl("hpcops-fp8q", _ours(True), ours=True, note="fp8 q per token-head"))
                     impls.append(
                         Impl("hpcops-quant-q", _ours(False, {"quant_q": True}), note="variant: bf16 q, quant_q=True")
+                    )
+                    impls.append(
+                        Impl("hpcops-fp8q-gluon", _ours(True, GLUON_FP8), note="variant: fp8 q, the warp-specialized "
+                             "Gluon kernel in fp8 (opt-in: PrefillConfig(gluon=True, gluon_ws=True))")
                     )
                 if not fp8:
                     # the tl kernel beside the default, which takes the Gluon kernel here on an H200 (gluon_config)
