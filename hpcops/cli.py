@@ -115,7 +115,8 @@ def _parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmark a suite on the GPU against peers (JSON + markdown + PNG)")
     b.add_argument("suites", nargs="+", help="decode, moe, moe-shapes, rope, prefill, layer (or 'all': all of these; "
                                                   "decode-grid, the decode grid, runs by --grid)")
-    b.add_argument("--only", default=None, help="run only cases whose name contains this text")
+    b.add_argument("--only", default=None,
+                   help="run only cases whose name contains this text (several, comma-separated: any of them)")
     b.add_argument("--out", default="bench/results", help="output folder (default: bench/results)")
     b.add_argument("--layers", type=int, default=None, help="layers per CUDA graph (default: L2-cold count)")
     b.add_argument("--no-check", action="store_true", help="skip the correctness gate (not recommended)")

@@ -114,6 +114,18 @@ def test_profile_per_call_on_cpu():
     assert device_events([], DeviceType.CUDA) == []
 
 
+def test_only_selects_any_of_its_texts():
+    """--only (bench and tune): a case whose name contains the text, or any of several comma-separated ones."""
+    from hpcops.bench.runner import case_selected
+
+    names = ["h64x8-bf16-q4k", "h64x8-fp8-q8k", "h8x1-bf16-q1ks2k", "h8x1-fp8-q512"]
+    assert [n for n in names if case_selected(n, None)] == names
+    assert [n for n in names if case_selected(n, "fp8")] == ["h64x8-fp8-q8k", "h8x1-fp8-q512"]
+    assert [n for n in names if case_selected(n, "q4k,q8k")] == names[:2]
+    assert [n for n in names if case_selected(n, "ks2k,")] == ["h8x1-bf16-q1ks2k"]  # an empty text selects nothing
+    assert not [n for n in names if case_selected(n, "q16k")]
+
+
 def test_runner_times_each_impl_its_way(monkeypatch):
     """Impl.timing picks graph replay or the profiler's kernel sum (with the impl's filter); a peer whose
     own check fails is check-failed, a missing one unavailable, ours is not timed when the gate failed."""

@@ -219,6 +219,7 @@ r = sm90_resources(c)
 ptx = c.asm["ptx"]
 r["setmaxnreg"] = sorted({int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)})
 r["cta_barriers"] = len(re.findall(r"\bbar\.sync\s+0;", ptx))  # bar.sync 0 without a thread count: the whole CTA
+r["byte_stores"] = len(re.findall(r"\bst\.shared\.b8\b", ptx))
 print(json.dumps(r))
 """)
 
@@ -249,3 +250,5 @@ def test_gluon_ws_prefill_kernel_builds_for_sm90(name):
     assert {24, 240} <= set(r["setmaxnreg"]), r
     assert r["cta_barriers"] == 0, r
     assert r["shared"] <= 227 * 1024, r
+    if dt == "fp8e4nv" and d == tile == 128:  # Vᵀ by 8-byte stores (_transpose_v's layouts), never byte by byte
+        assert r["byte_stores"] == 0, r

@@ -102,10 +102,16 @@ def _run_impl(case: Case, impl, inputs: list[Any], gate_ok: bool) -> tuple[str, 
         return f"error: {type(exc).__name__}: {exc}"[:300], None
 
 
+def case_selected(case: str, only: str | None) -> bool:
+    """Whether `--only` selects case `case`: no filter, or the name contains one of its comma-separated texts."""
+    return only is None or any(text in case for text in only.split(",") if text)
+
+
 def run_suite(name: str, opts: dict[str, Any] | None = None, *, check: bool = True, only: str | None = None,
               progress: bool = True, machine: dict[str, Any] | None = None,
               on_case: Callable[[SuiteResult], None] | None = None) -> SuiteResult:
-    """Run every case of suite `name` (those whose name contains `only`, if given).
+    """Run every case of suite `name` (those whose name contains `only`, if given; `only` may list several texts
+    separated by commas, a case matching any of them: "q4k,q8k").
 
     `on_case(partial_result)` runs after every case (the CLI rewrites its reports, so a run cut
     short by a time limit keeps what it measured).
@@ -113,7 +119,7 @@ def run_suite(name: str, opts: dict[str, Any] | None = None, *, check: bool = Tr
     opts = dict(opts or {})
     if not torch.cuda.is_available():
         raise RuntimeError("hpcops bench times on a CUDA GPU; none is visible (run `hpcops demo` on the CPU)")
-    cases = [c for c in get_suite(name)(opts) if only is None or only in c.name]
+    cases = [c for c in get_suite(name)(opts) if case_selected(c.name, only)]
     machine = machine if machine is not None else machine_info()
     bar = Progress(sum(len(c.impls) for c in cases), f"bench {name}", enabled=progress)
     rows: list[Row] = []

@@ -25,7 +25,8 @@ def add_parser(sub) -> None:
                     "like the bench. Writes OUT/<op>_tune.{md,json}; moe also OUT/moe_tuned.json (use it with "
                     "HPCOPS_MOE_TUNED=OUT/moe_tuned.json, or --write / --merge into hpcops/moe/tuned.py).")
     t.add_argument("ops", nargs="+", metavar="OP", help=f"{', '.join(OPS)} (or 'all')")
-    t.add_argument("--only", default=None, help="only scenarios whose name contains this text")
+    t.add_argument("--only", default=None,
+                   help="only scenarios whose name contains this text (several, comma-separated: any of them)")
     t.add_argument("--quick", action="store_true", help="the bench's quick scenarios, at most 6 candidates each")
     t.add_argument("--smoke", action="store_true",
                    help="smallest complete run: the first scenario, 2 candidates, 2 layers")

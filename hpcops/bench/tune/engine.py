@@ -24,6 +24,7 @@ import torch
 
 from hpcops.bench import timing
 from hpcops.bench.progress import Progress
+from hpcops.bench.runner import case_selected
 from hpcops.bench.tune.compile import Compiler, is_cuda_fault
 from hpcops.bench.tune.space import Candidate, Knob, combinations, key, label, neighbours
 
@@ -192,7 +193,7 @@ def on_gpu() -> bool:
 
 
 def select(op: TuneOp, opts: TuneOptions) -> list[Any]:
-    out = [s for s in op.scenarios(opts.quick) if opts.only is None or opts.only in s.name]
+    out = [s for s in op.scenarios(opts.quick) if case_selected(s.name, opts.only)]
     return out[:1] if opts.smoke else out
 
 
