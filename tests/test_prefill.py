@@ -613,6 +613,8 @@ GLUON_CASES = [
            pad_rows=5, ws=True, kv_dtype=FP8, q_fp8=True),
     _gluon("gluon-ws-fp8-mha-page16-bn64", [1000, 513], [1000, 17], hq=4, hkv=4, block_size=16, block_n=64, ws=True,
            kv_dtype=FP8, q_fp8=True),
+    _gluon("gluon-ws-fp8-d64-gqa3-page32", [777, 129], [777, 64], hq=12, hkv=4, head_dim=64, block_size=32, ws=True,
+           kv_dtype=FP8, q_fp8=True),
 ]
 
 

@@ -132,6 +132,9 @@ def prefill_config(
 
 GLUON_SMEM_BYTES = 227 * 1024  # an H100/H200 SM's shared memory for one block
 GLUON_WS_CONSUMER_REGS = 240  # registers of a consumer warpgroup in the warp-specialized kernel
+# fp8: the consumers' and the 4-warp producer's registers (the producer transposes V): 2 · 224 + 56 = 504, the
+# launch's 168 a thread over 3 warpgroups (no spill in ptxas)
+GLUON_WS_FP8_REGS = (224, 56)
 GLUON_FEW_TILES = 96  # fewer 128-row tiles than this (of an H200's 132 SMs) run on 64-row tiles
 GLUON_MIN_Q = 512  # up to this q_len with many tiles the heuristic keeps the tl kernel (faster at h64/8 q512)
 
@@ -337,11 +340,13 @@ def _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, out,
         # fp8: q's per token-head scales and the KV scales; else placeholders the kernel does not read
         scales = ((q_scale, q_scale.stride(0), q_scale.stride(1), k_scale, v_scale) if fp8 else
                   (seq_lens, 0, 0, seq_lens, seq_lens))
-        # 3 warpgroups (consumer 0 = the default partition, consumer 1, the producer warp rounded up): 168 registers
-        # each at launch, moved by setmaxnreg to 240 / 240 / 24 inside the specialized region
+        # 3 warpgroups (consumer 0 = the default partition, consumer 1, the producer warp rounded up; fp8: a 4-warp
+        # producer): 168 registers each at launch, moved by setmaxnreg to 240 / 240 / 24 (fp8: 224 / 224 / 56)
+        # inside the specialized region
         prefill_gluon_ws_kernel[(tiles_per_head * hkv,)](*args, *scales, **common,
                                                          CONSUMER_REGS=GLUON_WS_CONSUMER_REGS, FP8=fp8, num_warps=4,
-                                                         maxnreg=168)
+                                                         FP8_CONSUMER_REGS=GLUON_WS_FP8_REGS[0],
+                                                         FP8_PRODUCER_REGS=GLUON_WS_FP8_REGS[1], maxnreg=168)
     else:
         prefill_gluon_kernel[(tiles_per_head * hkv,)](*args, **common, BLOCK_M=config.block_m,
                                                       num_warps=config.num_warps)
