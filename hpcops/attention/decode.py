@@ -365,14 +365,17 @@ def plan_kernel(num_kv_heads: int, q_len: int, block_size: int, device, *, num_q
                 kv_dtype: torch.dtype | None = None) -> str:
     """The attention kernel a new plan is built for ("gluon" or "tl"; `plan_decode`'s hints): "gluon" where
     `DecodeConfig.gluon` is None (auto) and the step takes an fp8 q over fp8 KV on an sm_90 GPU, 2–16 q rows a kv
-    head, head_dim 64/128/256 and pages of 8–64 tokens dividing 64 or a multiple of 64 (one query row a kv head
-    keeps the `tl` kernel's row path: 1.09–1.88× the MMA tile there). Without all four hints, "tl"."""
+    head (2–8 at head_dim 64), head_dim 64/128/256 and pages of 8–64 tokens dividing 64 or a multiple of 64 (one
+    query row a kv head keeps the `tl` kernel's row path: 1.09–1.88× the MMA tile there). Without all four hints,
+    "tl"."""
     if _CONFIG.gluon is not None or not _CONFIG.task_desc:
         return "tl"
     if None in (num_q_heads, head_dim, q_dtype, kv_dtype) or q_dtype != FP8_E4M3 or kv_dtype != FP8_E4M3:
         return "tl"
     rows = q_len * num_q_heads // num_kv_heads
     if not 2 <= rows <= 16 or head_dim not in (64, 128, 256):
+        return "tl"
+    if head_dim == 64 and rows > 8:  # h16/1 d64: the tl kernel 28.2 µs against 31.2 (decode-grid_tune_d64_prefetch)
         return "tl"
     if block_size < TILE and (block_size < 8 or TILE % block_size):
         return "tl"
