@@ -139,8 +139,13 @@ GLUON_FEW_TILES = 96  # fewer 128-row tiles than this (of an H200's 132 SMs) run
 GLUON_MIN_Q = 512  # up to this q_len with many tiles the heuristic keeps the tl kernel (faster at h64/8 q512)
 
 
-def gluon_smem_bytes(block_m: int, block_n: int, stages: int, head_dim: int, elem_bytes: int = 2) -> int:
-    """Shared memory of a Gluon prefill program: its q tile and `stages` K/V buffer pairs."""
+def gluon_smem_bytes(block_m: int, block_n: int, stages: int, head_dim: int, elem_bytes: int = 2,
+                     fp8: bool = False) -> int:
+    """Shared memory of a Gluon prefill program: its q tile and `stages` K/V buffer pairs; `fp8` (the
+    warp-specialized kernel over fp8 q and KV, 1-byte elements) adds the two Vᵀ [D, block_n] buffers and each
+    consumer's e4m3 P [64, block_n]."""
+    if fp8:
+        return (block_m + 2 * stages * block_n) * head_dim + 2 * (head_dim + 64) * block_n
     return (block_m + 2 * stages * block_n) * head_dim * elem_bytes
 
 
@@ -308,11 +313,10 @@ def gluon_unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         return f"block_n {bn} / num_stages {config.num_stages} (at most 256 keys a tile, two buffers at least)"
     if page < bn and (page < 8 or bn % page):
         return f"block_size {page} (pages under block_n {bn} must divide it, 8 tokens at least)"
-    smem = gluon_smem_bytes(bm, bn, config.num_stages, d, q.element_size())
-    if fp8:
-        smem += 2 * (d + 64) * bn  # each consumer's Vᵀ [D, block_n] and e4m3 P [64, block_n]
+    smem = gluon_smem_bytes(bm, bn, config.num_stages, d, q.element_size(), fp8)
+    what = f"q and {config.num_stages} K/V buffers" + (", two Vᵀ buffers and each consumer's P" if fp8 else "")
     if smem > GLUON_SMEM_BYTES:
-        return f"{smem} bytes of shared memory for q and {config.num_stages} K/V buffers (at most {GLUON_SMEM_BYTES})"
+        return f"{smem} bytes of shared memory for {what} (at most {GLUON_SMEM_BYTES})"
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         why = tma_unsupported_reason(cache, min(bn, page))
         if why is not None:
