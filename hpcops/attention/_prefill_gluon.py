@@ -170,7 +170,11 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
     (`_ws_producer_fp8`: tile j in buffer j % 2, announced on `vt_full`, given back on `vt_empty` by both
     consumers once their P·V_j is done). A consumer releases a K/V buffer (`empty`) as soon as its S is done: the
     producer has read V by then. The epilogue multiplies by v_scale / 256 (the `tl` kernel's `pv_fp8` numerics:
-    e4m3 probabilities, ~2 % RMS error on random data)."""
+    e4m3 probabilities, ~2 % RMS error on random data). FP8 == 2 (`PrefillConfig.gluon_p_regs`): P stays in
+    registers as P·V's A operand and P·V runs synchronously after the next S is issued (an 8-bit register operand
+    cannot wait in `warpgroup_mma_wait`'s deps in Triton 3.6): no P round trip through shared memory, but P·V no
+    longer runs under this warpgroup's own softmax, only under the other's."""
+    P_REGS: gl.constexpr = FP8 == 2
     gl.static_assert(WS or not FP8, "the fp8 loop runs on the warp-specialized kernel only")
     DT: gl.constexpr = k_desc.dtype
     KV_BYTES: gl.constexpr = 2 * TILE * D * DT.primitive_bitwidth // 8
@@ -215,10 +219,13 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
     s = warpgroup_mma(q_buf, k_smem.index(0).permute((1, 0)), gl.zeros([ROWS, TILE], gl.float32, layout=s_layout),
                       use_acc=False)
     p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, c, 0, kv_limit, keys, full_end == 0, FP8)
-    if FP8:  # P·V's A operand from shared memory (an 8-bit register operand cannot be kept alive across the wait)
+    if P_REGS:
+        p = gl.convert_layout(_p_operand(p, DT, True), p_layout)
+        mbarrier.arrive(empty.index(0), count=1)  # K_0 is read (and the producer transposes V_0 itself)
+    elif FP8:  # P·V's A operand from shared memory (an 8-bit register operand cannot be kept alive across the wait)
         p_buf.store(_p_operand(p, DT, True))
         fence_async_shared()
-        mbarrier.arrive(empty.index(0), count=1)  # K_0 is read (and the producer transposes V_0 itself)
+        mbarrier.arrive(empty.index(0), count=1)
     else:
         p = gl.convert_layout(_p_operand(p, DT, False), p_layout)
     for j in range(n - 1):
@@ -233,7 +240,10 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
             mbarrier.wait(turn.index(WG), (j & 1) ^ (1 - WG))
         s_tok = warpgroup_mma(q_buf, k_smem.index(nxt).permute((1, 0)),
                               gl.zeros([ROWS, TILE], gl.float32, layout=s_layout), use_acc=False, is_async=True)
-        if FP8:
+        if P_REGS:  # synchronous: waits for S_{j+1} too
+            o = warpgroup_mma(p, vt_buf.index(j % 2).permute((1, 0)), o)
+            o_tok = o
+        elif FP8:
             o_tok = warpgroup_mma(p_buf, vt_buf.index(j % 2).permute((1, 0)), o, is_async=True)
         else:
             o_tok = warpgroup_mma(p, v_smem.index(slot), o, is_async=True)
@@ -242,7 +252,11 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
         s = warpgroup_mma_wait(1, deps=[s_tok])  # S_{j+1} done, P_j·V_j may still run
         p_next, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, c, (j + 1) * TILE, kv_limit, keys, j + 1 >= full_end,
                                                 FP8)
-        if FP8:
+        if P_REGS:
+            mbarrier.arrive(empty.index(nxt), count=1)  # K_{j+1} is read
+            mbarrier.arrive(vt_empty.index(j % 2), count=1)  # P_j·V_j is done
+            p = gl.convert_layout(_p_operand(p_next, DT, True), p_layout)
+        elif FP8:
             mbarrier.arrive(empty.index(nxt), count=1)  # K_{j+1} is read
             p8 = _p_operand(p_next, DT, True)
             o = warpgroup_mma_wait(0, deps=[o_tok])
@@ -264,7 +278,7 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
     last = (n - 1) % STAGES
     if FP8:
         mbarrier.wait(vt_full.index((n - 1) % 2), ((n - 1) // 2) & 1)
-        o = warpgroup_mma(p_buf, vt_buf.index((n - 1) % 2).permute((1, 0)), o)
+        o = warpgroup_mma(p if P_REGS else p_buf, vt_buf.index((n - 1) % 2).permute((1, 0)), o)
     else:
         _zero_v_tail(v_smem.index(last), n - 1, seq_len, TILE, ld_layout)
         o = warpgroup_mma(p, v_smem.index(last), o)
@@ -420,12 +434,13 @@ def prefill_gluon_ws_kernel(
     q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr,
     D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr, BLOCK_B: gl.constexpr,
     STAGES: gl.constexpr, HEADS_INNER: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
-    FP8: gl.constexpr = False, FP8_CONSUMER_REGS: gl.constexpr = 224, FP8_PRODUCER_REGS: gl.constexpr = 56,
+    FP8: gl.constexpr = 0, FP8_CONSUMER_REGS: gl.constexpr = 224, FP8_PRODUCER_REGS: gl.constexpr = 56,
 ):
     """`prefill_gluon_kernel`'s maths on a 128-row q tile, warp-specialized: launched with num_warps = 4 (the
     default partition, consumer 0) plus a 4-warp worker (consumer 1, CONSUMER_REGS registers) and a 1-warp TMA
-    producer (24 registers). FP8: an fp8 q (per token-head scales) over fp8 KV, both GEMMs in fp8 (`_attend`), with
-    a 4-warp producer that also transposes V (`_ws_producer_fp8`; FP8_CONSUMER_REGS / FP8_PRODUCER_REGS)."""
+    producer (24 registers). FP8 (1, or 2 with P in registers: `_attend`): an fp8 q (per token-head scales) over
+    fp8 KV, both GEMMs in fp8, with a 4-warp producer that also transposes V (`_ws_producer_fp8`;
+    FP8_CONSUMER_REGS / FP8_PRODUCER_REGS)."""
     gl.static_assert(num_warps == 4, "the default partition is consumer warpgroup 0")
     gl.static_assert(STAGES >= 2, "two K/V buffers at least")
     BLOCK_M: gl.constexpr = 128  # two consumer warpgroups of 64 rows
@@ -453,7 +468,10 @@ def prefill_gluon_ws_kernel(
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     if FP8:  # two Vᵀ buffers (the fp8 P·V's B operand, keys contiguous) and each consumer's e4m3 P (the A operand)
         vt_smem = gl.allocate_shared_memory(DT, [2, D, TILE], gl.NVMMASharedLayout.get_default_for([D, TILE], DT))
-        p_smem = gl.allocate_shared_memory(DT, [2, 64, TILE], gl.NVMMASharedLayout.get_default_for([64, TILE], DT))
+        if FP8 == 2:
+            p_smem = vt_smem  # P stays in registers: not read
+        else:
+            p_smem = gl.allocate_shared_memory(DT, [2, 64, TILE], gl.NVMMASharedLayout.get_default_for([64, TILE], DT))
         vt_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         vt_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for ib in gl.static_range(2):

@@ -53,7 +53,9 @@ class PrefillConfig:
     `gluon_ws` (with `gluon`, block_m 128 on 8 warps): the warp-specialized Gluon kernel, FA3's layout: a TMA
     producer warp and two consumer warpgroups of 64 q rows that take turns at the tensor cores. It also takes an
     fp8 q over fp8 KV (opt-in: not the heuristic's choice until measured), both GEMMs in fp8 with e4m3(P·256)
-    probabilities (as `pv_fp8`).
+    probabilities (as `pv_fp8`). `gluon_p_regs` (that fp8 kernel only): P stays in registers as P·V's A
+    operand and P·V runs synchronously, instead of P through shared memory with P·V under the warpgroup's own
+    softmax (the two are timed side by side: the bench's `hpcops-fp8q-gluon*` rows).
     `tma`, `pv_fp8`, `quant_q` and `fma_scale` are the `tl` kernel's (the Gluon kernel always reads by TMA and
     scales inside exp2).
     """
@@ -69,6 +71,7 @@ class PrefillConfig:
     heads_inner: bool = False
     gluon: bool | None = False
     gluon_ws: bool = False
+    gluon_p_regs: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
@@ -296,6 +299,8 @@ def gluon_unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                 "or with gluon_ws an fp8 q over fp8 KV)")
     if fp8 and not config.gluon_ws:
         return "an fp8 q over fp8 KV runs on the warp-specialized kernel only (gluon_ws)"
+    if config.gluon_p_regs and not fp8:
+        return "gluon_p_regs is for an fp8 q over fp8 KV (a 16-bit P is always in registers)"
     if fp8 and d > 128:
         return f"head_dim {d} with fp8 (the fp8 consumer's registers spill above 128: 496 bytes at 256 in ptxas)"
     if fp8 and config.block_n % 32:
@@ -348,7 +353,8 @@ def _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, out,
         # producer): 168 registers each at launch, moved by setmaxnreg to 240 / 240 / 24 (fp8: 224 / 224 / 56)
         # inside the specialized region
         prefill_gluon_ws_kernel[(tiles_per_head * hkv,)](*args, *scales, **common,
-                                                         CONSUMER_REGS=GLUON_WS_CONSUMER_REGS, FP8=fp8, num_warps=4,
+                                                         CONSUMER_REGS=GLUON_WS_CONSUMER_REGS, num_warps=4,
+                                                         FP8=(2 if config.gluon_p_regs else 1) if fp8 else 0,
                                                          FP8_CONSUMER_REGS=GLUON_WS_FP8_REGS[0],
                                                          FP8_PRODUCER_REGS=GLUON_WS_FP8_REGS[1], maxnreg=168)
     else:

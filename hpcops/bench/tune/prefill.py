@@ -108,6 +108,7 @@ GLUON_SPACE = (
     knob("block_n", 64, 128),
     knob("num_stages", 2, 3, 4),
     knob("heads_inner", False, True),
+    knob("gluon_p_regs", False, True),
 )
 
 
@@ -134,7 +135,7 @@ class PrefillGluonTune(PrefillTune):
         smem = gluon_smem_bytes(cand["block_m"], cand["block_n"], cand["num_stages"], suite.HEAD_DIM,
                                 1 if c.fp8_q else 2, c.fp8_q)
         ws_ok = not cand["gluon_ws"] or cand["block_m"] == 128  # two consumer warpgroups of 64 rows
-        fp8_ok = not c.fp8_q or cand["gluon_ws"]  # fp8 runs on the warp-specialized kernel only
+        fp8_ok = cand["gluon_ws"] if c.fp8_q else not cand["gluon_p_regs"]  # fp8: the specialized kernel only
         return smem <= GLUON_SMEM_BYTES and cand["block_m"] >= c.s.hq // c.s.hkv and ws_ok and fp8_ok
 
 
