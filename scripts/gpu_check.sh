@@ -5,6 +5,7 @@
 #                                             prefill, prefill-gluon),
 #                                             ep2 (two-GPU expert parallelism, scripts/moe_ep2.py),
 #                                             profile:decode (ncu), profile:decode-kernels (per-kernel µs of a step),
+#                                             profile:prefill (ncu on the bf16 and fp8 Gluon prefill kernels),
 #                                             profile:moe (per-kernel µs, scripts/profile_moe.py;
 #                                             PROFILE_ARGS adds options), smoke (the smallest complete run of every GPU
 #                                             tool: hpcops tune <op> --smoke for every op, profile_decode.py)
@@ -96,6 +97,15 @@ for st in "${stages[@]}"; do
           --section LaunchStats --section Occupancy --section SpeedOfLight --section MemoryWorkloadAnalysis \
           --section SchedulerStats --section WarpStateStats \
           python3 scripts/profile_decode.py $args 2>&1 | tee -a "$OUT/results/ncu_decode.txt" | tail -60
+      done ;;
+    profile:prefill)
+      # Nsight Compute on the prefill kernels at h64/8 q8k: the bf16 default (the warp-specialized Gluon kernel) and
+      # the fp8 Gluon kernel (--gluon), one launch each: stall reasons, issue, pipes, shared memory
+      for args in "--q bf16" "--q fp8 --gluon"; do
+        timeout 240 ncu --clock-control none --kernel-name regex:prefill_gluon --launch-skip 1 --launch-count 1 \
+          --section LaunchStats --section Occupancy --section SpeedOfLight --section ComputeWorkloadAnalysis \
+          --section MemoryWorkloadAnalysis --section SchedulerStats --section WarpStateStats \
+          python3 scripts/profile_prefill.py $args 2>&1 | tee -a "$OUT/results/ncu_prefill.txt" | tail -60
       done ;;
     profile:decode-kernels)
       # per-kernel device time of a decode step (plan, attention, combine) per DecodeConfig variant:

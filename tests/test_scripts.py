@@ -129,6 +129,21 @@ def test_profile_decode_kernels_options_and_gpu_check_stage():
         assert "profile:decode-kernels)" in f.read()
 
 
+def test_profile_prefill_options_and_gpu_check_stage():
+    """The prefill profiler (for ncu) parses its options and says it needs a GPU, or refuses --gluon without an fp8
+    q; gpu_check.sh has its stage, which profiles both Gluon kernels."""
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    res = subprocess.run([sys.executable, os.path.join(SCRIPTS, "profile_prefill.py"), "--help"], capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert res.returncode == 0 and "--gluon" in res.stdout and "--spec" in res.stdout, res.stderr
+    res = subprocess.run([sys.executable, os.path.join(SCRIPTS, "profile_prefill.py"), "--gluon"], capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert res.returncode != 0 and "--gluon is for --q fp8" in res.stderr
+    with open(os.path.join(SCRIPTS, "gpu_check.sh")) as f:
+        text = f.read()
+    assert "profile:prefill)" in text and '"--q fp8 --gluon"' in text
+
+
 FAKE_CHECK = """#!/usr/bin/env bash
 # a stand-in for gpu_check.sh: results/ packed into results.tar.gz, as the real one does
 mkdir -p "$OUT/results"
