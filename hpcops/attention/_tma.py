@@ -32,6 +32,15 @@ def tma_unsupported_reason(cache: torch.Tensor, block_n: int) -> str | None:
     return None
 
 
+def kv_tma_unsupported_reason(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -> str | None:
+    """`tma_unsupported_reason` for both caches, the first failing one named ("k_cache: ..."; None: both can)."""
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        why = tma_unsupported_reason(cache, block_n)
+        if why is not None:
+            return f"{name}: {why}"
+    return None
+
+
 def kv_descriptor(cache: torch.Tensor, block_n: int):
     """Host TensorDescriptor over `cache` as 2-D [num_blocks·block_size, token row], box [block_n, D]."""
     from triton.tools.tensor_descriptor import TensorDescriptor

@@ -23,7 +23,7 @@ from hpcops._checks import (
     values_checkable,
 )
 from hpcops._library import register
-from hpcops.attention._tma import kv_descriptor, tma_unsupported_reason
+from hpcops.attention._tma import kv_descriptor, kv_tma_unsupported_reason, tma_unsupported_reason
 from hpcops.attention.plan import MAX_Q_LEN, MAX_SPLIT_COST, TILE, DecodePlan, check_plan_matches, plan_decode
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 256)
@@ -413,11 +413,7 @@ def gluon_unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     page = k_cache.shape[1]
     if page < TILE and (page < 8 or TILE % page):
         return f"block_size {page} (pages of 8–64 tokens must divide the 64-key tile)"
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        why = tma_unsupported_reason(cache, min(TILE, page))
-        if why is not None:
-            return f"{name}: {why}"
-    return None
+    return kv_tma_unsupported_reason(k_cache, v_cache, min(TILE, page))
 
 
 def _tma_ok(cache: torch.Tensor, block_n: int) -> bool:

@@ -20,7 +20,7 @@ from hpcops._checks import (
 from hpcops._library import register
 from hpcops.attention import decode as _decode
 from hpcops.attention._prefill_kernels import prefill_attention_fwd_kernel
-from hpcops.attention._tma import gluon_kv_descriptor, kv_descriptor, tma_unsupported_reason
+from hpcops.attention._tma import gluon_kv_descriptor, kv_descriptor, kv_tma_unsupported_reason, tma_unsupported_reason
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
@@ -322,11 +322,7 @@ def gluon_unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     what = f"q and {config.num_stages} K/V buffers" + (", two Vᵀ buffers and each consumer's P" if fp8 else "")
     if smem > GLUON_SMEM_BYTES:
         return f"{smem} bytes of shared memory for {what} (at most {GLUON_SMEM_BYTES})"
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        why = tma_unsupported_reason(cache, min(bn, page))
-        if why is not None:
-            return f"{name}: {why}"
-    return None
+    return kv_tma_unsupported_reason(k_cache, v_cache, min(bn, page))
 
 
 def _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, out, sm_scale, tiles_per_head, block_b,
