@@ -65,6 +65,19 @@ def _tile_of(cu_seqlens_q_ptr, num_reqs, tiles_per_head, num_kv_heads, TOKENS: g
 
 
 @gluon.jit
+def _request_span(cu_seqlens_q_ptr, seq_lens_ptr, req, m_blk, TOKENS: gl.constexpr, TILE: gl.constexpr):
+    """Request `req`'s q tile `m_blk`: (q_start, q_len, seq_len, ctx_len, first_tok, n), n the K/V tiles up to
+    the tile's last row's diagonal."""
+    q_start = gl.load(cu_seqlens_q_ptr + req)
+    q_len = gl.load(cu_seqlens_q_ptr + req + 1) - q_start
+    seq_len = gl.load(seq_lens_ptr + req)
+    ctx_len = seq_len - q_len
+    first_tok = m_blk * TOKENS
+    last_tok = gl.minimum(first_tok + TOKENS, q_len) - 1
+    return q_start, q_len, seq_len, ctx_len, first_tok, (ctx_len + last_tok + TILE) // TILE
+
+
+@gluon.jit
 def _softmax_tile(s, m_i, l_i, c, key0, kv_limit, keys, MASKED, ROW_SCALE: gl.constexpr = False):
     """One online-softmax step on the raw scores s [BLOCK_M, TILE] (exp2 domain, logit scale c > 0, one for the
     tile or, ROW_SCALE, one a row [BLOCK_M]): (p, α, m, l). MASKED (the tile reaches a row's causal limit): keys
@@ -315,13 +328,8 @@ def prefill_gluon_kernel(
                                        HEADS_INNER, b_layout)
     if not ok:
         return
-    q_start = gl.load(cu_seqlens_q_ptr + req)
-    q_len = gl.load(cu_seqlens_q_ptr + req + 1) - q_start
-    seq_len = gl.load(seq_lens_ptr + req)
-    ctx_len = seq_len - q_len
-    first_tok = m_blk * TOKENS
-    last_tok = gl.minimum(first_tok + TOKENS, q_len) - 1
-    n = (ctx_len + last_tok + TILE) // TILE  # tiles up to the last row's diagonal
+    q_start, q_len, seq_len, ctx_len, first_tok, n = _request_span(cu_seqlens_q_ptr, seq_lens_ptr, req, m_blk,
+                                                                  TOKENS, TILE)
 
     q_smem = gl.allocate_shared_memory(DT, [BLOCK_M, D], gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], DT))
     k_smem = gl.allocate_shared_memory(DT, [STAGES, TILE, D], k_desc.layout)
@@ -452,13 +460,8 @@ def prefill_gluon_ws_kernel(
                                        HEADS_INNER, b_layout)
     if not ok:
         return
-    q_start = gl.load(cu_seqlens_q_ptr + req)
-    q_len = gl.load(cu_seqlens_q_ptr + req + 1) - q_start
-    seq_len = gl.load(seq_lens_ptr + req)
-    ctx_len = seq_len - q_len
-    first_tok = m_blk * TOKENS
-    last_tok = gl.minimum(first_tok + TOKENS, q_len) - 1
-    n = (ctx_len + last_tok + TILE) // TILE
+    q_start, q_len, seq_len, ctx_len, first_tok, n = _request_span(cu_seqlens_q_ptr, seq_lens_ptr, req, m_blk,
+                                                                  TOKENS, TILE)
 
     q_smem = gl.allocate_shared_memory(DT, [2, 64, D], gl.NVMMASharedLayout.get_default_for([64, D], DT))
     k_smem = gl.allocate_shared_memory(DT, [STAGES, TILE, D], k_desc.layout)
