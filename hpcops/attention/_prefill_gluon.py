@@ -40,10 +40,12 @@ def _add(a, b):
 
 @gluon.jit
 def _tile_of(cu_seqlens_q_ptr, num_reqs, tiles_per_head, num_kv_heads, TOKENS: gl.constexpr, BLOCK_B: gl.constexpr,
-             HEADS_INNER: gl.constexpr, b_layout: gl.constexpr):
+             HEADS_INNER: gl.constexpr, WARPS: gl.constexpr):
     """This program's (kv head, request, q tile of the request, ok) from the flat tile list: request b owns tiles
     [cum[b] − n[b], cum[b]) with n[b] = cdiv(q_len[b], TOKENS), its heaviest (last) tile first; ok is False for
     the programs past Σ n[b] (the grid is a bound from host shapes)."""
+    b_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[WARPS],
+                                              order=[0])
     pid = gl.program_id(0)
     if HEADS_INNER:
         kv_head = pid % num_kv_heads
@@ -322,10 +324,8 @@ def prefill_gluon_kernel(
     TOKENS: gl.constexpr = BLOCK_M // G
     DT: gl.constexpr = k_desc.dtype
     KV_BYTES: gl.constexpr = 2 * TILE * D * DT.primitive_bitwidth // 8
-    b_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32],
-                                              warps_per_cta=[num_warps], order=[0])
     kv_head, req, m_blk, ok = _tile_of(cu_seqlens_q_ptr, num_reqs, tiles_per_head, num_kv_heads, TOKENS, BLOCK_B,
-                                       HEADS_INNER, b_layout)
+                                       HEADS_INNER, num_warps)
     if not ok:
         return
     q_start, q_len, seq_len, ctx_len, first_tok, n = _request_span(cu_seqlens_q_ptr, seq_lens_ptr, req, m_blk,
@@ -454,10 +454,8 @@ def prefill_gluon_ws_kernel(
     BLOCK_M: gl.constexpr = 128  # two consumer warpgroups of 64 rows
     TOKENS: gl.constexpr = BLOCK_M // G
     DT: gl.constexpr = k_desc.dtype
-    b_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[num_warps],
-                                              order=[0])
     kv_head, req, m_blk, ok = _tile_of(cu_seqlens_q_ptr, num_reqs, tiles_per_head, num_kv_heads, TOKENS, BLOCK_B,
-                                       HEADS_INNER, b_layout)
+                                       HEADS_INNER, num_warps)
     if not ok:
         return
     q_start, q_len, seq_len, ctx_len, first_tok, n = _request_span(cu_seqlens_q_ptr, seq_lens_ptr, req, m_blk,
