@@ -185,9 +185,9 @@ def test_bench_has_the_blog_table4_decode_rows():
 
 # ---------------------------------------------------------------- the plan's kernel choice (plan_kernel)
 def test_plan_kernel_takes_gluon_only_where_it_applies(monkeypatch):
-    """`plan_decode`'s hints pick the Gluon kernel only for an fp8 q over fp8 KV at 2-16 q rows a kv head, head_dim
-    64/128/256, pages it reads, on sm_90, with DecodeConfig.gluon None; the tl kernel everywhere else (here the
-    device checks are stubbed to an H200's)."""
+    """`plan_decode`'s hints pick the Gluon kernel only for an fp8 q over fp8 KV at 2-16 q rows a kv head (2-8 at
+    head_dim 64), head_dim 64/128/256, pages it reads, on sm_90, with DecodeConfig.gluon None; the tl kernel
+    everywhere else (here the device checks are stubbed to an H200's)."""
     from hpcops.attention import decode as dec
 
     monkeypatch.setattr(dec._platform, "is_interpreter", lambda: False)
@@ -199,7 +199,8 @@ def test_plan_kernel_takes_gluon_only_where_it_applies(monkeypatch):
     assert dec.plan_kernel(1, 1, 256, "cuda", **{**hints, "head_dim": 64}) == "gluon"
     for change, why in ((dict(q_dtype=bf16), "16-bit q"), (dict(kv_dtype=bf16, q_dtype=bf16), "16-bit KV"),
                         (dict(num_q_heads=1), "one q row: the row path"), (dict(num_q_heads=32), "32 q rows"),
-                        (dict(head_dim=96), "head_dim 96"), (dict(head_dim=None), "a hint missing")):
+                        (dict(head_dim=96), "head_dim 96"), (dict(head_dim=None), "a hint missing"),
+                        (dict(head_dim=64, num_q_heads=16), "16 rows at head_dim 64")):
         assert dec.plan_kernel(1, 1, 64, "cuda", **{**hints, **change}) == "tl", why
     assert dec.plan_kernel(1, 1, 4, "cuda", **hints) == "tl", "pages of 4 tokens"
     assert dec.plan_kernel(1, 1, 64, "cpu", **hints) == "tl", "not a CUDA device"

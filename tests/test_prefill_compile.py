@@ -14,6 +14,7 @@ import textwrap
 
 import pytest
 
+from hpcops.attention.prefill import GLUON_WS_FP8_REGS
 from hpcops.testing import sm90_build_in_subprocess
 
 SCRIPT = textwrap.dedent(r"""
@@ -197,10 +198,10 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 from hpcops.attention._prefill_gluon import prefill_gluon_ws_kernel
-from hpcops.attention.prefill import GLUON_WS_CONSUMER_REGS
+from hpcops.attention.prefill import GLUON_WS_CONSUMER_REGS, GLUON_WS_FP8_REGS
 from hpcops.testing import sm90_resources
 
-d, g, tile, page, stages, dt = json.loads(sys.argv[1])
+d, g, tile, page, stages, dt, *p_regs = json.loads(sys.argv[1])
 gdt = {"bf16": gl.bfloat16, "fp16": gl.float16, "fp8e4nv": gl.float8e4nv}[dt]
 box = min(tile, page)
 desc = f"tensordesc<{dt}[{box}, {d}],{gl.NVMMASharedLayout.get_default_for([box, d], gdt)}>"
@@ -211,7 +212,9 @@ sig.update({a: "i32" for a in ("num_reqs", "tiles_per_head", "num_kv_heads", "bt
                                "stride_qh", "stride_kh", "stride_vh", "stride_bt", "stride_ot", "stride_oh",
                                "stride_qst", "stride_qsh")})
 consts = dict(D=d, G=g, TILE=tile, PAGE=page, BLOCK_B=16, STAGES=stages, HEADS_INNER=True,
-              CONSUMER_REGS=GLUON_WS_CONSUMER_REGS, num_warps=4, FP8=dt == "fp8e4nv")
+              CONSUMER_REGS=GLUON_WS_CONSUMER_REGS, num_warps=4,
+              FP8=(2 if p_regs and p_regs[0] else 1) if dt == "fp8e4nv" else 0,
+              FP8_CONSUMER_REGS=GLUON_WS_FP8_REGS[0], FP8_PRODUCER_REGS=GLUON_WS_FP8_REGS[1])
 sig.update({a: "constexpr" for a in consts})
 c = triton.compile(GluonASTSource(prefill_gluon_ws_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": 4, "maxnreg": 168})
@@ -220,6 +223,7 @@ ptx = c.asm["ptx"]
 r["setmaxnreg"] = sorted({int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)})
 r["cta_barriers"] = len(re.findall(r"\bbar\.sync\s+0;", ptx))  # bar.sync 0 without a thread count: the whole CTA
 r["byte_stores"] = len(re.findall(r"\bst\.shared\.b8\b", ptx))
+r["b16_stores"] = len(re.findall(r"\bst\.shared\.b16\b", ptx))  # the fp8 P's 2-byte pieces
 print(json.dumps(r))
 """)
 
@@ -231,6 +235,8 @@ GLUON_WS_BUILDS = {  # name: (head_dim, G, block_n, page, stages, dtype)
     "d256-64": (256, 2, 64, 64, 2, "bf16"),
     "fp8-d128-h8/1-128-3buf": (128, 8, 128, 64, 3, "fp8e4nv"),  # PrefillConfig(gluon_ws=True) over fp8 q and KV
     "fp8-d128-mha-64-page16": (128, 1, 64, 16, 3, "fp8e4nv"),
+    "fp8-d64-gqa3-128-page32": (64, 3, 128, 32, 3, "fp8e4nv"),  # _vt_bases at 128 keys × 64
+    "fp8-d128-h8/1-128-4buf-pregs": (128, 8, 128, 64, 4, "fp8e4nv", True),  # gluon_p_regs: P by warp shuffles
 }
 
 
@@ -238,17 +244,22 @@ GLUON_WS_BUILDS = {  # name: (head_dim, G, block_n, page, stages, dtype)
 def test_gluon_ws_prefill_kernel_builds_for_sm90(name):
     """PrefillConfig.gluon_ws's kernel compiles for sm_90 with no spill: two consumer copies of the loop (wgmma:
     each consumer's first S, its loop's S and P·V, its last P·V; fp8: K steps of 32), registers moved by
-    setmaxnreg to 240 for the consumers and 24 for the producer, and no CTA-wide barrier (the partitions meet on
-    mbarriers only)."""
+    setmaxnreg to 240 for the consumers and 24 for the producer warp (fp8: GLUON_WS_FP8_REGS, the producer a
+    warpgroup that transposes V), and no CTA-wide barrier (the partitions meet on mbarriers only)."""
     pytest.importorskip("triton.backends.nvidia")
-    d, g, tile, page, stages, dt = GLUON_WS_BUILDS[name]
+    d, g, tile, page, stages, dt = GLUON_WS_BUILDS[name][:6]
     r = sm90_build_in_subprocess(GLUON_WS_BUILD, GLUON_WS_BUILDS[name])
     print(name, r)
     assert r["spill_bytes"] == 0, r
     k_step = 32 if dt == "fp8e4nv" else 16  # an fp8 wgmma takes 32 of K a step
     assert r["wgmma"] == 2 * (2 * (d // k_step) + 2 * (tile // k_step)), r
-    assert {24, 240} <= set(r["setmaxnreg"]), r
+    if dt == "fp8e4nv":  # the 4-warp producer that transposes V, and 224 for each consumer
+        assert set(GLUON_WS_FP8_REGS) <= set(r["setmaxnreg"]), r
+    else:
+        assert {24, 240} <= set(r["setmaxnreg"]), r
     assert r["cta_barriers"] == 0, r
     assert r["shared"] <= 227 * 1024, r
     if dt == "fp8e4nv" and d == tile == 128:  # Vᵀ by 8-byte stores (_transpose_v's layouts), never byte by byte
         assert r["byte_stores"] == 0, r
+    if GLUON_WS_BUILDS[name][6:] == (True,):  # gluon_p_regs: P reaches the P·V wgmma in registers, never stored
+        assert r["b16_stores"] == 0, r

@@ -498,3 +498,23 @@ def test_cli_usage(capsys, monkeypatch):
     out = capsys.readouterr().out
     moves = [ln.split()[1:] for ln in out.splitlines() if ln.startswith("  A ")]
     assert ["lean_pages=0"] in moves and ["lean_loop=0"] in moves and not any("plan_" in f for m in moves for f in m)
+
+
+def test_prefill_gluon_tunes_bf16_and_fp8_q_on_its_kernels():
+    """`hpcops tune prefill-gluon`: the bf16 scenarios and the fp8-q ones over fp8 KV (never a bf16 q over fp8 KV,
+    which the Gluon kernels do not take); an fp8 scenario starts from the warp-specialized tile and keeps only
+    warp-specialized candidates whose shared memory (with the Vᵀ and P buffers) fits."""
+    from hpcops.attention.prefill import GLUON_SMEM_BYTES, gluon_smem_bytes
+
+    op = get_op("prefill-gluon")
+    scen = op.scenarios(False)
+    assert {(c.s.fp8, c.fp8_q) for c in scen} == {(False, False), (True, True)}
+    fp8 = next(c for c in scen if c.fp8_q and c.s.spec == "q512")  # few tiles: 64-row tiles for a 16-bit q
+    base = op.base(fp8)
+    assert (base["block_m"], base["num_warps"], base["gluon_ws"], base["gluon"]) == (128, 8, True, True)
+    assert op.valid(fp8, base)
+    assert not op.valid(fp8, {**base, "gluon_ws": False})
+    assert op.valid(fp8, {**base, "num_stages": 4})  # 196608 bytes
+    assert gluon_smem_bytes(128, 128, 4, 128, 1, True) == 196608 <= GLUON_SMEM_BYTES
+    bf16 = next(c for c in scen if not c.fp8_q and c.s.spec == "q8k")
+    assert not op.valid(bf16, {**op.base(bf16), "num_stages": 4})  # 294912 bytes of bf16 tiles

@@ -40,10 +40,12 @@ def _add(a, b):
 
 @gluon.jit
 def _tile_of(cu_seqlens_q_ptr, num_reqs, tiles_per_head, num_kv_heads, TOKENS: gl.constexpr, BLOCK_B: gl.constexpr,
-             HEADS_INNER: gl.constexpr, b_layout: gl.constexpr):
+             HEADS_INNER: gl.constexpr, WARPS: gl.constexpr):
     """This program's (kv head, request, q tile of the request, ok) from the flat tile list: request b owns tiles
     [cum[b] − n[b], cum[b]) with n[b] = cdiv(q_len[b], TOKENS), its heaviest (last) tile first; ok is False for
     the programs past Σ n[b] (the grid is a bound from host shapes)."""
+    b_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[WARPS],
+                                              order=[0])
     pid = gl.program_id(0)
     if HEADS_INNER:
         kv_head = pid % num_kv_heads
@@ -62,6 +64,19 @@ def _tile_of(cu_seqlens_q_ptr, num_reqs, tiles_per_head, num_kv_heads, TOKENS: g
     req_tiles = gl.sum(gl.where(sel, n_tiles, 0), axis=0)
     req_first = gl.sum(gl.where(sel, cum, 0), axis=0) - req_tiles
     return kv_head, req, req_tiles - 1 - (tile - req_first), tile < gl.sum(n_tiles, axis=0)
+
+
+@gluon.jit
+def _request_span(cu_seqlens_q_ptr, seq_lens_ptr, req, m_blk, TOKENS: gl.constexpr, TILE: gl.constexpr):
+    """Request `req`'s q tile `m_blk`: (q_start, q_len, seq_len, ctx_len, first_tok, n), n the K/V tiles up to
+    the tile's last row's diagonal."""
+    q_start = gl.load(cu_seqlens_q_ptr + req)
+    q_len = gl.load(cu_seqlens_q_ptr + req + 1) - q_start
+    seq_len = gl.load(seq_lens_ptr + req)
+    ctx_len = seq_len - q_len
+    first_tok = m_blk * TOKENS
+    last_tok = gl.minimum(first_tok + TOKENS, q_len) - 1
+    return q_start, q_len, seq_len, ctx_len, first_tok, (ctx_len + last_tok + TILE) // TILE
 
 
 @gluon.jit
@@ -102,56 +117,52 @@ def _p_operand(p, DT: gl.constexpr, FP8: gl.constexpr):
     return p.to(DT)
 
 
-# Vᵀ with few bank conflicts (`_transpose_v`), for the 128×128 fp8 tile on one warpgroup. Under the 128-byte swizzle
-# a row's 16-byte chunk c sits at chunk c ^ (row % 8). A thread holds 16 contiguous d bytes of 8 consecutive keys
-# (one 16-byte load a key, one 8-byte store a d); lanes take keys 8–56 and d 16–48, the warps key 64 and d 64. Both
-# sides then cost twice the minimum of shared-memory wavefronts (8 a load, 4 a store: 128 a warp and tile). A
-# blocked layout with 8 d bytes a thread stored Vᵀ a byte at a time, 8 lanes on one bank (1088 wavefronts; the
-# fp8 kernel ran at a third of the bf16 one's speed). Each base moves one coordinate: a Gluon distributed layout
-# cannot mix them (a d ⊕ key lane would reach the minimum).
-_VT_LANES = [[8, 0], [16, 0], [32, 0], [0, 16], [0, 32]]  # [key, d]
-_VT_WARPS = [[64, 0], [0, 64]]
+# Vᵀ with few bank conflicts (`_transpose_v`, on one warpgroup: the fp8 kernel's producer). A thread holds 16
+# contiguous d bytes of 2^r consecutive keys (r = log2(TILE·D) − 11): one 16-byte load a key, one 2^r-byte store a
+# d. The lanes take the next 3 key bits and d 16, 32; the warps what is left (at 128×128: the key's 64 and d's 64).
+# At 128×128 under the 128-byte swizzle (a row's 16-byte chunk c at chunk c ^ (row % 8)) both sides cost twice the
+# minimum of shared-memory wavefronts (8 a load, 4 a store: 128 a warp and tile). A blocked layout with 8 d bytes
+# a thread stored Vᵀ a byte at a time, 8 lanes on one bank (1088 wavefronts; the fp8 kernel ran at a third of the
+# bf16 one's speed). Each base moves one coordinate: a Gluon distributed layout cannot mix them (a d ⊕ key lane
+# would reach the minimum).
+@gluon.constexpr_function
+def _vt_bases(TILE, D):
+    """[key, d] bases (registers, lanes, warps) of V's [TILE, D] tile on 4 warps, for D 64–256 and TILE·D ≥ 2048."""
+    t, dd = TILE.bit_length() - 1, D.bit_length() - 1
+    r = t + dd - 11  # key bits in the registers, beside d's 4
+    regs = [[0, 1], [0, 2], [0, 4], [0, 8]] + [[1 << i, 0] for i in range(r)]
+    lanes = [[1 << (r + i), 0] for i in range(3)] + [[0, 16], [0, 32]]
+    warps = [[1 << i, 0] for i in range(r + 3, t)] + [[0, 1 << i] for i in range(6, dd)]
+    return regs, lanes, warps
 
 
 @gluon.constexpr_function
-def _vt_fast(TILE, D, WARPS):
-    return TILE == 128 and D == 128 and WARPS == 4
+def _vt_load_layout(TILE, D):
+    """V [TILE keys, D]: registers d0–d3 then the keys."""
+    regs, lanes, warps = _vt_bases(TILE, D)
+    return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=lanes, warp_bases=warps, block_bases=[],
+                                      shape=[TILE, D])
 
 
 @gluon.constexpr_function
-def _vt_load_layout():
-    """V [128 keys, 128 d]: registers d0–d3 then key0–key2."""
-    return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
-                                      lane_bases=_VT_LANES, warp_bases=_VT_WARPS, block_bases=[],
-                                      shape=[128, 128])
-
-
-@gluon.constexpr_function
-def _vt_store_layout():
-    """Vᵀ [128 d, 128 keys]: the same threads, registers key0–key2 first (8 contiguous bytes a store)."""
-    return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [1, 0], [2, 0], [4, 0], [8, 0]],
-                                      lane_bases=[[d, k] for k, d in _VT_LANES],
-                                      warp_bases=[[d, k] for k, d in _VT_WARPS], block_bases=[], shape=[128, 128])
+def _vt_store_layout(TILE, D):
+    """Vᵀ [D, TILE keys]: the same threads, the keys first among the registers (2^r contiguous bytes a store)."""
+    regs, lanes, warps = _vt_bases(TILE, D)
+    regs = regs[4:] + regs[:4]
+    return gl.DistributedLinearLayout(reg_bases=[[d, k] for k, d in regs], lane_bases=[[d, k] for k, d in lanes],
+                                      warp_bases=[[d, k] for k, d in warps], block_bases=[], shape=[D, TILE])
 
 
 @gluon.jit
-def _transpose_v(v_buf, vt_buf, tile, seq_len, TILE: gl.constexpr, D: gl.constexpr, WARPS: gl.constexpr,
-                 ld_layout: gl.constexpr):
-    """V tile `tile` ([TILE, D], as the cache holds it) into `vt_buf` as Vᵀ [D, TILE]: an fp8 wgmma's B operand must
-    be K-major (keys contiguous) for P·V. Rows past seq_len become 0 on the way (see `_zero_v_tail`). The 128×128
-    tile takes the conflict-free layouts above; other shapes go through `ld_layout` (correct, slower)."""
-    if _vt_fast(TILE, D, WARPS):
-        v = v_buf.load(_vt_load_layout())
-        key = tile * TILE + gl.arange(0, TILE, layout=gl.SliceLayout(1, _vt_load_layout()))
-    else:
-        v = v_buf.load(ld_layout)
-        key = tile * TILE + gl.arange(0, TILE, layout=gl.SliceLayout(1, ld_layout))
+def _transpose_v(v_buf, vt_buf, tile, seq_len, TILE: gl.constexpr, D: gl.constexpr):
+    """V tile `tile` ([TILE, D], as the cache holds it) into `vt_buf` as Vᵀ [D, TILE], on 4 warps: an fp8 wgmma's B
+    operand must be K-major (keys contiguous) for P·V. Rows past seq_len become 0 on the way (see
+    `_zero_v_tail`)."""
+    v = v_buf.load(_vt_load_layout(TILE, D))
+    key = tile * TILE + gl.arange(0, TILE, layout=gl.SliceLayout(1, _vt_load_layout(TILE, D)))
     if (tile + 1) * TILE > seq_len:
         v = gl.where((key < seq_len)[:, None], v, gl.zeros_like(v))
-    if _vt_fast(TILE, D, WARPS):
-        vt_buf.store(gl.convert_layout(gl.permute(v, (1, 0)), _vt_store_layout()))
-    else:
-        vt_buf.store(gl.permute(v, (1, 0)))
+    vt_buf.store(gl.convert_layout(gl.permute(v, (1, 0)), _vt_store_layout(TILE, D)))
     fence_async_shared()
 
 
@@ -167,11 +178,19 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
     warpgroup WG of the specialized kernel): it releases buffers on `empty` for the producer, and issues its
     wgmmas in its turn (`turn[WG]`, then passes the turn on).
 
-    FP8 (fp8 q over fp8 KV; `fp8_args` = (q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, vt_buf,
-    p_buf)): S = q8·K8ᵀ as an fp8 wgmma with a logit scale a row (q_scale[token, head]·k_scale·c); P is quantized
-    as e4m3(P·256) into this warpgroup's `p_buf` [ROWS, TILE] and O += P8·V8 is an fp8 wgmma over Vᵀ, which the
-    warpgroup writes into its own `vt_buf` [D, TILE] before each P·V (`_transpose_v`); the epilogue multiplies by
-    v_scale / 256 (the `tl` kernel's `pv_fp8` numerics: e4m3 probabilities, ~2 % RMS error on random data)."""
+    FP8 (fp8 q over fp8 KV, warp-specialized; `fp8_args` = (q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr,
+    v_scale_ptr, vt_buf, p_buf, vt_full, vt_empty)): S = q8·K8ᵀ as an fp8 wgmma with a logit scale a row
+    (q_scale[token, head]·k_scale·c); P is quantized as e4m3(P·256) into this warpgroup's `p_buf` [ROWS, TILE] and
+    O += P8·V8 is an fp8 wgmma over Vᵀ from `vt_buf` [2, D, TILE], which the producer warpgroup fills
+    (`_ws_producer_fp8`: tile j in buffer j % 2, announced on `vt_full`, given back on `vt_empty` by both
+    consumers once their P·V_j is done). A consumer releases a K/V buffer (`empty`) as soon as its S is done: the
+    producer has read V by then. The epilogue multiplies by v_scale / 256 (the `tl` kernel's `pv_fp8` numerics:
+    e4m3 probabilities, ~2 % RMS error on random data). FP8 == 2 (`PrefillConfig.gluon_p_regs`): P stays in
+    registers as P·V's A operand and P·V runs synchronously after the next S is issued (an 8-bit register operand
+    cannot wait in `warpgroup_mma_wait`'s deps in Triton 3.6): no P round trip through shared memory, but P·V no
+    longer runs under this warpgroup's own softmax, only under the other's."""
+    P_REGS: gl.constexpr = FP8 == 2
+    gl.static_assert(WS or not FP8, "the fp8 loop runs on the warp-specialized kernel only")
     DT: gl.constexpr = k_desc.dtype
     KV_BYTES: gl.constexpr = 2 * TILE * D * DT.primitive_bitwidth // 8
     K_STEP: gl.constexpr = 32 if FP8 else 16
@@ -198,7 +217,7 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
     keys = gl.arange(0, TILE, layout=gl.SliceLayout(0, s_layout))
     kv_limit = ctx_len + gl.minimum(first_tok + r_s // G, q_len - 1)  # the last key row r sees
     if FP8:
-        q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, vt_buf, p_buf = fp8_args
+        q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, vt_buf, p_buf, vt_full, vt_empty = fp8_args
         tok_s = first_tok + r_s // G
         qs = gl.load(q_scale_ptr + (q_start + tok_s).to(gl.int64) * stride_qst + (kv_head * G + r_s % G) * stride_qsh,
                      mask=tok_s < q_len, other=0.0)
@@ -215,25 +234,32 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
     s = warpgroup_mma(q_buf, k_smem.index(0).permute((1, 0)), gl.zeros([ROWS, TILE], gl.float32, layout=s_layout),
                       use_acc=False)
     p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, c, 0, kv_limit, keys, full_end == 0, FP8)
-    if FP8:  # P·V's A operand from shared memory (an 8-bit register operand cannot be kept alive across the wait)
+    if P_REGS:
+        p = gl.convert_layout(_p_operand(p, DT, True), p_layout)
+        mbarrier.arrive(empty.index(0), count=1)  # K_0 is read (and the producer transposes V_0 itself)
+    elif FP8:  # P·V's A operand from shared memory (an 8-bit register operand cannot be kept alive across the wait)
         p_buf.store(_p_operand(p, DT, True))
         fence_async_shared()
+        mbarrier.arrive(empty.index(0), count=1)
     else:
         p = gl.convert_layout(_p_operand(p, DT, False), p_layout)
     for j in range(n - 1):
         slot = j % STAGES
         nxt = (j + 1) % STAGES
-        if FP8:
-            _transpose_v(v_smem.index(slot), vt_buf, j, seq_len, TILE, D, WARPS, ld_layout)
-        else:
+        if not FP8:
             _zero_v_tail(v_smem.index(slot), j, seq_len, TILE, ld_layout)
         mbarrier.wait(full.index(nxt), ((j + 1) // STAGES) & 1)
+        if FP8:  # Vᵀ_j from the producer
+            mbarrier.wait(vt_full.index(j % 2), (j // 2) & 1)
         if WS:  # my turn at the tensor cores: warpgroup 0 first (its first wait passes on the initial phase)
             mbarrier.wait(turn.index(WG), (j & 1) ^ (1 - WG))
         s_tok = warpgroup_mma(q_buf, k_smem.index(nxt).permute((1, 0)),
                               gl.zeros([ROWS, TILE], gl.float32, layout=s_layout), use_acc=False, is_async=True)
-        if FP8:
-            o_tok = warpgroup_mma(p_buf, vt_buf.permute((1, 0)), o, is_async=True)
+        if P_REGS:  # synchronous: waits for S_{j+1} too
+            o = warpgroup_mma(p, vt_buf.index(j % 2).permute((1, 0)), o)
+            o_tok = o
+        elif FP8:
+            o_tok = warpgroup_mma(p_buf, vt_buf.index(j % 2).permute((1, 0)), o, is_async=True)
         else:
             o_tok = warpgroup_mma(p, v_smem.index(slot), o, is_async=True)
         if WS:
@@ -241,27 +267,33 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
         s = warpgroup_mma_wait(1, deps=[s_tok])  # S_{j+1} done, P_j·V_j may still run
         p_next, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, c, (j + 1) * TILE, kv_limit, keys, j + 1 >= full_end,
                                                 FP8)
-        if FP8:
+        if P_REGS:
+            mbarrier.arrive(empty.index(nxt), count=1)  # K_{j+1} is read
+            mbarrier.arrive(vt_empty.index(j % 2), count=1)  # P_j·V_j is done
+            p = gl.convert_layout(_p_operand(p_next, DT, True), p_layout)
+        elif FP8:
+            mbarrier.arrive(empty.index(nxt), count=1)  # K_{j+1} is read
             p8 = _p_operand(p_next, DT, True)
             o = warpgroup_mma_wait(0, deps=[o_tok])
-            p_buf.store(p8)  # P_j·V_j is done with the buffer
+            mbarrier.arrive(vt_empty.index(j % 2), count=1)  # P_j·V_j is done with Vᵀ_j and with p_buf
+            p_buf.store(p8)
             fence_async_shared()
         else:
             p_next = gl.convert_layout(_p_operand(p_next, DT, False), p_layout)
             o, p = warpgroup_mma_wait(0, deps=[o_tok, p])
-        # tile j's buffers are free
-        if WS:
-            mbarrier.arrive(empty.index(slot), count=1)
-        else:
+        # tile j's buffers are free (fp8: K released above, V the producer's)
+        if not WS:
             _issue_tile(k_desc, v_desc, k_smem, v_smem, full, bt_row, bt_width, num_blocks, j + STAGES, k_col, v_col,
                         slot, j + STAGES < n, PAGE, TILE, KV_BYTES)
+        elif not FP8:
+            mbarrier.arrive(empty.index(slot), count=1)
         o = o * gl.convert_layout(alpha, rows_o)[:, None]
         if not FP8:
             p = p_next
     last = (n - 1) % STAGES
     if FP8:
-        _transpose_v(v_smem.index(last), vt_buf, n - 1, seq_len, TILE, D, WARPS, ld_layout)
-        o = warpgroup_mma(p_buf, vt_buf.permute((1, 0)), o)
+        mbarrier.wait(vt_full.index((n - 1) % 2), ((n - 1) // 2) & 1)
+        o = warpgroup_mma(p if P_REGS else p_buf, vt_buf.index((n - 1) % 2).permute((1, 0)), o)
     else:
         _zero_v_tail(v_smem.index(last), n - 1, seq_len, TILE, ld_layout)
         o = warpgroup_mma(p, v_smem.index(last), o)
@@ -292,19 +324,12 @@ def prefill_gluon_kernel(
     TOKENS: gl.constexpr = BLOCK_M // G
     DT: gl.constexpr = k_desc.dtype
     KV_BYTES: gl.constexpr = 2 * TILE * D * DT.primitive_bitwidth // 8
-    b_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32],
-                                              warps_per_cta=[num_warps], order=[0])
     kv_head, req, m_blk, ok = _tile_of(cu_seqlens_q_ptr, num_reqs, tiles_per_head, num_kv_heads, TOKENS, BLOCK_B,
-                                       HEADS_INNER, b_layout)
+                                       HEADS_INNER, num_warps)
     if not ok:
         return
-    q_start = gl.load(cu_seqlens_q_ptr + req)
-    q_len = gl.load(cu_seqlens_q_ptr + req + 1) - q_start
-    seq_len = gl.load(seq_lens_ptr + req)
-    ctx_len = seq_len - q_len
-    first_tok = m_blk * TOKENS
-    last_tok = gl.minimum(first_tok + TOKENS, q_len) - 1
-    n = (ctx_len + last_tok + TILE) // TILE  # tiles up to the last row's diagonal
+    q_start, q_len, seq_len, ctx_len, first_tok, n = _request_span(cu_seqlens_q_ptr, seq_lens_ptr, req, m_blk,
+                                                                  TOKENS, TILE)
 
     q_smem = gl.allocate_shared_memory(DT, [BLOCK_M, D], gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], DT))
     k_smem = gl.allocate_shared_memory(DT, [STAGES, TILE, D], k_desc.layout)
@@ -339,7 +364,8 @@ def _ws_producer(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAG
                  STAGES: gl.constexpr, FP8: gl.constexpr):
     (q_ptr, out_ptr, k_desc, v_desc, q_smem, k_smem, v_smem, full, empty, turn, bt_row, bt_width, num_blocks, k_col,
      v_col, n, q_start, q_len, first_tok, ctx_len, seq_len, kv_head, c, stride_qt, stride_qh, stride_ot,
-     stride_oh, q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, vt_smem, p_smem) = args
+     stride_oh, q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, vt_smem, p_smem, vt_full,
+     vt_empty) = args
     KV_BYTES: gl.constexpr = 2 * TILE * D * k_desc.dtype.primitive_bitwidth // 8
     for j in range(n):
         slot = j % STAGES
@@ -350,15 +376,49 @@ def _ws_producer(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAG
 
 
 @gluon.jit
+def _ws_producer_fp8(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr,
+                     STAGES: gl.constexpr, FP8: gl.constexpr):
+    """The fp8 kernel's producer warpgroup: the K/V ring as `_ws_producer` fills it, and V_j transposed into
+    Vᵀ buffer j % 2 (FA3 does the same in its producer): once V_j has landed and both consumers gave the buffer
+    back (`vt_empty`), `_transpose_v`, a barrier of the 4 warps, then `vt_full` and this warpgroup's release of
+    the K/V buffer (`empty` takes 3 arrivals here: the consumers release K when their S is done). A buffer is
+    refilled one tile late (tile j-1+STAGES at step j), when the consumers have long released it."""
+    (q_ptr, out_ptr, k_desc, v_desc, q_smem, k_smem, v_smem, full, empty, turn, bt_row, bt_width, num_blocks, k_col,
+     v_col, n, q_start, q_len, first_tok, ctx_len, seq_len, kv_head, c, stride_qt, stride_qh, stride_ot,
+     stride_oh, q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, vt_smem, p_smem, vt_full,
+     vt_empty) = args
+    KV_BYTES: gl.constexpr = 2 * TILE * D * k_desc.dtype.primitive_bitwidth // 8
+    for i0 in gl.static_range(STAGES):
+        _issue_tile(k_desc, v_desc, k_smem, v_smem, full, bt_row, bt_width, num_blocks, i0, k_col, v_col, i0,
+                    i0 < n, PAGE, TILE, KV_BYTES)
+    for j in range(n):
+        slot = j % STAGES
+        if j >= 1:  # refill the previous tile's buffer with tile j-1+STAGES
+            prev = (j - 1) % STAGES
+            if j - 1 + STAGES < n:
+                mbarrier.wait(empty.index(prev), ((j - 1) // STAGES) & 1)
+                _issue_tile(k_desc, v_desc, k_smem, v_smem, full, bt_row, bt_width, num_blocks, j - 1 + STAGES,
+                            k_col, v_col, prev, True, PAGE, TILE, KV_BYTES)
+        mbarrier.wait(full.index(slot), (j // STAGES) & 1)
+        mbarrier.wait(vt_empty.index(j % 2), ((j // 2) & 1) ^ 1)  # P·V_{j-2} is done in both consumers
+        _transpose_v(v_smem.index(slot), vt_smem.index(j % 2), j, seq_len, TILE, D)
+        gl.thread_barrier()  # all 4 warps' Vᵀ stores (each fenced for the async proxy) before the arrivals
+        mbarrier.arrive(vt_full.index(j % 2), count=1)
+        mbarrier.arrive(empty.index(slot), count=1)
+
+
+@gluon.jit
 def _ws_consume(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr,
                 STAGES: gl.constexpr, FP8: gl.constexpr, WG: gl.constexpr):
     (q_ptr, out_ptr, k_desc, v_desc, q_smem, k_smem, v_smem, full, empty, turn, bt_row, bt_width, num_blocks, k_col,
      v_col, n, q_start, q_len, first_tok, ctx_len, seq_len, kv_head, c, stride_qt, stride_qh, stride_ot,
-     stride_oh, q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, vt_smem, p_smem) = args
+     stride_oh, q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, vt_smem, p_smem, vt_full,
+     vt_empty) = args
     _attend(q_ptr, out_ptr, k_desc, v_desc, q_smem.index(WG), k_smem, v_smem, full, empty, turn, bt_row, bt_width,
             num_blocks, k_col, v_col, n, q_start, q_len, first_tok, ctx_len, seq_len, kv_head, c, stride_qt,
             stride_qh, stride_ot, stride_oh,
-            (q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, vt_smem.index(WG), p_smem.index(WG)),
+            (q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, vt_smem, p_smem.index(WG), vt_full,
+             vt_empty),
             WG * 64, 64, 4, D, G, TILE, PAGE, STAGES, True, WG, FP8)
 
 
@@ -382,29 +442,24 @@ def prefill_gluon_ws_kernel(
     q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr,
     D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr, BLOCK_B: gl.constexpr,
     STAGES: gl.constexpr, HEADS_INNER: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
-    FP8: gl.constexpr = False,
+    FP8: gl.constexpr = 0, FP8_CONSUMER_REGS: gl.constexpr = 224, FP8_PRODUCER_REGS: gl.constexpr = 56,
 ):
     """`prefill_gluon_kernel`'s maths on a 128-row q tile, warp-specialized: launched with num_warps = 4 (the
     default partition, consumer 0) plus a 4-warp worker (consumer 1, CONSUMER_REGS registers) and a 1-warp TMA
-    producer (24 registers). FP8: an fp8 q (per token-head scales) over fp8 KV, both GEMMs in fp8 (`_attend`)."""
+    producer (24 registers). FP8 (1, or 2 with P in registers: `_attend`): an fp8 q (per token-head scales) over
+    fp8 KV, both GEMMs in fp8, with a 4-warp producer that also transposes V (`_ws_producer_fp8`;
+    FP8_CONSUMER_REGS / FP8_PRODUCER_REGS)."""
     gl.static_assert(num_warps == 4, "the default partition is consumer warpgroup 0")
     gl.static_assert(STAGES >= 2, "two K/V buffers at least")
     BLOCK_M: gl.constexpr = 128  # two consumer warpgroups of 64 rows
     TOKENS: gl.constexpr = BLOCK_M // G
     DT: gl.constexpr = k_desc.dtype
-    b_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[num_warps],
-                                              order=[0])
     kv_head, req, m_blk, ok = _tile_of(cu_seqlens_q_ptr, num_reqs, tiles_per_head, num_kv_heads, TOKENS, BLOCK_B,
-                                       HEADS_INNER, b_layout)
+                                       HEADS_INNER, num_warps)
     if not ok:
         return
-    q_start = gl.load(cu_seqlens_q_ptr + req)
-    q_len = gl.load(cu_seqlens_q_ptr + req + 1) - q_start
-    seq_len = gl.load(seq_lens_ptr + req)
-    ctx_len = seq_len - q_len
-    first_tok = m_blk * TOKENS
-    last_tok = gl.minimum(first_tok + TOKENS, q_len) - 1
-    n = (ctx_len + last_tok + TILE) // TILE
+    q_start, q_len, seq_len, ctx_len, first_tok, n = _request_span(cu_seqlens_q_ptr, seq_lens_ptr, req, m_blk,
+                                                                  TOKENS, TILE)
 
     q_smem = gl.allocate_shared_memory(DT, [2, 64, D], gl.NVMMASharedLayout.get_default_for([64, D], DT))
     k_smem = gl.allocate_shared_memory(DT, [STAGES, TILE, D], k_desc.layout)
@@ -412,22 +467,38 @@ def prefill_gluon_ws_kernel(
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    if FP8:  # each consumer's Vᵀ (the fp8 P·V's B operand, keys contiguous) and its e4m3 P (the A operand)
+    if FP8:  # two Vᵀ buffers (the fp8 P·V's B operand, keys contiguous) and each consumer's e4m3 P (the A operand)
         vt_smem = gl.allocate_shared_memory(DT, [2, D, TILE], gl.NVMMASharedLayout.get_default_for([D, TILE], DT))
-        p_smem = gl.allocate_shared_memory(DT, [2, 64, TILE], gl.NVMMASharedLayout.get_default_for([64, TILE], DT))
+        if FP8 == 2:
+            p_smem = vt_smem  # P stays in registers: not read
+        else:
+            p_smem = gl.allocate_shared_memory(DT, [2, 64, TILE], gl.NVMMASharedLayout.get_default_for([64, TILE], DT))
+        vt_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        vt_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for ib in gl.static_range(2):
+            mbarrier.init(vt_full.index(ib), count=1)
+            mbarrier.init(vt_empty.index(ib), count=2)  # both consumers' P·V
     else:
         vt_smem = q_smem  # not read
         p_smem = q_smem
+        vt_full = turn
+        vt_empty = turn
     for ib in gl.static_range(STAGES):
         mbarrier.init(full.index(ib), count=1)
-        mbarrier.init(empty.index(ib), count=2)  # both consumers release a buffer
+        mbarrier.init(empty.index(ib), count=3 if FP8 else 2)  # both consumers (fp8: and the producer's transpose)
     for ib in gl.static_range(2):
         mbarrier.init(turn.index(ib), count=1)
     bt_row = bt_ptr + req.to(gl.int64) * stride_bt
     args = (q_ptr, out_ptr, k_desc, v_desc, q_smem, k_smem, v_smem, full, empty, turn, bt_row, bt_width, num_blocks,
             kv_head * stride_kh, kv_head * stride_vh, n, q_start, q_len, first_tok, ctx_len, seq_len, kv_head,
             sm_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, q_scale_ptr, stride_qst, stride_qsh,
-            k_scale_ptr, v_scale_ptr, vt_smem, p_smem)
-    gl.warp_specialize([(_ws_consumer0, (args, D, G, TILE, PAGE, STAGES, FP8)),
-                        (_ws_consumer1, (args, D, G, TILE, PAGE, STAGES, FP8)),
-                        (_ws_producer, (args, D, G, TILE, PAGE, STAGES, FP8))], [4, 1], [CONSUMER_REGS, 24])
+            k_scale_ptr, v_scale_ptr, vt_smem, p_smem, vt_full, vt_empty)
+    if FP8:
+        gl.warp_specialize([(_ws_consumer0, (args, D, G, TILE, PAGE, STAGES, FP8)),
+                            (_ws_consumer1, (args, D, G, TILE, PAGE, STAGES, FP8)),
+                            (_ws_producer_fp8, (args, D, G, TILE, PAGE, STAGES, FP8))], [4, 4],
+                           [FP8_CONSUMER_REGS, FP8_PRODUCER_REGS])
+    else:
+        gl.warp_specialize([(_ws_consumer0, (args, D, G, TILE, PAGE, STAGES, FP8)),
+                            (_ws_consumer1, (args, D, G, TILE, PAGE, STAGES, FP8)),
+                            (_ws_producer, (args, D, G, TILE, PAGE, STAGES, FP8))], [4, 1], [CONSUMER_REGS, 24])

@@ -236,10 +236,16 @@ def _combine_chunks(head_dim: int) -> int:
     return max(1, min(_CONFIG.combine_chunks, 8192 // triton.next_power_of_2(head_dim)))
 
 
-def _tail_parts(r_pad: int, head_dim: int) -> int:
+def _tail_parts(r_pad: int, head_dim: int, prefetch: bool = False) -> int:
     """Partials a round of the tail merge: a [parts, r_pad, D_PAD] fp32 tile of at most 4096 elements (4 at
-    8 rows of 128: with their 64-bit addresses the merge then fits the attention loop's registers), ≤ 16."""
-    return max(1, min(16, 4096 // (r_pad * triton.next_power_of_2(head_dim))))
+    8 rows of 128: with their 64-bit addresses the merge then fits the attention loop's registers), ≤ 16. With
+    the Gluon merge's prefetch (two rounds in flight) a head_dim under 128 counts as 128: at d64 the full tile
+    took 233 registers at h8/1 and 243 at h16/1 in ptxas (2 programs an SM where the plan counts 3; the H200's
+    d64 fp8 grid rows ran 1.6x slower), half of it 124 and 160."""
+    width = triton.next_power_of_2(head_dim)
+    if prefetch:
+        width = max(width, 128)
+    return max(1, min(16, 4096 // (r_pad * width)))
 
 
 def _tail_group(tail_parts: int, programs_per_kv_head: int | None = None) -> int:
@@ -359,14 +365,17 @@ def plan_kernel(num_kv_heads: int, q_len: int, block_size: int, device, *, num_q
                 kv_dtype: torch.dtype | None = None) -> str:
     """The attention kernel a new plan is built for ("gluon" or "tl"; `plan_decode`'s hints): "gluon" where
     `DecodeConfig.gluon` is None (auto) and the step takes an fp8 q over fp8 KV on an sm_90 GPU, 2–16 q rows a kv
-    head, head_dim 64/128/256 and pages of 8–64 tokens dividing 64 or a multiple of 64 (one query row a kv head
-    keeps the `tl` kernel's row path: 1.09–1.88× the MMA tile there). Without all four hints, "tl"."""
+    head (2–8 at head_dim 64), head_dim 64/128/256 and pages of 8–64 tokens dividing 64 or a multiple of 64 (one
+    query row a kv head keeps the `tl` kernel's row path: 1.09–1.88× the MMA tile there). Without all four hints,
+    "tl"."""
     if _CONFIG.gluon is not None or not _CONFIG.task_desc:
         return "tl"
     if None in (num_q_heads, head_dim, q_dtype, kv_dtype) or q_dtype != FP8_E4M3 or kv_dtype != FP8_E4M3:
         return "tl"
     rows = q_len * num_q_heads // num_kv_heads
     if not 2 <= rows <= 16 or head_dim not in (64, 128, 256):
+        return "tl"
+    if head_dim == 64 and rows > 8:  # h16/1 d64: the tl kernel 28.2 µs against 31.2 (decode-grid_tune_d64_prefetch)
         return "tl"
     if block_size < TILE and (block_size < 8 or TILE % block_size):
         return "tl"
@@ -513,9 +522,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     gluon_tail, tl_tail = {}, {}
     if tail:
         r_pad = triton.next_power_of_2(rows)
-        parts = _tail_parts(r_pad, d)  # the Gluon merge's round: [parts, r_pad, D]
-        gluon_tail = dict(TAIL_MERGE=True, R_PAD=r_pad, TAIL_PARTS=parts,
-                          TAIL_GROUP=_tail_group(parts, -(-plan.num_programs // hkv)),
+        parts = _tail_parts(r_pad, d)
+        g_parts = _tail_parts(r_pad, d, _CONFIG.merge_prefetch)  # the Gluon merge's round: [parts, r_pad, D]
+        gluon_tail = dict(TAIL_MERGE=True, R_PAD=r_pad, TAIL_PARTS=g_parts,
+                          TAIL_GROUP=_tail_group(g_parts, -(-plan.num_programs // hkv)),
                           MERGE_PREFETCH=_CONFIG.merge_prefetch)
         # the tl merge takes one partial a step: 3 in flight on the pointer path, 1 beside TMA (where 2 or 3
         # spill 16 bytes: tests/test_decode_compile.py)

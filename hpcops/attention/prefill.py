@@ -53,7 +53,9 @@ class PrefillConfig:
     `gluon_ws` (with `gluon`, block_m 128 on 8 warps): the warp-specialized Gluon kernel, FA3's layout: a TMA
     producer warp and two consumer warpgroups of 64 q rows that take turns at the tensor cores. It also takes an
     fp8 q over fp8 KV (opt-in: not the heuristic's choice until measured), both GEMMs in fp8 with e4m3(P·256)
-    probabilities (as `pv_fp8`).
+    probabilities (as `pv_fp8`). `gluon_p_regs` (that fp8 kernel only): P stays in registers as P·V's A
+    operand and P·V runs synchronously, instead of P through shared memory with P·V under the warpgroup's own
+    softmax (the two are timed side by side: the bench's `hpcops-fp8q-gluon*` rows).
     `tma`, `pv_fp8`, `quant_q` and `fma_scale` are the `tl` kernel's (the Gluon kernel always reads by TMA and
     scales inside exp2).
     """
@@ -69,6 +71,7 @@ class PrefillConfig:
     heads_inner: bool = False
     gluon: bool | None = False
     gluon_ws: bool = False
+    gluon_p_regs: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
@@ -132,12 +135,20 @@ def prefill_config(
 
 GLUON_SMEM_BYTES = 227 * 1024  # an H100/H200 SM's shared memory for one block
 GLUON_WS_CONSUMER_REGS = 240  # registers of a consumer warpgroup in the warp-specialized kernel
+# fp8: the consumers' and the 4-warp producer's registers (the producer transposes V): 2 · 224 + 56 = 504, the
+# launch's 168 a thread over 3 warpgroups (no spill in ptxas)
+GLUON_WS_FP8_REGS = (224, 56)
 GLUON_FEW_TILES = 96  # fewer 128-row tiles than this (of an H200's 132 SMs) run on 64-row tiles
 GLUON_MIN_Q = 512  # up to this q_len with many tiles the heuristic keeps the tl kernel (faster at h64/8 q512)
 
 
-def gluon_smem_bytes(block_m: int, block_n: int, stages: int, head_dim: int, elem_bytes: int = 2) -> int:
-    """Shared memory of a Gluon prefill program: its q tile and `stages` K/V buffer pairs."""
+def gluon_smem_bytes(block_m: int, block_n: int, stages: int, head_dim: int, elem_bytes: int = 2,
+                     fp8: bool = False) -> int:
+    """Shared memory of a Gluon prefill program: its q tile and `stages` K/V buffer pairs; `fp8` (the
+    warp-specialized kernel over fp8 q and KV, 1-byte elements) adds the two Vᵀ [D, block_n] buffers and each
+    consumer's e4m3 P [64, block_n]."""
+    if fp8:
+        return (block_m + 2 * stages * block_n) * head_dim + 2 * (head_dim + 64) * block_n
     return (block_m + 2 * stages * block_n) * head_dim * elem_bytes
 
 
@@ -288,6 +299,8 @@ def gluon_unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                 "or with gluon_ws an fp8 q over fp8 KV)")
     if fp8 and not config.gluon_ws:
         return "an fp8 q over fp8 KV runs on the warp-specialized kernel only (gluon_ws)"
+    if config.gluon_p_regs and not fp8:
+        return "gluon_p_regs is for an fp8 q over fp8 KV (a 16-bit P is always in registers)"
     if fp8 and d > 128:
         return f"head_dim {d} with fp8 (the fp8 consumer's registers spill above 128: 496 bytes at 256 in ptxas)"
     if fp8 and config.block_n % 32:
@@ -305,11 +318,10 @@ def gluon_unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         return f"block_n {bn} / num_stages {config.num_stages} (at most 256 keys a tile, two buffers at least)"
     if page < bn and (page < 8 or bn % page):
         return f"block_size {page} (pages under block_n {bn} must divide it, 8 tokens at least)"
-    smem = gluon_smem_bytes(bm, bn, config.num_stages, d, q.element_size())
-    if fp8:
-        smem += 2 * (d + 64) * bn  # each consumer's Vᵀ [D, block_n] and e4m3 P [64, block_n]
+    smem = gluon_smem_bytes(bm, bn, config.num_stages, d, q.element_size(), fp8)
+    what = f"q and {config.num_stages} K/V buffers" + (", two Vᵀ buffers and each consumer's P" if fp8 else "")
     if smem > GLUON_SMEM_BYTES:
-        return f"{smem} bytes of shared memory for q and {config.num_stages} K/V buffers (at most {GLUON_SMEM_BYTES})"
+        return f"{smem} bytes of shared memory for {what} (at most {GLUON_SMEM_BYTES})"
     return kv_tma_unsupported_reason(k_cache, v_cache, min(bn, page))
 
 
@@ -333,11 +345,14 @@ def _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, out,
         # fp8: q's per token-head scales and the KV scales; else placeholders the kernel does not read
         scales = ((q_scale, q_scale.stride(0), q_scale.stride(1), k_scale, v_scale) if fp8 else
                   (seq_lens, 0, 0, seq_lens, seq_lens))
-        # 3 warpgroups (consumer 0 = the default partition, consumer 1, the producer warp rounded up): 168 registers
-        # each at launch, moved by setmaxnreg to 240 / 240 / 24 inside the specialized region
+        # 3 warpgroups (consumer 0 = the default partition, consumer 1, the producer warp rounded up; fp8: a 4-warp
+        # producer): 168 registers each at launch, moved by setmaxnreg to 240 / 240 / 24 (fp8: 224 / 224 / 56)
+        # inside the specialized region
         prefill_gluon_ws_kernel[(tiles_per_head * hkv,)](*args, *scales, **common,
-                                                         CONSUMER_REGS=GLUON_WS_CONSUMER_REGS, FP8=fp8, num_warps=4,
-                                                         maxnreg=168)
+                                                         CONSUMER_REGS=GLUON_WS_CONSUMER_REGS, num_warps=4,
+                                                         FP8=(2 if config.gluon_p_regs else 1) if fp8 else 0,
+                                                         FP8_CONSUMER_REGS=GLUON_WS_FP8_REGS[0],
+                                                         FP8_PRODUCER_REGS=GLUON_WS_FP8_REGS[1], maxnreg=168)
     else:
         prefill_gluon_kernel[(tiles_per_head * hkv,)](*args, **common, BLOCK_M=config.block_m,
                                                       num_warps=config.num_warps)

@@ -123,7 +123,7 @@ def _make_inputs(s: Scenario, layer: int, device: str = "cuda") -> dict[str, Any
 GLUON_FP8 = {"gluon": True, "gluon_ws": True, "block_m": 128, "num_warps": 8, "block_n": 128, "num_stages": 3,
              "heads_inner": True}
 
-BOOL_FIELDS = ("pv_fp8", "quant_q", "fma_scale", "heads_inner", "gluon", "gluon_ws")
+BOOL_FIELDS = ("pv_fp8", "quant_q", "fma_scale", "heads_inner", "gluon", "gluon_ws", "gluon_p_regs")
 
 
 def config_override(variant: dict | None = None):
@@ -326,8 +326,10 @@ def _check(x) -> None:
         assert_close(want, x["out_fp8q"][rows][:, heads], name="prefill fp8 q")
         if x["q"].is_cuda and torch.cuda.get_device_capability(x["q"].device)[0] == 9:
             # the Gluon fp8 row (Hopper only): e4m3 probabilities, the pv_fp8 tolerance
-            out = _ours(True, GLUON_FP8)(x)().clone()
-            assert_close(want, out[rows][:, heads], name="prefill fp8 q, gluon", maxtol=6e-2, rmstol=3e-2)
+            for p_regs in (False, True):
+                out = _ours(True, {**GLUON_FP8, "gluon_p_regs": p_regs})(x)().clone()
+                assert_close(want, out[rows][:, heads], name=f"prefill fp8 q, gluon (P in registers: {p_regs})",
+                             maxtol=6e-2, rmstol=3e-2)
 
 
 def cases(opts: dict) -> Iterator[Case]:
@@ -346,6 +348,10 @@ def cases(opts: dict) -> Iterator[Case]:
                     impls.append(
                         Impl("hpcops-fp8q-gluon", _ours(True, GLUON_FP8), note="variant: fp8 q, the warp-specialized "
                              "Gluon kernel in fp8 (opt-in: PrefillConfig(gluon=True, gluon_ws=True))")
+                    )
+                    impls.append(
+                        Impl("hpcops-fp8q-gluon-preg", _ours(True, {**GLUON_FP8, "gluon_p_regs": True}),
+                             note="variant: the same with P in registers and a synchronous P·V (gluon_p_regs=True)")
                     )
                 if not fp8:
                     # the tl kernel beside the default, which takes the Gluon kernel here on an H200 (gluon_config)

@@ -8,8 +8,8 @@ do (`_ours(fp8_q, variant)`) and is gated on the suite's sampled fp32 reference.
 `prefill_config` is changed by hand from what this reports.
 
 `hpcops tune prefill-gluon`: the Gluon kernel's tiles (`PrefillConfig.gluon`, `gluon_config`) on the bf16 scenarios
-(its dtypes): the warp-specialized kernel or not, the (block_m, num_warps) tile, block_n, pipeline depth and launch
-order.
+and the fp8-q ones over fp8 KV (its dtypes; fp8 on the warp-specialized kernel only): the warp-specialized kernel or
+not, the (block_m, num_warps) tile, block_n, pipeline depth and launch order.
 """
 
 from __future__ import annotations
@@ -97,7 +97,8 @@ class PrefillTune(TuneOp):
             x[ref_key] = suite._sampled_reference(x, *((x["q8"], x["q_scale"]) if fp8_ref else (x["q"], None)))
         rows, heads, want = x[ref_key]
         # P·V as an fp8 dot rounds the probabilities to e4m3 (3 mantissa bits): a wider tolerance there
-        tol = {"maxtol": 6e-2, "rmstol": 3e-2} if cand["pv_fp8"] and c.s.fp8 else {}
+        e4m3_p = (cand["pv_fp8"] or cand["gluon"]) and c.s.fp8  # the Gluon fp8 kernel's P·V is always fp8
+        tol = {"maxtol": 6e-2, "rmstol": 3e-2} if e4m3_p else {}
         assert_close(want, got[rows][:, heads], name=f"prefill [{name}]", **tol)
 
 
@@ -105,8 +106,9 @@ GLUON_SPACE = (
     knob("gluon_ws", False, True),
     knob(("block_m", "num_warps"), (128, 8), (64, 4), near=None),
     knob("block_n", 64, 128),
-    knob("num_stages", 2, 3),
+    knob("num_stages", 2, 3, 4),
     knob("heads_inner", False, True),
+    knob("gluon_p_regs", False, True),
 )
 
 
@@ -115,21 +117,26 @@ class PrefillGluonTune(PrefillTune):
     space = GLUON_SPACE
 
     def scenarios(self, quick: bool) -> list[PrefillCase]:
-        return [c for c in super().scenarios(quick) if not (c.s.fp8 or c.fp8_q)]
+        return [c for c in super().scenarios(quick) if c.fp8_q or not c.s.fp8]  # no bf16 q over fp8 KV
 
     def base(self, c: PrefillCase) -> Candidate:
         from hpcops.attention.prefill import gluon_config
 
-        return asdict(gluon_config(head_dim=suite.HEAD_DIM, group=c.s.hq // c.s.hkv,
-                                   max_seqlen_q=max(q for q, _ in c.s.reqs), num_kv_heads=c.s.hkv,
-                                   total_q=sum(q for q, _ in c.s.reqs)))
+        cfg = asdict(gluon_config(head_dim=suite.HEAD_DIM, group=c.s.hq // c.s.hkv,
+                                  max_seqlen_q=max(q for q, _ in c.s.reqs), num_kv_heads=c.s.hkv,
+                                  total_q=sum(q for q, _ in c.s.reqs)))
+        if c.fp8_q:  # the warp-specialized tile, also where few tiles would take 64 rows for 16-bit q
+            cfg.update(block_m=128, num_warps=8, gluon_ws=True)
+        return cfg
 
     def valid(self, c: PrefillCase, cand: Candidate) -> bool:
         from hpcops.attention.prefill import GLUON_SMEM_BYTES, gluon_smem_bytes
 
-        smem = gluon_smem_bytes(cand["block_m"], cand["block_n"], cand["num_stages"], suite.HEAD_DIM)
+        smem = gluon_smem_bytes(cand["block_m"], cand["block_n"], cand["num_stages"], suite.HEAD_DIM,
+                                1 if c.fp8_q else 2, c.fp8_q)
         ws_ok = not cand["gluon_ws"] or cand["block_m"] == 128  # two consumer warpgroups of 64 rows
-        return smem <= GLUON_SMEM_BYTES and cand["block_m"] >= c.s.hq // c.s.hkv and ws_ok
+        fp8_ok = cand["gluon_ws"] if c.fp8_q else not cand["gluon_p_regs"]  # fp8: the specialized kernel only
+        return smem <= GLUON_SMEM_BYTES and cand["block_m"] >= c.s.hq // c.s.hkv and ws_ok and fp8_ok
 
 
 OP = PrefillTune()
