@@ -80,15 +80,19 @@ def _request_span(cu_seqlens_q_ptr, seq_lens_ptr, req, m_blk, TOKENS: gl.constex
 
 
 @gluon.jit
-def _softmax_tile(s, m_i, l_i, c, key0, kv_limit, keys, MASKED, ROW_SCALE: gl.constexpr = False):
+def _softmax_tile(s, m_i, l_i, c, key0, kv_limit, keys, MASKED, ROW_SCALE: gl.constexpr = False,
+                  P_EXP: gl.constexpr = 0):
     """One online-softmax step on the raw scores s [BLOCK_M, TILE] (exp2 domain, logit scale c > 0, one for the
     tile or, ROW_SCALE, one a row [BLOCK_M]): (p, α, m, l). MASKED (the tile reaches a row's causal limit): keys
-    past kv_limit [BLOCK_M] are −inf."""
+    past kv_limit [BLOCK_M] are −inf. P_EXP: p and l come scaled by 2^P_EXP, inside exp2's argument (the fp8
+    kernel's e4m3 range: no multiply an element); α and m are not scaled."""
     if MASKED:
         s = gl.where((key0 + keys)[None, :] <= kv_limit[:, None], s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, axis=1) * c)
     m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_ref)
+    if P_EXP != 0:
+        m_ref = m_ref - P_EXP
     if ROW_SCALE:
         p = gl.exp2(s * c[:, None] - m_ref[:, None])
     else:
@@ -110,10 +114,10 @@ def _zero_v_tail(v_buf, tile, seq_len, TILE: gl.constexpr, ld_layout: gl.constex
 
 @gluon.jit
 def _p_operand(p, DT: gl.constexpr, FP8: gl.constexpr):
-    """The probabilities as P·V's A operand: DT (16-bit), or with FP8 e4m3(P·256) (P in [0, 1] scaled into
-    e4m3's normal range; the epilogue divides the 256 out)."""
+    """The probabilities as P·V's A operand: DT (16-bit), or with FP8 e4m3 (p comes as P·256, `_softmax_tile`'s
+    P_EXP = 8: P in [0, 1] scaled into e4m3's normal range; l carries the same 256, so O / l needs no more)."""
     if FP8:
-        return (p * 256.0).to(gl.float8e4nv)
+        return p.to(gl.float8e4nv)
     return p.to(DT)
 
 
@@ -184,12 +188,14 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
     O += P8·V8 is an fp8 wgmma over Vᵀ from `vt_buf` [2, D, TILE], which the producer warpgroup fills
     (`_ws_producer_fp8`: tile j in buffer j % 2, announced on `vt_full`, given back on `vt_empty` by both
     consumers once their P·V_j is done). A consumer releases a K/V buffer (`empty`) as soon as its S is done: the
-    producer has read V by then. The epilogue multiplies by v_scale / 256 (the `tl` kernel's `pv_fp8` numerics:
-    e4m3 probabilities, ~2 % RMS error on random data). FP8 == 2 (`PrefillConfig.gluon_p_regs`): P stays in
+    producer has read V by then. The epilogue multiplies by v_scale / l (P and l both carry the 256, which the
+    softmax puts in exp2's argument; the `tl` kernel's `pv_fp8` numerics: e4m3 probabilities, ~2 % RMS error on
+    random data). FP8 == 2 (`PrefillConfig.gluon_p_regs`): P stays in
     registers as P·V's A operand and P·V runs synchronously after the next S is issued (an 8-bit register operand
     cannot wait in `warpgroup_mma_wait`'s deps in Triton 3.6): no P round trip through shared memory, but P·V no
     longer runs under this warpgroup's own softmax, only under the other's."""
     P_REGS: gl.constexpr = FP8 == 2
+    P_EXP: gl.constexpr = 8 if FP8 else 0  # fp8: P as e4m3(P·256)
     gl.static_assert(WS or not FP8, "the fp8 loop runs on the warp-specialized kernel only")
     DT: gl.constexpr = k_desc.dtype
     KV_BYTES: gl.constexpr = 2 * TILE * D * DT.primitive_bitwidth // 8
@@ -223,7 +229,7 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
                      mask=tok_s < q_len, other=0.0)
         # one logit scale a row; > 0 so that −inf · c never makes a NaN (a zero q scale only zeroes the logits)
         c = gl.maximum(qs * (gl.load(k_scale_ptr) * c), 1e-30)
-        out_scale = gl.load(v_scale_ptr) * (1.0 / 256.0)
+        out_scale = gl.load(v_scale_ptr)  # P and l both carry 2^P_EXP: it cancels in O / l
     full_end = (ctx_len + first_tok + ROW0 // G + 1) // TILE  # tiles all these rows see entirely: no mask
     m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=rows_s)
     l_i = gl.zeros([ROWS], gl.float32, layout=rows_s)
@@ -233,7 +239,7 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
     mbarrier.wait(full.index(0), 0)
     s = warpgroup_mma(q_buf, k_smem.index(0).permute((1, 0)), gl.zeros([ROWS, TILE], gl.float32, layout=s_layout),
                       use_acc=False)
-    p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, c, 0, kv_limit, keys, full_end == 0, FP8)
+    p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, c, 0, kv_limit, keys, full_end == 0, FP8, P_EXP)
     if P_REGS:
         p = gl.convert_layout(_p_operand(p, DT, True), p_layout)
         mbarrier.arrive(empty.index(0), count=1)  # K_0 is read (and the producer transposes V_0 itself)
@@ -266,7 +272,7 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
             mbarrier.arrive(turn.index(1 - WG), count=1)
         s = warpgroup_mma_wait(1, deps=[s_tok])  # S_{j+1} done, P_j·V_j may still run
         p_next, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, c, (j + 1) * TILE, kv_limit, keys, j + 1 >= full_end,
-                                                FP8)
+                                                FP8, P_EXP)
         if P_REGS:
             mbarrier.arrive(empty.index(nxt), count=1)  # K_{j+1} is read
             mbarrier.arrive(vt_empty.index(j % 2), count=1)  # P_j·V_j is done
