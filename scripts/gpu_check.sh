@@ -102,11 +102,20 @@ for st in "${stages[@]}"; do
       done ;;
     profile:prefill)
       # Nsight Compute on the prefill kernels at h64/8 q8k: the bf16 default (the warp-specialized Gluon kernel) and
-      # the fp8 Gluon kernel (--gluon), one launch each: stall reasons, issue, pipes, shared memory
-      for args in "--q bf16" "--q fp8 --gluon"; do
+      # the fp8 default (the Gluon kernel in fp8), one launch each: stall reasons, issue, pipes, and shared memory's
+      # instructions, wavefronts and bank conflicts (loads, stores) beside the tensor pipe
+      smem=l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_st.sum
+      smem=$smem,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum
+      smem=$smem,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum
+      smem=$smem,smsp__inst_executed_op_shared_ld.sum,smsp__inst_executed_op_shared_st.sum
+      smem=$smem,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active
+      # every stall reason (cycles a warp waits, per issued instruction) and every pipe's utilization (MUFU: xu)
+      smem=$smem,'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio'
+      smem=$smem,'regex:sm__inst_executed_pipe_.*\.avg\.pct_of_peak_sustained_active$'
+      for args in "--q bf16" "--q fp8"; do
         timeout 240 ncu --clock-control none --kernel-name regex:prefill_gluon --launch-skip 1 --launch-count 1 \
           --section LaunchStats --section Occupancy --section SpeedOfLight --section ComputeWorkloadAnalysis \
-          --section MemoryWorkloadAnalysis --section SchedulerStats --section WarpStateStats \
+          --section MemoryWorkloadAnalysis --section SchedulerStats --section WarpStateStats --metrics "$smem" \
           python3 scripts/profile_prefill.py $args 2>&1 | tee -a "$OUT/results/ncu_prefill.txt" | tail -60
       done ;;
     profile:decode-kernels)
