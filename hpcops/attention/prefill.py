@@ -511,7 +511,7 @@ def prefill_attention(
     Accuracy of an fp8 q over fp8 KV: on an H200 the heuristic runs both GEMMs in fp8 (the warp-specialized
     Gluon kernel), the probabilities rounded to e4m3(P·256), ~2^-5 relative error a weight (the GPU tier's
     bound against the fp32 reference: max 6e-2, rms 3e-2); `config=prefill_config(..., gluon=False)` keeps
-    the tl kernel with a bf16 P·V (about 1.3x slower at h64/8 q8k).
+    the tl kernel with a bf16 P·V (1.5x slower at h64/8 q8k on the H200).
     Returns `out`.
     """
     out_dtype = _validate(
