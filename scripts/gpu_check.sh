@@ -103,7 +103,8 @@ for st in "${stages[@]}"; do
     profile:prefill)
       # Nsight Compute on the prefill kernels at h64/8 q8k: the bf16 default (the warp-specialized Gluon kernel) and
       # the fp8 default (the Gluon kernel in fp8), one launch each: stall reasons, issue, pipes, and shared memory's
-      # instructions, wavefronts and bank conflicts (loads, stores) beside the tensor pipe
+      # instructions, wavefronts and bank conflicts (loads, stores) beside the tensor pipe; SourceCounters names the
+      # instructions with the most stall samples and excess shared wavefronts
       smem=l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_st.sum
       smem=$smem,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum
       smem=$smem,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum
@@ -116,7 +117,8 @@ for st in "${stages[@]}"; do
         timeout 240 ncu --clock-control none --kernel-name regex:prefill_gluon --launch-skip 1 --launch-count 1 \
           --section LaunchStats --section Occupancy --section SpeedOfLight --section ComputeWorkloadAnalysis \
           --section MemoryWorkloadAnalysis --section SchedulerStats --section WarpStateStats --metrics "$smem" \
-          python3 scripts/profile_prefill.py $args 2>&1 | tee -a "$OUT/results/ncu_prefill.txt" | tail -60
+          --section SourceCounters python3 scripts/profile_prefill.py $args 2>&1 \
+          | tee -a "$OUT/results/ncu_prefill.txt" | tail -60
       done ;;
     profile:decode-kernels)
       # per-kernel device time of a decode step (plan, attention, combine) per DecodeConfig variant:
