@@ -636,9 +636,10 @@ def test_prefill_gpu_configs(config: PrefillConfig):
 
 
 def _gluon(name: str, seq_lens: list[int], q_lens: list[int], *, block_m: int = 128, block_n: int = 128,
-            stages: int = 2, heads_inner: bool = True, ws: bool = False, p_regs: bool = False, **kw) -> Case:
+            stages: int = 2, heads_inner: bool = True, ws: bool = False, p_regs: bool = False, tree: bool = False,
+            **kw) -> Case:
     cfg = PrefillConfig(block_m=block_m, block_n=block_n, num_warps=block_m // 16, num_stages=stages,
-                        heads_inner=heads_inner, gluon=True, gluon_ws=ws, gluon_p_regs=p_regs)
+                        heads_inner=heads_inner, gluon=True, gluon_ws=ws, gluon_p_regs=p_regs, gluon_tree=tree)
     kw = {"hq": 64, "hkv": 8, "head_dim": 128, "block_size": 64, **kw}
     return Case(name, seq_lens, q_lens, config=cfg, **kw)
 
@@ -676,6 +677,11 @@ GLUON_CASES = [
     # PrefillConfig.gluon_p_regs: P in registers, a synchronous P·V
     _gluon("gluon-ws-fp8-pregs-extend-mixed-h8/1-4buf", [4096, 3000, 1, 700, 129], [1024, 1, 1, 700, 64], hq=8, hkv=1,
            pad_rows=5, ws=True, kv_dtype=FP8, q_fp8=True, stages=4, p_regs=True),
+    # PrefillConfig.gluon_tree: the softmax's row max and sum as trees (both kernels, bf16 and fp8)
+    _gluon("gluon-tree-extend-mixed-h64/8", [4096, 3000, 1, 700, 129], [1024, 1, 1, 700, 64], pad_rows=5, tree=True),
+    _gluon("gluon-ws-tree-d256", [513, 2000], [513, 100], hq=8, hkv=2, head_dim=256, block_n=64, ws=True, tree=True),
+    _gluon("gluon-ws-fp8-tree-extend-mixed-h8/1-3buf", [4096, 3000, 1, 700, 129], [1024, 1, 1, 700, 64], hq=8, hkv=1,
+           pad_rows=5, ws=True, kv_dtype=FP8, q_fp8=True, stages=3, tree=True),
 ]
 
 

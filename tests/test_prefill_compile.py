@@ -148,7 +148,7 @@ from triton.experimental.gluon import language as gl
 from hpcops.attention._prefill_gluon import prefill_gluon_kernel
 from hpcops.testing import compile_gluon_sm90, sm90_resources
 
-d, g, bm, tile, page, stages, dt = json.loads(sys.argv[1])
+d, g, bm, tile, page, stages, dt, *tree = json.loads(sys.argv[1])
 gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[dt]
 box = min(tile, page)  # the launcher's TMA box: a tile inside a page, or one page
 desc = f"tensordesc<{dt}[{box}, {d}],{gl.NVMMASharedLayout.get_default_for([box, d], gdt)}>"
@@ -157,7 +157,7 @@ sig = dict(q_ptr="*" + dt, k_desc=desc, v_desc=desc, bt_ptr="*i32", seq_lens_ptr
 sig.update({a: "i32" for a in ("num_reqs", "tiles_per_head", "num_kv_heads", "bt_width", "num_blocks", "stride_qt",
                                "stride_qh", "stride_kh", "stride_vh", "stride_bt", "stride_ot", "stride_oh")})
 consts = dict(D=d, G=g, BLOCK_M=bm, TILE=tile, PAGE=page, BLOCK_B=16, STAGES=stages, HEADS_INNER=True,
-              num_warps=bm // 16)
+              num_warps=bm // 16, SOFTMAX=1 if tree and tree[0] else 0)
 sig.update({a: "constexpr" for a in consts})
 print(json.dumps(sm90_resources(compile_gluon_sm90(prefill_gluon_kernel, sig, consts, num_warps=bm // 16))))
 """)
@@ -171,6 +171,7 @@ GLUON_BUILDS = {  # name: (head_dim, G, block_m, block_n, page, stages, dtype)
     "d64-128x128": (64, 3, 128, 128, 32, 2, "bf16"),
     "d256-128x64": (256, 2, 128, 64, 64, 2, "bf16"),
     "d256-64x64": (256, 2, 64, 64, 64, 2, "bf16"),
+    "d128-64x128-tree": (128, 8, 64, 128, 64, 2, "bf16", True),  # PrefillConfig.gluon_tree
 }
 
 
@@ -180,7 +181,7 @@ def test_gluon_prefill_kernel_builds_for_sm90(name):
     shapes with no spill: S = q·Kᵀ and O += P·V as wgmma (P from registers), K/V by TMA (STAGES tiles before the
     loop, one refill in it; a box a page when pages are under a tile), shared memory within one SM's 227 KB."""
     pytest.importorskip("triton.backends.nvidia")
-    d, g, bm, tile, page, stages, dt = GLUON_BUILDS[name]
+    d, g, bm, tile, page, stages, dt = GLUON_BUILDS[name][:7]
     r = sm90_build_in_subprocess(GLUON_BUILD, GLUON_BUILDS[name])
     print(name, r)
     assert r["spill_bytes"] == 0 and 0 < r["registers"] <= 255, r
@@ -201,7 +202,8 @@ from hpcops.attention._prefill_gluon import prefill_gluon_ws_kernel
 from hpcops.attention.prefill import GLUON_WS_CONSUMER_REGS, GLUON_WS_FP8_REGS
 from hpcops.testing import sm90_resources
 
-d, g, tile, page, stages, dt, *p_regs = json.loads(sys.argv[1])
+d, g, tile, page, stages, dt, *flags = json.loads(sys.argv[1])
+p_regs, tree = (flags + [False, False])[:2]
 gdt = {"bf16": gl.bfloat16, "fp16": gl.float16, "fp8e4nv": gl.float8e4nv}[dt]
 box = min(tile, page)
 desc = f"tensordesc<{dt}[{box}, {d}],{gl.NVMMASharedLayout.get_default_for([box, d], gdt)}>"
@@ -213,8 +215,9 @@ sig.update({a: "i32" for a in ("num_reqs", "tiles_per_head", "num_kv_heads", "bt
                                "stride_qst", "stride_qsh")})
 consts = dict(D=d, G=g, TILE=tile, PAGE=page, BLOCK_B=16, STAGES=stages, HEADS_INNER=True,
               CONSUMER_REGS=GLUON_WS_CONSUMER_REGS, num_warps=4,
-              FP8=(2 if p_regs and p_regs[0] else 1) if dt == "fp8e4nv" else 0,
-              FP8_CONSUMER_REGS=GLUON_WS_FP8_REGS[0], FP8_PRODUCER_REGS=GLUON_WS_FP8_REGS[1])
+              FP8=(2 if p_regs else 1) if dt == "fp8e4nv" else 0,
+              FP8_CONSUMER_REGS=GLUON_WS_FP8_REGS[0], FP8_PRODUCER_REGS=GLUON_WS_FP8_REGS[1],
+              SOFTMAX=1 if tree else 0)
 sig.update({a: "constexpr" for a in consts})
 c = triton.compile(GluonASTSource(prefill_gluon_ws_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": 4, "maxnreg": 168})
@@ -238,6 +241,9 @@ GLUON_WS_BUILDS = {  # name: (head_dim, G, block_n, page, stages, dtype)
     "fp8-d128-mha-64-page16": (128, 1, 64, 16, 3, "fp8e4nv"),
     "fp8-d64-gqa3-128-page32": (64, 3, 128, 32, 3, "fp8e4nv"),  # _vt_bases at 128 keys × 64
     "fp8-d128-h8/1-128-4buf-pregs": (128, 8, 128, 64, 4, "fp8e4nv", True),  # gluon_p_regs: P by warp shuffles
+    # PrefillConfig.gluon_tree: the row max and sum as trees (bf16 d256's 64-key tiles, fp8's 128)
+    "d256-64-tree": (256, 2, 64, 64, 2, "bf16", False, True),
+    "fp8-d128-h8/1-128-3buf-tree": (128, 8, 128, 64, 3, "fp8e4nv", False, True),
 }
 
 
@@ -262,7 +268,7 @@ def test_gluon_ws_prefill_kernel_builds_for_sm90(name):
     assert r["shared"] <= 227 * 1024, r
     if dt == "fp8e4nv" and d == tile == 128:  # Vᵀ by 8-byte stores (_transpose_v's layouts), never byte by byte
         assert r["byte_stores"] == 0, r
-    if GLUON_WS_BUILDS[name][6:] == (True,):  # gluon_p_regs: P reaches the P·V wgmma in registers, never stored
+    if GLUON_WS_BUILDS[name][6:7] == (True,):  # gluon_p_regs: P reaches the P·V wgmma in registers, never stored
         assert r["b16_stores"] == 0, r
     elif dt == "fp8e4nv" and d == tile == 128:
         # the permuted key order (_vt_perm): each consumer stores its 64 x 128 P in 16-byte pieces, 4 a thread, in

@@ -80,15 +80,53 @@ def _request_span(cu_seqlens_q_ptr, seq_lens_ptr, req, m_blk, TOKENS: gl.constex
 
 
 @gluon.jit
+def _fold_top(x, MAX: gl.constexpr):
+    """x [R, n] → [R, n / 2]: max (MAX) or sum of its two column halves, elementwise. In a wgmma accumulator's
+    layout the top column bit of what `_row_reduce` leaves is a register bit: no data moves."""
+    R: gl.constexpr = x.shape[0]
+    N: gl.constexpr = x.shape[1]
+    a, b = gl.split(gl.permute(gl.reshape(x, [R, 2, N // 2]), (0, 2, 1)))
+    if MAX:
+        return gl.maximum(a, b)
+    return a + b
+
+
+@gluon.jit
+def _row_reduce(x, MAX: gl.constexpr, TREE: gl.constexpr):
+    """The max (MAX) or sum of each row of x [R, N] (a wgmma accumulator's layout). TREE: first fold the columns a
+    thread holds pairwise (column bit 0, then the top bits down to the 4 columns of a lane quad: log2 depth)
+    instead of Triton's in-thread loop, a chain of N / 4 dependent instructions a row."""
+    if TREE:
+        R: gl.constexpr = x.shape[0]
+        N: gl.constexpr = x.shape[1]
+        rows: gl.constexpr = gl.SliceLayout(1, x.type.layout)
+        a, b = gl.split(gl.reshape(x, [R, N // 2, 2]))
+        if MAX:
+            y = gl.maximum(a, b)
+        else:
+            y = a + b
+        for _ in gl.static_range(N.bit_length() - 4):  # N / 2 columns down to 4
+            y = _fold_top(y, MAX)
+        if MAX:  # the same rows on the same threads: a change of name, no data moves
+            return gl.convert_layout(gl.max(y, axis=1), rows)
+        return gl.convert_layout(gl.sum(y, axis=1), rows)
+    if MAX:
+        return gl.max(x, axis=1)
+    return gl.sum(x, axis=1)
+
+
+@gluon.jit
 def _softmax_tile(s, m_i, l_i, c, key0, kv_limit, keys, MASKED, ROW_SCALE: gl.constexpr = False,
-                  P_EXP: gl.constexpr = 0):
+                  P_EXP: gl.constexpr = 0, TREE: gl.constexpr = False):
     """One online-softmax step on the raw scores s [BLOCK_M, TILE] (exp2 domain, logit scale c > 0, one for the
     tile or, ROW_SCALE, one a row [BLOCK_M]): (p, α, m, l). MASKED (the tile reaches a row's causal limit): keys
     past kv_limit [BLOCK_M] are −inf. P_EXP: p and l come scaled by 2^P_EXP, inside exp2's argument (the fp8
-    kernel's e4m3 range: no multiply an element); α and m are not scaled."""
+    kernel's e4m3 range: no multiply an element); α and m are not scaled. TREE: the row max and sum by
+    `_row_reduce`'s tree. (An fp16 exp2, `ex2.approx.f16x2`, would not halve the MUFU work on sm_90: ptxas
+    splits it into two MUFU.EX2.F16 and adds the conversions.)"""
     if MASKED:
         s = gl.where((key0 + keys)[None, :] <= kv_limit[:, None], s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, axis=1) * c)
+    m_new = gl.maximum(m_i, _row_reduce(s, True, TREE) * c)
     m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_ref)
     if P_EXP != 0:
@@ -97,7 +135,7 @@ def _softmax_tile(s, m_i, l_i, c, key0, kv_limit, keys, MASKED, ROW_SCALE: gl.co
         p = gl.exp2(s * c[:, None] - m_ref[:, None])
     else:
         p = gl.exp2(s * c - m_ref[:, None])
-    l_i = l_i * alpha + gl.sum(p, axis=1)
+    l_i = l_i * alpha + _row_reduce(p, False, TREE)
     return p, alpha, m_new, l_i
 
 
@@ -245,7 +283,7 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
             k_col, v_col, n, q_start, q_len, first_tok, ctx_len, seq_len, kv_head, c, stride_qt, stride_qh,
             stride_ot, stride_oh, fp8_args, ROW0: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr,
             D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
-            WS: gl.constexpr, WG: gl.constexpr, FP8: gl.constexpr = False):
+            WS: gl.constexpr, WG: gl.constexpr, FP8: gl.constexpr = False, SOFTMAX: gl.constexpr = 0):
     """Rows [ROW0, ROW0 + ROWS) of the q tile (row r: token first_tok + r // G, head kv_head·G + r % G) over the
     request's first n K/V tiles, on WARPS warps (16 rows a warp), into `out`. The tiles arrive in the STAGES-deep
     ring on `full`. Not WS: this routine refills the ring (tile j + STAGES once tile j is done). WS (consumer
@@ -263,9 +301,11 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
     random data). FP8 == 2 (`PrefillConfig.gluon_p_regs`): P stays in
     registers as P·V's A operand and P·V runs synchronously after the next S is issued (an 8-bit register operand
     cannot wait in `warpgroup_mma_wait`'s deps in Triton 3.6): no P round trip through shared memory, but P·V no
-    longer runs under this warpgroup's own softmax, only under the other's."""
+    longer runs under this warpgroup's own softmax, only under the other's. SOFTMAX & 1
+    (`PrefillConfig.gluon_tree`): the softmax's row max and sum as trees (`_row_reduce`)."""
     P_REGS: gl.constexpr = FP8 == 2
     P_EXP: gl.constexpr = 8 if FP8 else 0  # fp8: P as e4m3(P·256)
+    TREE: gl.constexpr = (SOFTMAX & 1) != 0  # the row max and sum as trees (`_row_reduce`)
     VT_PERM: gl.constexpr = FP8 == 1 and _vt_perm(TILE, D)  # P and Vᵀ in the permuted key order
     gl.static_assert(WS or not FP8, "the fp8 loop runs on the warp-specialized kernel only")
     DT: gl.constexpr = k_desc.dtype
@@ -310,7 +350,7 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
     mbarrier.wait(full.index(0), 0)
     s = warpgroup_mma(q_buf, k_smem.index(0).permute((1, 0)), gl.zeros([ROWS, TILE], gl.float32, layout=s_layout),
                       use_acc=False)
-    p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, c, 0, kv_limit, keys, full_end == 0, FP8, P_EXP)
+    p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, c, 0, kv_limit, keys, full_end == 0, FP8, P_EXP, TREE)
     if P_REGS:
         p = gl.convert_layout(_p_operand(p, DT, True), p_layout)
         mbarrier.arrive(empty.index(0), count=1)  # K_0 is read (and the producer transposes V_0 itself)
@@ -343,7 +383,7 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
             mbarrier.arrive(turn.index(1 - WG), count=1)
         s = warpgroup_mma_wait(1, deps=[s_tok])  # S_{j+1} done, P_j·V_j may still run
         p_next, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, c, (j + 1) * TILE, kv_limit, keys, j + 1 >= full_end,
-                                                FP8, P_EXP)
+                                                FP8, P_EXP, TREE)
         if P_REGS:
             mbarrier.arrive(empty.index(nxt), count=1)  # K_{j+1} is read
             mbarrier.arrive(vt_empty.index(j % 2), count=1)  # P_j·V_j is done
@@ -395,6 +435,7 @@ def prefill_gluon_kernel(
     stride_qt, stride_qh, stride_kh, stride_vh, stride_bt, stride_ot, stride_oh,
     D: gl.constexpr, G: gl.constexpr, BLOCK_M: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr,
     BLOCK_B: gl.constexpr, STAGES: gl.constexpr, HEADS_INNER: gl.constexpr, num_warps: gl.constexpr,
+    SOFTMAX: gl.constexpr = 0,
 ):
     gl.static_assert(num_warps == BLOCK_M // 16, "a warp owns 16 rows of the q tile")
     gl.static_assert(STAGES >= 2, "the refill of tile j + STAGES needs two buffers at least")
@@ -422,7 +463,8 @@ def prefill_gluon_kernel(
                     i0 < n, PAGE, TILE, KV_BYTES)
     _attend(q_ptr, out_ptr, k_desc, v_desc, q_smem, k_smem, v_smem, bars, bars, bars, bt_row, bt_width, num_blocks,
             k_col, v_col, n, q_start, q_len, first_tok, ctx_len, seq_len, kv_head, sm_scale_log2, stride_qt,
-            stride_qh, stride_ot, stride_oh, (), 0, BLOCK_M, num_warps, D, G, TILE, PAGE, STAGES, False, 0)
+            stride_qh, stride_ot, stride_oh, (), 0, BLOCK_M, num_warps, D, G, TILE, PAGE, STAGES, False, 0,
+            SOFTMAX=SOFTMAX)
     for ib in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(ib))
 
@@ -486,7 +528,7 @@ def _ws_producer_fp8(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr,
 
 @gluon.jit
 def _ws_consume(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr,
-                STAGES: gl.constexpr, FP8: gl.constexpr, WG: gl.constexpr):
+                STAGES: gl.constexpr, FP8: gl.constexpr, SOFTMAX: gl.constexpr, WG: gl.constexpr):
     (q_ptr, out_ptr, k_desc, v_desc, q_smem, k_smem, v_smem, full, empty, turn, bt_row, bt_width, num_blocks, k_col,
      v_col, n, q_start, q_len, first_tok, ctx_len, seq_len, kv_head, c, stride_qt, stride_qh, stride_ot,
      stride_oh, q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, vt_smem, p_smem, vt_full,
@@ -496,19 +538,19 @@ def _ws_consume(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE
             stride_qh, stride_ot, stride_oh,
             (q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, vt_smem, p_smem.index(WG), vt_full,
              vt_empty),
-            WG * 64, 64, 4, D, G, TILE, PAGE, STAGES, True, WG, FP8)
+            WG * 64, 64, 4, D, G, TILE, PAGE, STAGES, True, WG, FP8, SOFTMAX)
 
 
 @gluon.jit
 def _ws_consumer0(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr,
-                  STAGES: gl.constexpr, FP8: gl.constexpr):
-    _ws_consume(args, D, G, TILE, PAGE, STAGES, FP8, 0)
+                  STAGES: gl.constexpr, FP8: gl.constexpr, SOFTMAX: gl.constexpr):
+    _ws_consume(args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX, 0)
 
 
 @gluon.jit
 def _ws_consumer1(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr,
-                  STAGES: gl.constexpr, FP8: gl.constexpr):
-    _ws_consume(args, D, G, TILE, PAGE, STAGES, FP8, 1)
+                  STAGES: gl.constexpr, FP8: gl.constexpr, SOFTMAX: gl.constexpr):
+    _ws_consume(args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX, 1)
 
 
 @gluon.jit
@@ -520,6 +562,7 @@ def prefill_gluon_ws_kernel(
     D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr, BLOCK_B: gl.constexpr,
     STAGES: gl.constexpr, HEADS_INNER: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
     FP8: gl.constexpr = 0, FP8_CONSUMER_REGS: gl.constexpr = 224, FP8_PRODUCER_REGS: gl.constexpr = 56,
+    SOFTMAX: gl.constexpr = 0,
 ):
     """`prefill_gluon_kernel`'s maths on a 128-row q tile, warp-specialized: launched with num_warps = 4 (the
     default partition, consumer 0) plus a 4-warp worker (consumer 1, CONSUMER_REGS registers) and a 1-warp TMA
@@ -571,11 +614,11 @@ def prefill_gluon_ws_kernel(
             sm_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, q_scale_ptr, stride_qst, stride_qsh,
             k_scale_ptr, v_scale_ptr, vt_smem, p_smem, vt_full, vt_empty)
     if FP8:
-        gl.warp_specialize([(_ws_consumer0, (args, D, G, TILE, PAGE, STAGES, FP8)),
-                            (_ws_consumer1, (args, D, G, TILE, PAGE, STAGES, FP8)),
+        gl.warp_specialize([(_ws_consumer0, (args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX)),
+                            (_ws_consumer1, (args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX)),
                             (_ws_producer_fp8, (args, D, G, TILE, PAGE, STAGES, FP8))], [4, 4],
                            [FP8_CONSUMER_REGS, FP8_PRODUCER_REGS])
     else:
-        gl.warp_specialize([(_ws_consumer0, (args, D, G, TILE, PAGE, STAGES, FP8)),
-                            (_ws_consumer1, (args, D, G, TILE, PAGE, STAGES, FP8)),
+        gl.warp_specialize([(_ws_consumer0, (args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX)),
+                            (_ws_consumer1, (args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX)),
                             (_ws_producer, (args, D, G, TILE, PAGE, STAGES, FP8))], [4, 1], [CONSUMER_REGS, 24])

@@ -56,7 +56,9 @@ class PrefillConfig:
     16-bit), both GEMMs in fp8 with e4m3(P·256) probabilities (as `pv_fp8`). `gluon_p_regs` (that fp8 kernel
     only): P stays in registers as P·V's A operand and P·V runs synchronously, instead of P through shared memory
     with P·V under the warpgroup's own softmax (the two are timed side by side: the bench's `hpcops-fp8q` and
-    `hpcops-fp8q-gluon-preg` rows).
+    `hpcops-fp8q-gluon-preg` rows). `gluon_tree` (either Gluon kernel): the softmax's row max and row sum as
+    pairwise trees over the 32 scores a thread holds of a row instead of Triton's in-thread loop (a chain of 32
+    dependent FMNMX / FADD before every exp2 and after); opt-in until measured (`hpcops tune prefill-gluon`).
     `tma`, `pv_fp8`, `quant_q` and `fma_scale` are the `tl` kernel's (the Gluon kernel always reads by TMA and
     scales inside exp2).
     """
@@ -73,6 +75,7 @@ class PrefillConfig:
     gluon: bool | None = False
     gluon_ws: bool = False
     gluon_p_regs: bool = False
+    gluon_tree: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
@@ -352,6 +355,7 @@ def _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, out,
             block_table.stride(0), out.stride(0), out.stride(1))
     common = dict(D=d, G=hq // hkv, TILE=config.block_n, PAGE=page, BLOCK_B=block_b, STAGES=config.num_stages,
                   HEADS_INNER=bool(config.heads_inner))
+    softmax = {"SOFTMAX": 1} if config.gluon_tree else {}  # the defaults' launches keep their signature
     if config.gluon_ws:
         fp8 = q.dtype == FP8_E4M3
         # fp8: q's per token-head scales and the KV scales; else placeholders the kernel does not read
@@ -364,10 +368,11 @@ def _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, out,
                                                          CONSUMER_REGS=GLUON_WS_CONSUMER_REGS, num_warps=4,
                                                          FP8=(2 if config.gluon_p_regs else 1) if fp8 else 0,
                                                          FP8_CONSUMER_REGS=GLUON_WS_FP8_REGS[0],
-                                                         FP8_PRODUCER_REGS=GLUON_WS_FP8_REGS[1], maxnreg=168)
+                                                         FP8_PRODUCER_REGS=GLUON_WS_FP8_REGS[1], maxnreg=168,
+                                                         **softmax)
     else:
         prefill_gluon_kernel[(tiles_per_head * hkv,)](*args, **common, BLOCK_M=config.block_m,
-                                                      num_warps=config.num_warps)
+                                                      num_warps=config.num_warps, **softmax)
 
 
 def _launch(

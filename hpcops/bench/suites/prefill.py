@@ -123,7 +123,7 @@ def _make_inputs(s: Scenario, layer: int, device: str = "cuda") -> dict[str, Any
 GLUON_FP8 = {"gluon": True, "gluon_ws": True, "block_m": 128, "num_warps": 8, "block_n": 128, "num_stages": 3,
              "heads_inner": True}
 
-BOOL_FIELDS = ("pv_fp8", "quant_q", "fma_scale", "heads_inner", "gluon", "gluon_ws", "gluon_p_regs")
+BOOL_FIELDS = ("pv_fp8", "quant_q", "fma_scale", "heads_inner", "gluon", "gluon_ws", "gluon_p_regs", "gluon_tree")
 
 
 def config_override(variant: dict | None = None):

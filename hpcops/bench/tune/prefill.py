@@ -9,7 +9,8 @@ do (`_ours(fp8_q, variant)`) and is gated on the suite's sampled fp32 reference.
 
 `hpcops tune prefill-gluon`: the Gluon kernel's tiles (`PrefillConfig.gluon`, `gluon_config`) on the bf16 scenarios
 and the fp8-q ones over fp8 KV (its dtypes; fp8 on the warp-specialized kernel only): the warp-specialized kernel or
-not, the (block_m, num_warps) tile, block_n, pipeline depth and launch order.
+not, the (block_m, num_warps) tile, block_n, pipeline depth and launch order, P in registers (fp8) and the softmax's
+tree reductions (`gluon_tree`).
 """
 
 from __future__ import annotations
@@ -109,6 +110,7 @@ GLUON_SPACE = (
     knob("num_stages", 2, 3, 4),
     knob("heads_inner", False, True),
     knob("gluon_p_regs", False, True),
+    knob("gluon_tree", False, True),
 )
 
 
@@ -122,12 +124,10 @@ class PrefillGluonTune(PrefillTune):
     def base(self, c: PrefillCase) -> Candidate:
         from hpcops.attention.prefill import gluon_config
 
-        cfg = asdict(gluon_config(head_dim=suite.HEAD_DIM, group=c.s.hq // c.s.hkv,
-                                  max_seqlen_q=max(q for q, _ in c.s.reqs), num_kv_heads=c.s.hkv,
-                                  total_q=sum(q for q, _ in c.s.reqs)))
-        if c.fp8_q:  # the warp-specialized tile, also where few tiles would take 64 rows for 16-bit q
-            cfg.update(block_m=128, num_warps=8, gluon_ws=True)
-        return cfg
+        # fp8 q: the warp-specialized tile, also where few tiles would take 64 rows for a 16-bit q
+        return asdict(gluon_config(head_dim=suite.HEAD_DIM, group=c.s.hq // c.s.hkv,
+                                   max_seqlen_q=max(q for q, _ in c.s.reqs), num_kv_heads=c.s.hkv,
+                                   total_q=sum(q for q, _ in c.s.reqs), fp8=c.fp8_q))
 
     def valid(self, c: PrefillCase, cand: Candidate) -> bool:
         from hpcops.attention.prefill import GLUON_SMEM_BYTES, gluon_smem_bytes
