@@ -358,6 +358,8 @@ def test_gluon_config_and_reasons(monkeypatch):
                                                                                 num_warps=4), 0.1)),
         ("a multiple of 32", (q8, fp8kv.k_cache, fp8kv.v_cache, rep(cfg, block_n=16), 0.1)),
         ("gluon_p_regs is for an fp8 q", (q, kv.k_cache, kv.v_cache, rep(cfg, gluon_p_regs=True), 0.1)),
+        ("gluon_p_dbuf is for an fp8 q", (q, kv.k_cache, kv.v_cache, rep(cfg, gluon_p_dbuf=True), 0.1)),
+        ("not gluon_p_regs", (q8, fp8kv.k_cache, fp8kv.v_cache, rep(cfg, gluon_p_regs=True, gluon_p_dbuf=True), 0.1)),
         ("head_dim 256 with fp8", (torch.zeros(300, 16, 256, dtype=FP8), fp8kv256.k_cache, fp8kv256.v_cache,
                                    rep(cfg, block_n=64), 0.1)),
         ("q is not contiguous", (torch.zeros(300, 16, 256, dtype=bf16)[..., ::2], kv.k_cache, kv.v_cache, cfg, 0.1)),
@@ -637,9 +639,10 @@ def test_prefill_gpu_configs(config: PrefillConfig):
 
 def _gluon(name: str, seq_lens: list[int], q_lens: list[int], *, block_m: int = 128, block_n: int = 128,
             stages: int = 2, heads_inner: bool = True, ws: bool = False, p_regs: bool = False, tree: bool = False,
-            **kw) -> Case:
+            p_dbuf: bool = False, **kw) -> Case:
     cfg = PrefillConfig(block_m=block_m, block_n=block_n, num_warps=block_m // 16, num_stages=stages,
-                        heads_inner=heads_inner, gluon=True, gluon_ws=ws, gluon_p_regs=p_regs, gluon_tree=tree)
+                        heads_inner=heads_inner, gluon=True, gluon_ws=ws, gluon_p_regs=p_regs, gluon_tree=tree,
+                        gluon_p_dbuf=p_dbuf)
     kw = {"hq": 64, "hkv": 8, "head_dim": 128, "block_size": 64, **kw}
     return Case(name, seq_lens, q_lens, config=cfg, **kw)
 
@@ -682,6 +685,11 @@ GLUON_CASES = [
     _gluon("gluon-ws-tree-d256", [513, 2000], [513, 100], hq=8, hkv=2, head_dim=256, block_n=64, ws=True, tree=True),
     _gluon("gluon-ws-fp8-tree-extend-mixed-h8/1-3buf", [4096, 3000, 1, 700, 129], [1024, 1, 1, 700, 64], hq=8, hkv=1,
            pad_rows=5, ws=True, kv_dtype=FP8, q_fp8=True, stages=3, tree=True),
+    # PrefillConfig.gluon_p_dbuf: two P buffers a consumer (the permuted order at 128x128, the natural one at bn 64)
+    _gluon("gluon-ws-fp8-pdbuf-extend-mixed-h64/8-3buf", [4096, 3000, 1, 700, 129], [1024, 1, 1, 700, 64], pad_rows=5,
+           ws=True, kv_dtype=FP8, q_fp8=True, stages=3, p_dbuf=True),
+    _gluon("gluon-ws-fp8-pdbuf-mha-page16-bn64", [1000, 513], [1000, 17], hq=4, hkv=4, block_size=16, block_n=64,
+           ws=True, kv_dtype=FP8, q_fp8=True, p_dbuf=True),
 ]
 
 

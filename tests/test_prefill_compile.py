@@ -203,7 +203,7 @@ from hpcops.attention.prefill import GLUON_WS_CONSUMER_REGS, GLUON_WS_FP8_REGS
 from hpcops.testing import sm90_resources
 
 d, g, tile, page, stages, dt, *flags = json.loads(sys.argv[1])
-p_regs, tree = (flags + [False, False])[:2]
+p_regs, tree, p_dbuf = (flags + [False, False, False])[:3]
 gdt = {"bf16": gl.bfloat16, "fp16": gl.float16, "fp8e4nv": gl.float8e4nv}[dt]
 box = min(tile, page)
 desc = f"tensordesc<{dt}[{box}, {d}],{gl.NVMMASharedLayout.get_default_for([box, d], gdt)}>"
@@ -215,7 +215,7 @@ sig.update({a: "i32" for a in ("num_reqs", "tiles_per_head", "num_kv_heads", "bt
                                "stride_qst", "stride_qsh")})
 consts = dict(D=d, G=g, TILE=tile, PAGE=page, BLOCK_B=16, STAGES=stages, HEADS_INNER=True,
               CONSUMER_REGS=GLUON_WS_CONSUMER_REGS, num_warps=4,
-              FP8=(2 if p_regs else 1) if dt == "fp8e4nv" else 0,
+              FP8=(2 if p_regs else 3 if p_dbuf else 1) if dt == "fp8e4nv" else 0,
               FP8_CONSUMER_REGS=GLUON_WS_FP8_REGS[0], FP8_PRODUCER_REGS=GLUON_WS_FP8_REGS[1],
               SOFTMAX=1 if tree else 0)
 sig.update({a: "constexpr" for a in consts})
@@ -228,6 +228,10 @@ r["cta_barriers"] = len(re.findall(r"\bbar\.sync\s+0;", ptx))  # bar.sync 0 with
 r["byte_stores"] = len(re.findall(r"\bst\.shared\.b8\b", ptx))
 r["b16_stores"] = len(re.findall(r"\bst\.shared\.b16\b", ptx))  # the fp8 P's 2-byte pieces
 r["v4_stores"] = len(re.findall(r"\bst\.shared\.v4\.b32\b", ptx))
+# the SASS between a loop's S wait (DEPBAR.LE gsb0, 0x1) and its P·V wait (0x0): how many exp2 run under P·V
+sass = c.asm["sass"]
+r["ex2_under_pv"] = [part.split("WARPGROUP.DEPBAR.LE gsb0, 0x0")[0].count("MUFU.EX2")
+                     for part in sass.split("WARPGROUP.DEPBAR.LE gsb0, 0x1")[1:]]
 print(json.dumps(r))
 """)
 
@@ -244,6 +248,8 @@ GLUON_WS_BUILDS = {  # name: (head_dim, G, block_n, page, stages, dtype)
     # PrefillConfig.gluon_tree: the row max and sum as trees (bf16 d256's 64-key tiles, fp8's 128)
     "d256-64-tree": (256, 2, 64, 64, 2, "bf16", False, True),
     "fp8-d128-h8/1-128-3buf-tree": (128, 8, 128, 64, 3, "fp8e4nv", False, True),
+    # PrefillConfig.gluon_p_dbuf: two P buffers a consumer
+    "fp8-d128-h8/1-128-3buf-pdbuf": (128, 8, 128, 64, 3, "fp8e4nv", False, False, True),
 }
 
 
@@ -270,7 +276,11 @@ def test_gluon_ws_prefill_kernel_builds_for_sm90(name):
         assert r["byte_stores"] == 0, r
     if GLUON_WS_BUILDS[name][6:7] == (True,):  # gluon_p_regs: P reaches the P·V wgmma in registers, never stored
         assert r["b16_stores"] == 0, r
-    elif dt == "fp8e4nv" and d == tile == 128:
+    elif GLUON_WS_BUILDS[name][8:9] == (True,):
+        # gluon_p_dbuf: the loop's softmax (64 exp2 a thread) sits between the S wait and the P·V wait, so P·V runs
+        # under it (with one P buffer ptxas puts the P·V wait first: 0 there)
+        assert r["ex2_under_pv"] and min(r["ex2_under_pv"]) >= 64, r
+    if dt == "fp8e4nv" and d == tile == 128 and GLUON_WS_BUILDS[name][6:7] != (True,):
         # the permuted key order (_vt_perm): each consumer stores its 64 x 128 P in 16-byte pieces, 4 a thread, in
         # the prologue and the loop (2 consumers), not 2 bytes at a time
         assert r["b16_stores"] == 0 and r["v4_stores"] >= 2 * 2 * 4, r

@@ -301,12 +301,15 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
     random data). FP8 == 2 (`PrefillConfig.gluon_p_regs`): P stays in
     registers as P·V's A operand and P·V runs synchronously after the next S is issued (an 8-bit register operand
     cannot wait in `warpgroup_mma_wait`'s deps in Triton 3.6): no P round trip through shared memory, but P·V no
-    longer runs under this warpgroup's own softmax, only under the other's. SOFTMAX & 1
+    longer runs under this warpgroup's own softmax, only under the other's. FP8 == 3 (`PrefillConfig.gluon_p_dbuf`):
+    two P buffers a consumer (`p_buf` all four, 2·WG + tile % 2): P_{j+1} is stored before P_j·V_j is waited for,
+    which keeps ptxas from placing that wait ahead of the softmax as it does with one buffer. SOFTMAX & 1
     (`PrefillConfig.gluon_tree`): the softmax's row max and sum as trees (`_row_reduce`)."""
     P_REGS: gl.constexpr = FP8 == 2
+    P_DBUF: gl.constexpr = FP8 == 3  # two P buffers a consumer: P_{j+1} is stored before P_j·V_j is waited for
     P_EXP: gl.constexpr = 8 if FP8 else 0  # fp8: P as e4m3(P·256)
     TREE: gl.constexpr = (SOFTMAX & 1) != 0  # the row max and sum as trees (`_row_reduce`)
-    VT_PERM: gl.constexpr = FP8 == 1 and _vt_perm(TILE, D)  # P and Vᵀ in the permuted key order
+    VT_PERM: gl.constexpr = FP8 != 2 and _vt_perm(TILE, D)  # P and Vᵀ in the permuted key order
     gl.static_assert(WS or not FP8, "the fp8 loop runs on the warp-specialized kernel only")
     DT: gl.constexpr = k_desc.dtype
     KV_BYTES: gl.constexpr = 2 * TILE * D * DT.primitive_bitwidth // 8
@@ -355,7 +358,7 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
         p = gl.convert_layout(_p_operand(p, DT, True), p_layout)
         mbarrier.arrive(empty.index(0), count=1)  # K_0 is read (and the producer transposes V_0 itself)
     elif FP8:  # P·V's A operand from shared memory (an 8-bit register operand cannot be kept alive across the wait)
-        _store_p(p_buf, _p_operand(p, DT, True), ROWS, VT_PERM)
+        _store_p(p_buf.index(2 * WG) if P_DBUF else p_buf, _p_operand(p, DT, True), ROWS, VT_PERM)
         fence_async_shared()
         mbarrier.arrive(empty.index(0), count=1)
     else:
@@ -375,6 +378,8 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
         if P_REGS:  # synchronous: waits for S_{j+1} too
             o = warpgroup_mma(p, vt_buf.index(j % 2).permute((1, 0)), o)
             o_tok = o
+        elif P_DBUF:
+            o_tok = warpgroup_mma(p_buf.index(2 * WG + j % 2), vt_buf.index(j % 2).permute((1, 0)), o, is_async=True)
         elif FP8:
             o_tok = warpgroup_mma(p_buf, vt_buf.index(j % 2).permute((1, 0)), o, is_async=True)
         else:
@@ -388,6 +393,12 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
             mbarrier.arrive(empty.index(nxt), count=1)  # K_{j+1} is read
             mbarrier.arrive(vt_empty.index(j % 2), count=1)  # P_j·V_j is done
             p = gl.convert_layout(_p_operand(p_next, DT, True), p_layout)
+        elif P_DBUF:  # P_{j+1} into the buffer P_{j-1}·V_{j-1} read (waited for a step ago), then P_j·V_j
+            mbarrier.arrive(empty.index(nxt), count=1)  # K_{j+1} is read
+            _store_p(p_buf.index(2 * WG + (j + 1) % 2), _p_operand(p_next, DT, True), ROWS, VT_PERM)
+            fence_async_shared()
+            o = warpgroup_mma_wait(0, deps=[o_tok])
+            mbarrier.arrive(vt_empty.index(j % 2), count=1)  # P_j·V_j is done with Vᵀ_j
         elif FP8:
             mbarrier.arrive(empty.index(nxt), count=1)  # K_{j+1} is read
             p8 = _p_operand(p_next, DT, True)
@@ -410,7 +421,10 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
     last = (n - 1) % STAGES
     if FP8:
         mbarrier.wait(vt_full.index((n - 1) % 2), ((n - 1) // 2) & 1)
-        o = warpgroup_mma(p if P_REGS else p_buf, vt_buf.index((n - 1) % 2).permute((1, 0)), o)
+        if P_DBUF:
+            o = warpgroup_mma(p_buf.index(2 * WG + (n - 1) % 2), vt_buf.index((n - 1) % 2).permute((1, 0)), o)
+        else:
+            o = warpgroup_mma(p if P_REGS else p_buf, vt_buf.index((n - 1) % 2).permute((1, 0)), o)
     else:
         _zero_v_tail(v_smem.index(last), n - 1, seq_len, TILE, ld_layout)
         o = warpgroup_mma(p, v_smem.index(last), o)
@@ -520,7 +534,7 @@ def _ws_producer_fp8(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr,
                             k_col, v_col, prev, True, PAGE, TILE, KV_BYTES)
         mbarrier.wait(full.index(slot), (j // STAGES) & 1)
         mbarrier.wait(vt_empty.index(j % 2), ((j // 2) & 1) ^ 1)  # P·V_{j-2} is done in both consumers
-        _transpose_v(v_smem.index(slot), vt_smem.index(j % 2), j, seq_len, TILE, D, FP8 == 1 and _vt_perm(TILE, D))
+        _transpose_v(v_smem.index(slot), vt_smem.index(j % 2), j, seq_len, TILE, D, FP8 != 2 and _vt_perm(TILE, D))
         gl.thread_barrier()  # all 4 warps' Vᵀ stores (each fenced for the async proxy) before the arrivals
         mbarrier.arrive(vt_full.index(j % 2), count=1)
         mbarrier.arrive(empty.index(slot), count=1)
@@ -533,11 +547,14 @@ def _ws_consume(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE
      v_col, n, q_start, q_len, first_tok, ctx_len, seq_len, kv_head, c, stride_qt, stride_qh, stride_ot,
      stride_oh, q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, vt_smem, p_smem, vt_full,
      vt_empty) = args
+    if FP8 == 3:  # all four P buffers, two a consumer: `_attend` picks 2·WG + tile % 2
+        p_bufs = p_smem
+    else:
+        p_bufs = p_smem.index(WG)
     _attend(q_ptr, out_ptr, k_desc, v_desc, q_smem.index(WG), k_smem, v_smem, full, empty, turn, bt_row, bt_width,
             num_blocks, k_col, v_col, n, q_start, q_len, first_tok, ctx_len, seq_len, kv_head, c, stride_qt,
             stride_qh, stride_ot, stride_oh,
-            (q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, vt_smem, p_smem.index(WG), vt_full,
-             vt_empty),
+            (q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, vt_smem, p_bufs, vt_full, vt_empty),
             WG * 64, 64, 4, D, G, TILE, PAGE, STAGES, True, WG, FP8, SOFTMAX)
 
 
@@ -566,7 +583,8 @@ def prefill_gluon_ws_kernel(
 ):
     """`prefill_gluon_kernel`'s maths on a 128-row q tile, warp-specialized: launched with num_warps = 4 (the
     default partition, consumer 0) plus a 4-warp worker (consumer 1, CONSUMER_REGS registers) and a 1-warp TMA
-    producer (24 registers). FP8 (1, or 2 with P in registers: `_attend`): an fp8 q (per token-head scales) over
+    producer (24 registers). FP8 (1; 2 with P in registers, 3 with two P buffers a consumer: `_attend`): an fp8 q
+    (per token-head scales) over
     fp8 KV, both GEMMs in fp8, with a 4-warp producer that also transposes V (`_ws_producer_fp8`;
     FP8_CONSUMER_REGS / FP8_PRODUCER_REGS)."""
     gl.static_assert(num_warps == 4, "the default partition is consumer warpgroup 0")
@@ -591,6 +609,8 @@ def prefill_gluon_ws_kernel(
         vt_smem = gl.allocate_shared_memory(DT, [2, D, TILE], gl.NVMMASharedLayout.get_default_for([D, TILE], DT))
         if FP8 == 2:
             p_smem = vt_smem  # P stays in registers: not read
+        elif FP8 == 3:  # two P buffers a consumer
+            p_smem = gl.allocate_shared_memory(DT, [4, 64, TILE], gl.NVMMASharedLayout.get_default_for([64, TILE], DT))
         else:
             p_smem = gl.allocate_shared_memory(DT, [2, 64, TILE], gl.NVMMASharedLayout.get_default_for([64, TILE], DT))
         vt_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())

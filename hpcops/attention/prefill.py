@@ -59,6 +59,11 @@ class PrefillConfig:
     `hpcops-fp8q-gluon-preg` rows). `gluon_tree` (either Gluon kernel): the softmax's row max and row sum as
     pairwise trees over the 32 scores a thread holds of a row instead of Triton's in-thread loop (a chain of 32
     dependent FMNMX / FADD before every exp2 and after); opt-in until measured (`hpcops tune prefill-gluon`).
+    `gluon_p_dbuf` (the fp8 kernel with P in shared memory): two P buffers a consumer, so that P_{j+1} is stored
+    before P_j·V_j is waited for. With one buffer ptxas places that wait before the softmax (the SASS has
+    `WARPGROUP.DEPBAR.LE gsb0, 0x0` ahead of the ex2s): this warpgroup's P·V then never runs under its own
+    softmax. With two the wait follows the P stores. 16 KB more shared memory; opt-in until measured (bench row
+    `hpcops-fp8q-gluon-pdbuf`).
     `tma`, `pv_fp8`, `quant_q` and `fma_scale` are the `tl` kernel's (the Gluon kernel always reads by TMA and
     scales inside exp2).
     """
@@ -76,6 +81,7 @@ class PrefillConfig:
     gluon_ws: bool = False
     gluon_p_regs: bool = False
     gluon_tree: bool = False
+    gluon_p_dbuf: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
@@ -148,12 +154,12 @@ GLUON_MIN_Q = 512  # up to this q_len with many tiles the heuristic keeps the tl
 
 
 def gluon_smem_bytes(block_m: int, block_n: int, stages: int, head_dim: int, elem_bytes: int = 2,
-                     fp8: bool = False) -> int:
+                     fp8: bool = False, p_bufs: int = 1) -> int:
     """Shared memory of a Gluon prefill program: its q tile and `stages` K/V buffer pairs; `fp8` (the
     warp-specialized kernel over fp8 q and KV, 1-byte elements) adds the two Vᵀ [D, block_n] buffers and each
-    consumer's e4m3 P [64, block_n]."""
+    consumer's `p_bufs` e4m3 P [64, block_n] (2 with `gluon_p_dbuf`)."""
     if fp8:
-        return (block_m + 2 * stages * block_n) * head_dim + 2 * (head_dim + 64) * block_n
+        return (block_m + 2 * stages * block_n) * head_dim + 2 * (head_dim + 64 * p_bufs) * block_n
     return (block_m + 2 * stages * block_n) * head_dim * elem_bytes
 
 
@@ -316,6 +322,8 @@ def gluon_unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         return "an fp8 q over fp8 KV runs on the warp-specialized kernel only (gluon_ws)"
     if config.gluon_p_regs and not fp8:
         return "gluon_p_regs is for an fp8 q over fp8 KV (a 16-bit P is always in registers)"
+    if config.gluon_p_dbuf and (not fp8 or config.gluon_p_regs):
+        return "gluon_p_dbuf is for an fp8 q over fp8 KV with P in shared memory (not gluon_p_regs)"
     if fp8 and d > 128:
         return f"head_dim {d} with fp8 (the fp8 consumer's registers spill above 128: 496 bytes at 256 in ptxas)"
     if fp8 and config.block_n % 32:
@@ -333,11 +341,16 @@ def gluon_unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         return f"block_n {bn} / num_stages {config.num_stages} (at most 256 keys a tile, two buffers at least)"
     if page < bn and (page < 8 or bn % page):
         return f"block_size {page} (pages under block_n {bn} must divide it, 8 tokens at least)"
-    smem = gluon_smem_bytes(bm, bn, config.num_stages, d, q.element_size(), fp8)
+    smem = gluon_smem_bytes(bm, bn, config.num_stages, d, q.element_size(), fp8, 2 if config.gluon_p_dbuf else 1)
     what = f"q and {config.num_stages} K/V buffers" + (", two Vᵀ buffers and each consumer's P" if fp8 else "")
     if smem > GLUON_SMEM_BYTES:
         return f"{smem} bytes of shared memory for {what} (at most {GLUON_SMEM_BYTES})"
     return kv_tma_unsupported_reason(k_cache, v_cache, min(bn, page))
+
+
+def _fp8_mode(config: PrefillConfig) -> int:
+    """The fp8 kernel's FP8 constexpr: 1 P through one shared buffer, 2 P in registers, 3 two P buffers."""
+    return 2 if config.gluon_p_regs else 3 if config.gluon_p_dbuf else 1
 
 
 def _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, out, sm_scale, tiles_per_head, block_b,
@@ -366,7 +379,7 @@ def _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, out,
         # inside the specialized region
         prefill_gluon_ws_kernel[(tiles_per_head * hkv,)](*args, *scales, **common,
                                                          CONSUMER_REGS=GLUON_WS_CONSUMER_REGS, num_warps=4,
-                                                         FP8=(2 if config.gluon_p_regs else 1) if fp8 else 0,
+                                                         FP8=_fp8_mode(config) if fp8 else 0,
                                                          FP8_CONSUMER_REGS=GLUON_WS_FP8_REGS[0],
                                                          FP8_PRODUCER_REGS=GLUON_WS_FP8_REGS[1], maxnreg=168,
                                                          **softmax)

@@ -123,7 +123,8 @@ def _make_inputs(s: Scenario, layer: int, device: str = "cuda") -> dict[str, Any
 GLUON_FP8 = {"gluon": True, "gluon_ws": True, "block_m": 128, "num_warps": 8, "block_n": 128, "num_stages": 3,
              "heads_inner": True}
 
-BOOL_FIELDS = ("pv_fp8", "quant_q", "fma_scale", "heads_inner", "gluon", "gluon_ws", "gluon_p_regs", "gluon_tree")
+BOOL_FIELDS = ("pv_fp8", "quant_q", "fma_scale", "heads_inner", "gluon", "gluon_ws", "gluon_p_regs", "gluon_tree",
+               "gluon_p_dbuf")
 
 
 def config_override(variant: dict | None = None):
@@ -330,8 +331,9 @@ def _check(x) -> None:
         out = _ours(True, {"gluon": False})(x)().clone()
         assert_close(want, out[rows][:, heads], name="prefill fp8 q, tl kernel")
         if hopper:
-            out = _ours(True, {**GLUON_FP8, "gluon_p_regs": True})(x)().clone()
-            assert_close(want, out[rows][:, heads], name="prefill fp8 q, gluon (P in registers)", **e4m3_p)
+            for variant, what in (("gluon_p_regs", "P in registers"), ("gluon_p_dbuf", "two P buffers")):
+                out = _ours(True, {**GLUON_FP8, variant: True})(x)().clone()
+                assert_close(want, out[rows][:, heads], name=f"prefill fp8 q, gluon ({what})", **e4m3_p)
 
 
 def cases(opts: dict) -> Iterator[Case]:
@@ -356,6 +358,10 @@ def cases(opts: dict) -> Iterator[Case]:
                         Impl("hpcops-fp8q-gluon-preg", _ours(True, {**GLUON_FP8, "gluon_p_regs": True}),
                              note="variant: the Gluon fp8 kernel with P in registers and a synchronous P·V "
                              "(gluon_p_regs=True)")
+                    )
+                    impls.append(
+                        Impl("hpcops-fp8q-gluon-pdbuf", _ours(True, {**GLUON_FP8, "gluon_p_dbuf": True}),
+                             note="variant: the Gluon fp8 kernel with two P buffers a consumer (gluon_p_dbuf=True)")
                     )
                 if not fp8:
                     # the tl kernel beside the default, which takes the Gluon kernel here on an H200 (gluon_config)

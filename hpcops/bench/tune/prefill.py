@@ -9,8 +9,8 @@ do (`_ours(fp8_q, variant)`) and is gated on the suite's sampled fp32 reference.
 
 `hpcops tune prefill-gluon`: the Gluon kernel's tiles (`PrefillConfig.gluon`, `gluon_config`) on the bf16 scenarios
 and the fp8-q ones over fp8 KV (its dtypes; fp8 on the warp-specialized kernel only): the warp-specialized kernel or
-not, the (block_m, num_warps) tile, block_n, pipeline depth and launch order, P in registers (fp8) and the softmax's
-tree reductions (`gluon_tree`).
+not, the (block_m, num_warps) tile, block_n, pipeline depth and launch order, P in registers or in two shared
+buffers (fp8) and the softmax's tree reductions (`gluon_tree`).
 """
 
 from __future__ import annotations
@@ -111,6 +111,7 @@ GLUON_SPACE = (
     knob("heads_inner", False, True),
     knob("gluon_p_regs", False, True),
     knob("gluon_tree", False, True),
+    knob("gluon_p_dbuf", False, True),
 )
 
 
@@ -133,9 +134,11 @@ class PrefillGluonTune(PrefillTune):
         from hpcops.attention.prefill import GLUON_SMEM_BYTES, gluon_smem_bytes
 
         smem = gluon_smem_bytes(cand["block_m"], cand["block_n"], cand["num_stages"], suite.HEAD_DIM,
-                                1 if c.fp8_q else 2, c.fp8_q)
+                                1 if c.fp8_q else 2, c.fp8_q, 2 if cand["gluon_p_dbuf"] else 1)
         ws_ok = not cand["gluon_ws"] or cand["block_m"] == 128  # two consumer warpgroups of 64 rows
-        fp8_ok = cand["gluon_ws"] if c.fp8_q else not cand["gluon_p_regs"]  # fp8: the specialized kernel only
+        # fp8: the specialized kernel only, P in registers or in one or two shared buffers; 16-bit: neither knob
+        fp8_ok = (cand["gluon_ws"] and not (cand["gluon_p_regs"] and cand["gluon_p_dbuf"]) if c.fp8_q
+                  else not (cand["gluon_p_regs"] or cand["gluon_p_dbuf"]))
         return smem <= GLUON_SMEM_BYTES and cand["block_m"] >= c.s.hq // c.s.hkv and ws_ok and fp8_ok
 
 
