@@ -360,6 +360,11 @@ def test_gluon_config_and_reasons(monkeypatch):
         ("gluon_p_regs is for an fp8 q", (q, kv.k_cache, kv.v_cache, rep(cfg, gluon_p_regs=True), 0.1)),
         ("gluon_p_dbuf is for an fp8 q", (q, kv.k_cache, kv.v_cache, rep(cfg, gluon_p_dbuf=True), 0.1)),
         ("not gluon_p_regs", (q8, fp8kv.k_cache, fp8kv.v_cache, rep(cfg, gluon_p_regs=True, gluon_p_dbuf=True), 0.1)),
+        ("gluon_pv_overlap is for the 16-bit", (q8, fp8kv.k_cache, fp8kv.v_cache, rep(cfg, gluon_pv_overlap=True),
+                                                0.1)),
+        ("gluon_pv_overlap is for the 16-bit", (q, kv.k_cache, kv.v_cache,
+                                                rep(cfg, gluon_pv_overlap=True, gluon_ws=False, block_m=64,
+                                                    num_warps=4), 0.1)),
         ("head_dim 256 with fp8", (torch.zeros(300, 16, 256, dtype=FP8), fp8kv256.k_cache, fp8kv256.v_cache,
                                    rep(cfg, block_n=64), 0.1)),
         ("q is not contiguous", (torch.zeros(300, 16, 256, dtype=bf16)[..., ::2], kv.k_cache, kv.v_cache, cfg, 0.1)),
@@ -639,10 +644,10 @@ def test_prefill_gpu_configs(config: PrefillConfig):
 
 def _gluon(name: str, seq_lens: list[int], q_lens: list[int], *, block_m: int = 128, block_n: int = 128,
             stages: int = 2, heads_inner: bool = True, ws: bool = False, p_regs: bool = False, tree: bool = False,
-            p_dbuf: bool = False, **kw) -> Case:
+            p_dbuf: bool = False, pvo: bool = False, **kw) -> Case:
     cfg = PrefillConfig(block_m=block_m, block_n=block_n, num_warps=block_m // 16, num_stages=stages,
                         heads_inner=heads_inner, gluon=True, gluon_ws=ws, gluon_p_regs=p_regs, gluon_tree=tree,
-                        gluon_p_dbuf=p_dbuf)
+                        gluon_p_dbuf=p_dbuf, gluon_pv_overlap=pvo)
     kw = {"hq": 64, "hkv": 8, "head_dim": 128, "block_size": 64, **kw}
     return Case(name, seq_lens, q_lens, config=cfg, **kw)
 
@@ -690,6 +695,13 @@ GLUON_CASES = [
            ws=True, kv_dtype=FP8, q_fp8=True, stages=3, p_dbuf=True),
     _gluon("gluon-ws-fp8-pdbuf-mha-page16-bn64", [1000, 513], [1000, 17], hq=4, hkv=4, block_size=16, block_n=64,
            ws=True, kv_dtype=FP8, q_fp8=True, p_dbuf=True),
+    # PrefillConfig.gluon_pv_overlap: the 16-bit specialized kernel's softmax under its own P·V (3 buffers, d64, d256)
+    _gluon("gluon-ws-pvo-extend-mixed-h64/8-3buf", [4096, 3000, 1, 700, 129], [1024, 1, 1, 700, 64], pad_rows=5,
+           stages=3, ws=True, pvo=True),
+    _gluon("gluon-ws-pvo-d64-gqa3-page32-fp16", [777, 129], [777, 64], hq=12, hkv=4, head_dim=64, block_size=32,
+           q_dtype=torch.float16, kv_dtype=torch.float16, ws=True, pvo=True),
+    _gluon("gluon-ws-pvo-tree-d256", [513, 2000], [513, 100], hq=8, hkv=2, head_dim=256, block_n=64, ws=True,
+           pvo=True, tree=True),
 ]
 
 

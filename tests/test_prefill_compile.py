@@ -203,7 +203,7 @@ from hpcops.attention.prefill import GLUON_WS_CONSUMER_REGS, GLUON_WS_FP8_REGS
 from hpcops.testing import sm90_resources
 
 d, g, tile, page, stages, dt, *flags = json.loads(sys.argv[1])
-p_regs, tree, p_dbuf = (flags + [False, False, False])[:3]
+p_regs, tree, p_dbuf, pvo = (flags + [False, False, False, False])[:4]
 gdt = {"bf16": gl.bfloat16, "fp16": gl.float16, "fp8e4nv": gl.float8e4nv}[dt]
 box = min(tile, page)
 desc = f"tensordesc<{dt}[{box}, {d}],{gl.NVMMASharedLayout.get_default_for([box, d], gdt)}>"
@@ -217,7 +217,7 @@ consts = dict(D=d, G=g, TILE=tile, PAGE=page, BLOCK_B=16, STAGES=stages, HEADS_I
               CONSUMER_REGS=GLUON_WS_CONSUMER_REGS, num_warps=4,
               FP8=(2 if p_regs else 3 if p_dbuf else 1) if dt == "fp8e4nv" else 0,
               FP8_CONSUMER_REGS=GLUON_WS_FP8_REGS[0], FP8_PRODUCER_REGS=GLUON_WS_FP8_REGS[1],
-              SOFTMAX=1 if tree else 0)
+              SOFTMAX=(1 if tree else 0) | (2 if pvo else 0))
 sig.update({a: "constexpr" for a in consts})
 c = triton.compile(GluonASTSource(prefill_gluon_ws_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": 4, "maxnreg": 168})
@@ -250,6 +250,8 @@ GLUON_WS_BUILDS = {  # name: (head_dim, G, block_n, page, stages, dtype)
     "fp8-d128-h8/1-128-3buf-tree": (128, 8, 128, 64, 3, "fp8e4nv", False, True),
     # PrefillConfig.gluon_p_dbuf: two P buffers a consumer
     "fp8-d128-h8/1-128-3buf-pdbuf": (128, 8, 128, 64, 3, "fp8e4nv", False, False, True),
+    # PrefillConfig.gluon_pv_overlap: the 16-bit kernel's row sums stored before its P·V wait
+    "d128-128-3buf-pvo": (128, 8, 128, 64, 3, "bf16", False, False, False, True),
 }
 
 
@@ -276,9 +278,9 @@ def test_gluon_ws_prefill_kernel_builds_for_sm90(name):
         assert r["byte_stores"] == 0, r
     if GLUON_WS_BUILDS[name][6:7] == (True,):  # gluon_p_regs: P reaches the P·V wgmma in registers, never stored
         assert r["b16_stores"] == 0, r
-    elif GLUON_WS_BUILDS[name][8:9] == (True,):
-        # gluon_p_dbuf: the loop's softmax (64 exp2 a thread) sits between the S wait and the P·V wait, so P·V runs
-        # under it (with one P buffer ptxas puts the P·V wait first: 0 there)
+    elif GLUON_WS_BUILDS[name][8:9] == (True,) or GLUON_WS_BUILDS[name][9:10] == (True,):
+        # gluon_p_dbuf, gluon_pv_overlap: the loop's softmax (64 exp2 a thread) sits between the S wait and the
+        # P·V wait, so P·V runs under it (without them ptxas puts the P·V wait first: 0 there)
         assert r["ex2_under_pv"] and min(r["ex2_under_pv"]) >= 64, r
     if dt == "fp8e4nv" and d == tile == 128 and GLUON_WS_BUILDS[name][6:7] != (True,):
         # the permuted key order (_vt_perm): each consumer stores its 64 x 128 P in 16-byte pieces, 4 a thread, in

@@ -304,11 +304,15 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
     longer runs under this warpgroup's own softmax, only under the other's. FP8 == 3 (`PrefillConfig.gluon_p_dbuf`):
     two P buffers a consumer (`p_buf` all four, 2·WG + tile % 2): P_{j+1} is stored before P_j·V_j is waited for,
     which keeps ptxas from placing that wait ahead of the softmax as it does with one buffer. SOFTMAX & 1
-    (`PrefillConfig.gluon_tree`): the softmax's row max and sum as trees (`_row_reduce`)."""
+    (`PrefillConfig.gluon_tree`): the softmax's row max and sum as trees (`_row_reduce`). SOFTMAX & 2
+    (`PrefillConfig.gluon_pv_overlap`, 16-bit, warp-specialized; `p_buf` a [64] fp32 scratch): the row sums are
+    stored before the P·V wait, the same fix for the 16-bit loop, whose P stays in registers."""
     P_REGS: gl.constexpr = FP8 == 2
     P_DBUF: gl.constexpr = FP8 == 3  # two P buffers a consumer: P_{j+1} is stored before P_j·V_j is waited for
     P_EXP: gl.constexpr = 8 if FP8 else 0  # fp8: P as e4m3(P·256)
     TREE: gl.constexpr = (SOFTMAX & 1) != 0  # the row max and sum as trees (`_row_reduce`)
+    # 16-bit WS: the row sums into `p_buf` (a scratch) before the P·V wait, so the softmax runs under P·V
+    PV_OVERLAP: gl.constexpr = (SOFTMAX & 2) != 0 and WS and not FP8
     VT_PERM: gl.constexpr = FP8 != 2 and _vt_perm(TILE, D)  # P and Vᵀ in the permuted key order
     gl.static_assert(WS or not FP8, "the fp8 loop runs on the warp-specialized kernel only")
     DT: gl.constexpr = k_desc.dtype
@@ -344,6 +348,8 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
         # one logit scale a row; > 0 so that −inf · c never makes a NaN (a zero q scale only zeroes the logits)
         c = gl.maximum(qs * (gl.load(k_scale_ptr) * c), 1e-30)
         out_scale = gl.load(v_scale_ptr)  # P and l both carry 2^P_EXP: it cancels in O / l
+    if PV_OVERLAP:
+        p_buf = fp8_args[6]
     full_end = (ctx_len + first_tok + ROW0 // G + 1) // TILE  # tiles all these rows see entirely: no mask
     m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=rows_s)
     l_i = gl.zeros([ROWS], gl.float32, layout=rows_s)
@@ -408,6 +414,8 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
             fence_async_shared()
         else:
             p_next = gl.convert_layout(_p_operand(p_next, DT, False), p_layout)
+            if PV_OVERLAP:  # a store that needs every exp2: ptxas cannot sink the softmax below the wait
+                p_buf.store(l_i)
             o, p = warpgroup_mma_wait(0, deps=[o_tok, p])
         # tile j's buffers are free (fp8: K released above, V the producer's)
         if not WS:
@@ -620,7 +628,10 @@ def prefill_gluon_ws_kernel(
             mbarrier.init(vt_empty.index(ib), count=2)  # both consumers' P·V
     else:
         vt_smem = q_smem  # not read
-        p_smem = q_smem
+        if SOFTMAX & 2:  # each consumer's row sums, written before its P·V wait (`_attend`'s PV_OVERLAP)
+            p_smem = gl.allocate_shared_memory(gl.float32, [2, 64], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        else:
+            p_smem = q_smem
         vt_full = turn
         vt_empty = turn
     for ib in gl.static_range(STAGES):

@@ -63,7 +63,9 @@ class PrefillConfig:
     before P_j·V_j is waited for. With one buffer ptxas places that wait before the softmax (the SASS has
     `WARPGROUP.DEPBAR.LE gsb0, 0x0` ahead of the ex2s): this warpgroup's P·V then never runs under its own
     softmax. With two the wait follows the P stores. 16 KB more shared memory; opt-in until measured (bench row
-    `hpcops-fp8q-gluon-pdbuf`).
+    `hpcops-fp8q-gluon-pdbuf`). `gluon_pv_overlap` (the 16-bit warp-specialized kernel, which has the same
+    ordering): each consumer stores its row sums into a 256-byte scratch before the P·V wait, a side effect that
+    needs every exp2, so the softmax runs under the warpgroup's own P·V (bench row `hpcops-pv-overlap`).
     `tma`, `pv_fp8`, `quant_q` and `fma_scale` are the `tl` kernel's (the Gluon kernel always reads by TMA and
     scales inside exp2).
     """
@@ -82,6 +84,7 @@ class PrefillConfig:
     gluon_p_regs: bool = False
     gluon_tree: bool = False
     gluon_p_dbuf: bool = False
+    gluon_pv_overlap: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
@@ -324,6 +327,8 @@ def gluon_unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         return "gluon_p_regs is for an fp8 q over fp8 KV (a 16-bit P is always in registers)"
     if config.gluon_p_dbuf and (not fp8 or config.gluon_p_regs):
         return "gluon_p_dbuf is for an fp8 q over fp8 KV with P in shared memory (not gluon_p_regs)"
+    if config.gluon_pv_overlap and (fp8 or not config.gluon_ws):
+        return "gluon_pv_overlap is for the 16-bit warp-specialized kernel (fp8: gluon_p_dbuf)"
     if fp8 and d > 128:
         return f"head_dim {d} with fp8 (the fp8 consumer's registers spill above 128: 496 bytes at 256 in ptxas)"
     if fp8 and config.block_n % 32:
@@ -342,6 +347,7 @@ def gluon_unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     if page < bn and (page < 8 or bn % page):
         return f"block_size {page} (pages under block_n {bn} must divide it, 8 tokens at least)"
     smem = gluon_smem_bytes(bm, bn, config.num_stages, d, q.element_size(), fp8, 2 if config.gluon_p_dbuf else 1)
+    smem += 512 if config.gluon_pv_overlap else 0  # two consumers' [64] fp32 row sums
     what = f"q and {config.num_stages} K/V buffers" + (", two Vᵀ buffers and each consumer's P" if fp8 else "")
     if smem > GLUON_SMEM_BYTES:
         return f"{smem} bytes of shared memory for {what} (at most {GLUON_SMEM_BYTES})"
@@ -368,7 +374,8 @@ def _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, out,
             block_table.stride(0), out.stride(0), out.stride(1))
     common = dict(D=d, G=hq // hkv, TILE=config.block_n, PAGE=page, BLOCK_B=block_b, STAGES=config.num_stages,
                   HEADS_INNER=bool(config.heads_inner))
-    softmax = {"SOFTMAX": 1} if config.gluon_tree else {}  # the defaults' launches keep their signature
+    bits = (1 if config.gluon_tree else 0) | (2 if config.gluon_pv_overlap else 0)
+    softmax = {"SOFTMAX": bits} if bits else {}  # the defaults' launches keep their signature
     if config.gluon_ws:
         fp8 = q.dtype == FP8_E4M3
         # fp8: q's per token-head scales and the KV scales; else placeholders the kernel does not read

@@ -123,8 +123,12 @@ def _make_inputs(s: Scenario, layer: int, device: str = "cuda") -> dict[str, Any
 GLUON_FP8 = {"gluon": True, "gluon_ws": True, "block_m": 128, "num_warps": 8, "block_n": 128, "num_stages": 3,
              "heads_inner": True}
 
+# the bf16 warp-specialized Gluon kernel's tile (the default's at q2k-q8k) with gluon_pv_overlap
+GLUON_BF16_PVO = {"gluon": True, "gluon_ws": True, "block_m": 128, "num_warps": 8, "block_n": 128, "num_stages": 3,
+                  "heads_inner": True, "gluon_pv_overlap": True}
+
 BOOL_FIELDS = ("pv_fp8", "quant_q", "fma_scale", "heads_inner", "gluon", "gluon_ws", "gluon_p_regs", "gluon_tree",
-               "gluon_p_dbuf")
+               "gluon_p_dbuf", "gluon_pv_overlap")
 
 
 def config_override(variant: dict | None = None):
@@ -321,6 +325,9 @@ def _check(x) -> None:
         # the tl kernel's row (the default takes the Gluon kernel on an H200) is checked on the same sample
         out = _ours(False, {"gluon": False})(x)().clone()
         assert_close(want, out[rows][:, heads], name="prefill bf16 q, tl kernel")
+        if x["q"].is_cuda and torch.cuda.get_device_capability(x["q"].device)[0] == 9:
+            out = _ours(False, GLUON_BF16_PVO)(x)().clone()
+            assert_close(want, out[rows][:, heads], name="prefill bf16 q, gluon_pv_overlap")
     else:
         _ours(True)(x)()
         rows, heads, want = _sampled_reference(x, x["q8"], x["q_scale"])
@@ -367,6 +374,11 @@ def cases(opts: dict) -> Iterator[Case]:
                     # the tl kernel beside the default, which takes the Gluon kernel here on an H200 (gluon_config)
                     impls.append(
                         Impl("hpcops-tl", _ours(False, {"gluon": False}), note="variant: PrefillConfig(gluon=False)")
+                    )
+                    impls.append(
+                        Impl("hpcops-pv-overlap", _ours(False, GLUON_BF16_PVO),
+                             note="variant: the warp-specialized Gluon kernel with its softmax under its own P·V "
+                             "(gluon_pv_overlap=True)")
                     )
                 # variants timed in the same run: the pointer path (TMA is the default where the layout allows)
                 impls.append(

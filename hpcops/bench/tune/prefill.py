@@ -10,7 +10,8 @@ do (`_ours(fp8_q, variant)`) and is gated on the suite's sampled fp32 reference.
 `hpcops tune prefill-gluon`: the Gluon kernel's tiles (`PrefillConfig.gluon`, `gluon_config`) on the bf16 scenarios
 and the fp8-q ones over fp8 KV (its dtypes; fp8 on the warp-specialized kernel only): the warp-specialized kernel or
 not, the (block_m, num_warps) tile, block_n, pipeline depth and launch order, P in registers or in two shared
-buffers (fp8) and the softmax's tree reductions (`gluon_tree`).
+buffers (fp8), the softmax under its own P·V (16-bit: `gluon_pv_overlap`) and its tree reductions
+(`gluon_tree`).
 """
 
 from __future__ import annotations
@@ -112,6 +113,7 @@ GLUON_SPACE = (
     knob("gluon_p_regs", False, True),
     knob("gluon_tree", False, True),
     knob("gluon_p_dbuf", False, True),
+    knob("gluon_pv_overlap", False, True),
 )
 
 
@@ -136,9 +138,14 @@ class PrefillGluonTune(PrefillTune):
         smem = gluon_smem_bytes(cand["block_m"], cand["block_n"], cand["num_stages"], suite.HEAD_DIM,
                                 1 if c.fp8_q else 2, c.fp8_q, 2 if cand["gluon_p_dbuf"] else 1)
         ws_ok = not cand["gluon_ws"] or cand["block_m"] == 128  # two consumer warpgroups of 64 rows
-        # fp8: the specialized kernel only, P in registers or in one or two shared buffers; 16-bit: neither knob
-        fp8_ok = (cand["gluon_ws"] and not (cand["gluon_p_regs"] and cand["gluon_p_dbuf"]) if c.fp8_q
-                  else not (cand["gluon_p_regs"] or cand["gluon_p_dbuf"]))
+        # fp8: the specialized kernel only, P in registers or in one or two shared buffers; 16-bit: neither P knob,
+        # and gluon_pv_overlap on the specialized kernel only
+        regs, dbuf, pvo = cand["gluon_p_regs"], cand["gluon_p_dbuf"], cand["gluon_pv_overlap"]
+        if c.fp8_q:
+            fp8_ok = cand["gluon_ws"] and not (regs and dbuf or pvo)
+        else:
+            fp8_ok = not (regs or dbuf) and (cand["gluon_ws"] or not pvo)
+        smem += 512 if pvo else 0
         return smem <= GLUON_SMEM_BYTES and cand["block_m"] >= c.s.hq // c.s.hkv and ws_ok and fp8_ok
 
 
