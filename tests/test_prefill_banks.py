@@ -28,12 +28,16 @@ def _coords(layout, reg, lane, warp):
     return _xor(pick(layout.reg_bases, reg) + pick(layout.lane_bases, lane) + pick(layout.warp_bases, warp))
 
 
-def _address(row, col):
-    """Byte address of element [row, col] of a tile with 128-byte rows under the 128-byte swizzle."""
-    return row * 128 + ((col // 16) ^ (row % 8)) * 16 + col % 16
+def _address(row, col, row_bytes=128):
+    """Byte address of element [row, col] of a tile of 1-byte elements under the NVMMA swizzle of its row size:
+    128-byte rows, the 16-byte chunk c at c ^ (row % 8); 64-byte rows, at c ^ (row / 2 % 4)."""
+    if row_bytes == 128:
+        return row * 128 + ((col // 16) ^ (row % 8)) * 16 + col % 16
+    assert row_bytes == 64
+    return row * 64 + ((col // 16) ^ (row // 2 % 4)) * 16 + col % 16
 
 
-def wavefronts(layout, vec_regs: int) -> int:
+def wavefronts(layout, vec_regs: int, row_bytes: int = 128) -> int:
     """Shared-memory wavefronts of all the warp instructions that store (or load) `layout`'s tile, 1-byte elements,
     each instruction a vector of the first `vec_regs` register bits (2^vec_regs contiguous bytes)."""
     vec = 1 << vec_regs
@@ -46,7 +50,7 @@ def wavefronts(layout, vec_regs: int) -> int:
                 for lane in range(first, first + phase):
                     for lo in range(vec):
                         row, col = _coords(layout, lo | hi << vec_regs, lane, warp)
-                        word = _address(row, col) // 4
+                        word = _address(row, col, row_bytes) // 4
                         words.setdefault(word % 32, set()).add(word)
                 total += max(len(w) for w in words.values())
     return total
@@ -59,24 +63,30 @@ def _pi(key: int) -> int:
 
 def test_permuted_transpose_is_at_the_minimum():
     """At 128×128 the producer's V loads and Vᵀ stores each take 128 wavefronts a tile (16 KB / 128 B), the
-    natural order's 512 + 256 (and 1024 + 256 before the lane order put d 16 first)."""
-    assert gluon._vt_perm(128, 128) and not gluon._vt_perm(128, 64)
+    natural order's 512 + 256 (and 1024 + 256 before the lane order put d 16 first). At 128×64 (64-byte V rows,
+    4-byte Vᵀ stores) 64 each."""
+    assert gluon._vt_perm(128, 128) and gluon._vt_perm(128, 64) and not gluon._vt_perm(64, 128)
     assert wavefronts(gluon._vt_perm_load_layout(128, 128), 4) == 128
     assert wavefronts(gluon._vt_perm_store_layout(128, 128), 3) == 128
     assert wavefronts(gluon._vt_load_layout(128, 128), 4) == 512
     assert wavefronts(gluon._vt_store_layout(128, 128), 3) == 256
+    assert wavefronts(gluon._vt_perm_load_layout(128, 64), 4, row_bytes=64) == 64
+    assert wavefronts(gluon._vt_perm_store_layout(128, 64), 2) == 64
 
 
-def test_permuted_layouts_hold_the_same_elements():
+@pytest.mark.parametrize("d", [128, 64])
+def test_permuted_layouts_hold_the_same_elements(d):
     """The store layout is the load layout relabelled: each thread stores V[key, d] at Vᵀ[d, π(key)], register for
     register, so the convert_layout between them moves no data (the PTX has no shared-memory round trip)."""
-    load, store = gluon._vt_perm_load_layout(128, 128), gluon._vt_perm_store_layout(128, 128)
-    # the store's registers list j's bits first: register r of the store is the load's register perm[r]
-    perm = [4, 5, 6, 0, 1, 2, 3]
-    for warp, lane, reg in itertools.product(range(4), range(32), range(128)):
-        key, d = _coords(load, reg, lane, warp)
+    load, store = gluon._vt_perm_load_layout(128, d), gluon._vt_perm_store_layout(128, d)
+    # the store's registers list the key bits (contiguous j) first, then d's: store register bit k is the load's
+    # register bit perm[k]
+    key_bits = [i for i, b in enumerate(load.reg_bases) if b[0]]
+    perm = key_bits + [i for i, b in enumerate(load.reg_bases) if not b[0]]
+    for warp, lane, reg in itertools.product(range(4), range(32), range(1 << len(perm))):
+        key, dd = _coords(load, reg, lane, warp)
         store_reg = sum(1 << k for k, src in enumerate(perm) if reg >> src & 1)
-        assert _coords(store, store_reg, lane, warp) == [d, _pi(key)]
+        assert _coords(store, store_reg, lane, warp) == [dd, _pi(key)]
 
 
 def test_p_store_layout_is_the_accumulator_permuted():

@@ -282,7 +282,7 @@ def test_gluon_ws_prefill_kernel_builds_for_sm90(name):
         # gluon_p_dbuf, gluon_pv_overlap: the loop's softmax (64 exp2 a thread) sits between the S wait and the
         # P·V wait, so P·V runs under it (without them ptxas puts the P·V wait first: 0 there)
         assert r["ex2_under_pv"] and min(r["ex2_under_pv"]) >= 64, r
-    if dt == "fp8e4nv" and d == tile == 128 and GLUON_WS_BUILDS[name][6:7] != (True,):
+    if dt == "fp8e4nv" and tile == 128 and d in (64, 128) and GLUON_WS_BUILDS[name][6:7] != (True,):
         # the permuted key order (_vt_perm): each consumer stores its 64 x 128 P in 16-byte pieces, 4 a thread, in
         # the prologue and the loop (2 consumers), not 2 bytes at a time
         assert r["b16_stores"] == 0 and r["v4_stores"] >= 2 * 2 * 4, r

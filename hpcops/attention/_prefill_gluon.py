@@ -160,7 +160,7 @@ def _p_operand(p, DT: gl.constexpr, FP8: gl.constexpr):
 
 
 # Vᵀ in the keys' natural order (`_transpose_v`, on one warpgroup: the fp8 kernel's producer; every tile but
-# TILE = D = 128, and the P-in-registers mode). A thread holds 16 contiguous d bytes of 2^r consecutive keys
+# 128 keys at D 64 or 128, and the P-in-registers mode). A thread holds 16 contiguous d bytes of 2^r consecutive keys
 # (r = log2(TILE·D) − 11): one 16-byte load a key, one 2^r-byte store a d. The lanes take d 16, the next 3 key
 # bits and d 32; the warps what is left (at 128×128: the key's 64 and d's 64). Shared memory serves a 16-byte
 # access a quarter-warp (8 lanes) at a time, an 8-byte one a half-warp at a time: under the 128-byte swizzle (a
@@ -199,35 +199,52 @@ def _vt_store_layout(TILE, D):
 
 # A layout cannot serve both sides at the minimum with the keys in their natural order: a quarter-warp of V loads
 # wants 8 distinct (key % 8), a half-warp of Vᵀ stores 16 distinct 8-byte slots of one Vᵀ row, i.e. distinct
-# key / 8, while a thread stores the 8 consecutive keys it loaded. So at TILE = D = 128
+# key / 8, while a thread stores the 8 consecutive keys it loaded. So on tiles of 128 keys at D 128 and 64
 # (`_vt_perm`) P·V runs over a permuted key order j = π(key) inside the tile, key bits (k0 k1 k2 k3 k4 k5 k6) at
 # j bits (3 4 5 0 1 2 6): Σ_key P[m, key] V[key, d] does not depend on the order. A thread loads keys 8 apart
 # (k3–k5 in registers: j contiguous) while a quarter-warp's lanes take k0–k2 (8 distinct swizzle rows): both sides
-# at the minimum: 256 wavefronts a tile (loads and stores, 4 warps) instead of 1280 (a model of the banks; ncu
-# measured 1689 with P's). The consumers store P in the same order j: 16-byte stores (j's bits 0–3 are k3–k5 and
-# k0, all in a thread's registers), 8 times fewer instructions than the 2-byte ones, as many wavefronts.
+# at the minimum: 256 wavefronts a tile (loads and stores, 4 warps) instead of 1280 at D 128, 128 instead of 384
+# at D 64 (a model of the banks, tests/test_prefill_banks.py; ncu measured 1689 with P's at D 128). The
+# consumers store P in the same order j: 16-byte stores (j's bits 0–3 are k3–k5 and k0, all in a thread's
+# registers), 8 times fewer instructions than the 2-byte ones, as many wavefronts.
 @gluon.constexpr_function
 def _vt_perm(TILE, D):
-    """Whether the fp8 transpose runs in the permuted key order (TILE = D = 128, 4 producer warps)."""
-    return TILE == 128 and D == 128
+    """Whether the fp8 transpose runs in the permuted key order (TILE 128, D 64 or 128, 4 producer warps)."""
+    return TILE == 128 and D in (64, 128)
+
+
+@gluon.constexpr_function
+def _vt_perm_bases(D):
+    """[key, d] bases of the permuted transpose's V tile [128, D]. D = 128: registers d0–d3 and k3–k5, lanes
+    k0–k2, k6, d4, warps d5, d6. D = 64 (64-byte rows, the 64-byte swizzle: chunk c of row r at c ^ (r / 2 % 4),
+    so k0–k2 in a quarter-warp still reach 8 bank groups): registers d0–d3, k3, k4 (4-byte Vᵀ stores, a whole
+    warp's 32 words in one Vᵀ row), lanes k0–k2, k5, k6, warps d4, d5."""
+    if D == 128:
+        return ([[0, 1], [0, 2], [0, 4], [0, 8], [8, 0], [16, 0], [32, 0]],
+                [[1, 0], [2, 0], [4, 0], [64, 0], [0, 16]], [[0, 32], [0, 64]])
+    return ([[0, 1], [0, 2], [0, 4], [0, 8], [8, 0], [16, 0]],
+            [[1, 0], [2, 0], [4, 0], [32, 0], [64, 0]], [[0, 16], [0, 32]])
 
 
 @gluon.constexpr_function
 def _vt_perm_load_layout(TILE, D):
-    """V [key, d] at TILE = D = 128: registers d0–d3 and k3–k5, lanes k0–k2, k6, d4, warps d5, d6."""
-    return gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0], [16, 0], [32, 0]],
-        lane_bases=[[1, 0], [2, 0], [4, 0], [64, 0], [0, 16]], warp_bases=[[0, 32], [0, 64]], block_bases=[],
-        shape=[TILE, D])
+    """V [key, d] for the permuted transpose (`_vt_perm_bases`)."""
+    regs, lanes, warps = _vt_perm_bases(D)
+    return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=lanes, warp_bases=warps, block_bases=[],
+                                      shape=[TILE, D])
 
 
 @gluon.constexpr_function
 def _vt_perm_store_layout(TILE, D):
-    """Vᵀ [d, j] in the permuted order: the load layout's threads, j0–j2 (k3–k5) first among the registers."""
-    return gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [0, 4], [1, 0], [2, 0], [4, 0], [8, 0]],
-        lane_bases=[[0, 8], [0, 16], [0, 32], [0, 64], [16, 0]], warp_bases=[[32, 0], [64, 0]], block_bases=[],
-        shape=[D, TILE])
+    """Vᵀ [d, j] in the permuted order: the load layout's threads (each V[key, d] at Vᵀ[d, π(key)]), the
+    registers that hold contiguous j (k3 and up) first."""
+    regs, lanes, warps = _vt_perm_bases(D)
+    # [key, d] -> [d, π(key)], π: key bits (k0 k1 k2 k3 k4 k5 k6) at (3 4 5 0 1 2 6), linear on the bases
+    move = lambda b: [b[1], (b[0] >> 3 & 7) | (b[0] & 7) << 3 | (b[0] & 64)]  # noqa: E731
+    key_regs = [move(b) for b in regs if b[0]]
+    return gl.DistributedLinearLayout(reg_bases=key_regs + [move(b) for b in regs if not b[0]],
+                                      lane_bases=[move(b) for b in lanes], warp_bases=[move(b) for b in warps],
+                                      block_bases=[], shape=[D, TILE])
 
 
 @gluon.constexpr_function
