@@ -102,7 +102,7 @@ for st in "${stages[@]}"; do
       done ;;
     profile:prefill)
       # Nsight Compute on the prefill kernels at h64/8 q8k: the bf16 default (the warp-specialized Gluon kernel) and
-      # the fp8 default (the Gluon kernel in fp8), one launch each: stall reasons, issue, pipes, and shared memory's
+      # the fp8 Gluon kernel (--gluon, opt-in), one launch each: stall reasons, issue, pipes, and shared memory's
       # instructions, wavefronts and bank conflicts (loads, stores) beside the tensor pipe; SourceCounters names the
       # instructions with the most stall samples and excess shared wavefronts
       smem=l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_st.sum
@@ -113,7 +113,7 @@ for st in "${stages[@]}"; do
       # every stall reason (cycles a warp waits, per issued instruction) and every pipe's utilization (MUFU: xu)
       smem=$smem,'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio'
       smem=$smem,'regex:sm__inst_executed_pipe_.*\.avg\.pct_of_peak_sustained_active$'
-      for args in "--q bf16" "--q fp8"; do
+      for args in "--q bf16" "--q fp8 --gluon"; do
         timeout 240 ncu --clock-control none --kernel-name regex:prefill_gluon --launch-skip 1 --launch-count 1 \
           --section LaunchStats --section Occupancy --section SpeedOfLight --section ComputeWorkloadAnalysis \
           --section MemoryWorkloadAnalysis --section SchedulerStats --section WarpStateStats --metrics "$smem" \

@@ -1,8 +1,7 @@
 """Run one prefill scenario eagerly a few times, for Nsight Compute (gpu_check.sh's `profile:prefill` stage:
 ncu --kernel-name regex:prefill_gluon ... python3 scripts/profile_prefill.py): the bench suite's inputs, our default
-(`--q bf16`, bf16 KV: the warp-specialized Gluon kernel on an H200) or an fp8 q over fp8 KV (`--q fp8`: the default,
-on an H200 the warp-specialized Gluon kernel in fp8, the bench's `hpcops-fp8q` row; `--gluon` insists on that
-kernel's fixed config, `GLUON_FP8`)."""
+(`--q bf16`, bf16 KV: the warp-specialized Gluon kernel on an H200) or an fp8 q over fp8 KV (`--q fp8`: the default
+`tl` kernel, or `--gluon` the opt-in fp8 Gluon kernel, the bench's `hpcops-fp8q-gluon` row)."""
 
 from __future__ import annotations
 
@@ -18,8 +17,7 @@ def main() -> int:
     ap.add_argument("--spec", default="q8k", help="a prefill suite batch spec (q8k, 2q1ks4k, ...)")
     ap.add_argument("--heads", default="64/8")
     ap.add_argument("--q", default="bf16", choices=("bf16", "fp8"), help="fp8: an fp8 q over fp8 KV")
-    ap.add_argument("--gluon", action="store_true",
-                    help="with --q fp8: the Gluon fp8 kernel's fixed config (GLUON_FP8), not the heuristic's")
+    ap.add_argument("--gluon", action="store_true", help="with --q fp8: the warp-specialized Gluon kernel in fp8")
     args = ap.parse_args()
     if args.gluon and args.q != "fp8":
         raise SystemExit("--gluon is for --q fp8 (a 16-bit q takes the Gluon kernel by default on an H200)")

@@ -80,19 +80,15 @@ def _request_span(cu_seqlens_q_ptr, seq_lens_ptr, req, m_blk, TOKENS: gl.constex
 
 
 @gluon.jit
-def _softmax_tile(s, m_i, l_i, c, key0, kv_limit, keys, MASKED, ROW_SCALE: gl.constexpr = False,
-                  P_EXP: gl.constexpr = 0):
+def _softmax_tile(s, m_i, l_i, c, key0, kv_limit, keys, MASKED, ROW_SCALE: gl.constexpr = False):
     """One online-softmax step on the raw scores s [BLOCK_M, TILE] (exp2 domain, logit scale c > 0, one for the
     tile or, ROW_SCALE, one a row [BLOCK_M]): (p, α, m, l). MASKED (the tile reaches a row's causal limit): keys
-    past kv_limit [BLOCK_M] are −inf. P_EXP: p and l come scaled by 2^P_EXP, inside exp2's argument (the fp8
-    kernel's e4m3 range: no multiply an element); α and m are not scaled."""
+    past kv_limit [BLOCK_M] are −inf."""
     if MASKED:
         s = gl.where((key0 + keys)[None, :] <= kv_limit[:, None], s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, axis=1) * c)
     m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_ref)
-    if P_EXP != 0:
-        m_ref = m_ref - P_EXP
     if ROW_SCALE:
         p = gl.exp2(s * c[:, None] - m_ref[:, None])
     else:
@@ -114,30 +110,28 @@ def _zero_v_tail(v_buf, tile, seq_len, TILE: gl.constexpr, ld_layout: gl.constex
 
 @gluon.jit
 def _p_operand(p, DT: gl.constexpr, FP8: gl.constexpr):
-    """The probabilities as P·V's A operand: DT (16-bit), or with FP8 e4m3 (p comes as P·256, `_softmax_tile`'s
-    P_EXP = 8: P in [0, 1] scaled into e4m3's normal range; l carries the same 256, so O / l needs no more)."""
+    """The probabilities as P·V's A operand: DT (16-bit), or with FP8 e4m3(P·256) (P in [0, 1] scaled into
+    e4m3's normal range; the epilogue divides the 256 out)."""
     if FP8:
-        return p.to(gl.float8e4nv)
+        return (p * 256.0).to(gl.float8e4nv)
     return p.to(DT)
 
 
-# Vᵀ in the keys' natural order (`_transpose_v`, on one warpgroup: the fp8 kernel's producer; every tile but
-# TILE = D = 128, and the P-in-registers mode). A thread holds 16 contiguous d bytes of 2^r consecutive keys
-# (r = log2(TILE·D) − 11): one 16-byte load a key, one 2^r-byte store a d. The lanes take d 16, the next 3 key
-# bits and d 32; the warps what is left (at 128×128: the key's 64 and d's 64). Shared memory serves a 16-byte
-# access a quarter-warp (8 lanes) at a time, an 8-byte one a half-warp at a time: under the 128-byte swizzle (a
-# row's 16-byte chunk c at chunk c ^ (row % 8)) a quarter-warp of loads spans 2 chunks × 4 keys 2^r apart (one
-# swizzle row), 4 wavefronts where 1 is the minimum; with the key bits first among the lanes it was 8 (H200 ncu
-# at 128×128: 1109 load wavefronts a tile, 897 of them bank conflicts). A blocked layout with 8 d bytes a thread
-# stored Vᵀ a byte at a time (the fp8 kernel ran at a third of the bf16 one's speed). Each base moves one
-# coordinate: a Gluon distributed layout cannot mix them.
+# Vᵀ with few bank conflicts (`_transpose_v`, on one warpgroup: the fp8 kernel's producer). A thread holds 16
+# contiguous d bytes of 2^r consecutive keys (r = log2(TILE·D) − 11): one 16-byte load a key, one 2^r-byte store a
+# d. The lanes take the next 3 key bits and d 16, 32; the warps what is left (at 128×128: the key's 64 and d's 64).
+# At 128×128 under the 128-byte swizzle (a row's 16-byte chunk c at chunk c ^ (row % 8)) both sides cost twice the
+# minimum of shared-memory wavefronts (8 a load, 4 a store: 128 a warp and tile). A blocked layout with 8 d bytes
+# a thread stored Vᵀ a byte at a time, 8 lanes on one bank (1088 wavefronts; the fp8 kernel ran at a third of the
+# bf16 one's speed). Each base moves one coordinate: a Gluon distributed layout cannot mix them (a d ⊕ key lane
+# would reach the minimum).
 @gluon.constexpr_function
 def _vt_bases(TILE, D):
     """[key, d] bases (registers, lanes, warps) of V's [TILE, D] tile on 4 warps, for D 64–256 and TILE·D ≥ 2048."""
     t, dd = TILE.bit_length() - 1, D.bit_length() - 1
     r = t + dd - 11  # key bits in the registers, beside d's 4
     regs = [[0, 1], [0, 2], [0, 4], [0, 8]] + [[1 << i, 0] for i in range(r)]
-    lanes = [[0, 16]] + [[1 << (r + i), 0] for i in range(3)] + [[0, 32]]
+    lanes = [[1 << (r + i), 0] for i in range(3)] + [[0, 16], [0, 32]]
     warps = [[1 << i, 0] for i in range(r + 3, t)] + [[0, 1 << i] for i in range(6, dd)]
     return regs, lanes, warps
 
@@ -159,85 +153,17 @@ def _vt_store_layout(TILE, D):
                                       warp_bases=[[d, k] for k, d in warps], block_bases=[], shape=[D, TILE])
 
 
-# A layout cannot serve both sides at the minimum with the keys in their natural order: a quarter-warp of V loads
-# wants 8 distinct (key % 8), a half-warp of Vᵀ stores 16 distinct 8-byte slots of one Vᵀ row, i.e. distinct
-# key / 8, while a thread stores the 8 consecutive keys it loaded. So at TILE = D = 128
-# (`_vt_perm`) P·V runs over a permuted key order j = π(key) inside the tile, key bits (k0 k1 k2 k3 k4 k5 k6) at
-# j bits (3 4 5 0 1 2 6): Σ_key P[m, key] V[key, d] does not depend on the order. A thread loads keys 8 apart
-# (k3–k5 in registers: j contiguous) while a quarter-warp's lanes take k0–k2 (8 distinct swizzle rows): both sides
-# at the minimum: 256 wavefronts a tile (loads and stores, 4 warps) instead of 1280 (a model of the banks; ncu
-# measured 1689 with P's). The consumers store P in the same order j: 16-byte stores (j's bits 0–3 are k3–k5 and
-# k0, all in a thread's registers), 8 times fewer instructions than the 2-byte ones, as many wavefronts.
-@gluon.constexpr_function
-def _vt_perm(TILE, D):
-    """Whether the fp8 transpose runs in the permuted key order (TILE = D = 128, 4 producer warps)."""
-    return TILE == 128 and D == 128
-
-
-@gluon.constexpr_function
-def _vt_perm_load_layout(TILE, D):
-    """V [key, d] at TILE = D = 128: registers d0–d3 and k3–k5, lanes k0–k2, k6, d4, warps d5, d6."""
-    return gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0], [16, 0], [32, 0]],
-        lane_bases=[[1, 0], [2, 0], [4, 0], [64, 0], [0, 16]], warp_bases=[[0, 32], [0, 64]], block_bases=[],
-        shape=[TILE, D])
-
-
-@gluon.constexpr_function
-def _vt_perm_store_layout(TILE, D):
-    """Vᵀ [d, j] in the permuted order: the load layout's threads, j0–j2 (k3–k5) first among the registers."""
-    return gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [0, 4], [1, 0], [2, 0], [4, 0], [8, 0]],
-        lane_bases=[[0, 8], [0, 16], [0, 32], [0, 64], [16, 0]], warp_bases=[[32, 0], [64, 0]], block_bases=[],
-        shape=[D, TILE])
-
-
-@gluon.constexpr_function
-def _p_perm_store_layout(ROWS, TILE):
-    """P [m, j] of a consumer warpgroup (an m64n128 wgmma accumulator: lanes k1, k2 and rows 1–4, registers k0,
-    row 8, k3–k6; warps rows 16, 32) in the permuted key order, j0–j3 (k3–k5, k0) first: 16-byte stores."""
-    return gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0], [0, 64]],
-        lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]], block_bases=[],
-        shape=[ROWS, TILE])
-
-
 @gluon.jit
-def _permute_keys(x, ROWS: gl.constexpr):
-    """x [ROWS, 128] with its columns in the permuted order j = π(key) (the key bits k0–k2 and k3–k5 swapped): a
-    relabelling of registers, no data moves."""
-    x = gl.reshape(x, [ROWS, 2, 2, 2, 2, 2, 2, 2])  # dims 1..7: k6 k5 k4 k3 k2 k1 k0
-    x = gl.permute(x, (0, 1, 5, 6, 7, 2, 3, 4))  # j's bits from the top: k6 k2 k1 k0 k5 k4 k3
-    return gl.reshape(x, [ROWS, 128])
-
-
-@gluon.jit
-def _transpose_v(v_buf, vt_buf, tile, seq_len, TILE: gl.constexpr, D: gl.constexpr, PERM: gl.constexpr = False):
+def _transpose_v(v_buf, vt_buf, tile, seq_len, TILE: gl.constexpr, D: gl.constexpr):
     """V tile `tile` ([TILE, D], as the cache holds it) into `vt_buf` as Vᵀ [D, TILE], on 4 warps: an fp8 wgmma's B
     operand must be K-major (keys contiguous) for P·V. Rows past seq_len become 0 on the way (see
-    `_zero_v_tail`). PERM (`_vt_perm`): the keys of Vᵀ in the permuted order j = π(key)."""
-    if PERM:
-        ld_layout: gl.constexpr = _vt_perm_load_layout(TILE, D)
-    else:
-        ld_layout: gl.constexpr = _vt_load_layout(TILE, D)
-    v = v_buf.load(ld_layout)
-    key = tile * TILE + gl.arange(0, TILE, layout=gl.SliceLayout(1, ld_layout))
+    `_zero_v_tail`)."""
+    v = v_buf.load(_vt_load_layout(TILE, D))
+    key = tile * TILE + gl.arange(0, TILE, layout=gl.SliceLayout(1, _vt_load_layout(TILE, D)))
     if (tile + 1) * TILE > seq_len:
         v = gl.where((key < seq_len)[:, None], v, gl.zeros_like(v))
-    if PERM:
-        vt_buf.store(gl.convert_layout(_permute_keys(gl.permute(v, (1, 0)), D), _vt_perm_store_layout(TILE, D)))
-    else:
-        vt_buf.store(gl.convert_layout(gl.permute(v, (1, 0)), _vt_store_layout(TILE, D)))
+    vt_buf.store(gl.convert_layout(gl.permute(v, (1, 0)), _vt_store_layout(TILE, D)))
     fence_async_shared()
-
-
-@gluon.jit
-def _store_p(p_buf, p8, ROWS: gl.constexpr, PERM: gl.constexpr):
-    """A consumer's e4m3 P into `p_buf`, PERM in the permuted key order of the producer's Vᵀ."""
-    if PERM:
-        p_buf.store(gl.convert_layout(_permute_keys(p8, ROWS), _p_perm_store_layout(ROWS, 128)))
-    else:
-        p_buf.store(p8)
 
 
 @gluon.jit
@@ -258,15 +184,12 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
     O += P8·V8 is an fp8 wgmma over Vᵀ from `vt_buf` [2, D, TILE], which the producer warpgroup fills
     (`_ws_producer_fp8`: tile j in buffer j % 2, announced on `vt_full`, given back on `vt_empty` by both
     consumers once their P·V_j is done). A consumer releases a K/V buffer (`empty`) as soon as its S is done: the
-    producer has read V by then. The epilogue multiplies by v_scale / l (P and l both carry the 256, which the
-    softmax puts in exp2's argument; the `tl` kernel's `pv_fp8` numerics: e4m3 probabilities, ~2 % RMS error on
-    random data). FP8 == 2 (`PrefillConfig.gluon_p_regs`): P stays in
+    producer has read V by then. The epilogue multiplies by v_scale / 256 (the `tl` kernel's `pv_fp8` numerics:
+    e4m3 probabilities, ~2 % RMS error on random data). FP8 == 2 (`PrefillConfig.gluon_p_regs`): P stays in
     registers as P·V's A operand and P·V runs synchronously after the next S is issued (an 8-bit register operand
     cannot wait in `warpgroup_mma_wait`'s deps in Triton 3.6): no P round trip through shared memory, but P·V no
     longer runs under this warpgroup's own softmax, only under the other's."""
     P_REGS: gl.constexpr = FP8 == 2
-    P_EXP: gl.constexpr = 8 if FP8 else 0  # fp8: P as e4m3(P·256)
-    VT_PERM: gl.constexpr = FP8 == 1 and _vt_perm(TILE, D)  # P and Vᵀ in the permuted key order
     gl.static_assert(WS or not FP8, "the fp8 loop runs on the warp-specialized kernel only")
     DT: gl.constexpr = k_desc.dtype
     KV_BYTES: gl.constexpr = 2 * TILE * D * DT.primitive_bitwidth // 8
@@ -300,7 +223,7 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
                      mask=tok_s < q_len, other=0.0)
         # one logit scale a row; > 0 so that −inf · c never makes a NaN (a zero q scale only zeroes the logits)
         c = gl.maximum(qs * (gl.load(k_scale_ptr) * c), 1e-30)
-        out_scale = gl.load(v_scale_ptr)  # P and l both carry 2^P_EXP: it cancels in O / l
+        out_scale = gl.load(v_scale_ptr) * (1.0 / 256.0)
     full_end = (ctx_len + first_tok + ROW0 // G + 1) // TILE  # tiles all these rows see entirely: no mask
     m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=rows_s)
     l_i = gl.zeros([ROWS], gl.float32, layout=rows_s)
@@ -310,12 +233,12 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
     mbarrier.wait(full.index(0), 0)
     s = warpgroup_mma(q_buf, k_smem.index(0).permute((1, 0)), gl.zeros([ROWS, TILE], gl.float32, layout=s_layout),
                       use_acc=False)
-    p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, c, 0, kv_limit, keys, full_end == 0, FP8, P_EXP)
+    p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, c, 0, kv_limit, keys, full_end == 0, FP8)
     if P_REGS:
         p = gl.convert_layout(_p_operand(p, DT, True), p_layout)
         mbarrier.arrive(empty.index(0), count=1)  # K_0 is read (and the producer transposes V_0 itself)
     elif FP8:  # P·V's A operand from shared memory (an 8-bit register operand cannot be kept alive across the wait)
-        _store_p(p_buf, _p_operand(p, DT, True), ROWS, VT_PERM)
+        p_buf.store(_p_operand(p, DT, True))
         fence_async_shared()
         mbarrier.arrive(empty.index(0), count=1)
     else:
@@ -343,7 +266,7 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
             mbarrier.arrive(turn.index(1 - WG), count=1)
         s = warpgroup_mma_wait(1, deps=[s_tok])  # S_{j+1} done, P_j·V_j may still run
         p_next, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, c, (j + 1) * TILE, kv_limit, keys, j + 1 >= full_end,
-                                                FP8, P_EXP)
+                                                FP8)
         if P_REGS:
             mbarrier.arrive(empty.index(nxt), count=1)  # K_{j+1} is read
             mbarrier.arrive(vt_empty.index(j % 2), count=1)  # P_j·V_j is done
@@ -353,7 +276,7 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
             p8 = _p_operand(p_next, DT, True)
             o = warpgroup_mma_wait(0, deps=[o_tok])
             mbarrier.arrive(vt_empty.index(j % 2), count=1)  # P_j·V_j is done with Vᵀ_j and with p_buf
-            _store_p(p_buf, p8, ROWS, VT_PERM)
+            p_buf.store(p8)
             fence_async_shared()
         else:
             p_next = gl.convert_layout(_p_operand(p_next, DT, False), p_layout)
@@ -478,7 +401,7 @@ def _ws_producer_fp8(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr,
                             k_col, v_col, prev, True, PAGE, TILE, KV_BYTES)
         mbarrier.wait(full.index(slot), (j // STAGES) & 1)
         mbarrier.wait(vt_empty.index(j % 2), ((j // 2) & 1) ^ 1)  # P·V_{j-2} is done in both consumers
-        _transpose_v(v_smem.index(slot), vt_smem.index(j % 2), j, seq_len, TILE, D, FP8 == 1 and _vt_perm(TILE, D))
+        _transpose_v(v_smem.index(slot), vt_smem.index(j % 2), j, seq_len, TILE, D)
         gl.thread_barrier()  # all 4 warps' Vᵀ stores (each fenced for the async proxy) before the arrivals
         mbarrier.arrive(vt_full.index(j % 2), count=1)
         mbarrier.arrive(empty.index(slot), count=1)

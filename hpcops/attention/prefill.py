@@ -52,11 +52,10 @@ class PrefillConfig:
     `True` insists (ValueError with the reason), `False` never uses it, `None` uses it where it can run.
     `gluon_ws` (with `gluon`, block_m 128 on 8 warps): the warp-specialized Gluon kernel, FA3's layout: a TMA
     producer warp and two consumer warpgroups of 64 q rows that take turns at the tensor cores. It also takes an
-    fp8 q over fp8 KV (the heuristic's choice there on an H200; `gluon=False` keeps the tl kernel, whose P·V is
-    16-bit), both GEMMs in fp8 with e4m3(P·256) probabilities (as `pv_fp8`). `gluon_p_regs` (that fp8 kernel
-    only): P stays in registers as P·V's A operand and P·V runs synchronously, instead of P through shared memory
-    with P·V under the warpgroup's own softmax (the two are timed side by side: the bench's `hpcops-fp8q` and
-    `hpcops-fp8q-gluon-preg` rows).
+    fp8 q over fp8 KV (opt-in: not the heuristic's choice until measured), both GEMMs in fp8 with e4m3(P·256)
+    probabilities (as `pv_fp8`). `gluon_p_regs` (that fp8 kernel only): P stays in registers as P·V's A
+    operand and P·V runs synchronously, instead of P through shared memory with P·V under the warpgroup's own
+    softmax (the two are timed side by side: the bench's `hpcops-fp8q-gluon*` rows).
     `tma`, `pv_fp8`, `quant_q` and `fma_scale` are the `tl` kernel's (the Gluon kernel always reads by TMA and
     scales inside exp2).
     """
@@ -101,14 +100,13 @@ def prefill_config(
     64×64 tiles on one warpgroup, an fp8 q over fp8 KV 128×128 tiles on two, both in tile-major order;
     smaller M tiles for short queries. `gluon` (True or None, `PrefillConfig.gluon`): the Gluon kernel's tiles
     (`gluon_config`, which also reads `num_kv_heads` and `total_q`) where it takes this dtype pair, a 16-bit q
-    over KV of its dtype or an fp8 q over fp8 KV; None keeps the tl tiles where `gluon_config` finds the tl
-    kernel faster."""
-    fp8 = kv_dtype == FP8_E4M3 and q_dtype == FP8_E4M3
-    if gluon is not False and (fp8 or (q_dtype in HALF_DTYPES and kv_dtype == q_dtype)):
+    over KV of its dtype; None keeps the tl tiles where `gluon_config` finds the tl kernel faster."""
+    if gluon is not False and q_dtype in HALF_DTYPES and kv_dtype == q_dtype:
         cfg = gluon_config(head_dim=head_dim, group=group, max_seqlen_q=max_seqlen_q, num_kv_heads=num_kv_heads,
-                           total_q=total_q, gluon=gluon, fp8=fp8)
+                           total_q=total_q, gluon=gluon)
         if cfg is not None:
             return cfg
+    fp8 = kv_dtype == FP8_E4M3 and q_dtype == FP8_E4M3
     heads_inner = False
     if head_dim <= 64:
         block_m, block_n, warps, stages = 128, 64, 8, 3
@@ -155,25 +153,15 @@ def gluon_smem_bytes(block_m: int, block_n: int, stages: int, head_dim: int, ele
 
 
 def gluon_config(*, head_dim: int, group: int, max_seqlen_q: int, num_kv_heads: int | None = None,
-                 total_q: int | None = None, gluon: bool | None = True, fp8: bool = False) -> PrefillConfig | None:
+                 total_q: int | None = None, gluon: bool | None = True) -> PrefillConfig | None:
     """The Gluon kernel's tiles (`PrefillConfig.gluon`), from the H200 sweep (`bench/results/prefill-gluon_tune.md`):
     the warp-specialized kernel on 128-row q tiles, 128-key tiles up to head_dim 128 (64 above) and three K/V buffers
     where they fit in shared memory (two at head_dim 256); 64-row tiles on one warpgroup (not specialized) where
     fewer than GLUON_FEW_TILES 128-row tiles would leave SMs idle (h8/1 q512 and q1ks2k, 32 and 64 tiles: 1.3-1.8x;
     at 128 tiles, h8/1 q2k and 2q1ks4k, the warp-specialized tile is level or faster). `gluon=None`
     (the automatic choice) returns None where the tl kernel is the faster one: q_len·G under 64 rows (the tl tile
-    shrinks to 16 rows), or a longest query of at most GLUON_MIN_Q tokens with many tiles.
-    `fp8` (an fp8 q over fp8 KV): the warp-specialized kernel in fp8 on 128×128 tiles and three K/V buffers for
-    every query of 64 rows and more (faster than the tl fp8-q kernel at every case of the prefill suite, h8/1 q512's
-    32 tiles included: 0.68-0.96x its time, bench/results/prefill.md), None below."""
+    shrinks to 16 rows), or a longest query of at most GLUON_MIN_Q tokens with many tiles."""
     rows = group * max(int(max_seqlen_q), 1)
-    if fp8:
-        if gluon is None and rows < 64:
-            return None
-        block_n = 128 if head_dim <= 128 else 64
-        stages = 3 if gluon_smem_bytes(128, block_n, 3, head_dim, 1, True) <= GLUON_SMEM_BYTES else 2
-        return PrefillConfig(block_m=128, block_n=block_n, num_warps=8, num_stages=stages, heads_inner=True,
-                             gluon=gluon, gluon_ws=True)
     tiles = None
     if num_kv_heads is not None and total_q is not None:
         tiles = num_kv_heads * triton.cdiv(max(int(total_q), 1) * group, 128)
@@ -508,10 +496,6 @@ def prefill_attention(
     scale: softmax scale, default 1/sqrt(D). out: [total_q, Hq, D] in q's dtype (bf16 for fp8 q).
     check: validate metadata values (a device sync on the GPU; default: env HPCOPS_CHECK=1; always on
     CPU tensors). config: override the launch heuristic.
-    Accuracy of an fp8 q over fp8 KV: on an H200 the heuristic runs both GEMMs in fp8 (the warp-specialized
-    Gluon kernel), the probabilities rounded to e4m3(P·256), ~2^-5 relative error a weight (the GPU tier's
-    bound against the fp32 reference: max 6e-2, rms 3e-2); `config=prefill_config(..., gluon=False)` keeps
-    the tl kernel with a bf16 P·V (1.5x slower at h64/8 q8k on the H200).
     Returns `out`.
     """
     out_dtype = _validate(
