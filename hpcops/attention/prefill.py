@@ -157,13 +157,14 @@ GLUON_MIN_Q = 512  # up to this q_len with many tiles the heuristic keeps the tl
 
 
 def gluon_smem_bytes(block_m: int, block_n: int, stages: int, head_dim: int, elem_bytes: int = 2,
-                     fp8: bool = False, p_bufs: int = 1) -> int:
+                     fp8: bool = False, p_bufs: int = 1, row_sums: bool = False) -> int:
     """Shared memory of a Gluon prefill program: its q tile and `stages` K/V buffer pairs; `fp8` (the
     warp-specialized kernel over fp8 q and KV, 1-byte elements) adds the two Vᵀ [D, block_n] buffers and each
-    consumer's `p_bufs` e4m3 P [64, block_n] (2 with `gluon_p_dbuf`)."""
+    consumer's `p_bufs` e4m3 P [64, block_n] (2 with `gluon_p_dbuf`); `row_sums` (`gluon_pv_overlap`) the two
+    consumers' [64] fp32 scratch."""
     if fp8:
         return (block_m + 2 * stages * block_n) * head_dim + 2 * (head_dim + 64 * p_bufs) * block_n
-    return (block_m + 2 * stages * block_n) * head_dim * elem_bytes
+    return (block_m + 2 * stages * block_n) * head_dim * elem_bytes + (2 * 64 * 4 if row_sums else 0)
 
 
 def gluon_config(*, head_dim: int, group: int, max_seqlen_q: int, num_kv_heads: int | None = None,
@@ -346,8 +347,8 @@ def gluon_unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         return f"block_n {bn} / num_stages {config.num_stages} (at most 256 keys a tile, two buffers at least)"
     if page < bn and (page < 8 or bn % page):
         return f"block_size {page} (pages under block_n {bn} must divide it, 8 tokens at least)"
-    smem = gluon_smem_bytes(bm, bn, config.num_stages, d, q.element_size(), fp8, 2 if config.gluon_p_dbuf else 1)
-    smem += 512 if config.gluon_pv_overlap else 0  # two consumers' [64] fp32 row sums
+    smem = gluon_smem_bytes(bm, bn, config.num_stages, d, q.element_size(), fp8, 2 if config.gluon_p_dbuf else 1,
+                            config.gluon_pv_overlap)
     what = f"q and {config.num_stages} K/V buffers" + (", two Vᵀ buffers and each consumer's P" if fp8 else "")
     if smem > GLUON_SMEM_BYTES:
         return f"{smem} bytes of shared memory for {what} (at most {GLUON_SMEM_BYTES})"

@@ -123,9 +123,8 @@ def _make_inputs(s: Scenario, layer: int, device: str = "cuda") -> dict[str, Any
 GLUON_FP8 = {"gluon": True, "gluon_ws": True, "block_m": 128, "num_warps": 8, "block_n": 128, "num_stages": 3,
              "heads_inner": True}
 
-# the bf16 warp-specialized Gluon kernel's tile (the default's at q2k-q8k) with gluon_pv_overlap
-GLUON_BF16_PVO = {"gluon": True, "gluon_ws": True, "block_m": 128, "num_warps": 8, "block_n": 128, "num_stages": 3,
-                  "heads_inner": True, "gluon_pv_overlap": True}
+# the bf16 warp-specialized Gluon kernel with gluon_pv_overlap, on the same tile (the bf16 default's at q2k-q8k)
+GLUON_BF16_PVO = {**GLUON_FP8, "gluon_pv_overlap": True}
 
 BOOL_FIELDS = ("pv_fp8", "quant_q", "fma_scale", "heads_inner", "gluon", "gluon_ws", "gluon_p_regs", "gluon_tree",
                "gluon_p_dbuf", "gluon_pv_overlap")

@@ -135,17 +135,16 @@ class PrefillGluonTune(PrefillTune):
     def valid(self, c: PrefillCase, cand: Candidate) -> bool:
         from hpcops.attention.prefill import GLUON_SMEM_BYTES, gluon_smem_bytes
 
+        regs, dbuf, pvo = cand["gluon_p_regs"], cand["gluon_p_dbuf"], cand["gluon_pv_overlap"]
         smem = gluon_smem_bytes(cand["block_m"], cand["block_n"], cand["num_stages"], suite.HEAD_DIM,
-                                1 if c.fp8_q else 2, c.fp8_q, 2 if cand["gluon_p_dbuf"] else 1)
+                                1 if c.fp8_q else 2, c.fp8_q, 2 if dbuf else 1, pvo)
         ws_ok = not cand["gluon_ws"] or cand["block_m"] == 128  # two consumer warpgroups of 64 rows
         # fp8: the specialized kernel only, P in registers or in one or two shared buffers; 16-bit: neither P knob,
         # and gluon_pv_overlap on the specialized kernel only
-        regs, dbuf, pvo = cand["gluon_p_regs"], cand["gluon_p_dbuf"], cand["gluon_pv_overlap"]
         if c.fp8_q:
             fp8_ok = cand["gluon_ws"] and not (regs and dbuf or pvo)
         else:
             fp8_ok = not (regs or dbuf) and (cand["gluon_ws"] or not pvo)
-        smem += 512 if pvo else 0
         return smem <= GLUON_SMEM_BYTES and cand["block_m"] >= c.s.hq // c.s.hkv and ws_ok and fp8_ok
 
 
