@@ -119,7 +119,15 @@ for st in "${stages[@]}"; do
           --section MemoryWorkloadAnalysis --section SchedulerStats --section WarpStateStats --metrics "$smem" \
           --section SourceCounters python3 scripts/profile_prefill.py $args 2>&1 \
           | tee -a "$OUT/results/ncu_prefill.txt" | tail -60
-      done ;;
+      done
+      # NCU_SASS=1: the fp8 kernel's SASS with each instruction's executed count and stall samples (the source
+      # page as CSV): which instructions the warps wait at
+      if [ "${NCU_SASS:-0}" = 1 ]; then
+        timeout 240 ncu --clock-control none --kernel-name regex:prefill_gluon --launch-skip 1 --launch-count 1 \
+          --section SourceCounters --section WarpStateStats --page source --print-source sass --csv \
+          python3 scripts/profile_prefill.py --q fp8 > "$OUT/results/ncu_prefill_sass.csv" 2>&1
+        tail -3 "$OUT/results/ncu_prefill_sass.csv"
+      fi ;;
     profile:decode-kernels)
       # per-kernel device time of a decode step (plan, attention, combine) per DecodeConfig variant:
       # results/profile_decode_kernels.txt (PROFILE_ARGS: --only, --variants; scripts/profile_decode_kernels.py)
