@@ -257,3 +257,13 @@ def test_gluon_decode_kernel_builds_for_sm90(name):
     boxes = max(1, 64 // page)  # TMA boxes a tile, for K and for V
     assert r["wgmma"] == k_steps + pv and r["tma_loads"] == 2 * stages * boxes, r
     assert r["shared"] <= 160 * 1024, r
+
+
+def test_gluon_decode_d256_fits_two_programs_an_sm():
+    """plan_programs_per_sm's premise at head_dim 256: the fp8 Gluon kernel with the tail merge (3 buffers) fits 2
+    programs an SM, not 3 (registers of 4 warps, or shared memory)."""
+    pytest.importorskip("triton.backends.nvidia")
+    r = sm90_build_in_subprocess(GLUON_BUILD, ("fp8", "fp8", 256, 8, 1, 8, 3, 64, [8, 4]))
+    regs, smem = r["registers"] * 128, r["shared"]
+    assert 2 * regs <= 65536 and 2 * smem <= 227 * 1024, r
+    assert 3 * regs > 65536 or 3 * smem > 227 * 1024, r

@@ -222,7 +222,8 @@ def test_plan_programs_per_sm_follow_the_kernels_registers():
 
     fp8, bf16 = torch.float8_e4m3fn, torch.bfloat16
     hints = dict(num_q_heads=8, head_dim=256, kv_dtype=bf16)
-    assert dec.plan_programs_per_sm("gluon", 1, 1, **hints) == GLUON_PROGRAMS_PER_SM
+    assert dec.plan_programs_per_sm("gluon", 1, 1, **{**hints, "head_dim": 128}) == GLUON_PROGRAMS_PER_SM
+    assert dec.plan_programs_per_sm("gluon", 1, 1, **hints) == 2  # head_dim 256: 180 registers, 99 KB shared
     assert dec.plan_programs_per_sm("tl", 1, 1, **hints) == 1
     assert dec.plan_programs_per_sm("tl", 1, 1, **{**hints, "kv_dtype": fp8}) == 1  # the MMA tile over fp8 KV
     assert dec.plan_programs_per_sm("tl", 8, 1, **hints) == 1  # one q row a kv head over bf16 KV: the MMA tile
