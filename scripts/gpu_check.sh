@@ -83,8 +83,9 @@ for st in "${stages[@]}"; do
       IFS=, read -ra suites <<< "${st#bench:}"
       # BENCH_TIMEOUT (seconds a suite, default none): a hanging kernel ends its suite, not the whole device call
       # (the reports are rewritten after every case, so what was measured stays)
+      eval "bargs=(${BENCH_ARGS:-})"  # shell quoting kept: --only 'd256 p64 bf16,d256 p32 bf16'
       for s in "${suites[@]}"; do
-        timeout "${BENCH_TIMEOUT:-0}" python3 -m hpcops bench "$s" --out "$OUT/results" --no-progress ${BENCH_ARGS:-} 2>&1 \
+        timeout "${BENCH_TIMEOUT:-0}" python3 -m hpcops bench "$s" --out "$OUT/results" --no-progress "${bargs[@]}" 2>&1 \
           | tee -a "$OUT/bench.log" | grep -v '^\[' | tail -60 || status=1
       done ;;
     ep2)
