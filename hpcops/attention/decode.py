@@ -387,8 +387,8 @@ def plan_programs_per_sm(kernel: str, num_kv_heads: int, q_len: int, *, num_q_he
     """Persistent programs an SM for a new plan (`plan_decode`'s hints; None: `DEFAULT_PROGRAMS_PER_SM`).
 
     The Gluon kernel: `GLUON_PROGRAMS_PER_SM`, 2 at head_dim 256, where a program takes 180 registers a thread and
-    99 KB of shared memory (sm_90 ptxas; the H200 grid at 94c7162 timed the d256 fp8 Gluon kernel at 49.1 µs on a
-    plan of 2 an SM against 61.2 on one of 3 at 32x8K h8/1, 61.6 against 70.8 at logmix32). The `tl` kernel's MMA
+    99 KB of shared memory (sm_90 ptxas; H200 grid, fp8 q d256: 32x8K h8/1 61.2 µs on plans of 3 an SM, 49.9 on
+    plans of 2; logmix32 h8/1 70.8 → 55.5). The `tl` kernel's MMA
     tile above head_dim 128 runs on 8 warps with 172 (bf16 KV) to 190 (fp8 KV) registers a thread
     (tests/test_decode_compile.py): one program fills more than half of an SM's 64 K registers, so a plan of 2 an
     SM would run as two waves, the long requests' splits in the second: 1 there (the H200 grid tune,
