@@ -31,6 +31,11 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   fi
 fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || true
+# Nsight Compute on one launch (the second) of the kernels matching regex $1; the rest are ncu's options and the command
+ncu_one() {
+  local k=$1; shift
+  timeout 240 ncu --clock-control none --kernel-name "regex:$k" --launch-skip 1 --launch-count 1 "$@"
+}
 stages=("$@")
 [ ${#stages[@]} -gt 0 ] || stages=(tests bench:decode,moe,rope,prefill)
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
@@ -71,7 +76,7 @@ for st in "${stages[@]}"; do
           && echo "tune_$s: ok" | tee -a "$sm/smoke.log" || { echo "tune_$s: FAILED" | tee -a "$sm/smoke.log"; status=1; }
       done
       echo "== profile_decode.py under ncu" | tee -a "$sm/smoke.log"
-      timeout 240 ncu --clock-control none --kernel-name regex:decode_persistent --launch-skip 1 --launch-count 1 \
+      ncu_one decode_persistent \
         --section LaunchStats --section SpeedOfLight python3 scripts/profile_decode.py --spec 8x4K > "$sm/ncu_smoke.txt" 2>&1 \
         && grep -q "decode_persistent" "$sm/ncu_smoke.txt" && echo "profile_decode: ok" | tee -a "$sm/smoke.log" \
         || { echo "profile_decode: FAILED" | tee -a "$sm/smoke.log"; tail -20 "$sm/ncu_smoke.txt"; status=1; }
@@ -96,7 +101,7 @@ for st in "${stages[@]}"; do
     profile:decode)
       # Nsight Compute on the persistent decode kernel: stall reasons, memory throughput, occupancy.
       for args in "--spec 64x4K --kv fp8" "--spec 64x4K --kv bf16"; do
-        timeout 240 ncu --clock-control none --kernel-name regex:decode_persistent --launch-skip 1 --launch-count 1 \
+        ncu_one decode_persistent \
           --section LaunchStats --section Occupancy --section SpeedOfLight --section MemoryWorkloadAnalysis \
           --section SchedulerStats --section WarpStateStats \
           python3 scripts/profile_decode.py $args 2>&1 | tee -a "$OUT/results/ncu_decode.txt" | tail -60
@@ -115,7 +120,7 @@ for st in "${stages[@]}"; do
       smem=$smem,'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio'
       smem=$smem,'regex:sm__inst_executed_pipe_.*\.avg\.pct_of_peak_sustained_active$'
       for args in "--q bf16" "--q fp8"; do
-        timeout 240 ncu --clock-control none --kernel-name regex:prefill_gluon --launch-skip 1 --launch-count 1 \
+        ncu_one prefill_gluon \
           --section LaunchStats --section Occupancy --section SpeedOfLight --section ComputeWorkloadAnalysis \
           --section MemoryWorkloadAnalysis --section SchedulerStats --section WarpStateStats --metrics "$smem" \
           --section SourceCounters python3 scripts/profile_prefill.py $args 2>&1 \
@@ -124,7 +129,7 @@ for st in "${stages[@]}"; do
       # NCU_SASS=1: the fp8 kernel's SASS with each instruction's executed count and stall samples (the source
       # page as CSV): which instructions the warps wait at
       if [ "${NCU_SASS:-0}" = 1 ]; then
-        timeout 240 ncu --clock-control none --kernel-name regex:prefill_gluon --launch-skip 1 --launch-count 1 \
+        ncu_one prefill_gluon \
           --section SourceCounters --section WarpStateStats --page source --print-source sass --csv \
           python3 scripts/profile_prefill.py --q fp8 > "$OUT/results/ncu_prefill_sass.csv" 2>&1
         tail -3 "$OUT/results/ncu_prefill_sass.csv"
