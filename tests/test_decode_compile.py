@@ -92,6 +92,9 @@ VARIANTS = {
     "persistent-fp8kv-tma": _attn(kv="fp8e4nv", tma=True),
     "persistent-fp16-page16-d96": _attn(q="fp16", kv="fp16", d=96, bs=16),
     "static-bf16-d256": _attn("decode_static_kernel", d=256, g=2, bs=256, SPLITS=4),
+    # head_dim 256's MMA tile on 8 warps: plan_programs_per_sm plans 1 program an SM for it
+    "persistent-bf16-d256": _attn(d=256),
+    "persistent-fp8kv-d256": _attn(kv="fp8e4nv", d=256),
     "persistent-bf16-pdl": _attn(USE_PDL=True),
     "persistent-fp8kv-1warp-s2": _attn(kv="fp8e4nv", warps=1, stages=2),
     "persistent-bf16-2warps": _attn(warps=2),
@@ -184,6 +187,8 @@ def test_compiles_for_sm90():
             assert (r["tma"] if "tma" in name else r["cp_async"]) > 0, f"{name}: KV loop not pipelined: {r}"
         if VARIANTS[name].get("maxnreg"):
             assert r["regs"] <= VARIANTS[name]["maxnreg"], f"{name}: {r['regs']} registers over the cap"
+        if name.startswith("persistent") and name.endswith("-d256"):  # plan_programs_per_sm's premise
+            assert r["regs"] * 8 * 32 > 65536 // 2, f"{name}: two programs of 8 warps fit an SM now: {r}"
         if name in LEAN_MAX_REGS:
             assert 0 < r["regs"] <= LEAN_MAX_REGS[name], f"{name}: {r['regs']} registers > {LEAN_MAX_REGS[name]}"
 
@@ -252,3 +257,13 @@ def test_gluon_decode_kernel_builds_for_sm90(name):
     boxes = max(1, 64 // page)  # TMA boxes a tile, for K and for V
     assert r["wgmma"] == k_steps + pv and r["tma_loads"] == 2 * stages * boxes, r
     assert r["shared"] <= 160 * 1024, r
+
+
+def test_gluon_decode_d256_fits_two_programs_an_sm():
+    """plan_programs_per_sm's premise at head_dim 256: the fp8 Gluon kernel with the tail merge (3 buffers) fits 2
+    programs an SM, not 3 (registers of 4 warps, or shared memory)."""
+    pytest.importorskip("triton.backends.nvidia")
+    r = sm90_build_in_subprocess(GLUON_BUILD, ("fp8", "fp8", 256, 8, 1, 8, 3, 64, [8, 4]))
+    regs, smem = r["registers"] * 128, r["shared"]
+    assert 2 * regs <= 65536 and 2 * smem <= 227 * 1024, r
+    assert 3 * regs > 65536 or 3 * smem > 227 * 1024, r

@@ -212,6 +212,34 @@ def test_plan_kernel_takes_gluon_only_where_it_applies(monkeypatch):
             assert dec.plan_kernel(1, 1, 64, "cuda", **hints) == "tl", f"gluon={forced}: the plan is not built for it"
 
 
+def test_plan_programs_per_sm_follow_the_kernels_registers():
+    """Programs an SM a plan is built for: the Gluon kernel's 3; one for the tl kernel's MMA tile above head_dim
+    128 (8 warps of 172-190 registers: two programs do not fit an SM's registers); the default (None: 2) for the
+    row path, at head_dim <= 128, without hints, or with num_warps forced below 8."""
+    from hpcops._platform import num_sms
+    from hpcops.attention import decode as dec
+    from hpcops.attention.plan import GLUON_PROGRAMS_PER_SM
+
+    fp8, bf16 = torch.float8_e4m3fn, torch.bfloat16
+    hints = dict(num_q_heads=8, head_dim=256, kv_dtype=bf16)
+    assert dec.plan_programs_per_sm("gluon", 1, 1, **{**hints, "head_dim": 128}) == GLUON_PROGRAMS_PER_SM
+    assert dec.plan_programs_per_sm("gluon", 1, 1, **hints) == 2  # head_dim 256: 180 registers, 99 KB shared
+    assert dec.plan_programs_per_sm("tl", 1, 1, **hints) == 1
+    assert dec.plan_programs_per_sm("tl", 1, 1, **{**hints, "kv_dtype": fp8}) == 1  # the MMA tile over fp8 KV
+    assert dec.plan_programs_per_sm("tl", 8, 1, **hints) == 1  # one q row a kv head over bf16 KV: the MMA tile
+    assert dec.plan_programs_per_sm("tl", 8, 1, **{**hints, "kv_dtype": fp8}) is None  # the row path
+    assert dec.plan_programs_per_sm("tl", 1, 1, **{**hints, "head_dim": 128}) is None
+    assert dec.plan_programs_per_sm("tl", 1, 1, **{**hints, "head_dim": None}) is None
+    with _with_config(dict(num_warps=4)):
+        assert dec.plan_programs_per_sm("tl", 1, 1, **hints) is None
+    with _with_config(dict(row_path=True)):
+        assert dec.plan_programs_per_sm("tl", 8, 1, **hints) is None
+    seq_lens = torch.tensor([3000, 70], dtype=torch.int32)
+    for kw, per_sm in ((hints, 1), ({**hints, "head_dim": 128}, 2)):
+        plan = ref.plan_decode(seq_lens, num_kv_heads=1, block_size=64, q_dtype=bf16, **kw)
+        assert plan.num_programs == per_sm * num_sms("cpu"), kw
+
+
 def test_plan_with_hints_off_hopper_is_the_tl_plan(device):
     """Off an H200 (here: the CPU tier) the hints change nothing: the tl plan, 2 programs an SM, no pair table;
     the reference planner, given the same device's lengths, makes the same choice (on an H200: both the Gluon

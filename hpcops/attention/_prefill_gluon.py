@@ -287,12 +287,14 @@ def _transpose_v(v_buf, vt_buf, tile, seq_len, TILE: gl.constexpr, D: gl.constex
 
 
 @gluon.jit
-def _store_p(p_buf, p8, ROWS: gl.constexpr, PERM: gl.constexpr):
-    """A consumer's e4m3 P into `p_buf`, PERM in the permuted key order of the producer's Vᵀ."""
+def _p_e4m3(p, ROWS: gl.constexpr, PERM: gl.constexpr):
+    """A consumer's P·256 (fp32, the accumulator's layout) as the e4m3 tile its `p_buf` takes, PERM in the permuted
+    key order of the producer's Vᵀ (`_p_perm_store_layout`). The order is moved while P is fp32, where it is a
+    renaming of whole registers, and cast after: each F2FP packs two keys that share a 16-bit half of a stored
+    word. Cast first, the same move shuffled bytes (sm_90 SASS: 64 PRMT, 56 LOP3 and 24 SHF a warp and tile)."""
     if PERM:
-        p_buf.store(gl.convert_layout(_permute_keys(p8, ROWS), _p_perm_store_layout(ROWS, 128)))
-    else:
-        p_buf.store(p8)
+        p = gl.convert_layout(_permute_keys(p, ROWS), _p_perm_store_layout(ROWS, 128))
+    return p.to(gl.float8e4nv)
 
 
 @gluon.jit
@@ -381,7 +383,7 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
         p = gl.convert_layout(_p_operand(p, DT, True), p_layout)
         mbarrier.arrive(empty.index(0), count=1)  # K_0 is read (and the producer transposes V_0 itself)
     elif FP8:  # P·V's A operand from shared memory (an 8-bit register operand cannot be kept alive across the wait)
-        _store_p(p_buf.index(2 * WG) if P_DBUF else p_buf, _p_operand(p, DT, True), ROWS, VT_PERM)
+        (p_buf.index(2 * WG) if P_DBUF else p_buf).store(_p_e4m3(p, ROWS, VT_PERM))
         fence_async_shared()
         mbarrier.arrive(empty.index(0), count=1)
     else:
@@ -418,16 +420,16 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
             p = gl.convert_layout(_p_operand(p_next, DT, True), p_layout)
         elif P_DBUF:  # P_{j+1} into the buffer P_{j-1}·V_{j-1} read (waited for a step ago), then P_j·V_j
             mbarrier.arrive(empty.index(nxt), count=1)  # K_{j+1} is read
-            _store_p(p_buf.index(2 * WG + (j + 1) % 2), _p_operand(p_next, DT, True), ROWS, VT_PERM)
+            p_buf.index(2 * WG + (j + 1) % 2).store(_p_e4m3(p_next, ROWS, VT_PERM))
             fence_async_shared()
             o = warpgroup_mma_wait(0, deps=[o_tok])
             mbarrier.arrive(vt_empty.index(j % 2), count=1)  # P_j·V_j is done with Vᵀ_j
         elif FP8:
             mbarrier.arrive(empty.index(nxt), count=1)  # K_{j+1} is read
-            p8 = _p_operand(p_next, DT, True)
+            p8 = _p_e4m3(p_next, ROWS, VT_PERM)
             o = warpgroup_mma_wait(0, deps=[o_tok])
             mbarrier.arrive(vt_empty.index(j % 2), count=1)  # P_j·V_j is done with Vᵀ_j and with p_buf
-            _store_p(p_buf, p8, ROWS, VT_PERM)
+            p_buf.store(p8)
             fence_async_shared()
         else:
             p_next = gl.convert_layout(_p_operand(p_next, DT, False), p_layout)

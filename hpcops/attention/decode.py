@@ -382,6 +382,30 @@ def plan_kernel(num_kv_heads: int, q_len: int, block_size: int, device, *, num_q
     return "tl" if _hopper(device) else "gluon"
 
 
+def plan_programs_per_sm(kernel: str, num_kv_heads: int, q_len: int, *, num_q_heads: int | None = None,
+                         head_dim: int | None = None, kv_dtype: torch.dtype | None = None) -> int | None:
+    """Persistent programs an SM for a new plan (`plan_decode`'s hints; None: `DEFAULT_PROGRAMS_PER_SM`).
+
+    The Gluon kernel: `GLUON_PROGRAMS_PER_SM`, 2 at head_dim 256, where a program takes 180 registers a thread and
+    99 KB of shared memory (sm_90 ptxas; the H200 grid at 94c7162 timed the d256 fp8 Gluon kernel at 49.1 µs on a
+    plan of 2 an SM against 61.2 on one of 3 at 32x8K h8/1, 61.6 against 70.8 at logmix32). The `tl` kernel's MMA
+    tile above head_dim 128 runs on 8 warps with 172 (bf16 KV) to 190 (fp8 KV) registers a thread
+    (tests/test_decode_compile.py): one program fills more than half of an SM's 64 K registers, so a plan of 2 an
+    SM would run as two waves, the long requests' splits in the second: 1 there (the H200 grid tune,
+    bench/results/decode-grid_tune_pps.md: bf16 d256 1x256K+15x2K h16/1 p32 118.3 → 89.9 µs, logmix32 h8/1
+    96.9 → 86.5, 32x8K h8/1 74.4 → 71.0). The row path (one query row a kv head over fp8 KV, ~128 registers on
+    8 warps) keeps 2."""
+    from hpcops.attention.plan import GLUON_PROGRAMS_PER_SM
+
+    if kernel == "gluon":  # at head_dim 256 (fp8, 3 buffers, tail merge): 180 registers and 99 KB of shared memory
+        return 2 if head_dim is not None and head_dim > 128 else GLUON_PROGRAMS_PER_SM
+    if None in (num_q_heads, head_dim, kv_dtype) or head_dim <= 128 or _CONFIG.num_warps not in (None, 8):
+        return None
+    rows = q_len * num_q_heads // num_kv_heads
+    row_path = (kv_dtype == FP8_E4M3 if _CONFIG.row_path is None else _CONFIG.row_path) and rows == 1
+    return None if row_path else 1
+
+
 def _hopper(device) -> str | None:
     """Why `device` cannot run the Gluon kernel (None: an sm_90 GPU, outside the interpreter). One place, so that
     `scripts/ptx_fingerprint.py` can record the launches an H200 makes from the CPU."""

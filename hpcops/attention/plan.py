@@ -361,13 +361,14 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
         plan = out
         plan.batch = seq_lens.shape[0]
     else:
-        from hpcops.attention.decode import plan_kernel
+        from hpcops.attention.decode import plan_kernel, plan_programs_per_sm
 
         dev = seq_lens.device
         cap = max(max_batch or seq_lens.shape[0], 1)
         kernel = plan_kernel(num_kv_heads, q_len, block_size, dev, num_q_heads=num_q_heads, head_dim=head_dim,
                              q_dtype=q_dtype, kv_dtype=kv_dtype)
-        per_sm = GLUON_PROGRAMS_PER_SM if kernel == "gluon" else None
+        per_sm = plan_programs_per_sm(kernel, num_kv_heads, q_len, num_q_heads=num_q_heads, head_dim=head_dim,
+                                      kv_dtype=kv_dtype)
         c = num_programs or default_num_programs(q_len, dev, programs_per_sm=per_sm)
         plan = DecodePlan(
             kernel=kernel, num_kv_heads=num_kv_heads, q_len=q_len, block_size=block_size, num_programs=c,

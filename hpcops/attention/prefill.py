@@ -58,14 +58,16 @@ class PrefillConfig:
     with P·V under the warpgroup's own softmax (the two are timed side by side: the bench's `hpcops-fp8q` and
     `hpcops-fp8q-gluon-preg` rows). `gluon_tree` (either Gluon kernel): the softmax's row max and row sum as
     pairwise trees over the 32 scores a thread holds of a row instead of Triton's in-thread loop (a chain of 32
-    dependent FMNMX / FADD before every exp2 and after); opt-in until measured (`hpcops tune prefill-gluon`).
+    dependent FMNMX / FADD before every exp2 and after); opt-in until measured (bench rows `hpcops-fp8q-tree`,
+    `hpcops-tree`).
     `gluon_p_dbuf` (the fp8 kernel with P in shared memory): two P buffers a consumer, so that P_{j+1} is stored
     before P_j·V_j is waited for. With one buffer ptxas places that wait before the softmax (the SASS has
     `WARPGROUP.DEPBAR.LE gsb0, 0x0` ahead of the ex2s): this warpgroup's P·V then never runs under its own
-    softmax. With two the wait follows the P stores. 16 KB more shared memory; opt-in until measured (bench row
-    `hpcops-fp8q-gluon-pdbuf`). `gluon_pv_overlap` (the 16-bit warp-specialized kernel, which has the same
-    ordering): each consumer stores its row sums into a 256-byte scratch before the P·V wait, a side effect that
-    needs every exp2, so the softmax runs under the warpgroup's own P·V (bench row `hpcops-pv-overlap`).
+    softmax. With two the wait follows the P stores. 16 KB more shared memory; opt-in: the H200 timed it at
+    1.02–1.07× the default's time (fec40b5). `gluon_pv_overlap` (the 16-bit warp-specialized kernel, which has
+    the same ordering): each consumer stores its row sums into a 256-byte scratch before the P·V wait, a side
+    effect that needs every exp2, so the softmax runs under the warpgroup's own P·V; opt-in: 1.00–1.07× the
+    default's time there.
     `tma`, `pv_fp8`, `quant_q` and `fma_scale` are the `tl` kernel's (the Gluon kernel always reads by TMA and
     scales inside exp2).
     """

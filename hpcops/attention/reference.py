@@ -38,8 +38,7 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
     `plan.CostStream` (the descriptor tables always; `has_desc`, which `host_tables` shows them by,
     and so the task cost the cut charges, as the kernel's); the same kernel choice from the same hints."""
     del max_seq_len
-    from hpcops.attention.decode import decode_config, plan_kernel
-    from hpcops.attention.plan import GLUON_PROGRAMS_PER_SM
+    from hpcops.attention.decode import decode_config, plan_kernel, plan_programs_per_sm
 
     _validate_plan_args(seq_lens, num_kv_heads, q_len, block_size, out.max_batch if out else max_batch, task_cost,
                         snap)
@@ -47,7 +46,8 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
     b = seq_lens.shape[0]
     kernel = out.kernel if out else plan_kernel(num_kv_heads, q_len, block_size, dev, num_q_heads=num_q_heads,
                                                 head_dim=head_dim, q_dtype=q_dtype, kv_dtype=kv_dtype)
-    per_sm = GLUON_PROGRAMS_PER_SM if kernel == "gluon" else None
+    per_sm = plan_programs_per_sm(kernel, num_kv_heads, q_len, num_q_heads=num_q_heads, head_dim=head_dim,
+                                  kv_dtype=kv_dtype)
     c = out.num_programs if out else (num_programs or default_num_programs(q_len, dev, programs_per_sm=per_sm))
     mt = out.min_tiles if out else max(1, min_tiles if min_tiles is not None else DEFAULT_MIN_TILES)
     cap = out.max_batch if out else max(max_batch or b, 1)

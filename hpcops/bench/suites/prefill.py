@@ -123,8 +123,8 @@ def _make_inputs(s: Scenario, layer: int, device: str = "cuda") -> dict[str, Any
 GLUON_FP8 = {"gluon": True, "gluon_ws": True, "block_m": 128, "num_warps": 8, "block_n": 128, "num_stages": 3,
              "heads_inner": True}
 
-# the bf16 warp-specialized Gluon kernel with gluon_pv_overlap, on the same tile (the bf16 default's at q2k-q8k)
-GLUON_BF16_PVO = {**GLUON_FP8, "gluon_pv_overlap": True}
+# the bf16 warp-specialized Gluon kernel with gluon_tree, on the same tile (the bf16 default's at q2k-q8k)
+GLUON_BF16_TREE = {**GLUON_FP8, "gluon_tree": True}
 
 BOOL_FIELDS = ("pv_fp8", "quant_q", "fma_scale", "heads_inner", "gluon", "gluon_ws", "gluon_p_regs", "gluon_tree",
                "gluon_p_dbuf", "gluon_pv_overlap")
@@ -325,8 +325,8 @@ def _check(x) -> None:
         out = _ours(False, {"gluon": False})(x)().clone()
         assert_close(want, out[rows][:, heads], name="prefill bf16 q, tl kernel")
         if x["q"].is_cuda and torch.cuda.get_device_capability(x["q"].device)[0] == 9:
-            out = _ours(False, GLUON_BF16_PVO)(x)().clone()
-            assert_close(want, out[rows][:, heads], name="prefill bf16 q, gluon_pv_overlap")
+            out = _ours(False, GLUON_BF16_TREE)(x)().clone()
+            assert_close(want, out[rows][:, heads], name="prefill bf16 q, gluon_tree")
     else:
         _ours(True)(x)()
         rows, heads, want = _sampled_reference(x, x["q8"], x["q_scale"])
@@ -337,7 +337,7 @@ def _check(x) -> None:
         out = _ours(True, {"gluon": False})(x)().clone()
         assert_close(want, out[rows][:, heads], name="prefill fp8 q, tl kernel")
         if hopper:
-            for variant, what in (("gluon_p_regs", "P in registers"), ("gluon_p_dbuf", "two P buffers")):
+            for variant, what in (("gluon_p_regs", "P in registers"), ("gluon_tree", "trees")):
                 out = _ours(True, {**GLUON_FP8, variant: True})(x)().clone()
                 assert_close(want, out[rows][:, heads], name=f"prefill fp8 q, gluon ({what})", **e4m3_p)
 
@@ -366,8 +366,8 @@ def cases(opts: dict) -> Iterator[Case]:
                              "(gluon_p_regs=True)")
                     )
                     impls.append(
-                        Impl("hpcops-fp8q-gluon-pdbuf", _ours(True, {**GLUON_FP8, "gluon_p_dbuf": True}),
-                             note="variant: the Gluon fp8 kernel with two P buffers a consumer (gluon_p_dbuf=True)")
+                        Impl("hpcops-fp8q-tree", _ours(True, {**GLUON_FP8, "gluon_tree": True}),
+                             note="variant: the Gluon fp8 kernel with its row max and sum as trees (gluon_tree=True)")
                     )
                 if not fp8:
                     # the tl kernel beside the default, which takes the Gluon kernel here on an H200 (gluon_config)
@@ -375,9 +375,9 @@ def cases(opts: dict) -> Iterator[Case]:
                         Impl("hpcops-tl", _ours(False, {"gluon": False}), note="variant: PrefillConfig(gluon=False)")
                     )
                     impls.append(
-                        Impl("hpcops-pv-overlap", _ours(False, GLUON_BF16_PVO),
-                             note="variant: the warp-specialized Gluon kernel with its softmax under its own P·V "
-                             "(gluon_pv_overlap=True)")
+                        Impl("hpcops-tree", _ours(False, GLUON_BF16_TREE),
+                             note="variant: the warp-specialized Gluon kernel with its row max and sum as trees "
+                             "(gluon_tree=True)")
                     )
                 # variants timed in the same run: the pointer path (TMA is the default where the layout allows)
                 impls.append(
