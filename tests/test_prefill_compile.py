@@ -232,6 +232,7 @@ r["v4_stores"] = len(re.findall(r"\bst\.shared\.v4\.b32\b", ptx))
 # how many exp2 run under P·V
 sass = c.asm["sass"]
 r["fadd"] = len(re.findall(r"\bFADD\b", sass))
+r["ones_bits"] = "943208504" in ptx  # gluon_mma_sum's ones stored as e4m3 bits 0x38383838 (not a cast constant)
 r["ex2_under_pv"] = [part.split("WARPGROUP.DEPBAR.LE gsb0, 0x0")[0].count("MUFU.EX2")
                      for part in sass.split(f"WARPGROUP.DEPBAR.LE gsb0, 0x{2 if msum else 1}")[1:]]
 print(json.dumps(r))
@@ -277,7 +278,7 @@ def test_gluon_ws_prefill_kernel_builds_for_sm90(name):
     msum = GLUON_WS_BUILDS[name][10:11] == (True,)  # gluon_mma_sum: P·1 in the loop and after it, N = 8
     assert r["wgmma"] == 2 * (2 * (d // k_step) + (4 if msum else 2) * (tile // k_step)), r
     if msum:  # no row sum on the CUDA cores: a handful of FADD left (the epilogue's, the scale's), not 64 a tile
-        assert r["fadd"] < 16, r
+        assert r["fadd"] < 16 and r["ones_bits"], r
     elif dt == "fp8e4nv":
         assert r["fadd"] >= tile, r  # each consumer loop: the tile / 2 probabilities a thread holds
     if dt == "fp8e4nv":  # the 4-warp producer that transposes V, and 224 for each consumer

@@ -582,7 +582,9 @@ def _ws_producer_fp8(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr,
     if (SOFTMAX & 4) != 0 and FP8 != 2:
         ones_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, TILE // 16], threads_per_warp=[2, 16],
                                                      warps_per_cta=[4, 1], order=[1, 0])  # 8 rows on 4 warps
-        ones_smem.store(gl.full([8, TILE], 1.0, gl.float32, layout=ones_layout).to(k_desc.dtype))
+        # e4m3 1.0 as its bits (0x38): the fp32 constant 1.0 cast to e4m3 comes out wrong on sm_90 (Triton 3.6: a
+        # mix of 0x38, 0x60 and 0xFC bytes in shared memory, measured on the H200)
+        ones_smem.store(gl.full([8, TILE], 0x38, gl.uint8, layout=ones_layout).to(k_desc.dtype, bitcast=True))
         fence_async_shared()  # for the wgmma (async proxy); the loop's barrier and vt_full arrival publish it
     for j in range(n):
         slot = j % STAGES

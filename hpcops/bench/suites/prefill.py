@@ -119,10 +119,10 @@ def _make_inputs(s: Scenario, layer: int, device: str = "cuda") -> dict[str, Any
     return x
 
 
-# the warp-specialized Gluon kernel over an fp8 q and fp8 KV as a fixed config: its row sums on the CUDA cores, and
-# on the tensor cores (gluon_mma_sum: the fp8-q default on an H200)
+# the warp-specialized Gluon kernel over an fp8 q and fp8 KV (the fp8-q default on an H200) as a fixed config, its row
+# sums on the CUDA cores; and with them on the tensor cores (gluon_mma_sum, opt-in)
 GLUON_FP8 = {"gluon": True, "gluon_ws": True, "block_m": 128, "num_warps": 8, "block_n": 128, "num_stages": 3,
-             "heads_inner": True}
+             "heads_inner": True, "gluon_mma_sum": False}
 GLUON_FP8_MSUM = {**GLUON_FP8, "gluon_mma_sum": True}
 
 # the bf16 warp-specialized Gluon kernel with gluon_tree, on the same tile (the bf16 default's at q2k-q8k)
@@ -340,9 +340,10 @@ def _check(x) -> None:
         assert_close(want, out[rows][:, heads], name="prefill fp8 q, tl kernel")
         if hopper:
             for variant, what in (({"gluon_p_regs": True}, "P in registers"),
-                                  ({"gluon_mma_sum": True, "gluon_tree": True}, "trees"),
-                                  ({"gluon_mma_sum": True, "gluon_p_dbuf": True}, "two P buffers"),
-                                  ({}, "row sums on the CUDA cores")):
+                                  ({"gluon_mma_sum": True}, "row sums on the tensor cores"),
+                                  ({"gluon_mma_sum": True, "gluon_tree": True}, "row sums on the tensor cores, trees"),
+                                  ({"gluon_mma_sum": True, "gluon_p_dbuf": True},
+                                   "row sums on the tensor cores, two P buffers")):
                 out = _ours(True, {**GLUON_FP8, **variant})(x)().clone()
                 assert_close(want, out[rows][:, heads], name=f"prefill fp8 q, gluon ({what})", **e4m3_p)
 
@@ -371,17 +372,16 @@ def cases(opts: dict) -> Iterator[Case]:
                              "(gluon_p_regs=True)")
                     )
                     impls.append(
-                        Impl("hpcops-fp8q-tree", _ours(True, {**GLUON_FP8_MSUM, "gluon_tree": True}),
-                             note="variant: the Gluon fp8 kernel with its row max as a tree (gluon_tree=True)")
+                        Impl("hpcops-fp8q-msum", _ours(True, GLUON_FP8_MSUM),
+                             note="variant: the Gluon fp8 kernel, row sums on the tensor cores (gluon_mma_sum=True)")
                     )
                     impls.append(
-                        Impl("hpcops-fp8q-pdbuf", _ours(True, {**GLUON_FP8_MSUM, "gluon_p_dbuf": True}),
-                             note="variant: the Gluon fp8 kernel with two P buffers a consumer (gluon_p_dbuf=True)")
+                        Impl("hpcops-fp8q-msum-tree", _ours(True, {**GLUON_FP8_MSUM, "gluon_tree": True}),
+                             note="variant: gluon_mma_sum=True and its row max as a tree (gluon_tree=True)")
                     )
                     impls.append(
-                        Impl("hpcops-fp8q-fsum", _ours(True, GLUON_FP8),
-                             note="variant: the Gluon fp8 kernel with its row sums on the CUDA cores "
-                             "(gluon_mma_sum=False)")
+                        Impl("hpcops-fp8q-msum-pdbuf", _ours(True, {**GLUON_FP8_MSUM, "gluon_p_dbuf": True}),
+                             note="variant: gluon_mma_sum=True and two P buffers a consumer (gluon_p_dbuf=True)")
                     )
                 if not fp8:
                     # the tl kernel beside the default, which takes the Gluon kernel here on an H200 (gluon_config)
