@@ -119,17 +119,15 @@ def _make_inputs(s: Scenario, layer: int, device: str = "cuda") -> dict[str, Any
     return x
 
 
-# the warp-specialized Gluon kernel over an fp8 q and fp8 KV (the fp8-q default on an H200) as a fixed config, its row
-# sums on the CUDA cores; and with them on the tensor cores (gluon_mma_sum, opt-in)
+# the warp-specialized Gluon kernel over an fp8 q and fp8 KV (the fp8-q default on an H200), as a fixed config
 GLUON_FP8 = {"gluon": True, "gluon_ws": True, "block_m": 128, "num_warps": 8, "block_n": 128, "num_stages": 3,
-             "heads_inner": True, "gluon_mma_sum": False}
-GLUON_FP8_MSUM = {**GLUON_FP8, "gluon_mma_sum": True}
+             "heads_inner": True}
 
 # the bf16 warp-specialized Gluon kernel with gluon_tree, on the same tile (the bf16 default's at q2k-q8k)
 GLUON_BF16_TREE = {**GLUON_FP8, "gluon_tree": True}
 
 BOOL_FIELDS = ("pv_fp8", "quant_q", "fma_scale", "heads_inner", "gluon", "gluon_ws", "gluon_p_regs", "gluon_tree",
-               "gluon_p_dbuf", "gluon_pv_overlap", "gluon_mma_sum")
+               "gluon_p_dbuf", "gluon_pv_overlap")
 
 
 def config_override(variant: dict | None = None):
@@ -339,12 +337,8 @@ def _check(x) -> None:
         out = _ours(True, {"gluon": False})(x)().clone()
         assert_close(want, out[rows][:, heads], name="prefill fp8 q, tl kernel")
         if hopper:
-            for variant, what in (({"gluon_p_regs": True}, "P in registers"),
-                                  ({"gluon_mma_sum": True}, "row sums on the tensor cores"),
-                                  ({"gluon_mma_sum": True, "gluon_tree": True}, "row sums on the tensor cores, trees"),
-                                  ({"gluon_mma_sum": True, "gluon_p_dbuf": True},
-                                   "row sums on the tensor cores, two P buffers")):
-                out = _ours(True, {**GLUON_FP8, **variant})(x)().clone()
+            for variant, what in (("gluon_p_regs", "P in registers"), ("gluon_tree", "trees")):
+                out = _ours(True, {**GLUON_FP8, variant: True})(x)().clone()
                 assert_close(want, out[rows][:, heads], name=f"prefill fp8 q, gluon ({what})", **e4m3_p)
 
 
@@ -372,16 +366,8 @@ def cases(opts: dict) -> Iterator[Case]:
                              "(gluon_p_regs=True)")
                     )
                     impls.append(
-                        Impl("hpcops-fp8q-msum", _ours(True, GLUON_FP8_MSUM),
-                             note="variant: the Gluon fp8 kernel, row sums on the tensor cores (gluon_mma_sum=True)")
-                    )
-                    impls.append(
-                        Impl("hpcops-fp8q-msum-tree", _ours(True, {**GLUON_FP8_MSUM, "gluon_tree": True}),
-                             note="variant: gluon_mma_sum=True and its row max as a tree (gluon_tree=True)")
-                    )
-                    impls.append(
-                        Impl("hpcops-fp8q-msum-pdbuf", _ours(True, {**GLUON_FP8_MSUM, "gluon_p_dbuf": True}),
-                             note="variant: gluon_mma_sum=True and two P buffers a consumer (gluon_p_dbuf=True)")
+                        Impl("hpcops-fp8q-tree", _ours(True, {**GLUON_FP8, "gluon_tree": True}),
+                             note="variant: the Gluon fp8 kernel with its row max and sum as trees (gluon_tree=True)")
                     )
                 if not fp8:
                     # the tl kernel beside the default, which takes the Gluon kernel here on an H200 (gluon_config)
