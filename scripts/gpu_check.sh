@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU tier in one call on the H200 (through the device tool): tests + benchmarks + tuning.
 #   bash scripts/gpu_check.sh [STAGE ...]     stages: tests, tests:<paths>, bench:<suite>[,<suite>...],
+#                                             layer:<part>[,<part>...] (the layer sweep, a part = an --only filter),
 #                                             setup (the preamble alone), tune:<op>[,<op>...] (hpcops tune: decode, moe, moe-shapes, rope,
 #                                             prefill, prefill-gluon),
 #                                             ep2 (two-GPU expert parallelism, scripts/moe_ep2.py),
@@ -92,6 +93,14 @@ for st in "${stages[@]}"; do
       for s in "${suites[@]}"; do
         timeout "${BENCH_TIMEOUT:-0}" python3 -m hpcops bench "$s" --out "$OUT/results" --no-progress "${bargs[@]}" 2>&1 \
           | tee -a "$OUT/bench.log" | grep -v '^\[' | tail -60 || status=1
+      done ;;
+    layer:*)
+      # the layer sweep in parts (each under the device's per-command limit): one `--only <part>` run a part, into
+      # results/layer_<part>/; join them with python3 -m hpcops.bench.suites._layer_report OUT DIR...
+      IFS=, read -ra parts <<< "${st#layer:}"
+      for p in "${parts[@]}"; do
+        timeout "${BENCH_TIMEOUT:-0}" python3 -m hpcops bench layer --only "$p" --out "$OUT/results/layer_$p" \
+          --no-progress 2>&1 | tee -a "$OUT/bench.log" | grep -v '^\[' | tail -30 || status=1
       done ;;
     ep2)
       # expert parallelism over NCCL on two GPUs (the nvidia-h200-x2 machine): results/moe_ep2.{json,md}

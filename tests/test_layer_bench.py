@@ -105,9 +105,10 @@ def test_allowance_arithmetic():
 
 
 def _row(impl, us, case="B4-u4K-fp8-tp8", b=4, status="ok", timing="graph", prompt=0):
-    params = {"B": b, "top_k": 8, "H": 4096, "E_global": 192, "layout": "tp8", "kv": "fp8", "model_layers": 80}
+    params = {"B": b, "top_k": 8, "H": 4096, "E_global": 192, "layout": "tp8", "kv": "fp8", "model_layers": 80,
+              "shared_stream": b <= 256}
     if prompt:
-        params.update(phase="prefill", B=1, T=prompt, prompt=prompt)
+        params.update(phase="prefill", B=1, T=prompt, prompt=prompt, shared_stream=False)
     return Row(suite="layer", case=case, impl=impl, ours=impl.startswith("hpcops"), us=us, status=status,
                params=params, timing=timing, note="per-step" if impl == "hpcops-plan" else "")
 
@@ -115,7 +116,8 @@ def _row(impl, us, case="B4-u4K-fp8-tp8", b=4, status="ok", timing="graph", prom
 def test_derived_baseline_summary_and_reports(tmp_path):
     comp = {"shared:1-norm-qkv": 10.0, "hpcops:2-rope-kv": 2.0, "baseline:2-rope-kv": 8.0,
             "hpcops:3-attention": 20.0, "baseline:3-attention": 25.0, "shared:4-oproj-residual": 9.0,
-            "shared:5a-router-shared-expert": 15.0, "hpcops:5b-moe": 30.0, "baseline:5c-combine": 3.0}
+            "shared:5a-norm-router-select": 9.0, "shared:5s-shared-expert": 6.0, "hpcops:5b-moe": 30.0,
+            "baseline:5c-combine": 3.0}
     rows = [_row("hpcops", 80.0), _row("hpcops-plan", 4.0), _row("baseline-rest", 70.0),
             _row("baseline-moe-kernels", 28.0, timing="kernels"), *[_row(k, v) for k, v in comp.items()]]
     result = SuiteResult("layer", rows, {"copy_gbps": 4000.0})
@@ -124,7 +126,13 @@ def test_derived_baseline_summary_and_reports(tmp_path):
     # B=4 TP8 fp8: 4·8·4 = 128 <= 192, vLLM skips align: 3 helpers
     assert rep.vllm_helpers(4, 8, 192, False, True) == ["act+quant", "x-quant", "sum"]
     allow = 9.0 + 4 * 8 * 4096 * 2 / 4000e3
+    # B ≤ 256: vLLM's shared expert on its aux stream, hidden under the routed MoE (here the longer of the two)
     assert base.us == pytest.approx(70.0 + 28.0 + allow) and base.status == "ok" and "allowance" in base.note
+    assert "auxiliary stream" in base.note
+    rest, moe = _row("baseline-rest", 70.0), _row("baseline-moe-kernels", 28.0, timing="kernels")
+    assert rep.derived_baseline([rest, moe, _row("shared:5s-shared-expert", 50.0)], 4000.0).us == pytest.approx(120.0)
+    missing = rep.derived_baseline([rest, moe], 4000.0)
+    assert missing.us is None and missing.status == "unavailable: baseline rows missing"
     assert [r.impl for r in done.rows][:2] == ["hpcops", "baseline"]
     summary = json.loads((tmp_path / "layer.summary.json").read_text())
     c = summary["cases"]["B4-u4K-fp8-tp8"]
@@ -145,11 +153,13 @@ def test_prefill_rows_report_ttft(tmp_path):
     case = "prefill-2K-fp8-tp8"
     comp = {"shared:1-norm-qkv": 100.0, "hpcops:2-rope-kv": 20.0, "baseline:2-rope-kv": 60.0,
             "hpcops:3-attention": 300.0, "baseline:3-attention": 500.0, "shared:4-oproj-residual": 80.0,
-            "shared:5a-router-shared-expert": 150.0, "hpcops:5b-moe": 700.0, "baseline:5c-combine": 30.0}
+            "shared:5a-norm-router-select": 100.0, "shared:5s-shared-expert": 50.0, "hpcops:5b-moe": 700.0,
+            "baseline:5c-combine": 30.0}
     rows = [_row("hpcops", 1400.0, case=case, prompt=2048), _row("baseline-rest", 1000.0, case=case, prompt=2048),
             _row("baseline-moe-kernels", 650.0, case=case, timing="kernels", prompt=2048),
             *[_row(k, v, case=case, prompt=2048) for k, v in comp.items()],
-            _row("hpcops", 80.0), _row("baseline-rest", 70.0), _row("baseline-moe-kernels", 28.0, timing="kernels")]
+            _row("hpcops", 80.0), _row("baseline-rest", 70.0), _row("baseline-moe-kernels", 28.0, timing="kernels"),
+            _row("shared:5s-shared-expert", 6.0)]
     done, paths = rep.finish(SuiteResult("layer", rows, {"copy_gbps": 4000.0}), tmp_path)
     # the allowance counts the prompt's tokens: align runs (2048·8·4 > 192), act+quant, x-quant, sum, and
     # moe_sum's 2048·8·4096·2 bytes at 4000 GB/s
@@ -183,7 +193,7 @@ def test_prefill_rows_report_ttft(tmp_path):
 def test_missing_peer_makes_baseline_unavailable(tmp_path):
     reason = "unavailable: flashinfer not importable: ModuleNotFoundError"
     rows = [_row("hpcops", 80.0), _row("baseline-rest", None, status=reason),
-            _row("baseline-moe-kernels", 28.0, timing="kernels")]
+            _row("baseline-moe-kernels", 28.0, timing="kernels"), _row("shared:5s-shared-expert", 6.0)]
     done, _ = rep.finish(SuiteResult("layer", rows, {}), tmp_path)
     base = next(r for r in done.rows if r.impl == "baseline")
     assert base.us is None and base.status == reason
@@ -227,6 +237,34 @@ def test_hpcops_layer_matches_fp32_reference(tiny_layer, device, kv, layout):
     rel = (upd_got - upd_want).norm() / upd_want.norm()
     assert rel < 0.05, rel
     assert own.shape == (3, 3) and trace["ids"].dtype == torch.int32
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["fp8", "bf16"])
+def test_gpu_layer_graph_with_the_shared_expert_beside(tiny_layer, kv):
+    """At decode sizes the shared expert runs on the auxiliary stream (as vLLM's SharedFusedMoE): a captured
+    layer replays to the eager layer, and the eager layer matches the one-stream composition."""
+    from hpcops.testing import assert_close, capture_graph
+
+    s = suite.Scenario(3, "70,130,65", kv, "tp8")
+    x = suite.make_inputs(s, 0, device="cuda")
+    assert suite.shared_on_aux_stream(s.t, x["hidden"].device)
+    plan = suite.plan_for(x)
+    eager = suite.hpcops_layer(s, x, plan, x["hidden"]).clone()
+    h1 = x["hidden"] + torch.randn_like(x["hidden"])
+    h2, tw, ids, shared = suite.step5a_router_shared(x, h1)
+    one_stream = suite._hp_moe(s, x, h1, h2, tw, ids, shared).clone()
+    h2b, logits = suite.step5a_router(x, h1)
+    sh, ready = suite.fork_shared_expert(x, h2b)
+    tw2, ids2 = suite.step5a_select(x, logits)
+    beside = suite._hp_moe(s, x, h1, h2b, tw2, ids2, sh, ready)
+    suite.join_aux(h1.device)
+    assert torch.equal(ids, ids2) and torch.equal(one_stream, beside)
+    graph, out = capture_graph(lambda: suite.hpcops_layer(s, x, plan, x["hidden"]))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close(eager, out, maxtol=1e-2, rmstol=1e-3)
 
 
 def test_gate_fails_on_a_wrong_layer(tiny_layer, device):

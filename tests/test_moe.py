@@ -353,6 +353,8 @@ def _bad_inputs(device):
         ("expert_map", ValueError, dict(base, expert_map=torch.full((8,), E, dtype=torch.int32, device=device))),
         ("expert_map", ValueError, dict(base, expert_map=torch.full((8,), -2, dtype=torch.int32, device=device))),
         ("shared_output", ValueError, dict(base, shared_output=x[:, :128])),
+        ("shared_ready", ValueError, dict(base, shared_ready=object())),
+        ("shared_ready", TypeError, dict(base, shared_output=x, shared_ready=object())),
         ("out", TypeError, dict(base, out=torch.empty(T, H, device=device))),
         ("quant", TypeError, dict(base, quant="fp8")),
         ("w13", TypeError, dict(f8, w13=w.w13)),
@@ -510,6 +512,40 @@ def test_gpu_cuda_graph_replay(kind, T):
         torch.cuda.synchronize()
         eager = fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap)
         assert torch.equal(out, eager) or assert_close(eager, out) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graph", [False, True])
+def test_gpu_shared_output_from_another_stream(graph):
+    """The shared expert's output written late on an auxiliary stream (as vLLM runs it at decode sizes): the
+    reduction waits for `shared_ready`, eagerly and in a captured graph. The aux stream sleeps first, so
+    the routed GEMMs finish long before it writes; a reduction that did not wait would read the NaNs."""
+    T = 4
+    wts, tw, ids, emap, x = _hy3_inputs(T, 192, "fp8_tensor")
+    want_shared = torch.randn_like(x)
+    shared, out = torch.empty_like(x), torch.empty_like(x)
+    aux, ready = torch.cuda.Stream(), torch.cuda.Event()
+
+    def step():
+        shared.fill_(float("nan"))
+        aux.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(aux):
+            torch.cuda._sleep(20_000_000)  # ~10 ms of spinning on the aux stream
+            shared.copy_(want_shared)
+            ready.record(aux)
+        fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, shared_output=shared, shared_ready=ready, out=out)
+        torch.cuda.current_stream().wait_stream(aux)
+
+    ref = R.fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, shared_output=want_shared)
+    if graph:
+        g, _ = capture_graph(step)
+        out.fill_(float("nan"))
+        g.replay()
+    else:
+        out.fill_(float("nan"))
+        step()
+    torch.cuda.synchronize()
+    assert_close(ref, out, maxtol=4e-2, rmstol=1.5e-2)
 
 
 # ---------------------------------------------------------------------------------------------------

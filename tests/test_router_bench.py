@@ -14,7 +14,7 @@ def test_cases_are_listed():
     names = [c.name for c in cases]
     assert len(names) == len(set(names)) == len(router.ROUTINGS) * len(router.TOKENS)
     assert all(c.bytes > 0 and c.check is not None and c.impls[0].ours for c in cases)
-    assert [i.name for i in cases[0].impls] == ["hpcops", "hpcops-4warps", "hpcops-1tok", "torch"]
+    assert [i.name for i in cases[0].impls] == ["hpcops", "hpcops-4warps", "hpcops-batched", "torch"]
     assert len(list(get_suite("router")({"quick": True}))) == len(router.ROUTINGS) * len(router.QUICK_TOKENS)
 
 

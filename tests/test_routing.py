@@ -107,6 +107,17 @@ def test_select_experts_launches_match_reference(device, E, k, scoring):
     assert ids2.cpu().tolist() == [[5, 0, 1, 2], [5, 0, 1, 3]]
 
 
+def test_select_launch_rule():
+    """One token a program on one warp from 128 to 512 experts (router.md: 2.6-3.3x the batched tile at T 4-512);
+    several tokens a program below 128; 4 / 8 warps a token past 512."""
+    from hpcops.moe.routing import batched_select_launch, select_launch
+
+    assert [select_launch(e) for e in (128, 192, 256, 512)] == [(1, 1)] * 4
+    assert select_launch(8) == (32, 1) and select_launch(60) == (16, 1)
+    assert select_launch(1024) == (1, 4) and select_launch(4096) == (1, 8)
+    assert batched_select_launch(192) == (4, 1) and batched_select_launch(1024) == (1, 4)
+
+
 def test_select_experts_kernel_edges(device):
     """bf16 strided logits; equal scores (the lower id first); a NaN ranks last; an empty batch."""
     logits = torch.randn(6, 24, device=device).bfloat16()[:, ::2]  # stride 2 along E

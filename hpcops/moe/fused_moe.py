@@ -80,6 +80,17 @@ def _validate(scheme: Scheme, x, w13, w2, topk_weights, topk_ids, expert_map, sh
     return T, H, E, inter, k, out_dt
 
 
+def _check_shared_ready(shared_ready, shared_output, x) -> None:
+    if shared_ready is None:
+        return
+    if shared_output is None:
+        raise ValueError("shared_ready orders the reduction's read of shared_output: pass shared_output too")
+    if not isinstance(shared_ready, torch.cuda.Event):
+        raise TypeError(f"shared_ready must be a torch.cuda.Event, got {type(shared_ready).__name__}")
+    if not x.is_cuda:
+        raise ValueError(f"shared_ready orders CUDA streams: x must be a CUDA tensor, got {x.device}")
+
+
 def _validate_ids(topk_ids: torch.Tensor, n_global: int, expert_map: torch.Tensor | None = None,
                   n_local: int = 0) -> None:
     """Value check of topk_ids (and expert_map), where it costs no device sync (on the host) or when
@@ -95,7 +106,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
               topk_ids: torch.Tensor, *, quant: Fp8PerTensor | Fp8Block128 | None = None,
               expert_map: torch.Tensor | None = None, shared_output: torch.Tensor | None = None,
               out: torch.Tensor | None = None, x_scale: torch.Tensor | None = None,
-              config: MoeConfig | None = None) -> torch.Tensor:
+              config: MoeConfig | None = None, shared_ready: torch.cuda.Event | None = None) -> torch.Tensor:
     """Mixture-of-experts FFN: out[t] = Σ_j topk_weights[t,j] · FFN_{topk_ids[t,j]}(x[t]) (+ shared_output[t]).
 
     FFN_e(x) = w2[e] · (silu(w13[e, :I] · x) ⊙ (w13[e, I:] · x)).
@@ -111,6 +122,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         expert_map: `[E_global]` int32, local id of each global expert or −1 (expert parallelism; pairs
             routed to remote experts contribute nothing). None: E_global = E_local.
         shared_output: `[T, H]` output dtype, added in the fp32 reduction.
+        shared_ready: a CUDA event recorded after `shared_output` was written on another stream (a shared
+            expert run beside the routed experts, as vLLM runs it on an auxiliary stream at decode sizes):
+            the reduction, the only kernel that reads `shared_output`, waits for it; the GEMMs do not.
+            Graph-capture safe (the wait becomes a graph edge). The caller keeps `shared_output` alive
+            until the reduction ran (`Tensor.record_stream` on this stream).
         out: `[T, H]` output buffer (last dim contiguous); written fully.
         x_scale: only for an fp8 `x`: per-tensor `[1]` or per-token `[T]` (`Fp8PerTensor`; defaults to
             quant.a13_scale), or `[T, ceil(H/128)]` (`Fp8Block128`). Dequantization multipliers.
@@ -131,6 +147,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
                             hidden=x.shape[1], inter=w2.shape[-1], quant=scheme.name, interpreter=is_interpreter(),
                             num_local_experts=w13.shape[0], device_name=device_name(x.device))
     cfg = config
+    _check_shared_ready(shared_ready, shared_output, x)
     T, H, E, inter, k, out_dt = _validate(scheme, x, w13, w2, topk_weights, topk_ids, expert_map, shared_output,
                                           out, x_scale, cfg)
     n_global = expert_map.shape[0] if expert_map is not None else E
@@ -178,6 +195,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         num_warps=cfg.down_num_warps, num_stages=cfg.down_num_stages)
 
     sh = shared_output if shared_output is not None else out
+    if shared_ready is not None:
+        torch.cuda.current_stream(x.device).wait_event(shared_ready)
     bh = min(cfg.reduce_block_h, triton.next_power_of_2(H))
     K.moe_reduce_kernel[(T, triton.cdiv(H, bh))](
         y, pair_pos, topk_ids, emap, topk_weights, sh, out, H, n_global, E,

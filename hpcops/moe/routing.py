@@ -66,13 +66,25 @@ def _on_kernel(router_logits: torch.Tensor, top_k: int) -> bool:
 
 
 def select_launch(num_experts: int) -> tuple[int, int]:
-    """(tokens a program, warps) of the routing kernel. Up to 512 experts one warp holds the program's
-    [tokens, next_pow2(E)] tile, so that the top_k rounds of reductions stay inside the warp (shuffles, no
-    barriers): ~1 KB of scores a program; larger E spreads one token over 4 / 8 warps."""
+    """(tokens a program, warps) of the routing kernel. From 128 to 512 experts one warp routes one token
+    (the top_k rounds of reductions stay inside the warp: shuffles, no barriers); below 128 experts one warp
+    holds several tokens' [tokens, next_pow2(E)] tile (~1 KB of scores a program); larger E spreads one
+    token over 4 / 8 warps. `bench/results/router.md` (`hpcops-batched`: the batched tile at every E up to
+    512): at 128–256 experts one token a program is 2.6–3.3x faster from T 4 to 512 and 1.1–1.5x at T 4096;
+    at 8 experts the batched tile wins at T 4096."""
+    e_pad = triton.next_power_of_2(num_experts)
+    if e_pad < 128:
+        return max(1, min(32, 1024 // e_pad)), 1
+    return 1, 1 if e_pad <= 512 else 4 if e_pad <= 2048 else 8
+
+
+def batched_select_launch(num_experts: int) -> tuple[int, int]:
+    """The earlier rule (several tokens a program on one warp up to 512 experts), kept as the router
+    bench's `hpcops-batched` row."""
     e_pad = triton.next_power_of_2(num_experts)
     if e_pad <= 512:
         return max(1, min(32, 1024 // e_pad)), 1
-    return 1, 4 if e_pad <= 2048 else 8
+    return select_launch(num_experts)
 
 
 def _launch_select(router_logits, top_k, scoring, bias, renormalize, scale, weights, ids,

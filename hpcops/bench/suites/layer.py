@@ -15,17 +15,21 @@ The layer, in order (one TP8 rank's attention: 8 q heads / 1 kv head, head_dim 1
 3. attention over the paged cache: decode, or causal prefill of the prompt;
 4. the o_proj GEMM and the residual (torch, `shared`);
 5. post-attention RMSNorm, the fp32 router GEMM, `select_experts` (sigmoid, selection bias,
-   renormalize × 2.826), the shared expert's MLP (`shared`: 5a), then the routed MoE and the
-   residual (5b). `select_experts` is hpcops' one-launch kernel on both sides: it stands in for the
+   renormalize × 2.826) (`shared`: 5a), the shared expert's MLP (`shared`: 5s), then the routed MoE
+   and the residual (5b). `select_experts` is hpcops' one-launch kernel on both sides: it stands in for the
    fused CUDA top-k vLLM runs there (the torch sequence it replaced was ~10 launches, ~20 µs of a decode
-   layer's graph; the `router` suite times both).
+   layer's graph; the `router` suite times both). At T ≤ SHARED_STREAM_MAX_T (256, vLLM's
+   `VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD` default: every decode row) both sides run the shared
+   expert as vLLM's SharedFusedMoE does, on an auxiliary CUDA stream forked after the router GEMM, beside
+   `select_experts` and the routed experts; above it (prefill) in line.
 
 Sides:
 - `hpcops`: `rope_norm_store_kv` (fp8 KV: it also emits the fp8 query with per-token-head scales, which
   the attention reads, at both phases: the prefill suite's `hpcops-fp8q` path), `decode_attention` with its
   load-balanced plan (built once per model step, outside the graph: the `hpcops-plan` row, per step) or
-  `prefill_attention` (no plan), `fused_moe` with the shared expert's output added in its reduction.
-  The `hpcops` row is the whole layer in one graph.
+  `prefill_attention` (no plan), `fused_moe` with the shared expert's output added in its reduction
+  (which waits for the auxiliary stream's event: `fused_moe(shared_ready=...)`, the GEMMs do not).
+  The `hpcops` row is the whole layer in one graph, the overlap measured as it runs.
 - `baseline`: torch QK-RMSNorm (FlashInfer has no QK-norm) + FlashInfer's
   `apply_rope_with_cos_sin_cache_inplace` + `append_paged_kv_cache` (fp8 KV: K/V cast in torch first),
   then at decode FlashInfer's `BatchDecodeWithPagedKVCacheWrapper` on its tensor-core path (the faster of its
@@ -41,7 +45,11 @@ Sides:
   and moe_sum, plus moe_sum's T·k·H·2 bytes at the measured copy bandwidth (the issue's allowance; at
   prefill's T the real helpers cost more than 3 µs each, so there it favours the baseline). Everything else
   of the baseline layer is one graph (`baseline-rest`); the `baseline` row = baseline-rest +
-  baseline-moe-kernels + allowance (derived after the run by `finish`).
+  baseline-moe-kernels + allowance (derived after the run by `finish`). At T ≤ 256 vLLM clones the MoE
+  input on the main stream and runs the shared expert on its auxiliary stream: `baseline-rest` keeps the
+  clone and leaves the shared expert out, and the derived row counts the longer of the routed MoE (kernels
+  + allowance) and the shared expert alone (`shared:5s-shared-expert`), a perfect overlap that favours
+  the baseline.
 - `shared:*` rows: the torch steps both sides run identically, timed once.
 
 Per-component rows (`<side>:<step>`) time each step alone with the same graph method, on inputs the
@@ -106,6 +114,9 @@ PROMPTS = (2048, 8192, 32768)  # prefill: one prompt of 2K, 8K, 32K tokens
 QUICK_PROMPTS = (2048, 8192)
 LOGMIX = (100, 100_000)  # the seeded log-uniform context mix, tokens
 TABLE3_BATCHES = (32, 64)  # the blog's table-3 mixes of these sizes are added
+# vLLM's SharedFusedMoE runs the shared expert on an auxiliary CUDA stream, beside the routed experts, for calls
+# of at most this many tokens (its VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD default): every decode row here
+SHARED_STREAM_MAX_T = 256
 CHECK_B = 4  # rows of layer 0 checked against the fp32 reference (decode: the first; prefill: spread over the prompt)
 
 
@@ -269,16 +280,58 @@ def step4_oproj_residual(x: dict[str, Any], hidden: torch.Tensor, attn: torch.Te
     return hidden + attn.reshape(hidden.shape[0], -1) @ x["w_o"].t()
 
 
-def step5a_router_shared(x: dict[str, Any], h1: torch.Tensor):
-    """→ (h2 [T, H] bf16 MoE input, topk weights fp32, topk ids int32, shared expert output bf16)."""
+def step5a_router(x: dict[str, Any], h1: torch.Tensor):
+    """→ (h2 [T, H] bf16 MoE input, router logits fp32 [T, E]): the post-attention norm, the fp32 router GEMM."""
+    h2 = _rms(h1, x["w_post"])
+    return h2, h2.float() @ x["w_router"].t()
+
+
+def step5a_select(x: dict[str, Any], logits: torch.Tensor):
+    """`select_experts` (sigmoid, selection bias, renormalize × ROUTE_SCALE) → (weights fp32, ids int32)."""
     from hpcops.moe.routing import select_experts
 
-    h2 = _rms(h1, x["w_post"])
-    logits = h2.float() @ x["w_router"].t()
-    tw, ids = select_experts(logits, TOP_K, scoring="sigmoid", bias=x["router_bias"], scale=ROUTE_SCALE)
+    return select_experts(logits, TOP_K, scoring="sigmoid", bias=x["router_bias"], scale=ROUTE_SCALE)
+
+
+def shared_expert(x: dict[str, Any], h2: torch.Tensor) -> torch.Tensor:
+    """The shared expert's MLP (TP-sharded, bf16 torch GEMMs on both sides) → [T, H] bf16."""
     gu = h2 @ x["ws13"].t()
-    shared = (torch.nn.functional.silu(gu[:, :SHARED_INTER]) * gu[:, SHARED_INTER:]) @ x["ws2"].t()
-    return h2, tw, ids, shared
+    return (torch.nn.functional.silu(gu[:, :SHARED_INTER]) * gu[:, SHARED_INTER:]) @ x["ws2"].t()
+
+
+def step5a_router_shared(x: dict[str, Any], h1: torch.Tensor):
+    """Step 5a in one stream → (h2, topk weights, topk ids, shared expert output)."""
+    h2, logits = step5a_router(x, h1)
+    tw, ids = step5a_select(x, logits)
+    return h2, tw, ids, shared_expert(x, h2)
+
+
+def shared_on_aux_stream(t: int, device: torch.device) -> bool:
+    """Whether a layer of `t` tokens runs its shared expert on the auxiliary stream (both sides, as vLLM)."""
+    return device.type == "cuda" and t <= SHARED_STREAM_MAX_T
+
+
+_AUX: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def fork_shared_expert(x: dict[str, Any], h2: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
+    """The shared expert on this device's auxiliary stream, after what the current stream has queued (h2):
+    → (its output, the event recorded after it). The caller joins the stream (`join_aux`) before it ends a
+    graph capture; both tensors are marked used on the other stream for the caching allocator."""
+    main = torch.cuda.current_stream(h2.device)
+    aux = _AUX.setdefault(h2.device, torch.cuda.Stream(h2.device))
+    aux.wait_stream(main)
+    with torch.cuda.stream(aux):
+        shared = shared_expert(x, h2)
+        ready = torch.cuda.Event()
+        ready.record(aux)
+    h2.record_stream(aux)
+    shared.record_stream(main)
+    return shared, ready
+
+
+def join_aux(device: torch.device) -> None:
+    torch.cuda.current_stream(device).wait_stream(_AUX[device])
 
 
 def _hp_rope(s: Scenario, x: dict[str, Any], qkv: torch.Tensor):
@@ -304,13 +357,13 @@ def _hp_attn(x: dict[str, Any], q: torch.Tensor, q_scale, plan) -> torch.Tensor:
     return decode_attention(q, x["k_cache"], x["v_cache"], x["block_table"], x["seq_lens"], plan=plan, **kw)
 
 
-def _hp_moe(s: Scenario, x: dict[str, Any], h1, h2, tw, ids, shared) -> torch.Tensor:
+def _hp_moe(s: Scenario, x: dict[str, Any], h1, h2, tw, ids, shared, shared_ready=None) -> torch.Tensor:
     from hpcops.moe.fused_moe import fused_moe
 
     if "moe_cfg" not in x:
         x["moe_cfg"] = common.config_for(s, h2.device).with_(validate_ids=False)
     y = fused_moe(h2, x["w13"], x["w2"], tw, ids, quant=x["quant"], expert_map=x["emap"], shared_output=shared,
-                  out=x["moe_out"], config=x["moe_cfg"])
+                  shared_ready=shared_ready, out=x["moe_out"], config=x["moe_cfg"])
     return h1 + y
 
 
@@ -331,10 +384,20 @@ def hpcops_layer(s: Scenario, x: dict[str, Any], plan, hidden: torch.Tensor, tra
     q, qs = _hp_rope(s, x, qkv)
     attn = _hp_attn(x, q, qs, plan)
     h1 = step4_oproj_residual(x, hidden, attn)
-    h2, tw, ids, shared = step5a_router_shared(x, h1)
+    if not shared_on_aux_stream(s.t, h1.device):
+        h2, tw, ids, shared = step5a_router_shared(x, h1)
+        ready = None
+    else:  # as vLLM's SharedFusedMoE: the shared expert beside select_experts and the routed GEMMs (after the
+        # router GEMM, which the model runs before the MoE layer); the MoE's reduction waits for it
+        h2, logits = step5a_router(x, h1)
+        shared, ready = fork_shared_expert(x, h2)
+        tw, ids = step5a_select(x, logits)
     if trace is not None:
         trace["ids"] = ids
-    return _hp_moe(s, x, h1, h2, tw, ids, shared)
+    y = _hp_moe(s, x, h1, h2, tw, ids, shared, ready)
+    if ready is not None:
+        join_aux(h1.device)
+    return y
 
 
 # baseline
@@ -399,18 +462,29 @@ def _bl_experts(s: Scenario, x: dict[str, Any]):
 
 
 def baseline_layer(s: Scenario, x: dict[str, Any], wrapper, experts, hidden, trace: dict | None = None,
-                   routed: torch.Tensor | None = None):
+                   routed: torch.Tensor | None = None, shared: torch.Tensor | None = None):
     """The whole baseline layer; with `routed` given, that tensor stands for vLLM's routed output (the
-    `baseline-rest` graph, whose routed MoE is timed by its kernels)."""
+    `baseline-rest` graph, whose routed MoE is timed by its kernels), and with `shared` given (at most
+    SHARED_STREAM_MAX_T tokens) that tensor stands for the shared expert vLLM runs on its auxiliary stream
+    (hidden under the routed MoE: `_layer_report.derived_baseline` counts the longer of the two)."""
     qkv = step1_norm_qkv(x, hidden)
     q = _bl_rope(s, x, qkv)
     attn = _bl_attn(s, x, wrapper, q)
     h1 = step4_oproj_residual(x, hidden, attn)
-    h2, tw, ids, shared = step5a_router_shared(x, h1)
+    ready = None
+    if not shared_on_aux_stream(s.t, h1.device):
+        h2, tw, ids, sh = step5a_router_shared(x, h1)
+    else:  # vLLM's SharedFusedMoE: hidden_states cloned on the main stream, the shared expert on the aux stream
+        h2, logits = step5a_router(x, h1)
+        hc = h2.clone()
+        sh, ready = fork_shared_expert(x, hc) if shared is None else (shared, None)
+        tw, ids = step5a_select(x, logits)
     if trace is not None:
         trace.update(ids=ids, h2=h2, tw=tw)
     y = experts(h2, tw, ids) if routed is None else routed
-    return h1 + (y + shared)
+    if ready is not None:
+        join_aux(h1.device)
+    return h1 + (y + sh)
 
 
 # ---------------------------------------------------------------------------------------------- the gate
@@ -532,7 +606,8 @@ def impl_baseline_rest(s: Scenario):
         if x["layer"] == 0:
             assert_layer_matches(s, x, got, trace["ids"], "baseline")
         routed = experts(trace["h2"], trace["tw"], trace["ids"])
-        return lambda: baseline_layer(s, x, wrapper, experts, x["hidden"], routed=routed)
+        shared = shared_expert(x, trace["h2"]) if shared_on_aux_stream(s.t, routed.device) else None
+        return lambda: baseline_layer(s, x, wrapper, experts, x["hidden"], routed=routed, shared=shared)
     return prepare
 
 
@@ -556,8 +631,10 @@ def impl_component(s: Scenario, step: str):
             return lambda: _hp_attn(x, m["q"], m["qs"], m["plan"])
         if step == "shared:4-oproj-residual":
             return lambda: step4_oproj_residual(x, x["hidden"], m["attn"])
-        if step == "shared:5a-router-shared-expert":
-            return lambda: step5a_router_shared(x, m["h1"])
+        if step == "shared:5a-norm-router-select":
+            return lambda: step5a_select(x, step5a_router(x, m["h1"])[1])
+        if step == "shared:5s-shared-expert":
+            return lambda: shared_expert(x, m["h2"])
         if step == "hpcops:5b-moe":
             return lambda: _hp_moe(s, x, m["h1"], m["h2"], m["tw"], m["ids"], m["shared"])
         if step == "baseline:2-rope-kv":
@@ -574,8 +651,8 @@ def impl_component(s: Scenario, step: str):
 
 
 COMPONENTS = ("shared:1-norm-qkv", "hpcops:2-rope-kv", "baseline:2-rope-kv", "hpcops:3-attention",
-              "baseline:3-attention", "shared:4-oproj-residual", "shared:5a-router-shared-expert", "hpcops:5b-moe",
-              "baseline:5c-combine")
+              "baseline:3-attention", "shared:4-oproj-residual", "shared:5a-norm-router-select",
+              "shared:5s-shared-expert", "hpcops:5b-moe", "baseline:5c-combine")
 
 
 PREFILL_MIN_LAYERS = 2  # a prefill layer's MoE weights alone exceed L2 (≥ 450 MB): two layers are L2-cold
@@ -588,12 +665,15 @@ def case_for(s: Scenario) -> Case:
     params = {"phase": "prefill" if s.prefill else "decode", "B": s.b, "T": s.t, "ctx": s.ctx, "prompt": s.prompt,
               "kv": s.kv, "layout": s.layout, "hq": HQ, "hkv": HKV, "d": HEAD_DIM, "H": HIDDEN,
               "E_global": E_GLOBAL, "E_local": s.e_local, "I": s.inter, "shared_I": SHARED_INTER, "top_k": TOP_K,
-              "moe_quant": s.kind, "model_layers": MODEL_LAYERS, "kv_tokens": sum(s.lens)}
+              "moe_quant": s.kind, "model_layers": MODEL_LAYERS, "kv_tokens": sum(s.lens),
+              "shared_stream": s.t <= SHARED_STREAM_MAX_T}
     attn = "prefill (BatchPrefillWithPagedKVCacheWrapper)" if s.prefill else "decode"
     impls = [Impl("hpcops", impl_hpcops(s), ours=True, note="whole layer, one graph"),
              *([] if s.prefill else [Impl("hpcops-plan", impl_plan, ours=True, per_step=True)]),
              Impl("baseline-rest", impl_baseline_rest(s),
-                  note=f"baseline layer without vLLM's routed experts (graph); FlashInfer rope/append/{attn}"),
+                  note=f"baseline layer without vLLM's routed experts (graph; at T <= {SHARED_STREAM_MAX_T} also "
+                       "without the shared expert, which vLLM runs on an auxiliary stream); FlashInfer "
+                       f"rope/append/{attn}"),
              Impl("baseline-moe-kernels", impl_baseline_moe_kernels(s), timing="kernels",
                   kernel_filter=common.VLLM_KERNEL, note=common.VLLM_NOTE),
              *[Impl(c, impl_component(s, c), note="component") for c in COMPONENTS]]

@@ -1,6 +1,7 @@
 """Bench suite `router`: the router's top-k (`select_experts`) on public MoE routings.
 
-One launch of ours (`hpcops`; `hpcops-4warps`: the same kernel on the first, 4-warp launch) against the
+One launch of ours (`hpcops`; `hpcops-4warps`: the same kernel on the first, 4-warp launch; `hpcops-batched`:
+several tokens a program on one warp, the rule before one token a program from 128 experts) against the
 torch sequence a framework runs when it has no fused op (sigmoid or softmax, bias add, topk, gather,
 renormalize, scale: `hpcops.moe.reference.select_experts`), all timed
 as CUDA-graph replays of every layer's call (each layer its own logits, L2-cold). At decode sizes the
@@ -25,6 +26,7 @@ import torch
 import triton
 
 from hpcops.bench.registry import Case, Impl
+from hpcops.moe import routing
 
 
 @dataclass(frozen=True)
@@ -111,8 +113,9 @@ def cases(opts: dict[str, Any]) -> Iterator[Case]:
                        Impl("hpcops-4warps", _ours(r, _four_warps(r.experts)),
                             note=f"variant: {_four_warps(r.experts)[0]} tokens a program on 4 warps "
                                  "(cross-warp reductions)"),
-                       Impl("hpcops-1tok", _ours(r, (1, 1)),
-                            note="variant: one token a program on 1 warp (more programs, less work each)"),
+                       Impl("hpcops-batched", _ours(r, routing.batched_select_launch(r.experts)),
+                            note="variant: the batched launch, "
+                                 f"{routing.batched_select_launch(r.experts)[0]} tokens a program on 1 warp"),
                        Impl("torch", _torch(r), note="the torch sequence (hpcops.moe.reference.select_experts)")],
                 check=_check(r), bytes=t * r.experts * 4 + t * r.top_k * 8,
                 params={"model": r.model, "E": r.experts, "top_k": r.top_k, "scoring": r.scoring,
