@@ -311,7 +311,17 @@ def shared_on_aux_stream(t: int, device: torch.device) -> bool:
     return device.type == "cuda" and t <= SHARED_STREAM_MAX_T
 
 
-_AUX: dict[torch.device, torch.cuda.Stream] = {}
+_AUX: dict[tuple[torch.device, int], torch.cuda.Stream] = {}
+# the auxiliary stream's priority (0: the default, as vLLM's `aux_stream()`; -1: higher, its blocks are scheduled
+# first as the routed MoE's free SMs): scripts/probe_shared_overlap.py compares them
+AUX_PRIORITY = 0
+
+
+def _aux(device: torch.device) -> torch.cuda.Stream:
+    key = (device, AUX_PRIORITY)
+    if key not in _AUX:
+        _AUX[key] = torch.cuda.Stream(device, priority=AUX_PRIORITY)
+    return _AUX[key]
 
 
 def fork_shared_expert(x: dict[str, Any], h2: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
@@ -319,7 +329,7 @@ def fork_shared_expert(x: dict[str, Any], h2: torch.Tensor) -> tuple[torch.Tenso
     → (its output, the event recorded after it). The caller joins the stream (`join_aux`) before it ends a
     graph capture; both tensors are marked used on the other stream for the caching allocator."""
     main = torch.cuda.current_stream(h2.device)
-    aux = _AUX.setdefault(h2.device, torch.cuda.Stream(h2.device))
+    aux = _aux(h2.device)
     aux.wait_stream(main)
     with torch.cuda.stream(aux):
         shared = shared_expert(x, h2)
@@ -331,7 +341,7 @@ def fork_shared_expert(x: dict[str, Any], h2: torch.Tensor) -> tuple[torch.Tenso
 
 
 def join_aux(device: torch.device) -> None:
-    torch.cuda.current_stream(device).wait_stream(_AUX[device])
+    torch.cuda.current_stream(device).wait_stream(_aux(device))
 
 
 def _hp_rope(s: Scenario, x: dict[str, Any], qkv: torch.Tensor):
