@@ -5,9 +5,8 @@ SharedFusedMoE does; the baseline is counted as a perfect overlap, hpcops' layer
 times step 5 (router GEMM, select, shared expert, routed MoE, residual) of the hpcops layer, CUDA-graph replays
 over L2-cold layers, in variants:
 - `inline`: the shared expert on the main stream before the MoE (no overlap);
-- `aux`: the auxiliary stream forked after the router GEMM (the suite's default);
-- `aux-early`: forked before the router GEMM;
-- `aux-hi`, `aux-early-hi`: the same with the auxiliary stream at a higher priority;
+- `aux`: the auxiliary stream forked after the router GEMM (as vLLM forks it);
+- `aux-early`: forked before the router GEMM (the suite's hpcops side);
 and, alone, `moe` (select + routed MoE + residual) and `shared` (the shared expert): `ideal` = 5a's router
 GEMM + max(moe, shared). Writes probe_shared_overlap.{md,json} into --out.
 
@@ -38,7 +37,7 @@ def step5(s, x, m, variant: str):
     h2 = L._rms(h1, x["w_post"])
     if early:
         shared, ready = L.fork_shared_expert(x, h2)
-    logits = h2.float() @ x["w_router"].t()
+    logits = L.router_logits(x, h2)
     if not early:
         shared, ready = L.fork_shared_expert(x, h2)
     tw, ids = L.step5a_select(x, logits)
@@ -65,10 +64,8 @@ def main() -> None:
             x, L.step5a_router(x, m["h1"])[1]), m["shared"]) for x, m in zip(xs, ms)]) - res["router"]
         res["shared"] = graph_time_us([lambda x=x, m=m: L.shared_expert(x, m["h2"]) for x, m in zip(xs, ms)])
         res["ideal"] = res["router"] + max(res["moe"], res["shared"])
-        for variant, prio in (("inline", 0), ("aux", 0), ("aux-early", 0), ("aux-hi", -1), ("aux-early-hi", -1)):
-            L.AUX_PRIORITY = prio
+        for variant in ("inline", "aux", "aux-early"):
             res[variant] = graph_time_us([lambda x=x, m=m, v=variant, s=s: step5(s, x, m, v) for x, m in zip(xs, ms)])
-        L.AUX_PRIORITY = 0
         rows.append(res)
         print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in res.items()}), flush=True)
         del xs, ms
@@ -76,7 +73,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "probe_shared_overlap.json").write_text(json.dumps(rows, indent=1))
-    cols = ("router", "moe", "shared", "ideal", "inline", "aux", "aux-early", "aux-hi", "aux-early-hi")
+    cols = ("router", "moe", "shared", "ideal", "inline", "aux", "aux-early")
     lines = ["# step 5 of the hpcops layer: the shared expert beside the routed MoE (µs per layer)", "",
              f"GPU: {torch.cuda.get_device_name()}; CUDA-graph replays over L2-cold layers; `moe` = select + "
              "routed MoE + residual with the router GEMM's time taken out; `ideal` = router + max(moe, shared).",

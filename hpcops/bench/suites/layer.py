@@ -20,8 +20,8 @@ The layer, in order (one TP8 rank's attention: 8 q heads / 1 kv head, head_dim 1
    fused CUDA top-k vLLM runs there (the torch sequence it replaced was ~10 launches, ~20 µs of a decode
    layer's graph; the `router` suite times both). At T ≤ SHARED_STREAM_MAX_T (256, vLLM's
    `VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD` default: every decode row) both sides run the shared
-   expert as vLLM's SharedFusedMoE does, on an auxiliary CUDA stream forked after the router GEMM, beside
-   `select_experts` and the routed experts; above it (prefill) in line.
+   expert as vLLM's SharedFusedMoE does, on an auxiliary CUDA stream beside `select_experts` and the routed
+   experts (hpcops forks it before the router GEMM, vLLM after); above it (prefill) in line.
 
 Sides:
 - `hpcops`: `rope_norm_store_kv` (fp8 KV: it also emits the fp8 query with per-token-head scales, which
@@ -280,10 +280,15 @@ def step4_oproj_residual(x: dict[str, Any], hidden: torch.Tensor, attn: torch.Te
     return hidden + attn.reshape(hidden.shape[0], -1) @ x["w_o"].t()
 
 
+def router_logits(x: dict[str, Any], h2: torch.Tensor) -> torch.Tensor:
+    """The fp32 router GEMM → [T, E] fp32."""
+    return h2.float() @ x["w_router"].t()
+
+
 def step5a_router(x: dict[str, Any], h1: torch.Tensor):
     """→ (h2 [T, H] bf16 MoE input, router logits fp32 [T, E]): the post-attention norm, the fp32 router GEMM."""
     h2 = _rms(h1, x["w_post"])
-    return h2, h2.float() @ x["w_router"].t()
+    return h2, router_logits(x, h2)
 
 
 def step5a_select(x: dict[str, Any], logits: torch.Tensor):
@@ -311,17 +316,15 @@ def shared_on_aux_stream(t: int, device: torch.device) -> bool:
     return device.type == "cuda" and t <= SHARED_STREAM_MAX_T
 
 
-_AUX: dict[tuple[torch.device, int], torch.cuda.Stream] = {}
-# the auxiliary stream's priority (0: the default, as vLLM's `aux_stream()`; -1: higher, its blocks are scheduled
-# first as the routed MoE's free SMs): scripts/probe_shared_overlap.py compares them
-AUX_PRIORITY = 0
+_AUX: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def _aux(device: torch.device) -> torch.cuda.Stream:
-    key = (device, AUX_PRIORITY)
-    if key not in _AUX:
-        _AUX[key] = torch.cuda.Stream(device, priority=AUX_PRIORITY)
-    return _AUX[key]
+    """One auxiliary stream a device (at the default priority, as vLLM's `aux_stream()`: a higher one made no
+    difference in a captured graph, `bench/results/probe_shared_overlap.md`)."""
+    if device not in _AUX:
+        _AUX[device] = torch.cuda.Stream(device)
+    return _AUX[device]
 
 
 def fork_shared_expert(x: dict[str, Any], h2: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
@@ -397,11 +400,12 @@ def hpcops_layer(s: Scenario, x: dict[str, Any], plan, hidden: torch.Tensor, tra
     if not shared_on_aux_stream(s.t, h1.device):
         h2, tw, ids, shared = step5a_router_shared(x, h1)
         ready = None
-    else:  # as vLLM's SharedFusedMoE: the shared expert beside select_experts and the routed GEMMs (after the
-        # router GEMM, which the model runs before the MoE layer); the MoE's reduction waits for it
-        h2, logits = step5a_router(x, h1)
+    else:  # the shared expert on the aux stream beside the router GEMM, select_experts and the routed GEMMs (its
+        # first GEMM dispatched before the router's: 1-7 µs a layer better than after it, probe_shared_overlap.md);
+        # the MoE's reduction waits for it
+        h2 = _rms(h1, x["w_post"])
         shared, ready = fork_shared_expert(x, h2)
-        tw, ids = step5a_select(x, logits)
+        tw, ids = step5a_select(x, router_logits(x, h2))
     if trace is not None:
         trace["ids"] = ids
     y = _hp_moe(s, x, h1, h2, tw, ids, shared, ready)
