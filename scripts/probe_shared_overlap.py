@@ -4,11 +4,13 @@ At decode sizes both sides of `hpcops bench layer` run the shared expert on an a
 SharedFusedMoE does; the baseline is counted as a perfect overlap, hpcops' layer graph is measured. This
 times step 5 (router GEMM, select, shared expert, routed MoE, residual) of the hpcops layer, CUDA-graph replays
 over L2-cold layers, in variants:
-- `inline`: the shared expert on the main stream before the MoE (no overlap);
-- `aux`: the auxiliary stream forked after the router GEMM (as vLLM forks it);
-- `aux-early`: forked before the router GEMM (the suite's hpcops side);
-and, alone, `moe` (select + routed MoE + residual) and `shared` (the shared expert): `ideal` = 5a's router
-GEMM + max(moe, shared). Writes probe_shared_overlap.{md,json} into --out.
+- `inline`: one stream (no overlap);
+- `moe`: the shared expert on the auxiliary stream, forked before the router GEMM, beside the router GEMM,
+  select_experts and the routed MoE (whose reduction waits for it);
+- `router`: the router GEMM and select_experts on the auxiliary stream beside the shared expert on the main
+  stream, the routed MoE after both;
+and, alone, `norm+router`, `select+moe` (select + routed MoE + residual) and `shared` (the shared expert):
+`ideal` = norm+router + max(select+moe, shared). Writes probe_shared_overlap.{md,json} into --out.
 
     python3 scripts/probe_shared_overlap.py --out DIR [--only B4-u4K-fp8-tp8,...]
 """
@@ -28,24 +30,6 @@ CASES = ("B4-u4K-fp8-tp8", "B16-u4K-fp8-tp8", "B64-u4K-fp8-tp8", "B4-u4K-bf16-tp
          "B64-u4K-bf16-tp8", "B4-u4K-fp8-ep8", "B16-u4K-bf16-ep8", "B64-logmix-bf16-ep8")
 
 
-def step5(s, x, m, variant: str):
-    h1 = m["h1"]
-    if variant == "inline":
-        h2, tw, ids, shared = L.step5a_router_shared(x, h1)
-        return L._hp_moe(s, x, h1, h2, tw, ids, shared)
-    early = "early" in variant
-    h2 = L._rms(h1, x["w_post"])
-    if early:
-        shared, ready = L.fork_shared_expert(x, h2)
-    logits = L.router_logits(x, h2)
-    if not early:
-        shared, ready = L.fork_shared_expert(x, h2)
-    tw, ids = L.step5a_select(x, logits)
-    y = L._hp_moe(s, x, h1, h2, tw, ids, shared, ready)
-    L.join_aux(h1.device)
-    return y
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -59,13 +43,14 @@ def main() -> None:
         xs = [L.make_inputs(s, i, "cuda") for i in range(n)]
         ms = [L._materialize(s, x) for x in xs]
         res = {"case": name, "layers": n}
-        res["router"] = graph_time_us([lambda x=x, m=m: L.step5a_router(x, m["h1"]) for x, m in zip(xs, ms)])
-        res["moe"] = graph_time_us([lambda x=x, m=m, s=s: L._hp_moe(s, x, m["h1"], m["h2"], *L.step5a_select(
-            x, L.step5a_router(x, m["h1"])[1]), m["shared"]) for x, m in zip(xs, ms)]) - res["router"]
+        res["norm+router"] = graph_time_us([lambda x=x, m=m: L.step5a_router(x, m["h1"]) for x, m in zip(xs, ms)])
+        res["select+moe"] = graph_time_us([lambda x=x, m=m, s=s: L._hp_moe(s, x, m["h1"], m["h2"], *L.step5a_select(
+            x, L.step5a_router(x, m["h1"])[1]), m["shared"]) for x, m in zip(xs, ms)]) - res["norm+router"]
         res["shared"] = graph_time_us([lambda x=x, m=m: L.shared_expert(x, m["h2"]) for x, m in zip(xs, ms)])
-        res["ideal"] = res["router"] + max(res["moe"], res["shared"])
-        for variant in ("inline", "aux", "aux-early"):
-            res[variant] = graph_time_us([lambda x=x, m=m, v=variant, s=s: step5(s, x, m, v) for x, m in zip(xs, ms)])
+        res["ideal"] = res["norm+router"] + max(res["select+moe"], res["shared"])
+        for variant in ("inline", "moe", "router"):
+            res[variant] = graph_time_us([lambda x=x, m=m, v=variant, s=s: L.hp_step5(s, x, m["h1"], overlap=v)
+                                          for x, m in zip(xs, ms)])
         rows.append(res)
         print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in res.items()}), flush=True)
         del xs, ms
@@ -73,10 +58,11 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "probe_shared_overlap.json").write_text(json.dumps(rows, indent=1))
-    cols = ("router", "moe", "shared", "ideal", "inline", "aux", "aux-early")
+    cols = ("norm+router", "select+moe", "shared", "ideal", "inline", "moe", "router")
     lines = ["# step 5 of the hpcops layer: the shared expert beside the routed MoE (µs per layer)", "",
-             f"GPU: {torch.cuda.get_device_name()}; CUDA-graph replays over L2-cold layers; `moe` = select + "
-             "routed MoE + residual with the router GEMM's time taken out; `ideal` = router + max(moe, shared).",
+             f"GPU: {torch.cuda.get_device_name()}; CUDA-graph replays over L2-cold layers; `select+moe` = select + "
+             "routed MoE + residual with the norm and router GEMM's time taken out; `ideal` = norm+router + "
+             "max(select+moe, shared).",
              "", "| case | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
     lines += [f"| {r['case']} | " + " | ".join(f"{r[c]:.1f}" for c in cols) + " |" for r in rows]
     (out / "probe_shared_overlap.md").write_text("\n".join(lines) + "\n")

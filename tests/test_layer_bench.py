@@ -242,8 +242,8 @@ def test_hpcops_layer_matches_fp32_reference(tiny_layer, device, kv, layout):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv", ["fp8", "bf16"])
 def test_gpu_layer_graph_with_the_shared_expert_beside(tiny_layer, kv):
-    """At decode sizes the shared expert runs on the auxiliary stream (as vLLM's SharedFusedMoE): a captured
-    layer replays to the eager layer, and the eager layer matches the one-stream composition."""
+    """At decode sizes step 5 runs on two streams: every overlap mode gives the one-stream result, and a captured
+    layer replays to the eager layer."""
     from hpcops.testing import assert_close, capture_graph
 
     s = suite.Scenario(3, "70,130,65", kv, "tp8")
@@ -252,14 +252,15 @@ def test_gpu_layer_graph_with_the_shared_expert_beside(tiny_layer, kv):
     plan = suite.plan_for(x)
     eager = suite.hpcops_layer(s, x, plan, x["hidden"]).clone()
     h1 = x["hidden"] + torch.randn_like(x["hidden"])
-    h2, tw, ids, shared = suite.step5a_router_shared(x, h1)
-    one_stream = suite._hp_moe(s, x, h1, h2, tw, ids, shared).clone()
-    h2b, logits = suite.step5a_router(x, h1)
-    sh, ready = suite.fork_shared_expert(x, h2b)
-    tw2, ids2 = suite.step5a_select(x, logits)
-    beside = suite._hp_moe(s, x, h1, h2b, tw2, ids2, sh, ready)
-    suite.join_aux(h1.device)
-    assert torch.equal(ids, ids2) and torch.equal(one_stream, beside)
+    got = {}
+    for mode in ("inline", "moe", "router"):
+        trace = {}
+        got[mode] = suite.hp_step5(s, x, h1, trace, overlap=mode).clone()
+        got[mode + "-ids"] = trace["ids"]
+    assert torch.equal(got["inline-ids"], got["moe-ids"]) and torch.equal(got["inline-ids"], got["router-ids"])
+    assert torch.equal(got["inline"], got["moe"]) and torch.equal(got["inline"], got["router"])
+    with pytest.raises(ValueError, match="overlap"):
+        suite.hp_step5(s, x, h1, overlap="both")
     graph, out = capture_graph(lambda: suite.hpcops_layer(s, x, plan, x["hidden"]))
     out.fill_(float("nan"))
     graph.replay()
@@ -448,3 +449,13 @@ def test_cli_bench_layer_writes_the_derived_reports(monkeypatch, tmp_path, capsy
     assert [r["impl"] for r in data["rows"]] == ["hpcops", "baseline", "baseline-rest", "baseline-moe-kernels"]
     assert (tmp_path / "layer.components.md").is_file() and (tmp_path / "layer.summary.json").is_file()
     assert "| B4-u4K-fp8-tp8 | **hpcops** | 80.0 |" in capsys.readouterr().out
+
+
+def test_step5_overlap_names(tiny_layer, device):
+    s = suite.Scenario(3, "70,130,65", "bf16", "tp8")
+    x = suite.make_inputs(s, 0, device=device)
+    assert suite.HP_OVERLAP in ("moe", "router")
+    with pytest.raises(ValueError, match="overlap must be"):
+        suite.hp_step5(s, x, x["hidden"], overlap="both")
+    one = suite.hp_step5(s, x, x["hidden"], overlap="inline")
+    assert one.shape == x["hidden"].shape and torch.isfinite(one.float()).all()

@@ -59,3 +59,26 @@ def test_flashinfer_backend_choice():
     assert suite.flashinfer_backend(q, torch.zeros(1, 1, 1, 8, dtype=torch.float8_e4m3fn)) == "fa2"
     assert suite.flashinfer_backend(q, torch.zeros(1, 1, 1, 8, dtype=torch.bfloat16)) == "auto"
 
+
+
+@pytest.mark.parametrize("fp8_q,variant", [(False, {"tma": False}), (False, {"quant_q": True}),
+                                           (True, {"gluon": False}), (False, {"gluon": False})])
+def test_variants_gate_themselves(fp8_q, variant, device, monkeypatch):
+    """A variant checks its own output when prepared on layer 0 (so a failing variant marks only its row, not
+    the case's defaults); a wrong output raises there, naming the variant."""
+    import hpcops.attention.prefill as impl
+
+    s = suite.Scenario("2q5s40_q17", 4, 2, True)
+    x = suite._make_inputs(s, 0, device=device)
+    run = suite._ours(fp8_q, variant)(x)
+    assert run() is not None
+    real = impl.prefill_attention
+
+    def off_by_half(*a, **kw):
+        return real(*a, **kw).mul_(1.5)
+
+    monkeypatch.setattr(impl, "prefill_attention", off_by_half)
+    with pytest.raises(AssertionError, match="variant"):
+        suite._ours(fp8_q, variant)(x)
+    later = suite._make_inputs(s, 1, device=device)  # other layers are not checked again
+    assert callable(suite._ours(fp8_q, variant)(later))

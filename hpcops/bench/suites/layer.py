@@ -19,17 +19,20 @@ The layer, in order (one TP8 rank's attention: 8 q heads / 1 kv head, head_dim 1
    and the residual (5b). `select_experts` is hpcops' one-launch kernel on both sides: it stands in for the
    fused CUDA top-k vLLM runs there (the torch sequence it replaced was ~10 launches, ~20 µs of a decode
    layer's graph; the `router` suite times both). At T ≤ SHARED_STREAM_MAX_T (256, vLLM's
-   `VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD` default: every decode row) both sides run the shared
-   expert as vLLM's SharedFusedMoE does, on an auxiliary CUDA stream beside `select_experts` and the routed
-   experts (hpcops forks it before the router GEMM, vLLM after); above it (prefill) in line.
+   `VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD` default: every decode row) both sides run step 5 on two
+   streams: the baseline as vLLM's SharedFusedMoE does (the shared expert on an auxiliary CUDA stream beside
+   `select_experts` and the routed experts), hpcops as HP_OVERLAP says (`hp_step5`; "router": the router GEMM
+   and `select_experts` on the auxiliary stream beside the shared expert, the routed MoE after both; "moe":
+   vLLM's arrangement, forked before the router GEMM); above it (prefill) one stream.
 
 Sides:
 - `hpcops`: `rope_norm_store_kv` (fp8 KV: it also emits the fp8 query with per-token-head scales, which
   the attention reads, at both phases: the prefill suite's `hpcops-fp8q` path), `decode_attention` with its
   load-balanced plan (built once per model step, outside the graph: the `hpcops-plan` row, per step) or
   `prefill_attention` (no plan), `fused_moe` with the shared expert's output added in its reduction
-  (which waits for the auxiliary stream's event: `fused_moe(shared_ready=...)`, the GEMMs do not).
-  The `hpcops` row is the whole layer in one graph, the overlap measured as it runs.
+  (in the "moe" arrangement the reduction alone waits for the auxiliary stream's event:
+  `fused_moe(shared_ready=...)`). The `hpcops` row is the whole layer in one graph, the overlap measured as
+  it runs.
 - `baseline`: torch QK-RMSNorm (FlashInfer has no QK-norm) + FlashInfer's
   `apply_rope_with_cos_sin_cache_inplace` + `append_paged_kv_cache` (fp8 KV: K/V cast in torch first),
   then at decode FlashInfer's `BatchDecodeWithPagedKVCacheWrapper` on its tensor-core path (the faster of its
@@ -311,6 +314,12 @@ def step5a_router_shared(x: dict[str, Any], h1: torch.Tensor):
     return h2, tw, ids, shared_expert(x, h2)
 
 
+# hpcops' step 5 at T ≤ SHARED_STREAM_MAX_T: "moe" = the shared expert on the aux stream beside the router GEMM,
+# select_experts and the routed MoE; "router" = the router GEMM and select_experts on the aux stream beside the
+# shared expert, the routed MoE after both (scripts/probe_shared_overlap.py times both)
+HP_OVERLAP = "router"
+
+
 def shared_on_aux_stream(t: int, device: torch.device) -> bool:
     """Whether a layer of `t` tokens runs its shared expert on the auxiliary stream (both sides, as vLLM)."""
     return device.type == "cuda" and t <= SHARED_STREAM_MAX_T
@@ -327,20 +336,33 @@ def _aux(device: torch.device) -> torch.cuda.Stream:
     return _AUX[device]
 
 
-def fork_shared_expert(x: dict[str, Any], h2: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
-    """The shared expert on this device's auxiliary stream, after what the current stream has queued (h2):
-    → (its output, the event recorded after it). The caller joins the stream (`join_aux`) before it ends a
-    graph capture; both tensors are marked used on the other stream for the caching allocator."""
-    main = torch.cuda.current_stream(h2.device)
-    aux = _aux(h2.device)
+def fork_on_aux(fn, *inputs: torch.Tensor):
+    """`fn(*inputs)` on this device's auxiliary stream, after what the current stream has queued: → (its output, a
+    tensor or a tuple of them, and the event recorded after it). The caller waits for the event (or joins the stream,
+    `join_aux`) before it reads the output and before it ends a graph capture; inputs and outputs are marked used on
+    the other stream for the caching allocator."""
+    dev = inputs[0].device
+    main, aux = torch.cuda.current_stream(dev), _aux(dev)
     aux.wait_stream(main)
     with torch.cuda.stream(aux):
-        shared = shared_expert(x, h2)
+        out = fn(*inputs)
         ready = torch.cuda.Event()
         ready.record(aux)
-    h2.record_stream(aux)
-    shared.record_stream(main)
-    return shared, ready
+    for t in inputs:
+        t.record_stream(aux)
+    for t in out if isinstance(out, tuple) else (out,):
+        t.record_stream(main)
+    return out, ready
+
+
+def fork_shared_expert(x: dict[str, Any], h2: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
+    """The shared expert on the auxiliary stream: → (its output, the event recorded after it)."""
+    return fork_on_aux(lambda h: shared_expert(x, h), h2)
+
+
+def fork_routing(x: dict[str, Any], h2: torch.Tensor):
+    """The router GEMM and `select_experts` on the auxiliary stream: → ((weights, ids), the event after them)."""
+    return fork_on_aux(lambda h: step5a_select(x, router_logits(x, h)), h2)
 
 
 def join_aux(device: torch.device) -> None:
@@ -391,27 +413,45 @@ def plan_for(x: dict[str, Any]):
                        q_dtype=x["q_out"].dtype, kv_dtype=x["k_cache"].dtype)
 
 
+def hp_step5(s: Scenario, x: dict[str, Any], h1: torch.Tensor, trace: dict | None = None,
+             overlap: str | None = None) -> torch.Tensor:
+    """hpcops' step 5 (post-attention norm, router GEMM, select_experts, shared expert, routed MoE + residual) →
+    [T, H] bf16. `overlap`: "inline" (one stream), "moe" or "router" (see HP_OVERLAP); default: HP_OVERLAP at
+    T ≤ SHARED_STREAM_MAX_T on a GPU, else inline."""
+    if overlap is None:
+        overlap = HP_OVERLAP if shared_on_aux_stream(s.t, h1.device) else "inline"
+    ready = None
+    if overlap == "inline":
+        h2, tw, ids, shared = step5a_router_shared(x, h1)
+    elif overlap == "moe":  # the shared expert on the aux stream beside the router GEMM, select_experts and the
+        # routed GEMMs (forked before the router GEMM: 1-7 µs a layer better than after it, probe_shared_overlap.md);
+        # the MoE's reduction waits for it
+        h2 = _rms(h1, x["w_post"])
+        shared, ready = fork_shared_expert(x, h2)
+        tw, ids = step5a_select(x, router_logits(x, h2))
+    elif overlap == "router":  # the router GEMM and select_experts on the aux stream beside the shared expert: two
+        # chains of small launches that share the SMs; the routed MoE's wide grids after both
+        h2 = _rms(h1, x["w_post"])
+        (tw, ids), routed = fork_routing(x, h2)
+        shared = shared_expert(x, h2)
+        torch.cuda.current_stream(h2.device).wait_event(routed)
+    else:
+        raise ValueError(f"overlap must be 'inline', 'moe' or 'router', got {overlap!r}")
+    if trace is not None:
+        trace["ids"] = ids
+    y = _hp_moe(s, x, h1, h2, tw, ids, shared, ready)
+    if overlap != "inline":
+        join_aux(h1.device)
+    return y
+
+
 def hpcops_layer(s: Scenario, x: dict[str, Any], plan, hidden: torch.Tensor, trace: dict | None = None):
     """The whole hpcops layer: [T, H] bf16 → [T, H] bf16 (`trace` collects the expert choice)."""
     qkv = step1_norm_qkv(x, hidden)
     q, qs = _hp_rope(s, x, qkv)
     attn = _hp_attn(x, q, qs, plan)
     h1 = step4_oproj_residual(x, hidden, attn)
-    if not shared_on_aux_stream(s.t, h1.device):
-        h2, tw, ids, shared = step5a_router_shared(x, h1)
-        ready = None
-    else:  # the shared expert on the aux stream beside the router GEMM, select_experts and the routed GEMMs (its
-        # first GEMM dispatched before the router's: 1-7 µs a layer better than after it, probe_shared_overlap.md);
-        # the MoE's reduction waits for it
-        h2 = _rms(h1, x["w_post"])
-        shared, ready = fork_shared_expert(x, h2)
-        tw, ids = step5a_select(x, router_logits(x, h2))
-    if trace is not None:
-        trace["ids"] = ids
-    y = _hp_moe(s, x, h1, h2, tw, ids, shared, ready)
-    if ready is not None:
-        join_aux(h1.device)
-    return y
+    return hp_step5(s, x, h1, trace)
 
 
 # baseline
