@@ -6,9 +6,7 @@ times step 5 (router GEMM, select, shared expert, routed MoE, residual) of the h
 over L2-cold layers, in variants:
 - `inline`: one stream (no overlap);
 - `moe`: the shared expert on the auxiliary stream, forked before the router GEMM, beside the router GEMM,
-  select_experts and the routed MoE (whose reduction waits for it);
-- `router`: the router GEMM and select_experts on the auxiliary stream beside the shared expert on the main
-  stream, the routed MoE after both;
+  select_experts and the routed MoE (whose reduction waits for it: the suite's hpcops side);
 and, alone, `norm+router`, `select+moe` (select + routed MoE + residual) and `shared` (the shared expert):
 `ideal` = norm+router + max(select+moe, shared). Writes probe_shared_overlap.{md,json} into --out.
 
@@ -48,7 +46,7 @@ def main() -> None:
             x, L.step5a_router(x, m["h1"])[1]), m["shared"]) for x, m in zip(xs, ms)]) - res["norm+router"]
         res["shared"] = graph_time_us([lambda x=x, m=m: L.shared_expert(x, m["h2"]) for x, m in zip(xs, ms)])
         res["ideal"] = res["norm+router"] + max(res["select+moe"], res["shared"])
-        for variant in ("inline", "moe", "router"):
+        for variant in ("inline", "moe"):
             res[variant] = graph_time_us([lambda x=x, m=m, v=variant, s=s: L.hp_step5(s, x, m["h1"], overlap=v)
                                           for x, m in zip(xs, ms)])
         rows.append(res)
@@ -58,7 +56,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "probe_shared_overlap.json").write_text(json.dumps(rows, indent=1))
-    cols = ("norm+router", "select+moe", "shared", "ideal", "inline", "moe", "router")
+    cols = ("norm+router", "select+moe", "shared", "ideal", "inline", "moe")
     lines = ["# step 5 of the hpcops layer: the shared expert beside the routed MoE (µs per layer)", "",
              f"GPU: {torch.cuda.get_device_name()}; CUDA-graph replays over L2-cold layers; `select+moe` = select + "
              "routed MoE + residual with the norm and router GEMM's time taken out; `ideal` = norm+router + "

@@ -28,8 +28,8 @@ quiet .venv/bin/python -m pip install -q --upgrade pip
 # torch first, from the pinned CPU build, so nothing pulls a CUDA build of several GB.
 step 3 "torch 2.13.0 (CPU)"
 quiet .venv/bin/python -m pip install -q "torch==2.13.0"
-step 4 "triton 3.6.0, numpy<2.4, pytest, ruff 0.11.13, matplotlib"
-quiet .venv/bin/python -m pip install -q "triton==3.6.0" "numpy<2.4" "pytest>=8" "ruff==0.11.13" "matplotlib>=3.7"
+step 4 "triton 3.6.0, numpy<2.4, pytest, pytest-xdist, ruff 0.11.13, matplotlib"
+quiet .venv/bin/python -m pip install -q "triton==3.6.0" "numpy<2.4" "pytest>=8" "pytest-xdist>=3.5" "ruff==0.11.13" "matplotlib>=3.7"
 step 5 "hpcops (editable, from this folder)"
 quiet .venv/bin/python -m pip install -q --no-deps -e .
 # vLLM's CPU build, for the vLLM integration tests (tests/test_vllm.py, docs/vllm.md). Skipped when

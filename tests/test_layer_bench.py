@@ -253,12 +253,11 @@ def test_gpu_layer_graph_with_the_shared_expert_beside(tiny_layer, kv):
     eager = suite.hpcops_layer(s, x, plan, x["hidden"]).clone()
     h1 = x["hidden"] + torch.randn_like(x["hidden"])
     got = {}
-    for mode in ("inline", "moe", "router"):
+    for mode in ("inline", "moe"):
         trace = {}
         got[mode] = suite.hp_step5(s, x, h1, trace, overlap=mode).clone()
         got[mode + "-ids"] = trace["ids"]
-    assert torch.equal(got["inline-ids"], got["moe-ids"]) and torch.equal(got["inline-ids"], got["router-ids"])
-    assert torch.equal(got["inline"], got["moe"]) and torch.equal(got["inline"], got["router"])
+    assert torch.equal(got["inline-ids"], got["moe-ids"]) and torch.equal(got["inline"], got["moe"])
     with pytest.raises(ValueError, match="overlap"):
         suite.hp_step5(s, x, h1, overlap="both")
     graph, out = capture_graph(lambda: suite.hpcops_layer(s, x, plan, x["hidden"]))
@@ -454,7 +453,7 @@ def test_cli_bench_layer_writes_the_derived_reports(monkeypatch, tmp_path, capsy
 def test_step5_overlap_names(tiny_layer, device):
     s = suite.Scenario(3, "70,130,65", "bf16", "tp8")
     x = suite.make_inputs(s, 0, device=device)
-    assert suite.HP_OVERLAP in ("moe", "router")
+    assert suite.HP_OVERLAP == "moe"
     with pytest.raises(ValueError, match="overlap must be"):
         suite.hp_step5(s, x, x["hidden"], overlap="both")
     one = suite.hp_step5(s, x, x["hidden"], overlap="inline")

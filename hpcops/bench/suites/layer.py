@@ -20,19 +20,17 @@ The layer, in order (one TP8 rank's attention: 8 q heads / 1 kv head, head_dim 1
    fused CUDA top-k vLLM runs there (the torch sequence it replaced was ~10 launches, ~20 µs of a decode
    layer's graph; the `router` suite times both). At T ≤ SHARED_STREAM_MAX_T (256, vLLM's
    `VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD` default: every decode row) both sides run step 5 on two
-   streams: the baseline as vLLM's SharedFusedMoE does (the shared expert on an auxiliary CUDA stream beside
-   `select_experts` and the routed experts), hpcops as HP_OVERLAP says (`hp_step5`; "router": the router GEMM
-   and `select_experts` on the auxiliary stream beside the shared expert, the routed MoE after both; "moe":
-   vLLM's arrangement, forked before the router GEMM); above it (prefill) one stream.
+   streams, as vLLM's SharedFusedMoE does: the shared expert on an auxiliary CUDA stream beside
+   `select_experts` and the routed experts (hpcops forks it before the router GEMM, vLLM after: `hp_step5`);
+   above it (prefill) one stream.
 
 Sides:
 - `hpcops`: `rope_norm_store_kv` (fp8 KV: it also emits the fp8 query with per-token-head scales, which
   the attention reads, at both phases: the prefill suite's `hpcops-fp8q` path), `decode_attention` with its
   load-balanced plan (built once per model step, outside the graph: the `hpcops-plan` row, per step) or
   `prefill_attention` (no plan), `fused_moe` with the shared expert's output added in its reduction
-  (in the "moe" arrangement the reduction alone waits for the auxiliary stream's event:
-  `fused_moe(shared_ready=...)`). The `hpcops` row is the whole layer in one graph, the overlap measured as
-  it runs.
+  (the reduction alone waits for the auxiliary stream's event: `fused_moe(shared_ready=...)`). The `hpcops`
+  row is the whole layer in one graph, the overlap measured as it runs.
 - `baseline`: torch QK-RMSNorm (FlashInfer has no QK-norm) + FlashInfer's
   `apply_rope_with_cos_sin_cache_inplace` + `append_paged_kv_cache` (fp8 KV: K/V cast in torch first),
   then at decode FlashInfer's `BatchDecodeWithPagedKVCacheWrapper` on its tensor-core path (the faster of its
@@ -314,10 +312,11 @@ def step5a_router_shared(x: dict[str, Any], h1: torch.Tensor):
     return h2, tw, ids, shared_expert(x, h2)
 
 
-# hpcops' step 5 at T ≤ SHARED_STREAM_MAX_T: "moe" = the shared expert on the aux stream beside the router GEMM,
-# select_experts and the routed MoE; "router" = the router GEMM and select_experts on the aux stream beside the
-# shared expert, the routed MoE after both (scripts/probe_shared_overlap.py times both)
-HP_OVERLAP = "router"
+# hpcops' step 5 at T ≤ SHARED_STREAM_MAX_T: the shared expert on the aux stream beside the router GEMM,
+# select_experts and the routed MoE ("moe"). The other arrangement measured, the router GEMM and select_experts on
+# the aux stream beside the shared expert and the routed MoE after both, was level with it (within 0.5 µs a layer
+# in 9 cases, bench/results/probe_shared_overlap.md at a1c8305) and is gone.
+HP_OVERLAP = "moe"
 
 
 def shared_on_aux_stream(t: int, device: torch.device) -> bool:
@@ -330,7 +329,7 @@ _AUX: dict[torch.device, torch.cuda.Stream] = {}
 
 def _aux(device: torch.device) -> torch.cuda.Stream:
     """One auxiliary stream a device (at the default priority, as vLLM's `aux_stream()`: a higher one made no
-    difference in a captured graph, `bench/results/probe_shared_overlap.md`)."""
+    difference in a captured graph, `bench/results/probe_shared_overlap_cfdfcf9.md`)."""
     if device not in _AUX:
         _AUX[device] = torch.cuda.Stream(device)
     return _AUX[device]
@@ -358,11 +357,6 @@ def fork_on_aux(fn, *inputs: torch.Tensor):
 def fork_shared_expert(x: dict[str, Any], h2: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
     """The shared expert on the auxiliary stream: → (its output, the event recorded after it)."""
     return fork_on_aux(lambda h: shared_expert(x, h), h2)
-
-
-def fork_routing(x: dict[str, Any], h2: torch.Tensor):
-    """The router GEMM and `select_experts` on the auxiliary stream: → ((weights, ids), the event after them)."""
-    return fork_on_aux(lambda h: step5a_select(x, router_logits(x, h)), h2)
 
 
 def join_aux(device: torch.device) -> None:
@@ -416,7 +410,7 @@ def plan_for(x: dict[str, Any]):
 def hp_step5(s: Scenario, x: dict[str, Any], h1: torch.Tensor, trace: dict | None = None,
              overlap: str | None = None) -> torch.Tensor:
     """hpcops' step 5 (post-attention norm, router GEMM, select_experts, shared expert, routed MoE + residual) →
-    [T, H] bf16. `overlap`: "inline" (one stream), "moe" or "router" (see HP_OVERLAP); default: HP_OVERLAP at
+    [T, H] bf16. `overlap`: "inline" (one stream) or "moe" (HP_OVERLAP); default: HP_OVERLAP at
     T ≤ SHARED_STREAM_MAX_T on a GPU, else inline."""
     if overlap is None:
         overlap = HP_OVERLAP if shared_on_aux_stream(s.t, h1.device) else "inline"
@@ -424,19 +418,13 @@ def hp_step5(s: Scenario, x: dict[str, Any], h1: torch.Tensor, trace: dict | Non
     if overlap == "inline":
         h2, tw, ids, shared = step5a_router_shared(x, h1)
     elif overlap == "moe":  # the shared expert on the aux stream beside the router GEMM, select_experts and the
-        # routed GEMMs (forked before the router GEMM: 1-7 µs a layer better than after it, probe_shared_overlap.md);
-        # the MoE's reduction waits for it
+        # routed GEMMs (forked before the router GEMM: 1-7 µs a layer better than after it,
+        # probe_shared_overlap_cfdfcf9.md); the MoE's reduction waits for it
         h2 = _rms(h1, x["w_post"])
         shared, ready = fork_shared_expert(x, h2)
         tw, ids = step5a_select(x, router_logits(x, h2))
-    elif overlap == "router":  # the router GEMM and select_experts on the aux stream beside the shared expert: two
-        # chains of small launches that share the SMs; the routed MoE's wide grids after both
-        h2 = _rms(h1, x["w_post"])
-        (tw, ids), routed = fork_routing(x, h2)
-        shared = shared_expert(x, h2)
-        torch.cuda.current_stream(h2.device).wait_event(routed)
     else:
-        raise ValueError(f"overlap must be 'inline', 'moe' or 'router', got {overlap!r}")
+        raise ValueError(f"overlap must be 'inline' or 'moe', got {overlap!r}")
     if trace is not None:
         trace["ids"] = ids
     y = _hp_moe(s, x, h1, h2, tw, ids, shared, ready)

@@ -190,10 +190,13 @@ def _ours(fp8_q: bool, variant: dict | None = None):
     return prepare
 
 
+FP8_BUDGET = {"maxtol": 6e-2, "rmstol": 3e-2}  # the fp8 error budget (PREFILL.md), against the fp32 reference
+
+
 def _e4m3_p_tolerance(x) -> dict:
-    """The fp8 Gluon kernel (an H200's default for an fp8 q) rounds P to e4m3: the pv_fp8 tolerance."""
+    """The fp8 Gluon kernel (an H200's default for an fp8 q) rounds P to e4m3: the fp8 budget there."""
     hopper = x["q"].is_cuda and torch.cuda.get_device_capability(x["q"].device)[0] == 9
-    return {"maxtol": 6e-2, "rmstol": 3e-2} if hopper else {}
+    return dict(FP8_BUDGET) if hopper else {}
 
 
 def _check_variant(x, run, out, fp8_q: bool, variant: dict) -> None:
@@ -209,6 +212,8 @@ def _check_variant(x, run, out, fp8_q: bool, variant: dict) -> None:
     rows, heads, want = _sampled_reference(x, q, q_scale)
     gluon_fp8 = fp8_q and variant.get("gluon", True) is not False
     tol = _e4m3_p_tolerance(x) if gluon_fp8 or variant.get("pv_fp8") else {}
+    if variant.get("quant_q"):  # q rounded to e4m3 in the kernel, not bit for bit as x["q8"]: the fp8 budget
+        tol = dict(FP8_BUDGET)
     assert_close(want, out[rows][:, heads], name=f"prefill {'fp8' if fp8_q else 'bf16'} q, variant {variant}", **tol)
 
 
