@@ -23,7 +23,6 @@ SUITES: dict[str, str] = {
     "prefill": "hpcops.bench.suites.prefill",
     "layer": "hpcops.bench.suites.layer",
     "router": "hpcops.bench.suites.router",
-    "norm": "hpcops.bench.suites.norm",
 }
 
 
