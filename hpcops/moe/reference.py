@@ -84,8 +84,11 @@ def moe_index(topk_ids: torch.Tensor, num_local: int, block_m: int, expert_map: 
 
 
 def fused_moe(x, w13, w2, topk_weights, topk_ids, *, quant=None, expert_map=None, shared_output=None,
-              out=None, x_scale=None, config: MoeConfig | None = None):
-    """Reference for `hpcops.fused_moe`: a loop over local experts in fp32."""
+              out=None, x_scale=None, config: MoeConfig | None = None, shared_ready=None):
+    """Reference for `hpcops.fused_moe`: a loop over local experts in fp32 (`shared_ready`: the current stream
+    waits for it before anything reads `shared_output`)."""
+    if shared_ready is not None:
+        torch.cuda.current_stream(x.device).wait_event(shared_ready)
     T, H = x.shape
     E, I2, _ = w13.shape
     inter = I2 // 2
