@@ -46,8 +46,8 @@ def main() -> None:
             x, L.step5a_router(x, m["h1"])[1]), m["shared"]) for x, m in zip(xs, ms)]) - res["norm+router"]
         res["shared"] = graph_time_us([lambda x=x, m=m: L.shared_expert(x, m["h2"]) for x, m in zip(xs, ms)])
         res["ideal"] = res["norm+router"] + max(res["select+moe"], res["shared"])
-        for variant in ("inline", "moe"):
-            res[variant] = graph_time_us([lambda x=x, m=m, v=variant, s=s: L.hp_step5(s, x, m["h1"], overlap=v)
+        for variant, beside in (("inline", False), ("moe", True)):
+            res[variant] = graph_time_us([lambda x=x, m=m, b=beside, s=s: L.hp_step5(s, x, m["h1"], beside=b)
                                           for x, m in zip(xs, ms)])
         rows.append(res)
         print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in res.items()}), flush=True)

@@ -253,13 +253,11 @@ def test_gpu_layer_graph_with_the_shared_expert_beside(tiny_layer, kv):
     eager = suite.hpcops_layer(s, x, plan, x["hidden"]).clone()
     h1 = x["hidden"] + torch.randn_like(x["hidden"])
     got = {}
-    for mode in ("inline", "moe"):
+    for mode, beside in (("inline", False), ("moe", True)):
         trace = {}
-        got[mode] = suite.hp_step5(s, x, h1, trace, overlap=mode).clone()
+        got[mode] = suite.hp_step5(s, x, h1, trace, beside=beside).clone()
         got[mode + "-ids"] = trace["ids"]
     assert torch.equal(got["inline-ids"], got["moe-ids"]) and torch.equal(got["inline"], got["moe"])
-    with pytest.raises(ValueError, match="overlap"):
-        suite.hp_step5(s, x, h1, overlap="both")
     graph, out = capture_graph(lambda: suite.hpcops_layer(s, x, plan, x["hidden"]))
     out.fill_(float("nan"))
     graph.replay()
@@ -450,11 +448,11 @@ def test_cli_bench_layer_writes_the_derived_reports(monkeypatch, tmp_path, capsy
     assert "| B4-u4K-fp8-tp8 | **hpcops** | 80.0 |" in capsys.readouterr().out
 
 
-def test_step5_overlap_names(tiny_layer, device):
+def test_step5_one_stream_off_the_gpu(tiny_layer, device):
+    """Step 5 forks the shared expert only on a GPU at decode sizes; elsewhere one stream, the same layer."""
     s = suite.Scenario(3, "70,130,65", "bf16", "tp8")
     x = suite.make_inputs(s, 0, device=device)
-    assert suite.HP_OVERLAP == "moe"
-    with pytest.raises(ValueError, match="overlap must be"):
-        suite.hp_step5(s, x, x["hidden"], overlap="both")
-    one = suite.hp_step5(s, x, x["hidden"], overlap="inline")
+    assert suite.shared_on_aux_stream(s.t, x["hidden"].device) == (device == "cuda")
+    assert not suite.shared_on_aux_stream(suite.SHARED_STREAM_MAX_T + 1, torch.device("cuda"))
+    one = suite.hp_step5(s, x, x["hidden"], beside=False)
     assert one.shape == x["hidden"].shape and torch.isfinite(one.float()).all()

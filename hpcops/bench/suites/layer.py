@@ -312,13 +312,6 @@ def step5a_router_shared(x: dict[str, Any], h1: torch.Tensor):
     return h2, tw, ids, shared_expert(x, h2)
 
 
-# hpcops' step 5 at T ≤ SHARED_STREAM_MAX_T: the shared expert on the aux stream beside the router GEMM,
-# select_experts and the routed MoE ("moe"). The other arrangement measured, the router GEMM and select_experts on
-# the aux stream beside the shared expert and the routed MoE after both, was level with it (within 0.5 µs a layer
-# in 9 cases, bench/results/probe_shared_overlap.md at a1c8305) and is gone.
-HP_OVERLAP = "moe"
-
-
 def shared_on_aux_stream(t: int, device: torch.device) -> bool:
     """Whether a layer of `t` tokens runs its shared expert on the auxiliary stream (both sides, as vLLM)."""
     return device.type == "cuda" and t <= SHARED_STREAM_MAX_T
@@ -335,28 +328,19 @@ def _aux(device: torch.device) -> torch.cuda.Stream:
     return _AUX[device]
 
 
-def fork_on_aux(fn, *inputs: torch.Tensor):
-    """`fn(*inputs)` on this device's auxiliary stream, after what the current stream has queued: → (its output, a
-    tensor or a tuple of them, and the event recorded after it). The caller waits for the event (or joins the stream,
-    `join_aux`) before it reads the output and before it ends a graph capture; inputs and outputs are marked used on
-    the other stream for the caching allocator."""
-    dev = inputs[0].device
-    main, aux = torch.cuda.current_stream(dev), _aux(dev)
+def fork_shared_expert(x: dict[str, Any], h2: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
+    """The shared expert on this device's auxiliary stream, after what the current stream has queued (h2): → (its
+    output, the event recorded after it). The caller joins the stream (`join_aux`) before it ends a graph capture;
+    h2 and the output are marked used on the other stream for the caching allocator."""
+    main, aux = torch.cuda.current_stream(h2.device), _aux(h2.device)
     aux.wait_stream(main)
     with torch.cuda.stream(aux):
-        out = fn(*inputs)
+        shared = shared_expert(x, h2)
         ready = torch.cuda.Event()
         ready.record(aux)
-    for t in inputs:
-        t.record_stream(aux)
-    for t in out if isinstance(out, tuple) else (out,):
-        t.record_stream(main)
-    return out, ready
-
-
-def fork_shared_expert(x: dict[str, Any], h2: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
-    """The shared expert on the auxiliary stream: → (its output, the event recorded after it)."""
-    return fork_on_aux(lambda h: shared_expert(x, h), h2)
+    h2.record_stream(aux)
+    shared.record_stream(main)
+    return shared, ready
 
 
 def join_aux(device: torch.device) -> None:
@@ -408,27 +392,27 @@ def plan_for(x: dict[str, Any]):
 
 
 def hp_step5(s: Scenario, x: dict[str, Any], h1: torch.Tensor, trace: dict | None = None,
-             overlap: str | None = None) -> torch.Tensor:
+             beside: bool | None = None) -> torch.Tensor:
     """hpcops' step 5 (post-attention norm, router GEMM, select_experts, shared expert, routed MoE + residual) →
-    [T, H] bf16. `overlap`: "inline" (one stream) or "moe" (HP_OVERLAP); default: HP_OVERLAP at
-    T ≤ SHARED_STREAM_MAX_T on a GPU, else inline."""
-    if overlap is None:
-        overlap = HP_OVERLAP if shared_on_aux_stream(s.t, h1.device) else "inline"
+    [T, H] bf16. `beside`: the shared expert on the auxiliary stream (default: at T ≤ SHARED_STREAM_MAX_T on a
+    GPU), forked before the router GEMM (1-7 µs a layer better than after it, probe_shared_overlap_cfdfcf9.md),
+    beside the router GEMM, select_experts and the routed GEMMs; the MoE's reduction alone waits for it. The
+    other arrangement measured, the router GEMM and select_experts on the aux stream beside the shared expert and
+    the routed MoE after both, was level with it (within 0.5 µs a layer in 9 cases, probe_shared_overlap.md at
+    a1c8305)."""
+    if beside is None:
+        beside = shared_on_aux_stream(s.t, h1.device)
     ready = None
-    if overlap == "inline":
+    if not beside:
         h2, tw, ids, shared = step5a_router_shared(x, h1)
-    elif overlap == "moe":  # the shared expert on the aux stream beside the router GEMM, select_experts and the
-        # routed GEMMs (forked before the router GEMM: 1-7 µs a layer better than after it,
-        # probe_shared_overlap_cfdfcf9.md); the MoE's reduction waits for it
+    else:
         h2 = _rms(h1, x["w_post"])
         shared, ready = fork_shared_expert(x, h2)
         tw, ids = step5a_select(x, router_logits(x, h2))
-    else:
-        raise ValueError(f"overlap must be 'inline' or 'moe', got {overlap!r}")
     if trace is not None:
         trace["ids"] = ids
     y = _hp_moe(s, x, h1, h2, tw, ids, shared, ready)
-    if overlap != "inline":
+    if beside:
         join_aux(h1.device)
     return y
 
