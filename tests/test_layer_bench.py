@@ -116,7 +116,8 @@ def _row(impl, us, case="B4-u4K-fp8-tp8", b=4, status="ok", timing="graph", prom
 def test_derived_baseline_summary_and_reports(tmp_path):
     comp = {"shared:1-norm-qkv": 10.0, "hpcops:2-rope-kv": 2.0, "baseline:2-rope-kv": 8.0,
             "hpcops:3-attention": 20.0, "baseline:3-attention": 25.0, "shared:4-oproj-residual": 9.0,
-            "shared:5a-norm-router-select": 9.0, "shared:5s-shared-expert": 6.0, "hpcops:5b-moe": 30.0,
+            "hpcops:5a-norm-route": 7.0,
+            "baseline:5a-norm-router-select": 9.0, "shared:5s-shared-expert": 6.0, "hpcops:5b-moe": 30.0,
             "baseline:5c-combine": 3.0}
     rows = [_row("hpcops", 80.0), _row("hpcops-plan", 4.0), _row("baseline-rest", 70.0),
             _row("baseline-moe-kernels", 28.0, timing="kernels"), *[_row(k, v) for k, v in comp.items()]]
@@ -153,7 +154,8 @@ def test_prefill_rows_report_ttft(tmp_path):
     case = "prefill-2K-fp8-tp8"
     comp = {"shared:1-norm-qkv": 100.0, "hpcops:2-rope-kv": 20.0, "baseline:2-rope-kv": 60.0,
             "hpcops:3-attention": 300.0, "baseline:3-attention": 500.0, "shared:4-oproj-residual": 80.0,
-            "shared:5a-norm-router-select": 100.0, "shared:5s-shared-expert": 50.0, "hpcops:5b-moe": 700.0,
+            "hpcops:5a-norm-route": 100.0,
+            "baseline:5a-norm-router-select": 100.0, "shared:5s-shared-expert": 50.0, "hpcops:5b-moe": 700.0,
             "baseline:5c-combine": 30.0}
     rows = [_row("hpcops", 1400.0, case=case, prompt=2048), _row("baseline-rest", 1000.0, case=case, prompt=2048),
             _row("baseline-moe-kernels", 650.0, case=case, timing="kernels", prompt=2048),

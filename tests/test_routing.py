@@ -150,3 +150,102 @@ def test_select_experts_opcheck(device):
         select_experts_out_op(logits, 4, "sigmoid", bias, True, 2.0, w, ids.long())
     want_w, want_ids = select_experts(logits, 4, scoring="sigmoid", bias=bias, scale=2.0)
     assert torch.equal(ids, want_ids) and torch.equal(w, want_w)
+
+
+def _ids_agree_but_near_ties(ids, want_ids, logits, tol=1e-4):
+    """Expert choices equal, except where the reference's k-th and (k+1)-th scores are closer than `tol`
+    (a summation order can flip those)."""
+    diff = (ids != want_ids).any(-1)
+    if not diff.any():
+        return True
+    k = ids.shape[1]
+    top = torch.topk(logits.float(), k + 1, dim=-1).values
+    gaps = (top[:, k - 1] - top[:, k]).abs()
+    return bool((gaps[diff] < tol).all())
+
+
+@pytest.mark.parametrize("T,E,H,k,scoring", [(1, 192, 300, 8, "sigmoid"), (5, 60, 257, 4, "softmax"),
+                                             (19, 8, 128, 2, "softmax"), (33, 192, 520, 8, "sigmoid")])
+def test_route_matches_reference(T, E, H, k, scoring, device):
+    """The router GEMM's split-K partial logits, added by the top-k kernel: the reference's choice and weights
+    (fp32 weight, bf16 hidden), into NaN-filled outputs."""
+    from hpcops.moe import reference, routing
+
+    g = torch.Generator().manual_seed(T * 1000 + E)
+    hidden = torch.randn(T, H, generator=g).to(torch.bfloat16).to(device)
+    w = (torch.randn(E, H, generator=g) * H ** -0.5).to(device)
+    bias = (0.1 * torch.randn(E, generator=g)).to(device) if scoring == "sigmoid" else None
+    tw, ids = routing.route(hidden, w, k, scoring=scoring, bias=bias, scale=2.5)
+    want_w, want_ids = reference.route(hidden, w, k, scoring=scoring, bias=bias, scale=2.5)
+    logits = hidden.float() @ w.t()
+    assert _ids_agree_but_near_ties(ids.cpu(), want_ids.cpu(), (torch.sigmoid(logits) + bias if bias is not None
+                                                                else logits).cpu())
+    if torch.equal(ids, want_ids):
+        torch.testing.assert_close(tw, want_w, rtol=1e-5, atol=1e-6)
+    k_split, splits = routing.router_split(T, E, H)
+    assert splits * k_split >= H > (splits - 1) * k_split and k_split % routing.ROUTER_BLOCK_K == 0
+
+
+def test_route_splits_and_partial_sums(device):
+    """The split rule spreads decode sizes over ~264 programs; the top-k kernel adds [S, T, E] partials."""
+    from hpcops.moe import routing
+    from hpcops.moe.reference import select_experts as reference
+
+    assert routing.router_split(4, 192, 4096) == (128, 32)
+    assert routing.router_split(64, 192, 4096) == (384, 11)
+    assert routing.router_split(256, 192, 4096)[1] >= 1
+    parts = torch.randn(3, 7, 20, device=device)
+    w = torch.full((7, 4), float("nan"), device=device)
+    ids = torch.full((7, 4), -1, dtype=torch.int32, device=device)
+    routing._launch_select(parts, 4, "softmax", None, True, 1.0, w, ids)
+    want_w, want_ids = reference(parts.sum(0), 4, scoring="softmax")
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(w, want_w)
+
+
+def test_route_large_batches_and_bad_inputs(device, monkeypatch):
+    from hpcops.moe import reference, routing
+
+    monkeypatch.setattr(routing, "ROUTE_KERNEL_MAX_T", 4)  # past it: torch's GEMM, then select_experts
+    hidden = torch.randn(6, 64, device=device).to(torch.bfloat16)
+    w = torch.randn(16, 64, device=device)
+    tw, ids = routing.route(hidden, w, 3)
+    want_w, want_ids = reference.route(hidden, w, 3)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(tw, want_w)
+    assert routing.route(hidden[:0], w, 3)[1].shape == (0, 3)
+    bad = [("hidden", TypeError, dict(hidden=hidden.to(torch.int32))),
+           ("hidden", ValueError, dict(hidden=hidden[0])),
+           ("router_weight", ValueError, dict(router_weight=w[:, :32])),
+           ("router_weight", TypeError, dict(router_weight=w.to(torch.int32))),
+           ("top_k", ValueError, dict(top_k=17)),
+           ("bias", ValueError, dict(scoring="sigmoid", bias=torch.zeros(8, device=device))),
+           ("scoring", ValueError, dict(scoring="relu"))]
+    for name, exc, kw in bad:
+        args = {"hidden": hidden, "router_weight": w, "top_k": 3, **kw}
+        with pytest.raises(exc) as info:
+            routing.route(args.pop("hidden"), args.pop("router_weight"), args.pop("top_k"), **args)
+        assert name in str(info.value), (name, str(info.value))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 4, 64, 256, 512])
+def test_gpu_route_hy3(T):
+    """Hy3's router (E 192, H 4096, fp32 weight, sigmoid + bias, × 2.826) at decode and prefill sizes, captured in
+    a graph: the reference's choice (up to near ties) and weights."""
+    from hpcops.moe import reference, routing
+    from hpcops.testing import capture_graph
+
+    hidden = torch.randn(T, 4096, device="cuda").to(torch.bfloat16)
+    w = torch.randn(192, 4096, device="cuda") * 4096 ** -0.5
+    bias = 0.1 * torch.randn(192, device="cuda")
+    graph, (tw, ids) = capture_graph(lambda: routing.route(hidden, w, 8, scoring="sigmoid", bias=bias,
+                                                           scale=2.826))
+    tw.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    want_w, want_ids = reference.route(hidden, w, 8, scoring="sigmoid", bias=bias, scale=2.826)
+    choose = torch.sigmoid(hidden.float() @ w.t()) + bias
+    assert _ids_agree_but_near_ties(ids.cpu(), want_ids.cpu(), choose.cpu())
+    same = (ids == want_ids).all(-1)
+    torch.testing.assert_close(tw[same], want_w[same], rtol=1e-5, atol=1e-6)

@@ -412,9 +412,10 @@ def moe_reduce_kernel(y_ptr, pos_ptr, ids_ptr, map_ptr, tw_ptr, shared_ptr, out_
 
 
 @triton.jit
-def select_experts_kernel(logits_ptr, stride_lt, stride_le, bias_ptr, w_ptr, ids_ptr, T, E, scale,
+def select_experts_kernel(logits_ptr, stride_lt, stride_le, bias_ptr, w_ptr, ids_ptr, T, E, scale, stride_ls,
                           TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-                          SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr):
+                          SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
+                          SPLITS: tl.constexpr = 1):
     """Router top-k of BLOCK_T tokens: scores (softmax or sigmoid of the fp32 logits), the TOP_K largest of
     scores + bias (selection only) in descending order, lowest expert id first among equals; weights = the
     chosen scores, renormalized to sum 1 (RENORM), times `scale`. A NaN score is never preferred to a
@@ -422,13 +423,17 @@ def select_experts_kernel(logits_ptr, stride_lt, stride_le, bias_ptr, w_ptr, ids
     Each round is one int64 max over (order-preserving bits of the score << 32 | reversed column), which gives
     the winner and its column at once; the weights are gathered after the rounds (one reduction a round: the
     H200's router.md measured 0.94-0.97x the time of a max + min + sum round with sigmoid, 0.55-0.68x with
-    softmax)."""
+    softmax). SPLITS > 1: the logits are SPLITS partial sums `stride_ls` apart (`router_gemm_kernel`'s split K),
+    added here."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, E_PAD)
     rmask = rows < T
     cmask = cols < E
     x = tl.load(logits_ptr + rows.to(tl.int64)[:, None] * stride_lt + cols[None, :] * stride_le,
                 mask=rmask[:, None] & cmask[None, :], other=float("-inf")).to(tl.float32)  # [BLOCK_T, E_PAD]
+    for s in tl.static_range(1, SPLITS):
+        x += tl.load(logits_ptr + s * stride_ls + rows.to(tl.int64)[:, None] * stride_lt + cols[None, :] * stride_le,
+                     mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
     if SIGMOID:
         scores = 1.0 / (1.0 + tl.exp(-x))
         choose = scores
@@ -464,3 +469,28 @@ def select_experts_kernel(logits_ptr, stride_lt, stride_le, bias_ptr, w_ptr, ids
     omask = rmask[:, None] & (kcols[None, :] < TOP_K)
     tl.store(w_ptr + out, w, mask=omask)
     tl.store(ids_ptr + out, ids, mask=omask)
+
+
+@triton.jit
+def router_gemm_kernel(x_ptr, w_ptr, part_ptr, T, E, H, K_SPLIT, stride_xt, stride_we, stride_ps, stride_pt,
+                       BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Partial router logits part[s, t, e] = Σ_{k in split s} x[t, k] · w[e, k] in fp32 (an fp32 dot on the FMA
+    units, `input_precision="ieee"`: the router's fp32 weight keeps its precision). Grid (E tiles, splits, T
+    tiles): at decode sizes the splits spread the weight read over the SMs; `select_experts_kernel` adds them."""
+    pid_e, pid_s, pid_t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    es = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    rmask, emask = rows < T, es < E
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xt
+    w_rows = w_ptr + es.to(tl.int64)[:, None] * stride_we
+    acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    k_begin = pid_s * K_SPLIT
+    k_end = tl.minimum(k_begin + K_SPLIT, H)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        kmask = ks < k_end
+        xv = tl.load(x_rows + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+        wv = tl.load(w_rows + ks[None, :], mask=emask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+        acc = tl.dot(xv, tl.trans(wv), acc, input_precision="ieee")
+    out = part_ptr + pid_s.to(tl.int64) * stride_ps + rows.to(tl.int64)[:, None] * stride_pt + es[None, :]
+    tl.store(out, acc, mask=rmask[:, None] & emask[None, :])

@@ -45,6 +45,12 @@ def select_experts(router_logits, top_k, *, scoring="softmax", bias=None, renorm
     return weights.contiguous(), ids.to(torch.int32).contiguous()
 
 
+def route(hidden, router_weight, top_k, *, scoring="softmax", bias=None, renormalize=True, scale=1.0):
+    """`hpcops.moe.routing.route` in torch: the fp32 router GEMM, then `select_experts` (the reference's)."""
+    logits = hidden.float() @ router_weight.float().t()
+    return select_experts(logits, top_k, scoring=scoring, bias=bias, renormalize=renormalize, scale=scale)
+
+
 def _static_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     s = scale.float().reshape(())
     return (x.float() / s).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * s

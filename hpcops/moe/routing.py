@@ -89,28 +89,99 @@ def batched_select_launch(num_experts: int) -> tuple[int, int]:
 
 def _launch_select(router_logits, top_k, scoring, bias, renormalize, scale, weights, ids,
                    launch: tuple[int, int] | None = None) -> None:
-    T, E = router_logits.shape
+    """`router_logits` [T, E], or [S, T, E] partial sums (added in the kernel)."""
+    parts = router_logits if router_logits.dim() == 3 else router_logits[None]
+    _, T, E = parts.shape
     if T == 0:
         return
     block_t, warps = launch or select_launch(E)
     has_bias = bias is not None and scoring == "sigmoid"
     K.select_experts_kernel[(triton.cdiv(T, block_t),)](
-        router_logits, router_logits.stride(0), router_logits.stride(1), bias if has_bias else weights,
-        weights, ids, T, E, float(scale), TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
+        parts, parts.stride(1), parts.stride(2), bias if has_bias else weights,
+        weights, ids, T, E, float(scale), parts.stride(0), TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
         E_PAD=triton.next_power_of_2(E), BLOCK_T=block_t, SIGMOID=scoring == "sigmoid", HAS_BIAS=has_bias,
-        RENORM=bool(renormalize), num_warps=warps)
+        RENORM=bool(renormalize), SPLITS=parts.shape[0], num_warps=warps)
+
+
+# route(): the router GEMM on the kernel up to this many tokens (decode sizes, where the weight read is the cost
+# and a split K spreads it over the SMs); beyond it torch's GEMM (cuBLAS) then select_experts
+ROUTE_KERNEL_MAX_T = 256
+ROUTER_BLOCK_T, ROUTER_BLOCK_E, ROUTER_BLOCK_K = 16, 32, 128
+ROUTER_TARGET_PROGRAMS = 264  # two per SM of an H100/H200
+
+
+def router_split(num_tokens: int, num_experts: int, hidden: int) -> tuple[int, int]:
+    """(K elements a split, splits) of the router GEMM: about ROUTER_TARGET_PROGRAMS programs over the E and T
+    tiles, each split a multiple of ROUTER_BLOCK_K."""
+    tiles = triton.cdiv(num_experts, ROUTER_BLOCK_E) * triton.cdiv(max(num_tokens, 1), ROUTER_BLOCK_T)
+    want = max(1, min(ROUTER_TARGET_PROGRAMS // tiles, triton.cdiv(hidden, ROUTER_BLOCK_K)))
+    k_split = triton.cdiv(triton.cdiv(hidden, want), ROUTER_BLOCK_K) * ROUTER_BLOCK_K
+    return k_split, triton.cdiv(hidden, k_split)
+
+
+def route(hidden: torch.Tensor, router_weight: torch.Tensor, top_k: int, *, scoring: str = "softmax",
+          bias: torch.Tensor | None = None, renormalize: bool = True,
+          scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router GEMM and `select_experts` in two launches: logits = hidden · router_weightᵀ in fp32, then the
+    top-k as `select_experts` computes it (same arguments and results).
+
+    Args:
+        hidden: `[T, H]` bf16/fp16/fp32, last dim contiguous.
+        router_weight: `[E, H]` fp32 (Hy3, DeepSeek-V3 keep the router in fp32) or 16-bit, last dim contiguous.
+        top_k, scoring, bias, renormalize, scale: as `select_experts`.
+
+    At T ≤ ROUTE_KERNEL_MAX_T one split-K program grid computes partial logits on the FMA units (fp32 products of
+    the fp32 weight: no cast of `hidden`, no rounding of the weight) and the top-k kernel adds them; where torch's
+    sequence is a cast and a GEMM. Larger T: torch's GEMM, then `select_experts`. No host sync.
+    """
+    check_tensor("hidden", hidden, ndim=2)
+    if not hidden.is_floating_point():
+        raise TypeError(f"hidden must be a floating tensor, got {hidden.dtype}")
+    T, H = hidden.shape
+    check_tensor("router_weight", router_weight, ndim=2, device=hidden.device)
+    if not router_weight.is_floating_point():
+        raise TypeError(f"router_weight must be a floating tensor, got {router_weight.dtype}")
+    if router_weight.shape[1] != H:
+        raise ValueError(f"router_weight must be [E, H] with H = hidden.shape[1] = {H}, got "
+                         f"{list(router_weight.shape)}")
+    for name, t in (("hidden", hidden), ("router_weight", router_weight)):
+        if H > 1 and t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous along its last dimension, got strides {tuple(t.stride())}")
+    E = router_weight.shape[0]
+    _check_routing(E, hidden.device, top_k, scoring, bias, scale)
+    on_device = hidden.is_cuda or _platform.is_interpreter() or kernels_are_replaced()
+    if T > ROUTE_KERNEL_MAX_T or not on_device or E > SELECT_MAX_EXPERTS or top_k > SELECT_MAX_TOP_K:
+        logits = hidden.float() @ router_weight.float().t()
+        return select_experts(logits, top_k, scoring=scoring, bias=bias, renormalize=renormalize, scale=scale)
+    k_split, splits = router_split(T, E, H)
+    dev = hidden.device
+    parts = torch.empty((splits, T, E), dtype=torch.float32, device=dev)
+    weights = torch.empty((T, top_k), dtype=torch.float32, device=dev)
+    ids = torch.empty((T, top_k), dtype=torch.int32, device=dev)
+    if T:
+        grid = (triton.cdiv(E, ROUTER_BLOCK_E), splits, triton.cdiv(T, ROUTER_BLOCK_T))
+        K.router_gemm_kernel[grid](hidden, router_weight, parts, T, E, H, k_split, hidden.stride(0),
+                                   router_weight.stride(0), parts.stride(0), parts.stride(1),
+                                   BLOCK_T=ROUTER_BLOCK_T, BLOCK_E=ROUTER_BLOCK_E, BLOCK_K=ROUTER_BLOCK_K,
+                                   num_warps=4)
+    _launch_select(parts, top_k, scoring, bias, renormalize, scale, weights, ids)
+    return weights, ids
 
 
 def _check_select(router_logits, top_k, scoring, bias, scale) -> None:
     check_tensor("router_logits", router_logits, ndim=2)
     if not router_logits.is_floating_point():
         raise TypeError(f"router_logits must be a floating tensor, got {router_logits.dtype}")
+    _check_routing(router_logits.shape[1], router_logits.device, top_k, scoring, bias, scale)
+
+
+def _check_routing(E: int, device: torch.device, top_k, scoring, bias, scale) -> None:
+    """The top-k arguments against E experts on `device`."""
     check_choice("scoring", scoring, ("softmax", "sigmoid"))
-    E = router_logits.shape[1]
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= E:
         raise ValueError(f"top_k must be an int in [1, {E}] (the number of experts), got {top_k!r}")
     if bias is not None:
-        check_tensor("bias", bias, shape=(E,), device=router_logits.device)
+        check_tensor("bias", bias, shape=(E,), device=device)
         if not bias.is_floating_point():
             raise TypeError(f"bias must be a floating tensor, got {bias.dtype}")
         if scoring != "sigmoid":

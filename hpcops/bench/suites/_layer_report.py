@@ -22,7 +22,7 @@ STEPS = (  # (label, hpcops row, baseline row): the table's components, in layer
     ("2 QK-norm + RoPE + KV write", "hpcops:2-rope-kv", "baseline:2-rope-kv"),
     ("3 attention", "hpcops:3-attention", "baseline:3-attention"),
     ("4 o_proj + residual", "shared:4-oproj-residual", "shared:4-oproj-residual"),
-    ("5a norm + router + select", "shared:5a-norm-router-select", "shared:5a-norm-router-select"),
+    ("5a norm + router + select", "hpcops:5a-norm-route", "baseline:5a-norm-router-select"),
     ("5s shared expert", "shared:5s-shared-expert", "shared:5s-shared-expert"),
     ("5b routed MoE + residual", "hpcops:5b-moe", "baseline-moe-kernels"),
 )

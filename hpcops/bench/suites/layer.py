@@ -15,9 +15,11 @@ The layer, in order (one TP8 rank's attention: 8 q heads / 1 kv head, head_dim 1
 3. attention over the paged cache: decode, or causal prefill of the prompt;
 4. the o_proj GEMM and the residual (torch, `shared`);
 5. post-attention RMSNorm, the fp32 router GEMM, `select_experts` (sigmoid, selection bias,
-   renormalize × 2.826) (`shared`: 5a), the shared expert's MLP (`shared`: 5s), then the routed MoE
-   and the residual (5b). `select_experts` is hpcops' one-launch kernel on both sides: it stands in for the
-   fused CUDA top-k vLLM runs there (the torch sequence it replaced was ~10 launches, ~20 µs of a decode
+   renormalize × 2.826) (5a), the shared expert's MLP (`shared`: 5s), then the routed MoE and the
+   residual (5b). The baseline's router is torch's fp32 GEMM (the cast, then the GEMM), hpcops' is
+   `routing.route` (a split-K router GEMM on the fp32 weight whose partial logits the top-k kernel adds, as
+   HPC-Ops has its own router GEMM). `select_experts` is hpcops' one-launch kernel on both sides: it stands in
+   for the fused CUDA top-k vLLM runs there (the torch sequence it replaced was ~10 launches, ~20 µs of a decode
    layer's graph; the `router` suite times both). At T ≤ SHARED_STREAM_MAX_T (256, vLLM's
    `VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD` default: every decode row) both sides run step 5 on two
    streams, as vLLM's SharedFusedMoE does: the shared expert on an auxiliary CUDA stream beside
@@ -305,6 +307,14 @@ def shared_expert(x: dict[str, Any], h2: torch.Tensor) -> torch.Tensor:
     return (torch.nn.functional.silu(gu[:, :SHARED_INTER]) * gu[:, SHARED_INTER:]) @ x["ws2"].t()
 
 
+def hp_route(x: dict[str, Any], h2: torch.Tensor):
+    """hpcops' router: `routing.route` (the fp32 router GEMM as a split-K kernel whose partial logits the top-k
+    kernel adds: two launches) → (weights fp32, ids int32)."""
+    from hpcops.moe.routing import route
+
+    return route(h2, x["w_router"], TOP_K, scoring="sigmoid", bias=x["router_bias"], scale=ROUTE_SCALE)
+
+
 def step5a_router_shared(x: dict[str, Any], h1: torch.Tensor):
     """Step 5a in one stream → (h2, topk weights, topk ids, shared expert output)."""
     h2, logits = step5a_router(x, h1)
@@ -396,19 +406,20 @@ def hp_step5(s: Scenario, x: dict[str, Any], h1: torch.Tensor, trace: dict | Non
     """hpcops' step 5 (post-attention norm, router GEMM, select_experts, shared expert, routed MoE + residual) →
     [T, H] bf16. `beside`: the shared expert on the auxiliary stream (default: at T ≤ SHARED_STREAM_MAX_T on a
     GPU), forked before the router GEMM (1-7 µs a layer better than after it, probe_shared_overlap_cfdfcf9.md),
-    beside the router GEMM, select_experts and the routed GEMMs; the MoE's reduction alone waits for it. The
-    other arrangement measured, the router GEMM and select_experts on the aux stream beside the shared expert and
-    the routed MoE after both, was level with it (within 0.5 µs a layer in 9 cases, probe_shared_overlap.md at
-    a1c8305)."""
+    beside the router (`hp_route`), select_experts and the routed GEMMs; the MoE's reduction alone waits for it.
+    The other arrangement measured, the router GEMM and select_experts on the aux stream beside the shared expert
+    and the routed MoE after both, was level with it (within 0.5 µs a layer in 9 cases, probe_shared_overlap.md
+    at a1c8305)."""
     if beside is None:
         beside = shared_on_aux_stream(s.t, h1.device)
     ready = None
+    h2 = _rms(h1, x["w_post"])
     if not beside:
-        h2, tw, ids, shared = step5a_router_shared(x, h1)
+        tw, ids = hp_route(x, h2)
+        shared = shared_expert(x, h2)
     else:
-        h2 = _rms(h1, x["w_post"])
         shared, ready = fork_shared_expert(x, h2)
-        tw, ids = step5a_select(x, router_logits(x, h2))
+        tw, ids = hp_route(x, h2)
     if trace is not None:
         trace["ids"] = ids
     y = _hp_moe(s, x, h1, h2, tw, ids, shared, ready)
@@ -657,7 +668,9 @@ def impl_component(s: Scenario, step: str):
             return lambda: _hp_attn(x, m["q"], m["qs"], m["plan"])
         if step == "shared:4-oproj-residual":
             return lambda: step4_oproj_residual(x, x["hidden"], m["attn"])
-        if step == "shared:5a-norm-router-select":
+        if step == "hpcops:5a-norm-route":
+            return lambda: hp_route(x, _rms(m["h1"], x["w_post"]))
+        if step == "baseline:5a-norm-router-select":
             return lambda: step5a_select(x, step5a_router(x, m["h1"])[1])
         if step == "shared:5s-shared-expert":
             return lambda: shared_expert(x, m["h2"])
@@ -677,7 +690,8 @@ def impl_component(s: Scenario, step: str):
 
 
 COMPONENTS = ("shared:1-norm-qkv", "hpcops:2-rope-kv", "baseline:2-rope-kv", "hpcops:3-attention",
-              "baseline:3-attention", "shared:4-oproj-residual", "shared:5a-norm-router-select",
+              "baseline:3-attention", "shared:4-oproj-residual", "hpcops:5a-norm-route",
+              "baseline:5a-norm-router-select",
               "shared:5s-shared-expert", "hpcops:5b-moe", "baseline:5c-combine")
 
 

@@ -102,7 +102,80 @@ def _check(r: Routing):
     return check
 
 
+# the routings whose router GEMM runs on an fp32 weight, with their hidden size: the `route-*` cases time the GEMM
+# and the top-k together (`routing.route`) against torch's fp32 GEMM then `select_experts`
+ROUTE_HIDDEN = {"hy3": 4096, "dsv3": 7168}
+
+
+def _route_inputs(r: Routing, t: int, layer: int, device: str) -> dict[str, Any]:
+    h = ROUTE_HIDDEN[r.model]
+    g = torch.Generator().manual_seed(1000 * layer + t + 7)
+    x = {"hidden": torch.randn(t, h, generator=g).to(torch.bfloat16).to(device),
+         "weight": (torch.randn(r.experts, h, generator=g) * h ** -0.5).to(device),
+         "bias": (0.1 * torch.randn(r.experts, generator=g)).to(device) if r.bias else None}
+    return x
+
+
+def _route_ours(r: Routing):
+    def prepare(x):
+        from hpcops.moe.routing import route
+
+        return lambda: route(x["hidden"], x["weight"], r.top_k, **_kwargs(r, x))
+    return prepare
+
+
+def _route_torch_gemm(r: Routing):
+    def prepare(x):
+        from hpcops.moe.routing import select_experts
+
+        return lambda: select_experts(x["hidden"].float() @ x["weight"].t(), r.top_k, **_kwargs(r, x))
+    return prepare
+
+
+def _route_check(r: Routing):
+    def check(x):
+        from hpcops.moe.reference import route as reference
+        from hpcops.moe.routing import route
+
+        w, ids = route(x["hidden"], x["weight"], r.top_k, **_kwargs(r, x))
+        want_w, want_ids = reference(x["hidden"], x["weight"], r.top_k, **_kwargs(r, x))
+        same = (ids == want_ids).all(-1)
+        if not bool(same.all()):  # only near ties may flip: a summation order apart
+            logits = x["hidden"].float() @ x["weight"].t()
+            choose = torch.sigmoid(logits) + (x["bias"] if x["bias"] is not None else 0.0) \
+                if r.scoring == "sigmoid" else logits
+            top = torch.topk(choose, r.top_k + 1, dim=-1).values
+            gaps = (top[:, r.top_k - 1] - top[:, r.top_k]).abs()
+            if not bool((gaps[~same] < 1e-4).all()):
+                raise AssertionError(f"route: expert ids differ in {int((~same).sum())} tokens beyond near ties")
+        torch.testing.assert_close(w[same], want_w[same], rtol=1e-5, atol=1e-6)
+    return check
+
+
 def cases(opts: dict[str, Any]) -> Iterator[Case]:
+    yield from _select_cases(opts)
+    for r in ROUTINGS:
+        if r.model not in ROUTE_HIDDEN:
+            continue
+        h = ROUTE_HIDDEN[r.model]
+        for t in QUICK_TOKENS if opts.get("quick") else TOKENS:
+            name = f"route-{r.model}-e{r.experts}k{r.top_k}-H{h}-T{t}"
+            yield Case(
+                suite="router", name=name,
+                make_inputs=lambda layer, device="cuda", r=r, t=t: _route_inputs(r, t, layer, device),
+                impls=[Impl("hpcops", _route_ours(r), ours=True,
+                            note="routing.route: split-K router GEMM + top-k (torch's GEMM past "
+                                 f"{routing.ROUTE_KERNEL_MAX_T} tokens)"),
+                       Impl("torch-gemm", _route_torch_gemm(r),
+                            note="torch's fp32 GEMM (the cast, the GEMM), then select_experts: the layer bench's "
+                                 "baseline router")],
+                check=_route_check(r), bytes=r.experts * h * 4 + t * h * 2 + t * r.top_k * 8,
+                params={"model": r.model, "E": r.experts, "top_k": r.top_k, "H": h, "T": t, "route": True},
+                command=f"hpcops bench router --only {name}",
+            )
+
+
+def _select_cases(opts: dict[str, Any]) -> Iterator[Case]:
     for r in ROUTINGS:
         for t in QUICK_TOKENS if opts.get("quick") else TOKENS:
             name = f"{r.model}-e{r.experts}k{r.top_k}-T{t}"
