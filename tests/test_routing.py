@@ -182,8 +182,8 @@ def test_route_matches_reference(T, E, H, k, scoring, device):
                                                                 else logits).cpu())
     if torch.equal(ids, want_ids):
         torch.testing.assert_close(tw, want_w, rtol=1e-5, atol=1e-6)
-    k_split, splits = routing.router_split(T, E, H)
-    assert splits * k_split >= H > (splits - 1) * k_split and k_split % routing.ROUTER_BLOCK_K == 0
+    lc = routing.router_launch(T, E, H)
+    assert lc.splits * lc.k_split >= H > (lc.splits - 1) * lc.k_split and lc.k_split % lc.block_k == 0
 
 
 def test_route_splits_and_partial_sums(device):
@@ -191,9 +191,12 @@ def test_route_splits_and_partial_sums(device):
     from hpcops.moe import routing
     from hpcops.moe.reference import select_experts as reference
 
-    assert routing.router_split(4, 192, 4096) == (128, 32)
-    assert routing.router_split(64, 192, 4096) == (384, 11)
-    assert routing.router_split(256, 192, 4096)[1] >= 1
+    lc = routing.router_launch(4, 192, 4096, max_block_t=4, block_e=32, block_k=64, programs=264)
+    assert (lc.block_t, lc.k_split, lc.splits) == (4, 128, 32)  # 6 E tiles × 44 wanted splits, 64-multiples
+    lc = routing.router_launch(64, 192, 4096, max_block_t=4, block_e=32, block_k=64, programs=264)
+    assert (lc.block_t, lc.k_split, lc.splits) == (4, 2048, 2)  # 96 tiles: 2 splits
+    assert routing.router_launch(1, 192, 4096).block_t == 1
+    assert routing.router_launch(256, 192, 4096).splits >= 1
     parts = torch.randn(3, 7, 20, device=device)
     w = torch.full((7, 4), float("nan"), device=device)
     ids = torch.full((7, 4), -1, dtype=torch.int32, device=device)

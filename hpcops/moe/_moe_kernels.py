@@ -474,9 +474,11 @@ def select_experts_kernel(logits_ptr, stride_lt, stride_le, bias_ptr, w_ptr, ids
 @triton.jit
 def router_gemm_kernel(x_ptr, w_ptr, part_ptr, T, E, H, K_SPLIT, stride_xt, stride_we, stride_ps, stride_pt,
                        BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Partial router logits part[s, t, e] = Σ_{k in split s} x[t, k] · w[e, k] in fp32 (an fp32 dot on the FMA
-    units, `input_precision="ieee"`: the router's fp32 weight keeps its precision). Grid (E tiles, splits, T
-    tiles): at decode sizes the splits spread the weight read over the SMs; `select_experts_kernel` adds them."""
+    """Partial router logits part[s, t, e] = Σ_{k in split s} x[t, k] · w[e, k] in fp32: products of the fp32 weight
+    on the FMA units (no tensor core, which would round it to tf32), as a broadcast [BLOCK_T, BLOCK_E, BLOCK_K]
+    product summed over K (`tl.dot`'s fp32 FMA lowering measured 4-15x slower at these tiles,
+    `bench/results/probe_route_3dff994.md`). Grid (E tiles, splits, T tiles): at decode sizes the splits spread the
+    weight read over the SMs, each weight element read by one program a T tile; `select_experts_kernel` adds them."""
     pid_e, pid_s, pid_t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     es = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -491,6 +493,6 @@ def router_gemm_kernel(x_ptr, w_ptr, part_ptr, T, E, H, K_SPLIT, stride_xt, stri
         kmask = ks < k_end
         xv = tl.load(x_rows + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
         wv = tl.load(w_rows + ks[None, :], mask=emask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-        acc = tl.dot(xv, tl.trans(wv), acc, input_precision="ieee")
+        acc += tl.sum(xv[:, None, :] * wv[None, :, :], axis=2)
     out = part_ptr + pid_s.to(tl.int64) * stride_ps + rows.to(tl.int64)[:, None] * stride_pt + es[None, :]
     tl.store(out, acc, mask=rmask[:, None] & emask[None, :])

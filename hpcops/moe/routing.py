@@ -106,17 +106,50 @@ def _launch_select(router_logits, top_k, scoring, bias, renormalize, scale, weig
 # route(): the router GEMM on the kernel up to this many tokens (decode sizes, where the weight read is the cost
 # and a split K spreads it over the SMs); beyond it torch's GEMM (cuBLAS) then select_experts
 ROUTE_KERNEL_MAX_T = 256
-ROUTER_BLOCK_T, ROUTER_BLOCK_E, ROUTER_BLOCK_K = 16, 32, 128
+
+
+@dataclass(frozen=True)
+class RouterLaunch:
+    """The router GEMM's tiles: BLOCK_T tokens × BLOCK_E experts × BLOCK_K, `splits` programs along H of
+    `k_split` elements each (a multiple of BLOCK_K), `warps` warps."""
+    block_t: int
+    block_e: int
+    block_k: int
+    k_split: int
+    splits: int
+    warps: int
+
+
+ROUTER_MAX_BLOCK_T, ROUTER_BLOCK_E, ROUTER_BLOCK_K, ROUTER_WARPS = 4, 32, 64, 4
 ROUTER_TARGET_PROGRAMS = 264  # two per SM of an H100/H200
 
 
-def router_split(num_tokens: int, num_experts: int, hidden: int) -> tuple[int, int]:
-    """(K elements a split, splits) of the router GEMM: about ROUTER_TARGET_PROGRAMS programs over the E and T
-    tiles, each split a multiple of ROUTER_BLOCK_K."""
-    tiles = triton.cdiv(num_experts, ROUTER_BLOCK_E) * triton.cdiv(max(num_tokens, 1), ROUTER_BLOCK_T)
-    want = max(1, min(ROUTER_TARGET_PROGRAMS // tiles, triton.cdiv(hidden, ROUTER_BLOCK_K)))
-    k_split = triton.cdiv(triton.cdiv(hidden, want), ROUTER_BLOCK_K) * ROUTER_BLOCK_K
-    return k_split, triton.cdiv(hidden, k_split)
+def router_launch(num_tokens: int, num_experts: int, hidden: int, *, max_block_t: int = ROUTER_MAX_BLOCK_T,
+                  block_e: int = ROUTER_BLOCK_E, block_k: int = ROUTER_BLOCK_K, warps: int = ROUTER_WARPS,
+                  programs: int = ROUTER_TARGET_PROGRAMS) -> RouterLaunch:
+    """The router GEMM's launch: T tiles of up to `max_block_t` tokens, about `programs` programs over the E and T
+    tiles and the splits of H."""
+    block_t = min(triton.next_power_of_2(max(num_tokens, 1)), max_block_t)
+    tiles = triton.cdiv(num_experts, block_e) * triton.cdiv(max(num_tokens, 1), block_t)
+    want = max(1, min(programs // tiles, triton.cdiv(hidden, block_k)))
+    k_split = triton.cdiv(triton.cdiv(hidden, want), block_k) * block_k
+    return RouterLaunch(block_t, block_e, block_k, k_split, triton.cdiv(hidden, k_split), warps)
+
+
+def router_partials(hidden: torch.Tensor, router_weight: torch.Tensor,
+                    launch: RouterLaunch | None = None) -> torch.Tensor:
+    """→ [splits, T, E] fp32 partial logits (their sum over dim 0 is hidden · router_weightᵀ); inputs as
+    `route` (which validates them)."""
+    T, H = hidden.shape
+    E = router_weight.shape[0]
+    lc = launch or router_launch(T, E, H)
+    parts = torch.empty((lc.splits, T, E), dtype=torch.float32, device=hidden.device)
+    if T:
+        grid = (triton.cdiv(E, lc.block_e), lc.splits, triton.cdiv(T, lc.block_t))
+        K.router_gemm_kernel[grid](hidden, router_weight, parts, T, E, H, lc.k_split, hidden.stride(0),
+                                   router_weight.stride(0), parts.stride(0), parts.stride(1), BLOCK_T=lc.block_t,
+                                   BLOCK_E=lc.block_e, BLOCK_K=lc.block_k, num_warps=lc.warps)
+    return parts
 
 
 def route(hidden: torch.Tensor, router_weight: torch.Tensor, top_k: int, *, scoring: str = "softmax",
@@ -153,17 +186,9 @@ def route(hidden: torch.Tensor, router_weight: torch.Tensor, top_k: int, *, scor
     if T > ROUTE_KERNEL_MAX_T or not on_device or E > SELECT_MAX_EXPERTS or top_k > SELECT_MAX_TOP_K:
         logits = hidden.float() @ router_weight.float().t()
         return select_experts(logits, top_k, scoring=scoring, bias=bias, renormalize=renormalize, scale=scale)
-    k_split, splits = router_split(T, E, H)
-    dev = hidden.device
-    parts = torch.empty((splits, T, E), dtype=torch.float32, device=dev)
-    weights = torch.empty((T, top_k), dtype=torch.float32, device=dev)
-    ids = torch.empty((T, top_k), dtype=torch.int32, device=dev)
-    if T:
-        grid = (triton.cdiv(E, ROUTER_BLOCK_E), splits, triton.cdiv(T, ROUTER_BLOCK_T))
-        K.router_gemm_kernel[grid](hidden, router_weight, parts, T, E, H, k_split, hidden.stride(0),
-                                   router_weight.stride(0), parts.stride(0), parts.stride(1),
-                                   BLOCK_T=ROUTER_BLOCK_T, BLOCK_E=ROUTER_BLOCK_E, BLOCK_K=ROUTER_BLOCK_K,
-                                   num_warps=4)
+    parts = router_partials(hidden, router_weight)
+    weights = torch.empty((T, top_k), dtype=torch.float32, device=hidden.device)
+    ids = torch.empty((T, top_k), dtype=torch.int32, device=hidden.device)
     _launch_select(parts, top_k, scoring, bias, renormalize, scale, weights, ids)
     return weights, ids
 
