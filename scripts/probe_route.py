@@ -3,8 +3,9 @@
 The fp32 router GEMM (Hy3: E 192 × H 4096, DeepSeek-V3: E 256 × H 7168, weight 3.1 / 7.3 MB) is a weight read:
 at 4.19 TB/s it is 0.8 / 1.8 µs, yet torch's cast + GEMM (cuBLAS' SIMT sgemm + its split-K reduce) takes 6–25 µs.
 The first run (`bench/results/probe_route_3dff994.md`) found `tl.dot`'s fp32 FMA lowering 12–68 µs and a
-register-tile GEMV 2.7 µs at T 1 but 0.7 µs more a token. This times `routing.router_partials` (the broadcast-
-product kernel) in launch variants, alone and with the top-k over its partial sums (`+select`, what
+register-tile GEMV 2.7 µs at T 1 but 0.7 µs more a token; the second (`probe_route_b2499f1.md`) a broadcast
+product summed over K 4.4 µs at T 1, 15–40 at T 16. This times `routing.router_partials` (now three bf16 MMAs
+over the split fp32 weight) in launch variants, alone and with the top-k over its partial sums (`+select`, what
 `routing.route` launches), against torch's GEMM and torch's GEMM + `select_experts`: CUDA-graph replays over
 L2-cold layers, each its own weight and hidden. Prints the torch sequence's kernels (torch.profiler) at T 4.
 Writes probe_route.{md,json} into --out.
@@ -26,11 +27,10 @@ from hpcops.moe import routing as R
 SHAPES = {"hy3": (192, 4096), "dsv3": (256, 7168)}
 TOKENS = (1, 4, 16, 32, 64)
 # (max_block_t, block_e, block_k, warps, programs): routing.router_launch's arguments
-CONFIGS = [(4, 32, 64, 4, 264), (4, 32, 128, 4, 264), (4, 16, 64, 2, 264), (4, 32, 64, 4, 528), (4, 32, 64, 4, 132),
-           (4, 64, 64, 4, 264), (4, 16, 128, 4, 264), (4, 32, 32, 4, 264), (8, 32, 64, 4, 264), (8, 16, 64, 4, 264),
-           (8, 32, 32, 4, 264), (8, 16, 64, 4, 528), (16, 16, 64, 4, 264), (16, 16, 32, 4, 264),
-           (16, 32, 32, 4, 264), (16, 8, 64, 4, 264), (16, 16, 64, 8, 264), (2, 32, 128, 4, 264),
-           (2, 32, 64, 2, 264), (1, 32, 128, 4, 264), (1, 64, 128, 4, 264), (1, 32, 64, 2, 264)]
+CONFIGS = [(32, 32, 128, 4, 264), (16, 32, 128, 4, 264), (64, 32, 128, 4, 264), (16, 32, 64, 4, 264),
+           (16, 64, 128, 4, 264), (16, 32, 256, 4, 264), (16, 32, 128, 4, 528), (16, 32, 128, 4, 132),
+           (32, 64, 64, 4, 264), (16, 16, 128, 4, 264), (32, 32, 64, 4, 528), (64, 64, 64, 4, 264),
+           (16, 32, 128, 2, 264), (64, 32, 64, 8, 264), (32, 32, 256, 4, 264), (64, 64, 128, 8, 264)]
 
 
 def _name(cfg) -> str:

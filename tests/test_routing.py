@@ -186,16 +186,36 @@ def test_route_matches_reference(T, E, H, k, scoring, device):
     assert lc.splits * lc.k_split >= H > (lc.splits - 1) * lc.k_split and lc.k_split % lc.block_k == 0
 
 
+@pytest.mark.parametrize("T,E,H,cfg", [(3, 40, 300, dict(max_block_t=16, block_e=32, block_k=64, programs=24)),
+                                       (20, 24, 160, dict(max_block_t=32, block_e=16, block_k=32, programs=8)),
+                                       (1, 8, 64, dict(max_block_t=16, block_e=16, block_k=128, programs=1))])
+def test_router_partials_have_fp32_precision(T, E, H, cfg, device):
+    """The fp32 weight split into three bf16 terms (three MMAs): the partial logits sum to hidden · weightᵀ within
+    a few fp32 roundings of Σ|x·w| (torch's fp32 GEMM: ≤ 1.4e-7 here; without the third term 6e-7 to 1e-6),
+    for several tiles and splits, ragged edges included; every partial written (no NaN from the allocation)."""
+    from hpcops.moe import routing
+
+    g = torch.Generator().manual_seed(T * 7 + E)
+    hidden = torch.randn(T, H, generator=g).to(torch.bfloat16).to(device)
+    w = torch.randn(E, H, generator=g).to(device)  # full 24-bit significands
+    lc = routing.router_launch(T, E, H, **cfg)
+    parts = routing.router_partials(hidden, w, lc)
+    assert parts.shape == (lc.splits, T, E) and not parts.isnan().any()
+    want = hidden.double() @ w.double().t()
+    rel = ((parts.sum(0).double() - want).abs() / (hidden.double().abs() @ w.double().abs().t())).max().item()
+    assert rel <= 2.5e-7, (rel, lc)
+
+
 def test_route_splits_and_partial_sums(device):
     """The split rule spreads decode sizes over ~264 programs; the top-k kernel adds [S, T, E] partials."""
     from hpcops.moe import routing
     from hpcops.moe.reference import select_experts as reference
 
-    lc = routing.router_launch(4, 192, 4096, max_block_t=4, block_e=32, block_k=64, programs=264)
-    assert (lc.block_t, lc.k_split, lc.splits) == (4, 128, 32)  # 6 E tiles × 44 wanted splits, 64-multiples
-    lc = routing.router_launch(64, 192, 4096, max_block_t=4, block_e=32, block_k=64, programs=264)
-    assert (lc.block_t, lc.k_split, lc.splits) == (4, 2048, 2)  # 96 tiles: 2 splits
-    assert routing.router_launch(1, 192, 4096).block_t == 1
+    lc = routing.router_launch(4, 192, 4096, max_block_t=32, block_e=32, block_k=64, programs=264)
+    assert (lc.block_t, lc.k_split, lc.splits) == (16, 128, 32)  # 6 E tiles × 44 wanted splits, 64-multiples
+    lc = routing.router_launch(64, 192, 4096, max_block_t=32, block_e=32, block_k=128, programs=264)
+    assert (lc.block_t, lc.k_split, lc.splits) == (32, 256, 16)  # 12 tiles × 22 wanted splits, 128-multiples
+    assert routing.router_launch(1, 192, 4096).block_t == routing.ROUTER_MIN_BLOCK_T  # the MMA's smallest M
     assert routing.router_launch(256, 192, 4096).splits >= 1
     parts = torch.randn(3, 7, 20, device=device)
     w = torch.full((7, 4), float("nan"), device=device)

@@ -474,11 +474,13 @@ def select_experts_kernel(logits_ptr, stride_lt, stride_le, bias_ptr, w_ptr, ids
 @triton.jit
 def router_gemm_kernel(x_ptr, w_ptr, part_ptr, T, E, H, K_SPLIT, stride_xt, stride_we, stride_ps, stride_pt,
                        BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Partial router logits part[s, t, e] = Σ_{k in split s} x[t, k] · w[e, k] in fp32: products of the fp32 weight
-    on the FMA units (no tensor core, which would round it to tf32), as a broadcast [BLOCK_T, BLOCK_E, BLOCK_K]
-    product summed over K (`tl.dot`'s fp32 FMA lowering measured 4-15x slower at these tiles,
-    `bench/results/probe_route_3dff994.md`). Grid (E tiles, splits, T tiles): at decode sizes the splits spread the
-    weight read over the SMs, each weight element read by one program a T tile; `select_experts_kernel` adds them."""
+    """Partial router logits part[s, t, e] = Σ_{k in split s} x[t, k] · w[e, k] for bf16 x and an fp32 w, with
+    fp32 precision on the tensor cores: each fp32 weight tile is split in registers into three bf16 terms
+    (hi + mid + lo = w exactly: 8 + 8 + 8 significand bits, fp32's 24), and three bf16 MMAs with one fp32
+    accumulator add x·lo, x·mid, x·hi (each product exact, as x is bf16). The weight is read once, as fp32; no
+    weight copy. (fp32 `tl.dot` on the FMA units, `input_precision="ieee"`, measured 12-68 µs at these sizes,
+    `bench/results/probe_route_3dff994.md`.) Grid (E tiles, splits, T tiles): at decode sizes the splits spread
+    the weight read over the SMs; `select_experts_kernel` adds them."""
     pid_e, pid_s, pid_t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     es = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -491,8 +493,14 @@ def router_gemm_kernel(x_ptr, w_ptr, part_ptr, T, E, H, K_SPLIT, stride_xt, stri
     for k0 in range(k_begin, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         kmask = ks < k_end
-        xv = tl.load(x_rows + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+        xv = tl.load(x_rows + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
         wv = tl.load(w_rows + ks[None, :], mask=emask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(xv[:, None, :] * wv[None, :, :], axis=2)
+        hi = wv.to(tl.bfloat16)
+        rest = wv - hi.to(tl.float32)
+        mid = rest.to(tl.bfloat16)
+        lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+        acc = tl.dot(xv, tl.trans(lo), acc)
+        acc = tl.dot(xv, tl.trans(mid), acc)
+        acc = tl.dot(xv, tl.trans(hi), acc)
     out = part_ptr + pid_s.to(tl.int64) * stride_ps + rows.to(tl.int64)[:, None] * stride_pt + es[None, :]
     tl.store(out, acc, mask=rmask[:, None] & emask[None, :])

@@ -120,16 +120,17 @@ class RouterLaunch:
     warps: int
 
 
-ROUTER_MAX_BLOCK_T, ROUTER_BLOCK_E, ROUTER_BLOCK_K, ROUTER_WARPS = 4, 32, 64, 4
+ROUTER_MIN_BLOCK_T = 16  # the MMA's smallest M
+ROUTER_MAX_BLOCK_T, ROUTER_BLOCK_E, ROUTER_BLOCK_K, ROUTER_WARPS = 32, 32, 128, 4
 ROUTER_TARGET_PROGRAMS = 264  # two per SM of an H100/H200
 
 
 def router_launch(num_tokens: int, num_experts: int, hidden: int, *, max_block_t: int = ROUTER_MAX_BLOCK_T,
                   block_e: int = ROUTER_BLOCK_E, block_k: int = ROUTER_BLOCK_K, warps: int = ROUTER_WARPS,
                   programs: int = ROUTER_TARGET_PROGRAMS) -> RouterLaunch:
-    """The router GEMM's launch: T tiles of up to `max_block_t` tokens, about `programs` programs over the E and T
-    tiles and the splits of H."""
-    block_t = min(triton.next_power_of_2(max(num_tokens, 1)), max_block_t)
+    """The router GEMM's launch: T tiles of 16 up to `max_block_t` tokens, about `programs` programs over the E and
+    T tiles and the splits of H."""
+    block_t = max(ROUTER_MIN_BLOCK_T, min(triton.next_power_of_2(max(num_tokens, 1)), max_block_t))
     tiles = triton.cdiv(num_experts, block_e) * triton.cdiv(max(num_tokens, 1), block_t)
     want = max(1, min(programs // tiles, triton.cdiv(hidden, block_k)))
     k_split = triton.cdiv(triton.cdiv(hidden, want), block_k) * block_k
@@ -163,9 +164,11 @@ def route(hidden: torch.Tensor, router_weight: torch.Tensor, top_k: int, *, scor
         router_weight: `[E, H]` fp32 (Hy3, DeepSeek-V3 keep the router in fp32) or 16-bit, last dim contiguous.
         top_k, scoring, bias, renormalize, scale: as `select_experts`.
 
-    At T ≤ ROUTE_KERNEL_MAX_T one split-K program grid computes partial logits on the FMA units (fp32 products of
-    the fp32 weight: no cast of `hidden`, no rounding of the weight) and the top-k kernel adds them; where torch's
-    sequence is a cast and a GEMM. Larger T: torch's GEMM, then `select_experts`. No host sync.
+    A bf16 `hidden` at T ≤ ROUTE_KERNEL_MAX_T: one split-K program grid computes partial logits with fp32
+    precision on the tensor cores (`router_gemm_kernel`: the fp32 weight split in registers into three bf16 terms
+    that sum to it exactly, so every product is exact; no weight copy, no cast of `hidden`) and the top-k kernel
+    adds them, where torch's sequence is a cast and a SIMT sgemm with a split-K reduce. Otherwise torch's GEMM,
+    then `select_experts`. No host sync.
     """
     check_tensor("hidden", hidden, ndim=2)
     if not hidden.is_floating_point():
@@ -183,7 +186,8 @@ def route(hidden: torch.Tensor, router_weight: torch.Tensor, top_k: int, *, scor
     E = router_weight.shape[0]
     _check_routing(E, hidden.device, top_k, scoring, bias, scale)
     on_device = hidden.is_cuda or _platform.is_interpreter() or kernels_are_replaced()
-    if T > ROUTE_KERNEL_MAX_T or not on_device or E > SELECT_MAX_EXPERTS or top_k > SELECT_MAX_TOP_K:
+    if (T > ROUTE_KERNEL_MAX_T or not on_device or hidden.dtype != torch.bfloat16 or E > SELECT_MAX_EXPERTS
+            or top_k > SELECT_MAX_TOP_K):
         logits = hidden.float() @ router_weight.float().t()
         return select_experts(logits, top_k, scoring=scoring, bias=bias, renormalize=renormalize, scale=scale)
     parts = router_partials(hidden, router_weight)
