@@ -26,6 +26,7 @@ _EXPORTS = {
     "rope_norm_store_kv": "hpcops.rope.prologue",
     "fused_moe": "hpcops.moe.fused_moe",
     "select_experts": "hpcops.moe.routing",
+    "route": "hpcops.moe.routing",
     "Fp8PerTensor": "hpcops.quant",
     "Fp8Block128": "hpcops.quant",
 }

@@ -2,7 +2,7 @@ import hpcops
 
 EXPECTED = {
     "DecodePlan", "plan_decode", "decode_attention", "prefill_attention", "rope_norm_store_kv",
-    "fused_moe", "select_experts", "Fp8PerTensor", "Fp8Block128", "__version__",
+    "fused_moe", "select_experts", "route", "Fp8PerTensor", "Fp8Block128", "__version__",
 }
 
 
@@ -17,3 +17,13 @@ def test_unknown_attribute_raises():
         assert "no_such_op" in str(exc)
     else:
         raise AssertionError("expected AttributeError")
+
+
+def test_route_is_exported_with_its_reference():
+    import inspect
+
+    from hpcops.moe import reference
+
+    assert hpcops.route is hpcops.moe.route
+    params = lambda f: [(p.name, p.kind, p.default) for p in inspect.signature(f).parameters.values()]  # noqa: E731
+    assert params(hpcops.route) == params(reference.route)

@@ -1,8 +1,8 @@
-"""Fused MoE: routing (`select_experts`), the device-side index, and `fused_moe` (see README.md)."""
+"""Fused MoE: routing (`select_experts`, `route`), the device-side index, and `fused_moe` (see README.md)."""
 
 from __future__ import annotations
 
-__all__ = ["fused_moe", "select_experts", "MoeConfig", "get_config", "build_moe_index", "MoeIndex"]
+__all__ = ["fused_moe", "select_experts", "route", "MoeConfig", "get_config", "build_moe_index", "MoeIndex"]
 
 
 def __getattr__(name: str):
@@ -10,7 +10,7 @@ def __getattr__(name: str):
         from hpcops.moe import fused_moe as _m
 
         return getattr(_m, name)
-    if name in ("select_experts", "build_moe_index", "MoeIndex"):
+    if name in ("select_experts", "route", "build_moe_index", "MoeIndex"):
         from hpcops.moe import routing as _r
 
         return getattr(_r, name)
