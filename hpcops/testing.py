@@ -1,4 +1,5 @@
-"""Helpers shared by the test tiers and `hpcops bench --check`: one closeness check, paged-KV factories,
+"""Helpers shared by the test tiers and `hpcops bench --check`: one closeness check, the routing comparison up to
+near ties, paged-KV factories,
 and recording kernel launches to compile them ahead of time for sm_90 (no GPU needed)."""
 
 from __future__ import annotations
@@ -69,6 +70,28 @@ def _assert_fp8_close(ref: torch.Tensor, out: torch.Tensor, name: str) -> None:
         i = tuple(int(v) for v in (~ok).nonzero()[0])
         raise AssertionError(f"{name}: {int((~ok).sum())} fp8 values more than 1 ulp off; "
                              f"first at {i}: got {got[i].item()}, want {want[i].item()}")
+
+
+def assert_routes_agree(weights: torch.Tensor, ids: torch.Tensor, want_weights: torch.Tensor,
+                        want_ids: torch.Tensor, logits: torch.Tensor, *, scoring: str = "softmax",
+                        bias: torch.Tensor | None = None, tie_tol: float = 1e-4, rtol: float = 1e-5,
+                        atol: float = 1e-6) -> None:
+    """Two top-k routings of the same logits summed in different orders (a kernel's against the reference's):
+    the expert ids equal in every token except where the reference's k-th and (k+1)-th selection scores (the
+    logits; sigmoid + bias for "sigmoid") are closer than `tie_tol`, and the weights close where the ids agree."""
+    same = (ids == want_ids).all(-1)
+    if not bool(same.all()):
+        k = ids.shape[1]
+        if k >= logits.shape[-1]:
+            raise AssertionError("expert ids differ with every expert chosen")
+        scores = logits.float()
+        if scoring == "sigmoid":
+            scores = torch.sigmoid(scores) + (bias if bias is not None else 0.0)
+        top = torch.topk(scores, k + 1, dim=-1).values
+        far = ~same & ((top[:, k - 1] - top[:, k]).abs() >= tie_tol)
+        if bool(far.any()):
+            raise AssertionError(f"expert ids differ in {int(far.sum())} tokens beyond near ties (gap ≥ {tie_tol})")
+    torch.testing.assert_close(weights[same], want_weights[same], rtol=rtol, atol=atol)
 
 
 def nan_like(t: torch.Tensor) -> torch.Tensor:

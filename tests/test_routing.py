@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hpcops.moe.routing import select_experts
+from hpcops.testing import assert_routes_agree
 
 
 def test_select_experts_bad_inputs():
@@ -152,18 +153,6 @@ def test_select_experts_opcheck(device):
     assert torch.equal(ids, want_ids) and torch.equal(w, want_w)
 
 
-def _ids_agree_but_near_ties(ids, want_ids, logits, tol=1e-4):
-    """Expert choices equal, except where the reference's k-th and (k+1)-th scores are closer than `tol`
-    (a summation order can flip those)."""
-    diff = (ids != want_ids).any(-1)
-    if not diff.any():
-        return True
-    k = ids.shape[1]
-    top = torch.topk(logits.float(), k + 1, dim=-1).values
-    gaps = (top[:, k - 1] - top[:, k]).abs()
-    return bool((gaps[diff] < tol).all())
-
-
 @pytest.mark.parametrize("T,E,H,k,scoring", [(1, 192, 300, 8, "sigmoid"), (5, 60, 257, 4, "softmax"),
                                              (19, 8, 128, 2, "softmax"), (33, 192, 520, 8, "sigmoid")])
 def test_route_matches_reference(T, E, H, k, scoring, device):
@@ -177,11 +166,7 @@ def test_route_matches_reference(T, E, H, k, scoring, device):
     bias = (0.1 * torch.randn(E, generator=g)).to(device) if scoring == "sigmoid" else None
     tw, ids = routing.route(hidden, w, k, scoring=scoring, bias=bias, scale=2.5)
     want_w, want_ids = reference.route(hidden, w, k, scoring=scoring, bias=bias, scale=2.5)
-    logits = hidden.float() @ w.t()
-    assert _ids_agree_but_near_ties(ids.cpu(), want_ids.cpu(), (torch.sigmoid(logits) + bias if bias is not None
-                                                                else logits).cpu())
-    if torch.equal(ids, want_ids):
-        torch.testing.assert_close(tw, want_w, rtol=1e-5, atol=1e-6)
+    assert_routes_agree(tw, ids, want_w, want_ids, hidden.float() @ w.t(), scoring=scoring, bias=bias)
     lc = routing.router_launch(T, E, H)
     assert lc.splits * lc.k_split >= H > (lc.splits - 1) * lc.k_split and lc.k_split % lc.block_k == 0
 
@@ -268,7 +253,19 @@ def test_gpu_route_hy3(T):
     graph.replay()
     torch.cuda.synchronize()
     want_w, want_ids = reference.route(hidden, w, 8, scoring="sigmoid", bias=bias, scale=2.826)
-    choose = torch.sigmoid(hidden.float() @ w.t()) + bias
-    assert _ids_agree_but_near_ties(ids.cpu(), want_ids.cpu(), choose.cpu())
-    same = (ids == want_ids).all(-1)
-    torch.testing.assert_close(tw[same], want_w[same], rtol=1e-5, atol=1e-6)
+    assert_routes_agree(tw, ids, want_w, want_ids, hidden.float() @ w.t(), scoring="sigmoid", bias=bias)
+
+
+def test_assert_routes_agree_allows_near_ties_only():
+    """The comparison the route tests and the router bench's check share: a flipped near tie passes, a flip between
+    experts far apart fails, and weights are compared where the ids agree."""
+    logits = torch.tensor([[3.0, 2.0, 1.0 + 5e-5, 1.0], [3.0, 2.0, 1.0, 0.0]])
+    want_ids = torch.tensor([[0, 1, 2], [0, 1, 2]], dtype=torch.int32)
+    want_w = torch.rand(2, 3)
+    near = torch.tensor([[0, 1, 3], [0, 1, 2]], dtype=torch.int32)  # token 0: experts 2 and 3 are 5e-5 apart
+    assert_routes_agree(torch.rand(2, 3).index_copy(0, torch.tensor([1]), want_w[1:]), near, want_w, want_ids, logits)
+    far = torch.tensor([[0, 1, 2], [0, 1, 3]], dtype=torch.int32)  # token 1: experts 2 and 3 are 1.0 apart
+    with pytest.raises(AssertionError, match="beyond near ties"):
+        assert_routes_agree(want_w, far, want_w, want_ids, logits)
+    with pytest.raises(AssertionError):
+        assert_routes_agree(want_w + 1.0, want_ids, want_w, want_ids, logits)
