@@ -412,14 +412,11 @@ def hp_step5(s: Scenario, x: dict[str, Any], h1: torch.Tensor, trace: dict | Non
     at a1c8305)."""
     if beside is None:
         beside = shared_on_aux_stream(s.t, h1.device)
-    ready = None
     h2 = _rms(h1, x["w_post"])
+    shared, ready = fork_shared_expert(x, h2) if beside else (None, None)
+    tw, ids = hp_route(x, h2)
     if not beside:
-        tw, ids = hp_route(x, h2)
         shared = shared_expert(x, h2)
-    else:
-        shared, ready = fork_shared_expert(x, h2)
-        tw, ids = hp_route(x, h2)
     if trace is not None:
         trace["ids"] = ids
     y = _hp_moe(s, x, h1, h2, tw, ids, shared, ready)
