@@ -8,9 +8,10 @@ product summed over K 4.4 µs at T 1, 15–40 at T 16. This times `routing.route
 over the split fp32 weight) in launch variants, alone and with the top-k over its partial sums (`+select`, what
 `routing.route` launches), against torch's GEMM and torch's GEMM + `select_experts`: CUDA-graph replays over
 L2-cold layers, each its own weight and hidden. Prints the torch sequence's kernels (torch.profiler) at T 4.
-Writes probe_route.{md,json} into --out.
+`--set large` (the default): T 256–8192, the E-major prefill tiles against the decode tiles and torch; `--set
+decode`: T 1–64, the decode tiles. Writes probe_route_<set>.{md,json} into --out.
 
-    python3 scripts/probe_route.py --out DIR
+    python3 scripts/probe_route.py --out DIR [--set large|decode]
 """
 
 from __future__ import annotations
@@ -25,23 +26,29 @@ from hpcops.bench.timing import graph_time_us, layers_for
 from hpcops.moe import routing as R
 
 SHAPES = {"hy3": (192, 4096), "dsv3": (256, 7168)}
-TOKENS = (1, 4, 16, 32, 64)
-# (max_block_t, block_e, block_k, warps, programs): routing.router_launch's arguments
-CONFIGS = [(32, 32, 128, 4, 264), (16, 32, 128, 4, 264), (64, 32, 128, 4, 264), (16, 32, 64, 4, 264),
-           (16, 64, 128, 4, 264), (16, 32, 256, 4, 264), (16, 32, 128, 4, 528), (16, 32, 128, 4, 132),
-           (32, 64, 64, 4, 264), (16, 16, 128, 4, 264), (32, 32, 64, 4, 528), (64, 64, 64, 4, 264),
-           (16, 32, 128, 2, 264), (64, 32, 64, 8, 264), (32, 32, 256, 4, 264), (64, 64, 128, 8, 264)]
+# (max_block_t, block_e, block_k, warps, programs[, e_major, stages]): routing.router_launch's arguments
+DECODE = [(32, 32, 128, 4, 264), (16, 32, 128, 4, 264), (64, 32, 128, 4, 264), (16, 32, 64, 4, 264),
+          (16, 64, 128, 4, 264), (16, 32, 256, 4, 264), (16, 32, 128, 4, 528), (16, 32, 128, 4, 132),
+          (32, 64, 64, 4, 264), (16, 16, 128, 4, 264), (32, 32, 64, 4, 528), (64, 64, 64, 4, 264),
+          (16, 32, 128, 2, 264), (64, 32, 64, 8, 264), (32, 32, 256, 4, 264), (64, 64, 128, 8, 264)]
+LARGE = [(16, 32, 128, 4, 264), (128, 64, 64, 8, 264, True, 3), (128, 64, 64, 4, 264, True, 3),
+         (64, 64, 64, 4, 264, True, 3), (128, 64, 32, 8, 264, True, 4), (128, 128, 64, 8, 264, True, 3),
+         (64, 64, 128, 4, 264, True, 2), (256, 64, 64, 8, 264, True, 3), (128, 64, 64, 8, 264, False, 3),
+         (64, 64, 64, 4, 264, False, 3), (64, 32, 128, 4, 264, False, 3), (128, 64, 64, 8, 528, True, 3)]
+SETS = {"decode": ((1, 4, 16, 32, 64), DECODE), "large": ((256, 512, 2048, 8192), LARGE)}
 
 
 def _name(cfg) -> str:
-    return "bt{}-e{}-k{}-w{}-p{}".format(*cfg)
+    name = "bt{}-e{}-k{}-w{}-p{}".format(*cfg[:5])
+    return name + ("-em" if cfg[5] else "") + f"-s{cfg[6]}" if len(cfg) > 5 else name
 
 
 def _ours(x, cfg):
     """→ (the GEMM alone, the GEMM + top-k: `routing.route`'s two launches), the launch."""
     (t, h), e = x["hidden"].shape, x["weight"].shape[0]
+    e_major, stages = cfg[5:] if len(cfg) > 5 else (False, 3)
     lc = R.router_launch(t, e, h, max_block_t=cfg[0], block_e=cfg[1], block_k=cfg[2], warps=cfg[3],
-                         programs=cfg[4])
+                         programs=cfg[4], e_major=e_major, stages=stages)
     w = torch.empty((t, 8), dtype=torch.float32, device="cuda")
     ids = torch.empty((t, 8), dtype=torch.int32, device="cuda")
 
@@ -60,21 +67,26 @@ def _torch_select(x):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
+    ap.add_argument("--set", choices=sorted(SETS), default="large",
+                    help="decode: T 1-64, the decode tiles; large: T 256-8192, the prefill tiles and the decode "
+                         "default")
     args = ap.parse_args()
+    tokens, configs = SETS[args.set]
     rows = []
     for model, (e, h) in SHAPES.items():
-        for t in TOKENS:
-            n = layers_for(e * h * 4)
+        for t in tokens:
+            n = layers_for(e * h * 4 + t * h * 2)
             g = torch.Generator().manual_seed(t)
             xs = [{"hidden": torch.randn(t, h, generator=g).to(torch.bfloat16).cuda(),
                    "weight": (torch.randn(e, h, generator=g) * h ** -0.5).cuda(),
                    "bias": (0.1 * torch.randn(e, generator=g)).cuda()} for _ in range(n)]
             ref = [xs[0]["hidden"].double() @ xs[0]["weight"].double().t()]
             res = {"model": model, "T": t, "layers": n,
-                   "floor_us": (e * h * 4 + t * h * 2) / 4.19e6}
+                   "floor_us": (e * h * 4 + t * h * 2) / 4.19e6,
+                   "mma_floor_us": 3 * 2 * t * e * h / 800e6}  # three bf16 MMAs at ~800 TFLOP/s
             res["torch"] = graph_time_us([lambda x=x: x["hidden"].float() @ x["weight"].t() for x in xs])
             res["torch+select"] = graph_time_us([lambda x=x: _torch_select(x) for x in xs])
-            for cfg in CONFIGS:
+            for cfg in configs:
                 name = _name(cfg)
                 try:
                     fns = [_ours(x, cfg) for x in xs]
@@ -92,16 +104,18 @@ def main() -> None:
             torch.cuda.empty_cache()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "probe_route.json").write_text(json.dumps(rows, indent=1))
-    cols = ["floor_us", "torch", "torch+select"] + [c for cfg in CONFIGS for c in (_name(cfg), _name(cfg) + "+select")]
+    (out / f"probe_route_{args.set}.json").write_text(json.dumps(rows, indent=1))
+    cols = ["floor_us", "mma_floor_us", "torch", "torch+select"]
+    cols += [c for cfg in configs for c in (_name(cfg), _name(cfg) + "+select")]
     lines = ["# the fp32 router GEMM at decode sizes (µs per layer)", "",
              f"GPU: {torch.cuda.get_device_name()}; CUDA-graph replays over L2-cold layers; the GEMM alone, and "
              "`+select` with the top-k (sigmoid, bias, k 8) over its logits or partial sums: `routing.route`. "
-             "Variants `bt/e/k/w/p`: routing.router_launch(max_block_t, block_e, block_k, warps, programs).", "",
+             "Variants `bt/e/k/w/p[-em]-s`: routing.router_launch(max_block_t, block_e, block_k, warps, programs, "
+             "e_major, stages).", "",
              "| variant | " + " | ".join(f"{r['model']} T{r['T']}" for r in rows) + " |",
              "|---|" + "---:|" * len(rows)]
     lines += [f"| {c} | " + " | ".join(f"{r.get(c, float('nan')):.1f}" for r in rows) + " |" for c in cols]
-    (out / "probe_route.md").write_text("\n".join(lines) + "\n")
+    (out / f"probe_route_{args.set}.md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -173,7 +173,11 @@ def test_route_matches_reference(T, E, H, k, scoring, device):
 
 @pytest.mark.parametrize("T,E,H,cfg", [(3, 40, 300, dict(max_block_t=16, block_e=32, block_k=64, programs=24)),
                                        (20, 24, 160, dict(max_block_t=32, block_e=16, block_k=32, programs=8)),
-                                       (1, 8, 64, dict(max_block_t=16, block_e=16, block_k=128, programs=1))])
+                                       (1, 8, 64, dict(max_block_t=16, block_e=16, block_k=128, programs=1)),
+                                       (37, 40, 200, dict(max_block_t=32, block_e=32, block_k=64, programs=4,
+                                                          e_major=True)),
+                                       (70, 24, 96, dict(max_block_t=64, block_e=16, block_k=32, programs=1,
+                                                         e_major=True, stages=2))])
 def test_router_partials_have_fp32_precision(T, E, H, cfg, device):
     """The fp32 weight split into three bf16 terms (three MMAs): the partial logits sum to hidden · weightᵀ within
     a few fp32 roundings of Σ|x·w| (torch's fp32 GEMM: ≤ 1.4e-7 here; without the third term 6e-7 to 1e-6),
@@ -202,6 +206,11 @@ def test_route_splits_and_partial_sums(device):
     assert (lc.block_t, lc.k_split, lc.splits) == (32, 256, 16)  # 12 tiles × 22 wanted splits, 128-multiples
     assert routing.router_launch(1, 192, 4096).block_t == routing.ROUTER_MIN_BLOCK_T  # the MMA's smallest M
     assert routing.router_launch(256, 192, 4096).splits >= 1
+    small, large = (routing.router_launch(t, 192, 4096) for t in (routing.ROUTER_LARGE_T - 1, routing.ROUTER_LARGE_T))
+    assert not small.e_major and large.e_major  # prefill tiles from ROUTER_LARGE_T tokens
+    assert large.block_t == routing.ROUTER_LARGE["max_block_t"] and large.warps == routing.ROUTER_LARGE["warps"]
+    assert routing.router_launch(8192, 192, 4096).splits == 1  # enough tiles: no split K
+    assert routing.router_launch(8192, 192, 4096, e_major=False, warps=4).warps == 4  # explicit arguments win
     parts = torch.randn(3, 7, 20, device=device)
     w = torch.full((7, 4), float("nan"), device=device)
     ids = torch.full((7, 4), -1, dtype=torch.int32, device=device)
@@ -237,7 +246,7 @@ def test_route_large_batches_and_bad_inputs(device, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 4, 64, 256, 512])
+@pytest.mark.parametrize("T", [1, 4, 64, 256, 511, 512, 2048, 8192])
 def test_gpu_route_hy3(T):
     """Hy3's router (E 192, H 4096, fp32 weight, sigmoid + bias, × 2.826) at decode and prefill sizes, captured in
     a graph: the reference's choice (up to near ties) and weights."""

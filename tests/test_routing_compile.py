@@ -40,9 +40,11 @@ SCRIPT = textwrap.dedent(r'''
     lc = routing.router_launch(4, 192, 4096)
     blocks = dict(BLOCK_T=lc.block_t, BLOCK_E=lc.block_e, BLOCK_K=lc.block_k)
     out = {}
-    for x in ("bf16",):
-        out[f"gemm-{x}"] = build(router_gemm_kernel, {"x_ptr": x, "w_ptr": "fp32", "part_ptr": "fp32"}, blocks,
-                                 warps=lc.warps)
+    ptrs = {"x_ptr": "bf16", "w_ptr": "fp32", "part_ptr": "fp32"}
+    out["gemm-bf16"] = build(router_gemm_kernel, ptrs, dict(blocks, E_MAJOR=lc.e_major), warps=lc.warps)
+    big = routing.router_launch(8192, 192, 4096)  # the prefill tiles
+    out["gemm-large"] = build(router_gemm_kernel, ptrs, dict(BLOCK_T=big.block_t, BLOCK_E=big.block_e,
+                              BLOCK_K=big.block_k, E_MAJOR=big.e_major), warps=big.warps)
     sel = {"logits_ptr": "fp32", "bias_ptr": "fp32", "w_ptr": "fp32", "ids_ptr": "i32"}
     for splits in (1, 32):
         out[f"select-{splits}"] = build(select_experts_kernel, sel, dict(TOP_K=8, K_PAD=8, E_PAD=256, BLOCK_T=1,
@@ -61,7 +63,8 @@ def test_router_kernels_compile_for_sm90():
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     for name, r in res.items():
         assert r["local"] == 0, f"{name}: register spills to local memory"
-    # three bf16 MMAs a K step (x·lo, x·mid, x·hi), and the split's conversions to bf16
-    assert res["gemm-bf16"]["mma"] >= 3 and res["gemm-bf16"]["cvt_bf16"] >= 3, res["gemm-bf16"]
+    # three bf16 MMAs a K step (x·lo, x·mid, x·hi), and the split's conversions to bf16, in both tilings
+    for name in ("gemm-bf16", "gemm-large"):
+        assert res[name]["mma"] >= 3 and res[name]["cvt_bf16"] >= 3, res[name]
     # the partial sums: one more load of logits per split (the default, one split, as before)
     assert res["select-32"]["ld_global"] > res["select-1"]["ld_global"]

@@ -103,38 +103,53 @@ def _launch_select(router_logits, top_k, scoring, bias, renormalize, scale, weig
         RENORM=bool(renormalize), SPLITS=parts.shape[0], num_warps=warps)
 
 
-# route(): the router GEMM on the kernel up to this many tokens (decode sizes, where the weight read is the cost
-# and a split K spreads it over the SMs); beyond it torch's GEMM (cuBLAS) then select_experts
-ROUTE_KERNEL_MAX_T = 256
+# route(): the router GEMM on the kernel up to this many tokens: its grid's third dimension, T tiles of ≥ 16 tokens,
+# stays under CUDA's 65535; beyond it torch's GEMM (cuBLAS) then select_experts
+ROUTE_KERNEL_MAX_T = 1 << 20
 
 
 @dataclass(frozen=True)
 class RouterLaunch:
     """The router GEMM's tiles: BLOCK_T tokens × BLOCK_E experts × BLOCK_K, `splits` programs along H of
-    `k_split` elements each (a multiple of BLOCK_K), `warps` warps."""
+    `k_split` elements each (a multiple of BLOCK_K), `warps` warps, `stages` software-pipeline stages of the K
+    loop; `e_major`: the MMAs compute [BLOCK_E, BLOCK_T] tiles (the split weight as the left operand)."""
     block_t: int
     block_e: int
     block_k: int
     k_split: int
     splits: int
     warps: int
+    e_major: bool = False
+    stages: int = 3
 
 
 ROUTER_MIN_BLOCK_T = 16  # the MMA's smallest M
-ROUTER_MAX_BLOCK_T, ROUTER_BLOCK_E, ROUTER_BLOCK_K, ROUTER_WARPS = 16, 32, 128, 4  # probe_route_256c82f
+# decode tiles, below ROUTER_LARGE_T tokens (probe_route_256c82f): a split K spreads the weight read over the SMs
+ROUTER_MAX_BLOCK_T, ROUTER_BLOCK_E, ROUTER_BLOCK_K, ROUTER_WARPS = 16, 32, 128, 4
 ROUTER_TARGET_PROGRAMS = 264  # two per SM of an H100/H200
+# prefill tiles, from ROUTER_LARGE_T tokens: the MMAs are the cost (three a K step), so large tiles, E-major
+ROUTER_LARGE_T = 512
+ROUTER_LARGE = dict(max_block_t=128, block_e=64, block_k=64, warps=8, e_major=True, stages=3)
 
 
-def router_launch(num_tokens: int, num_experts: int, hidden: int, *, max_block_t: int = ROUTER_MAX_BLOCK_T,
-                  block_e: int = ROUTER_BLOCK_E, block_k: int = ROUTER_BLOCK_K, warps: int = ROUTER_WARPS,
-                  programs: int = ROUTER_TARGET_PROGRAMS) -> RouterLaunch:
+def router_launch(num_tokens: int, num_experts: int, hidden: int, *, max_block_t: int | None = None,
+                  block_e: int | None = None, block_k: int | None = None, warps: int | None = None,
+                  programs: int = ROUTER_TARGET_PROGRAMS, e_major: bool | None = None,
+                  stages: int | None = None) -> RouterLaunch:
     """The router GEMM's launch: T tiles of 16 up to `max_block_t` tokens, about `programs` programs over the E and
-    T tiles and the splits of H."""
+    T tiles and the splits of H. Arguments left None take the decode tiles below ROUTER_LARGE_T tokens, the prefill
+    tiles (ROUTER_LARGE) from there."""
+    large = num_tokens >= ROUTER_LARGE_T
+    d = ROUTER_LARGE if large else dict(max_block_t=ROUTER_MAX_BLOCK_T, block_e=ROUTER_BLOCK_E,
+                                        block_k=ROUTER_BLOCK_K, warps=ROUTER_WARPS, e_major=False, stages=3)
+    pick = lambda v, name: d[name] if v is None else v  # noqa: E731
+    max_block_t, block_e, block_k = pick(max_block_t, "max_block_t"), pick(block_e, "block_e"), pick(block_k, "block_k")
     block_t = max(ROUTER_MIN_BLOCK_T, min(triton.next_power_of_2(max(num_tokens, 1)), max_block_t))
     tiles = triton.cdiv(num_experts, block_e) * triton.cdiv(max(num_tokens, 1), block_t)
     want = max(1, min(programs // tiles, triton.cdiv(hidden, block_k)))
     k_split = triton.cdiv(triton.cdiv(hidden, want), block_k) * block_k
-    return RouterLaunch(block_t, block_e, block_k, k_split, triton.cdiv(hidden, k_split), warps)
+    return RouterLaunch(block_t, block_e, block_k, k_split, triton.cdiv(hidden, k_split), pick(warps, "warps"),
+                        pick(e_major, "e_major"), pick(stages, "stages"))
 
 
 def router_partials(hidden: torch.Tensor, router_weight: torch.Tensor,
@@ -149,7 +164,8 @@ def router_partials(hidden: torch.Tensor, router_weight: torch.Tensor,
         grid = (triton.cdiv(E, lc.block_e), lc.splits, triton.cdiv(T, lc.block_t))
         K.router_gemm_kernel[grid](hidden, router_weight, parts, T, E, H, lc.k_split, hidden.stride(0),
                                    router_weight.stride(0), parts.stride(0), parts.stride(1), BLOCK_T=lc.block_t,
-                                   BLOCK_E=lc.block_e, BLOCK_K=lc.block_k, num_warps=lc.warps)
+                                   BLOCK_E=lc.block_e, BLOCK_K=lc.block_k, E_MAJOR=lc.e_major,
+                                   num_warps=lc.warps, num_stages=lc.stages)
     return parts
 
 
@@ -164,7 +180,7 @@ def route(hidden: torch.Tensor, router_weight: torch.Tensor, top_k: int, *, scor
         router_weight: `[E, H]` fp32 (Hy3, DeepSeek-V3 keep the router in fp32) or 16-bit, last dim contiguous.
         top_k, scoring, bias, renormalize, scale: as `select_experts`.
 
-    A bf16 `hidden` at T ≤ ROUTE_KERNEL_MAX_T: one split-K program grid computes partial logits with fp32
+    A bf16 `hidden` (up to ROUTE_KERNEL_MAX_T tokens): one split-K program grid computes partial logits with fp32
     precision on the tensor cores (`router_gemm_kernel`: the fp32 weight split in registers into three bf16 terms
     that sum to it exactly, so every product is exact; no weight copy, no cast of `hidden`) and the top-k kernel
     adds them, where torch's sequence is a cast and a SIMT sgemm with a split-K reduce. Otherwise torch's GEMM,

@@ -157,8 +157,8 @@ def cases(opts: dict[str, Any]) -> Iterator[Case]:
                 suite="router", name=name,
                 make_inputs=lambda layer, device="cuda", r=r, t=t: _route_inputs(r, t, layer, device),
                 impls=[Impl("hpcops", _route_ours(r), ours=True,
-                            note="routing.route: split-K router GEMM + top-k (torch's GEMM past "
-                                 f"{routing.ROUTE_KERNEL_MAX_T} tokens)"),
+                            note="routing.route: the router GEMM on the tensor cores with fp32 precision (the "
+                                 "fp32 weight as three bf16 terms), split K at decode sizes, + the top-k"),
                        Impl("torch-gemm", _route_torch_gemm(r),
                             note="torch's fp32 GEMM (the cast, the GEMM), then select_experts: the layer bench's "
                                  "baseline router")],
