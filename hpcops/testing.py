@@ -77,8 +77,14 @@ def assert_routes_agree(weights: torch.Tensor, ids: torch.Tensor, want_weights: 
                         bias: torch.Tensor | None = None, tie_tol: float = 1e-4, rtol: float = 1e-5,
                         atol: float = 1e-6) -> None:
     """Two top-k routings of the same logits summed in different orders (a kernel's against the reference's):
-    the expert ids equal in every token except where the reference's k-th and (k+1)-th selection scores (the
-    logits; sigmoid + bias for "sigmoid") are closer than `tie_tol`, and the weights close where the ids agree."""
+    the sets of expert ids equal in every token except where the reference's k-th and (k+1)-th selection scores
+    (the logits; sigmoid + bias for "sigmoid") are closer than `tie_tol`, and the weights, paired with their ids,
+    close where the sets agree. The order within a token's top-k is not compared: it is the order of the scores,
+    and two chosen experts' scores can tie within the sums' roundings."""
+    ids, order = ids.long().sort(dim=-1)
+    weights = weights.gather(-1, order)
+    want_ids, want_order = want_ids.long().sort(dim=-1)
+    want_weights = want_weights.gather(-1, want_order)
     same = (ids == want_ids).all(-1)
     if not bool(same.all()):
         k = ids.shape[1]

@@ -174,10 +174,11 @@ def test_route_matches_reference(T, E, H, k, scoring, device):
 @pytest.mark.parametrize("T,E,H,cfg", [(3, 40, 300, dict(max_block_t=16, block_e=32, block_k=64, programs=24)),
                                        (20, 24, 160, dict(max_block_t=32, block_e=16, block_k=32, programs=8)),
                                        (1, 8, 64, dict(max_block_t=16, block_e=16, block_k=128, programs=1)),
-                                       (37, 40, 200, dict(max_block_t=32, block_e=32, block_k=64, programs=4,
-                                                          e_major=True)),
+                                       (37, 40, 200, dict(max_block_t=64, block_e=32, block_k=64, programs=4)),
                                        (70, 24, 96, dict(max_block_t=64, block_e=16, block_k=32, programs=1,
-                                                         e_major=True, stages=2))])
+                                                         stages=2)),
+                                       (130, 70, 192, dict(max_block_t=128, block_e=64, block_k=64, warps=8,
+                                                           programs=1))])  # the prefill tiles
 def test_router_partials_have_fp32_precision(T, E, H, cfg, device):
     """The fp32 weight split into three bf16 terms (three MMAs): the partial logits sum to hidden · weightᵀ within
     a few fp32 roundings of Σ|x·w| (torch's fp32 GEMM: ≤ 1.4e-7 here; without the third term 6e-7 to 1e-6),
@@ -207,10 +208,10 @@ def test_route_splits_and_partial_sums(device):
     assert routing.router_launch(1, 192, 4096).block_t == routing.ROUTER_MIN_BLOCK_T  # the MMA's smallest M
     assert routing.router_launch(256, 192, 4096).splits >= 1
     small, large = (routing.router_launch(t, 192, 4096) for t in (routing.ROUTER_LARGE_T - 1, routing.ROUTER_LARGE_T))
-    assert not small.e_major and large.e_major  # prefill tiles from ROUTER_LARGE_T tokens
+    assert small.block_t == routing.ROUTER_MAX_BLOCK_T  # prefill tiles from ROUTER_LARGE_T tokens
     assert large.block_t == routing.ROUTER_LARGE["max_block_t"] and large.warps == routing.ROUTER_LARGE["warps"]
     assert routing.router_launch(8192, 192, 4096).splits == 1  # enough tiles: no split K
-    assert routing.router_launch(8192, 192, 4096, e_major=False, warps=4).warps == 4  # explicit arguments win
+    assert routing.router_launch(8192, 192, 4096, block_e=32, warps=4).warps == 4  # explicit arguments win
     parts = torch.randn(3, 7, 20, device=device)
     w = torch.full((7, 4), float("nan"), device=device)
     ids = torch.full((7, 4), -1, dtype=torch.int32, device=device)
@@ -273,6 +274,10 @@ def test_assert_routes_agree_allows_near_ties_only():
     want_w = torch.rand(2, 3)
     near = torch.tensor([[0, 1, 3], [0, 1, 2]], dtype=torch.int32)  # token 0: experts 2 and 3 are 5e-5 apart
     assert_routes_agree(torch.rand(2, 3).index_copy(0, torch.tensor([1]), want_w[1:]), near, want_w, want_ids, logits)
+    swapped = torch.tensor([[1, 0, 2], [0, 1, 2]], dtype=torch.int32)  # the order within the top-k: not compared
+    assert_routes_agree(torch.stack([want_w[0, [1, 0, 2]], want_w[1]]), swapped, want_w, want_ids, logits)
+    with pytest.raises(AssertionError):  # but each weight stays with its expert
+        assert_routes_agree(want_w, swapped, want_w, want_ids, logits)
     far = torch.tensor([[0, 1, 2], [0, 1, 3]], dtype=torch.int32)  # token 1: experts 2 and 3 are 1.0 apart
     with pytest.raises(AssertionError, match="beyond near ties"):
         assert_routes_agree(want_w, far, want_w, want_ids, logits)

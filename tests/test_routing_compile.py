@@ -41,10 +41,10 @@ SCRIPT = textwrap.dedent(r'''
     blocks = dict(BLOCK_T=lc.block_t, BLOCK_E=lc.block_e, BLOCK_K=lc.block_k)
     out = {}
     ptrs = {"x_ptr": "bf16", "w_ptr": "fp32", "part_ptr": "fp32"}
-    out["gemm-bf16"] = build(router_gemm_kernel, ptrs, dict(blocks, E_MAJOR=lc.e_major), warps=lc.warps)
+    out["gemm-bf16"] = build(router_gemm_kernel, ptrs, blocks, warps=lc.warps)
     big = routing.router_launch(8192, 192, 4096)  # the prefill tiles
     out["gemm-large"] = build(router_gemm_kernel, ptrs, dict(BLOCK_T=big.block_t, BLOCK_E=big.block_e,
-                              BLOCK_K=big.block_k, E_MAJOR=big.e_major), warps=big.warps)
+                              BLOCK_K=big.block_k), warps=big.warps)
     sel = {"logits_ptr": "fp32", "bias_ptr": "fp32", "w_ptr": "fp32", "ids_ptr": "i32"}
     for splits in (1, 32):
         out[f"select-{splits}"] = build(select_experts_kernel, sel, dict(TOP_K=8, K_PAD=8, E_PAD=256, BLOCK_T=1,

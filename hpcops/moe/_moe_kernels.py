@@ -473,27 +473,21 @@ def select_experts_kernel(logits_ptr, stride_lt, stride_le, bias_ptr, w_ptr, ids
 
 @triton.jit
 def router_gemm_kernel(x_ptr, w_ptr, part_ptr, T, E, H, K_SPLIT, stride_xt, stride_we, stride_ps, stride_pt,
-                       BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                       E_MAJOR: tl.constexpr = False):
+                       BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
     """Partial router logits part[s, t, e] = Σ_{k in split s} x[t, k] · w[e, k] for bf16 x and an fp32 w, with
     fp32 precision on the tensor cores: each fp32 weight tile is split in registers into three bf16 terms
     (hi + mid + lo = w exactly: 8 + 8 + 8 significand bits, fp32's 24), and three bf16 MMAs with one fp32
     accumulator add x·lo, x·mid, x·hi (each product exact, as x is bf16). The weight is read once, as fp32; no
     weight copy. (fp32 `tl.dot` on the FMA units, `input_precision="ieee"`, measured 12-68 µs at these sizes,
     `bench/results/probe_route_3dff994.md`.) Grid (E tiles, splits, T tiles): at decode sizes the splits spread
-    the weight read over the SMs; `select_experts_kernel` adds them. E_MAJOR (prefill tiles): the MMAs compute
-    [BLOCK_E, BLOCK_T] (the split weight, in registers, as the left operand; the x tile as the right one, which
-    the tensor core reads from shared memory) and the tile is stored transposed."""
+    the weight read over the SMs (prefill sizes have enough tiles without); `select_experts_kernel` adds them."""
     pid_e, pid_s, pid_t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     es = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
     rmask, emask = rows < T, es < E
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xt
     w_rows = w_ptr + es.to(tl.int64)[:, None] * stride_we
-    if E_MAJOR:
-        acc = tl.zeros([BLOCK_E, BLOCK_T], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
     k_begin = pid_s * K_SPLIT
     k_end = tl.minimum(k_begin + K_SPLIT, H)
     for k0 in range(k_begin, k_end, BLOCK_K):
@@ -505,19 +499,8 @@ def router_gemm_kernel(x_ptr, w_ptr, part_ptr, T, E, H, K_SPLIT, stride_xt, stri
         rest = wv - hi.to(tl.float32)
         mid = rest.to(tl.bfloat16)
         lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
-        if E_MAJOR:
-            xt = tl.trans(xv)
-            acc = tl.dot(lo, xt, acc)
-            acc = tl.dot(mid, xt, acc)
-            acc = tl.dot(hi, xt, acc)
-        else:
-            acc = tl.dot(xv, tl.trans(lo), acc)
-            acc = tl.dot(xv, tl.trans(mid), acc)
-            acc = tl.dot(xv, tl.trans(hi), acc)
-    part = part_ptr + pid_s.to(tl.int64) * stride_ps
-    if E_MAJOR:
-        tl.store(part + rows.to(tl.int64)[None, :] * stride_pt + es[:, None], acc,
-                 mask=emask[:, None] & rmask[None, :])
-    else:
-        tl.store(part + rows.to(tl.int64)[:, None] * stride_pt + es[None, :], acc,
-                 mask=rmask[:, None] & emask[None, :])
+        acc = tl.dot(xv, tl.trans(lo), acc)
+        acc = tl.dot(xv, tl.trans(mid), acc)
+        acc = tl.dot(xv, tl.trans(hi), acc)
+    out = part_ptr + pid_s.to(tl.int64) * stride_ps + rows.to(tl.int64)[:, None] * stride_pt + es[None, :]
+    tl.store(out, acc, mask=rmask[:, None] & emask[None, :])

@@ -112,14 +112,13 @@ ROUTE_KERNEL_MAX_T = 1 << 20
 class RouterLaunch:
     """The router GEMM's tiles: BLOCK_T tokens × BLOCK_E experts × BLOCK_K, `splits` programs along H of
     `k_split` elements each (a multiple of BLOCK_K), `warps` warps, `stages` software-pipeline stages of the K
-    loop; `e_major`: the MMAs compute [BLOCK_E, BLOCK_T] tiles (the split weight as the left operand)."""
+    loop."""
     block_t: int
     block_e: int
     block_k: int
     k_split: int
     splits: int
     warps: int
-    e_major: bool = False
     stages: int = 3
 
 
@@ -127,21 +126,21 @@ ROUTER_MIN_BLOCK_T = 16  # the MMA's smallest M
 # decode tiles, below ROUTER_LARGE_T tokens (probe_route_256c82f): a split K spreads the weight read over the SMs
 ROUTER_MAX_BLOCK_T, ROUTER_BLOCK_E, ROUTER_BLOCK_K, ROUTER_WARPS = 16, 32, 128, 4
 ROUTER_TARGET_PROGRAMS = 264  # two per SM of an H100/H200
-# prefill tiles, from ROUTER_LARGE_T tokens: the MMAs are the cost (three a K step), so large tiles, E-major
-ROUTER_LARGE_T = 512
-ROUTER_LARGE = dict(max_block_t=128, block_e=64, block_k=64, warps=8, e_major=True, stages=3)
+# prefill tiles, from ROUTER_LARGE_T tokens: the MMAs are the cost (three a K step), so large tiles
+# (probe_route_large_5820d34: 2.9-3.7x the decode tiles from 512 tokens)
+ROUTER_LARGE_T = 256
+ROUTER_LARGE = dict(max_block_t=128, block_e=64, block_k=64, warps=8, stages=3)
 
 
 def router_launch(num_tokens: int, num_experts: int, hidden: int, *, max_block_t: int | None = None,
                   block_e: int | None = None, block_k: int | None = None, warps: int | None = None,
-                  programs: int = ROUTER_TARGET_PROGRAMS, e_major: bool | None = None,
-                  stages: int | None = None) -> RouterLaunch:
+                  programs: int = ROUTER_TARGET_PROGRAMS, stages: int | None = None) -> RouterLaunch:
     """The router GEMM's launch: T tiles of 16 up to `max_block_t` tokens, about `programs` programs over the E and
     T tiles and the splits of H. Arguments left None take the decode tiles below ROUTER_LARGE_T tokens, the prefill
     tiles (ROUTER_LARGE) from there."""
     large = num_tokens >= ROUTER_LARGE_T
     d = ROUTER_LARGE if large else dict(max_block_t=ROUTER_MAX_BLOCK_T, block_e=ROUTER_BLOCK_E,
-                                        block_k=ROUTER_BLOCK_K, warps=ROUTER_WARPS, e_major=False, stages=3)
+                                        block_k=ROUTER_BLOCK_K, warps=ROUTER_WARPS, stages=3)
     pick = lambda v, name: d[name] if v is None else v  # noqa: E731
     max_block_t, block_e, block_k = pick(max_block_t, "max_block_t"), pick(block_e, "block_e"), pick(block_k, "block_k")
     block_t = max(ROUTER_MIN_BLOCK_T, min(triton.next_power_of_2(max(num_tokens, 1)), max_block_t))
@@ -149,7 +148,7 @@ def router_launch(num_tokens: int, num_experts: int, hidden: int, *, max_block_t
     want = max(1, min(programs // tiles, triton.cdiv(hidden, block_k)))
     k_split = triton.cdiv(triton.cdiv(hidden, want), block_k) * block_k
     return RouterLaunch(block_t, block_e, block_k, k_split, triton.cdiv(hidden, k_split), pick(warps, "warps"),
-                        pick(e_major, "e_major"), pick(stages, "stages"))
+                        pick(stages, "stages"))
 
 
 def router_partials(hidden: torch.Tensor, router_weight: torch.Tensor,
@@ -164,8 +163,7 @@ def router_partials(hidden: torch.Tensor, router_weight: torch.Tensor,
         grid = (triton.cdiv(E, lc.block_e), lc.splits, triton.cdiv(T, lc.block_t))
         K.router_gemm_kernel[grid](hidden, router_weight, parts, T, E, H, lc.k_split, hidden.stride(0),
                                    router_weight.stride(0), parts.stride(0), parts.stride(1), BLOCK_T=lc.block_t,
-                                   BLOCK_E=lc.block_e, BLOCK_K=lc.block_k, E_MAJOR=lc.e_major,
-                                   num_warps=lc.warps, num_stages=lc.stages)
+                                   BLOCK_E=lc.block_e, BLOCK_K=lc.block_k, num_warps=lc.warps, num_stages=lc.stages)
     return parts
 
 
