@@ -196,6 +196,26 @@ def test_router_partials_have_fp32_precision(T, E, H, cfg, device):
     assert rel <= 2.5e-7, (rel, lc)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiles", ["decode", "prefill"])
+def test_gpu_router_partials_precision_over_a_full_hidden(tiles):
+    """One split over Hy3's whole H (4096 = 256 MMA steps of K 16 a term): the tensor core's truncating fp32
+    accumulation stays within a few fp32 roundings of Σ|x·w| (one accumulator over the whole K measured 1.6e-6;
+    torch's fp32 GEMM 5e-8 to 1e-7, probe_route_large_c909b5f)."""
+    from hpcops.moe import routing
+
+    g = torch.Generator().manual_seed(11)
+    hidden = torch.randn(512, 4096, generator=g).to(torch.bfloat16).cuda()
+    w = (torch.randn(192, 4096, generator=g) * 4096 ** -0.5).cuda()
+    T = 16 if tiles == "decode" else 512
+    lc = routing.router_launch(T, 192, 4096, programs=1)
+    assert lc.splits == 1 and lc.block_t == (routing.ROUTER_MAX_BLOCK_T if tiles == "decode" else 128)
+    parts = routing.router_partials(hidden[:T], w, lc)
+    want = hidden[:T].double() @ w.double().t()
+    rel = ((parts[0].double() - want).abs() / (hidden[:T].double().abs() @ w.double().abs().t())).max().item()
+    assert rel <= 2.5e-7, (rel, lc)
+
+
 def test_route_splits_and_partial_sums(device):
     """The split rule spreads decode sizes over ~264 programs; the top-k kernel adds [S, T, E] partials."""
     from hpcops.moe import routing

@@ -476,11 +476,15 @@ def router_gemm_kernel(x_ptr, w_ptr, part_ptr, T, E, H, K_SPLIT, stride_xt, stri
                        BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
     """Partial router logits part[s, t, e] = Σ_{k in split s} x[t, k] · w[e, k] for bf16 x and an fp32 w, with
     fp32 precision on the tensor cores: each fp32 weight tile is split in registers into three bf16 terms
-    (hi + mid + lo = w exactly: 8 + 8 + 8 significand bits, fp32's 24), and three bf16 MMAs with one fp32
-    accumulator add x·lo, x·mid, x·hi (each product exact, as x is bf16). The weight is read once, as fp32; no
-    weight copy. (fp32 `tl.dot` on the FMA units, `input_precision="ieee"`, measured 12-68 µs at these sizes,
-    `bench/results/probe_route_3dff994.md`.) Grid (E tiles, splits, T tiles): at decode sizes the splits spread
-    the weight read over the SMs (prefill sizes have enough tiles without); `select_experts_kernel` adds them."""
+    (hi + mid + lo = w exactly: 8 + 8 + 8 significand bits, fp32's 24), and three bf16 MMAs add x·lo, x·mid, x·hi
+    (each product exact, as x is bf16). The tensor core's fp32 accumulation truncates (measured on the H200: a
+    bias that grows with the MMA steps, 1.6e-6 of Σ|x·w| at H 4096 with one accumulator, 30× torch's fp32 GEMM,
+    `bench/results/probe_route_large_c909b5f.md`), so each K tile's three MMAs start from zero, the small terms
+    first, and the FMA units add the tile's sum (rounding to nearest) to the running fp32 sum: the truncations
+    are then relative to one K tile's sum. The weight is read once, as fp32; no weight copy. (fp32 `tl.dot` on
+    the FMA units, `input_precision="ieee"`, measured 12-68 µs at these sizes, `probe_route_3dff994.md`.)
+    Grid (E tiles, splits, T tiles): at decode sizes the splits spread the weight read over the SMs (prefill sizes
+    have enough tiles without); `select_experts_kernel` adds them."""
     pid_e, pid_s, pid_t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     es = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -499,8 +503,8 @@ def router_gemm_kernel(x_ptr, w_ptr, part_ptr, T, E, H, K_SPLIT, stride_xt, stri
         rest = wv - hi.to(tl.float32)
         mid = rest.to(tl.bfloat16)
         lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
-        acc = tl.dot(xv, tl.trans(lo), acc)
-        acc = tl.dot(xv, tl.trans(mid), acc)
-        acc = tl.dot(xv, tl.trans(hi), acc)
+        tile = tl.dot(xv, tl.trans(lo))
+        tile = tl.dot(xv, tl.trans(mid), tile)
+        acc += tl.dot(xv, tl.trans(hi), tile)
     out = part_ptr + pid_s.to(tl.int64) * stride_ps + rows.to(tl.int64)[:, None] * stride_pt + es[None, :]
     tl.store(out, acc, mask=rmask[:, None] & emask[None, :])
