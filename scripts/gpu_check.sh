@@ -12,7 +12,7 @@
 #                                             tool: hpcops tune <op> --smoke for every op, profile_decode.py)
 # Several GPUs in one device call: scripts/gpu_parallel.py (one queue of stages per GPU, one archive back).
 # Default: tests bench:decode,moe,rope,prefill. Results go to $OUT (or ./out): logs, and one
-# results.tar.gz holding bench/results/*.{json,md,png} to unpack into bench/results/ (the `tests`
+# results.tar.gz (kept across invocations) holding bench/results/*.{json,md,png} to unpack into bench/results/ (the `tests`
 # stage writes results/gpu_tests.txt; `smoke` writes results/smoke/). Set GIT_REV to the commit of the
 # working tree (the device copy has no .git): gpu_tests.txt names it as the tested tree.
 # FlashInfer (a peer) is installed from .whl/ when present (carry it: ../shared/tools/peer_wheels.sh .whl).
@@ -23,6 +23,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT" "$OUT/results"
+# a second invocation in the same device call adds to the first one's archive (it used to replace it)
+[ -f "$OUT/results.tar.gz" ] && tar -xzf "$OUT/results.tar.gz" -C "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 if ls .whl/*.whl >/dev/null 2>&1; then
   # once a machine (jobs running side by side, scripts/gpu_parallel.py, find it done)
