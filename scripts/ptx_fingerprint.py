@@ -1,9 +1,9 @@
 """Did the kernels a benchmark measured change since? Compare their sm_90 PTX across commits, no GPU.
 
-Runs the decode, MoE, rope and prefill entry points on the CPU with every Triton kernel replaced by a
+Runs the decode, MoE, rope, prefill and router entry points on the CPU with every Triton kernel replaced by a
 recorder (the launches the default configs make for the benchmarks' cases: heads, dtypes, batch sizes; decode's
 as on an H200, where an fp8 q over fp8 KV takes the Gluon kernel, compiled through Gluon's own front end;
-rope and prefill through their bench suites' own scenarios and input builders), compiles
+rope, prefill and router through their bench suites' own scenarios and input builders), compiles
 each recorded launch ahead of time for sm_90 (`triton.compile`, as the compile tests do) and hashes the
 PTX with parameter numbering and debug info stripped (so an added, unused kernel argument does not
 count as a change). With `--against REV` the same runs happen in a temporary worktree of REV and the
@@ -14,8 +14,8 @@ a default kernel shows up in CI as "re-measure on the GPU, then re-record".
 
     python scripts/ptx_fingerprint.py --against bd7055a --ops decode   # decode bench's commit
     python scripts/ptx_fingerprint.py --against 9b72fb7 --ops moe      # MoE bench's commit
-    python scripts/ptx_fingerprint.py --ops decode,moe > bench/results/fingerprints.json  # record the
-        # ops whose committed results measured this tree (rope and prefill: not yet)
+    python scripts/ptx_fingerprint.py --ops decode,moe,rope,prefill,router > bench/results/fingerprints.json
+        # record the ops whose committed results measured this tree
     python scripts/ptx_fingerprint.py --check bench/results/fingerprints.json  # what CI runs
 
 Exit status 1 when a launch differs. Needs no GPU; takes a few minutes (Triton compiles on the CPU).
@@ -34,14 +34,16 @@ import subprocess
 import sys
 import tempfile
 
-OPS = ("decode", "moe", "rope", "prefill")
+OPS = ("decode", "moe", "rope", "prefill", "router")
 # kernel modules of each op, and the modules that import kernels by name (patched too)
 KERNEL_MODULES = {"decode": ("hpcops.attention._decode_kernels", "hpcops.attention._plan_kernels",
                               "hpcops.attention._decode_gluon"),
                   "moe": ("hpcops.moe._moe_kernels",), "rope": ("hpcops.rope._rope_kernels",),
-                  "prefill": ("hpcops.attention._prefill_kernels", "hpcops.attention._prefill_gluon")}
+                  "prefill": ("hpcops.attention._prefill_kernels", "hpcops.attention._prefill_gluon"),
+                  "router": ("hpcops.moe._moe_kernels",)}
 USER_MODULES = {"decode": ("hpcops.attention.plan", "hpcops.attention.decode"), "moe": ("hpcops.moe.fused_moe",),
-                "rope": ("hpcops.rope.prologue",), "prefill": ("hpcops.attention.prefill",)}
+                "rope": ("hpcops.rope.prologue",), "prefill": ("hpcops.attention.prefill",),
+                "router": ("hpcops.moe.routing",)}
 
 
 def _launch_tools():
@@ -161,14 +163,15 @@ def _normalized_ptx(ptx: str) -> str:
 def fingerprint(ops: list[str]) -> list[dict]:
     """[{run, kernel, constexprs, sha, instructions}] for every launch of each op's runs, in order."""
     tools = _launch_tools()
-    modules = [importlib.import_module(n) for op in ops for n in KERNEL_MODULES[op] + USER_MODULES[op]]
+    names = dict.fromkeys(n for op in ops for n in KERNEL_MODULES[op] + USER_MODULES[op])  # moe, router share one
+    modules = [importlib.import_module(n) for n in names]
     kernels = {a: v for m in modules for a, v in vars(m).items() if a.endswith("_kernel")}
     with tools.recorded_launches(*modules) as log:
         def label(run):
             log.append(("__run__", run, None))
 
         for op in ops:
-            if op in ("rope", "prefill"):
+            if op in ("rope", "prefill", "router"):
                 _suite_runs(label, op)
             else:
                 {"decode": _decode_runs, "moe": _moe_runs}[op](label)
@@ -211,6 +214,8 @@ def _in_worktree(rev: str, ops: list[str]) -> list[dict]:
 def _op_of(row: dict) -> str:
     """The op a recorded launch belongs to."""
     k = row["kernel"]
+    if k.startswith(("router_", "select_")):
+        return "router"
     return "decode" if k.startswith(("decode_", "plan_")) else k.split("_")[0]
 
 

@@ -55,7 +55,7 @@ def test_normalized_ptx_ignores_parameter_numbering_and_debug_info():
 def test_default_kernels_are_the_measured_ones():
     with open(RECORDED) as f:
         kernels = {r["kernel"] for r in json.load(f)}
-    assert kernels >= {"decode_persistent_kernel", "decode_gluon_kernel", "moe_gate_up_kernel"}
+    assert kernels >= {"decode_persistent_kernel", "decode_gluon_kernel", "moe_gate_up_kernel", "router_gemm_kernel"}
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     res = subprocess.run([sys.executable, SCRIPT, "--check", RECORDED], env=env, capture_output=True, text=True,
