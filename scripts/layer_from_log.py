@@ -22,6 +22,7 @@ from hpcops.bench.suites import layer as L
 
 def parts(log: str) -> list[tuple[dict, list[Row], str]]:
     scen = {s.name: s for s in L.scenarios(False)}
+    cases = {name: L.case_for(s) for name, s in scen.items()}
     out = []
     for chunk in log.split("# hpcops bench ")[1:]:
         if not chunk.startswith("layer"):
@@ -38,8 +39,7 @@ def parts(log: str) -> list[tuple[dict, list[Row], str]]:
             c = [x.strip() for x in line.strip().strip("|").split("|")]
             if len(c) < 8 or c[0] not in scen or c[1].strip("*") == "baseline":
                 continue
-            s, impl = scen[c[0]], c[1].strip("*")
-            case = L.case_for(s)
+            s, case, impl = scen[c[0]], cases[c[0]], c[1].strip("*")
             imp = next(i for i in case.impls if i.name == impl)
             rows.append(Row(suite="layer", case=c[0], impl=impl, ours=imp.ours, us=float(c[2]) if c[2] else None,
                             status=c[7], layers=case.layers or 8, bytes=case.bytes, params=case.params,

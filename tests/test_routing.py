@@ -252,6 +252,9 @@ def test_route_large_batches_and_bad_inputs(device, monkeypatch):
     assert torch.equal(ids, want_ids)
     torch.testing.assert_close(tw, want_w)
     assert routing.route(hidden[:0], w, 3)[1].shape == (0, 3)
+    many = torch.empty(routing.MAX_GRID_Z * 16 + 1, 8, dtype=torch.bfloat16, device=device)
+    with pytest.raises(ValueError, match="launch"):  # more T tiles than a grid holds: an error, no launch
+        routing.router_partials(many, w[:, :8], routing.router_launch(many.shape[0], 16, 8, max_block_t=16))
     bad = [("hidden", TypeError, dict(hidden=hidden.to(torch.int32))),
            ("hidden", ValueError, dict(hidden=hidden[0])),
            ("router_weight", ValueError, dict(router_weight=w[:, :32])),

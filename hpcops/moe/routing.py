@@ -103,9 +103,10 @@ def _launch_select(router_logits, top_k, scoring, bias, renormalize, scale, weig
         RENORM=bool(renormalize), SPLITS=parts.shape[0], num_warps=warps)
 
 
-# route(): the router GEMM on the kernel up to this many tokens: its grid's third dimension, T tiles of ≥ 16 tokens,
-# stays under CUDA's 65535; beyond it torch's GEMM (cuBLAS) then select_experts
+# route(): the router GEMM on the kernel up to this many tokens (its grid's third dimension, 8192 T tiles of the
+# prefill tiles' 128 tokens, stays under CUDA's 65535); beyond it torch's GEMM (cuBLAS) then select_experts
 ROUTE_KERNEL_MAX_T = 1 << 20
+MAX_GRID_Z = 65535  # CUDA's limit on a grid's third dimension (the router GEMM's T tiles)
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,8 @@ class RouterLaunch:
 ROUTER_MIN_BLOCK_T = 16  # the MMA's smallest M
 # decode tiles, below ROUTER_LARGE_T tokens (probe_route_256c82f): a split K spreads the weight read over the SMs
 ROUTER_MAX_BLOCK_T, ROUTER_BLOCK_E, ROUTER_BLOCK_K, ROUTER_WARPS = 16, 32, 128, 4
+ROUTER_DECODE = dict(max_block_t=ROUTER_MAX_BLOCK_T, block_e=ROUTER_BLOCK_E, block_k=ROUTER_BLOCK_K,
+                     warps=ROUTER_WARPS, stages=3)
 ROUTER_TARGET_PROGRAMS = 264  # two per SM of an H100/H200
 # prefill tiles, from ROUTER_LARGE_T tokens: the MMAs are the cost (three a K step), so large tiles
 # (probe_route_large_5820d34: 2.9-3.7x the decode tiles from 512 tokens)
@@ -138,17 +141,15 @@ def router_launch(num_tokens: int, num_experts: int, hidden: int, *, max_block_t
     """The router GEMM's launch: T tiles of 16 up to `max_block_t` tokens, about `programs` programs over the E and
     T tiles and the splits of H. Arguments left None take the decode tiles below ROUTER_LARGE_T tokens, the prefill
     tiles (ROUTER_LARGE) from there."""
-    large = num_tokens >= ROUTER_LARGE_T
-    d = ROUTER_LARGE if large else dict(max_block_t=ROUTER_MAX_BLOCK_T, block_e=ROUTER_BLOCK_E,
-                                        block_k=ROUTER_BLOCK_K, warps=ROUTER_WARPS, stages=3)
-    pick = lambda v, name: d[name] if v is None else v  # noqa: E731
-    max_block_t, block_e, block_k = pick(max_block_t, "max_block_t"), pick(block_e, "block_e"), pick(block_k, "block_k")
-    block_t = max(ROUTER_MIN_BLOCK_T, min(triton.next_power_of_2(max(num_tokens, 1)), max_block_t))
+    given = dict(max_block_t=max_block_t, block_e=block_e, block_k=block_k, warps=warps, stages=stages)
+    c = {**(ROUTER_LARGE if num_tokens >= ROUTER_LARGE_T else ROUTER_DECODE),
+         **{name: v for name, v in given.items() if v is not None}}
+    block_t = max(ROUTER_MIN_BLOCK_T, min(triton.next_power_of_2(max(num_tokens, 1)), c["max_block_t"]))
+    block_e, block_k = c["block_e"], c["block_k"]
     tiles = triton.cdiv(num_experts, block_e) * triton.cdiv(max(num_tokens, 1), block_t)
     want = max(1, min(programs // tiles, triton.cdiv(hidden, block_k)))
     k_split = triton.cdiv(triton.cdiv(hidden, want), block_k) * block_k
-    return RouterLaunch(block_t, block_e, block_k, k_split, triton.cdiv(hidden, k_split), pick(warps, "warps"),
-                        pick(stages, "stages"))
+    return RouterLaunch(block_t, block_e, block_k, k_split, triton.cdiv(hidden, k_split), c["warps"], c["stages"])
 
 
 def router_partials(hidden: torch.Tensor, router_weight: torch.Tensor,
@@ -158,6 +159,8 @@ def router_partials(hidden: torch.Tensor, router_weight: torch.Tensor,
     T, H = hidden.shape
     E = router_weight.shape[0]
     lc = launch or router_launch(T, E, H)
+    if triton.cdiv(T, lc.block_t) > MAX_GRID_Z:
+        raise ValueError(f"launch: {T} tokens in tiles of {lc.block_t} exceed CUDA's {MAX_GRID_Z} T tiles a grid")
     parts = torch.empty((lc.splits, T, E), dtype=torch.float32, device=hidden.device)
     if T:
         grid = (triton.cdiv(E, lc.block_e), lc.splits, triton.cdiv(T, lc.block_t))
