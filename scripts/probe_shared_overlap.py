@@ -1,14 +1,15 @@
 """Probe: how well the layer bench's hpcops side hides the shared expert under the routed MoE (issue 11).
 
-At decode sizes both sides of `hpcops bench layer` run the shared expert on an auxiliary stream, as vLLM's
-SharedFusedMoE does; the baseline is counted as a perfect overlap, hpcops' layer graph is measured. This
-times step 5 (router GEMM, select, shared expert, routed MoE, residual) of the hpcops layer, CUDA-graph replays
-over L2-cold layers, in variants:
-- `inline`: one stream (no overlap);
-- `moe`: the shared expert on the auxiliary stream, forked before the router GEMM, beside the router GEMM,
-  select_experts and the routed MoE (whose reduction waits for it: the suite's hpcops side);
-and, alone, `norm+router`, `select+moe` (select + routed MoE + residual) and `shared` (the shared expert):
-`ideal` = norm+router + max(select+moe, shared). Writes probe_shared_overlap.{md,json} into --out.
+At decode sizes the baseline of `hpcops bench layer` runs the shared expert on an auxiliary stream, as vLLM's
+SharedFusedMoE does, and is counted as a perfect overlap; hpcops' layer graph is measured. This times step 5
+(norm, `routing.route`, shared expert, routed MoE, residual) of the hpcops layer, CUDA-graph replays over
+L2-cold layers, in its `shared_mode`s (`layer.hp_step5`):
+- `inline`: torch's shared expert, then the routed MoE (one stream, no overlap);
+- `aux`: torch's shared expert on the auxiliary stream, forked before the router GEMM, beside the router,
+  select_experts and the routed MoE (whose reduction waits for it: the suite's hpcops side up to `3803e6b`);
+- `fused`: the shared expert inside the routed MoE's GEMM kernels (`fused_moe(shared_w13=, shared_w2=)`);
+and, alone, `norm+route`, `moe` (routed MoE + residual, the shared output given) and `shared` (torch's shared
+expert): `ideal` = norm+route + max(moe, shared). Writes probe_shared_overlap.{md,json} into --out.
 
     python3 scripts/probe_shared_overlap.py --out DIR [--only B4-u4K-fp8-tp8,...]
 """
@@ -41,14 +42,15 @@ def main() -> None:
         xs = [L.make_inputs(s, i, "cuda") for i in range(n)]
         ms = [L._materialize(s, x) for x in xs]
         res = {"case": name, "layers": n}
-        res["norm+router"] = graph_time_us([lambda x=x, m=m: L.step5a_router(x, m["h1"]) for x, m in zip(xs, ms)])
-        res["select+moe"] = graph_time_us([lambda x=x, m=m, s=s: L._hp_moe(s, x, m["h1"], m["h2"], *L.step5a_select(
-            x, L.step5a_router(x, m["h1"])[1]), m["shared"]) for x, m in zip(xs, ms)]) - res["norm+router"]
+        res["norm+route"] = graph_time_us([lambda x=x, m=m: L.hp_route(x, L._rms(m["h1"], x["w_post"]))
+                                           for x, m in zip(xs, ms)])
+        res["moe"] = graph_time_us([lambda x=x, m=m, s=s: L._hp_moe(s, x, m["h1"], m["h2"], m["tw"], m["ids"],
+                                                                     m["shared"]) for x, m in zip(xs, ms)])
         res["shared"] = graph_time_us([lambda x=x, m=m: L.shared_expert(x, m["h2"]) for x, m in zip(xs, ms)])
-        res["ideal"] = res["norm+router"] + max(res["select+moe"], res["shared"])
-        for variant, beside in (("inline", False), ("moe", True)):
-            res[variant] = graph_time_us([lambda x=x, m=m, b=beside, s=s: L.hp_step5(s, x, m["h1"], beside=b)
-                                          for x, m in zip(xs, ms)])
+        res["ideal"] = res["norm+route"] + max(res["moe"], res["shared"])
+        for mode in L.SHARED_MODES:
+            res[mode] = graph_time_us([lambda x=x, m=m, s=s, mode=mode: L.hp_step5(s, x, m["h1"], shared_mode=mode)
+                                       for x, m in zip(xs, ms)])
         rows.append(res)
         print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in res.items()}), flush=True)
         del xs, ms
@@ -56,11 +58,11 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "probe_shared_overlap.json").write_text(json.dumps(rows, indent=1))
-    cols = ("norm+router", "select+moe", "shared", "ideal", "inline", "moe")
+    cols = ("norm+route", "moe", "shared", "ideal", *L.SHARED_MODES)
     lines = ["# step 5 of the hpcops layer: the shared expert beside the routed MoE (µs per layer)", "",
-             f"GPU: {torch.cuda.get_device_name()}; CUDA-graph replays over L2-cold layers; `select+moe` = select + "
-             "routed MoE + residual with the norm and router GEMM's time taken out; `ideal` = norm+router + "
-             "max(select+moe, shared).",
+             f"GPU: {torch.cuda.get_device_name()}; CUDA-graph replays over L2-cold layers; `moe` = the routed "
+             "MoE + residual (the shared output given); `ideal` = norm+route + max(moe, shared); `inline` / `aux` "
+             "/ `fused`: step 5 with the shared expert in line, on the auxiliary stream, in the MoE's kernels.",
              "", "| case | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
     lines += [f"| {r['case']} | " + " | ".join(f"{r[c]:.1f}" for c in cols) + " |" for r in rows]
     (out / "probe_shared_overlap.md").write_text("\n".join(lines) + "\n")

@@ -148,6 +148,11 @@ def test_derived_baseline_summary_and_reports(tmp_path):
     assert {p.name for p in paths} >= {"layer.components.md", "layer.summary.json"}
     again, _ = suite_finisher("layer")(done, tmp_path)  # idempotent (the CLI finishes after every case)
     assert [r.impl for r in again.rows] == [r.impl for r in done.rows]
+    assert c["components"]["5s shared expert"] == {"hpcops": 6.0, "baseline": 6.0}
+    for r in rows:  # hpcops computing the shared expert in its MoE kernels: its 5s is inside its 5b
+        r.params["shared_fused"] = True
+    fused = rep.summarize(SuiteResult("layer", rows, {"copy_gbps": 4000.0}))["cases"]["B4-u4K-fp8-tp8"]
+    assert fused["components"]["5s shared expert"] == {"hpcops": 0.0, "baseline": 6.0}
 
 
 def test_prefill_rows_report_ttft(tmp_path):
@@ -244,8 +249,9 @@ def test_hpcops_layer_matches_fp32_reference(tiny_layer, device, kv, layout):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv", ["fp8", "bf16"])
 def test_gpu_layer_graph_with_the_shared_expert_beside(tiny_layer, kv):
-    """At decode sizes step 5 runs on two streams: every overlap mode gives the one-stream result, and a captured
-    layer replays to the eager layer."""
+    """At decode sizes step 5's shared expert runs beside the routed MoE (fused into its kernels, or on the
+    auxiliary stream): each mode gives the one-stream result (the fused one up to the shared output's rounding),
+    and a captured layer replays to the eager layer."""
     from hpcops.testing import assert_close, capture_graph
 
     s = suite.Scenario(3, "70,130,65", kv, "tp8")
@@ -255,11 +261,13 @@ def test_gpu_layer_graph_with_the_shared_expert_beside(tiny_layer, kv):
     eager = suite.hpcops_layer(s, x, plan, x["hidden"]).clone()
     h1 = x["hidden"] + torch.randn_like(x["hidden"])
     got = {}
-    for mode, beside in (("inline", False), ("moe", True)):
+    for mode in suite.SHARED_MODES:
         trace = {}
-        got[mode] = suite.hp_step5(s, x, h1, trace, beside=beside).clone()
+        got[mode] = suite.hp_step5(s, x, h1, trace, shared_mode=mode).clone()
         got[mode + "-ids"] = trace["ids"]
-    assert torch.equal(got["inline-ids"], got["moe-ids"]) and torch.equal(got["inline"], got["moe"])
+    assert torch.equal(got["inline-ids"], got["aux-ids"]) and torch.equal(got["inline"], got["aux"])
+    assert torch.equal(got["inline-ids"], got["fused-ids"])
+    assert_close(got["inline"].float(), got["fused"].float(), maxtol=2e-2, rmstol=5e-3)
     graph, out = capture_graph(lambda: suite.hpcops_layer(s, x, plan, x["hidden"]))
     out.fill_(float("nan"))
     graph.replay()
@@ -450,11 +458,20 @@ def test_cli_bench_layer_writes_the_derived_reports(monkeypatch, tmp_path, capsy
     assert "| B4-u4K-fp8-tp8 | **hpcops** | 80.0 |" in capsys.readouterr().out
 
 
-def test_step5_one_stream_off_the_gpu(tiny_layer, device):
-    """Step 5 forks the shared expert only on a GPU at decode sizes; elsewhere one stream, the same layer."""
+def test_step5_shared_modes(tiny_layer, device):
+    """hpcops' shared expert: fused into the routed MoE's kernels at decode sizes (the default), in line above;
+    both give the same step 5 up to the shared output's rounding; the auxiliary stream only on a GPU."""
+    from hpcops.testing import assert_close
+
     s = suite.Scenario(3, "70,130,65", "bf16", "tp8")
     x = suite.make_inputs(s, 0, device=device)
+    assert suite.shared_mode_for(s.t) == "fused" and suite.shared_mode_for(suite.SHARED_FUSED_MAX_T + 1) == "inline"
     assert suite.shared_on_aux_stream(s.t, x["hidden"].device) == (device == "cuda")
-    assert not suite.shared_on_aux_stream(suite.SHARED_STREAM_MAX_T + 1, torch.device("cuda"))
-    one = suite.hp_step5(s, x, x["hidden"], beside=False)
-    assert one.shape == x["hidden"].shape and torch.isfinite(one.float()).all()
+    h1 = x["hidden"] + torch.randn_like(x["hidden"])
+    got = {m: suite.hp_step5(s, x, h1, shared_mode=m).clone() for m in ("fused", "inline")}
+    assert (got["fused"].float() - h1.float()).abs().max() > 0.1  # the MoE and the shared expert added something
+    assert_close(got["inline"].float(), got["fused"].float(), maxtol=2e-2, rmstol=5e-3)
+    shared = suite.shared_expert(x, suite._rms(h1, x["w_post"])).float()
+    assert (got["fused"].float() - got["inline"].float()).abs().max() < 0.1 * shared.abs().max()
+    with pytest.raises(ValueError, match="shared_mode"):
+        suite.hp_step5(s, x, h1, shared_mode="stream")

@@ -151,6 +151,7 @@ class Case:
     block_n: int | None = None  # force the gate-up N tile (fp8_block: 128 quantizes in the epilogue)
     swap: bool | None = None  # force config.swap_ab
     naive: bool | None = None  # force one task per pair (True) or the index (False)
+    fused_shared: int = 0  # I_s of a shared expert fused into the GEMM kernels (shared_w13 / shared_w2)
 
     @property
     def id(self) -> str:
@@ -159,6 +160,8 @@ class Case:
         for flag in ("shared", "ep", "use_out"):
             if getattr(self, flag):
                 s += "-" + flag
+        if self.fused_shared:
+            s += f"-fshared{self.fused_shared}"
         if self.act_mul != "fp32":
             s += "-mul" + self.act_mul
         if self.small_max is not None:
@@ -208,6 +211,9 @@ PATH_BASES = [
     Case(6, k=2, quant="fp8_block", inter=256, H=200, ep=True, E=8),
     Case(3, quant="fp8_block", shared=True, block_n=64),
     Case(4, quant="fp8_tensor", act_mul="bf16", k=4),
+    Case(19, k=2, fused_shared=48, ep=True, E=8),  # 19 tokens: two M tiles of 16, the second ragged
+    Case(5, quant="fp8_tensor", fused_shared=40, act_mul="bf16"),
+    Case(6, quant="fp8_block", inter=256, fused_shared=64, ep=True, E=8),
 ]
 PATH_CASES = [replace(c, swap=swap, naive=naive) for c in PATH_BASES for swap in (False, True)
               for naive in (False, True)]
@@ -230,6 +236,10 @@ def run_case(case: Case, device: str):
     g = torch.Generator().manual_seed(2)
     x = torch.randn(case.T, case.H, generator=g).to(case.dtype).to(device)
     shared = torch.randn(case.T, case.H, generator=g).to(case.dtype).to(device) if case.shared else None
+    s13 = s2 = None
+    if case.fused_shared:
+        s13 = (torch.randn(2 * case.fused_shared, case.H, generator=g) / case.H ** 0.5).to(case.dtype).to(device)
+        s2 = (torch.randn(case.H, case.fused_shared, generator=g) / case.fused_shared ** 0.5).to(case.dtype).to(device)
     n_global = case.E
     cfg = get_config(num_tokens=case.T, top_k=case.k, num_experts=n_global, hidden=case.H, inter=case.inter,
                      quant=case.quant, interpreter=device == "cpu")
@@ -246,11 +256,11 @@ def run_case(case: Case, device: str):
         cfg = cfg.with_(naive_max_pairs=1 << 30 if case.naive else 0)
     out = nan_like(torch.empty(case.T, case.H, dtype=case.dtype, device=device)) if case.use_out else None
     got = fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap, shared_output=shared,
-                    out=out, config=cfg)
+                    out=out, config=cfg, shared_w13=s13, shared_w2=s2)
     if out is not None:
         assert got.data_ptr() == out.data_ptr()
     ref = R.fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap, shared_output=shared,
-                      config=cfg)
+                      config=cfg, shared_w13=s13, shared_w2=s2)
     return got, ref
 
 
@@ -372,6 +382,27 @@ def _bad_inputs(device):
         ("x", TypeError, dict(base, x=x.to(FP8))),
         ("config", ValueError, dict(bk, config=MoeConfig(block_k=64))),
         ("config.act_mul", ValueError, dict(base, config=MoeConfig(act_mul="fp16"))),
+        *_bad_shared_weights(base, f8, x, H, device),
+    ]
+
+
+def _bad_shared_weights(base, f8, x, H, device):
+    """The fused shared expert's weights: both or none, [2·I_s, H] and [H, I_s] in x's 16-bit dtype, a 16-bit x,
+    not with shared_output."""
+    s13 = torch.randn(64, H).bfloat16().to(device)
+    s2 = torch.randn(H, 32).bfloat16().to(device)
+    both = dict(base, shared_w13=s13, shared_w2=s2)
+    return [
+        ("shared_w13", ValueError, dict(base, shared_w13=s13)),
+        ("shared_w13", ValueError, dict(base, shared_w2=s2)),
+        ("shared_w13", ValueError, dict(both, shared_w13=s13[:, :128])),
+        ("shared_w13", ValueError, dict(both, shared_w13=s13[:63])),
+        ("shared_w13", TypeError, dict(both, shared_w13=s13.half())),
+        ("shared_w13", ValueError, dict(both, shared_w13=s13.t().contiguous().t())),
+        ("shared_w2", ValueError, dict(both, shared_w2=s2[:, :16])),
+        ("shared_w2", TypeError, dict(both, shared_w2=s2.float())),
+        ("shared_output", ValueError, dict(both, shared_output=x)),
+        ("shared_w13", TypeError, dict(f8, x=x.to(FP8), shared_w13=s13, shared_w2=s2)),
     ]
 
 
@@ -512,6 +543,31 @@ def test_gpu_cuda_graph_replay(kind, T):
         torch.cuda.synchronize()
         eager = fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap)
         assert torch.equal(out, eager) or assert_close(eager, out) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["none", "fp8_tensor", "fp8_block"])
+@pytest.mark.parametrize("T", [1, 4, 16, 64, 256, 2048])
+@pytest.mark.parametrize("shape", ["tp8", "ep8"])
+def test_gpu_hy3_fused_shared_expert(shape, T, kind):
+    """Hy3's shared expert (I_s = 192, bf16) fused into the routed GEMM kernels, in a CUDA graph, at the tuned
+    configs of every batch regime; the output buffer starts NaN."""
+    inter, n_local = (192, None) if shape == "tp8" else (1536, 24)
+    if kind == "fp8_block" and inter % 128:
+        pytest.skip("Fp8Block128 needs I % 128 == 0 (Hy3 TP8 has I = 192)")
+    wts, tw, ids, emap, x = _hy3_inputs(T, inter, kind, n_local)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    s13 = (torch.randn(384, 4096, generator=g, device="cuda") / 64).bfloat16()
+    s2 = (torch.randn(4096, 192, generator=g, device="cuda") / 192 ** 0.5).bfloat16()
+    out = nan_like(x)
+    graph, _ = capture_graph(lambda: fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap,
+                                                out=out, shared_w13=s13, shared_w2=s2))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = R.fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap, shared_w13=s13, shared_w2=s2)
+    tol = {} if kind == "none" else {"maxtol": 4e-2, "rmstol": 1.5e-2}  # fp8 tolerance, see _tolerance
+    assert_close(ref, out, **tol)
 
 
 @pytest.mark.gpu

@@ -191,17 +191,93 @@ def moe_quant_x_kernel(x_ptr, q_ptr, s_ptr, in_scale_ptr, H, stride_x, stride_q,
 
 
 @triton.jit
+def _gate_up_rows(n0, I, BLOCK_N: tl.constexpr):
+    """The [2·BLOCK_N] weight rows of a gate-up N tile: gate rows n0 + j, then up rows I + n0 + j; their mask."""
+    wr = tl.arange(0, 2 * BLOCK_N)
+    wn = n0 + wr % BLOCK_N
+    wmask = wn < I
+    return wn + (wr // BLOCK_N) * I, wmask
+
+
+@triton.jit
+def _gate_up_halves(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BLOCK_M, 2·BLOCK_N] gate-up accumulator → its gate and up halves [BLOCK_M, BLOCK_N]."""
+    return tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+
+
+@triton.jit
+def _silu_mul(acc_g, acc_u, ACT_DT: tl.constexpr, BF16_MUL: tl.constexpr):
+    """silu(gate) · up in fp32, rounded to ACT_DT (BF16_MUL: gate, up and silu(gate) rounded first, as torch)."""
+    if BF16_MUL:
+        g = acc_g.to(ACT_DT).to(tl.float32)
+        u = acc_u.to(ACT_DT).to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(ACT_DT).to(tl.float32)
+        return (s * u).to(ACT_DT).to(tl.float32)
+    return (acc_g / (1.0 + tl.exp(-acc_g)) * acc_u).to(ACT_DT).to(tl.float32)
+
+
+@triton.jit
+def _dot_rows(a_rows, rmask, w_rows, wmask, K, SWAP_AB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr,
+              BLOCK_K: tl.constexpr):
+    """Σ_k a[rows, k] · w[wrows, k] over K, 16-bit operands, fp32 [BLOCK_M, BLOCK_W] (SWAP_AB: computed as
+    w · aᵀ, the weight rows on the MMA's M side, and transposed back)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_W, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_W), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        kmask = kk < K
+        a = tl.load(a_rows + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        w = tl.load(w_rows + kk[None, :], mask=wmask[:, None] & kmask[None, :], other=0.0)
+        if SWAP_AB:
+            acc = tl.dot(w, tl.trans(a), acc)
+        else:
+            acc = tl.dot(a, tl.trans(w), acc)
+    if SWAP_AB:
+        acc = tl.trans(acc)
+    return acc
+
+
+@triton.jit
+def _shared_gate_up(sp, x_ptr, w_ptr, act_ptr, T, H, I_S, stride_x, stride_w, stride_act,
+                    ACT_DT: tl.constexpr, BF16_MUL: tl.constexpr, SWAP_AB: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The shared expert's gate-up, one (M tile of tokens, N tile) task `sp`, 16-bit:
+    act_s[t, n] = silu(x[t]·ws13[n]) · (x[t]·ws13[I_S + n]), every token (no routing)."""
+    n_tiles = tl.cdiv(I_S, BLOCK_N)
+    rows = (sp // n_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n0 = (sp % n_tiles) * BLOCK_N
+    rmask = rows < T
+    wrow, wmask = _gate_up_rows(n0, I_S, BLOCK_N)
+    acc = _dot_rows(x_ptr + rows.to(tl.int64)[:, None] * stride_x, rmask,
+                    w_ptr + wrow.to(tl.int64)[:, None] * stride_w, wmask, H, SWAP_AB, BLOCK_M, 2 * BLOCK_N, BLOCK_K)
+    acc_g, acc_u = _gate_up_halves(acc, BLOCK_M, BLOCK_N)
+    act = _silu_mul(acc_g, acc_u, ACT_DT, BF16_MUL)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    tl.store(act_ptr + rows.to(tl.int64)[:, None] * stride_act + cols[None, :], act.to(ACT_DT),
+             mask=rmask[:, None] & (cols < I_S)[None, :])
+
+
+@triton.jit
 def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets_ptr, sorted_ptr, ids_ptr, map_ptr,
                        act_ptr, act_s_ptr, a2_ptr, rowmax_ptr,
                        H, I, CAP, TOP_K, E_GLOBAL, E_LOCAL,
                        stride_xt, stride_xst, stride_xsg,
                        stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk,
                        stride_act, stride_acts,
+                       sx_ptr, s13_ptr, sact_ptr, T, I_S, N_SHARED, stride_sx, stride_s13, stride_sact,
                        QUANT: tl.constexpr, X_FP8: tl.constexpr, ACT_OUT: tl.constexpr,
                        ACT_DT: tl.constexpr, BF16_MUL: tl.constexpr,
-                       NAIVE: tl.constexpr, HAS_MAP: tl.constexpr, SWAP_AB: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       NAIVE: tl.constexpr, HAS_MAP: tl.constexpr, SWAP_AB: tl.constexpr, SHARED: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       SHARED_BLOCK_K: tl.constexpr):
     """act[r, n] = silu(x[tok(r)]·w13[e, n]) · (x[tok(r)]·w13[e, I+n]) for one (M tile, N tile) task.
+
+    SHARED: the first N_SHARED programs are the shared expert's gate-up instead (`_shared_gate_up`: the 16-bit
+    sx, s13 [2·I_S, H] into sact [T, I_S], K tiles of SHARED_BLOCK_K), the routed tasks after them: one grid,
+    so the shared expert's weight read overlaps the routed experts' without a second stream.
 
     One weight tile of 2·BLOCK_N rows (the gate rows n0.., then the matching up rows I+n0..) and one dot per
     K step; the accumulator is split into gate and up halves in the epilogue.
@@ -213,7 +289,14 @@ def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets
     (or row and 128-group); FP8_GROUP needs BLOCK_N = 128, WIDE_GROUP_AMAX BLOCK_N < 128.
     """
     n_tiles = tl.cdiv(I, BLOCK_N)
-    e, rows, rmask, pid_n = _task_rows(tl.program_id(0), n_tiles, tasks_ptr, offsets_ptr, ids_ptr, map_ptr, CAP,
+    pid = tl.program_id(0)
+    if SHARED:
+        if pid < N_SHARED:
+            _shared_gate_up(pid, sx_ptr, s13_ptr, sact_ptr, T, H, I_S, stride_sx, stride_s13, stride_sact,
+                            ACT_DT, BF16_MUL, SWAP_AB, BLOCK_M, BLOCK_N, SHARED_BLOCK_K)
+            return
+        pid -= N_SHARED
+    e, rows, rmask, pid_n = _task_rows(pid, n_tiles, tasks_ptr, offsets_ptr, ids_ptr, map_ptr, CAP,
                                        E_GLOBAL, E_LOCAL, HAS_MAP, NAIVE, BLOCK_M)
     if e < 0:
         return
@@ -225,11 +308,7 @@ def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets
     n0 = pid_n * BLOCK_N
     cols = n0 + tl.arange(0, BLOCK_N)
     cmask = cols < I
-    # [2·BLOCK_N] weight rows: gate rows n0 + j, then up rows I + n0 + j
-    wr = tl.arange(0, 2 * BLOCK_N)
-    wn = n0 + wr % BLOCK_N
-    wmask = wn < I
-    wrow = wn + (wr // BLOCK_N) * I
+    wrow, wmask = _gate_up_rows(n0, I, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     e64 = e.to(tl.int64)
     x_rows = x_ptr + tok[:, None] * stride_xt
@@ -274,8 +353,7 @@ def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets
                 acc += tl.dot(a, tl.trans(w)) * (a_s[:, None] * w_s[None, :])
     if SWAP_AB:
         acc = tl.trans(acc)
-    # [BLOCK_M, 2·BLOCK_N] → gate and up halves [BLOCK_M, BLOCK_N]
-    acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+    acc_g, acc_u = _gate_up_halves(acc, BLOCK_M, BLOCK_N)
     if QUANT == Q_FP8_TENSOR:
         ws = tl.load(ws_ptr + e64 * stride_wse)
         if X_FP8:
@@ -285,13 +363,7 @@ def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets
         else:
             acc_g = acc_g * (a13 * ws)
             acc_u = acc_u * (a13 * ws)
-    if BF16_MUL:
-        g = acc_g.to(ACT_DT).to(tl.float32)
-        u = acc_u.to(ACT_DT).to(tl.float32)
-        s = (g / (1.0 + tl.exp(-g))).to(ACT_DT).to(tl.float32)
-        act = (s * u).to(ACT_DT).to(tl.float32)
-    else:
-        act = (acc_g / (1.0 + tl.exp(-acc_g)) * acc_u).to(ACT_DT).to(tl.float32)
+    act = _silu_mul(acc_g, acc_u, ACT_DT, BF16_MUL)
     # [BLOCK_M, BLOCK_N]
     out_ptrs = act_ptr + rows.to(tl.int64)[:, None] * stride_act + cols[None, :]
     omask = rmask[:, None] & cmask[None, :]
@@ -318,20 +390,46 @@ def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets
 
 
 @triton.jit
+def _shared_down(sp, act_ptr, w_ptr, y_ptr, T, H, I_S, stride_act, stride_w, stride_y, SWAP_AB: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The shared expert's down GEMM, one (M tile of tokens, N tile of H) task `sp`, 16-bit:
+    y_s[t, n] = act_s[t]·ws2[n], rounded to y's dtype."""
+    n_tiles = tl.cdiv(H, BLOCK_N)
+    rows = (sp // n_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = (sp % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask, cmask = rows < T, cols < H
+    acc = _dot_rows(act_ptr + rows.to(tl.int64)[:, None] * stride_act, rmask,
+                    w_ptr + cols.to(tl.int64)[:, None] * stride_w, cmask, I_S, SWAP_AB, BLOCK_M, BLOCK_N, BLOCK_K)
+    tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_y + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=rmask[:, None] & cmask[None, :])
+
+
+@triton.jit
 def moe_down_kernel(act_ptr, act_s_ptr, a2_ptr, rowmax_ptr, w_ptr, ws_ptr, tasks_ptr, offsets_ptr, ids_ptr, map_ptr,
                     y_ptr, H, I, CAP, E_GLOBAL, E_LOCAL,
                     stride_act, stride_acts, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk,
                     stride_y,
+                    sact_ptr, s2_ptr, ysh_ptr, T, I_S, N_SHARED, stride_sact, stride_s2, stride_ysh,
                     QUANT: tl.constexpr, ACT_IN: tl.constexpr,
-                    NAIVE: tl.constexpr, HAS_MAP: tl.constexpr, SWAP_AB: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    NAIVE: tl.constexpr, HAS_MAP: tl.constexpr, SWAP_AB: tl.constexpr, SHARED: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    SHARED_BLOCK_K: tl.constexpr):
     """y[r, n] = act[r]·w2[e, n] for one (M tile, N tile) task, rows as the gate-up wrote them.
 
     ACT_IN (`ActMode`, as the gate-up wrote it): the WIDE_*_AMAX modes are quantized here, per row from
     the row amax (FP8_TENSOR) or per row and 128-group from the group amax (FP8_BLOCK).
+    SHARED: the first N_SHARED programs are the shared expert's down GEMM (`_shared_down`: sact [T, I_S] ·
+    s2 [H, I_S]ᵀ into ysh [T, H]), the routed tasks after them.
     """
     n_tiles = tl.cdiv(H, BLOCK_N)
-    e, rows, rmask, pid_n = _task_rows(tl.program_id(0), n_tiles, tasks_ptr, offsets_ptr, ids_ptr, map_ptr, CAP,
+    pid = tl.program_id(0)
+    if SHARED:
+        if pid < N_SHARED:
+            _shared_down(pid, sact_ptr, s2_ptr, ysh_ptr, T, H, I_S, stride_sact, stride_s2, stride_ysh, SWAP_AB,
+                         BLOCK_M, BLOCK_N, SHARED_BLOCK_K)
+            return
+        pid -= N_SHARED
+    e, rows, rmask, pid_n = _task_rows(pid, n_tiles, tasks_ptr, offsets_ptr, ids_ptr, map_ptr, CAP,
                                        E_GLOBAL, E_LOCAL, HAS_MAP, NAIVE, BLOCK_M)
     if e < 0:
         return

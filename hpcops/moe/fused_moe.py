@@ -80,6 +80,28 @@ def _validate(scheme: Scheme, x, w13, w2, topk_weights, topk_ids, expert_map, sh
     return T, H, E, inter, k, out_dt
 
 
+def _check_shared_weights(shared_w13, shared_w2, shared_output, x, H: int) -> int:
+    """The fused shared expert's weights ([2·I_s, H] and [H, I_s], x's 16-bit dtype): → I_s (0 without one)."""
+    if shared_w13 is None and shared_w2 is None:
+        return 0
+    if shared_w13 is None or shared_w2 is None:
+        raise ValueError("shared_w13 and shared_w2 come together (the shared expert's gate-up and down weights)")
+    if shared_output is not None:
+        raise ValueError("shared_output and shared_w13/shared_w2 are two ways to add the shared expert: pass one")
+    if x.dtype not in HALF_DTYPES:
+        raise TypeError(f"shared_w13: the fused shared expert needs a 16-bit x, got x of {x.dtype}")
+    check_tensor("shared_w13", shared_w13, dtypes=(x.dtype,), ndim=2, device=x.device)
+    i2, hw = shared_w13.shape
+    if hw != H or i2 % 2 or i2 == 0:
+        raise ValueError(f"shared_w13 must be [2·I_s, H] with H = x.shape[1] = {H}, got {list(shared_w13.shape)}")
+    check_tensor("shared_w2", shared_w2, dtypes=(x.dtype,), shape=(H, i2 // 2), device=x.device)
+    for name, t in (("shared_w13", shared_w13), ("shared_w2", shared_w2)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous along its last dimension (K-major), got strides "
+                             f"{tuple(t.stride())}")
+    return i2 // 2
+
+
 def _check_shared_ready(shared_ready, shared_output, x) -> None:
     if shared_ready is None:
         return
@@ -106,8 +128,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
               topk_ids: torch.Tensor, *, quant: Fp8PerTensor | Fp8Block128 | None = None,
               expert_map: torch.Tensor | None = None, shared_output: torch.Tensor | None = None,
               out: torch.Tensor | None = None, x_scale: torch.Tensor | None = None,
-              config: MoeConfig | None = None, shared_ready: torch.cuda.Event | None = None) -> torch.Tensor:
-    """Mixture-of-experts FFN: out[t] = Σ_j topk_weights[t,j] · FFN_{topk_ids[t,j]}(x[t]) (+ shared_output[t]).
+              config: MoeConfig | None = None, shared_ready: torch.cuda.Event | None = None,
+              shared_w13: torch.Tensor | None = None, shared_w2: torch.Tensor | None = None) -> torch.Tensor:
+    """Mixture-of-experts FFN: out[t] = Σ_j topk_weights[t,j] · FFN_{topk_ids[t,j]}(x[t]) (+ shared_output[t],
+    or + the shared expert FFN_s(x[t]) computed in the same kernels).
 
     FFN_e(x) = w2[e] · (silu(w13[e, :I] · x) ⊙ (w13[e, I:] · x)).
 
@@ -127,6 +151,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
             the reduction, the only kernel that reads `shared_output`, waits for it; the GEMMs do not.
             Graph-capture safe (the wait becomes a graph edge). The caller keeps `shared_output` alive
             until the reduction ran (`Tensor.record_stream` on this stream).
+        shared_w13, shared_w2: a shared expert (every token, weight 1) computed inside the routed GEMM kernels:
+            `[2·I_s, H]` gate rows then up rows and `[H, I_s]`, x's 16-bit dtype whatever `quant`. Its tiles are
+            the first programs of the gate-up and down grids (its weight read beside the routed experts', no
+            second stream); its output, rounded to the output dtype, is added in the fp32 reduction, as
+            `shared_output` would be. Instead of `shared_output`.
         out: `[T, H]` output buffer (last dim contiguous); written fully.
         x_scale: only for an fp8 `x`: per-tensor `[1]` or per-token `[T]` (`Fp8PerTensor`; defaults to
             quant.a13_scale), or `[T, ceil(H/128)]` (`Fp8Block128`). Dequantization multipliers.
@@ -150,6 +179,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     _check_shared_ready(shared_ready, shared_output, x)
     T, H, E, inter, k, out_dt = _validate(scheme, x, w13, w2, topk_weights, topk_ids, expert_map, shared_output,
                                           out, x_scale, cfg)
+    i_s = _check_shared_weights(shared_w13, shared_w2, shared_output, x, H)
     n_global = expert_map.shape[0] if expert_map is not None else E
     if cfg.validate_ids:
         _validate_ids(topk_ids, n_global, expert_map, E)
@@ -171,29 +201,45 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     a = scheme.gate_up_input(x, x_scale, cfg, dummy)
     act = scheme.activation(T * k, inter, out_dt, cfg, dummy)
     ws = scheme.weight_scales(E, dummy)
+    # the fused shared expert: its tiles first in both grids; 16-bit K tiles of the routed tiles' bytes
+    m_tiles = triton.cdiv(T, cfg.block_m)
+    n_shared_gu = m_tiles * triton.cdiv(i_s, cfg.block_n) if i_s else 0
+    n_shared_dn = m_tiles * triton.cdiv(H, cfg.down_block_n) if i_s else 0
+    narrow = w13.element_size() == 1
+    s_act = torch.empty((T, i_s), dtype=out_dt, device=x.device) if i_s else dummy
+    y_sh = torch.empty((T, H), dtype=out_dt, device=x.device) if i_s else dummy
+    s13, s2 = (shared_w13, shared_w2) if i_s else (dummy, dummy)
+    stride_s = (s13.stride(0), s2.stride(0), s_act.stride(0), y_sh.stride(0)) if i_s else (0, 0, 0, 0)
+    shared = dict(SHARED=bool(i_s))
 
-    K.moe_gate_up_kernel[(n_tasks * triton.cdiv(inter, cfg.block_n),)](
+    K.moe_gate_up_kernel[(n_shared_gu + n_tasks * triton.cdiv(inter, cfg.block_n),)](
         a.x, a.scale, w13, ws.w13, a.a13, tasks, offsets, sorted_pair, topk_ids, emap,
         act.act, act.scale, act.a2, act.rowmax,
         H, inter, n_tasks, k, n_global, E,
         a.x.stride(0), a.stride_t, a.stride_g,
         w13.stride(0), w13.stride(1), *ws.w13_strides,
         act.act.stride(0), act.stride_s,
+        x, s13, s_act, T, i_s, n_shared_gu, x.stride(0), stride_s[0], stride_s[2],
         QUANT=int(scheme.code), X_FP8=a.fp8, ACT_OUT=int(act.mode), ACT_DT=_TL_DTYPE[out_dt],
-        BF16_MUL=cfg.act_mul == "bf16", SWAP_AB=cfg.swap_ab, **routing,
+        BF16_MUL=cfg.act_mul == "bf16", SWAP_AB=cfg.swap_ab, **routing, **shared,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        SHARED_BLOCK_K=max(16, cfg.block_k // 2) if narrow else cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     y = torch.empty((T * k, H), dtype=out_dt, device=x.device)
-    K.moe_down_kernel[(n_tasks * triton.cdiv(H, cfg.down_block_n),)](
+    K.moe_down_kernel[(n_shared_dn + n_tasks * triton.cdiv(H, cfg.down_block_n),)](
         act.act, act.scale, act.a2, act.rowmax, w2, ws.w2, tasks, offsets, topk_ids, emap, y,
         H, inter, n_tasks, n_global, E,
         act.act.stride(0), act.stride_s, w2.stride(0), w2.stride(1), *ws.w2_strides,
         y.stride(0),
-        QUANT=int(scheme.code), ACT_IN=int(act.mode), SWAP_AB=cfg.swap_ab, **routing,
+        s_act, s2, y_sh, T, i_s, n_shared_dn, stride_s[2], stride_s[1], stride_s[3],
+        QUANT=int(scheme.code), ACT_IN=int(act.mode), SWAP_AB=cfg.swap_ab, **routing, **shared,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
+        SHARED_BLOCK_K=max(16, cfg.down_block_k // 2) if narrow else cfg.down_block_k,
         num_warps=cfg.down_num_warps, num_stages=cfg.down_num_stages)
 
+    if i_s:
+        shared_output = y_sh
     sh = shared_output if shared_output is not None else out
     if shared_ready is not None:
         torch.cuda.current_stream(x.device).wait_event(shared_ready)

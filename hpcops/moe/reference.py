@@ -90,9 +90,11 @@ def moe_index(topk_ids: torch.Tensor, num_local: int, block_m: int, expert_map: 
 
 
 def fused_moe(x, w13, w2, topk_weights, topk_ids, *, quant=None, expert_map=None, shared_output=None,
-              out=None, x_scale=None, config: MoeConfig | None = None, shared_ready=None):
+              out=None, x_scale=None, config: MoeConfig | None = None, shared_ready=None, shared_w13=None,
+              shared_w2=None):
     """Reference for `hpcops.fused_moe`: a loop over local experts in fp32 (`shared_ready`: the current stream
-    waits for it before anything reads `shared_output`)."""
+    waits for it before anything reads `shared_output`; `shared_w13`/`shared_w2`: the shared expert in fp32 on the
+    16-bit x, its activation and output rounded to the output dtype, added like `shared_output`)."""
     if shared_ready is not None:
         torch.cuda.current_stream(x.device).wait_event(shared_ready)
     T, H = x.shape
@@ -147,6 +149,15 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, *, quant=None, expert_map=None
             a = _per_group(act, quant.block)
         o = a @ w2f[e].t()
         y.index_add_(0, tt, o * tw[tt, jj, None])
+    if shared_w13 is not None:
+        h = x.float() @ shared_w13.float().t()
+        i_s = shared_w13.shape[0] // 2
+        g, u = h[:, :i_s], h[:, i_s:]
+        if bf16_mul:
+            act = (F.silu(g.to(act_dt).float()).to(act_dt).float() * u.to(act_dt).float()).to(act_dt)
+        else:
+            act = (F.silu(g) * u).to(act_dt)
+        shared_output = (act.float() @ shared_w2.float().t()).to(act_dt)
     if shared_output is not None:
         y = y + shared_output.float()
     res = y.to(act_dt)

@@ -27,6 +27,7 @@ STEPS = (  # (label, hpcops row, baseline row): the table's components, in layer
     ("5b routed MoE + residual", "hpcops:5b-moe", "baseline-moe-kernels"),
 )
 SHARED_ROW = "shared:5s-shared-expert"
+SHARED_LABEL = "5s shared expert"
 
 
 def vllm_helpers(t: int, top_k: int, num_experts: int, ep: bool, fp8: bool) -> list[str]:
@@ -142,6 +143,8 @@ def summarize(result) -> dict:
                 c = _us(by, "baseline:5c-combine")
                 b = b + allow + (c or 0.0)
             comp[label] = {"hpcops": _us(by, hp), "baseline": b}
+        if p.get("shared_fused"):  # hpcops' 5b computes the shared expert in its GEMM kernels
+            comp[SHARED_LABEL]["hpcops"] = 0.0
         hp, bl, plan = _us(by, "hpcops"), _us(by, "baseline"), _us(by, "hpcops-plan")
         entry = {"phase": phase(p), "params": p, "components": comp, "allowance_us": round(allow, 2),
                  "hpcops_us": hp, "baseline_us": bl, "plan_us": plan}
@@ -176,10 +179,12 @@ def components_markdown(result, summary: dict) -> str:
              "new token each) and at prefill (one prompt of T tokens); each component timed alone "
              "by CUDA-graph replay over layers with their own inputs (L2-cold); `layer` = the whole layer in one "
              "graph (baseline: its graph without vLLM's routed experts + their two fused_moe_kernel launches' "
-             "device time + the allowance). 5s: at T ≤ 256 both sides run the shared expert on an auxiliary "
-             "stream beside the routed MoE, as vLLM's SharedFusedMoE does: hpcops' layer graph overlaps it for "
-             "real (its MoE reduction waits for it), the baseline counts the longer of 5s and its routed MoE (a "
-             "perfect overlap), so there the components add up to more than the layer. "
+             "device time + the allowance). 5s: at T ≤ 256 the baseline runs the shared expert on an auxiliary "
+             "stream beside the routed MoE, as vLLM's SharedFusedMoE does, and counts the longer of 5s and its "
+             "routed MoE (a perfect overlap), so there its components add up to more than its layer; where a case "
+             "has `shared_fused` (T ≤ 256 since `fused_moe(shared_w13=, shared_w2=)`) hpcops' 5b computes the "
+             "shared expert inside its GEMM kernels and its 5s reads 0 (earlier runs: on an auxiliary stream, its "
+             "MoE reduction waiting for it). "
              "Baseline 5b = vLLM's fused_moe_kernel device time + the allowance "
              f"for vLLM's CUDA helpers ({summary['helper_us']:.0f} µs each for align (when vLLM runs it), "
              "act(+quant), x-quant (fp8) and moe_sum, plus moe_sum's T·k·H·2 bytes at "

@@ -21,18 +21,19 @@ The layer, in order (one TP8 rank's attention: 8 q heads / 1 kv head, head_dim 1
    HPC-Ops has its own router GEMM). `select_experts` is hpcops' one-launch kernel on both sides: it stands in
    for the fused CUDA top-k vLLM runs there (the torch sequence it replaced was ~10 launches, ~20 µs of a decode
    layer's graph; the `router` suite times both). At T ≤ SHARED_STREAM_MAX_T (256, vLLM's
-   `VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD` default: every decode row) both sides run step 5 on two
+   `VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD` default: every decode row) the baseline runs step 5 on two
    streams, as vLLM's SharedFusedMoE does: the shared expert on an auxiliary CUDA stream beside
-   `select_experts` and the routed experts (hpcops forks it before the router GEMM, vLLM after: `hp_step5`);
-   above it (prefill) one stream.
+   `select_experts` and the routed experts; hpcops computes the shared expert inside its routed MoE's GEMM
+   kernels (`fused_moe(shared_w13=, shared_w2=)`: its tiles first in both grids, one stream; `hp_step5`).
+   Above it (prefill) both sides run it in line, torch's GEMMs.
 
 Sides:
 - `hpcops`: `rope_norm_store_kv` (fp8 KV: it also emits the fp8 query with per-token-head scales, which
   the attention reads, at both phases: the prefill suite's `hpcops-fp8q` path), `decode_attention` with its
   load-balanced plan (built once per model step, outside the graph: the `hpcops-plan` row, per step) or
-  `prefill_attention` (no plan), `fused_moe` with the shared expert's output added in its reduction
-  (the reduction alone waits for the auxiliary stream's event: `fused_moe(shared_ready=...)`). The `hpcops`
-  row is the whole layer in one graph, the overlap measured as it runs.
+  `prefill_attention` (no plan), `fused_moe` with the shared expert fused into its GEMM kernels at
+  T ≤ SHARED_FUSED_MAX_T (above it, torch's shared expert added in its reduction). The `hpcops` row is the
+  whole layer in one graph.
 - `baseline`: torch QK-RMSNorm (FlashInfer has no QK-norm) + FlashInfer's
   `apply_rope_with_cos_sin_cache_inplace` + `append_paged_kv_cache` (fp8 KV: K/V cast in torch first),
   then at decode FlashInfer's `BatchDecodeWithPagedKVCacheWrapper` on its tensor-core path (the faster of its
@@ -120,6 +121,8 @@ TABLE3_BATCHES = (32, 64)  # the blog's table-3 mixes of these sizes are added
 # vLLM's SharedFusedMoE runs the shared expert on an auxiliary CUDA stream, beside the routed experts, for calls
 # of at most this many tokens (its VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD default): every decode row here
 SHARED_STREAM_MAX_T = 256
+# hpcops computes the shared expert inside its routed MoE kernels at the same sizes (prefill: torch's GEMMs in line)
+SHARED_FUSED_MAX_T = SHARED_STREAM_MAX_T
 CHECK_B = 4  # rows of layer 0 checked against the fp32 reference (decode: the first; prefill: spread over the prompt)
 
 
@@ -380,13 +383,17 @@ def _hp_attn(x: dict[str, Any], q: torch.Tensor, q_scale, plan) -> torch.Tensor:
     return decode_attention(q, x["k_cache"], x["v_cache"], x["block_table"], x["seq_lens"], plan=plan, **kw)
 
 
-def _hp_moe(s: Scenario, x: dict[str, Any], h1, h2, tw, ids, shared, shared_ready=None) -> torch.Tensor:
+def _hp_moe(s: Scenario, x: dict[str, Any], h1, h2, tw, ids, shared, shared_ready=None,
+            fused: bool = False) -> torch.Tensor:
+    """The routed MoE + the shared expert (its output `shared` added in the reduction, or with `fused` computed
+    in the MoE's GEMM kernels) + the residual."""
     from hpcops.moe.fused_moe import fused_moe
 
     if "moe_cfg" not in x:
         x["moe_cfg"] = common.config_for(s, h2.device).with_(validate_ids=False)
+    sw = dict(shared_w13=x["ws13"], shared_w2=x["ws2"]) if fused else {}
     y = fused_moe(h2, x["w13"], x["w2"], tw, ids, quant=x["quant"], expert_map=x["emap"], shared_output=shared,
-                  shared_ready=shared_ready, out=x["moe_out"], config=x["moe_cfg"])
+                  shared_ready=shared_ready, out=x["moe_out"], config=x["moe_cfg"], **sw)
     return h1 + y
 
 
@@ -401,26 +408,38 @@ def plan_for(x: dict[str, Any]):
                        q_dtype=x["q_out"].dtype, kv_dtype=x["k_cache"].dtype)
 
 
+SHARED_MODES = ("fused", "aux", "inline")
+
+
+def shared_mode_for(t: int) -> str:
+    """hpcops' shared expert at `t` tokens: fused into the routed MoE's kernels up to SHARED_FUSED_MAX_T, else in
+    line (torch's GEMMs)."""
+    return "fused" if t <= SHARED_FUSED_MAX_T else "inline"
+
+
 def hp_step5(s: Scenario, x: dict[str, Any], h1: torch.Tensor, trace: dict | None = None,
-             beside: bool | None = None) -> torch.Tensor:
+             shared_mode: str | None = None) -> torch.Tensor:
     """hpcops' step 5 (post-attention norm, router GEMM, select_experts, shared expert, routed MoE + residual) →
-    [T, H] bf16. `beside`: the shared expert on the auxiliary stream (default: at T ≤ SHARED_STREAM_MAX_T on a
-    GPU), forked before the router GEMM (1-7 µs a layer better than after it, probe_shared_overlap_cfdfcf9.md),
-    beside the router (`hp_route`), select_experts and the routed GEMMs; the MoE's reduction alone waits for it.
-    The other arrangement measured, the router GEMM and select_experts on the aux stream beside the shared expert
-    and the routed MoE after both, was level with it (within 0.5 µs a layer in 9 cases, probe_shared_overlap.md
-    at a1c8305)."""
-    if beside is None:
-        beside = shared_on_aux_stream(s.t, h1.device)
+    [T, H] bf16. `shared_mode` (default `shared_mode_for(T)`):
+    - "fused": the shared expert computed in the routed MoE's GEMM kernels (`fused_moe(shared_w13=, shared_w2=)`),
+      its tiles first in both grids: one stream, its 4.7 MB of weights read beside the routed experts';
+    - "aux": torch's shared expert on the auxiliary stream (GPU only), forked before the router GEMM (1-7 µs a layer
+      better than after it, probe_shared_overlap_cfdfcf9.md), the MoE's reduction alone waiting for it: hid about
+      half of its 14-16 µs (the router GEMM and select_experts beside it instead were level, within 0.5 µs a
+      layer in 9 cases, probe_shared_overlap.md at a1c8305);
+    - "inline": torch's shared expert, then the routed MoE adding its output."""
+    mode = shared_mode or shared_mode_for(s.t)
+    if mode not in SHARED_MODES:
+        raise ValueError(f"shared_mode must be one of {SHARED_MODES}, got {mode!r}")
     h2 = _rms(h1, x["w_post"])
-    shared, ready = fork_shared_expert(x, h2) if beside else (None, None)
+    shared, ready = fork_shared_expert(x, h2) if mode == "aux" else (None, None)
     tw, ids = hp_route(x, h2)
-    if not beside:
+    if mode == "inline":
         shared = shared_expert(x, h2)
     if trace is not None:
         trace["ids"] = ids
-    y = _hp_moe(s, x, h1, h2, tw, ids, shared, ready)
-    if beside:
+    y = _hp_moe(s, x, h1, h2, tw, ids, shared, ready, fused=mode == "fused")
+    if mode == "aux":
         join_aux(h1.device)
     return y
 
@@ -671,7 +690,9 @@ def impl_component(s: Scenario, step: str):
             return lambda: step5a_select(x, step5a_router(x, m["h1"])[1])
         if step == "shared:5s-shared-expert":
             return lambda: shared_expert(x, m["h2"])
-        if step == "hpcops:5b-moe":
+        if step == "hpcops:5b-moe":  # with the shared expert where hpcops fuses it
+            if shared_mode_for(s.t) == "fused":
+                return lambda: _hp_moe(s, x, m["h1"], m["h2"], m["tw"], m["ids"], None, fused=True)
             return lambda: _hp_moe(s, x, m["h1"], m["h2"], m["tw"], m["ids"], m["shared"])
         if step == "baseline:2-rope-kv":
             return lambda: _bl_rope(s, x, m["qkv"])
@@ -703,7 +724,7 @@ def case_for(s: Scenario) -> Case:
               "kv": s.kv, "layout": s.layout, "hq": HQ, "hkv": HKV, "d": HEAD_DIM, "H": HIDDEN,
               "E_global": E_GLOBAL, "E_local": s.e_local, "I": s.inter, "shared_I": SHARED_INTER, "top_k": TOP_K,
               "moe_quant": s.kind, "model_layers": MODEL_LAYERS, "kv_tokens": sum(s.lens),
-              "shared_stream": s.t <= SHARED_STREAM_MAX_T}
+              "shared_stream": s.t <= SHARED_STREAM_MAX_T, "shared_fused": shared_mode_for(s.t) == "fused"}
     attn = "prefill (BatchPrefillWithPagedKVCacheWrapper)" if s.prefill else "decode"
     impls = [Impl("hpcops", impl_hpcops(s), ours=True, note="whole layer, one graph"),
              *([] if s.prefill else [Impl("hpcops-plan", impl_plan, ours=True, per_step=True)]),
