@@ -267,7 +267,15 @@ def merge(dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
     return report.write(done, out_dir) + extra
 
 
-if __name__ == "__main__":  # python3 -m hpcops.bench.suites._layer_report OUT_DIR RUN_DIR...
-    import sys
+if __name__ == "__main__":
+    import argparse
 
-    print("wrote " + ", ".join(map(str, merge(sys.argv[2:], sys.argv[1]))))
+    ap = argparse.ArgumentParser(prog="python3 -m hpcops.bench.suites._layer_report",
+                                 description="Join `hpcops bench layer --only ... --out DIR` runs into one report.")
+    ap.add_argument("out_dir", help="where the joined layer.{md,json,png} and the summary go")
+    ap.add_argument("run_dirs", nargs="+", help="the runs' --out folders, each with a layer.json; later ones win")
+    args = ap.parse_args()
+    missing = [d for d in args.run_dirs if not (Path(d) / "layer.json").is_file()]
+    if missing:
+        ap.error(f"no layer.json in {', '.join(missing)}")
+    print("wrote " + ", ".join(map(str, merge(args.run_dirs, args.out_dir))))
