@@ -510,6 +510,145 @@ def moe_reduce_kernel(y_ptr, pos_ptr, ids_ptr, map_ptr, tw_ptr, shared_ptr, out_
 
 
 @triton.jit
+def _gpu_fence(v):
+    """fence.acq_rel.gpu in every thread (an inline-asm no-op on `v`): orders this thread's global writes and
+    atomics before what it does next, for other programs of the grid."""
+    return tl.inline_asm_elementwise("fence.acq_rel.gpu;\n mov.u32 $0, $1;", "=r,r", [v], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _down_atomic(q, rows, rmask, row_scale, w_ptr, stride_wh, n0, I, acc_ptr, H,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr):
+    """acc[rows[m], h] += row_scale[m] · Σ_n q[m, n] · w[h, n0 + n] for every h < H, fp32 atomics: this N tile of
+    I's share of the down GEMM. q [BLOCK_M, BLOCK_N] in the dot's dtype, zero outside rmask and I."""
+    cols = n0 + tl.arange(0, BLOCK_N)
+    cmask = cols < I
+    offs_h = tl.arange(0, BLOCK_H)
+    rows64 = rows.to(tl.int64)
+    for h0 in range(0, H, BLOCK_H):
+        hh = h0 + offs_h
+        hmask = hh < H
+        w = tl.load(w_ptr + hh.to(tl.int64)[:, None] * stride_wh + cols[None, :],
+                    mask=hmask[:, None] & cmask[None, :], other=0.0)
+        y = tl.trans(tl.dot(w, tl.trans(q)))  # [BLOCK_M, BLOCK_H]: the weight rows on the MMA's M side
+        tl.atomic_add(acc_ptr + rows64[:, None] * H + hh[None, :], y * row_scale[:, None],
+                      mask=rmask[:, None] & hmask[None, :], sem="relaxed")
+
+
+@triton.jit
+def _arrive(rows, rmask, cnt_ptr, acc_ptr, sh_ptr, out_ptr, H, stride_sh, stride_out, ARRIVALS,
+            HAS_SHARED_OUT: tl.constexpr, FENCE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Count this program's share of each row's sum in; the program that brings a row's count to ARRIVALS
+    (every share added) writes out[row] = acc[row] (+ shared_output[row]) in out's dtype."""
+    if FENCE:
+        _gpu_fence(rows)
+    tl.debug_barrier()
+    old = tl.atomic_add(cnt_ptr + rows, tl.full([BLOCK_M], 1, tl.int32), mask=rmask, sem="acq_rel")
+    last = rmask & (old == ARRIVALS - 1)
+    if tl.max(last.to(tl.int32), 0) > 0:
+        if FENCE:
+            _gpu_fence(rows)
+        rows64 = rows.to(tl.int64)
+        for h0 in range(0, H, BLOCK_H):
+            hh = h0 + tl.arange(0, BLOCK_H)
+            m = last[:, None] & (hh < H)[None, :]
+            v = tl.load(acc_ptr + rows64[:, None] * H + hh[None, :], mask=m, other=0.0, cache_modifier=".cg")
+            if HAS_SHARED_OUT:
+                v += tl.load(sh_ptr + rows64[:, None] * stride_sh + hh[None, :], mask=m, other=0.0).to(tl.float32)
+            tl.store(out_ptr + rows64[:, None] * stride_out + hh[None, :], v.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def moe_single_kernel(x_ptr, xs_ptr, w13_ptr, w2_ptr, ws13_ptr, ws2_ptr, a13_ptr, a2_ptr, ids_ptr, map_ptr, tw_ptr,
+                      sx_ptr, s13_ptr, s2_ptr, acc_ptr, cnt_ptr, sh_ptr, out_ptr,
+                      T, H, I, I_S, E_GLOBAL, E_LOCAL, N_SHARED, ARRIVALS,
+                      stride_xt, stride_xst, stride_w13e, stride_w13n, stride_w2e, stride_w2h, stride_ws13,
+                      stride_ws2, stride_tw, stride_sx, stride_s13, stride_s2, stride_sh, stride_out,
+                      TOP_K: tl.constexpr, QUANT: tl.constexpr, X_FP8: tl.constexpr, ACT_DT: tl.constexpr,
+                      BF16_MUL: tl.constexpr, HAS_MAP: tl.constexpr, SHARED: tl.constexpr,
+                      HAS_SHARED_OUT: tl.constexpr, FENCE: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
+                      SHARED_BLOCK_K: tl.constexpr):
+    """The whole MoE of a small batch in one launch: program = (pair, N tile of I), as the naive gate-up.
+
+    It computes its pair's activation tile act[n0:n0+BLOCK_N] (the gate-up over all of H), then that tile's
+    share of the down GEMM, w2[e][:, n0:n0+BLOCK_N] · act, for every h, and adds it, times the pair's combine
+    weight, into the fp32 row acc[token] with atomics. A token's row is complete after TOP_K · cdiv(I, BLOCK_N)
+    shares (+ cdiv(I_S, BLOCK_N) of the shared expert): the program that adds the last one writes out[token]
+    (`_arrive`). acc and cnt start zeroed. Pairs of remote experts (or out-of-range ids) add nothing but still
+    count. SHARED: the first N_SHARED programs are the shared expert's (16-bit, from sx, the 16-bit x; BLOCK_M
+    tokens × N tile of I_S, weight 1). fp8 (QUANT FP8_TENSOR): x quantized with the static a13 while loading,
+    or arrives fp8 (X_FP8: xs per tensor or per row through stride_xst); the activation quantized with the
+    static a2.
+    Summation order across shares is the atomics' (not bitwise reproducible run to run, fp32 throughout).
+    """
+    pid = tl.program_id(0)
+    if SHARED and pid < N_SHARED:
+        n_tiles_s = tl.cdiv(I_S, BLOCK_N)
+        rows = (pid // n_tiles_s) * BLOCK_M + tl.arange(0, BLOCK_M)
+        n0 = (pid % n_tiles_s) * BLOCK_N
+        rmask = rows < T
+        wrow, wmask = _gate_up_rows(n0, I_S, BLOCK_N)
+        acc = _dot_rows(sx_ptr + rows.to(tl.int64)[:, None] * stride_sx, rmask,
+                        s13_ptr + wrow.to(tl.int64)[:, None] * stride_s13, wmask, H, True, BLOCK_M, 2 * BLOCK_N,
+                        SHARED_BLOCK_K)
+        acc_g, acc_u = _gate_up_halves(acc, BLOCK_M, BLOCK_N)
+        q = _silu_mul(acc_g, acc_u, ACT_DT, BF16_MUL).to(ACT_DT)
+        _down_atomic(q, rows, rmask, tl.full([BLOCK_M], 1.0, tl.float32), s2_ptr, stride_s2, n0, I_S, acc_ptr, H,
+                     BLOCK_M, BLOCK_N, BLOCK_H)
+        _arrive(rows, rmask, cnt_ptr, acc_ptr, sh_ptr, out_ptr, H, stride_sh, stride_out, ARRIVALS,
+                HAS_SHARED_OUT, FENCE, BLOCK_M, BLOCK_H)
+    else:
+        if SHARED:
+            pid -= N_SHARED
+        n_tiles = tl.cdiv(I, BLOCK_N)
+        pair = pid // n_tiles
+        n0 = (pid % n_tiles) * BLOCK_N
+        e, ok = _local_expert(ids_ptr, map_ptr, pair, pair >= 0, E_GLOBAL, E_LOCAL, HAS_MAP)
+        tok = pair // TOP_K
+        rows = tok + tl.arange(0, BLOCK_M)
+        rmask = tl.arange(0, BLOCK_M) == 0  # one row: the pair's token
+        if ok:
+            e64 = e.to(tl.int64)
+            wrow, wmask = _gate_up_rows(n0, I, BLOCK_N)
+            x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xt
+            w_rows = w13_ptr + e64 * stride_w13e + wrow.to(tl.int64)[:, None] * stride_w13n
+            offs_k = tl.arange(0, BLOCK_K)
+            acc = tl.zeros((2 * BLOCK_N, BLOCK_M), dtype=tl.float32)
+            if QUANT == Q_FP8_TENSOR:
+                if X_FP8:
+                    a_scale = tl.load(xs_ptr + tok * stride_xst)
+                else:
+                    a_scale = tl.load(a13_ptr)
+            for k0 in range(0, H, BLOCK_K):
+                kk = k0 + offs_k
+                kmask = kk < H
+                a = tl.load(x_rows + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+                w = tl.load(w_rows + kk[None, :], mask=wmask[:, None] & kmask[None, :], other=0.0)
+                if QUANT == Q_FP8_TENSOR:
+                    if not X_FP8:
+                        a = tl.minimum(tl.maximum(a.to(tl.float32) / a_scale, -FP8_MAX), FP8_MAX).to(tl.float8e4nv)
+                acc = tl.dot(w, tl.trans(a), acc)
+            acc = tl.trans(acc)
+            acc_g, acc_u = _gate_up_halves(acc, BLOCK_M, BLOCK_N)
+            tw = tl.load(tw_ptr + tok * stride_tw + pair % TOP_K)
+            if QUANT == Q_FP8_TENSOR:
+                s13 = a_scale * tl.load(ws13_ptr + e64 * stride_ws13)
+                act = _silu_mul(acc_g * s13, acc_u * s13, ACT_DT, BF16_MUL)
+                a2 = tl.load(a2_ptr)
+                q = tl.minimum(tl.maximum(act / a2, -FP8_MAX), FP8_MAX).to(tl.float8e4nv)
+                row_scale = tl.full([BLOCK_M], 1.0, tl.float32) * (tw * a2 * tl.load(ws2_ptr + e64 * stride_ws2))
+            else:
+                q = _silu_mul(acc_g, acc_u, ACT_DT, BF16_MUL).to(ACT_DT)
+                row_scale = tl.full([BLOCK_M], 1.0, tl.float32) * tw
+            _down_atomic(q, rows, rmask, row_scale, w2_ptr + e64 * stride_w2e, stride_w2h, n0, I, acc_ptr, H,
+                         BLOCK_M, BLOCK_N, BLOCK_H)
+        _arrive(rows, rmask, cnt_ptr, acc_ptr, sh_ptr, out_ptr, H, stride_sh, stride_out, ARRIVALS,
+                HAS_SHARED_OUT, FENCE, BLOCK_M, BLOCK_H)
+
+
+@triton.jit
 def select_experts_kernel(logits_ptr, stride_lt, stride_le, bias_ptr, w_ptr, ids_ptr, T, E, scale, stride_ls,
                           TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
                           SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
