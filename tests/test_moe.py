@@ -152,7 +152,6 @@ class Case:
     swap: bool | None = None  # force config.swap_ab
     naive: bool | None = None  # force one task per pair (True) or the index (False)
     fused_shared: int = 0  # I_s of a shared expert fused into the GEMM kernels (shared_w13 / shared_w2)
-    single: bool | None = None  # force the whole MoE into one kernel (True) or the GEMM kernels (False)
 
     @property
     def id(self) -> str:
@@ -175,8 +174,6 @@ class Case:
             s += f"-swap{int(self.swap)}"
         if self.naive is not None:
             s += "-naive" if self.naive else "-indexed"
-        if self.single is not None:
-            s += "-single" if self.single else "-kernels"
         return s
 
 
@@ -221,20 +218,6 @@ PATH_BASES = [
 PATH_CASES = [replace(c, swap=swap, naive=naive) for c in PATH_BASES for swap in (False, True)
               for naive in (False, True)]
 
-# The whole MoE in one kernel (moe_single_kernel): 16-bit and fp8 per-tensor with static scales, x quantized
-# inside or up front, EP (remote pairs count without adding), the shared expert fused (its tiles: ragged token
-# tiles past 16) or its output added, both act_mul roundings, fp16
-SINGLE_CASES = [replace(c, single=True) for c in (
-    Case(1, k=1),
-    Case(5, k=2, shared=True, use_out=True, ep=True, E=8),
-    Case(3, dtype=torch.float16, inter=192, prequant=True),
-    Case(3, quant="fp8_tensor", inter=192, use_out=True),
-    Case(4, quant="fp8_tensor", fused_shared=40, ep=True, E=8),
-    Case(6, quant="fp8_tensor", prequant=True, shared=True, act_mul="bf16"),
-    Case(19, k=2, fused_shared=48, use_out=True),
-    Case(4, k=4, act_mul="bf16", block_n=16),
-)]
-
 
 def _tolerance(case: Case) -> dict:
     if case.quant == "none":
@@ -271,8 +254,6 @@ def run_case(case: Case, device: str):
         cfg = cfg.with_(swap_ab=case.swap)
     if case.naive is not None:
         cfg = cfg.with_(naive_max_pairs=1 << 30 if case.naive else 0)
-    if case.single is not None:
-        cfg = cfg.with_(single_max_pairs=1 << 30 if case.single else 0)
     out = nan_like(torch.empty(case.T, case.H, dtype=case.dtype, device=device)) if case.use_out else None
     got = fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap, shared_output=shared,
                     out=out, config=cfg, shared_w13=s13, shared_w2=s2)
@@ -283,7 +264,7 @@ def run_case(case: Case, device: str):
     return got, ref
 
 
-@pytest.mark.parametrize("case", CASES + PATH_CASES + SINGLE_CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("case", CASES + PATH_CASES, ids=lambda c: c.id)
 def test_fused_moe(case, device):
     got, ref = run_case(case, device)
     assert got.dtype == case.dtype and got.shape == (case.T, case.H)
@@ -590,42 +571,6 @@ def test_gpu_hy3_fused_shared_expert(shape, T, kind):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fused_shared", [False, True])
-@pytest.mark.parametrize("kind", ["none", "fp8_tensor"])
-@pytest.mark.parametrize("T", [1, 4, 6])
-@pytest.mark.parametrize("shape", ["tp8", "ep8"])
-def test_gpu_hy3_single_kernel(shape, T, kind, fused_shared):
-    """The whole MoE in one kernel at Hy3 sizes, in a CUDA graph replayed 20 times (the output set to NaN
-    before each): every replay complete and within tolerance of the reference, and the replays within fp32
-    summation-order noise of each other (the shares are added by atomics in whatever order they land)."""
-    inter, n_local = (192, None) if shape == "tp8" else (1536, 24)
-    wts, tw, ids, emap, x = _hy3_inputs(T, inter, kind, n_local)
-    g = torch.Generator(device="cuda").manual_seed(3)
-    s13 = (torch.randn(384, 4096, generator=g, device="cuda") / 64).bfloat16() if fused_shared else None
-    s2 = (torch.randn(4096, 192, generator=g, device="cuda") / 192 ** 0.5).bfloat16() if fused_shared else None
-    shared = None if fused_shared else torch.randn_like(x)
-    cfg = get_config(num_tokens=T, inter=inter, quant=kind, num_local_experts=n_local, **HY3_CFG)
-    cfg = cfg.with_(single_max_pairs=T * 8)
-    out = nan_like(x)
-    graph, _ = capture_graph(lambda: fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap,
-                                                shared_output=shared, out=out, config=cfg, shared_w13=s13,
-                                                shared_w2=s2))
-    ref = R.fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap, shared_output=shared,
-                      shared_w13=s13, shared_w2=s2)
-    tol = {} if kind == "none" else {"maxtol": 4e-2, "rmstol": 1.5e-2}  # fp8 tolerance, see _tolerance
-    first = None
-    for _ in range(20):
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert_close(ref, out, **tol)
-        if first is None:
-            first = out.clone()
-        else:  # one bf16 ulp at most from a different fp32 summation order
-            assert ((out.float() - first.float()).abs() <= first.float().abs() * 2 ** -7 + 1e-6).all()
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("graph", [False, True])
 def test_gpu_shared_output_from_another_stream(graph):
     """The shared expert's output written late on an auxiliary stream (as vLLM runs it at decode sizes): the
@@ -702,41 +647,6 @@ def test_decode_batch_launches(kind, want):
     ids = torch.zeros(T, k, dtype=torch.int32)
     tw = torch.zeros(T, k)
     cfg = get_config(num_tokens=T, inter=192, quant=base, **HY3_CFG).with_(validate_ids=False)  # the GPU heuristic
-    with recorded_launches(K) as calls, TorchOps():
-        fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, shared_output=x, out=torch.empty_like(x),
-                  config=cfg)
-    assert [name for name, _, _ in calls] == want
-
-
-@pytest.mark.parametrize("kind,prequant,want", [
-    ("none", False, ["aten.zeros.default", "moe_single_kernel"]),
-    ("fp8_tensor", False, ["aten.zeros.default", "moe_single_kernel"]),
-    ("fp8_tensor", True, ["moe_quant_x_kernel", "aten.zeros.default", "moe_single_kernel"]),
-    # a dynamic a2 needs the amax of a pair's whole activation row: the GEMM kernels
-    ("fp8_tensor_dyn", False, ["moe_quant_x_kernel", "aten.zeros.default", "moe_gate_up_kernel",
-                               "moe_down_kernel", "moe_reduce_kernel"]),
-])
-def test_single_kernel_launches(kind, prequant, want):
-    """With single_max_pairs covering the batch, a call is one memset (the fp32 rows and their counts) and one
-    kernel (after x's quantization where asked for); schemes it cannot take keep the GEMM kernels."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from hpcops.moe import _moe_kernels as K
-
-    class TorchOps(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not any(s in str(func) for s in ("empty", "view", "slice", "detach")):  # no kernel
-                calls.append((str(func), args, kwargs))
-            return func(*args, **(kwargs or {}))
-
-    E, H, inter, T, k = 4, 256, 128, 4, 8
-    base = kind.replace("_dyn", "")
-    wts = make_weights(E, H, inter, base, static=kind != "fp8_tensor_dyn")
-    x = torch.zeros(T, H, dtype=torch.bfloat16)
-    ids = torch.zeros(T, k, dtype=torch.int32)
-    tw = torch.zeros(T, k)
-    cfg = get_config(num_tokens=T, inter=192, quant=base, **HY3_CFG).with_(
-        validate_ids=False, single_max_pairs=T * k, prequant_x=prequant)
     with recorded_launches(K) as calls, TorchOps():
         fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, shared_output=x, out=torch.empty_like(x),
                   config=cfg)

@@ -72,15 +72,6 @@ def _launch_all() -> None:
                 fused_moe(x, w13, w2, tw, ids, quant=quant, expert_map=emap, config=cfg,
                           shared_w13=torch.zeros(384, H, dtype=torch.bfloat16),
                           shared_w2=torch.zeros(H, 192, dtype=torch.bfloat16))
-                if T_cfg <= 4 and kind in ("none", "fp8_tensor"):
-                    # the whole MoE in one kernel (moe_single_kernel), with a shared output and with the
-                    # shared expert fused, at this regime's tiles
-                    one_kernel = cfg.with_(single_max_pairs=1 << 20)
-                    fused_moe(x, w13, w2, tw, ids, quant=quant, expert_map=emap, config=one_kernel,
-                              shared_output=torch.zeros_like(x))
-                    fused_moe(x, w13, w2, tw, ids, quant=quant, expert_map=emap, config=one_kernel,
-                              shared_w13=torch.zeros(384, H, dtype=torch.bfloat16),
-                              shared_w2=torch.zeros(H, 192, dtype=torch.bfloat16))
 
 
 _COMPILER = r"""
@@ -96,10 +87,8 @@ for d in json.load(sys.stdin):
         bad.append(f"{d['kernel']} {d['consts']}: {type(exc).__name__}: {str(exc)[-400:]}")
         continue
     ptx = k.asm["ptx"]
-    if ("gate_up" in d["kernel"] or "down" in d["kernel"] or "single" in d["kernel"]) and "cp.async" not in ptx:
+    if ("gate_up" in d["kernel"] or "down" in d["kernel"]) and "cp.async" not in ptx:
         bad.append(f"{d['kernel']} {d['consts']}: K loop not pipelined (no cp.async)")
-    if "single" in d["kernel"] and "fence.acq_rel.gpu" not in ptx:
-        bad.append(f"{d['kernel']} {d['consts']}: no gpu-scope fence before counting its share in")
     if k.metadata.shared > 227 * 1024:  # an H100/H200 block's shared memory: the launch would fail
         bad.append(f"{d['kernel']} {d['consts']}: {k.metadata.shared} bytes of shared memory")
 print(json.dumps(bad))
@@ -111,8 +100,7 @@ def test_kernels_compile_for_sm90(monkeypatch, tmp_path):
     launches = _record(monkeypatch)
     assert {d["kernel"] for d in launches} >= {"moe_gate_up_kernel", "moe_down_kernel", "moe_reduce_kernel",
                                                "moe_index_small_kernel", "moe_index_scan_kernel",
-                                               "moe_index_hist_kernel", "moe_index_scatter_kernel",
-                                               "moe_single_kernel"}
+                                               "moe_index_hist_kernel", "moe_index_scatter_kernel"}
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -36,10 +36,6 @@ class MoeConfig:
     (Hopper's wgmma needs 64 rows there): for M tiles below 64 rows.
     `naive_max_pairs`: up to this many (token, slot) pairs there is no index at all: one task per pair,
     its expert read from topk_ids; a weight tile is read once per pair routed to its expert (decode).
-    `single_max_pairs`: up to this many pairs the whole MoE is one kernel (`moe_single_kernel`: each
-    (pair, N tile) program runs its gate-up tile and that tile's share of the down GEMM, adding into an
-    fp32 row per token with atomics; the last share writes the output), for 16-bit weights and fp8
-    per-tensor with a static a2; else, or 0, the kernels above.
     """
 
     block_m: int = 16
@@ -58,7 +54,6 @@ class MoeConfig:
     validate_ids: bool = True
     swap_ab: bool = False
     naive_max_pairs: int = 0
-    single_max_pairs: int = 0
 
     def with_(self, **kw) -> MoeConfig:
         return replace(self, **kw)
@@ -152,7 +147,7 @@ def heuristic_config(*, num_tokens: int, top_k: int, num_experts: int, hidden: i
 
 TUNABLE = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "down_block_n", "down_block_k",
            "down_num_warps", "down_num_stages", "reduce_block_h", "index_small_max", "prequant_x", "swap_ab",
-           "naive_max_pairs", "single_max_pairs")
+           "naive_max_pairs")
 
 
 @functools.cache

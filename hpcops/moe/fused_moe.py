@@ -21,7 +21,6 @@ from hpcops._checks import (
 from hpcops._library import register
 from hpcops._platform import is_interpreter
 from hpcops.moe import _moe_kernels as K
-from hpcops.moe.codes import QuantCode
 from hpcops.moe.configs import ACT_MUL_MODES, MoeConfig, get_config
 from hpcops.moe.routing import build_moe_index
 from hpcops.moe.schemes import Scheme, scheme_for, scheme_named
@@ -190,9 +189,6 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         return out
     topk_ids = topk_ids.contiguous()
     topk_weights = topk_weights.contiguous()
-    if T * k <= cfg.single_max_pairs and shared_ready is None and _single_fits(scheme, w13, cfg):
-        return _single_launch(scheme, x, x_scale, w13, w2, topk_weights, topk_ids, expert_map, shared_output,
-                              shared_w13, shared_w2, i_s, out, cfg, n_global)
     naive = T * k <= cfg.naive_max_pairs  # one task per pair: no index
     idx = None if naive else build_moe_index(topk_ids, E, cfg.block_m, expert_map=expert_map,
                                               small_max=cfg.index_small_max)
@@ -252,48 +248,6 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         y, pair_pos, topk_ids, emap, topk_weights, sh, out, H, n_global, E,
         y.stride(0), topk_weights.stride(0), sh.stride(0), out.stride(0),
         TOP_K=k, HAS_SHARED=shared_output is not None, **routing, BLOCK_H=bh, num_warps=4)
-    return out
-
-
-def _single_fits(scheme: Scheme, w13: torch.Tensor, cfg: MoeConfig) -> bool:
-    """`moe_single_kernel` takes the scheme and the tile: its down dot has K = block_n (fp8: 32 at least)."""
-    return scheme.single_kernel() and cfg.block_n >= (32 if w13.element_size() == 1 else 16)
-
-
-def _single_launch(scheme: Scheme, x, x_scale, w13, w2, topk_weights, topk_ids, expert_map, shared_output,
-                   shared_w13, shared_w2, i_s: int, out, cfg: MoeConfig, n_global: int) -> torch.Tensor:
-    """The whole MoE in one kernel (`moe_single_kernel`; a small batch): an fp32 row per token and a count of
-    the shares added to it, zeroed in one memset, then one program per (pair, N tile) (+ the shared expert's
-    tiles first). An fp8 x without a static a13 is quantized per token first (`moe_quant_x_kernel`)."""
-    T, H = x.shape
-    k = topk_ids.shape[1]
-    E, inter = w13.shape[0], w2.shape[-1]
-    dummy = topk_ids
-    a = scheme.gate_up_input(x, x_scale, cfg, dummy)
-    ws = scheme.weight_scales(E, dummy)
-    a2 = scheme.quant.a2_scale if scheme.code == QuantCode.FP8_TENSOR else dummy
-    buf = torch.zeros(T * H + T, dtype=torch.int32, device=x.device)
-    acc, cnt = buf[:T * H].view(torch.float32), buf[T * H:]
-    bm, bn = 16, cfg.block_n  # 16: the MMA's narrowest side holds the pair's (or the shared tile's) tokens
-    n_shared = triton.cdiv(T, bm) * triton.cdiv(i_s, bn) if i_s else 0
-    arrivals = k * triton.cdiv(inter, bn) + (triton.cdiv(i_s, bn) if i_s else 0)
-    s13, s2 = (shared_w13, shared_w2) if i_s else (dummy, dummy)
-    sh = shared_output if shared_output is not None else out
-    narrow = w13.element_size() == 1
-    K.moe_single_kernel[(n_shared + T * k * triton.cdiv(inter, bn),)](
-        a.x, a.scale, w13, w2, ws.w13, ws.w2, a.a13, a2, topk_ids,
-        expert_map if expert_map is not None else topk_ids, topk_weights,
-        x, s13, s2, acc, cnt, sh, out,
-        T, H, inter, i_s, n_global, E, n_shared, arrivals,
-        a.x.stride(0), a.stride_t, w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1),
-        ws.w13_strides[0], ws.w2_strides[0], topk_weights.stride(0), x.stride(0),
-        s13.stride(0) if i_s else 0, s2.stride(0) if i_s else 0, sh.stride(0), out.stride(0),
-        TOP_K=k, QUANT=int(scheme.code), X_FP8=a.fp8, ACT_DT=_TL_DTYPE[out.dtype],
-        BF16_MUL=cfg.act_mul == "bf16", HAS_MAP=expert_map is not None, SHARED=bool(i_s),
-        HAS_SHARED_OUT=shared_output is not None, FENCE=not is_interpreter(),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg.block_k, BLOCK_H=cfg.down_block_n,
-        SHARED_BLOCK_K=max(16, cfg.block_k // 2) if narrow else cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 

@@ -91,11 +91,6 @@ class Scheme:
     def weight_scales(self, E: int, dummy) -> WeightScales:
         return WeightScales(dummy, (0, 0, 0), dummy, (0, 0, 0))
 
-    def single_kernel(self) -> bool:
-        """Whether `moe_single_kernel` takes this scheme: the activation of one N tile must be quantizable
-        alone (16-bit, or a static a2)."""
-        return False
-
     @staticmethod
     def from_op_args(w13_scale, w2_scale, a13_scale, a2_scale):
         """The `quant` object from the torch.library op's flat scale arguments."""
@@ -135,9 +130,6 @@ class Wide16(Scheme):
     def activation(self, n, inter, act_dt, cfg, dummy):
         act = torch.empty((n, inter), dtype=act_dt, device=dummy.device)
         return Activation(act, ActMode.WIDE, dummy, 0, dummy, dummy)
-
-    def single_kernel(self) -> bool:
-        return True
 
     @staticmethod
     def from_op_args(w13_scale, w2_scale, a13_scale, a2_scale):
@@ -188,9 +180,6 @@ class Fp8Tensor(Scheme):
         act = torch.empty((n, inter), dtype=act_dt, device=dev)
         rowmax = torch.zeros(n, dtype=torch.float32, device=dev)
         return Activation(act, ActMode.WIDE_ROW_AMAX, dummy, 0, dummy, rowmax)
-
-    def single_kernel(self) -> bool:
-        return self.quant.a2_scale is not None
 
     def weight_scales(self, E, dummy):
         # a scale of shape [1] broadcasts over the experts through a zero stride

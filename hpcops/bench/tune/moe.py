@@ -45,7 +45,6 @@ SPACE = (
     knob("num_warps", 4, 8),
     knob("down_num_warps", 4, 8),
     knob("prequant_x", False, True),
-    knob("single_max_pairs", values_fn=lambda base, s: _single_options(base["single_max_pairs"], s.t * s.top_k)),
 )
 
 ENTRY_KEYS = ("E", "E_local", "H", "I", "quant", "T")
@@ -57,14 +56,6 @@ def _naive_options(heuristic: int, pairs: int) -> tuple[int, ...]:
     if pairs > 2048:
         return (heuristic,)
     return (heuristic, 0 if pairs <= heuristic else 1 << 30)
-
-
-def _single_options(heuristic: int, pairs: int) -> tuple[int, ...]:
-    """The heuristic's threshold, then the other form at this batch (one kernel for the whole MoE, or the
-    GEMM kernels); none past 256 pairs, where each pair re-reading its expert's weights cannot pay."""
-    if pairs > 256:
-        return (heuristic,)
-    return (heuristic, 0 if pairs <= heuristic else pairs)
 
 
 def _tunable() -> tuple[str, ...]:
