@@ -436,6 +436,26 @@ def test_merge_split_runs(tmp_path):
     assert any(p.name == "layer.components.md" for p in paths)
 
 
+def test_merge_command_line(tmp_path):
+    """`python3 -m hpcops.bench.suites._layer_report OUT RUN...` joins runs; a folder without a layer.json is
+    refused by name (exit 2) before anything is written."""
+    import subprocess
+    import sys
+
+    from hpcops.bench import report
+
+    rows = [_row("hpcops", 80.0), _row("baseline-rest", 70.0), _row("baseline-moe-kernels", 28.0, timing="kernels")]
+    done, _ = rep.finish(SuiteResult("layer", rows, {"copy_gbps": 4000.0}), tmp_path / "run0")
+    report.write(done, tmp_path / "run0")
+    cmd = [sys.executable, "-m", "hpcops.bench.suites._layer_report", str(tmp_path / "all")]
+    bad = subprocess.run(cmd + [str(tmp_path / "run0"), str(tmp_path / "nowhere")], capture_output=True, text=True)
+    assert bad.returncode == 2 and "no layer.json in" in bad.stderr and "nowhere" in bad.stderr
+    assert not (tmp_path / "all").exists()
+    ok = subprocess.run(cmd + [str(tmp_path / "run0")], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    assert (tmp_path / "all" / "layer.summary.json").is_file() and "wrote" in ok.stdout
+
+
 def test_cli_bench_layer_writes_the_derived_reports(monkeypatch, tmp_path, capsys):
     import hpcops.bench
     import hpcops.bench.runner
