@@ -217,27 +217,48 @@ def _silu_mul(acc_g, acc_u, ACT_DT: tl.constexpr, BF16_MUL: tl.constexpr):
 
 
 @triton.jit
+def _mma_zeros(BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, SWAP_AB: tl.constexpr):
+    """A zero fp32 accumulator for [BLOCK_M rows of activations] × [BLOCK_W weight rows], in the MMA's
+    orientation (SWAP_AB: [BLOCK_W, BLOCK_M], the weight rows on its M side)."""
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_W, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_W), dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def _mma(a, w, acc, SWAP_AB: tl.constexpr):
+    """acc + a · wᵀ in the accumulator's orientation (SWAP_AB: acc + w · aᵀ)."""
+    if SWAP_AB:
+        acc = tl.dot(w, tl.trans(a), acc)
+    else:
+        acc = tl.dot(a, tl.trans(w), acc)
+    return acc
+
+
+@triton.jit
+def _mma_result(acc, SWAP_AB: tl.constexpr):
+    """The accumulator as [activation rows, weight rows] (transposed back after SWAP_AB)."""
+    if SWAP_AB:
+        acc = tl.trans(acc)
+    return acc
+
+
+@triton.jit
 def _dot_rows(a_rows, rmask, w_rows, wmask, K, SWAP_AB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr,
               BLOCK_K: tl.constexpr):
     """Σ_k a[rows, k] · w[wrows, k] over K, 16-bit operands, fp32 [BLOCK_M, BLOCK_W] (SWAP_AB: computed as
     w · aᵀ, the weight rows on the MMA's M side, and transposed back)."""
     offs_k = tl.arange(0, BLOCK_K)
-    if SWAP_AB:
-        acc = tl.zeros((BLOCK_W, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_W), dtype=tl.float32)
+    acc = _mma_zeros(BLOCK_M, BLOCK_W, SWAP_AB)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs_k
         kmask = kk < K
         a = tl.load(a_rows + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
         w = tl.load(w_rows + kk[None, :], mask=wmask[:, None] & kmask[None, :], other=0.0)
-        if SWAP_AB:
-            acc = tl.dot(w, tl.trans(a), acc)
-        else:
-            acc = tl.dot(a, tl.trans(w), acc)
-    if SWAP_AB:
-        acc = tl.trans(acc)
-    return acc
+        acc = _mma(a, w, acc, SWAP_AB)
+    return _mma_result(acc, SWAP_AB)
 
 
 @triton.jit
@@ -313,10 +334,7 @@ def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets
     e64 = e.to(tl.int64)
     x_rows = x_ptr + tok[:, None] * stride_xt
     w_rows = w_ptr + e64 * stride_we + wrow.to(tl.int64)[:, None] * stride_wn
-    if SWAP_AB:
-        acc = tl.zeros((2 * BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+    acc = _mma_zeros(BLOCK_M, 2 * BLOCK_N, SWAP_AB)
     if QUANT == Q_FP8_TENSOR:
         if not X_FP8:
             a13 = tl.load(a13_ptr)
@@ -326,17 +344,11 @@ def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets
         a = tl.load(x_rows + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
         w = tl.load(w_rows + kk[None, :], mask=wmask[:, None] & kmask[None, :], other=0.0)
         if QUANT == Q_NONE:
-            if SWAP_AB:
-                acc = tl.dot(w, tl.trans(a), acc)
-            else:
-                acc = tl.dot(a, tl.trans(w), acc)
+            acc = _mma(a, w, acc, SWAP_AB)
         elif QUANT == Q_FP8_TENSOR:
             if not X_FP8:
                 a = tl.minimum(tl.maximum(a.to(tl.float32) / a13, -FP8_MAX), FP8_MAX).to(tl.float8e4nv)
-            if SWAP_AB:
-                acc = tl.dot(w, tl.trans(a), acc)
-            else:
-                acc = tl.dot(a, tl.trans(w), acc)
+            acc = _mma(a, w, acc, SWAP_AB)
         else:
             if X_FP8:
                 a_s = tl.load(xs_ptr + tok * stride_xst + (k0 // 128) * stride_xsg, mask=rmask, other=0.0)
@@ -351,9 +363,7 @@ def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets
                 acc += tl.dot(w, tl.trans(a)) * (w_s[:, None] * a_s[None, :])
             else:
                 acc += tl.dot(a, tl.trans(w)) * (a_s[:, None] * w_s[None, :])
-    if SWAP_AB:
-        acc = tl.trans(acc)
-    acc_g, acc_u = _gate_up_halves(acc, BLOCK_M, BLOCK_N)
+    acc_g, acc_u = _gate_up_halves(_mma_result(acc, SWAP_AB), BLOCK_M, BLOCK_N)
     if QUANT == Q_FP8_TENSOR:
         ws = tl.load(ws_ptr + e64 * stride_wse)
         if X_FP8:
@@ -441,10 +451,7 @@ def moe_down_kernel(act_ptr, act_s_ptr, a2_ptr, rowmax_ptr, w_ptr, ws_ptr, tasks
     e64 = e.to(tl.int64)
     a_rows = act_ptr + rows64[:, None] * stride_act
     w_rows = w_ptr + e64 * stride_we + cols.to(tl.int64)[:, None] * stride_wn
-    if SWAP_AB:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = _mma_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
     if ACT_IN == A_WIDE_ROW_AMAX:
         r_s = tl.maximum(tl.load(rowmax_ptr + rows, mask=rmask, other=0.0), 1e-12) / FP8_MAX
     for k0 in range(0, I, BLOCK_K):
@@ -468,12 +475,8 @@ def moe_down_kernel(act_ptr, act_s_ptr, a2_ptr, rowmax_ptr, w_ptr, ws_ptr, tasks
                 if ACT_IN == A_WIDE_ROW_AMAX:
                     a = tl.minimum(tl.maximum(a.to(tl.float32) / r_s[:, None], -FP8_MAX), FP8_MAX)
                     a = a.to(tl.float8e4nv)
-            if SWAP_AB:
-                acc = tl.dot(w, tl.trans(a), acc)
-            else:
-                acc = tl.dot(a, tl.trans(w), acc)
-    if SWAP_AB:
-        acc = tl.trans(acc)
+            acc = _mma(a, w, acc, SWAP_AB)
+    acc = _mma_result(acc, SWAP_AB)
     if QUANT == Q_FP8_TENSOR:
         ws = tl.load(ws_ptr + e64 * stride_wse)
         if ACT_IN == A_FP8_STATIC:
