@@ -488,6 +488,105 @@ def moe_down_kernel(act_ptr, act_s_ptr, a2_ptr, rowmax_ptr, w_ptr, ws_ptr, tasks
 
 
 @triton.jit
+def _down_operand(a, act_s_ptr, rows64, rmask, stride_acts, k0, r_s, QUANT: tl.constexpr, ACT_IN: tl.constexpr):
+    """The down GEMM's activation K tile as the MMA takes it, and its scale a row (FP8_BLOCK: the 128-group's;
+    otherwise `r_s`, unused). The WIDE_*_AMAX modes are quantized here: per row from the row amax (`r_s`,
+    FP8_TENSOR) or per row and 128-group from the group amax (FP8_BLOCK)."""
+    a_s = r_s
+    if QUANT == Q_FP8_BLOCK:
+        a_s = tl.load(act_s_ptr + rows64 * stride_acts + k0 // 128, mask=rmask, other=0.0)
+        if ACT_IN == A_WIDE_GROUP_AMAX:
+            a_s = tl.maximum(a_s, 1e-12) / FP8_MAX
+            a = tl.minimum(tl.maximum(a.to(tl.float32) / a_s[:, None], -FP8_MAX), FP8_MAX).to(tl.float8e4nv)
+    elif QUANT == Q_FP8_TENSOR:
+        if ACT_IN == A_WIDE_ROW_AMAX:
+            a = tl.minimum(tl.maximum(a.to(tl.float32) / r_s[:, None], -FP8_MAX), FP8_MAX).to(tl.float8e4nv)
+    return a, a_s
+
+
+@triton.jit
+def _down_mma(a, a_s, w, acc, ws_ptr, e64, n0, k0, stride_wse, stride_wsn, stride_wsk, QUANT: tl.constexpr,
+              SWAP_AB: tl.constexpr):
+    """acc + one K step of the down GEMM (FP8_BLOCK: scaled by the activation row's and the weight block's
+    scales; the other schemes scale once, in `_down_scaled`)."""
+    if QUANT == Q_FP8_BLOCK:
+        ws = tl.load(ws_ptr + e64 * stride_wse + (n0 // 128) * stride_wsn + (k0 // 128) * stride_wsk)
+        if SWAP_AB:
+            acc += tl.dot(w, tl.trans(a)) * (ws * a_s[None, :])
+        else:
+            acc += tl.dot(a, tl.trans(w)) * (a_s[:, None] * ws)
+    else:
+        acc = _mma(a, w, acc, SWAP_AB)
+    return acc
+
+
+@triton.jit
+def _down_scaled(acc, ws_ptr, e64, stride_wse, a2_ptr, r_s, QUANT: tl.constexpr, ACT_IN: tl.constexpr):
+    """The tile's result ([rows, cols]) with FP8_TENSOR's scales applied (the expert's weight scale times the
+    static a2 or the row's dynamic scale)."""
+    if QUANT == Q_FP8_TENSOR:
+        ws = tl.load(ws_ptr + e64 * stride_wse)
+        if ACT_IN == A_FP8_STATIC:
+            acc = acc * (tl.load(a2_ptr) * ws)
+        else:
+            acc = acc * (r_s[:, None] * ws)
+    return acc
+
+
+@triton.jit
+def moe_down_tiles_kernel(act_ptr, act_s_ptr, a2_ptr, rowmax_ptr, w_ptr, ws_ptr, tasks_ptr, offsets_ptr, ids_ptr,
+                          map_ptr, y_ptr, H, I, CAP, E_GLOBAL, E_LOCAL,
+                          stride_act, stride_acts, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk,
+                          stride_y,
+                          sact_ptr, s2_ptr, ysh_ptr, T, I_S, N_SHARED, stride_sact, stride_s2, stride_ysh,
+                          QUANT: tl.constexpr, ACT_IN: tl.constexpr,
+                          NAIVE: tl.constexpr, HAS_MAP: tl.constexpr, SWAP_AB: tl.constexpr, SHARED: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          SHARED_BLOCK_K: tl.constexpr, N_TILES: tl.constexpr):
+    """`moe_down_kernel` for a short I (`MoeConfig.down_tiles` > 1; the launcher makes BLOCK_K ≥ I, one K step):
+    a program loads (and quantizes) its activation tile once and walks N_TILES consecutive N tiles of BLOCK_N,
+    one weight load, one dot and one store each, so the next tiles' loads are in flight under this one's dot
+    (the pipeline runs along N where a short I leaves 2-3 K steps to pipeline). Same arguments and maths
+    as `moe_down_kernel` (the shared expert's programs first, one N tile each).
+    """
+    n_tasks = tl.cdiv(tl.cdiv(H, BLOCK_N), N_TILES)  # N tasks of a row tile
+    pid = tl.program_id(0)
+    if SHARED:
+        if pid < N_SHARED:
+            _shared_down(pid, sact_ptr, s2_ptr, ysh_ptr, T, H, I_S, stride_sact, stride_s2, stride_ysh, SWAP_AB,
+                         BLOCK_M, BLOCK_N, SHARED_BLOCK_K)
+            return
+        pid -= N_SHARED
+    e, rows, rmask, pid_n = _task_rows(pid, n_tasks, tasks_ptr, offsets_ptr, ids_ptr, map_ptr, CAP,
+                                       E_GLOBAL, E_LOCAL, HAS_MAP, NAIVE, BLOCK_M)
+    if e < 0:
+        return
+    rows64 = rows.to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_n = tl.arange(0, BLOCK_N)
+    kmask = offs_k < I
+    e64 = e.to(tl.int64)
+    w_base = w_ptr + e64 * stride_we
+    r_s = tl.full([BLOCK_M], 1.0, tl.float32)  # the row's dynamic scale (WIDE_ROW_AMAX), else unused
+    if ACT_IN == A_WIDE_ROW_AMAX:
+        r_s = tl.maximum(tl.load(rowmax_ptr + rows, mask=rmask, other=0.0), 1e-12) / FP8_MAX
+    a = tl.load(act_ptr + rows64[:, None] * stride_act + offs_k[None, :], mask=rmask[:, None] & kmask[None, :],
+                other=0.0)
+    a, a_s = _down_operand(a, act_s_ptr, rows64, rmask, stride_acts, 0, r_s, QUANT, ACT_IN)
+    for t in range(N_TILES):
+        n0 = (pid_n * N_TILES + t) * BLOCK_N
+        cols = n0 + offs_n
+        cmask = cols < H
+        w = tl.load(w_base + cols.to(tl.int64)[:, None] * stride_wn + offs_k[None, :],
+                    mask=cmask[:, None] & kmask[None, :], other=0.0)
+        acc = _down_mma(a, a_s, w, _mma_zeros(BLOCK_M, BLOCK_N, SWAP_AB), ws_ptr, e64, n0, 0, stride_wse,
+                        stride_wsn, stride_wsk, QUANT, SWAP_AB)
+        acc = _down_scaled(_mma_result(acc, SWAP_AB), ws_ptr, e64, stride_wse, a2_ptr, r_s, QUANT, ACT_IN)
+        tl.store(y_ptr + rows64[:, None] * stride_y + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=rmask[:, None] & cmask[None, :])
+
+
+@triton.jit
 def moe_reduce_kernel(y_ptr, pos_ptr, ids_ptr, map_ptr, tw_ptr, shared_ptr, out_ptr, H, E_GLOBAL, E_LOCAL,
                       stride_y, stride_tw, stride_sh, stride_out,
                       TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, NAIVE: tl.constexpr, HAS_MAP: tl.constexpr,
