@@ -152,7 +152,6 @@ class Case:
     swap: bool | None = None  # force config.swap_ab
     naive: bool | None = None  # force one task per pair (True) or the index (False)
     fused_shared: int = 0  # I_s of a shared expert fused into the GEMM kernels (shared_w13 / shared_w2)
-    down_tiles: int | None = None  # force config.down_tiles (N tiles a down program walks, I in one K step)
 
     @property
     def id(self) -> str:
@@ -175,8 +174,6 @@ class Case:
             s += f"-swap{int(self.swap)}"
         if self.naive is not None:
             s += "-naive" if self.naive else "-indexed"
-        if self.down_tiles is not None:
-            s += f"-dtiles{self.down_tiles}"
         return s
 
 
@@ -221,18 +218,6 @@ PATH_BASES = [
 PATH_CASES = [replace(c, swap=swap, naive=naive) for c in PATH_BASES for swap in (False, True)
               for naive in (False, True)]
 
-# The down GEMM walking several N tiles a program (config.down_tiles), I in one K step: H = 256 is two N tiles
-# of 128 (the interpreter's), so 3 tiles leave a fully masked one and H = 200 a ragged one
-DOWN_TILE_CASES = [
-    Case(7, quant="fp8_tensor", inter=192, down_tiles=2, swap=True, naive=True),
-    Case(7, quant="fp8_tensor", static=False, inter=192, down_tiles=3, swap=True, naive=False),
-    Case(6, k=2, shared=True, use_out=True, ep=True, E=8, down_tiles=2, swap=False, naive=False),
-    Case(19, k=2, inter=192, dtype=torch.float16, H=200, down_tiles=2, swap=True, naive=False),
-    Case(5, quant="fp8_tensor", fused_shared=40, down_tiles=3, swap=False, naive=True),
-    Case(3, quant="fp8_block", shared=True, block_n=64, down_tiles=2, swap=True),
-    Case(6, k=2, quant="fp8_block", H=200, ep=True, E=8, down_tiles=2, swap=False, naive=False),
-]
-
 
 def _tolerance(case: Case) -> dict:
     if case.quant == "none":
@@ -269,8 +254,6 @@ def run_case(case: Case, device: str):
         cfg = cfg.with_(swap_ab=case.swap)
     if case.naive is not None:
         cfg = cfg.with_(naive_max_pairs=1 << 30 if case.naive else 0)
-    if case.down_tiles is not None:
-        cfg = cfg.with_(down_tiles=case.down_tiles)
     out = nan_like(torch.empty(case.T, case.H, dtype=case.dtype, device=device)) if case.use_out else None
     got = fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap, shared_output=shared,
                     out=out, config=cfg, shared_w13=s13, shared_w2=s2)
@@ -281,7 +264,7 @@ def run_case(case: Case, device: str):
     return got, ref
 
 
-@pytest.mark.parametrize("case", CASES + PATH_CASES + DOWN_TILE_CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("case", CASES + PATH_CASES, ids=lambda c: c.id)
 def test_fused_moe(case, device):
     got, ref = run_case(case, device)
     assert got.dtype == case.dtype and got.shape == (case.T, case.H)
@@ -363,7 +346,6 @@ def _bad_inputs(device):
     bk = dict(base, w13=b.w13, w2=b.w2, quant=b.quant)
     s = f.quant
     b192 = make_weights(E, H, 192, "fp8_tensor", device=device)
-    b256 = make_weights(E, H, 256, "fp8_block", device=device)
     return [
         ("x", TypeError, dict(base, x=x.float())),
         ("w13", ValueError, dict(base, w13=w.w13[:, :, :128])),
@@ -400,11 +382,6 @@ def _bad_inputs(device):
         ("x", TypeError, dict(base, x=x.to(FP8))),
         ("config", ValueError, dict(bk, config=MoeConfig(block_k=64))),
         ("config.act_mul", ValueError, dict(base, config=MoeConfig(act_mul="fp16"))),
-        ("config.down_tiles", ValueError, dict(base, config=MoeConfig(down_tiles=0))),
-        ("config.down_tiles", ValueError, dict(base, config=MoeConfig(down_tiles=2, down_block_n=512))),
-        ("config.down_tiles", ValueError, dict(bk, w13=b256.w13, w2=b256.w2, quant=b256.quant,
-                                               config=MoeConfig(block_k=128, down_block_k=128, block_n=128,
-                                                                down_tiles=2))),
         *_bad_shared_weights(base, f8, x, H, device),
     ]
 
@@ -518,33 +495,6 @@ def test_gpu_hy3_paths(T, kind, naive, swap):
     got = fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap, shared_output=shared,
                     out=nan_like(x), config=cfg)
     ref = R.fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap, shared_output=shared)
-    tol = {} if kind == "none" else {"maxtol": 4e-2, "rmstol": 1.5e-2}  # fp8 tolerance, see _tolerance
-    assert_close(ref, got, **tol)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("tiles,down_block_n", [(2, 128), (4, 64), (8, 128)])
-@pytest.mark.parametrize("swap", [False, True])
-@pytest.mark.parametrize("kind", ["none", "fp8_tensor", "fp8_tensor_dyn"])
-@pytest.mark.parametrize("T", [4, 64])
-def test_gpu_hy3_down_tiles(T, kind, swap, tiles, down_block_n):
-    """The down GEMM walking several N tiles a program (config.down_tiles) at Hy3 TP8 sizes (I = 192 in one K
-    step of 256): both GEMM forms, static and dynamic fp8 activation scales, the shared expert fused at T = 4."""
-    wts, tw, ids, emap, x = _hy3_inputs(T, 192, kind.replace("_dyn", ""))
-    quant = wts.quant
-    if kind == "fp8_tensor_dyn":
-        quant = Fp8PerTensor(quant.w13_scale, quant.w2_scale)
-    cfg = get_config(num_tokens=T, inter=192, quant=kind.replace("_dyn", ""), **HY3_CFG)
-    if kind == "none" and down_block_n == 128:
-        down_block_n = 64  # a 16-bit [128, 256] tile is the 64 KiB limit: keep three stages in shared memory
-    cfg = cfg.with_(swap_ab=swap, down_tiles=tiles, down_block_n=down_block_n)
-    shared = dict(shared_output=torch.randn_like(x))
-    if T == 4:
-        g = torch.Generator(device="cuda").manual_seed(5)
-        shared = dict(shared_w13=(torch.randn(384, 4096, device="cuda", generator=g) / 64).bfloat16(),
-                      shared_w2=(torch.randn(4096, 192, device="cuda", generator=g) / 14).bfloat16())
-    got = fused_moe(x, wts.w13, wts.w2, tw, ids, quant=quant, out=nan_like(x), config=cfg, **shared)
-    ref = R.fused_moe(x, wts.w13, wts.w2, tw, ids, quant=quant, **shared)
     tol = {} if kind == "none" else {"maxtol": 4e-2, "rmstol": 1.5e-2}  # fp8 tolerance, see _tolerance
     assert_close(ref, got, **tol)
 

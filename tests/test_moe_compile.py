@@ -72,10 +72,6 @@ def _launch_all() -> None:
                 fused_moe(x, w13, w2, tw, ids, quant=quant, expert_map=emap, config=cfg,
                           shared_w13=torch.zeros(384, H, dtype=torch.bfloat16),
                           shared_w2=torch.zeros(H, 192, dtype=torch.bfloat16))
-                if inter == 192 and T_cfg in (4, 64):  # the down GEMM over several N tiles a program
-                    for tiles, dbn in ((4, 64), (2, 128 if kind != "none" else 64)):
-                        fused_moe(x, w13, w2, tw, ids, quant=quant, shared_output=torch.zeros_like(x),
-                                  config=cfg.with_(down_tiles=tiles, down_block_n=dbn))
 
 
 _COMPILER = r"""

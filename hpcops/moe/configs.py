@@ -36,11 +36,6 @@ class MoeConfig:
     (Hopper's wgmma needs 64 rows there): for M tiles below 64 rows.
     `naive_max_pairs`: up to this many (token, slot) pairs there is no index at all: one task per pair,
     its expert read from topk_ids; a weight tile is read once per pair routed to its expert (decode).
-    `down_tiles`: N tiles of `down_block_n` a down program walks (1: one). Above 1 each tile takes the whole
-    I in one K step (`down_k_tile`: the K tile is next_pow2(I), `down_block_k` is not used), the activation
-    tile is loaded once, and the next tiles' weight loads fly under this tile's dot: for a short I (Hy3's 192
-    a rank), where a program of one N tile has only 2-3 K steps to pipeline. Needs a [down_block_n,
-    next_pow2(I)] weight tile of at most 64 KiB, and I ≤ 128 with `Fp8Block128`.
     """
 
     block_m: int = 16
@@ -59,7 +54,6 @@ class MoeConfig:
     validate_ids: bool = True
     swap_ab: bool = False
     naive_max_pairs: int = 0
-    down_tiles: int = 1
 
     def with_(self, **kw) -> MoeConfig:
         return replace(self, **kw)
@@ -71,34 +65,6 @@ def _k_tile(k: int) -> int:
         if k % t == 0:
             return t
     return 64
-
-
-# the largest weight tile (bytes) a down program of `down_tiles` > 1 loads per step (a whole I): 3 stages in smem
-DOWN_TILE_BYTES = 64 * 1024
-
-
-def down_k_tile(cfg: MoeConfig, inter: int) -> int:
-    """The down GEMM's K tile: `down_block_k`, or with `down_tiles` > 1 the whole I (next_pow2, ≥ 16)."""
-    if cfg.down_tiles > 1:
-        return max(16, 1 << (inter - 1).bit_length())
-    return cfg.down_block_k
-
-
-def check_down_tiles(cfg: MoeConfig, inter: int, weight_bytes: int, quant: str) -> None:
-    """ValueError naming `config.down_tiles` where the down kernel cannot take it (see MoeConfig)."""
-    n = cfg.down_tiles
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ValueError(f"config.down_tiles must be an int >= 1, got {n!r}")
-    if n == 1:
-        return
-    k = down_k_tile(cfg, inter)
-    if quant == "fp8_block" and inter > 128:
-        raise ValueError(f"config.down_tiles > 1 takes I in one K step, and Fp8Block128 scales K by 128-blocks: "
-                         f"needs I <= 128, got I = {inter} (use down_tiles=1)")
-    if cfg.down_block_n * k * weight_bytes > DOWN_TILE_BYTES:
-        raise ValueError(f"config.down_tiles > 1 loads a [down_block_n, next_pow2(I)] = [{cfg.down_block_n}, {k}] "
-                         f"weight tile per step: {cfg.down_block_n * k * weight_bytes} bytes, above "
-                         f"{DOWN_TILE_BYTES}; use a smaller down_block_n or down_tiles=1")
 
 
 def block_m_for(avg_tokens_per_expert: float) -> int:
@@ -181,7 +147,7 @@ def heuristic_config(*, num_tokens: int, top_k: int, num_experts: int, hidden: i
 
 TUNABLE = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "down_block_n", "down_block_k",
            "down_num_warps", "down_num_stages", "reduce_block_h", "index_small_max", "prequant_x", "swap_ab",
-           "naive_max_pairs", "down_tiles")
+           "naive_max_pairs")
 
 
 @functools.cache

@@ -21,7 +21,7 @@ from hpcops._checks import (
 from hpcops._library import register
 from hpcops._platform import is_interpreter
 from hpcops.moe import _moe_kernels as K
-from hpcops.moe.configs import ACT_MUL_MODES, MoeConfig, check_down_tiles, down_k_tile, get_config
+from hpcops.moe.configs import ACT_MUL_MODES, MoeConfig, get_config
 from hpcops.moe.routing import build_moe_index
 from hpcops.moe.schemes import Scheme, scheme_for, scheme_named
 from hpcops.quant import Fp8Block128, Fp8PerTensor
@@ -75,7 +75,6 @@ def _validate(scheme: Scheme, x, w13, w2, topk_weights, topk_ids, expert_map, sh
                 raise ValueError(f"{name} must be contiguous along its last dimension")
     scheme.validate(x, w13, w2, x_scale, cfg, T, H, E, inter)
     check_choice("config.act_mul", cfg.act_mul, ACT_MUL_MODES)
-    check_down_tiles(cfg, inter, w2.element_size(), scheme.name)
     # last: argument errors first; then whether the kernels can run where the tensors are
     check_kernel_device("x", x)
     return T, H, E, inter, k, out_dt
@@ -228,19 +227,15 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     y = torch.empty((T * k, H), dtype=out_dt, device=x.device)
-    # down_tiles > 1: a program walks that many N tiles, I in one K step (moe_down_tiles_kernel)
-    n_down = triton.cdiv(triton.cdiv(H, cfg.down_block_n), cfg.down_tiles)  # N tasks of a row tile
-    tiles = dict(N_TILES=cfg.down_tiles) if cfg.down_tiles > 1 else {}
-    down = K.moe_down_tiles_kernel if tiles else K.moe_down_kernel
-    down[(n_shared_dn + n_tasks * n_down,)](
+    K.moe_down_kernel[(n_shared_dn + n_tasks * triton.cdiv(H, cfg.down_block_n),)](
         act.act, act.scale, act.a2, act.rowmax, w2, ws.w2, tasks, offsets, topk_ids, emap, y,
         H, inter, n_tasks, n_global, E,
         act.act.stride(0), act.stride_s, w2.stride(0), w2.stride(1), *ws.w2_strides,
         y.stride(0),
         s_act, s2, y_sh, T, i_s, n_shared_dn, stride_s[2], stride_s[1], stride_s[3],
         QUANT=int(scheme.code), ACT_IN=int(act.mode), SWAP_AB=cfg.swap_ab, **routing, **shared,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=down_k_tile(cfg, inter),
-        SHARED_BLOCK_K=max(16, cfg.down_block_k // 2) if narrow else cfg.down_block_k, **tiles,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
+        SHARED_BLOCK_K=max(16, cfg.down_block_k // 2) if narrow else cfg.down_block_k,
         num_warps=cfg.down_num_warps, num_stages=cfg.down_num_stages)
 
     if i_s:

@@ -28,7 +28,6 @@ from hpcops.bench.suites import _moe_common as common
 from hpcops.bench.suites import moe as suite
 from hpcops.bench.tune.engine import ScenarioResult, TuneOp, TuneResult, on_gpu
 from hpcops.bench.tune.space import Candidate, knob
-from hpcops.moe.configs import MoeConfig, check_down_tiles
 
 # The search space: per MoeConfig field, the values tried around the heuristic's value (its neighbours in
 # the list, one field at a time; then the winning moves combined, space.py). Order = priority (`--quick`
@@ -46,7 +45,6 @@ SPACE = (
     knob("num_warps", 4, 8),
     knob("down_num_warps", 4, 8),
     knob("prequant_x", False, True),
-    knob("down_tiles", 1, 2, 4, 8),
 )
 
 ENTRY_KEYS = ("E", "E_local", "H", "I", "quant", "T")
@@ -84,11 +82,6 @@ class MoeTune(TuneOp):
     def valid(self, s, c: Candidate) -> bool:
         if s.kind == "fp8_block":  # MoeConfig: Fp8Block128 needs K tiles of 128 and N tiles dividing 128
             if c["block_k"] != 128 or c["down_block_k"] != 128 or 128 % c["block_n"] or 128 % c["down_block_n"]:
-                return False
-        if c.get("down_tiles", 1) > 1:  # the down tile takes I whole (configs.check_down_tiles)
-            try:
-                check_down_tiles(MoeConfig(**c), s.inter, 1 if s.kind != "none" else 2, s.kind)
-            except ValueError:
                 return False
         # K tiles past I add only masked work
         return c["down_block_k"] <= max(64, s.inter)
