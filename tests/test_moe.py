@@ -482,19 +482,22 @@ def test_gpu_hy3(shape, T, kind):
 @pytest.mark.gpu
 @pytest.mark.parametrize("swap", [False, True])
 @pytest.mark.parametrize("naive", [False, True])
-@pytest.mark.parametrize("kind", ["none", "fp8_tensor", "fp8_block"])
+@pytest.mark.parametrize("kind", ["none", "fp8_tensor", "fp8_tensor_dyn", "fp8_block"])
 @pytest.mark.parametrize("T", [4, 64])
 def test_gpu_hy3_paths(T, kind, naive, swap):
     """Both GEMM forms (swap_ab) × both task forms (one task per pair / the index) at Hy3 sizes on the GPU
-    (TP8; EP8 for the 128-block scheme, which needs I % 128 == 0)."""
+    (TP8; EP8 for the 128-block scheme, which needs I % 128 == 0); fp8_tensor_dyn: per-tensor fp8 weights with
+    dynamic per-token activation scales (no a13/a2)."""
+    quant_kind = kind.replace("_dyn", "")
     inter, n_local = (192, None) if kind != "fp8_block" else (1536, 24)
-    wts, tw, ids, emap, x = _hy3_inputs(T, inter, kind, n_local)
+    wts, tw, ids, emap, x = _hy3_inputs(T, inter, quant_kind, n_local)
+    quant = Fp8PerTensor(wts.quant.w13_scale, wts.quant.w2_scale) if kind == "fp8_tensor_dyn" else wts.quant
     shared = torch.randn_like(x)
-    cfg = get_config(num_tokens=T, inter=inter, quant=kind, num_local_experts=n_local, **HY3_CFG)
+    cfg = get_config(num_tokens=T, inter=inter, quant=quant_kind, num_local_experts=n_local, **HY3_CFG)
     cfg = cfg.with_(swap_ab=swap, naive_max_pairs=1 << 30 if naive else 0)
-    got = fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap, shared_output=shared,
+    got = fused_moe(x, wts.w13, wts.w2, tw, ids, quant=quant, expert_map=emap, shared_output=shared,
                     out=nan_like(x), config=cfg)
-    ref = R.fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap, shared_output=shared)
+    ref = R.fused_moe(x, wts.w13, wts.w2, tw, ids, quant=quant, expert_map=emap, shared_output=shared)
     tol = {} if kind == "none" else {"maxtol": 4e-2, "rmstol": 1.5e-2}  # fp8 tolerance, see _tolerance
     assert_close(ref, got, **tol)
 
