@@ -306,7 +306,21 @@ def sm90_resources(compiled) -> dict[str, int]:
     regs, stack, local = map(int, found.groups()) if found else (-1, -1, -1)
     ptx = compiled.asm["ptx"]
     return {"registers": regs, "spill_bytes": stack + local, "shared": compiled.metadata.shared,
-            "wgmma": ptx.count("wgmma.mma_async"), "tma_loads": ptx.count("cp.async.bulk.tensor")}
+            "wgmma": ptx.count("wgmma.mma_async"), "tma_loads": ptx.count("cp.async.bulk.tensor"),
+            "waits_before_reads": ptx_waits_before_reads(ptx)}
+
+
+def ptx_waits_before_reads(ptx: str) -> bool | None:
+    """Whether a kernel's PTX executes `griddepcontrol.wait` before its first global-memory read (ld.global,
+    cp.async, a TMA load, an atomic): the contract of a kernel launched with programmatic dependent launch, which may
+    start before the previous kernel's writes are visible. None without a griddepcontrol.wait."""
+    import re
+
+    wait = ptx.find("griddepcontrol.wait")
+    if wait < 0:
+        return None
+    reads = [m.start() for m in re.finditer(r"\b(ld\.global|cp\.async|atom\.global|red\.global)", ptx)]
+    return not reads or wait < min(reads)
 
 
 def sm90_build_in_subprocess(script: str, arg: Any, *, timeout: float = 600) -> dict:

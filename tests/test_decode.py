@@ -437,7 +437,8 @@ GPU_SCENARIOS = [("2x32K+30x4K", 8, 1, True), ("1x128K+31x4K", 8, 1, False), ("6
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", [{}, LEGACY, POINTER, dict(use_tma=False, lean_mode="recompute", lean_loop=True),
-                                     dict(tail_merge=True), dict(tail_merge=True, gluon=True), dict(split_cost=256)],
+                                     dict(tail_merge=True), dict(tail_merge=True, gluon=True), dict(split_cost=256),
+                                     dict(pdl_wait=True)],
                          ids=lambda d: _vid(d) or "default")
 @pytest.mark.parametrize("spec, hq, hkv, fp8", GPU_SCENARIOS, ids=lambda v: str(v))
 def test_gpu_real_sizes(spec, hq, hkv, fp8, variant):
@@ -469,7 +470,8 @@ def _gpu_real_sizes(spec, hq, hkv, fp8):
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", [{}, LEGACY, dict(lean_loop=True, plan_block_c=32, plan_warps=2),
                                      dict(tail_merge=True), dict(tail_merge=True, tail_group=2),
-                                     dict(split_cost=64, tail_merge=True)],
+                                     dict(split_cost=64, tail_merge=True), dict(pdl_wait=True),
+                                     dict(pdl_wait=True, tail_merge=True, tail_group=2)],
                          ids=lambda d: _vid(d) or "default")
 @pytest.mark.parametrize("q_len", [1, 3])
 def test_gpu_cuda_graph_replay_with_new_lengths(q_len, variant):
@@ -478,20 +480,43 @@ def test_gpu_cuda_graph_replay_with_new_lengths(q_len, variant):
         _gpu_graph_replay(q_len)
 
 
-def _gpu_graph_replay(q_len):
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", [{}, dict(pdl_wait=True), dict(pdl_wait=True, tail_group=2)],
+                         ids=lambda d: _vid(d) or "default")
+def test_gpu_cuda_graph_replay_fp8q(variant):
+    """The pipeline's form (an fp8 q from the prologue over fp8 KV, a plan told so: the Gluon kernel with its tail
+    merge on sm_90), plan + 3 layers captured and replayed with new lengths; with pdl_wait each layer's kernel
+    launches while the previous one finishes, over the plan's shared partials and counts."""
+    with _with_config(variant):
+        _gpu_graph_replay(1, fp8=True)
+
+
+def _gpu_graph_replay(q_len, fp8=False):
     torch.manual_seed(5)
     b, hq, hkv, d, bs, max_len = 12, 16, 2, 128, 64, 6000
+    kv_dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
     layers = [make_paged_kv([max_len] * b, num_kv_heads=hkv, head_dim=d, block_size=bs, device="cuda",
-                            packed=True) for _ in range(3)]
+                            packed=not fp8, dtype=kv_dtype) for _ in range(3)]
     seq_lens = torch.full((b,), 100, dtype=torch.int32, device="cuda")
     q = [torch.randn(b * q_len, hq, d, device="cuda").bfloat16() for _ in layers]
-    outs = [torch.empty_like(x) for x in q]
-    plan = hpcops.plan_decode(seq_lens, num_kv_heads=hkv, q_len=q_len, block_size=bs, max_batch=b)
+    q_scale = None
+    if fp8:
+        q_scale = [qi.float().abs().amax(-1).clamp_min(1e-6) / 448 for qi in q]
+        q = [(qi.float() / s[..., None]).to(torch.float8_e4m3fn) for qi, s in zip(q, q_scale)]
+    scales = dict(k_scale=torch.tensor([0.02], device="cuda"), v_scale=torch.tensor([0.03], device="cuda")) \
+        if fp8 else {}
+    outs = [torch.empty(b * q_len, hq, d, device="cuda", dtype=torch.bfloat16) for _ in q]
+    hints = dict(num_q_heads=hq, head_dim=d, q_dtype=q[0].dtype, kv_dtype=kv_dtype) if fp8 else {}
+    plan = hpcops.plan_decode(seq_lens, num_kv_heads=hkv, q_len=q_len, block_size=bs, max_batch=b, **hints)
+
+    def call(i, kv, **kw):
+        qs = dict(q_scale=q_scale[i]) if fp8 else {}
+        return hpcops.decode_attention(q[i], kv.k_cache, kv.v_cache, kv.block_table, seq_lens, **scales, **qs, **kw)
 
     def step():
         hpcops.plan_decode(seq_lens, num_kv_heads=hkv, q_len=q_len, block_size=bs, out=plan)
-        for kv, qi, oi in zip(layers, q, outs):
-            hpcops.decode_attention(qi, kv.k_cache, kv.v_cache, kv.block_table, seq_lens, plan=plan, out=oi)
+        for i, (kv, oi) in enumerate(zip(layers, outs)):
+            call(i, kv, plan=plan, out=oi)
 
     graph, _ = capture_graph(step)
     for lens in ([max_len] + [q_len] * (b - 1), [q_len + i * 499 for i in range(b)], [64 * (i + 1) for i in range(b)]):
@@ -500,10 +525,11 @@ def _gpu_graph_replay(q_len):
             o.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        for kv, qi, oi in zip(layers, q, outs):
-            want = hpcops.decode_attention(qi, kv.k_cache, kv.v_cache, kv.block_table, seq_lens)
-            assert_close(want, oi, name=f"graph replay lens={lens[:3]}...")
-            assert_close(ref.decode_attention(qi, kv.k_cache, kv.v_cache, kv.block_table, seq_lens), oi)
+        for i, (kv, oi) in enumerate(zip(layers, outs)):
+            assert_close(call(i, kv), oi, name=f"graph replay lens={lens[:3]}...")
+            qs = dict(q_scale=q_scale[i]) if fp8 else {}
+            want = ref.decode_attention(q[i], kv.k_cache, kv.v_cache, kv.block_table, seq_lens, **scales, **qs)
+            assert_close(want, oi)
 
 
 @pytest.mark.gpu

@@ -24,7 +24,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from hpcops.attention import _decode_kernels as K
-from hpcops.testing import sm90_resources
+from hpcops.testing import ptx_waits_before_reads, sm90_resources
 
 PTRS = {"q_ptr": "Q", "k_ptr": "KV", "v_ptr": "KV", "bt_ptr": "i32", "seq_lens_ptr": "i32", "out_ptr": "bf16",
         "part_o_ptr": "fp32", "part_lse_ptr": "fp32", "header_ptr": "i32", "cum_ptr": "i32", "first_b_ptr": "i32",
@@ -61,7 +61,8 @@ def build(kernel, q, kv, tma, const, warps, stages, maxnreg=None):
     res = sm90_resources(cc)
     return {"regs": res["registers"], "spill_bytes": res["spill_bytes"],
             "cp_async": ptx.count("cp.async.c"), "tma": ptx.count("cp.async.bulk.tensor"),
-            "local": ptx.count("st.local"), "smem": res["shared"], "griddep": ptx.count("griddepcontrol")}
+            "local": ptx.count("st.local"), "smem": res["shared"], "griddep": ptx.count("griddepcontrol"),
+            "waits_first": ptx_waits_before_reads(ptx)}
 
 out = {}
 for name, v in json.loads(sys.argv[1]).items():
@@ -142,6 +143,13 @@ VARIANTS["persistent-lean-tma-bf16-tail"] = _attn(R_PAD=8, TAIL_STAGES=1, TAIL_G
 VARIANTS["persistent-row-fp8q-tail"] = _attn(q="fp8e4nv", kv="fp8e4nv", R_PAD=1, TAIL_STAGES=3,
                                              TAIL_GROUP=64,
                                              **{**ROW, **TAIL})
+# DecodeConfig.pdl_wait: the attention kernel launched with PDL waits before its first read (and the combine after it
+# lets the next kernel launch): the tl path's default over fp8 q (tail merge) and over bf16 KV (TMA, the combine)
+VARIANTS["persistent-lean-recompute-fp8q-tail-pdlwait"] = _attn(q="fp8e4nv", kv="fp8e4nv", R_PAD=8, TAIL_STAGES=3,
+                                                                TAIL_GROUP=16, PDL_WAIT=True, **TAIL,
+                                                                **LEAN_MODES["recompute"])
+VARIANTS["persistent-lean-tma-bf16-pdlwait"] = _attn(TASK_DESC=True, USE_PDL=True, PDL_WAIT=True, **LEAN_MODES["tma"])
+VARIANTS["combine-pdl-next"] = _combine("decode_combine_kernel", USE_PDL=True, PDL_NEXT=True, MERGE_DESC=True)
 VARIANTS["persistent-fp8q-q4-g16-tail"] = _attn(q="fp8e4nv", kv="fp8e4nv", q_len=4, g=16, R_PAD=64,
                                                 TAIL_STAGES=1, TAIL_GROUP=4,
                                                 **TAIL, **LEAN_MODES["recompute"])
@@ -183,6 +191,8 @@ def test_compiles_for_sm90():
         assert r["smem"] <= 227 * 1024, (name, r)
         if "pdl" in name:
             assert r["griddep"] > 0, f"{name}: no griddepcontrol instruction: {r}"
+        if "pdlwait" in name:  # launched with PDL: nothing read before the previous kernel's writes are visible
+            assert r["waits_first"] is True, f"{name}: a global read before griddepcontrol.wait: {r}"
         if name.startswith(("persistent", "static-bf16")):
             assert (r["tma"] if "tma" in name else r["cp_async"]) > 0, f"{name}: KV loop not pipelined: {r}"
         if VARIANTS[name].get("maxnreg"):
@@ -212,6 +222,9 @@ GLUON_BUILDS = {  # name: (KV dtype, q dtype, head_dim, q rows padded, q_len, G,
     # 243 registers: 2 programs an SM)
     "fp8q-d64-h8/1-tail-prefetch": ("fp8", "fp8", 64, 8, 1, 8, 3, 64, [8, _tail_parts(8, 64, True), True]),
     "fp8q-d64-h16/1-tail-prefetch": ("fp8", "fp8", 64, 16, 1, 16, 3, 64, [16, _tail_parts(16, 64, True), True]),
+    # DecodeConfig.pdl_wait: launched with PDL, griddepcontrol.wait before the first read (checked below)
+    "fp8q-d128-h8/1-tail-prefetch-pdlwait": ("fp8", "fp8", 128, 8, 1, 8, 3, 64, [8, 4, True], {"PDL_WAIT": True}),
+    "bf16-d128-h8/1-pdlwait": ("bf16", "bf16", 128, 8, 1, 8, 3, 64, None, {"PDL_WAIT": True}),
 }
 
 
@@ -221,7 +234,9 @@ from triton.experimental.gluon import language as gl
 from hpcops.attention._decode_gluon import decode_gluon_kernel
 from hpcops.testing import compile_gluon_sm90, sm90_resources
 
-kv, qd, d, nq, q_len, g, stages, page, *tail = json.loads(sys.argv[1])
+kv, qd, d, nq, q_len, g, stages, page, *rest = json.loads(sys.argv[1])
+tail = rest[0] if rest else None  # [R_PAD, partials a round(, prefetch)]: the tail merge
+extra = rest[1] if len(rest) > 1 else {}  # more constexprs (PDL_WAIT)
 names = {"fp8": ("fp8e4nv", gl.float8e4nv), "bf16": ("bf16", gl.bfloat16)}
 box = min(64, page)  # the launcher's TMA box: a 64-key tile, or a page under 64 tokens
 layout = gl.NVMMASharedLayout.get_default_for([box, d], names[kv][1])
@@ -235,8 +250,9 @@ sig.update({a: "i32" for a in ("B", "num_q_heads", "bt_width", "num_blocks", "st
 consts = dict(Q_LEN=q_len, G=g, NQ=nq, D=d, PAGE=page, TILE=64, STAGES=stages, KV_FP8=kv == "fp8",
               Q_FP8=qd == "fp8", num_warps=4)
 if tail:
-    consts.update(TAIL_MERGE=True, R_PAD=tail[0][0], TAIL_PARTS=tail[0][1], TAIL_GROUP=4 * tail[0][1],
-                  MERGE_PREFETCH=bool(tail[0][2:] and tail[0][2]))
+    consts.update(TAIL_MERGE=True, R_PAD=tail[0], TAIL_PARTS=tail[1], TAIL_GROUP=4 * tail[1],
+                  MERGE_PREFETCH=bool(tail[2:] and tail[2]))
+consts.update(extra)
 sig.update({a: "constexpr" for a in consts})
 print(json.dumps(sm90_resources(compile_gluon_sm90(decode_gluon_kernel, sig, consts))))
 """)
@@ -257,6 +273,7 @@ def test_gluon_decode_kernel_builds_for_sm90(name):
     boxes = max(1, 64 // page)  # TMA boxes a tile, for K and for V
     assert r["wgmma"] == k_steps + pv and r["tma_loads"] == 2 * stages * boxes, r
     assert r["shared"] <= 160 * 1024, r
+    assert r["waits_before_reads"] is ("pdlwait" in name or None), r  # PDL: the wait before any read
 
 
 def test_gluon_decode_d256_fits_two_programs_an_sm():

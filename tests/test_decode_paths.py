@@ -126,6 +126,8 @@ def test_tail_merge_errors(device):
             dec.set_decode_config(tail_group=bad)
     with pytest.raises(TypeError, match="merge_prefetch"):
         dec.set_decode_config(merge_prefetch=1)
+    with pytest.raises(TypeError, match="pdl_wait"):
+        dec.set_decode_config(pdl_wait="yes")
     case = Case((300, 200), 4, 1, 64, 64, programs=6, min_tiles=1)
     q, _, kv = _inputs(case, device)
     plan = hpcops.plan_decode(kv.seq_lens, num_kv_heads=1, block_size=64, num_programs=6, min_tiles=1)

@@ -184,6 +184,15 @@ def _tail_merge(part_o_ptr, part_lse_ptr, pair_desc_ptr, merge_sem_ptr, pid, b, 
 
 
 @gluon.jit
+def _pdl_wait_then_release():
+    """Programmatic dependent launch: griddepcontrol.wait (the previous kernel's writes are visible after it),
+    then griddepcontrol.launch_dependents (the next kernel may launch; it waits for this grid in turn)."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
+                              pack=1)
+
+
+@gluon.jit
 def decode_gluon_kernel(
     q_ptr, k_desc, v_desc, bt_ptr, seq_lens_ptr, out_ptr, part_o_ptr, part_lse_ptr, task_desc_ptr,
     pair_desc_ptr, merge_sem_ptr,
@@ -192,7 +201,7 @@ def decode_gluon_kernel(
     Q_LEN: gl.constexpr, G: gl.constexpr, NQ: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr,
     TILE: gl.constexpr, STAGES: gl.constexpr, KV_FP8: gl.constexpr, Q_FP8: gl.constexpr, num_warps: gl.constexpr,
     TAIL_MERGE: gl.constexpr = False, R_PAD: gl.constexpr = 1, TAIL_PARTS: gl.constexpr = 1,
-    TAIL_GROUP: gl.constexpr = 0, MERGE_PREFETCH: gl.constexpr = False,
+    TAIL_GROUP: gl.constexpr = 0, MERGE_PREFETCH: gl.constexpr = False, PDL_WAIT: gl.constexpr = False,
 ):
     ROWS: gl.constexpr = Q_LEN * G
     KV_BYTES: gl.constexpr = 2 * TILE * D * k_desc.dtype.primitive_bitwidth // 8
@@ -225,6 +234,8 @@ def decode_gluon_kernel(
     p_t = p_smem.permute((1, 0))  # [TILE, NQ], K-major: B of Oᵀ = Vᵀ·Pᵀ
 
     pid = gl.program_id(0)
+    if PDL_WAIT:  # DecodeConfig.pdl_wait: nothing is read before the previous kernel's writes are visible
+        _pdl_wait_then_release()
     kv_scale = 1.0
     v_scale = 1.0
     if KV_FP8:

@@ -314,12 +314,15 @@ def decode_persistent_kernel(
     USE_PDL: tl.constexpr = False, TASK_DESC: tl.constexpr = False, LEAN: tl.constexpr = False,
     LEAN_RECOMPUTE: tl.constexpr = False, KV_SAME_STRIDES: tl.constexpr = False, LEAN_PAGES: tl.constexpr = False,
     ROW_PATH: tl.constexpr = False, TAIL_MERGE: tl.constexpr = False, R_PAD: tl.constexpr = 1,
-    TAIL_STAGES: tl.constexpr = 1, TAIL_GROUP: tl.constexpr = 0,
+    TAIL_STAGES: tl.constexpr = 1, TAIL_GROUP: tl.constexpr = 0, PDL_WAIT: tl.constexpr = False,
 ):
     """One persistent program walks its bucket of the plan's tile stream, task by task.
 
     USE_PDL: let the combine kernel (launched with programmatic dependent launch) start early;
     it waits (griddepcontrol.wait) for this grid's writes before reading them.
+    PDL_WAIT (`DecodeConfig.pdl_wait`; launched with programmatic dependent launch itself): wait for the previous
+    kernel's writes before the first read (q, the plan, the cache: nothing is read before it), then let the next
+    kernel launch (its programs take the SMs this grid leaves and wait in turn).
     TASK_DESC: `first_b_ptr` is the plan's task_desc [programs, 8]: start from it (request, head,
     first tile, bucket length: one load level) and walk with the request lengths alone (a task after
     the first starts at tile 0 of the next request; a task is split iff it does not cover its
@@ -332,7 +335,9 @@ def decode_persistent_kernel(
     flight (`_merge_rows`); TAIL_GROUP: partials a group of the two-level merge of a long split (0: one level).
     """
     pid = tl.program_id(0)
-    if USE_PDL:
+    if PDL_WAIT:
+        gdc_wait()
+    if USE_PDL or PDL_WAIT:
         gdc_launch_dependents()
     if TASK_DESC:
         offs_m = tl.arange(0, M_PAD)
@@ -600,13 +605,15 @@ def _merge_partials(part_o_ptr, part_lse_ptr, first_slot, rest_base, rest_step, 
 def decode_combine_kernel(
     part_o_ptr, part_lse_ptr, out_ptr, header_ptr, cum_ptr, last_b_ptr, stride_ot, stride_oh,
     Q_LEN: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CB: tl.constexpr,
-    USE_PDL: tl.constexpr = False, MERGE_DESC: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, MERGE_DESC: tl.constexpr = False, PDL_NEXT: tl.constexpr = False,
 ):
     """Program (k, row) merges `row` of the split (head, request) that starts in program k's bucket and leaves it.
 
     The plan tables were written before the attention kernel started, so they are read before the
-    USE_PDL wait; the partials only after it. MERGE_DESC: `last_b_ptr` is the plan's merge_desc
-    [programs, 4], whose row k (request or −1, head, first slot, partials) says it in one load level.
+    USE_PDL wait; the partials only after it (with `DecodeConfig.pdl_wait` the attention kernel lets this one
+    launch only after its own wait, so the plan is complete then too). MERGE_DESC: `last_b_ptr` is the plan's
+    merge_desc [programs, 4], whose row k (request or −1, head, first slot, partials) says it in one load level.
+    PDL_NEXT: after the wait, let the next kernel launch (the next layer's attention kernel, PDL_WAIT).
     """
     k = tl.program_id(0)
     row = tl.program_id(1)
@@ -619,6 +626,8 @@ def decode_combine_kernel(
         if b >= 0:
             if USE_PDL:
                 gdc_wait()
+            if PDL_NEXT:
+                gdc_launch_dependents()
             _merge_partials(part_o_ptr, part_lse_ptr, first_slot, 2 * k, 2, n_chunks, b, h, row, out_ptr,
                             stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, CB)
     else:
@@ -636,6 +645,8 @@ def decode_combine_kernel(
             if (first == k) & (last > first):
                 if USE_PDL:
                     gdc_wait()
+                if PDL_NEXT:
+                    gdc_launch_dependents()
                 first_slot = 2 * k + tl.where(pair_lo == k * bucket, 0, 1)
                 _merge_partials(part_o_ptr, part_lse_ptr, first_slot, 2 * k, 2, last - first + 1, b, h, row,
                                 out_ptr, stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, CB)

@@ -157,6 +157,13 @@ class DecodeConfig:
         scan kept in registers for the compare-count) instead of two (scan, then re-load and re-scan
         for the compare). On: with 16 entries on 1 warp the plan step is 1.8–2.9 µs for B 16–256
         (was 2.9–57 µs) in the H200 sweep.
+    pdl_wait: the dynamic schedule's attention kernel (`tl` or Gluon) is itself launched with programmatic
+        dependent launch (sm90): its programs may become resident while the previous kernel in the stream
+        finishes, and wait (griddepcontrol.wait) before their first read, so nothing it reads (q, the plan, the
+        cache, the partials and counts of the previous layer's call) can be stale; after the wait it lets the
+        next kernel launch, and so does the combine (after its own wait). What it saves is the launch gap
+        between a layer's attention and the kernel before it, as FlashInfer's decode (PDL on by default on
+        sm90) saves it too. Never under the interpreter.
     """
 
     num_stages: int = 3
@@ -181,6 +188,7 @@ class DecodeConfig:
     tail_group: int | None = None
     merge_prefetch: bool = True
     split_cost: int | None = None
+    pdl_wait: bool = False
 
     def __post_init__(self):
         check_choice("DecodeConfig.lean_mode", self.lean_mode, LEAN_MODES)
@@ -192,8 +200,9 @@ class DecodeConfig:
         tg = self.tail_group
         if tg is not None and (type(tg) is not int or not (tg == 0 or 2 <= tg <= 4096)):
             raise ValueError(f"DecodeConfig.tail_group must be None, 0 or an int in 2..4096, got {tg!r}")
-        if type(self.merge_prefetch) is not bool:
-            raise TypeError(f"DecodeConfig.merge_prefetch must be a bool, got {self.merge_prefetch!r}")
+        for name in ("merge_prefetch", "pdl_wait"):
+            if type(getattr(self, name)) is not bool:
+                raise TypeError(f"DecodeConfig.{name} must be a bool, got {getattr(self, name)!r}")
         sc = self.split_cost
         if sc is not None and (type(sc) is not int or not 0 <= sc <= MAX_SPLIT_COST):
             raise ValueError(f"DecodeConfig.split_cost must be None or an int in 0..{MAX_SPLIT_COST} (quarters of a "
@@ -533,8 +542,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     part_o, part_lse = plan.workspace(rows, d)
     from hpcops.attention._decode_kernels import decode_combine_kernel, decode_persistent_kernel
 
-    pdl = _CONFIG.pdl and not _platform.is_interpreter() and q.is_cuda
+    on_gpu = not _platform.is_interpreter() and q.is_cuda
+    pdl = _CONFIG.pdl and on_gpu
     pdl_launch = {"launch_pdl": True} if pdl else {}
+    # DecodeConfig.pdl_wait: the attention kernel launched early itself, waiting before its first read
+    pdl_wait = dict(PDL_WAIT=True, launch_pdl=True) if _CONFIG.pdl_wait and on_gpu else {}
     # the Gluon kernel: asked for (gluon True), or by default where the plan was built for it (`plan_kernel`)
     use_gluon = (_CONFIG.gluon or (_CONFIG.gluon is None and plan.kernel == "gluon")) and \
         gluon_unsupported_reason(q, k_cache, v_cache, rows) is None
@@ -556,7 +568,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         tl_tail = dict(TAIL_MERGE=True, R_PAD=r_pad, TAIL_GROUP=_tail_group(parts), TAIL_STAGES=1 if use_tma else 3)
     if use_gluon:
         _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, out, part_o, part_lse, plan, q_scale, args_kv,
-                      sm_scale, q_len, g, rows, gluon_tail)
+                      sm_scale, q_len, g, rows, gluon_tail, pdl_wait)
     else:
         decode_persistent_kernel[(plan.num_programs,)](
             q, k_cache, v_cache, *descs, block_table, seq_lens, out, part_o, part_lse,
@@ -566,20 +578,22 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             sm_scale * LOG2E, b, hq, block_table.shape[1], nb, *strides,
             BLOCK_SIZE=bs, TILE=TILE, BLOCK_N=block_n, KV_FP8=kv_fp8, Q_FP8=q_fp8, NUM_STAGES=_num_stages(),
             num_warps=num_warps, M_PAD=m_pad, USE_TMA=use_tma, USE_PDL=pdl and not tail,
-            TASK_DESC=_CONFIG.task_desc, **attn_knobs, **common, **tl_tail)
+            TASK_DESC=_CONFIG.task_desc, **attn_knobs, **common, **tl_tail, **pdl_wait)
     if tail:
         return out
     decode_combine_kernel[(plan.num_programs, rows)](
         part_o, part_lse, out, plan.header, plan.cum, plan.merge_desc if _CONFIG.task_desc else plan.last_b,
         out.stride(0), out.stride(1),
-        CB=_combine_chunks(d), USE_PDL=pdl, MERGE_DESC=_CONFIG.task_desc, num_warps=4, **common, **pdl_launch)
+        CB=_combine_chunks(d), USE_PDL=pdl, MERGE_DESC=_CONFIG.task_desc, num_warps=4, **common, **pdl_launch,
+        **({"PDL_NEXT": True} if pdl and pdl_wait else {}))
     return out
 
 
 def _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, out, part_o, part_lse, plan, q_scale, args_kv,
-                  sm_scale, q_len, g, rows, tail_knobs):
+                  sm_scale, q_len, g, rows, tail_knobs, pdl_knobs):
     """The dynamic schedule's attention kernel in Gluon (`DecodeConfig.gluon`); the combine follows, unless the
-    kernel merges the splits itself (`tail_knobs`: its TAIL_* constexprs, empty without the tail merge)."""
+    kernel merges the splits itself (`tail_knobs`: its TAIL_* constexprs, empty without the tail merge).
+    `pdl_knobs`: PDL_WAIT and launch_pdl (`DecodeConfig.pdl_wait`), or empty."""
     from hpcops.attention._decode_gluon import decode_gluon_kernel
     from hpcops.attention._tma import gluon_kv_descriptor
 
@@ -597,7 +611,7 @@ def _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, out, part_o, part_
         q.stride(0), q.stride(1), k_cache.stride(2), v_cache.stride(2), block_table.stride(0),
         out.stride(0), out.stride(1),
         Q_LEN=q_len, G=g, NQ=max(8, triton.next_power_of_2(rows)), D=d, PAGE=bs, TILE=TILE, STAGES=stages,
-        KV_FP8=kv_fp8, Q_FP8=q.dtype == FP8_E4M3, num_warps=4, **tail_knobs)
+        KV_FP8=kv_fp8, Q_FP8=q.dtype == FP8_E4M3, num_warps=4, **tail_knobs, **pdl_knobs)
 
 
 def static_splits(batch: int, num_kv_heads: int, device=None) -> int:

@@ -125,6 +125,8 @@ DECODE_SPACE = (
     knob("split_cost", 0, 16, 32, 64, 128, near=None),
     knob(("split_cost", "min_tiles"), (32, 2), (64, 2), (32, 1), near=None),
     knob("pdl", False, True),
+    # the attention kernel itself launched with PDL (waits before its first read; the launch gap overlapped)
+    knob("pdl_wait", False, True),
     knob("use_tma", None, False, True),
     knob("num_warps", None, 1, 2, 8, near=None),
     # fewer warps per program want more programs per SM (loads in flight); a 1-warp tile keeps the
