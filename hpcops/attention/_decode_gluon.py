@@ -184,10 +184,14 @@ def _tail_merge(part_o_ptr, part_lse_ptr, pair_desc_ptr, merge_sem_ptr, pid, b, 
 
 
 @gluon.jit
-def _pdl_wait_then_release():
-    """Programmatic dependent launch: griddepcontrol.wait (the previous kernel's writes are visible after it),
-    then griddepcontrol.launch_dependents (the next kernel may launch; it waits for this grid in turn)."""
+def _pdl_wait():
+    """Programmatic dependent launch: griddepcontrol.wait (the previous kernel's writes are visible after it)."""
     gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _pdl_release():
+    """griddepcontrol.launch_dependents: the next kernel may launch once every program ran this (or exited)."""
     gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
                               pack=1)
 
@@ -235,7 +239,7 @@ def decode_gluon_kernel(
 
     pid = gl.program_id(0)
     if PDL_WAIT:  # DecodeConfig.pdl_wait: nothing is read before the previous kernel's writes are visible
-        _pdl_wait_then_release()
+        _pdl_wait()
     kv_scale = 1.0
     v_scale = 1.0
     if KV_FP8:
@@ -344,5 +348,7 @@ def decode_gluon_kernel(
         kv_len = kv_next
         lo = 0
         later = 1
+    if PDL_WAIT:  # the next kernel launches once every program is done (at the start, its programs would take the
+        _pdl_release()  # slots this grid frees, unevenly: measured 15 % slower at h64/8, decode_tune_pdl_0268b5e.md)
     for ib in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(ib))

@@ -321,8 +321,9 @@ def decode_persistent_kernel(
     USE_PDL: let the combine kernel (launched with programmatic dependent launch) start early;
     it waits (griddepcontrol.wait) for this grid's writes before reading them.
     PDL_WAIT (`DecodeConfig.pdl_wait`; launched with programmatic dependent launch itself): wait for the previous
-    kernel's writes before the first read (q, the plan, the cache: nothing is read before it), then let the next
-    kernel launch (its programs take the SMs this grid leaves and wait in turn).
+    kernel's writes before the first read (q, the plan, the cache: nothing is read before it); without a combine,
+    let the next kernel launch when the program's work is done (at the start, the next grid's programs would take
+    the SM slots this one leaves free as they free up, unevenly, and a persistent grid placed unevenly runs long).
     TASK_DESC: `first_b_ptr` is the plan's task_desc [programs, 8]: start from it (request, head,
     first tile, bucket length: one load level) and walk with the request lengths alone (a task after
     the first starts at tile 0 of the next request; a task is split iff it does not cover its
@@ -337,7 +338,7 @@ def decode_persistent_kernel(
     pid = tl.program_id(0)
     if PDL_WAIT:
         gdc_wait()
-    if USE_PDL or PDL_WAIT:
+    if USE_PDL:
         gdc_launch_dependents()
     if TASK_DESC:
         offs_m = tl.arange(0, M_PAD)
@@ -414,6 +415,9 @@ def decode_persistent_kernel(
                          part_lse_ptr, stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, Q_LEN * G)
             p += n
             b = tl.where(b + 1 == B, 0, b + 1)
+    if PDL_WAIT:
+        if not USE_PDL:  # no combine: release the next kernel once this program's work is done
+            gdc_launch_dependents()
 
 
 @triton.jit
@@ -613,7 +617,8 @@ def decode_combine_kernel(
     USE_PDL wait; the partials only after it (with `DecodeConfig.pdl_wait` the attention kernel lets this one
     launch only after its own wait, so the plan is complete then too). MERGE_DESC: `last_b_ptr` is the plan's
     merge_desc [programs, 4], whose row k (request or −1, head, first slot, partials) says it in one load level.
-    PDL_NEXT: after the wait, let the next kernel launch (the next layer's attention kernel, PDL_WAIT).
+    PDL_NEXT (with MERGE_DESC): after its merge, let the next kernel launch (the next layer's attention kernel,
+    PDL_WAIT; a program with nothing to merge releases it by exiting).
     """
     k = tl.program_id(0)
     row = tl.program_id(1)
@@ -626,10 +631,10 @@ def decode_combine_kernel(
         if b >= 0:
             if USE_PDL:
                 gdc_wait()
-            if PDL_NEXT:
-                gdc_launch_dependents()
             _merge_partials(part_o_ptr, part_lse_ptr, first_slot, 2 * k, 2, n_chunks, b, h, row, out_ptr,
                             stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, CB)
+            if PDL_NEXT:
+                gdc_launch_dependents()
     else:
         b = tl.load(last_b_ptr + k)
         if b >= 0:
@@ -645,8 +650,6 @@ def decode_combine_kernel(
             if (first == k) & (last > first):
                 if USE_PDL:
                     gdc_wait()
-                if PDL_NEXT:
-                    gdc_launch_dependents()
                 first_slot = 2 * k + tl.where(pair_lo == k * bucket, 0, 1)
                 _merge_partials(part_o_ptr, part_lse_ptr, first_slot, 2 * k, 2, last - first + 1, b, h, row,
                                 out_ptr, stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, CB)
