@@ -427,8 +427,8 @@ def _vid(d):
 # ---------------------------------------------------------------- GPU tier
 # the kernels and plan as measured before the H200 sweep that turned task_desc, lean_loop (fp8 KV), pdl and
 # the one-pass 16-entry plan on: still a supported configuration, kept under test
-LEGACY = dict(task_desc=False, lean_loop=False, pdl=False, plan_block_c=128, plan_warps=4, plan_one_pass=False,
-              use_tma=False)
+LEGACY = dict(task_desc=False, lean_loop=False, pdl=False, pdl_wait=False, plan_block_c=128, plan_warps=4,
+              plan_one_pass=False, use_tma=False)
 # the defaults before the TMA lean loop (pointer loads, held offsets on fp8 KV): the pointer path at real sizes
 POINTER = dict(use_tma=False, lean_mode="hold")
 GPU_SCENARIOS = [("2x32K+30x4K", 8, 1, True), ("1x128K+31x4K", 8, 1, False), ("64x4K", 64, 8, True),
@@ -438,7 +438,7 @@ GPU_SCENARIOS = [("2x32K+30x4K", 8, 1, True), ("1x128K+31x4K", 8, 1, False), ("6
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", [{}, LEGACY, POINTER, dict(use_tma=False, lean_mode="recompute", lean_loop=True),
                                      dict(tail_merge=True), dict(tail_merge=True, gluon=True), dict(split_cost=256),
-                                     dict(pdl_wait=True)],
+                                     dict(pdl_wait=False)],
                          ids=lambda d: _vid(d) or "default")
 @pytest.mark.parametrize("spec, hq, hkv, fp8", GPU_SCENARIOS, ids=lambda v: str(v))
 def test_gpu_real_sizes(spec, hq, hkv, fp8, variant):
@@ -470,7 +470,7 @@ def _gpu_real_sizes(spec, hq, hkv, fp8):
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", [{}, LEGACY, dict(lean_loop=True, plan_block_c=32, plan_warps=2),
                                      dict(tail_merge=True), dict(tail_merge=True, tail_group=2),
-                                     dict(split_cost=64, tail_merge=True), dict(pdl_wait=True),
+                                     dict(split_cost=64, tail_merge=True), dict(pdl_wait=False),
                                      dict(pdl_wait=True, tail_merge=True, tail_group=2)],
                          ids=lambda d: _vid(d) or "default")
 @pytest.mark.parametrize("q_len", [1, 3])
@@ -481,12 +481,12 @@ def test_gpu_cuda_graph_replay_with_new_lengths(q_len, variant):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", [{}, dict(pdl_wait=True), dict(pdl_wait=True, tail_group=2)],
+@pytest.mark.parametrize("variant", [{}, dict(pdl_wait=False), dict(tail_group=2)],
                          ids=lambda d: _vid(d) or "default")
 def test_gpu_cuda_graph_replay_fp8q(variant):
     """The pipeline's form (an fp8 q from the prologue over fp8 KV, a plan told so: the Gluon kernel with its tail
-    merge on sm_90), plan + 3 layers captured and replayed with new lengths; with pdl_wait each layer's kernel
-    launches while the previous one finishes, over the plan's shared partials and counts."""
+    merge on sm_90), plan + 3 layers captured and replayed with new lengths; with pdl_wait (the default) each layer's
+    kernel launches while the previous one finishes, over the plan's shared partials and counts."""
     with _with_config(variant):
         _gpu_graph_replay(1, fp8=True)
 

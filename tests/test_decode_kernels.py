@@ -126,9 +126,9 @@ GLUON_CASES = [Case((3000, 70, 0, 1), 8, 1, 128, 64, kv="fp8q", programs=9, min_
 @pytest.mark.parametrize("tail", [{}, dict(tail_merge=True), dict(tail_merge=True, tail_group=2),
                                   dict(tail_merge=True, merge_prefetch=False),
                                   dict(tail_merge=True, tail_group=2, merge_prefetch=False),
-                                  dict(tail_merge=True, pdl_wait=True), dict(pdl_wait=True)],
+                                  dict(tail_merge=True, pdl_wait=False), dict(pdl_wait=False)],
                          ids=["combine", "tail_merge", "tail_group2", "no-prefetch", "tail_group2-no-prefetch",
-                              "tail_merge-pdl_wait", "combine-pdl_wait"])
+                              "tail_merge-no-pdl_wait", "combine-no-pdl_wait"])
 @pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: c.id)
 def test_gpu_gluon_kernel_matches_reference(case, tail):
     """On an sm_90 GPU these cases take the Gluon kernel (no silent fallback) and match the torch reference, its

@@ -161,9 +161,13 @@ class DecodeConfig:
         dependent launch (sm90): its programs may become resident while the previous kernel in the stream
         finishes, and wait (griddepcontrol.wait) before their first read, so nothing it reads (q, the plan, the
         cache, the partials and counts of the previous layer's call) can be stale; after the wait it lets the
-        next kernel launch, and so does the combine (after its own wait). What it saves is the launch gap
-        between a layer's attention and the kernel before it, as FlashInfer's decode (PDL on by default on
-        sm90) saves it too. Never under the interpreter.
+        next kernel launch once its programs' work is done (and the combine after its merge). What it saves is
+        the launch gap between a layer's attention and the kernel before it, as FlashInfer's decode (PDL on by
+        default on sm90) saves it too. Never under the interpreter. On (default): the H200 tune at `c770934`
+        (bench/results/decode_tune_pdl_c770934.md) has it 1.000-1.050x faster on all 27 decode scenarios (h8/1 fp8
+        1.2-2.6 %, 64x0.5K h8/1 bf16 5 %, h64/8 0-2.7 %). Releasing the next kernel right after the wait instead
+        (tree `0268b5e`) made h64/8 fp8 15 % slower: the next Gluon grid took the SM slots this one freed, unevenly
+        (4 of its programs fit an SM where the plan counts 3).
     """
 
     num_stages: int = 3
@@ -188,7 +192,7 @@ class DecodeConfig:
     tail_group: int | None = None
     merge_prefetch: bool = True
     split_cost: int | None = None
-    pdl_wait: bool = False
+    pdl_wait: bool = True
 
     def __post_init__(self):
         check_choice("DecodeConfig.lean_mode", self.lean_mode, LEAN_MODES)
@@ -542,7 +546,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     part_o, part_lse = plan.workspace(rows, d)
     from hpcops.attention._decode_kernels import decode_combine_kernel, decode_persistent_kernel
 
-    on_gpu = not _platform.is_interpreter() and q.is_cuda
+    on_gpu = not _platform.is_interpreter()  # (tensors off the GPU were refused above; ptx_fingerprint records as here)
     pdl = _CONFIG.pdl and on_gpu
     pdl_launch = {"launch_pdl": True} if pdl else {}
     # DecodeConfig.pdl_wait: the attention kernel launched early itself, waiting before its first read
