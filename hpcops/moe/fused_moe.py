@@ -41,6 +41,13 @@ def device_name(dev: torch.device) -> str | None:
     return _cuda_name(dev.index if dev.index is not None else torch.cuda.current_device())
 
 
+def _check_k_major(name: str, t: torch.Tensor) -> None:
+    """A GEMM operand's K (its last dimension) must be contiguous: ValueError naming it otherwise."""
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous along its last dimension (K-major), got strides "
+                         f"{tuple(t.stride())}")
+
+
 def _validate(scheme: Scheme, x, w13, w2, topk_weights, topk_ids, expert_map, shared_output, out, x_scale, cfg):
     """The shapes every scheme shares, then the scheme's own checks; returns (T, H, E, I, k, out dtype)."""
     check_tensor("x", x, dtypes=(*HALF_DTYPES, FP8_E4M3), ndim=2)
@@ -57,9 +64,7 @@ def _validate(scheme: Scheme, x, w13, w2, topk_weights, topk_ids, expert_map, sh
     if tuple(w2.shape) != (E, H, inter):
         raise ValueError(f"w2 must have shape [E_local, H, I] = {[E, H, inter]} (from w13), got {list(w2.shape)}")
     for name, t in (("w13", w13), ("w2", w2), ("x", x)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous along its last dimension (K-major), got strides "
-                             f"{tuple(t.stride())}")
+        _check_k_major(name, t)
     check_tensor("topk_ids", topk_ids, dtypes=(torch.int32,), ndim=2, device=dev)
     k = topk_ids.shape[1]
     if topk_ids.shape[0] != T or k == 0:
@@ -96,9 +101,7 @@ def _check_shared_weights(shared_w13, shared_w2, shared_output, x, H: int) -> in
         raise ValueError(f"shared_w13 must be [2·I_s, H] with H = x.shape[1] = {H}, got {list(shared_w13.shape)}")
     check_tensor("shared_w2", shared_w2, dtypes=(x.dtype,), shape=(H, i2 // 2), device=x.device)
     for name, t in (("shared_w13", shared_w13), ("shared_w2", shared_w2)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous along its last dimension (K-major), got strides "
-                             f"{tuple(t.stride())}")
+        _check_k_major(name, t)
     return i2 // 2
 
 
