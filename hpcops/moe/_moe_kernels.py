@@ -228,10 +228,20 @@ def _mma_zeros(BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, SWAP_AB: tl.constex
 
 
 @triton.jit
-def _mma(a, w, acc, SWAP_AB: tl.constexpr):
-    """acc + a · wᵀ in the accumulator's orientation (SWAP_AB: acc + w · aᵀ)."""
+def _mma(a, w, acc, SWAP_AB: tl.constexpr, PROMOTE: tl.constexpr = 0):
+    """acc + a · wᵀ in the accumulator's orientation (SWAP_AB: acc + w · aᵀ).
+
+    PROMOTE > 0 (fp8 operands): the MMA adds at most PROMOTE products before its sum is added to `acc` in fp32
+    (`max_num_imprecise_acc`). Triton's sm_90 default lets an fp8 wgmma accumulate a whole K loop in its own
+    reduced-precision accumulator; swap-AB puts the MoE's decode tiles on wgmma (a 16-row tile runs mma.sync,
+    which keeps fp32), and on the H200 that tripled the output error with static activation scales and
+    multiplied it by 10 with dynamic per-token ones (Hy3 TP8 T 64: max 6.5e-2, rms 2.7e-2 against 5.4e-3 /
+    2.6e-3; bench/results/README.md, MoE)."""
     if SWAP_AB:
-        acc = tl.dot(w, tl.trans(a), acc)
+        if PROMOTE > 0:
+            acc = tl.dot(w, tl.trans(a), acc, max_num_imprecise_acc=PROMOTE)
+        else:
+            acc = tl.dot(w, tl.trans(a), acc)
     else:
         acc = tl.dot(a, tl.trans(w), acc)
     return acc
@@ -293,7 +303,7 @@ def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets
                        ACT_DT: tl.constexpr, BF16_MUL: tl.constexpr,
                        NAIVE: tl.constexpr, HAS_MAP: tl.constexpr, SWAP_AB: tl.constexpr, SHARED: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SHARED_BLOCK_K: tl.constexpr):
+                       SHARED_BLOCK_K: tl.constexpr, FP8_PROMOTE: tl.constexpr = 0):
     """act[r, n] = silu(x[tok(r)]·w13[e, n]) · (x[tok(r)]·w13[e, I+n]) for one (M tile, N tile) task.
 
     SHARED: the first N_SHARED programs are the shared expert's gate-up instead (`_shared_gate_up`: the 16-bit
@@ -348,7 +358,7 @@ def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets
         elif QUANT == Q_FP8_TENSOR:
             if not X_FP8:
                 a = tl.minimum(tl.maximum(a.to(tl.float32) / a13, -FP8_MAX), FP8_MAX).to(tl.float8e4nv)
-            acc = _mma(a, w, acc, SWAP_AB)
+            acc = _mma(a, w, acc, SWAP_AB, FP8_PROMOTE)
         else:
             if X_FP8:
                 a_s = tl.load(xs_ptr + tok * stride_xst + (k0 // 128) * stride_xsg, mask=rmask, other=0.0)
@@ -423,7 +433,7 @@ def moe_down_kernel(act_ptr, act_s_ptr, a2_ptr, rowmax_ptr, w_ptr, ws_ptr, tasks
                     QUANT: tl.constexpr, ACT_IN: tl.constexpr,
                     NAIVE: tl.constexpr, HAS_MAP: tl.constexpr, SWAP_AB: tl.constexpr, SHARED: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    SHARED_BLOCK_K: tl.constexpr):
+                    SHARED_BLOCK_K: tl.constexpr, FP8_PROMOTE: tl.constexpr = 0):
     """y[r, n] = act[r]·w2[e, n] for one (M tile, N tile) task, rows as the gate-up wrote them.
 
     ACT_IN (`ActMode`, as the gate-up wrote it): the WIDE_*_AMAX modes are quantized here, per row from
@@ -475,7 +485,9 @@ def moe_down_kernel(act_ptr, act_s_ptr, a2_ptr, rowmax_ptr, w_ptr, ws_ptr, tasks
                 if ACT_IN == A_WIDE_ROW_AMAX:
                     a = tl.minimum(tl.maximum(a.to(tl.float32) / r_s[:, None], -FP8_MAX), FP8_MAX)
                     a = a.to(tl.float8e4nv)
-            acc = _mma(a, w, acc, SWAP_AB)
+                acc = _mma(a, w, acc, SWAP_AB, FP8_PROMOTE)
+            else:
+                acc = _mma(a, w, acc, SWAP_AB)
     acc = _mma_result(acc, SWAP_AB)
     if QUANT == Q_FP8_TENSOR:
         ws = tl.load(ws_ptr + e64 * stride_wse)

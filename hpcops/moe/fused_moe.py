@@ -214,6 +214,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     s13, s2 = (shared_w13, shared_w2) if i_s else (dummy, dummy)
     stride_s = (s13.stride(0), s2.stride(0), s_act.stride(0), y_sh.stride(0)) if i_s else (0, 0, 0, 0)
     shared = dict(SHARED=bool(i_s))
+    # fp8 swap-AB tiles run on wgmma: its sum joins the fp32 accumulator every K step of at most 128 (`_mma`)
+    promote = narrow and cfg.swap_ab
+    gu_promote = dict(FP8_PROMOTE=min(128, cfg.block_k)) if promote else {}
+    dn_promote = dict(FP8_PROMOTE=min(128, cfg.down_block_k)) if promote else {}
 
     K.moe_gate_up_kernel[(n_shared_gu + n_tasks * triton.cdiv(inter, cfg.block_n),)](
         a.x, a.scale, w13, ws.w13, a.a13, tasks, offsets, sorted_pair, topk_ids, emap,
@@ -226,7 +230,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         QUANT=int(scheme.code), X_FP8=a.fp8, ACT_OUT=int(act.mode), ACT_DT=_TL_DTYPE[out_dt],
         BF16_MUL=cfg.act_mul == "bf16", SWAP_AB=cfg.swap_ab, **routing, **shared,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SHARED_BLOCK_K=max(16, cfg.block_k // 2) if narrow else cfg.block_k,
+        SHARED_BLOCK_K=max(16, cfg.block_k // 2) if narrow else cfg.block_k, **gu_promote,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     y = torch.empty((T * k, H), dtype=out_dt, device=x.device)
@@ -238,7 +242,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         s_act, s2, y_sh, T, i_s, n_shared_dn, stride_s[2], stride_s[1], stride_s[3],
         QUANT=int(scheme.code), ACT_IN=int(act.mode), SWAP_AB=cfg.swap_ab, **routing, **shared,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
-        SHARED_BLOCK_K=max(16, cfg.down_block_k // 2) if narrow else cfg.down_block_k,
+        SHARED_BLOCK_K=max(16, cfg.down_block_k // 2) if narrow else cfg.down_block_k, **dn_promote,
         num_warps=cfg.down_num_warps, num_stages=cfg.down_num_stages)
 
     if i_s:
