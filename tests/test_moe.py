@@ -484,15 +484,10 @@ def test_gpu_hy3(shape, T, kind):
 @pytest.mark.parametrize("naive", [False, True])
 @pytest.mark.parametrize("kind", ["none", "fp8_tensor", "fp8_tensor_dyn", "fp8_block"])
 @pytest.mark.parametrize("T", [4, 64])
-def test_gpu_hy3_paths(T, kind, naive, swap, request):
+def test_gpu_hy3_paths(T, kind, naive, swap):
     """Both GEMM forms (swap_ab) × both task forms (one task per pair / the index) at Hy3 sizes on the GPU
     (TP8; EP8 for the 128-block scheme, which needs I % 128 == 0); fp8_tensor_dyn: per-tensor fp8 weights with
     dynamic per-token activation scales (no a13/a2)."""
-    if kind == "fp8_tensor_dyn" and swap and T >= 64:
-        # a known bug: the swap-AB fp8 wgmma keeps Triton's sm_90 reduced-precision sum over the whole K loop
-        # (H200 at aad7acc: max error 5.9e-2 against 4e-2). Its fix, 45f448c, ran on the H200 but not under a full
-        # tier: parked, to restore with `git cherry-pick 45f448c` and this mark removed (strict: it fails once fixed)
-        request.applymarker(pytest.mark.xfail(strict=True, reason="swap-AB fp8 accumulation, fix parked at 45f448c"))
     quant_kind = kind.replace("_dyn", "")
     inter, n_local = (192, None) if kind != "fp8_block" else (1536, 24)
     wts, tw, ids, emap, x = _hy3_inputs(T, inter, quant_kind, n_local)
