@@ -218,6 +218,8 @@ GLUON_BUILDS = {  # name: (KV dtype, q dtype, head_dim, q rows padded, q_len, G,
     # DecodeConfig.merge_prefetch: two rounds of partials in flight (still <= 168 registers: 3 programs an SM)
     "fp8q-d128-h8/1-tail-prefetch": ("fp8", "fp8", 128, 8, 1, 8, 3, 64, [8, 4, True]),
     "fp8q-d128-q2-16rows-tail-prefetch": ("fp8", "fp8", 128, 16, 2, 8, 3, 64, [16, 2, True]),
+    # DecodeConfig.merge_round 8192: 8 partials a round, without the prefetch (with it: 236 registers, 2 an SM)
+    "fp8q-d128-h8/1-tail-round8": ("fp8", "fp8", 128, 8, 1, 8, 3, 64, [8, _tail_parts(8, 128, False, 8192)]),
     # the launcher's rounds at head_dim 64 with the prefetch (`_tail_parts`: half the d64 tile, which took 233 and
     # 243 registers: 2 programs an SM)
     "fp8q-d64-h8/1-tail-prefetch": ("fp8", "fp8", 64, 8, 1, 8, 3, 64, [8, _tail_parts(8, 64, True), True]),

@@ -126,6 +126,12 @@ def test_tail_merge_errors(device):
             dec.set_decode_config(tail_group=bad)
     with pytest.raises(TypeError, match="merge_prefetch"):
         dec.set_decode_config(merge_prefetch=1)
+    for bad in (512, 3000, 32768, 4096.0, True):
+        with pytest.raises(ValueError, match="DecodeConfig.merge_round"):
+            dec.set_decode_config(merge_round=bad)
+    # the Gluon merge's round at h8/1 d128: 4 partials by default, 8 with merge_round 8192, never over 16
+    assert dec._tail_parts(8, 128, True) == 4 and dec._tail_parts(8, 128, False, 8192) == 8
+    assert dec._tail_parts(1, 64, False, 16384) == 16
     with pytest.raises(TypeError, match="pdl_wait"):
         dec.set_decode_config(pdl_wait="yes")
     case = Case((300, 200), 4, 1, 64, 64, programs=6, min_tiles=1)

@@ -135,6 +135,11 @@ class DecodeConfig:
         instead of 90, still 3 programs an SM, no spill). On (default): 1.5-5.5 % faster on every h8/1 fp8 case
         of the H200 bench at `1080690` (1x128K+31x4K 32.8 -> 30.9 µs, 1x64K+15x4K 24.2 -> 23.0; h64/8 level);
         the `tl` kernel's merge has no such form.
+    merge_round: fp32 elements of one Gluon tail-merge round, a [parts, r_pad, D_PAD] tile (a power of two in
+        1024..16384; parts at most 16): more partials a round halve the dependent L2 round trips of a long split's
+        merge (16 partials of 8 rows at d128: 2 rounds of 8 instead of 4 of 4) at the price of registers (sm_90
+        build at h8/1 d128: 8 partials with merge_prefetch 236 registers a thread, 2 programs an SM; without it
+        125). None (default): 4096.
     split_cost: the plan's cost model for splitting a request at all, in quarters of a tile (0..256; with a task
         cost, i.e. task descriptors): what a split adds to the step (partial writes, the merge and its wait). Where
         every (head, request) fits whole in a bucket of c_max·ceil(bucket / c_max) cost units (c_max: the
@@ -191,6 +196,7 @@ class DecodeConfig:
     tail_merge: bool | None = None
     tail_group: int | None = None
     merge_prefetch: bool = True
+    merge_round: int | None = None
     split_cost: int | None = None
     pdl_wait: bool = True
 
@@ -204,6 +210,9 @@ class DecodeConfig:
         tg = self.tail_group
         if tg is not None and (type(tg) is not int or not (tg == 0 or 2 <= tg <= 4096)):
             raise ValueError(f"DecodeConfig.tail_group must be None, 0 or an int in 2..4096, got {tg!r}")
+        mr = self.merge_round
+        if mr is not None and (type(mr) is not int or not 1024 <= mr <= 16384 or mr & (mr - 1)):
+            raise ValueError(f"DecodeConfig.merge_round must be None or a power of two in 1024..16384, got {mr!r}")
         for name in ("merge_prefetch", "pdl_wait"):
             if type(getattr(self, name)) is not bool:
                 raise TypeError(f"DecodeConfig.{name} must be a bool, got {getattr(self, name)!r}")
@@ -249,16 +258,16 @@ def _combine_chunks(head_dim: int) -> int:
     return max(1, min(_CONFIG.combine_chunks, 8192 // triton.next_power_of_2(head_dim)))
 
 
-def _tail_parts(r_pad: int, head_dim: int, prefetch: bool = False) -> int:
-    """Partials a round of the tail merge: a [parts, r_pad, D_PAD] fp32 tile of at most 4096 elements (4 at
-    8 rows of 128: with their 64-bit addresses the merge then fits the attention loop's registers), ≤ 16. With
+def _tail_parts(r_pad: int, head_dim: int, prefetch: bool = False, elems: int = 4096) -> int:
+    """Partials a round of the tail merge: a [parts, r_pad, D_PAD] fp32 tile of at most `elems` elements (4096: 4
+    at 8 rows of 128: with their 64-bit addresses the merge then fits the attention loop's registers), ≤ 16. With
     the Gluon merge's prefetch (two rounds in flight) a head_dim under 128 counts as 128: at d64 the full tile
     took 233 registers at h8/1 and 243 at h16/1 in ptxas (2 programs an SM where the plan counts 3; the H200's
     d64 fp8 grid rows ran 1.6x slower), half of it 124 and 160."""
     width = triton.next_power_of_2(head_dim)
     if prefetch:
         width = max(width, 128)
-    return max(1, min(16, 4096 // (r_pad * width)))
+    return max(1, min(16, elems // (r_pad * width)))
 
 
 def _tail_group(tail_parts: int, programs_per_kv_head: int | None = None) -> int:
@@ -563,7 +572,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if tail:
         r_pad = triton.next_power_of_2(rows)
         parts = _tail_parts(r_pad, d)
-        g_parts = _tail_parts(r_pad, d, _CONFIG.merge_prefetch)  # the Gluon merge's round: [parts, r_pad, D]
+        # the Gluon merge's round: [parts, r_pad, D]
+        g_parts = _tail_parts(r_pad, d, _CONFIG.merge_prefetch, _CONFIG.merge_round or 4096)
         gluon_tail = dict(TAIL_MERGE=True, R_PAD=r_pad, TAIL_PARTS=g_parts,
                           TAIL_GROUP=_tail_group(g_parts, -(-plan.num_programs // hkv)),
                           MERGE_PREFETCH=_CONFIG.merge_prefetch)

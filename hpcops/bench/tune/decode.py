@@ -84,6 +84,11 @@ DECODE_SPACE = (
          near=None),
     knob(("tail_merge", "tail_group"), (True, 8), (True, 0), near=None),
     knob("merge_prefetch", False, True),
+    # wider Gluon merge rounds (8 partials of 8 rows at d128) without the prefetch (with it: 2 programs an SM),
+    # alone and with groups of 16 / 32 partials
+    knob(("merge_round", "merge_prefetch"), (8192, False), near=None),
+    knob(("merge_round", "merge_prefetch", "tail_group"), (8192, False, 16), (8192, False, 32), (4096, True, 32),
+         near=None),
     knob("tail_group", 8, 32, 0),
     # the Gluon kernel (sm_90; where it applies, else the tl kernel runs and this re-times the default)
     knob("gluon", False, True),
