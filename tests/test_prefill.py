@@ -323,6 +323,9 @@ def test_gluon_config_and_reasons(monkeypatch):
     assert tl8.gluon is False and (tl8.block_m, tl8.block_n) == (128, 128)
     d64_8 = gluon_config(head_dim=64, group=8, max_seqlen_q=4096, fp8=True)
     assert (d64_8.block_n, d64_8.num_stages, d64_8.gluon) == (128, 3, True)
+    # gluon_mma_sum is opt-in (its error on the Hy3 case is over the fp8 tolerance)
+    assert not (few8.gluon_mma_sum or d64_8.gluon_mma_sum)
+    assert not gluon_config(head_dim=128, group=8, max_seqlen_q=4096).gluon_mma_sum
     # a 16-bit q over fp8 KV has no Gluon kernel: the tl tiles
     assert prefill_config(head_dim=128, group=8, max_seqlen_q=4096, q_dtype=bf16, kv_dtype=FP8,
                           gluon=None).gluon is False
@@ -360,6 +363,9 @@ def test_gluon_config_and_reasons(monkeypatch):
         ("gluon_p_regs is for an fp8 q", (q, kv.k_cache, kv.v_cache, rep(cfg, gluon_p_regs=True), 0.1)),
         ("gluon_p_dbuf is for an fp8 q", (q, kv.k_cache, kv.v_cache, rep(cfg, gluon_p_dbuf=True), 0.1)),
         ("not gluon_p_regs", (q8, fp8kv.k_cache, fp8kv.v_cache, rep(cfg, gluon_p_regs=True, gluon_p_dbuf=True), 0.1)),
+        ("gluon_mma_sum is for an fp8 q", (q, kv.k_cache, kv.v_cache, rep(cfg, gluon_mma_sum=True), 0.1)),
+        ("gluon_mma_sum is for an fp8 q", (q8, fp8kv.k_cache, fp8kv.v_cache,
+                                           rep(cfg, gluon_mma_sum=True, gluon_p_regs=True), 0.1)),
         ("gluon_pv_overlap is for the 16-bit", (q8, fp8kv.k_cache, fp8kv.v_cache, rep(cfg, gluon_pv_overlap=True),
                                                 0.1)),
         ("gluon_pv_overlap is for the 16-bit", (q, kv.k_cache, kv.v_cache,
@@ -644,10 +650,10 @@ def test_prefill_gpu_configs(config: PrefillConfig):
 
 def _gluon(name: str, seq_lens: list[int], q_lens: list[int], *, block_m: int = 128, block_n: int = 128,
             stages: int = 2, heads_inner: bool = True, ws: bool = False, p_regs: bool = False, tree: bool = False,
-            p_dbuf: bool = False, pvo: bool = False, **kw) -> Case:
+            p_dbuf: bool = False, pvo: bool = False, msum: bool = False, **kw) -> Case:
     cfg = PrefillConfig(block_m=block_m, block_n=block_n, num_warps=block_m // 16, num_stages=stages,
                         heads_inner=heads_inner, gluon=True, gluon_ws=ws, gluon_p_regs=p_regs, gluon_tree=tree,
-                        gluon_p_dbuf=p_dbuf, gluon_pv_overlap=pvo)
+                        gluon_p_dbuf=p_dbuf, gluon_pv_overlap=pvo, gluon_mma_sum=msum)
     kw = {"hq": 64, "hkv": 8, "head_dim": 128, "block_size": 64, **kw}
     return Case(name, seq_lens, q_lens, config=cfg, **kw)
 
@@ -702,6 +708,17 @@ GLUON_CASES = [
            q_dtype=torch.float16, kv_dtype=torch.float16, ws=True, pvo=True),
     _gluon("gluon-ws-pvo-tree-d256", [513, 2000], [513, 100], hq=8, hkv=2, head_dim=256, block_n=64, ws=True,
            pvo=True, tree=True),
+    # PrefillConfig.gluon_mma_sum: the fp8 row sums as l += P8·1 on the tensor cores (128x128 permuted, bn 64 natural,
+    # d64, with two P buffers, with the max tree)
+    _gluon("gluon-ws-fp8-msum-q2k-h64/8-3buf", [2048], [2048], ws=True, kv_dtype=FP8, q_fp8=True, stages=3, msum=True),
+    _gluon("gluon-ws-fp8-msum-extend-mixed-h8/1-3buf", [4096, 3000, 1, 700, 129], [1024, 1, 1, 700, 64], hq=8, hkv=1,
+           pad_rows=5, ws=True, kv_dtype=FP8, q_fp8=True, stages=3, msum=True),
+    _gluon("gluon-ws-fp8-msum-mha-page16-bn64", [1000, 513], [1000, 17], hq=4, hkv=4, block_size=16, block_n=64,
+           ws=True, kv_dtype=FP8, q_fp8=True, msum=True),
+    _gluon("gluon-ws-fp8-msum-d64-gqa3-page32", [777, 129], [777, 64], hq=12, hkv=4, head_dim=64, block_size=32,
+           ws=True, kv_dtype=FP8, q_fp8=True, msum=True),
+    _gluon("gluon-ws-fp8-msum-pdbuf-tree-extend-mixed-h64/8", [4096, 3000, 1, 700, 129], [1024, 1, 1, 700, 64],
+           pad_rows=5, ws=True, kv_dtype=FP8, q_fp8=True, stages=3, msum=True, p_dbuf=True, tree=True),
 ]
 
 

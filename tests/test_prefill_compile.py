@@ -203,7 +203,7 @@ from hpcops.attention.prefill import GLUON_WS_CONSUMER_REGS, GLUON_WS_FP8_REGS
 from hpcops.testing import sm90_resources
 
 d, g, tile, page, stages, dt, *flags = json.loads(sys.argv[1])
-p_regs, tree, p_dbuf, pvo = (flags + [False, False, False, False])[:4]
+p_regs, tree, p_dbuf, pvo, msum = (flags + [False] * 5)[:5]
 gdt = {"bf16": gl.bfloat16, "fp16": gl.float16, "fp8e4nv": gl.float8e4nv}[dt]
 box = min(tile, page)
 desc = f"tensordesc<{dt}[{box}, {d}],{gl.NVMMASharedLayout.get_default_for([box, d], gdt)}>"
@@ -217,7 +217,7 @@ consts = dict(D=d, G=g, TILE=tile, PAGE=page, BLOCK_B=16, STAGES=stages, HEADS_I
               CONSUMER_REGS=GLUON_WS_CONSUMER_REGS, num_warps=4,
               FP8=(2 if p_regs else 3 if p_dbuf else 1) if dt == "fp8e4nv" else 0,
               FP8_CONSUMER_REGS=GLUON_WS_FP8_REGS[0], FP8_PRODUCER_REGS=GLUON_WS_FP8_REGS[1],
-              SOFTMAX=(1 if tree else 0) | (2 if pvo else 0))
+              SOFTMAX=(1 if tree else 0) | (2 if pvo else 0) | (4 if msum else 0))
 sig.update({a: "constexpr" for a in consts})
 c = triton.compile(GluonASTSource(prefill_gluon_ws_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": 4, "maxnreg": 168})
@@ -228,10 +228,13 @@ r["cta_barriers"] = len(re.findall(r"\bbar\.sync\s+0;", ptx))  # bar.sync 0 with
 r["byte_stores"] = len(re.findall(r"\bst\.shared\.b8\b", ptx))
 r["b16_stores"] = len(re.findall(r"\bst\.shared\.b16\b", ptx))  # the fp8 P's 2-byte pieces
 r["v4_stores"] = len(re.findall(r"\bst\.shared\.v4\.b32\b", ptx))
-# the SASS between a loop's S wait (DEPBAR.LE gsb0, 0x1) and its P·V wait (0x0): how many exp2 run under P·V
+# the SASS between a loop's S wait (DEPBAR.LE gsb0, 0x1; gluon_mma_sum 0x2: P·1 too) and its P·V wait (0x0):
+# how many exp2 run under P·V
 sass = c.asm["sass"]
+r["fadd"] = len(re.findall(r"\bFADD\b", sass))
+r["ones_bits"] = "943208504" in ptx  # gluon_mma_sum's ones stored as e4m3 bits 0x38383838 (not a cast constant)
 r["ex2_under_pv"] = [part.split("WARPGROUP.DEPBAR.LE gsb0, 0x0")[0].count("MUFU.EX2")
-                     for part in sass.split("WARPGROUP.DEPBAR.LE gsb0, 0x1")[1:]]
+                     for part in sass.split(f"WARPGROUP.DEPBAR.LE gsb0, 0x{2 if msum else 1}")[1:]]
 print(json.dumps(r))
 """)
 
@@ -252,6 +255,11 @@ GLUON_WS_BUILDS = {  # name: (head_dim, G, block_n, page, stages, dtype)
     "fp8-d128-h8/1-128-3buf-pdbuf": (128, 8, 128, 64, 3, "fp8e4nv", False, False, True),
     # PrefillConfig.gluon_pv_overlap: the 16-bit kernel's row sums stored before its P·V wait
     "d128-128-3buf-pvo": (128, 8, 128, 64, 3, "bf16", False, False, False, True),
+    # PrefillConfig.gluon_mma_sum: the fp8 row sums as l += P8·1 (N = 8 wgmma), alone, at 64 keys and with two P
+    # buffers and the trees
+    "fp8-d128-h8/1-128-3buf-msum": (128, 8, 128, 64, 3, "fp8e4nv", False, False, False, False, True),
+    "fp8-d128-mha-64-page16-msum": (128, 1, 64, 16, 3, "fp8e4nv", False, False, False, False, True),
+    "fp8-d128-h8/1-128-3buf-msum-pdbuf-tree": (128, 8, 128, 64, 3, "fp8e4nv", False, True, True, False, True),
 }
 
 
@@ -267,7 +275,13 @@ def test_gluon_ws_prefill_kernel_builds_for_sm90(name):
     print(name, r)
     assert r["spill_bytes"] == 0, r
     k_step = 32 if dt == "fp8e4nv" else 16  # an fp8 wgmma takes 32 of K a step
-    assert r["wgmma"] == 2 * (2 * (d // k_step) + 2 * (tile // k_step)), r
+    msum = GLUON_WS_BUILDS[name][10:11] == (True,)  # gluon_mma_sum: P·1 in the loop and after it, N = 8
+    assert r["wgmma"] == 2 * (2 * (d // k_step) + (4 if msum else 2) * (tile // k_step)), r
+    if msum:  # no row sum on the CUDA cores: a tile's P·1 joins l in 4 FADD a thread (the fp32 promotion) and a
+        # handful are the epilogue's and the scale's, not 64 a tile
+        assert r["fadd"] < 32 and r["ones_bits"], r
+    elif dt == "fp8e4nv":
+        assert r["fadd"] >= tile, r  # each consumer loop: the tile / 2 probabilities a thread holds
     if dt == "fp8e4nv":  # the 4-warp producer that transposes V, and 224 for each consumer
         assert set(GLUON_WS_FP8_REGS) <= set(r["setmaxnreg"]), r
     else:

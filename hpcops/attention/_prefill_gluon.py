@@ -117,13 +117,14 @@ def _row_reduce(x, MAX: gl.constexpr, TREE: gl.constexpr):
 
 @gluon.jit
 def _softmax_tile(s, m_i, l_i, c, key0, kv_limit, keys, MASKED, ROW_SCALE: gl.constexpr = False,
-                  P_EXP: gl.constexpr = 0, TREE: gl.constexpr = False):
+                  P_EXP: gl.constexpr = 0, TREE: gl.constexpr = False, SUM: gl.constexpr = True):
     """One online-softmax step on the raw scores s [BLOCK_M, TILE] (exp2 domain, logit scale c > 0, one for the
     tile or, ROW_SCALE, one a row [BLOCK_M]): (p, α, m, l). MASKED (the tile reaches a row's causal limit): keys
     past kv_limit [BLOCK_M] are −inf. P_EXP: p and l come scaled by 2^P_EXP, inside exp2's argument (the fp8
     kernel's e4m3 range: no multiply an element); α and m are not scaled. TREE: the row max and sum by
-    `_row_reduce`'s tree. (An fp16 exp2, `ex2.approx.f16x2`, would not halve the MUFU work on sm_90: ptxas
-    splits it into two MUFU.EX2.F16 and adds the conversions.)"""
+    `_row_reduce`'s tree. SUM False: l_i comes back as it came (the caller sums P elsewhere). (An fp16 exp2,
+    `ex2.approx.f16x2`, would not halve the MUFU work on sm_90: ptxas splits it into two MUFU.EX2.F16 and adds the
+    conversions.)"""
     if MASKED:
         s = gl.where((key0 + keys)[None, :] <= kv_limit[:, None], s, float("-inf"))
     m_new = gl.maximum(m_i, _row_reduce(s, True, TREE) * c)
@@ -135,7 +136,8 @@ def _softmax_tile(s, m_i, l_i, c, key0, kv_limit, keys, MASKED, ROW_SCALE: gl.co
         p = gl.exp2(s * c[:, None] - m_ref[:, None])
     else:
         p = gl.exp2(s * c - m_ref[:, None])
-    l_i = l_i * alpha + _row_reduce(p, False, TREE)
+    if SUM:
+        l_i = l_i * alpha + _row_reduce(p, False, TREE)
     return p, alpha, m_new, l_i
 
 
@@ -325,13 +327,19 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
     which keeps ptxas from placing that wait ahead of the softmax as it does with one buffer. SOFTMAX & 1
     (`PrefillConfig.gluon_tree`): the softmax's row max and sum as trees (`_row_reduce`). SOFTMAX & 2
     (`PrefillConfig.gluon_pv_overlap`, 16-bit, warp-specialized; `p_buf` a [64] fp32 scratch): the row sums are
-    stored before the P·V wait, the same fix for the 16-bit loop, whose P stays in registers."""
+    stored before the P·V wait, the same fix for the 16-bit loop, whose P stays in registers. SOFTMAX & 4
+    (`PrefillConfig.gluon_mma_sum`, fp8 with P in shared memory; `fp8_args[9]` the [8, TILE] e4m3 ones that the
+    producer writes before its first `vt_full`): the row sums by the tensor cores, l += P8·1 as an N = 8 wgmma
+    beside P·V (the same e4m3 P that P·V weighs V by), instead of 64 FADD a thread and tile and a quad shuffle a
+    row; each tile's wgmma starts from zero and its sums join l in fp32 (4 FADD a thread), as the fp8 wgmma keeps
+    only ~14 bits where it adds to a large accumulator."""
     P_REGS: gl.constexpr = FP8 == 2
     P_DBUF: gl.constexpr = FP8 == 3  # two P buffers a consumer: P_{j+1} is stored before P_j·V_j is waited for
     P_EXP: gl.constexpr = 8 if FP8 else 0  # fp8: P as e4m3(P·256)
     TREE: gl.constexpr = (SOFTMAX & 1) != 0  # the row max and sum as trees (`_row_reduce`)
     # 16-bit WS: the row sums into `p_buf` (a scratch) before the P·V wait, so the softmax runs under P·V
     PV_OVERLAP: gl.constexpr = (SOFTMAX & 2) != 0 and WS and not FP8
+    MSUM: gl.constexpr = (SOFTMAX & 4) != 0 and FP8 != 0 and FP8 != 2  # the row sums as l += P8·1 (wgmma N = 8)
     VT_PERM: gl.constexpr = FP8 != 2 and _vt_perm(TILE, D)  # P and Vᵀ in the permuted key order
     gl.static_assert(WS or not FP8, "the fp8 loop runs on the warp-specialized kernel only")
     DT: gl.constexpr = k_desc.dtype
@@ -342,6 +350,8 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                        instr_shape=[16, D, K_STEP])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4 if FP8 else 2)
+    l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                       instr_shape=[16, 8, K_STEP])  # MSUM's [ROWS, 8] sums
     ld_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
                                                warps_per_cta=[WARPS, 1], order=[1, 0])
     rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -354,13 +364,17 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
     q_rows = (q_start + tok_q).to(gl.int64) * stride_qt + (kv_head * G + rq % G).to(gl.int64) * stride_qh
     q_buf.store(gl.load(q_ptr + q_rows[:, None] + dq[None, :], mask=(tok_q < q_len)[:, None] & (dq < D)[None, :],
                         other=0.0))
+    if MSUM:  # P is summed against the producer's ones (all 8 columns: each is the row sum)
+        ones_buf = fp8_args[9]
+        l_zero = gl.zeros([ROWS, 8], gl.float32, layout=l_layout)  # each tile's sums start from 0 (see below)
+        l_acc = l_zero
     fence_async_shared()
 
     r_s = ROW0 + gl.arange(0, ROWS, layout=rows_s)
     keys = gl.arange(0, TILE, layout=gl.SliceLayout(0, s_layout))
     kv_limit = ctx_len + gl.minimum(first_tok + r_s // G, q_len - 1)  # the last key row r sees
     if FP8:
-        q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, vt_buf, p_buf, vt_full, vt_empty = fp8_args
+        q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, vt_buf, p_buf, vt_full, vt_empty = fp8_args[:9]
         tok_s = first_tok + r_s // G
         qs = gl.load(q_scale_ptr + (q_start + tok_s).to(gl.int64) * stride_qst + (kv_head * G + r_s % G) * stride_qsh,
                      mask=tok_s < q_len, other=0.0)
@@ -378,7 +392,7 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
     mbarrier.wait(full.index(0), 0)
     s = warpgroup_mma(q_buf, k_smem.index(0).permute((1, 0)), gl.zeros([ROWS, TILE], gl.float32, layout=s_layout),
                       use_acc=False)
-    p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, c, 0, kv_limit, keys, full_end == 0, FP8, P_EXP, TREE)
+    p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, c, 0, kv_limit, keys, full_end == 0, FP8, P_EXP, TREE, not MSUM)
     if P_REGS:
         p = gl.convert_layout(_p_operand(p, DT, True), p_layout)
         mbarrier.arrive(empty.index(0), count=1)  # K_0 is read (and the producer transposes V_0 itself)
@@ -409,11 +423,16 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
             o_tok = warpgroup_mma(p_buf, vt_buf.index(j % 2).permute((1, 0)), o, is_async=True)
         else:
             o_tok = warpgroup_mma(p, v_smem.index(slot), o, is_async=True)
+        if MSUM:  # P_j's row sums (P_DBUF: the buffer P·V reads)
+            # a fresh accumulator a tile, added to l_acc in fp32 below: Hopper's fp8 wgmma keeps ~14 bits where it
+            # adds its products to a large accumulator, so summing into l_acc itself cut off late small P
+            l_tok = warpgroup_mma(p_buf.index(2 * WG + j % 2) if P_DBUF else p_buf, ones_buf.permute((1, 0)), l_zero,
+                                  use_acc=False, is_async=True)
         if WS:
             mbarrier.arrive(turn.index(1 - WG), count=1)
-        s = warpgroup_mma_wait(1, deps=[s_tok])  # S_{j+1} done, P_j·V_j may still run
+        s = warpgroup_mma_wait(2 if MSUM else 1, deps=[s_tok])  # S_{j+1} done, P_j·V_j may still run
         p_next, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, c, (j + 1) * TILE, kv_limit, keys, j + 1 >= full_end,
-                                                FP8, P_EXP, TREE)
+                                                FP8, P_EXP, TREE, not MSUM)
         if P_REGS:
             mbarrier.arrive(empty.index(nxt), count=1)  # K_{j+1} is read
             mbarrier.arrive(vt_empty.index(j % 2), count=1)  # P_j·V_j is done
@@ -422,12 +441,20 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
             mbarrier.arrive(empty.index(nxt), count=1)  # K_{j+1} is read
             p_buf.index(2 * WG + (j + 1) % 2).store(_p_e4m3(p_next, ROWS, VT_PERM))
             fence_async_shared()
-            o = warpgroup_mma_wait(0, deps=[o_tok])
+            if MSUM:
+                o, l_t = warpgroup_mma_wait(0, deps=[o_tok, l_tok])
+                l_acc = l_acc + l_t
+            else:
+                o = warpgroup_mma_wait(0, deps=[o_tok])
             mbarrier.arrive(vt_empty.index(j % 2), count=1)  # P_j·V_j is done with Vᵀ_j
         elif FP8:
             mbarrier.arrive(empty.index(nxt), count=1)  # K_{j+1} is read
             p8 = _p_e4m3(p_next, ROWS, VT_PERM)
-            o = warpgroup_mma_wait(0, deps=[o_tok])
+            if MSUM:
+                o, l_t = warpgroup_mma_wait(0, deps=[o_tok, l_tok])
+                l_acc = l_acc + l_t
+            else:
+                o = warpgroup_mma_wait(0, deps=[o_tok])
             mbarrier.arrive(vt_empty.index(j % 2), count=1)  # P_j·V_j is done with Vᵀ_j and with p_buf
             p_buf.store(p8)
             fence_async_shared()
@@ -443,6 +470,8 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
         elif not FP8:
             mbarrier.arrive(empty.index(slot), count=1)
         o = o * gl.convert_layout(alpha, rows_o)[:, None]
+        if MSUM:
+            l_acc = l_acc * gl.convert_layout(alpha, gl.SliceLayout(1, l_layout))[:, None]
         if not FP8:
             p = p_next
     last = (n - 1) % STAGES
@@ -452,6 +481,10 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
             o = warpgroup_mma(p_buf.index(2 * WG + (n - 1) % 2), vt_buf.index((n - 1) % 2).permute((1, 0)), o)
         else:
             o = warpgroup_mma(p if P_REGS else p_buf, vt_buf.index((n - 1) % 2).permute((1, 0)), o)
+        if MSUM:
+            l_acc = l_acc + warpgroup_mma(p_buf.index(2 * WG + (n - 1) % 2) if P_DBUF else p_buf,
+                                          ones_buf.permute((1, 0)), l_zero, use_acc=False)
+            l_i = gl.convert_layout(gl.max(l_acc, axis=1), rows_s)
     else:
         _zero_v_tail(v_smem.index(last), n - 1, seq_len, TILE, ld_layout)
         o = warpgroup_mma(p, v_smem.index(last), o)
@@ -525,7 +558,7 @@ def _ws_producer(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAG
     (q_ptr, out_ptr, k_desc, v_desc, q_smem, k_smem, v_smem, full, empty, turn, bt_row, bt_width, num_blocks, k_col,
      v_col, n, q_start, q_len, first_tok, ctx_len, seq_len, kv_head, c, stride_qt, stride_qh, stride_ot,
      stride_oh, q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, vt_smem, p_smem, vt_full,
-     vt_empty) = args
+     vt_empty, ones_smem) = args
     KV_BYTES: gl.constexpr = 2 * TILE * D * k_desc.dtype.primitive_bitwidth // 8
     for j in range(n):
         slot = j % STAGES
@@ -537,20 +570,28 @@ def _ws_producer(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAG
 
 @gluon.jit
 def _ws_producer_fp8(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr,
-                     STAGES: gl.constexpr, FP8: gl.constexpr):
+                     STAGES: gl.constexpr, FP8: gl.constexpr, SOFTMAX: gl.constexpr = 0):
     """The fp8 kernel's producer warpgroup: the K/V ring as `_ws_producer` fills it, and V_j transposed into
     Vᵀ buffer j % 2 (FA3 does the same in its producer): once V_j has landed and both consumers gave the buffer
     back (`vt_empty`), `_transpose_v`, a barrier of the 4 warps, then `vt_full` and this warpgroup's release of
     the K/V buffer (`empty` takes 3 arrivals here: the consumers release K when their S is done). A buffer is
-    refilled one tile late (tile j-1+STAGES at step j), when the consumers have long released it."""
+    refilled one tile late (tile j-1+STAGES at step j), when the consumers have long released it. SOFTMAX & 4
+    (`gluon_mma_sum`): first the [8, TILE] ones the consumers sum P against, published by the first `vt_full`."""
     (q_ptr, out_ptr, k_desc, v_desc, q_smem, k_smem, v_smem, full, empty, turn, bt_row, bt_width, num_blocks, k_col,
      v_col, n, q_start, q_len, first_tok, ctx_len, seq_len, kv_head, c, stride_qt, stride_qh, stride_ot,
      stride_oh, q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, vt_smem, p_smem, vt_full,
-     vt_empty) = args
+     vt_empty, ones_smem) = args
     KV_BYTES: gl.constexpr = 2 * TILE * D * k_desc.dtype.primitive_bitwidth // 8
     for i0 in gl.static_range(STAGES):
         _issue_tile(k_desc, v_desc, k_smem, v_smem, full, bt_row, bt_width, num_blocks, i0, k_col, v_col, i0,
                     i0 < n, PAGE, TILE, KV_BYTES)
+    if (SOFTMAX & 4) != 0 and FP8 != 2:
+        ones_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, TILE // 16], threads_per_warp=[2, 16],
+                                                     warps_per_cta=[4, 1], order=[1, 0])  # 8 rows on 4 warps
+        # e4m3 1.0 as its bits (0x38): the fp32 constant 1.0 cast to e4m3 comes out wrong on sm_90 (Triton 3.6: a
+        # mix of 0x38, 0x60 and 0xFC bytes in shared memory, measured on the H200)
+        ones_smem.store(gl.full([8, TILE], 0x38, gl.uint8, layout=ones_layout).to(k_desc.dtype, bitcast=True))
+        fence_async_shared()  # for the wgmma (async proxy); the loop's barrier and vt_full arrival publish it
     for j in range(n):
         slot = j % STAGES
         if j >= 1:  # refill the previous tile's buffer with tile j-1+STAGES
@@ -573,7 +614,7 @@ def _ws_consume(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE
     (q_ptr, out_ptr, k_desc, v_desc, q_smem, k_smem, v_smem, full, empty, turn, bt_row, bt_width, num_blocks, k_col,
      v_col, n, q_start, q_len, first_tok, ctx_len, seq_len, kv_head, c, stride_qt, stride_qh, stride_ot,
      stride_oh, q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, vt_smem, p_smem, vt_full,
-     vt_empty) = args
+     vt_empty, ones_smem) = args
     if FP8 == 3:  # all four P buffers, two a consumer: `_attend` picks 2·WG + tile % 2
         p_bufs = p_smem
     else:
@@ -581,7 +622,8 @@ def _ws_consume(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE
     _attend(q_ptr, out_ptr, k_desc, v_desc, q_smem.index(WG), k_smem, v_smem, full, empty, turn, bt_row, bt_width,
             num_blocks, k_col, v_col, n, q_start, q_len, first_tok, ctx_len, seq_len, kv_head, c, stride_qt,
             stride_qh, stride_ot, stride_oh,
-            (q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, vt_smem, p_bufs, vt_full, vt_empty),
+            (q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, vt_smem, p_bufs, vt_full, vt_empty,
+             ones_smem),
             WG * 64, 64, 4, D, G, TILE, PAGE, STAGES, True, WG, FP8, SOFTMAX)
 
 
@@ -642,6 +684,10 @@ def prefill_gluon_ws_kernel(
             p_smem = gl.allocate_shared_memory(DT, [2, 64, TILE], gl.NVMMASharedLayout.get_default_for([64, TILE], DT))
         vt_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         vt_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        if SOFTMAX & 4:  # gluon_mma_sum: [8, TILE] e4m3 ones, P·1's B operand (N = 8, keys contiguous)
+            ones_smem = gl.allocate_shared_memory(DT, [8, TILE], gl.NVMMASharedLayout.get_default_for([8, TILE], DT))
+        else:
+            ones_smem = vt_smem  # not read
         for ib in gl.static_range(2):
             mbarrier.init(vt_full.index(ib), count=1)
             mbarrier.init(vt_empty.index(ib), count=2)  # both consumers' P·V
@@ -653,6 +699,7 @@ def prefill_gluon_ws_kernel(
             p_smem = q_smem
         vt_full = turn
         vt_empty = turn
+        ones_smem = q_smem  # not read
     for ib in gl.static_range(STAGES):
         mbarrier.init(full.index(ib), count=1)
         mbarrier.init(empty.index(ib), count=3 if FP8 else 2)  # both consumers (fp8: and the producer's transpose)
@@ -662,11 +709,11 @@ def prefill_gluon_ws_kernel(
     args = (q_ptr, out_ptr, k_desc, v_desc, q_smem, k_smem, v_smem, full, empty, turn, bt_row, bt_width, num_blocks,
             kv_head * stride_kh, kv_head * stride_vh, n, q_start, q_len, first_tok, ctx_len, seq_len, kv_head,
             sm_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, q_scale_ptr, stride_qst, stride_qsh,
-            k_scale_ptr, v_scale_ptr, vt_smem, p_smem, vt_full, vt_empty)
+            k_scale_ptr, v_scale_ptr, vt_smem, p_smem, vt_full, vt_empty, ones_smem)
     if FP8:
         gl.warp_specialize([(_ws_consumer0, (args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX)),
                             (_ws_consumer1, (args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX)),
-                            (_ws_producer_fp8, (args, D, G, TILE, PAGE, STAGES, FP8))], [4, 4],
+                            (_ws_producer_fp8, (args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX))], [4, 4],
                            [FP8_CONSUMER_REGS, FP8_PRODUCER_REGS])
     else:
         gl.warp_specialize([(_ws_consumer0, (args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX)),

@@ -68,6 +68,13 @@ class PrefillConfig:
     the same ordering): each consumer stores its row sums into a 256-byte scratch before the P·V wait, a side
     effect that needs every exp2, so the softmax runs under the warpgroup's own P·V; opt-in: 1.00–1.07× the
     default's time there.
+    `gluon_mma_sum` (the fp8 kernel with P in shared memory): the row sums by the tensor cores, l += P8·1 as an
+    N = 8 wgmma over the e4m3 P beside P·V (against 1 KB of ones the producer writes), instead of 64 FADD a thread
+    and tile and a quad shuffle a row on the CUDA cores, whose softmax is the loop's critical path (`PREFILL.md`);
+    l then sums the same e4m3 probabilities P·V weighs V by. Each tile's sums start from zero in the wgmma and join
+    l in fp32: at `fc7b07d` l rode in the wgmma's accumulator across tiles, and Hopper's fp8 wgmma keeps only ~14
+    bits where it adds to a large accumulator, so its error grew with the keys a row sees (H200: RMS 3.05e-2 on
+    the Hy3 h64/8 case, 5.6e-2 on 2q1ks4k, over the 3e-2 fp8 budget). Opt-in (bench row `hpcops-fp8q-msum`).
     `tma`, `pv_fp8`, `quant_q` and `fma_scale` are the `tl` kernel's (the Gluon kernel always reads by TMA and
     scales inside exp2).
     """
@@ -87,6 +94,7 @@ class PrefillConfig:
     gluon_tree: bool = False
     gluon_p_dbuf: bool = False
     gluon_pv_overlap: bool = False
+    gluon_mma_sum: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
@@ -159,13 +167,14 @@ GLUON_MIN_Q = 512  # up to this q_len with many tiles the heuristic keeps the tl
 
 
 def gluon_smem_bytes(block_m: int, block_n: int, stages: int, head_dim: int, elem_bytes: int = 2,
-                     fp8: bool = False, p_bufs: int = 1, row_sums: bool = False) -> int:
+                     fp8: bool = False, p_bufs: int = 1, row_sums: bool = False, mma_sum: bool = False) -> int:
     """Shared memory of a Gluon prefill program: its q tile and `stages` K/V buffer pairs; `fp8` (the
     warp-specialized kernel over fp8 q and KV, 1-byte elements) adds the two Vᵀ [D, block_n] buffers and each
     consumer's `p_bufs` e4m3 P [64, block_n] (2 with `gluon_p_dbuf`); `row_sums` (`gluon_pv_overlap`) the two
-    consumers' [64] fp32 scratch."""
+    consumers' [64] fp32 scratch; `mma_sum` (`gluon_mma_sum`, fp8) the [8, block_n] e4m3 ones."""
     if fp8:
-        return (block_m + 2 * stages * block_n) * head_dim + 2 * (head_dim + 64 * p_bufs) * block_n
+        ones = 8 * block_n if mma_sum else 0
+        return (block_m + 2 * stages * block_n) * head_dim + 2 * (head_dim + 64 * p_bufs) * block_n + ones
     return (block_m + 2 * stages * block_n) * head_dim * elem_bytes + (2 * 64 * 4 if row_sums else 0)
 
 
@@ -332,6 +341,8 @@ def gluon_unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         return "gluon_p_dbuf is for an fp8 q over fp8 KV with P in shared memory (not gluon_p_regs)"
     if config.gluon_pv_overlap and (fp8 or not config.gluon_ws):
         return "gluon_pv_overlap is for the 16-bit warp-specialized kernel (fp8: gluon_p_dbuf)"
+    if config.gluon_mma_sum and (not fp8 or config.gluon_p_regs):
+        return "gluon_mma_sum is for an fp8 q over fp8 KV with P in shared memory (not gluon_p_regs)"
     if fp8 and d > 128:
         return f"head_dim {d} with fp8 (the fp8 consumer's registers spill above 128: 496 bytes at 256 in ptxas)"
     if fp8 and config.block_n % 32:
@@ -350,7 +361,7 @@ def gluon_unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     if page < bn and (page < 8 or bn % page):
         return f"block_size {page} (pages under block_n {bn} must divide it, 8 tokens at least)"
     smem = gluon_smem_bytes(bm, bn, config.num_stages, d, q.element_size(), fp8, 2 if config.gluon_p_dbuf else 1,
-                            config.gluon_pv_overlap)
+                            config.gluon_pv_overlap, config.gluon_mma_sum)
     what = f"q and {config.num_stages} K/V buffers" + (", two Vᵀ buffers and each consumer's P" if fp8 else "")
     if smem > GLUON_SMEM_BYTES:
         return f"{smem} bytes of shared memory for {what} (at most {GLUON_SMEM_BYTES})"
@@ -377,7 +388,7 @@ def _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, out,
             block_table.stride(0), out.stride(0), out.stride(1))
     common = dict(D=d, G=hq // hkv, TILE=config.block_n, PAGE=page, BLOCK_B=block_b, STAGES=config.num_stages,
                   HEADS_INNER=bool(config.heads_inner))
-    bits = (1 if config.gluon_tree else 0) | (2 if config.gluon_pv_overlap else 0)
+    bits = (1 if config.gluon_tree else 0) | (2 if config.gluon_pv_overlap else 0) | (4 if config.gluon_mma_sum else 0)
     softmax = {"SOFTMAX": bits} if bits else {}  # the defaults' launches keep their signature
     if config.gluon_ws:
         fp8 = q.dtype == FP8_E4M3

@@ -120,15 +120,17 @@ def _make_inputs(s: Scenario, layer: int, device: str = "cuda") -> dict[str, Any
     return x
 
 
-# the warp-specialized Gluon kernel over an fp8 q and fp8 KV (the fp8-q default on an H200), as a fixed config
+# the warp-specialized Gluon kernel over an fp8 q and fp8 KV (the fp8-q default on an H200) as a fixed config, its row
+# sums on the CUDA cores; and with them on the tensor cores (gluon_mma_sum, opt-in)
 GLUON_FP8 = {"gluon": True, "gluon_ws": True, "block_m": 128, "num_warps": 8, "block_n": 128, "num_stages": 3,
-             "heads_inner": True}
+             "heads_inner": True, "gluon_mma_sum": False}
+GLUON_FP8_MSUM = {**GLUON_FP8, "gluon_mma_sum": True}
 
 # the bf16 warp-specialized Gluon kernel with gluon_tree, on the same tile (the bf16 default's at q2k-q8k)
 GLUON_BF16_TREE = {**GLUON_FP8, "gluon_tree": True}
 
 BOOL_FIELDS = ("pv_fp8", "quant_q", "fma_scale", "heads_inner", "gluon", "gluon_ws", "gluon_p_regs", "gluon_tree",
-               "gluon_p_dbuf", "gluon_pv_overlap")
+               "gluon_p_dbuf", "gluon_pv_overlap", "gluon_mma_sum")
 
 
 def config_override(variant: dict | None = None):
@@ -384,6 +386,10 @@ def cases(opts: dict) -> Iterator[Case]:
                         Impl("hpcops-fp8q-gluon-preg", _ours(True, {**GLUON_FP8, "gluon_p_regs": True}),
                              note="variant: the Gluon fp8 kernel with P in registers and a synchronous P·V "
                              "(gluon_p_regs=True)")
+                    )
+                    impls.append(
+                        Impl("hpcops-fp8q-msum", _ours(True, GLUON_FP8_MSUM),
+                             note="variant: the Gluon fp8 kernel, row sums on the tensor cores (gluon_mma_sum=True)")
                     )
                     impls.append(
                         Impl("hpcops-fp8q-tree", _ours(True, {**GLUON_FP8, "gluon_tree": True}),
