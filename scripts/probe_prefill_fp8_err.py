@@ -1,6 +1,7 @@
 """Probe (not a tool): the fp8-q Gluon prefill kernel's error against the fp32 reference on the prefill bench's fp8
-scenarios (layer 0, the bench's sampled reference rows), for the default and the opt-in variants; normalized as
-`hpcops.testing.assert_close` does (max |err| / max |ref|, rms err / rms ref). Needs an sm_90 GPU.
+scenarios (layer 0, the bench's sampled reference rows): row sums on the CUDA cores (fsum), on the tensor cores
+(msum, the default), and variants; normalized as `hpcops.testing.assert_close` does (max |err| / max |ref|, rms err
+/ rms ref). Needs an sm_90 GPU.
 
     PYTHONPATH=. python3 scripts/probe_prefill_fp8_err.py [--out FILE.md]
 """
@@ -11,7 +12,7 @@ import torch
 from hpcops.bench.suites import prefill as P
 
 VARIANTS = {
-    "default": P.GLUON_FP8,
+    "fsum": P.GLUON_FP8,
     "msum": P.GLUON_FP8_MSUM,
     "tree": {**P.GLUON_FP8, "gluon_tree": True},
     "p_dbuf": {**P.GLUON_FP8, "gluon_p_dbuf": True},

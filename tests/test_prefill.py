@@ -323,8 +323,8 @@ def test_gluon_config_and_reasons(monkeypatch):
     assert tl8.gluon is False and (tl8.block_m, tl8.block_n) == (128, 128)
     d64_8 = gluon_config(head_dim=64, group=8, max_seqlen_q=4096, fp8=True)
     assert (d64_8.block_n, d64_8.num_stages, d64_8.gluon) == (128, 3, True)
-    # gluon_mma_sum is opt-in (its error on the Hy3 case is over the fp8 tolerance)
-    assert not (few8.gluon_mma_sum or d64_8.gluon_mma_sum)
+    # the fp8 kernel sums its rows on the tensor cores (gluon_mma_sum); the 16-bit one has no such form
+    assert few8.gluon_mma_sum and d64_8.gluon_mma_sum
     assert not gluon_config(head_dim=128, group=8, max_seqlen_q=4096).gluon_mma_sum
     # a 16-bit q over fp8 KV has no Gluon kernel: the tl tiles
     assert prefill_config(head_dim=128, group=8, max_seqlen_q=4096, q_dtype=bf16, kv_dtype=FP8,

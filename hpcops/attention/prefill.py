@@ -74,7 +74,10 @@ class PrefillConfig:
     l then sums the same e4m3 probabilities P·V weighs V by. Each tile's sums start from zero in the wgmma and join
     l in fp32: at `fc7b07d` l rode in the wgmma's accumulator across tiles, and Hopper's fp8 wgmma keeps only ~14
     bits where it adds to a large accumulator, so its error grew with the keys a row sees (H200: RMS 3.05e-2 on
-    the Hy3 h64/8 case, 5.6e-2 on 2q1ks4k, over the 3e-2 fp8 budget). Opt-in (bench row `hpcops-fp8q-msum`).
+    the Hy3 h64/8 case, 5.6e-2 on 2q1ks4k, over the 3e-2 fp8 budget); promoted a tile, its error on the bench's
+    fp8 cases is the CUDA-core sums' or lower (H200, `bench/results/probe_prefill_fp8_err.md`: 2q1ks4k RMS 2.50e-2
+    both, h8/1 q4k max 9.2e-3 against 1.08e-2). `gluon_config(fp8=True)` turns it on (bench row `hpcops-fp8q-fsum`:
+    the CUDA-core sums beside it).
     `tma`, `pv_fp8`, `quant_q` and `fma_scale` are the `tl` kernel's (the Gluon kernel always reads by TMA and
     scales inside exp2).
     """
@@ -189,15 +192,16 @@ def gluon_config(*, head_dim: int, group: int, max_seqlen_q: int, num_kv_heads: 
     shrinks to 16 rows), or a longest query of at most GLUON_MIN_Q tokens with many tiles.
     `fp8` (an fp8 q over fp8 KV): the warp-specialized kernel in fp8 on 128×128 tiles and three K/V buffers for
     every query of 64 rows and more (faster than the tl fp8-q kernel at every case of the prefill suite, h8/1 q512's
-    32 tiles included: 0.68-0.96x its time, bench/results/prefill.md), None below."""
+    32 tiles included: 0.68-0.96x its time, bench/results/prefill.md), its row sums on the tensor cores
+    (`gluon_mma_sum`), None below."""
     rows = group * max(int(max_seqlen_q), 1)
     if fp8:
         if gluon is None and rows < 64:
             return None
         block_n = 128 if head_dim <= 128 else 64
-        stages = 3 if gluon_smem_bytes(128, block_n, 3, head_dim, 1, True) <= GLUON_SMEM_BYTES else 2
+        stages = 3 if gluon_smem_bytes(128, block_n, 3, head_dim, 1, True, mma_sum=True) <= GLUON_SMEM_BYTES else 2
         return PrefillConfig(block_m=128, block_n=block_n, num_warps=8, num_stages=stages, heads_inner=True,
-                             gluon=gluon, gluon_ws=True)
+                             gluon=gluon, gluon_ws=True, gluon_mma_sum=True)
     tiles = None
     if num_kv_heads is not None and total_q is not None:
         tiles = num_kv_heads * triton.cdiv(max(int(total_q), 1) * group, 128)

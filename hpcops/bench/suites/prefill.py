@@ -120,8 +120,8 @@ def _make_inputs(s: Scenario, layer: int, device: str = "cuda") -> dict[str, Any
     return x
 
 
-# the warp-specialized Gluon kernel over an fp8 q and fp8 KV (the fp8-q default on an H200) as a fixed config, its row
-# sums on the CUDA cores; and with them on the tensor cores (gluon_mma_sum, opt-in)
+# the warp-specialized Gluon kernel over an fp8 q and fp8 KV as a fixed config, its row sums on the CUDA cores (the
+# variants' base); and with them on the tensor cores (gluon_mma_sum: the fp8-q default on an H200)
 GLUON_FP8 = {"gluon": True, "gluon_ws": True, "block_m": 128, "num_warps": 8, "block_n": 128, "num_stages": 3,
              "heads_inner": True, "gluon_mma_sum": False}
 GLUON_FP8_MSUM = {**GLUON_FP8, "gluon_mma_sum": True}
@@ -388,8 +388,8 @@ def cases(opts: dict) -> Iterator[Case]:
                              "(gluon_p_regs=True)")
                     )
                     impls.append(
-                        Impl("hpcops-fp8q-msum", _ours(True, GLUON_FP8_MSUM),
-                             note="variant: the Gluon fp8 kernel, row sums on the tensor cores (gluon_mma_sum=True)")
+                        Impl("hpcops-fp8q-fsum", _ours(True, GLUON_FP8),
+                             note="variant: the Gluon fp8 kernel, row sums on the CUDA cores (gluon_mma_sum=False)")
                     )
                     impls.append(
                         Impl("hpcops-fp8q-tree", _ours(True, {**GLUON_FP8, "gluon_tree": True}),
