@@ -139,7 +139,9 @@ class DecodeConfig:
         1024..16384; parts at most 16): more partials a round halve the dependent L2 round trips of a long split's
         merge (16 partials of 8 rows at d128: 2 rounds of 8 instead of 4 of 4) at the price of registers (sm_90
         build at h8/1 d128: 8 partials with merge_prefetch 236 registers a thread, 2 programs an SM; without it
-        125). None (default): 4096.
+        125). None (default): 4096. The H200 tune at `953957c` (bench/results/decode_tune_merge_round.md): 8192
+        without the prefetch, groups of 16, is 0.6-2.5 % faster on the long h8/1 fp8 splits (1x64K+15x4K 22.4 ->
+        21.8 µs) and 0.4-4 % slower on the short ones (64x0.5K 12.0 -> 12.5): no default.
     split_cost: the plan's cost model for splitting a request at all, in quarters of a tile (0..256; with a task
         cost, i.e. task descriptors): what a split adds to the step (partial writes, the merge and its wait). Where
         every (head, request) fits whole in a bucket of c_max·ceil(bucket / c_max) cost units (c_max: the
