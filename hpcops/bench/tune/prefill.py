@@ -10,8 +10,8 @@ do (`_ours(fp8_q, variant)`) and is gated on the suite's sampled fp32 reference.
 `hpcops tune prefill-gluon`: the Gluon kernel's tiles (`PrefillConfig.gluon`, `gluon_config`) on the bf16 scenarios
 and the fp8-q ones over fp8 KV (its dtypes; fp8 on the warp-specialized kernel only): the warp-specialized kernel or
 not, the (block_m, num_warps) tile, block_n, pipeline depth and launch order, P in registers or in two shared
-buffers (fp8), the softmax under its own P·V (16-bit: `gluon_pv_overlap`) and its tree reductions
-(`gluon_tree`).
+buffers (fp8), the softmax under its own P·V (16-bit: `gluon_pv_overlap`), the row sums on the tensor cores
+(fp8: `gluon_mma_sum`) and its tree reductions (`gluon_tree`).
 """
 
 from __future__ import annotations
@@ -114,6 +114,7 @@ GLUON_SPACE = (
     knob("gluon_tree", False, True),
     knob("gluon_p_dbuf", False, True),
     knob("gluon_pv_overlap", False, True),
+    knob("gluon_mma_sum", False, True),
 )
 
 
@@ -136,15 +137,17 @@ class PrefillGluonTune(PrefillTune):
         from hpcops.attention.prefill import GLUON_SMEM_BYTES, gluon_smem_bytes
 
         regs, dbuf, pvo = cand["gluon_p_regs"], cand["gluon_p_dbuf"], cand["gluon_pv_overlap"]
+        msum = cand["gluon_mma_sum"]
         smem = gluon_smem_bytes(cand["block_m"], cand["block_n"], cand["num_stages"], suite.HEAD_DIM,
-                                1 if c.fp8_q else 2, c.fp8_q, 2 if dbuf else 1, pvo)
+                                1 if c.fp8_q else 2, c.fp8_q, 2 if dbuf else 1, pvo, msum)
         ws_ok = not cand["gluon_ws"] or cand["block_m"] == 128  # two consumer warpgroups of 64 rows
-        # fp8: the specialized kernel only, P in registers or in one or two shared buffers; 16-bit: neither P knob,
-        # and gluon_pv_overlap on the specialized kernel only
+        # fp8: the specialized kernel only, P in registers or in one or two shared buffers, the row sums on the tensor
+        # cores with P in shared memory only; 16-bit: none of the P knobs nor the tensor-core sums, and
+        # gluon_pv_overlap on the specialized kernel only
         if c.fp8_q:
-            fp8_ok = cand["gluon_ws"] and not (regs and dbuf or pvo)
+            fp8_ok = cand["gluon_ws"] and not (regs and dbuf or pvo or regs and msum)
         else:
-            fp8_ok = not (regs or dbuf) and (cand["gluon_ws"] or not pvo)
+            fp8_ok = not (regs or dbuf or msum) and (cand["gluon_ws"] or not pvo)
         return smem <= GLUON_SMEM_BYTES and cand["block_m"] >= c.s.hq // c.s.hkv and ws_ok and fp8_ok
 
 
