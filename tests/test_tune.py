@@ -522,3 +522,22 @@ def test_prefill_gluon_tunes_bf16_and_fp8_q_on_its_kernels():
     bf16 = next(c for c in scen if not c.fp8_q and c.s.spec == "q8k")
     assert not op.valid(bf16, {**op.base(bf16), "num_stages": 4})  # 294912 bytes of bf16 tiles
     assert not op.valid(bf16, {**op.base(bf16), "gluon_mma_sum": True})
+
+
+def test_prefill_tune_candidates_do_not_gate_themselves_when_prepared(monkeypatch):
+    """The tuner gates its candidates (`gate`) and compiles them in workers that launch nothing (an output left
+    NaN): preparing a candidate must not run the bench variants' own layer-0 check, which failed every candidate
+    of `tune prefill-gluon` on the H200 in session 29; the bench's variant rows still run it."""
+    from hpcops.bench.suites import prefill as suite
+
+    def boom(*a, **k):
+        raise AssertionError("variant check ran")
+
+    monkeypatch.setattr(suite, "_check_variant", boom)
+    op = get_op("prefill-gluon")
+    case = next(c for c in op.scenarios(False) if c.fp8_q and c.s.hq == 8 and c.s.spec == "q512")
+    x = suite._make_inputs(case.s, 0, "cpu")
+    assert x["layer"] == 0
+    assert callable(op.prepare(case, op.base(case))(x))  # built, not run, not checked
+    with pytest.raises(AssertionError, match="variant check ran"):
+        suite._ours(True, {"gluon_tree": True})(x)

@@ -87,7 +87,7 @@ class PrefillTune(TuneOp):
                 "kv": "fp8" if c.s.fp8 else "bf16", "q": "fp8" if c.fp8_q else "bf16"}
 
     def prepare(self, c: PrefillCase, cand: Candidate):
-        return suite._ours(c.fp8_q, cand)
+        return suite._ours(c.fp8_q, cand, check=False)  # gated by `gate`, compiled in workers that launch nothing
 
     def gate(self, c: PrefillCase, x: dict[str, Any], cand: Candidate, name: str) -> None:
         from hpcops.testing import assert_close
