@@ -115,7 +115,6 @@ GLUON_SPACE = (
     knob("gluon_p_dbuf", False, True),
     knob("gluon_pv_overlap", False, True),
     knob("gluon_mma_sum", False, True),
-    knob("gluon_persist", False, True),
 )
 
 
@@ -138,7 +137,7 @@ class PrefillGluonTune(PrefillTune):
         from hpcops.attention.prefill import GLUON_SMEM_BYTES, gluon_smem_bytes
 
         regs, dbuf, pvo = cand["gluon_p_regs"], cand["gluon_p_dbuf"], cand["gluon_pv_overlap"]
-        msum, persist = cand["gluon_mma_sum"], cand["gluon_persist"]
+        msum = cand["gluon_mma_sum"]
         smem = gluon_smem_bytes(cand["block_m"], cand["block_n"], cand["num_stages"], suite.HEAD_DIM,
                                 1 if c.fp8_q else 2, c.fp8_q, 2 if dbuf else 1, pvo, msum)
         ws_ok = not cand["gluon_ws"] or cand["block_m"] == 128  # two consumer warpgroups of 64 rows
@@ -146,9 +145,9 @@ class PrefillGluonTune(PrefillTune):
         # cores with P in shared memory only; 16-bit: none of the P knobs nor the tensor-core sums, and
         # gluon_pv_overlap on the specialized kernel only
         if c.fp8_q:
-            fp8_ok = cand["gluon_ws"] and not (regs and dbuf or pvo or regs and (msum or persist))
+            fp8_ok = cand["gluon_ws"] and not (regs and dbuf or pvo or regs and msum)
         else:
-            fp8_ok = not (regs or dbuf or msum) and (cand["gluon_ws"] or not (pvo or persist))
+            fp8_ok = not (regs or dbuf or msum) and (cand["gluon_ws"] or not pvo)
         return smem <= GLUON_SMEM_BYTES and cand["block_m"] >= c.s.hq // c.s.hkv and ws_ok and fp8_ok
 
 
