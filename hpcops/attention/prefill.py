@@ -337,6 +337,22 @@ def gluon_unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     if (q.dtype not in HALF_DTYPES and not fp8) or k_cache.dtype != q.dtype:
         return (f"q {q.dtype} over a {k_cache.dtype} cache (the Gluon kernels take a 16-bit q over the same KV dtype, "
                 "or with gluon_ws an fp8 q over fp8 KV)")
+    if not scale > 0:
+        return f"softmax scale {scale} (the Gluon kernel scales inside exp2: it needs a positive scale)"
+    page = k_cache.shape[1]
+    why = gluon_config_reason(config, fp8=fp8, head_dim=d, group=q.shape[1] // k_cache.shape[2], page=page,
+                              elem_bytes=q.element_size())
+    if why is not None:
+        return why
+    return kv_tma_unsupported_reason(k_cache, v_cache, min(config.block_n, page))
+
+
+def gluon_config_reason(config: PrefillConfig, *, fp8: bool, head_dim: int, group: int, page: int,
+                        elem_bytes: int) -> str | None:
+    """Why the Gluon prefill kernel cannot run `config` for this shape (None: it can): the dtype's paths and knobs,
+    the tile, the pages, shared memory. The config part of `gluon_unsupported_reason`, which adds the device, the
+    tensors and TMA; `hpcops tune prefill-gluon` asks it which candidates are valid."""
+    d = head_dim
     if fp8 and not config.gluon_ws:
         return "an fp8 q over fp8 KV runs on the warp-specialized kernel only (gluon_ws)"
     if config.gluon_p_regs and not fp8:
@@ -351,25 +367,23 @@ def gluon_unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         return f"head_dim {d} with fp8 (the fp8 consumer's registers spill above 128: 496 bytes at 256 in ptxas)"
     if fp8 and config.block_n % 32:
         return f"block_n {config.block_n} with fp8 (an fp8 P·V dot has K = block_n: a multiple of 32)"
-    if not scale > 0:
-        return f"softmax scale {scale} (the Gluon kernel scales inside exp2: it needs a positive scale)"
-    bm, bn, page = config.block_m, config.block_n, k_cache.shape[1]
+    bm, bn = config.block_m, config.block_n
     if bm not in (64, 128) or config.num_warps != bm // 16:
         return f"block_m {bm} on {config.num_warps} warps (64 or 128 rows, 16 a warp)"
     if config.gluon_ws and bm != 128:
         return f"gluon_ws with block_m {bm} (two consumer warpgroups of 64 rows: block_m 128)"
-    if bm < q.shape[1] // k_cache.shape[2]:
-        return f"block_m {bm} is below the GQA group ({q.shape[1] // k_cache.shape[2]} heads)"
+    if bm < group:
+        return f"block_m {bm} is below the GQA group ({group} heads)"
     if bn > 256 or config.num_stages < 2:
         return f"block_n {bn} / num_stages {config.num_stages} (at most 256 keys a tile, two buffers at least)"
     if page < bn and (page < 8 or bn % page):
         return f"block_size {page} (pages under block_n {bn} must divide it, 8 tokens at least)"
-    smem = gluon_smem_bytes(bm, bn, config.num_stages, d, q.element_size(), fp8, 2 if config.gluon_p_dbuf else 1,
+    smem = gluon_smem_bytes(bm, bn, config.num_stages, d, elem_bytes, fp8, 2 if config.gluon_p_dbuf else 1,
                             config.gluon_pv_overlap, config.gluon_mma_sum)
     what = f"q and {config.num_stages} K/V buffers" + (", two Vᵀ buffers and each consumer's P" if fp8 else "")
     if smem > GLUON_SMEM_BYTES:
         return f"{smem} bytes of shared memory for {what} (at most {GLUON_SMEM_BYTES})"
-    return kv_tma_unsupported_reason(k_cache, v_cache, min(bn, page))
+    return None
 
 
 def _fp8_mode(config: PrefillConfig) -> int:

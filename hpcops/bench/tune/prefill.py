@@ -134,22 +134,12 @@ class PrefillGluonTune(PrefillTune):
                                    total_q=sum(q for q, _ in c.s.reqs), fp8=c.fp8_q))
 
     def valid(self, c: PrefillCase, cand: Candidate) -> bool:
-        from hpcops.attention.prefill import GLUON_SMEM_BYTES, gluon_smem_bytes
+        """The launcher's own rules for the config (`gluon_config_reason`: the dtype's paths and knobs, the tile,
+        shared memory), at the suite's head_dim and pages."""
+        from hpcops.attention.prefill import PrefillConfig, gluon_config_reason
 
-        regs, dbuf, pvo = cand["gluon_p_regs"], cand["gluon_p_dbuf"], cand["gluon_pv_overlap"]
-        msum = cand["gluon_mma_sum"]
-        smem = gluon_smem_bytes(cand["block_m"], cand["block_n"], cand["num_stages"], suite.HEAD_DIM,
-                                1 if c.fp8_q else 2, c.fp8_q, 2 if dbuf else 1, pvo, msum)
-        ws_ok = not cand["gluon_ws"] or cand["block_m"] == 128  # two consumer warpgroups of 64 rows
-        # fp8: the specialized kernel only, P in registers or in one or two shared buffers, the row sums on the tensor
-        # cores with P in shared memory only; 16-bit: none of the P knobs nor the tensor-core sums, and
-        # gluon_pv_overlap on the specialized kernel only
-        if c.fp8_q:
-            fp8_ok = cand["gluon_ws"] and not (regs and dbuf or pvo or regs and msum)
-        else:
-            fp8_ok = not (regs or dbuf or msum) and (cand["gluon_ws"] or not pvo)
-        return smem <= GLUON_SMEM_BYTES and cand["block_m"] >= c.s.hq // c.s.hkv and ws_ok and fp8_ok
-
+        return gluon_config_reason(PrefillConfig(**cand), fp8=c.fp8_q, head_dim=suite.HEAD_DIM,
+                                   group=c.s.hq // c.s.hkv, page=suite.PAGE, elem_bytes=1 if c.fp8_q else 2) is None
 
 OP = PrefillTune()
 GLUON_OP = PrefillGluonTune()
