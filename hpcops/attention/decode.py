@@ -260,16 +260,17 @@ def _combine_chunks(head_dim: int) -> int:
     return max(1, min(_CONFIG.combine_chunks, 8192 // triton.next_power_of_2(head_dim)))
 
 
-def _tail_parts(r_pad: int, head_dim: int, prefetch: bool = False, elems: int = 4096) -> int:
-    """Partials a round of the tail merge: a [parts, r_pad, D_PAD] fp32 tile of at most `elems` elements (4096: 4
-    at 8 rows of 128: with their 64-bit addresses the merge then fits the attention loop's registers), ≤ 16. With
+def _tail_parts(r_pad: int, head_dim: int, prefetch: bool = False, elems: int | None = None) -> int:
+    """Partials a round of the tail merge: a [parts, r_pad, D_PAD] fp32 tile of at most `elems` elements (None:
+    4096, DecodeConfig.merge_round's default: 4 at 8 rows of 128, so that with their 64-bit addresses the merge
+    fits the attention loop's registers), ≤ 16. With
     the Gluon merge's prefetch (two rounds in flight) a head_dim under 128 counts as 128: at d64 the full tile
     took 233 registers at h8/1 and 243 at h16/1 in ptxas (2 programs an SM where the plan counts 3; the H200's
     d64 fp8 grid rows ran 1.6x slower), half of it 124 and 160."""
     width = triton.next_power_of_2(head_dim)
     if prefetch:
         width = max(width, 128)
-    return max(1, min(16, elems // (r_pad * width)))
+    return max(1, min(16, (elems or 4096) // (r_pad * width)))
 
 
 def _tail_group(tail_parts: int, programs_per_kv_head: int | None = None) -> int:
@@ -575,7 +576,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         r_pad = triton.next_power_of_2(rows)
         parts = _tail_parts(r_pad, d)
         # the Gluon merge's round: [parts, r_pad, D]
-        g_parts = _tail_parts(r_pad, d, _CONFIG.merge_prefetch, _CONFIG.merge_round or 4096)
+        g_parts = _tail_parts(r_pad, d, _CONFIG.merge_prefetch, _CONFIG.merge_round)
         gluon_tail = dict(TAIL_MERGE=True, R_PAD=r_pad, TAIL_PARTS=g_parts,
                           TAIL_GROUP=_tail_group(g_parts, -(-plan.num_programs // hkv)),
                           MERGE_PREFETCH=_CONFIG.merge_prefetch)
