@@ -364,6 +364,11 @@ def test_gluon_config_and_reasons(monkeypatch):
         ("gluon_p_dbuf is for an fp8 q", (q, kv.k_cache, kv.v_cache, rep(cfg, gluon_p_dbuf=True), 0.1)),
         ("not gluon_p_regs", (q8, fp8kv.k_cache, fp8kv.v_cache, rep(cfg, gluon_p_regs=True, gluon_p_dbuf=True), 0.1)),
         ("gluon_mma_sum is for an fp8 q", (q, kv.k_cache, kv.v_cache, rep(cfg, gluon_mma_sum=True), 0.1)),
+        ("gluon_persist is for the warp-specialized", (q, kv.k_cache, kv.v_cache,
+                                                       rep(cfg, gluon_persist=True, gluon_ws=False, block_m=64,
+                                                           num_warps=4), 0.1)),
+        ("gluon_persist is for the warp-specialized", (q8, fp8kv.k_cache, fp8kv.v_cache,
+                                                       rep(cfg, gluon_persist=True, gluon_p_regs=True), 0.1)),
         ("gluon_mma_sum is for an fp8 q", (q8, fp8kv.k_cache, fp8kv.v_cache,
                                            rep(cfg, gluon_mma_sum=True, gluon_p_regs=True), 0.1)),
         ("gluon_pv_overlap is for the 16-bit", (q8, fp8kv.k_cache, fp8kv.v_cache, rep(cfg, gluon_pv_overlap=True),
@@ -650,10 +655,10 @@ def test_prefill_gpu_configs(config: PrefillConfig):
 
 def _gluon(name: str, seq_lens: list[int], q_lens: list[int], *, block_m: int = 128, block_n: int = 128,
             stages: int = 2, heads_inner: bool = True, ws: bool = False, p_regs: bool = False, tree: bool = False,
-            p_dbuf: bool = False, pvo: bool = False, msum: bool = False, **kw) -> Case:
+            p_dbuf: bool = False, pvo: bool = False, msum: bool = False, persist: bool = False, **kw) -> Case:
     cfg = PrefillConfig(block_m=block_m, block_n=block_n, num_warps=block_m // 16, num_stages=stages,
                         heads_inner=heads_inner, gluon=True, gluon_ws=ws, gluon_p_regs=p_regs, gluon_tree=tree,
-                        gluon_p_dbuf=p_dbuf, gluon_pv_overlap=pvo, gluon_mma_sum=msum)
+                        gluon_p_dbuf=p_dbuf, gluon_pv_overlap=pvo, gluon_mma_sum=msum, gluon_persist=persist)
     kw = {"hq": 64, "hkv": 8, "head_dim": 128, "block_size": 64, **kw}
     return Case(name, seq_lens, q_lens, config=cfg, **kw)
 
@@ -719,6 +724,28 @@ GLUON_CASES = [
            ws=True, kv_dtype=FP8, q_fp8=True, msum=True),
     _gluon("gluon-ws-fp8-msum-pdbuf-tree-extend-mixed-h64/8", [4096, 3000, 1, 700, 129], [1024, 1, 1, 700, 64],
            pad_rows=5, ws=True, kv_dtype=FP8, q_fp8=True, stages=3, msum=True, p_dbuf=True, tree=True),
+    # PrefillConfig.gluon_persist: a program an SM walking the tiles (q2k h64/8: 1024 tiles, ~8 a program; the mixed
+    # extend batch: tiles of 1 to 33 K/V steps, a 1-token request; request-major order; pages under a tile; two P
+    # buffers; 2 buffers, so that consecutive q tiles share ring slots at every phase)
+    _gluon("gluon-ws-fp8-persist-q2k-h64/8-3buf", [2048], [2048], ws=True, kv_dtype=FP8, q_fp8=True, stages=3,
+           msum=True, persist=True),
+    _gluon("gluon-ws-fp8-persist-extend-mixed-h8/1-3buf", [4096, 3000, 1, 700, 129], [1024, 1, 1, 700, 64], hq=8,
+           hkv=1, pad_rows=5, ws=True, kv_dtype=FP8, q_fp8=True, stages=3, msum=True, persist=True),
+    _gluon("gluon-ws-fp8-persist-extend-mixed-h64/8-head-major", [4096, 3000, 1, 700, 129], [1024, 1, 1, 700, 64],
+           pad_rows=5, ws=True, kv_dtype=FP8, q_fp8=True, stages=3, msum=True, persist=True, heads_inner=False),
+    _gluon("gluon-ws-fp8-persist-mha-page16-bn64", [1000, 513], [1000, 17], hq=4, hkv=4, block_size=16, block_n=64,
+           ws=True, kv_dtype=FP8, q_fp8=True, msum=True, persist=True),
+    _gluon("gluon-ws-fp8-persist-pdbuf-2buf-h8/1", [3000, 2048, 65], [3000, 1024, 65], hq=8, hkv=1, ws=True,
+           kv_dtype=FP8, q_fp8=True, stages=2, p_dbuf=True, persist=True),
+    # the 16-bit persistent kernel: the bf16 default's tile, the trees and the row sums before the P·V wait, fp16 at
+    # d64, d256 on 64-key tiles, pages under a tile
+    _gluon("gluon-ws-persist-q2k-h64/8-3buf", [2048], [2048], ws=True, stages=3, persist=True),
+    _gluon("gluon-ws-persist-tree-pvo-extend-mixed-h8/1", [4096, 3000, 1, 700, 129], [1024, 1, 1, 700, 64], hq=8,
+           hkv=1, pad_rows=5, ws=True, stages=3, tree=True, pvo=True, persist=True),
+    _gluon("gluon-ws-persist-fp16-d64-gqa3-page32", [777, 129], [777, 64], hq=12, hkv=4, head_dim=64, block_size=32,
+           q_dtype=torch.float16, kv_dtype=torch.float16, ws=True, persist=True),
+    _gluon("gluon-ws-persist-d256-bn64-page16", [1000, 513], [1000, 17], hq=8, hkv=2, head_dim=256, block_n=64,
+           block_size=16, ws=True, persist=True),
 ]
 
 

@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-from hpcops.attention.prefill import GLUON_WS_FP8_REGS
+from hpcops.attention.prefill import GLUON_WS_FP8_PERSIST_REGS, GLUON_WS_FP8_REGS, GLUON_WS_PERSIST_REGS
 from hpcops.testing import sm90_build_in_subprocess
 
 SCRIPT = textwrap.dedent(r"""
@@ -198,12 +198,13 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
-from hpcops.attention._prefill_gluon import prefill_gluon_ws_kernel
-from hpcops.attention.prefill import GLUON_WS_CONSUMER_REGS, GLUON_WS_FP8_REGS
+from hpcops.attention._prefill_gluon import prefill_gluon_ws_kernel, prefill_gluon_ws_persist_kernel
+from hpcops.attention.prefill import GLUON_WS_CONSUMER_REGS, GLUON_WS_FP8_PERSIST_REGS, GLUON_WS_FP8_REGS
+from hpcops.attention.prefill import GLUON_WS_PERSIST_REGS
 from hpcops.testing import sm90_resources
 
 d, g, tile, page, stages, dt, *flags = json.loads(sys.argv[1])
-p_regs, tree, p_dbuf, pvo, msum = (flags + [False] * 5)[:5]
+p_regs, tree, p_dbuf, pvo, msum, persist = (flags + [False] * 6)[:6]
 gdt = {"bf16": gl.bfloat16, "fp16": gl.float16, "fp8e4nv": gl.float8e4nv}[dt]
 box = min(tile, page)
 desc = f"tensordesc<{dt}[{box}, {d}],{gl.NVMMASharedLayout.get_default_for([box, d], gdt)}>"
@@ -218,8 +219,12 @@ consts = dict(D=d, G=g, TILE=tile, PAGE=page, BLOCK_B=16, STAGES=stages, HEADS_I
               FP8=(2 if p_regs else 3 if p_dbuf else 1) if dt == "fp8e4nv" else 0,
               FP8_CONSUMER_REGS=GLUON_WS_FP8_REGS[0], FP8_PRODUCER_REGS=GLUON_WS_FP8_REGS[1],
               SOFTMAX=(1 if tree else 0) | (2 if pvo else 0) | (4 if msum else 0))
+if persist:  # PrefillConfig.gluon_persist: the kernel as a persistent grid, its own register splits
+    consts.update(FP8_CONSUMER_REGS=GLUON_WS_FP8_PERSIST_REGS[0], FP8_PRODUCER_REGS=GLUON_WS_FP8_PERSIST_REGS[1],
+                  CONSUMER_REGS=GLUON_WS_PERSIST_REGS[0], PRODUCER_REGS=GLUON_WS_PERSIST_REGS[1])
 sig.update({a: "constexpr" for a in consts})
-c = triton.compile(GluonASTSource(prefill_gluon_ws_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
+kernel = prefill_gluon_ws_persist_kernel if persist else prefill_gluon_ws_kernel
+c = triton.compile(GluonASTSource(kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": 4, "maxnreg": 168})
 r = sm90_resources(c)
 ptx = c.asm["ptx"]
@@ -260,6 +265,15 @@ GLUON_WS_BUILDS = {  # name: (head_dim, G, block_n, page, stages, dtype)
     "fp8-d128-h8/1-128-3buf-msum": (128, 8, 128, 64, 3, "fp8e4nv", False, False, False, False, True),
     "fp8-d128-mha-64-page16-msum": (128, 1, 64, 16, 3, "fp8e4nv", False, False, False, False, True),
     "fp8-d128-h8/1-128-3buf-msum-pdbuf-tree": (128, 8, 128, 64, 3, "fp8e4nv", False, True, True, False, True),
+    # PrefillConfig.gluon_persist: the fp8 kernel as a persistent grid (the default fp8 tile, pages under a tile,
+    # two P buffers)
+    "fp8-d128-h8/1-128-3buf-msum-persist": (128, 8, 128, 64, 3, "fp8e4nv", False, False, False, False, True, True),
+    "fp8-d128-mha-64-page16-msum-persist": (128, 1, 64, 16, 3, "fp8e4nv", False, False, False, False, True, True),
+    "fp8-d128-h8/1-128-3buf-pdbuf-persist": (128, 8, 128, 64, 3, "fp8e4nv", False, False, True, False, False, True),
+    # the 16-bit persistent kernel: the bf16 default's tile (with trees and pvo), d256's 64-key tiles
+    "d128-128-3buf-persist": (128, 8, 128, 64, 3, "bf16", False, False, False, False, False, True),
+    "d128-128-3buf-tree-pvo-persist": (128, 8, 128, 64, 3, "bf16", False, True, False, True, False, True),
+    "d256-64-persist": (256, 2, 64, 64, 2, "bf16", False, False, False, False, False, True),
 }
 
 
@@ -273,7 +287,10 @@ def test_gluon_ws_prefill_kernel_builds_for_sm90(name):
     d, g, tile, page, stages, dt = GLUON_WS_BUILDS[name][:6]
     r = sm90_build_in_subprocess(GLUON_WS_BUILD, GLUON_WS_BUILDS[name])
     print(name, r)
-    assert r["spill_bytes"] == 0, r
+    persist = GLUON_WS_BUILDS[name][11:12] == (True,)
+    # the persistent kernel: a few registers of the tile walk's state spilled where a q tile starts and ends (ptxas at
+    # fp8's (216, 72): none in the consumers' K/V loop; d256's consumers spill 112 bytes); every other build none
+    assert r["spill_bytes"] <= ((128 if d > 128 else 64) if persist else 0), r
     k_step = 32 if dt == "fp8e4nv" else 16  # an fp8 wgmma takes 32 of K a step
     msum = GLUON_WS_BUILDS[name][10:11] == (True,)  # gluon_mma_sum: P·1 in the loop and after it, N = 8
     assert r["wgmma"] == 2 * (2 * (d // k_step) + (4 if msum else 2) * (tile // k_step)), r
@@ -282,10 +299,10 @@ def test_gluon_ws_prefill_kernel_builds_for_sm90(name):
         assert r["fadd"] < 32 and r["ones_bits"], r
     elif dt == "fp8e4nv":
         assert r["fadd"] >= tile, r  # each consumer loop: the tile / 2 probabilities a thread holds
-    if dt == "fp8e4nv":  # the 4-warp producer that transposes V, and 224 for each consumer
-        assert set(GLUON_WS_FP8_REGS) <= set(r["setmaxnreg"]), r
+    if dt == "fp8e4nv":  # the 4-warp producer that transposes V, and 224 for each consumer (persistent: 216 / 72)
+        assert set(GLUON_WS_FP8_PERSIST_REGS if persist else GLUON_WS_FP8_REGS) <= set(r["setmaxnreg"]), r
     else:
-        assert {24, 240} <= set(r["setmaxnreg"]), r
+        assert set(GLUON_WS_PERSIST_REGS if persist else (24, 240)) <= set(r["setmaxnreg"]), r
     assert r["cta_barriers"] == 0, r
     assert r["shared"] <= 227 * 1024, r
     if dt == "fp8e4nv" and d == tile == 128:  # Vᵀ by 8-byte stores (_transpose_v's layouts), never byte by byte

@@ -44,9 +44,16 @@ def _tile_of(cu_seqlens_q_ptr, num_reqs, tiles_per_head, num_kv_heads, TOKENS: g
     """This program's (kv head, request, q tile of the request, ok) from the flat tile list: request b owns tiles
     [cum[b] − n[b], cum[b]) with n[b] = cdiv(q_len[b], TOKENS), its heaviest (last) tile first; ok is False for
     the programs past Σ n[b] (the grid is a bound from host shapes)."""
+    return _tile_at(gl.program_id(0), cu_seqlens_q_ptr, num_reqs, tiles_per_head, num_kv_heads, TOKENS, BLOCK_B,
+                    HEADS_INNER, WARPS)
+
+
+@gluon.jit
+def _tile_at(pid, cu_seqlens_q_ptr, num_reqs, tiles_per_head, num_kv_heads, TOKENS: gl.constexpr,
+             BLOCK_B: gl.constexpr, HEADS_INNER: gl.constexpr, WARPS: gl.constexpr):
+    """`_tile_of` for flat tile `pid` (a persistent program's tiles)."""
     b_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[WARPS],
                                               order=[0])
-    pid = gl.program_id(0)
     if HEADS_INNER:
         kv_head = pid % num_kv_heads
         tile = pid // num_kv_heads
@@ -300,11 +307,22 @@ def _p_e4m3(p, ROWS: gl.constexpr, PERM: gl.constexpr):
 
 
 @gluon.jit
+def _ring(j, g0, PERSIST: gl.constexpr):
+    """K/V step j of a q tile as a step of the program's ring: j itself, or (PERSIST, a program that walks several
+    q tiles) g0 + j, g0 the steps of its earlier tiles, so that slots, phases and turns go on across its tiles."""
+    if PERSIST:
+        return g0 + j
+    else:
+        return j
+
+
+@gluon.jit
 def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, turn, bt_row, bt_width, num_blocks,
             k_col, v_col, n, q_start, q_len, first_tok, ctx_len, seq_len, kv_head, c, stride_qt, stride_qh,
             stride_ot, stride_oh, fp8_args, ROW0: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr,
             D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
-            WS: gl.constexpr, WG: gl.constexpr, FP8: gl.constexpr = False, SOFTMAX: gl.constexpr = 0):
+            WS: gl.constexpr, WG: gl.constexpr, FP8: gl.constexpr = False, SOFTMAX: gl.constexpr = 0,
+            G0=0, T0=0, PERSIST: gl.constexpr = False):
     """Rows [ROW0, ROW0 + ROWS) of the q tile (row r: token first_tok + r // G, head kv_head·G + r % G) over the
     request's first n K/V tiles, on WARPS warps (16 rows a warp), into `out`. The tiles arrive in the STAGES-deep
     ring on `full`. Not WS: this routine refills the ring (tile j + STAGES once tile j is done). WS (consumer
@@ -332,7 +350,10 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
     producer writes before its first `vt_full`): the row sums by the tensor cores, l += P8·1 as an N = 8 wgmma
     beside P·V (the same e4m3 P that P·V weighs V by), instead of 64 FADD a thread and tile and a quad shuffle a
     row; each tile's wgmma starts from zero and its sums join l in fp32 (4 FADD a thread), as the fp8 wgmma keeps
-    only ~14 bits where it adds to a large accumulator."""
+    only ~14 bits where it adds to a large accumulator. PERSIST (`PrefillConfig.gluon_persist`, fp8 with P in shared
+    memory: a program walking several q tiles): this q tile's K/V steps are steps G0.. of the program's ring (slots,
+    phases, Vᵀ buffers) and its turns T0..; the last Vᵀ buffer is given back too (the producer refills it for the
+    next q tile)."""
     P_REGS: gl.constexpr = FP8 == 2
     P_DBUF: gl.constexpr = FP8 == 3  # two P buffers a consumer: P_{j+1} is stored before P_j·V_j is waited for
     P_EXP: gl.constexpr = 8 if FP8 else 0  # fp8: P as e4m3(P·256)
@@ -342,6 +363,7 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
     MSUM: gl.constexpr = (SOFTMAX & 4) != 0 and FP8 != 0 and FP8 != 2  # the row sums as l += P8·1 (wgmma N = 8)
     VT_PERM: gl.constexpr = FP8 != 2 and _vt_perm(TILE, D)  # P and Vᵀ in the permuted key order
     gl.static_assert(WS or not FP8, "the fp8 loop runs on the warp-specialized kernel only")
+    gl.static_assert(not PERSIST or (WS and FP8 != 2), "the persistent loop: warp-specialized, P not in fp8 registers")
     DT: gl.constexpr = k_desc.dtype
     KV_BYTES: gl.constexpr = 2 * TILE * D * DT.primitive_bitwidth // 8
     K_STEP: gl.constexpr = 32 if FP8 else 16
@@ -389,38 +411,41 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
     o = gl.zeros([ROWS, D], gl.float32, layout=o_layout)
 
     # tile 0: its scores and probabilities before the loop
-    mbarrier.wait(full.index(0), 0)
-    s = warpgroup_mma(q_buf, k_smem.index(0).permute((1, 0)), gl.zeros([ROWS, TILE], gl.float32, layout=s_layout),
-                      use_acc=False)
+    r0 = _ring(0, G0, PERSIST)
+    mbarrier.wait(full.index(r0 % STAGES), (r0 // STAGES) & 1)
+    s = warpgroup_mma(q_buf, k_smem.index(r0 % STAGES).permute((1, 0)),
+                      gl.zeros([ROWS, TILE], gl.float32, layout=s_layout), use_acc=False)
     p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, c, 0, kv_limit, keys, full_end == 0, FP8, P_EXP, TREE, not MSUM)
     if P_REGS:
         p = gl.convert_layout(_p_operand(p, DT, True), p_layout)
-        mbarrier.arrive(empty.index(0), count=1)  # K_0 is read (and the producer transposes V_0 itself)
+        mbarrier.arrive(empty.index(r0 % STAGES), count=1)  # K_0 is read (and the producer transposes V_0 itself)
     elif FP8:  # P·V's A operand from shared memory (an 8-bit register operand cannot be kept alive across the wait)
         (p_buf.index(2 * WG) if P_DBUF else p_buf).store(_p_e4m3(p, ROWS, VT_PERM))
         fence_async_shared()
-        mbarrier.arrive(empty.index(0), count=1)
+        mbarrier.arrive(empty.index(r0 % STAGES), count=1)
     else:
         p = gl.convert_layout(_p_operand(p, DT, False), p_layout)
     for j in range(n - 1):
-        slot = j % STAGES
-        nxt = (j + 1) % STAGES
+        rj = _ring(j, G0, PERSIST)  # this step's place in the program's ring (j itself unless PERSIST)
+        slot = rj % STAGES
+        nxt = (rj + 1) % STAGES
         if not FP8:
             _zero_v_tail(v_smem.index(slot), j, seq_len, TILE, ld_layout)
-        mbarrier.wait(full.index(nxt), ((j + 1) // STAGES) & 1)
+        mbarrier.wait(full.index(nxt), ((rj + 1) // STAGES) & 1)
         if FP8:  # Vᵀ_j from the producer
-            mbarrier.wait(vt_full.index(j % 2), (j // 2) & 1)
+            mbarrier.wait(vt_full.index(rj % 2), (rj // 2) & 1)
         if WS:  # my turn at the tensor cores: warpgroup 0 first (its first wait passes on the initial phase)
-            mbarrier.wait(turn.index(WG), (j & 1) ^ (1 - WG))
+            mbarrier.wait(turn.index(WG), (_ring(j, T0, PERSIST) & 1) ^ (1 - WG))
         s_tok = warpgroup_mma(q_buf, k_smem.index(nxt).permute((1, 0)),
                               gl.zeros([ROWS, TILE], gl.float32, layout=s_layout), use_acc=False, is_async=True)
         if P_REGS:  # synchronous: waits for S_{j+1} too
-            o = warpgroup_mma(p, vt_buf.index(j % 2).permute((1, 0)), o)
+            o = warpgroup_mma(p, vt_buf.index(rj % 2).permute((1, 0)), o)
             o_tok = o
         elif P_DBUF:
-            o_tok = warpgroup_mma(p_buf.index(2 * WG + j % 2), vt_buf.index(j % 2).permute((1, 0)), o, is_async=True)
+            o_tok = warpgroup_mma(p_buf.index(2 * WG + j % 2), vt_buf.index(rj % 2).permute((1, 0)), o,
+                                  is_async=True)
         elif FP8:
-            o_tok = warpgroup_mma(p_buf, vt_buf.index(j % 2).permute((1, 0)), o, is_async=True)
+            o_tok = warpgroup_mma(p_buf, vt_buf.index(rj % 2).permute((1, 0)), o, is_async=True)
         else:
             o_tok = warpgroup_mma(p, v_smem.index(slot), o, is_async=True)
         if MSUM:  # P_j's row sums (P_DBUF: the buffer P·V reads)
@@ -435,7 +460,7 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
                                                 FP8, P_EXP, TREE, not MSUM)
         if P_REGS:
             mbarrier.arrive(empty.index(nxt), count=1)  # K_{j+1} is read
-            mbarrier.arrive(vt_empty.index(j % 2), count=1)  # P_j·V_j is done
+            mbarrier.arrive(vt_empty.index(rj % 2), count=1)  # P_j·V_j is done
             p = gl.convert_layout(_p_operand(p_next, DT, True), p_layout)
         elif P_DBUF:  # P_{j+1} into the buffer P_{j-1}·V_{j-1} read (waited for a step ago), then P_j·V_j
             mbarrier.arrive(empty.index(nxt), count=1)  # K_{j+1} is read
@@ -446,7 +471,7 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
                 l_acc = l_acc + l_t
             else:
                 o = warpgroup_mma_wait(0, deps=[o_tok])
-            mbarrier.arrive(vt_empty.index(j % 2), count=1)  # P_j·V_j is done with Vᵀ_j
+            mbarrier.arrive(vt_empty.index(rj % 2), count=1)  # P_j·V_j is done with Vᵀ_j
         elif FP8:
             mbarrier.arrive(empty.index(nxt), count=1)  # K_{j+1} is read
             p8 = _p_e4m3(p_next, ROWS, VT_PERM)
@@ -455,7 +480,7 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
                 l_acc = l_acc + l_t
             else:
                 o = warpgroup_mma_wait(0, deps=[o_tok])
-            mbarrier.arrive(vt_empty.index(j % 2), count=1)  # P_j·V_j is done with Vᵀ_j and with p_buf
+            mbarrier.arrive(vt_empty.index(rj % 2), count=1)  # P_j·V_j is done with Vᵀ_j and with p_buf
             p_buf.store(p8)
             fence_async_shared()
         else:
@@ -474,20 +499,25 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
             l_acc = l_acc * gl.convert_layout(alpha, gl.SliceLayout(1, l_layout))[:, None]
         if not FP8:
             p = p_next
-    last = (n - 1) % STAGES
+    rl = _ring(n - 1, G0, PERSIST)
+    last = rl % STAGES
     if FP8:
-        mbarrier.wait(vt_full.index((n - 1) % 2), ((n - 1) // 2) & 1)
+        mbarrier.wait(vt_full.index(rl % 2), (rl // 2) & 1)
         if P_DBUF:
-            o = warpgroup_mma(p_buf.index(2 * WG + (n - 1) % 2), vt_buf.index((n - 1) % 2).permute((1, 0)), o)
+            o = warpgroup_mma(p_buf.index(2 * WG + (n - 1) % 2), vt_buf.index(rl % 2).permute((1, 0)), o)
         else:
-            o = warpgroup_mma(p if P_REGS else p_buf, vt_buf.index((n - 1) % 2).permute((1, 0)), o)
+            o = warpgroup_mma(p if P_REGS else p_buf, vt_buf.index(rl % 2).permute((1, 0)), o)
         if MSUM:
             l_acc = l_acc + warpgroup_mma(p_buf.index(2 * WG + (n - 1) % 2) if P_DBUF else p_buf,
                                           ones_buf.permute((1, 0)), l_zero, use_acc=False)
             l_i = gl.convert_layout(gl.max(l_acc, axis=1), rows_s)
+        if PERSIST:  # the last Vᵀ buffer back to the producer too: it fills it again for the next q tile
+            mbarrier.arrive(vt_empty.index(rl % 2), count=1)
     else:
         _zero_v_tail(v_smem.index(last), n - 1, seq_len, TILE, ld_layout)
         o = warpgroup_mma(p, v_smem.index(last), o)
+        if PERSIST:  # the last K/V buffer back to the producer too (16-bit: released after P·V)
+            mbarrier.arrive(empty.index(last), count=1)
 
     l_o = gl.convert_layout(l_i, rows_o)
     if FP8:
@@ -559,11 +589,22 @@ def _ws_producer(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAG
      v_col, n, q_start, q_len, first_tok, ctx_len, seq_len, kv_head, c, stride_qt, stride_qh, stride_ot,
      stride_oh, q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, vt_smem, p_smem, vt_full,
      vt_empty, ones_smem) = args
+    _produce_tiles(k_desc, v_desc, k_smem, v_smem, full, empty, bt_row, bt_width, num_blocks, k_col, v_col, n, 0, D,
+                   TILE, PAGE, STAGES)
+
+
+@gluon.jit
+def _produce_tiles(k_desc, v_desc, k_smem, v_smem, full, empty, bt_row, bt_width, num_blocks, k_col, v_col, n, g0,
+                   D: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
+                   PERSIST: gl.constexpr = False):
+    """The 16-bit producer warp's K/V loads of a q tile, each once both consumers released its buffer (after their
+    P·V of the tile it held). PERSIST: ring steps g0.. (`_ring`)."""
     KV_BYTES: gl.constexpr = 2 * TILE * D * k_desc.dtype.primitive_bitwidth // 8
     for j in range(n):
-        slot = j % STAGES
+        rj = _ring(j, g0, PERSIST)
+        slot = rj % STAGES
         # a buffer is free once both consumers released it (mbarriers start with phase 1 complete)
-        mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)
+        mbarrier.wait(empty.index(slot), ((rj // STAGES) & 1) ^ 1)
         _issue_tile(k_desc, v_desc, k_smem, v_smem, full, bt_row, bt_width, num_blocks, j, k_col, v_col, slot, True,
                     PAGE, TILE, KV_BYTES)
 
@@ -581,30 +622,61 @@ def _ws_producer_fp8(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr,
      v_col, n, q_start, q_len, first_tok, ctx_len, seq_len, kv_head, c, stride_qt, stride_qh, stride_ot,
      stride_oh, q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, vt_smem, p_smem, vt_full,
      vt_empty, ones_smem) = args
+    _produce_fp8_first(k_desc, v_desc, k_smem, v_smem, full, empty, bt_row, bt_width, num_blocks, k_col, v_col, n, 0,
+                       D, TILE, PAGE, STAGES)
+    if (SOFTMAX & 4) != 0 and FP8 != 2:
+        _store_ones(ones_smem, k_desc.dtype, TILE)
+    _produce_fp8_steps(k_desc, v_desc, k_smem, v_smem, full, empty, vt_smem, vt_full, vt_empty, bt_row, bt_width,
+                       num_blocks, k_col, v_col, n, seq_len, 0, D, TILE, PAGE, STAGES, FP8)
+
+
+@gluon.jit
+def _store_ones(ones_smem, DT: gl.constexpr, TILE: gl.constexpr):
+    """`gluon_mma_sum`'s [8, TILE] e4m3 ones (P·1's B operand), by the 4-warp producer."""
+    ones_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, TILE // 16], threads_per_warp=[2, 16],
+                                                 warps_per_cta=[4, 1], order=[1, 0])  # 8 rows on 4 warps
+    # e4m3 1.0 as its bits (0x38): the fp32 constant 1.0 cast to e4m3 comes out wrong on sm_90 (Triton 3.6: a
+    # mix of 0x38, 0x60 and 0xFC bytes in shared memory, measured on the H200)
+    ones_smem.store(gl.full([8, TILE], 0x38, gl.uint8, layout=ones_layout).to(DT, bitcast=True))
+    fence_async_shared()  # for the wgmma (async proxy); the loop's barrier and vt_full arrival publish it
+
+
+@gluon.jit
+def _produce_fp8_first(k_desc, v_desc, k_smem, v_smem, full, empty, bt_row, bt_width, num_blocks, k_col, v_col, n,
+                       g0, D: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
+                       PERSIST: gl.constexpr = False):
+    """A q tile's first STAGES K/V tiles into the ring. PERSIST: they are ring steps g0.., and each waits until its
+    buffer's previous load (an earlier q tile's) is released by both consumers and the transpose."""
     KV_BYTES: gl.constexpr = 2 * TILE * D * k_desc.dtype.primitive_bitwidth // 8
     for i0 in gl.static_range(STAGES):
-        _issue_tile(k_desc, v_desc, k_smem, v_smem, full, bt_row, bt_width, num_blocks, i0, k_col, v_col, i0,
-                    i0 < n, PAGE, TILE, KV_BYTES)
-    if (SOFTMAX & 4) != 0 and FP8 != 2:
-        ones_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, TILE // 16], threads_per_warp=[2, 16],
-                                                     warps_per_cta=[4, 1], order=[1, 0])  # 8 rows on 4 warps
-        # e4m3 1.0 as its bits (0x38): the fp32 constant 1.0 cast to e4m3 comes out wrong on sm_90 (Triton 3.6: a
-        # mix of 0x38, 0x60 and 0xFC bytes in shared memory, measured on the H200)
-        ones_smem.store(gl.full([8, TILE], 0x38, gl.uint8, layout=ones_layout).to(k_desc.dtype, bitcast=True))
-        fence_async_shared()  # for the wgmma (async proxy); the loop's barrier and vt_full arrival publish it
+        r = _ring(i0, g0, PERSIST)
+        if PERSIST:
+            mbarrier.wait(empty.index(r % STAGES), ((r // STAGES) & 1) ^ 1, pred=i0 < n)
+        _issue_tile(k_desc, v_desc, k_smem, v_smem, full, bt_row, bt_width, num_blocks, i0, k_col, v_col,
+                    r % STAGES, i0 < n, PAGE, TILE, KV_BYTES)
+
+
+@gluon.jit
+def _produce_fp8_steps(k_desc, v_desc, k_smem, v_smem, full, empty, vt_smem, vt_full, vt_empty, bt_row, bt_width,
+                       num_blocks, k_col, v_col, n, seq_len, g0, D: gl.constexpr, TILE: gl.constexpr,
+                       PAGE: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr, PERSIST: gl.constexpr = False):
+    """A q tile's K/V steps in the producer: the refills (tile j-1+STAGES at step j) and each V_j transposed into
+    Vᵀ buffer (ring step) % 2. PERSIST: ring steps g0.. (`_ring`)."""
+    KV_BYTES: gl.constexpr = 2 * TILE * D * k_desc.dtype.primitive_bitwidth // 8
     for j in range(n):
-        slot = j % STAGES
+        rj = _ring(j, g0, PERSIST)
+        slot = rj % STAGES
         if j >= 1:  # refill the previous tile's buffer with tile j-1+STAGES
-            prev = (j - 1) % STAGES
+            prev = (rj - 1) % STAGES
             if j - 1 + STAGES < n:
-                mbarrier.wait(empty.index(prev), ((j - 1) // STAGES) & 1)
+                mbarrier.wait(empty.index(prev), ((rj - 1) // STAGES) & 1)
                 _issue_tile(k_desc, v_desc, k_smem, v_smem, full, bt_row, bt_width, num_blocks, j - 1 + STAGES,
                             k_col, v_col, prev, True, PAGE, TILE, KV_BYTES)
-        mbarrier.wait(full.index(slot), (j // STAGES) & 1)
-        mbarrier.wait(vt_empty.index(j % 2), ((j // 2) & 1) ^ 1)  # P·V_{j-2} is done in both consumers
-        _transpose_v(v_smem.index(slot), vt_smem.index(j % 2), j, seq_len, TILE, D, FP8 != 2 and _vt_perm(TILE, D))
+        mbarrier.wait(full.index(slot), (rj // STAGES) & 1)
+        mbarrier.wait(vt_empty.index(rj % 2), ((rj // 2) & 1) ^ 1)  # P·V_{j-2} is done in both consumers
+        _transpose_v(v_smem.index(slot), vt_smem.index(rj % 2), j, seq_len, TILE, D, FP8 != 2 and _vt_perm(TILE, D))
         gl.thread_barrier()  # all 4 warps' Vᵀ stores (each fenced for the async proxy) before the arrivals
-        mbarrier.arrive(vt_full.index(j % 2), count=1)
+        mbarrier.arrive(vt_full.index(rj % 2), count=1)
         mbarrier.arrive(empty.index(slot), count=1)
 
 
@@ -637,6 +709,30 @@ def _ws_consumer0(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PA
 def _ws_consumer1(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr,
                   STAGES: gl.constexpr, FP8: gl.constexpr, SOFTMAX: gl.constexpr):
     _ws_consume(args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX, 1)
+
+
+@gluon.jit
+def _fp8_buffers(DT: gl.constexpr, D: gl.constexpr, TILE: gl.constexpr, FP8: gl.constexpr, SOFTMAX: gl.constexpr):
+    """The fp8 kernel's shared memory beside q and the K/V ring: two Vᵀ buffers (the fp8 P·V's B operand, keys
+    contiguous), each consumer's e4m3 P (the A operand; two each with FP8 3, none with P in registers), their
+    mbarriers (initialized), and gluon_mma_sum's [8, TILE] ones: (vt, p, vt_full, vt_empty, ones)."""
+    vt_smem = gl.allocate_shared_memory(DT, [2, D, TILE], gl.NVMMASharedLayout.get_default_for([D, TILE], DT))
+    if FP8 == 2:
+        p_smem = vt_smem  # P stays in registers: not read
+    elif FP8 == 3:  # two P buffers a consumer
+        p_smem = gl.allocate_shared_memory(DT, [4, 64, TILE], gl.NVMMASharedLayout.get_default_for([64, TILE], DT))
+    else:
+        p_smem = gl.allocate_shared_memory(DT, [2, 64, TILE], gl.NVMMASharedLayout.get_default_for([64, TILE], DT))
+    vt_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    vt_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    if SOFTMAX & 4:  # gluon_mma_sum: [8, TILE] e4m3 ones, P·1's B operand (N = 8, keys contiguous)
+        ones_smem = gl.allocate_shared_memory(DT, [8, TILE], gl.NVMMASharedLayout.get_default_for([8, TILE], DT))
+    else:
+        ones_smem = vt_smem  # not read
+    for ib in gl.static_range(2):
+        mbarrier.init(vt_full.index(ib), count=1)
+        mbarrier.init(vt_empty.index(ib), count=2)  # both consumers' P·V
+    return vt_smem, p_smem, vt_full, vt_empty, ones_smem
 
 
 @gluon.jit
@@ -674,23 +770,8 @@ def prefill_gluon_ws_kernel(
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    if FP8:  # two Vᵀ buffers (the fp8 P·V's B operand, keys contiguous) and each consumer's e4m3 P (the A operand)
-        vt_smem = gl.allocate_shared_memory(DT, [2, D, TILE], gl.NVMMASharedLayout.get_default_for([D, TILE], DT))
-        if FP8 == 2:
-            p_smem = vt_smem  # P stays in registers: not read
-        elif FP8 == 3:  # two P buffers a consumer
-            p_smem = gl.allocate_shared_memory(DT, [4, 64, TILE], gl.NVMMASharedLayout.get_default_for([64, TILE], DT))
-        else:
-            p_smem = gl.allocate_shared_memory(DT, [2, 64, TILE], gl.NVMMASharedLayout.get_default_for([64, TILE], DT))
-        vt_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        vt_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        if SOFTMAX & 4:  # gluon_mma_sum: [8, TILE] e4m3 ones, P·1's B operand (N = 8, keys contiguous)
-            ones_smem = gl.allocate_shared_memory(DT, [8, TILE], gl.NVMMASharedLayout.get_default_for([8, TILE], DT))
-        else:
-            ones_smem = vt_smem  # not read
-        for ib in gl.static_range(2):
-            mbarrier.init(vt_full.index(ib), count=1)
-            mbarrier.init(vt_empty.index(ib), count=2)  # both consumers' P·V
+    if FP8:
+        vt_smem, p_smem, vt_full, vt_empty, ones_smem = _fp8_buffers(DT, D, TILE, FP8, SOFTMAX)
     else:
         vt_smem = q_smem  # not read
         if SOFTMAX & 2:  # each consumer's row sums, written before its P·V wait (`_attend`'s PV_OVERLAP)
@@ -719,3 +800,190 @@ def prefill_gluon_ws_kernel(
         gl.warp_specialize([(_ws_consumer0, (args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX)),
                             (_ws_consumer1, (args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX)),
                             (_ws_producer, (args, D, G, TILE, PAGE, STAGES, FP8))], [4, 1], [CONSUMER_REGS, 24])
+
+
+# ---- persistent fp8 variant (PrefillConfig.gluon_persist): one program an SM walks q tiles -----------------------
+# The warp-specialized fp8 kernel launches a program a q tile; one fits an SM (~165 KB of shared memory), so each
+# tile's pipeline fill (q load, the first K/V TMA, the first transpose) and drain (the last P·V, the epilogue) leave
+# the SM's tensor cores idle. Here a program an SM walks the flat tile list in snake order (wave i forward when even,
+# backward when odd: the heaviest-first list then pairs heavy with light tiles); every partition walks the same
+# tiles, and the ring, the Vᵀ buffers and the consumers' turns go on across them (`_ring`), so the producer fills the
+# next tile's K/V while the consumers finish this one.
+
+
+@gluon.jit
+def _snake(i, pid, nprog):
+    """The flat tile of a persistent program's i-th step: wave i, forward on even waves, backward on odd ones."""
+    return i * nprog + pid + (i % 2) * (nprog - 1 - 2 * pid)
+
+
+@gluon.jit
+def _ws_consume_persist(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr,
+                        STAGES: gl.constexpr, FP8: gl.constexpr, SOFTMAX: gl.constexpr, WG: gl.constexpr,
+                        BLOCK_B: gl.constexpr, HEADS_INNER: gl.constexpr):
+    (q_ptr, out_ptr, k_desc, v_desc, q_smem, k_smem, v_smem, full, empty, turn, bt_ptr, stride_bt, bt_width,
+     num_blocks, stride_kh, stride_vh, cu_seqlens_q_ptr, seq_lens_ptr, num_reqs, tiles_per_head, num_kv_heads, c,
+     stride_qt, stride_qh, stride_ot, stride_oh, q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr,
+     vt_smem, p_smem, vt_full, vt_empty, ones_smem) = args
+    if FP8 == 3:  # all four P buffers, two a consumer: `_attend` picks 2·WG + tile % 2
+        p_bufs = p_smem
+    else:
+        p_bufs = p_smem.index(WG)
+    TOKENS: gl.constexpr = 128 // G
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    bound = tiles_per_head * num_kv_heads
+    g0 = pid * 0  # ring steps of this program's earlier tiles
+    t0 = pid * 0  # turns of its earlier tiles (a tile of n K/V tiles takes n - 1)
+    for i in range(gl.cdiv(bound, nprog)):
+        t = _snake(i, pid, nprog)
+        kv_head, req, m_blk, ok = _tile_at(t, cu_seqlens_q_ptr, num_reqs, tiles_per_head, num_kv_heads, TOKENS,
+                                           BLOCK_B, HEADS_INNER, 4)
+        if ok & (t < bound):
+            q_start, q_len, seq_len, ctx_len, first_tok, n = _request_span(cu_seqlens_q_ptr, seq_lens_ptr, req, m_blk,
+                                                                          TOKENS, TILE)
+            _attend(q_ptr, out_ptr, k_desc, v_desc, q_smem.index(WG), k_smem, v_smem, full, empty, turn,
+                    bt_ptr + req.to(gl.int64) * stride_bt, bt_width, num_blocks, kv_head * stride_kh,
+                    kv_head * stride_vh, n, q_start, q_len, first_tok, ctx_len, seq_len, kv_head, c, stride_qt,
+                    stride_qh, stride_ot, stride_oh,
+                    (q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, vt_smem, p_bufs, vt_full, vt_empty,
+                     ones_smem),
+                    WG * 64, 64, 4, D, G, TILE, PAGE, STAGES, True, WG, FP8, SOFTMAX, g0, t0, True)
+            g0 += n
+            t0 += n - 1
+
+
+@gluon.jit
+def _ws_consumer0_persist(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr,
+                          STAGES: gl.constexpr, FP8: gl.constexpr, SOFTMAX: gl.constexpr, BLOCK_B: gl.constexpr,
+                          HEADS_INNER: gl.constexpr):
+    _ws_consume_persist(args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX, 0, BLOCK_B, HEADS_INNER)
+
+
+@gluon.jit
+def _ws_consumer1_persist(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr,
+                          STAGES: gl.constexpr, FP8: gl.constexpr, SOFTMAX: gl.constexpr, BLOCK_B: gl.constexpr,
+                          HEADS_INNER: gl.constexpr):
+    _ws_consume_persist(args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX, 1, BLOCK_B, HEADS_INNER)
+
+
+@gluon.jit
+def _ws_producer_fp8_persist(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr,
+                             STAGES: gl.constexpr, FP8: gl.constexpr, SOFTMAX: gl.constexpr, BLOCK_B: gl.constexpr,
+                             HEADS_INNER: gl.constexpr):
+    """`_ws_producer_fp8` over the program's tiles (the consumers' sequence): a tile's first K/V loads go out as soon
+    as the buffers they take are released, while the consumers still work on the tile before."""
+    (q_ptr, out_ptr, k_desc, v_desc, q_smem, k_smem, v_smem, full, empty, turn, bt_ptr, stride_bt, bt_width,
+     num_blocks, stride_kh, stride_vh, cu_seqlens_q_ptr, seq_lens_ptr, num_reqs, tiles_per_head, num_kv_heads, c,
+     stride_qt, stride_qh, stride_ot, stride_oh, q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr,
+     vt_smem, p_smem, vt_full, vt_empty, ones_smem) = args
+    if (SOFTMAX & 4) != 0:
+        _store_ones(ones_smem, k_desc.dtype, TILE)  # published by the first vt_full
+    TOKENS: gl.constexpr = 128 // G
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    bound = tiles_per_head * num_kv_heads
+    g0 = pid * 0
+    for i in range(gl.cdiv(bound, nprog)):
+        t = _snake(i, pid, nprog)
+        kv_head, req, m_blk, ok = _tile_at(t, cu_seqlens_q_ptr, num_reqs, tiles_per_head, num_kv_heads, TOKENS,
+                                           BLOCK_B, HEADS_INNER, 4)
+        if ok & (t < bound):
+            q_start, q_len, seq_len, ctx_len, first_tok, n = _request_span(cu_seqlens_q_ptr, seq_lens_ptr, req, m_blk,
+                                                                          TOKENS, TILE)
+            bt_row = bt_ptr + req.to(gl.int64) * stride_bt
+            _produce_fp8_first(k_desc, v_desc, k_smem, v_smem, full, empty, bt_row, bt_width, num_blocks,
+                               kv_head * stride_kh, kv_head * stride_vh, n, g0, D, TILE, PAGE, STAGES, True)
+            _produce_fp8_steps(k_desc, v_desc, k_smem, v_smem, full, empty, vt_smem, vt_full, vt_empty, bt_row,
+                               bt_width, num_blocks, kv_head * stride_kh, kv_head * stride_vh, n, seq_len, g0, D,
+                               TILE, PAGE, STAGES, FP8, True)
+            g0 += n
+
+
+@gluon.jit
+def _ws_producer_persist(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr,
+                         STAGES: gl.constexpr, FP8: gl.constexpr, SOFTMAX: gl.constexpr, BLOCK_B: gl.constexpr,
+                         HEADS_INNER: gl.constexpr):
+    """`_ws_producer` (the 16-bit kernel's 1-warp producer) over the program's tiles."""
+    (q_ptr, out_ptr, k_desc, v_desc, q_smem, k_smem, v_smem, full, empty, turn, bt_ptr, stride_bt, bt_width,
+     num_blocks, stride_kh, stride_vh, cu_seqlens_q_ptr, seq_lens_ptr, num_reqs, tiles_per_head, num_kv_heads, c,
+     stride_qt, stride_qh, stride_ot, stride_oh, q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr,
+     vt_smem, p_smem, vt_full, vt_empty, ones_smem) = args
+    TOKENS: gl.constexpr = 128 // G
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    bound = tiles_per_head * num_kv_heads
+    g0 = pid * 0
+    for i in range(gl.cdiv(bound, nprog)):
+        t = _snake(i, pid, nprog)
+        kv_head, req, m_blk, ok = _tile_at(t, cu_seqlens_q_ptr, num_reqs, tiles_per_head, num_kv_heads, TOKENS,
+                                           BLOCK_B, HEADS_INNER, 1)
+        if ok & (t < bound):
+            q_start, q_len, seq_len, ctx_len, first_tok, n = _request_span(cu_seqlens_q_ptr, seq_lens_ptr, req, m_blk,
+                                                                          TOKENS, TILE)
+            _produce_tiles(k_desc, v_desc, k_smem, v_smem, full, empty, bt_ptr + req.to(gl.int64) * stride_bt,
+                           bt_width, num_blocks, kv_head * stride_kh, kv_head * stride_vh, n, g0, D, TILE, PAGE,
+                           STAGES, True)
+            g0 += n
+
+
+@gluon.jit
+def prefill_gluon_ws_persist_kernel(
+    q_ptr, k_desc, v_desc, bt_ptr, seq_lens_ptr, cu_seqlens_q_ptr, out_ptr, sm_scale_log2,
+    num_reqs, tiles_per_head, num_kv_heads, bt_width, num_blocks,
+    stride_qt, stride_qh, stride_kh, stride_vh, stride_bt, stride_ot, stride_oh,
+    q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr,
+    D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr, BLOCK_B: gl.constexpr,
+    STAGES: gl.constexpr, HEADS_INNER: gl.constexpr, num_warps: gl.constexpr, FP8: gl.constexpr = 1,
+    FP8_CONSUMER_REGS: gl.constexpr = 224, FP8_PRODUCER_REGS: gl.constexpr = 56, SOFTMAX: gl.constexpr = 0,
+    CONSUMER_REGS: gl.constexpr = 240, PRODUCER_REGS: gl.constexpr = 24,
+):
+    """`prefill_gluon_ws_kernel` as a persistent grid (a program an SM, each walking q tiles `_snake`'s way): its
+    16-bit mode (FP8 0: the 1-warp producer, CONSUMER_REGS / PRODUCER_REGS) or its fp8 mode with P in shared memory
+    (FP8 1 or 3); same partitions and shared memory."""
+    gl.static_assert(num_warps == 4, "the default partition is consumer warpgroup 0")
+    gl.static_assert(STAGES >= 2, "two K/V buffers at least")
+    gl.static_assert(FP8 != 2, "P in fp8 registers has no persistent form")
+    DT: gl.constexpr = k_desc.dtype
+    q_smem = gl.allocate_shared_memory(DT, [2, 64, D], gl.NVMMASharedLayout.get_default_for([64, D], DT))
+    k_smem = gl.allocate_shared_memory(DT, [STAGES, TILE, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(DT, [STAGES, TILE, D], v_desc.layout)
+    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    if FP8:
+        vt_smem, p_smem, vt_full, vt_empty, ones_smem = _fp8_buffers(DT, D, TILE, FP8, SOFTMAX)
+    else:
+        vt_smem = q_smem  # not read
+        if SOFTMAX & 2:  # each consumer's row sums, written before its P·V wait (`_attend`'s PV_OVERLAP)
+            p_smem = gl.allocate_shared_memory(gl.float32, [2, 64], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        else:
+            p_smem = q_smem
+        vt_full = turn
+        vt_empty = turn
+        ones_smem = q_smem  # not read
+    for ib in gl.static_range(STAGES):
+        mbarrier.init(full.index(ib), count=1)
+        mbarrier.init(empty.index(ib), count=3 if FP8 else 2)  # both consumers (fp8: and the producer's transpose)
+    for ib in gl.static_range(2):
+        mbarrier.init(turn.index(ib), count=1)
+    args = (q_ptr, out_ptr, k_desc, v_desc, q_smem, k_smem, v_smem, full, empty, turn, bt_ptr, stride_bt, bt_width,
+            num_blocks, stride_kh, stride_vh, cu_seqlens_q_ptr, seq_lens_ptr, num_reqs, tiles_per_head, num_kv_heads,
+            sm_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, q_scale_ptr, stride_qst, stride_qsh,
+            k_scale_ptr, v_scale_ptr, vt_smem, p_smem, vt_full, vt_empty, ones_smem)
+    if FP8:
+        gl.warp_specialize([(_ws_consumer0_persist, (args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX, BLOCK_B,
+                                                     HEADS_INNER)),
+                            (_ws_consumer1_persist, (args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX, BLOCK_B,
+                                                     HEADS_INNER)),
+                            (_ws_producer_fp8_persist, (args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX, BLOCK_B,
+                                                        HEADS_INNER))],
+                           [4, 4], [FP8_CONSUMER_REGS, FP8_PRODUCER_REGS])
+    else:
+        gl.warp_specialize([(_ws_consumer0_persist, (args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX, BLOCK_B,
+                                                     HEADS_INNER)),
+                            (_ws_consumer1_persist, (args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX, BLOCK_B,
+                                                     HEADS_INNER)),
+                            (_ws_producer_persist, (args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX, BLOCK_B,
+                                                    HEADS_INNER))],
+                           [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -18,6 +18,7 @@ from hpcops._checks import (
     values_checkable,
 )
 from hpcops._library import register
+from hpcops._platform import num_sms
 from hpcops.attention import decode as _decode
 from hpcops.attention._prefill_kernels import prefill_attention_fwd_kernel
 from hpcops.attention._tma import gluon_kv_descriptor, kv_descriptor, kv_tma_unsupported_reason, tma_unsupported_reason
@@ -78,6 +79,12 @@ class PrefillConfig:
     fp8 cases is the CUDA-core sums' or lower (H200, `bench/results/probe_prefill_fp8_err.md`: 2q1ks4k RMS 2.50e-2
     both, h8/1 q4k max 9.2e-3 against 1.08e-2). `gluon_config(fp8=True)` turns it on (bench row `hpcops-fp8q-fsum`:
     the CUDA-core sums beside it).
+    `gluon_persist` (the warp-specialized kernel, 16-bit or fp8 with P in shared memory): a persistent grid, a
+    program an SM walking the flat tile list in snake order (`prefill_gluon_ws_persist_kernel`), so that the
+    producer loads the next q tile's K/V while the consumers finish this one: a program a tile leaves each tile's
+    pipeline fill and drain (the q load, the first K/V TMA (fp8: and transpose), the last P·V, the epilogue)
+    exposed, ~6-10 % of a tile at q4k-q8k by the bench's per-wave times. Opt-in, not yet measured on the H200
+    (bench rows `hpcops-fp8q-persist`, `hpcops-persist`).
     `tma`, `pv_fp8`, `quant_q` and `fma_scale` are the `tl` kernel's (the Gluon kernel always reads by TMA and
     scales inside exp2).
     """
@@ -98,6 +105,7 @@ class PrefillConfig:
     gluon_p_dbuf: bool = False
     gluon_pv_overlap: bool = False
     gluon_mma_sum: bool = False
+    gluon_persist: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
@@ -165,6 +173,12 @@ GLUON_WS_CONSUMER_REGS = 240  # registers of a consumer warpgroup in the warp-sp
 # fp8: the consumers' and the 4-warp producer's registers (the producer transposes V): 2 · 224 + 56 = 504, the
 # launch's 168 a thread over 3 warpgroups (no spill in ptxas)
 GLUON_WS_FP8_REGS = (224, 56)
+# the persistent fp8 kernel (`gluon_persist`): its producer keeps the tile walk's state beside the transpose (56
+# spilled ~56 bytes in its K/V loop in ptxas), its consumers need less than 224 (208 builds without a spill)
+GLUON_WS_FP8_PERSIST_REGS = (216, 72)
+# the persistent 16-bit kernel: consumers and the 1-warp producer, which walks the tiles too (at 24 it spilled 48
+# bytes in ptxas, at 40 24)
+GLUON_WS_PERSIST_REGS = (240, 40)
 GLUON_FEW_TILES = 96  # fewer 128-row tiles than this (of an H200's 132 SMs) run on 64-row tiles
 GLUON_MIN_Q = 512  # up to this q_len with many tiles the heuristic keeps the tl kernel (faster at h64/8 q512)
 
@@ -363,6 +377,9 @@ def gluon_config_reason(config: PrefillConfig, *, fp8: bool, head_dim: int, grou
         return "gluon_pv_overlap is for the 16-bit warp-specialized kernel (fp8: gluon_p_dbuf)"
     if config.gluon_mma_sum and (not fp8 or config.gluon_p_regs):
         return "gluon_mma_sum is for an fp8 q over fp8 KV with P in shared memory (not gluon_p_regs)"
+    if config.gluon_persist and (not config.gluon_ws or config.gluon_p_regs):
+        return ("gluon_persist is for the warp-specialized kernel (gluon_ws), fp8 with P in shared memory "
+                "(not gluon_p_regs)")
     if fp8 and d > 128:
         return f"head_dim {d} with fp8 (the fp8 consumer's registers spill above 128: 496 bytes at 256 in ptxas)"
     if fp8 and config.block_n % 32:
@@ -395,7 +412,11 @@ def _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, out,
                   config: PrefillConfig, q_scale=None, k_scale=None, v_scale=None) -> None:
     """The Gluon kernel (`PrefillConfig.gluon`) over the `tl` kernel's flat tile list; with an fp8 q (its
     `q_scale`) over fp8 KV the warp-specialized kernel's FP8 mode."""
-    from hpcops.attention._prefill_gluon import prefill_gluon_kernel, prefill_gluon_ws_kernel
+    from hpcops.attention._prefill_gluon import (
+        prefill_gluon_kernel,
+        prefill_gluon_ws_kernel,
+        prefill_gluon_ws_persist_kernel,
+    )
 
     hq, d = q.shape[1], q.shape[2]
     page, hkv = k_cache.shape[1], k_cache.shape[2]
@@ -416,6 +437,15 @@ def _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, out,
         # 3 warpgroups (consumer 0 = the default partition, consumer 1, the producer warp rounded up; fp8: a 4-warp
         # producer): 168 registers each at launch, moved by setmaxnreg to 240 / 240 / 24 (fp8: 224 / 224 / 56)
         # inside the specialized region
+        if config.gluon_persist:  # a program an SM, each walking q tiles
+            grid = (max(1, min(tiles_per_head * hkv, num_sms(q.device))),)
+            prefill_gluon_ws_persist_kernel[grid](*args, *scales, **common, num_warps=4,
+                                                  FP8=_fp8_mode(config) if fp8 else 0,
+                                                  FP8_CONSUMER_REGS=GLUON_WS_FP8_PERSIST_REGS[0],
+                                                  FP8_PRODUCER_REGS=GLUON_WS_FP8_PERSIST_REGS[1],
+                                                  CONSUMER_REGS=GLUON_WS_PERSIST_REGS[0],
+                                                  PRODUCER_REGS=GLUON_WS_PERSIST_REGS[1], maxnreg=168, **softmax)
+            return
         prefill_gluon_ws_kernel[(tiles_per_head * hkv,)](*args, *scales, **common,
                                                          CONSUMER_REGS=GLUON_WS_CONSUMER_REGS, num_warps=4,
                                                          FP8=_fp8_mode(config) if fp8 else 0,

@@ -130,7 +130,7 @@ GLUON_FP8_MSUM = {**GLUON_FP8, "gluon_mma_sum": True}
 GLUON_BF16_TREE = {**GLUON_FP8, "gluon_tree": True}
 
 BOOL_FIELDS = ("pv_fp8", "quant_q", "fma_scale", "heads_inner", "gluon", "gluon_ws", "gluon_p_regs", "gluon_tree",
-               "gluon_p_dbuf", "gluon_pv_overlap", "gluon_mma_sum")
+               "gluon_p_dbuf", "gluon_pv_overlap", "gluon_mma_sum", "gluon_persist")
 
 
 def config_override(variant: dict | None = None):
@@ -393,6 +393,11 @@ def cases(opts: dict) -> Iterator[Case]:
                              note="variant: the Gluon fp8 kernel, row sums on the CUDA cores (gluon_mma_sum=False)")
                     )
                     impls.append(
+                        Impl("hpcops-fp8q-persist", _ours(True, {**GLUON_FP8_MSUM, "gluon_persist": True}),
+                             note="variant: the fp8 default as a persistent grid, a program an SM walking the tiles "
+                             "(gluon_persist=True)")
+                    )
+                    impls.append(
                         Impl("hpcops-fp8q-tree", _ours(True, {**GLUON_FP8, "gluon_tree": True}),
                              note="variant: the Gluon fp8 kernel with its row max and sum as trees (gluon_tree=True)")
                     )
@@ -405,6 +410,11 @@ def cases(opts: dict) -> Iterator[Case]:
                         Impl("hpcops-tree", _ours(False, GLUON_BF16_TREE),
                              note="variant: the warp-specialized Gluon kernel with its row max and sum as trees "
                              "(gluon_tree=True)")
+                    )
+                    impls.append(
+                        Impl("hpcops-persist", _ours(False, {**GLUON_BF16_TREE, "gluon_persist": True}),
+                             note="variant: the bf16 default's kernel as a persistent grid (gluon_tree=True, "
+                             "gluon_persist=True)")
                     )
                 # variants timed in the same run: the pointer path (TMA is the default where the layout allows)
                 impls.append(

@@ -115,6 +115,7 @@ GLUON_SPACE = (
     knob("gluon_p_dbuf", False, True),
     knob("gluon_pv_overlap", False, True),
     knob("gluon_mma_sum", False, True),
+    knob("gluon_persist", False, True),
 )
 
 
@@ -140,6 +141,7 @@ class PrefillGluonTune(PrefillTune):
 
         return gluon_config_reason(PrefillConfig(**cand), fp8=c.fp8_q, head_dim=suite.HEAD_DIM,
                                    group=c.s.hq // c.s.hkv, page=suite.PAGE, elem_bytes=1 if c.fp8_q else 2) is None
+
 
 OP = PrefillTune()
 GLUON_OP = PrefillGluonTune()
