@@ -85,6 +85,13 @@ class PrefillConfig:
     pipeline fill and drain (the q load, the first K/V TMA (fp8: and transpose), the last P·V, the epilogue)
     exposed, ~6-10 % of a tile at q4k-q8k by the bench's per-wave times. Opt-in, not yet measured on the H200
     (bench rows `hpcops-fp8q-persist`, `hpcops-persist`).
+    `gluon_fma_exp` (either Gluon kernel; 0, 1 or 2): that many quarters of each tile's exponentials computed on
+    the FMA pipes by a polynomial (FA4's software exp2: degree 2 where P becomes e4m3, 3 where it stays 16-bit)
+    instead of MUFU, whose 16 lanes an SM take as long for a 128×128 tile's exp2 as the fp8 tensor cores take for
+    its two GEMMs. `gluon_q_regs` (the fp8 kernel): q in registers as S's A operand, loaded once,
+    instead of read from shared memory by every S wgmma (the fp8 loop reads ~190 KB of shared memory a 128×128
+    step, wgmma operands, the Vᵀ transpose and P). Both opt-in until measured (bench rows `hpcops-fp8q-fexp1`,
+    `hpcops-fp8q-fexp2`, `hpcops-fp8q-qregs`, `hpcops-fexp1`).
     `tma`, `pv_fp8`, `quant_q` and `fma_scale` are the `tl` kernel's (the Gluon kernel always reads by TMA and
     scales inside exp2).
     """
@@ -106,6 +113,8 @@ class PrefillConfig:
     gluon_pv_overlap: bool = False
     gluon_mma_sum: bool = False
     gluon_persist: bool = False
+    gluon_fma_exp: int = 0
+    gluon_q_regs: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
@@ -117,6 +126,9 @@ class PrefillConfig:
                 f"PrefillConfig.pv_fp8 needs block_n >= 32 (an fp8 P·V dot has K = block_n and fp8 MMAs "
                 f"take K >= 32), got block_n={self.block_n}"
             )
+        if self.gluon_fma_exp not in (0, 1, 2):
+            raise ValueError(f"PrefillConfig.gluon_fma_exp must be 0, 1 or 2 (quarters of the exp2 on the FMA pipes), "
+                             f"got {self.gluon_fma_exp!r}")
 
 
 def prefill_config(
@@ -380,6 +392,9 @@ def gluon_config_reason(config: PrefillConfig, *, fp8: bool, head_dim: int, grou
     if config.gluon_persist and (not config.gluon_ws or config.gluon_p_regs):
         return ("gluon_persist is for the warp-specialized kernel (gluon_ws), fp8 with P in shared memory "
                 "(not gluon_p_regs)")
+    if config.gluon_q_regs and not fp8:
+        return ("gluon_q_regs is for an fp8 q over fp8 KV (a 16-bit q in registers spills: 24 bytes a consumer at "
+                "head_dim 128 in ptxas)")
     if fp8 and d > 128:
         return f"head_dim {d} with fp8 (the fp8 consumer's registers spill above 128: 496 bytes at 256 in ptxas)"
     if fp8 and config.block_n % 32:
@@ -428,6 +443,7 @@ def _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, out,
     common = dict(D=d, G=hq // hkv, TILE=config.block_n, PAGE=page, BLOCK_B=block_b, STAGES=config.num_stages,
                   HEADS_INNER=bool(config.heads_inner))
     bits = (1 if config.gluon_tree else 0) | (2 if config.gluon_pv_overlap else 0) | (4 if config.gluon_mma_sum else 0)
+    bits |= 8 * config.gluon_fma_exp | (32 if config.gluon_q_regs else 0)
     softmax = {"SOFTMAX": bits} if bits else {}  # the defaults' launches keep their signature
     if config.gluon_ws:
         fp8 = q.dtype == FP8_E4M3

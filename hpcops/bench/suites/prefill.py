@@ -130,7 +130,7 @@ GLUON_FP8_MSUM = {**GLUON_FP8, "gluon_mma_sum": True}
 GLUON_BF16_TREE = {**GLUON_FP8, "gluon_tree": True}
 
 BOOL_FIELDS = ("pv_fp8", "quant_q", "fma_scale", "heads_inner", "gluon", "gluon_ws", "gluon_p_regs", "gluon_tree",
-               "gluon_p_dbuf", "gluon_pv_overlap", "gluon_mma_sum", "gluon_persist")
+               "gluon_p_dbuf", "gluon_pv_overlap", "gluon_mma_sum", "gluon_persist", "gluon_q_regs")
 
 
 def config_override(variant: dict | None = None):
@@ -397,6 +397,21 @@ def cases(opts: dict) -> Iterator[Case]:
                              note="variant: the fp8 default as a persistent grid, a program an SM walking the tiles "
                              "(gluon_persist=True)")
                     )
+                    for fexp in (1, 2):
+                        impls.append(
+                            Impl(f"hpcops-fp8q-fexp{fexp}", _ours(True, {**GLUON_FP8_MSUM, "gluon_fma_exp": fexp}),
+                                 note=f"variant: the fp8 default with {('a quarter', 'half')[fexp - 1]} of its exp2 "
+                                 f"on the FMA pipes (gluon_fma_exp={fexp})")
+                        )
+                    impls.append(
+                        Impl("hpcops-fp8q-qregs", _ours(True, {**GLUON_FP8_MSUM, "gluon_q_regs": True}),
+                             note="variant: the fp8 default with q in registers (gluon_q_regs=True)")
+                    )
+                    impls.append(
+                        Impl("hpcops-fp8q-qregs-fexp1",
+                             _ours(True, {**GLUON_FP8_MSUM, "gluon_q_regs": True, "gluon_fma_exp": 1}),
+                             note="variant: gluon_q_regs=True, gluon_fma_exp=1")
+                    )
                     impls.append(
                         Impl("hpcops-fp8q-tree", _ours(True, {**GLUON_FP8, "gluon_tree": True}),
                              note="variant: the Gluon fp8 kernel with its row max and sum as trees (gluon_tree=True)")
@@ -410,6 +425,11 @@ def cases(opts: dict) -> Iterator[Case]:
                         Impl("hpcops-tree", _ours(False, GLUON_BF16_TREE),
                              note="variant: the warp-specialized Gluon kernel with its row max and sum as trees "
                              "(gluon_tree=True)")
+                    )
+                    impls.append(
+                        Impl("hpcops-fexp1", _ours(False, {"gluon": True, "gluon_fma_exp": 1}),
+                             note="variant: the bf16 default with a quarter of its exp2 on the FMA pipes "
+                             "(gluon_fma_exp=1)")
                     )
                     impls.append(
                         Impl("hpcops-persist", _ours(False, {**GLUON_BF16_TREE, "gluon_persist": True}),
