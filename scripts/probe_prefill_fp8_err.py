@@ -16,8 +16,6 @@ VARIANTS = {
     "msum": P.GLUON_FP8_MSUM,
     "tree": {**P.GLUON_FP8, "gluon_tree": True},
     "p_dbuf": {**P.GLUON_FP8, "gluon_p_dbuf": True},
-    "fexp1": {**P.GLUON_FP8_MSUM, "gluon_fma_exp": 1},
-    "fexp2": {**P.GLUON_FP8_MSUM, "gluon_fma_exp": 2},
 }
 
 

@@ -325,13 +325,13 @@ def test_gluon_config_and_reasons(monkeypatch):
     assert (d64_8.block_n, d64_8.num_stages, d64_8.gluon) == (128, 3, True)
     # the fp8 kernel sums its rows on the tensor cores (gluon_mma_sum); the 16-bit one has no such form
     assert few8.gluon_mma_sum and d64_8.gluon_mma_sum
+    assert few8.gluon_q_regs and d64_8.gluon_q_regs  # and keeps q in registers (a 16-bit q would spill)
+    assert not gluon_config(head_dim=128, group=8, max_seqlen_q=4096).gluon_q_regs
     assert not gluon_config(head_dim=128, group=8, max_seqlen_q=4096).gluon_mma_sum
     # a 16-bit q over fp8 KV has no Gluon kernel: the tl tiles
     assert prefill_config(head_dim=128, group=8, max_seqlen_q=4096, q_dtype=bf16, kv_dtype=FP8,
                           gluon=None).gluon is False
     assert PrefillConfig().gluon is False
-    with pytest.raises(ValueError, match="gluon_fma_exp must be 0, 1 or 2"):
-        PrefillConfig(gluon_fma_exp=4)
 
     kv = make_paged_kv([300], num_kv_heads=2, head_dim=128, block_size=64, dtype=bf16, device="cpu")
     q = torch.zeros(300, 16, 128, dtype=bf16)
@@ -658,12 +658,12 @@ def test_prefill_gpu_configs(config: PrefillConfig):
 
 def _gluon(name: str, seq_lens: list[int], q_lens: list[int], *, block_m: int = 128, block_n: int = 128,
             stages: int = 2, heads_inner: bool = True, ws: bool = False, p_regs: bool = False, tree: bool = False,
-            p_dbuf: bool = False, pvo: bool = False, msum: bool = False, persist: bool = False, fexp: int = 0,
+            p_dbuf: bool = False, pvo: bool = False, msum: bool = False, persist: bool = False,
             qregs: bool = False, **kw) -> Case:
     cfg = PrefillConfig(block_m=block_m, block_n=block_n, num_warps=block_m // 16, num_stages=stages,
                         heads_inner=heads_inner, gluon=True, gluon_ws=ws, gluon_p_regs=p_regs, gluon_tree=tree,
                         gluon_p_dbuf=p_dbuf, gluon_pv_overlap=pvo, gluon_mma_sum=msum, gluon_persist=persist,
-                        gluon_fma_exp=fexp, gluon_q_regs=qregs)
+                        gluon_q_regs=qregs)
     kw = {"hq": 64, "hkv": 8, "head_dim": 128, "block_size": 64, **kw}
     return Case(name, seq_lens, q_lens, config=cfg, **kw)
 
@@ -751,23 +751,18 @@ GLUON_CASES = [
            q_dtype=torch.float16, kv_dtype=torch.float16, ws=True, persist=True),
     _gluon("gluon-ws-persist-d256-bn64-page16", [1000, 513], [1000, 17], hq=8, hkv=2, head_dim=256, block_n=64,
            block_size=16, ws=True, persist=True),
-    # PrefillConfig.gluon_fma_exp: a quarter or half of the exp2 by the FMA pipes' polynomial (fp8 default's tile,
-    # masked diagonal tiles and -inf rows included; bf16's degree-3 polynomial on both kernels, d256 on 64 keys);
-    # gluon_q_regs: q as S's register operand (fp8)
-    _gluon("gluon-ws-fp8-msum-fexp1-extend-mixed-h8/1-3buf", [4096, 3000, 1, 700, 129], [1024, 1, 1, 700, 64], hq=8,
-           hkv=1, pad_rows=5, ws=True, kv_dtype=FP8, q_fp8=True, stages=3, msum=True, fexp=1),
-    _gluon("gluon-ws-fp8-msum-fexp2-q2k-h64/8-3buf", [2048], [2048], ws=True, kv_dtype=FP8, q_fp8=True, stages=3,
-           msum=True, fexp=2),
-    _gluon("gluon-ws-fp8-msum-fexp2-mha-page16-bn64", [1000, 513], [1000, 17], hq=4, hkv=4, block_size=16,
-           block_n=64, ws=True, kv_dtype=FP8, q_fp8=True, msum=True, fexp=2),
+    # PrefillConfig.gluon_q_regs (the fp8 default): q as S's register operand (the mixed extend batch, d64, 64-key
+    # tiles over 16-token pages, the persistent grid, two P buffers)
     _gluon("gluon-ws-fp8-msum-qregs-extend-mixed-h64/8-3buf", [4096, 3000, 1, 700, 129], [1024, 1, 1, 700, 64],
            pad_rows=5, ws=True, kv_dtype=FP8, q_fp8=True, stages=3, msum=True, qregs=True),
-    _gluon("gluon-ws-fp8-msum-qregs-fexp1-d64-gqa3-page32", [777, 129], [777, 64], hq=12, hkv=4, head_dim=64,
-           block_size=32, ws=True, kv_dtype=FP8, q_fp8=True, msum=True, qregs=True, fexp=1),
-    _gluon("gluon-ws-fexp1-extend-mixed-h64/8-3buf", [4096, 3000, 1, 700, 129], [1024, 1, 1, 700, 64], pad_rows=5,
-           stages=3, ws=True, fexp=1),
-    _gluon("gluon-fexp2-d256-64x64", [513, 2000], [513, 100], hq=8, hkv=2, head_dim=256, block_m=64, block_n=64,
-           fexp=2),
+    _gluon("gluon-ws-fp8-msum-qregs-d64-gqa3-page32", [777, 129], [777, 64], hq=12, hkv=4, head_dim=64,
+           block_size=32, ws=True, kv_dtype=FP8, q_fp8=True, msum=True, qregs=True),
+    _gluon("gluon-ws-fp8-msum-qregs-mha-page16-bn64", [1000, 513], [1000, 17], hq=4, hkv=4, block_size=16,
+           block_n=64, ws=True, kv_dtype=FP8, q_fp8=True, msum=True, qregs=True),
+    _gluon("gluon-ws-fp8-msum-qregs-persist-extend-mixed-h8/1", [4096, 3000, 1, 700, 129], [1024, 1, 1, 700, 64],
+           hq=8, hkv=1, pad_rows=5, ws=True, kv_dtype=FP8, q_fp8=True, stages=3, msum=True, qregs=True, persist=True),
+    _gluon("gluon-ws-fp8-qregs-pdbuf-tree-q2k-h64/8", [2048], [2048], ws=True, kv_dtype=FP8, q_fp8=True, stages=3,
+           qregs=True, p_dbuf=True, tree=True),
 ]
 
 
@@ -810,34 +805,3 @@ def test_prefill_gpu_cuda_graph_and_check_mode():
             q, kv.k_cache, kv.v_cache, kv.block_table[:, :2], kv.seq_lens, cu, max_seqlen_q=512, check=True
         )
 
-
-@pytest.mark.parametrize("deg,bound", [(2, 1.8e-3), (3, 8e-5)])
-def test_exp2_fma_polynomials(deg: int, bound: float):
-    """`_exp2_fma`'s algorithm (PrefillConfig.gluon_fma_exp) in float32 numpy with the kernel's own coefficients:
-    the 1.5·2^23 shifter's rounding, the polynomial on [−0.5, 0.5] and the exponent shift-add stay within the
-    stated relative error from 2^−125 to 2^8 (the fp8 kernel's P·256; below, results near 2^−126 come out as
-    denormals, which MUFU's ftz exp2 flushes to 0 anyway), and −inf (a masked key) and anything under −126 give at
-    most 2^−126·1.5, zero once P is e4m3 or 16-bit."""
-    import numpy as np
-
-    from hpcops.attention._prefill_gluon import EXP2_POLY2, EXP2_POLY3
-
-    coef = np.array((EXP2_POLY2 if deg == 2 else EXP2_POLY3).value, dtype=np.float32)
-
-    def exp2_fma(x):
-        x = np.maximum(x.astype(np.float32), np.float32(-126.0))
-        t = x + np.float32(12582912.0)
-        f = x - (t - np.float32(12582912.0))
-        p = np.zeros_like(f) + coef[0]
-        for c in coef[1:]:
-            p = p * f + c
-        bits = p.view(np.int32) + (t.view(np.int32) << np.int32(23))
-        return bits.view(np.float32)
-
-    x = np.concatenate([np.linspace(-125, 8, 400_001, dtype=np.float32), np.float32([0.0, -0.5, 0.5, 8.0])])
-    want = np.exp2(x.astype(np.float64))
-    rel = np.abs(exp2_fma(x) / want - 1.0)
-    assert rel.max() < bound, (deg, rel.max())
-    assert rel.max() > bound / 4  # the bound is tight, not vacuous
-    tiny = exp2_fma(np.float32([-np.inf, -1e30, -200.0, -126.4]))
-    assert np.all((tiny >= 0) & (tiny <= 2.0**-126 * 1.5)), tiny

@@ -204,7 +204,7 @@ from hpcops.attention.prefill import GLUON_WS_PERSIST_REGS
 from hpcops.testing import sm90_resources
 
 d, g, tile, page, stages, dt, *flags = json.loads(sys.argv[1])
-p_regs, tree, p_dbuf, pvo, msum, persist, fexp, qregs = (flags + [False] * 8)[:8]
+p_regs, tree, p_dbuf, pvo, msum, persist, qregs = (flags + [False] * 7)[:7]
 gdt = {"bf16": gl.bfloat16, "fp16": gl.float16, "fp8e4nv": gl.float8e4nv}[dt]
 box = min(tile, page)
 desc = f"tensordesc<{dt}[{box}, {d}],{gl.NVMMASharedLayout.get_default_for([box, d], gdt)}>"
@@ -218,8 +218,7 @@ consts = dict(D=d, G=g, TILE=tile, PAGE=page, BLOCK_B=16, STAGES=stages, HEADS_I
               CONSUMER_REGS=GLUON_WS_CONSUMER_REGS, num_warps=4,
               FP8=(2 if p_regs else 3 if p_dbuf else 1) if dt == "fp8e4nv" else 0,
               FP8_CONSUMER_REGS=GLUON_WS_FP8_REGS[0], FP8_PRODUCER_REGS=GLUON_WS_FP8_REGS[1],
-              SOFTMAX=(1 if tree else 0) | (2 if pvo else 0) | (4 if msum else 0) | 8 * int(fexp)
-              | (32 if qregs else 0))
+              SOFTMAX=(1 if tree else 0) | (2 if pvo else 0) | (4 if msum else 0) | (32 if qregs else 0))
 if persist:  # PrefillConfig.gluon_persist: the kernel as a persistent grid, its own register splits
     consts.update(FP8_CONSUMER_REGS=GLUON_WS_FP8_PERSIST_REGS[0], FP8_PRODUCER_REGS=GLUON_WS_FP8_PERSIST_REGS[1],
                   CONSUMER_REGS=GLUON_WS_PERSIST_REGS[0], PRODUCER_REGS=GLUON_WS_PERSIST_REGS[1])
@@ -238,7 +237,6 @@ r["v4_stores"] = len(re.findall(r"\bst\.shared\.v4\.b32\b", ptx))
 # how many exp2 run under P·V
 sass = c.asm["sass"]
 r["fadd"] = len(re.findall(r"\bFADD\b", sass))
-r["ex2"] = sass.count("MUFU.EX2")
 r["q_reg_wgmma"] = len(re.findall(r"GMMA\.64x\d+x\d+\.F32\.\w+\.\w+ R\d+, R\d+, gdesc", sass))  # A from registers
 r["ones_bits"] = "943208504" in ptx  # gluon_mma_sum's ones stored as e4m3 bits 0x38383838 (not a cast constant)
 r["ex2_under_pv"] = [part.split("WARPGROUP.DEPBAR.LE gsb0, 0x0")[0].count("MUFU.EX2")
@@ -277,12 +275,11 @@ GLUON_WS_BUILDS = {  # name: (head_dim, G, block_n, page, stages, dtype)
     "d128-128-3buf-persist": (128, 8, 128, 64, 3, "bf16", False, False, False, False, False, True),
     "d128-128-3buf-tree-pvo-persist": (128, 8, 128, 64, 3, "bf16", False, True, False, True, False, True),
     "d256-64-persist": (256, 2, 64, 64, 2, "bf16", False, False, False, False, False, True),
-    # PrefillConfig.gluon_fma_exp (a quarter, half of the exp2 on the FMA pipes) and gluon_q_regs (q in registers)
-    "fp8-d128-h8/1-128-3buf-msum-fexp1": (128, 8, 128, 64, 3, "fp8e4nv", False, False, False, False, True, False, 1),
-    "fp8-d128-h8/1-128-3buf-msum-fexp2": (128, 8, 128, 64, 3, "fp8e4nv", False, False, False, False, True, False, 2),
-    "fp8-d128-h8/1-128-3buf-msum-qregs": (128, 8, 128, 64, 3, "fp8e4nv", False, False, False, False, True, False, 0,
-                                          True),
-    "d128-128-3buf-fexp1": (128, 8, 128, 64, 3, "bf16", False, False, False, False, False, False, 1),
+    # PrefillConfig.gluon_q_regs (the fp8 default): q in registers, alone, at 64 keys over 16-token pages, persistent
+    "fp8-d128-h8/1-128-3buf-msum-qregs": (128, 8, 128, 64, 3, "fp8e4nv", False, False, False, False, True, False, True),
+    "fp8-d128-mha-64-page16-msum-qregs": (128, 1, 64, 16, 3, "fp8e4nv", False, False, False, False, True, False, True),
+    "fp8-d128-h8/1-128-3buf-msum-qregs-persist": (128, 8, 128, 64, 3, "fp8e4nv", False, False, False, False, True,
+                                                  True, True),
 }
 
 
@@ -303,11 +300,9 @@ def test_gluon_ws_prefill_kernel_builds_for_sm90(name):
     k_step = 32 if dt == "fp8e4nv" else 16  # an fp8 wgmma takes 32 of K a step
     msum = GLUON_WS_BUILDS[name][10:11] == (True,)  # gluon_mma_sum: P·1 in the loop and after it, N = 8
     assert r["wgmma"] == 2 * (2 * (d // k_step) + (4 if msum else 2) * (tile // k_step)), r
-    fexp = (GLUON_WS_BUILDS[name][12:13] or (0,))[0]
     if msum:  # no row sum on the CUDA cores: a tile's P·1 joins l in 4 FADD a thread (the fp32 promotion) and a
-        # handful are the epilogue's and the scale's, not 64 a tile (gluon_fma_exp adds its polynomials' 3 FADD an
-        # element: 16 elements a quarter, the first tile and the loop, two consumers)
-        assert r["fadd"] < 32 + 3 * 16 * fexp * 2 * 2 and r["ones_bits"], r
+        # handful are the epilogue's and the scale's, not 64 a tile
+        assert r["fadd"] < 32 and r["ones_bits"], r
     elif dt == "fp8e4nv":
         assert r["fadd"] >= tile, r  # each consumer loop: the tile / 2 probabilities a thread holds
     if dt == "fp8e4nv":  # the 4-warp producer that transposes V, and 224 for each consumer (persistent: 216 / 72)
@@ -328,11 +323,7 @@ def test_gluon_ws_prefill_kernel_builds_for_sm90(name):
         # the permuted key order (_vt_perm): each consumer stores its 64 x 128 P in 16-byte pieces, 4 a thread, in
         # the prologue and the loop (2 consumers), not 2 bytes at a time
         assert r["b16_stores"] == 0 and r["v4_stores"] >= 2 * 2 * 4, r
-    # gluon_fma_exp: MUFU.EX2 takes (4 − fexp) quarters of a tile's exp2. The defaults' SASS has 137 (fp8) and 198
-    # (bf16): at least a 64-exp2 softmax a consumer (16 of the 64 a quarter), and α's
-    if fexp:
-        assert r["ex2"] <= (137 if dt == "fp8e4nv" else 198) - 2 * 16 * fexp, r
-    if GLUON_WS_BUILDS[name][13:14] == (True,):  # gluon_q_regs: S wgmmas take q from registers (both consumers)
+    if GLUON_WS_BUILDS[name][12:13] == (True,):  # gluon_q_regs: S wgmmas take q from registers (both consumers)
         assert r["q_reg_wgmma"] >= 2 * (d // k_step), r
     else:
         assert r["q_reg_wgmma"] == 0 or GLUON_WS_BUILDS[name][6:7] == (True,), r

@@ -122,64 +122,14 @@ def _row_reduce(x, MAX: gl.constexpr, TREE: gl.constexpr):
     return gl.sum(x, axis=1)
 
 
-# `_exp2_fma`'s polynomials for 2^f on [−0.5, 0.5], highest power first (minimax in relative error; the CPU tier
-# checks the bounds): degree 2 (1.73e-3) and degree 3 (7.5e-5)
-EXP2_POLY2 = gl.constexpr((0.23842734, 0.70344603, 1.0004431))
-EXP2_POLY3 = gl.constexpr((0.055171501, 0.24261096, 0.69326097, 0.99992806))
-
-
-@gluon.jit
-def _exp2_fma(x, DEG: gl.constexpr):
-    """2^x on the FMA pipes instead of MUFU (FA4's software exp2), x ≤ 2^22: x clamped at −126, rounded to an
-    integer n by the 1.5·2^23 shifter (t = x + 1.5·2^23 holds n in its low mantissa bits), 2^f for f = x − n in
-    [−0.5, 0.5] by a minimax polynomial of degree DEG (2: 1.73e-3 relative error, under e4m3's 6.25 % rounding of
-    the fp8 kernel's P; 3: 7.5e-5, under bf16's 0.39 %), and n added to its exponent field: t's bits shifted left
-    by 23 are n·2^23 (the shifter's own bits fall off the top). 3 FADD, DEG FFMA, an FMNMX and a shift-add, where
-    MUFU.EX2 is one instruction on a pipe of 16 lanes an SM (an eighth of the FMA pipes')."""
-    x = gl.maximum(x, -126.0)
-    t = x + 12582912.0
-    f = x - (t - 12582912.0)
-    if DEG == 2:
-        p = (EXP2_POLY2[0] * f + EXP2_POLY2[1]) * f + EXP2_POLY2[2]
-    else:
-        p = ((EXP2_POLY3[0] * f + EXP2_POLY3[1]) * f + EXP2_POLY3[2]) * f + EXP2_POLY3[3]
-    y = (p.to(gl.int32, bitcast=True) + (t.to(gl.int32, bitcast=True) << 23)).to(gl.float32, bitcast=True)
-    return gl.convert_layout(y, x.type.layout)  # the same layout by another name
-
-
-@gluon.jit
-def _exp2_split(x, FMA_EXP: gl.constexpr, DEG: gl.constexpr):
-    """2^x of a tile x [R, N] (a wgmma accumulator's layout), FMA_EXP quarters of its columns by `_exp2_fma`
-    (0: all by MUFU; 1: a quarter, the columns with k0 and the top column bit set; 2: half, k0 set), the rest by
-    MUFU, so that the two pipes share the tile's exponentials. Both column bits are register bits of the layout:
-    the splits and joins rename registers, no data moves."""
-    R: gl.constexpr = x.shape[0]
-    N: gl.constexpr = x.shape[1]
-    if FMA_EXP == 0:
-        y = gl.exp2(x)
-    else:
-        a, b = gl.split(gl.reshape(x, [R, N // 2, 2]))
-        if FMA_EXP == 2:
-            b = _exp2_fma(b, DEG)
-        else:
-            b0, b1 = gl.split(gl.permute(gl.reshape(b, [R, 2, N // 4]), (0, 2, 1)))
-            b = gl.reshape(gl.permute(gl.join(gl.exp2(b0), _exp2_fma(b1, DEG)), (0, 2, 1)), [R, N // 2])
-            b = gl.convert_layout(b, a.type.layout)  # the same layout by another name
-        y = gl.convert_layout(gl.reshape(gl.join(gl.exp2(a), b), [R, N]), x.type.layout)
-    return y
-
-
 @gluon.jit
 def _softmax_tile(s, m_i, l_i, c, key0, kv_limit, keys, MASKED, ROW_SCALE: gl.constexpr = False,
-                  P_EXP: gl.constexpr = 0, TREE: gl.constexpr = False, SUM: gl.constexpr = True,
-                  FMA_EXP: gl.constexpr = 0):
+                  P_EXP: gl.constexpr = 0, TREE: gl.constexpr = False, SUM: gl.constexpr = True):
     """One online-softmax step on the raw scores s [BLOCK_M, TILE] (exp2 domain, logit scale c > 0, one for the
     tile or, ROW_SCALE, one a row [BLOCK_M]): (p, α, m, l). MASKED (the tile reaches a row's causal limit): keys
     past kv_limit [BLOCK_M] are −inf. P_EXP: p and l come scaled by 2^P_EXP, inside exp2's argument (the fp8
     kernel's e4m3 range: no multiply an element); α and m are not scaled. TREE: the row max and sum by
-    `_row_reduce`'s tree. SUM False: l_i comes back as it came (the caller sums P elsewhere). FMA_EXP: that many
-    quarters of p's exponentials on the FMA pipes (`_exp2_split`; a polynomial of degree 2 where P becomes e4m3
-    (P_EXP), 3 where it becomes 16-bit). (An fp16 exp2,
+    `_row_reduce`'s tree. SUM False: l_i comes back as it came (the caller sums P elsewhere). (An fp16 exp2,
     `ex2.approx.f16x2`, would not halve the MUFU work on sm_90: ptxas splits it into two MUFU.EX2.F16 and adds the
     conversions.)"""
     if MASKED:
@@ -189,11 +139,10 @@ def _softmax_tile(s, m_i, l_i, c, key0, kv_limit, keys, MASKED, ROW_SCALE: gl.co
     alpha = gl.exp2(m_i - m_ref)
     if P_EXP != 0:
         m_ref = m_ref - P_EXP
-    DEG: gl.constexpr = 2 if P_EXP != 0 else 3
     if ROW_SCALE:
-        p = _exp2_split(s * c[:, None] - m_ref[:, None], FMA_EXP, DEG)
+        p = gl.exp2(s * c[:, None] - m_ref[:, None])
     else:
-        p = _exp2_split(s * c - m_ref[:, None], FMA_EXP, DEG)
+        p = gl.exp2(s * c - m_ref[:, None])
     if SUM:
         l_i = l_i * alpha + _row_reduce(p, False, TREE)
     return p, alpha, m_new, l_i
@@ -401,8 +350,7 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
     producer writes before its first `vt_full`): the row sums by the tensor cores, l += P8·1 as an N = 8 wgmma
     beside P·V (the same e4m3 P that P·V weighs V by), instead of 64 FADD a thread and tile and a quad shuffle a
     row; each tile's wgmma starts from zero and its sums join l in fp32 (4 FADD a thread), as the fp8 wgmma keeps
-    only ~14 bits where it adds to a large accumulator. SOFTMAX >> 3 & 3 (`PrefillConfig.gluon_fma_exp`): that many
-    quarters of each tile's exponentials on the FMA pipes (`_exp2_split`). SOFTMAX & 32 (`PrefillConfig.gluon_q_regs`):
+    only ~14 bits where it adds to a large accumulator. SOFTMAX & 32 (`PrefillConfig.gluon_q_regs`, fp8):
     q in registers as S's A operand (loaded once; fp8: 16 registers a thread) instead of read from shared memory by
     every S wgmma. PERSIST (`PrefillConfig.gluon_persist`, fp8 with P in shared
     memory: a program walking several q tiles): this q tile's K/V steps are steps G0.. of the program's ring (slots,
@@ -415,7 +363,6 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
     # 16-bit WS: the row sums into `p_buf` (a scratch) before the P·V wait, so the softmax runs under P·V
     PV_OVERLAP: gl.constexpr = (SOFTMAX & 2) != 0 and WS and not FP8
     MSUM: gl.constexpr = (SOFTMAX & 4) != 0 and FP8 != 0 and FP8 != 2  # the row sums as l += P8·1 (wgmma N = 8)
-    FMA_EXP: gl.constexpr = (SOFTMAX >> 3) & 3  # quarters of a tile's exp2 on the FMA pipes
     Q_REGS: gl.constexpr = (SOFTMAX & 32) != 0  # q as S's register operand
     VT_PERM: gl.constexpr = FP8 != 2 and _vt_perm(TILE, D)  # P and Vᵀ in the permuted key order
     gl.static_assert(WS or not FP8, "the fp8 loop runs on the warp-specialized kernel only")
@@ -477,8 +424,7 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
     mbarrier.wait(full.index(r0 % STAGES), (r0 // STAGES) & 1)
     s = warpgroup_mma(q_op, k_smem.index(r0 % STAGES).permute((1, 0)),
                       gl.zeros([ROWS, TILE], gl.float32, layout=s_layout), use_acc=False)
-    p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, c, 0, kv_limit, keys, full_end == 0, FP8, P_EXP, TREE, not MSUM,
-                                       FMA_EXP)
+    p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, c, 0, kv_limit, keys, full_end == 0, FP8, P_EXP, TREE, not MSUM)
     if P_REGS:
         p = gl.convert_layout(_p_operand(p, DT, True), p_layout)
         mbarrier.arrive(empty.index(r0 % STAGES), count=1)  # K_0 is read (and the producer transposes V_0 itself)
@@ -520,7 +466,7 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
             mbarrier.arrive(turn.index(1 - WG), count=1)
         s = warpgroup_mma_wait(2 if MSUM else 1, deps=[s_tok])  # S_{j+1} done, P_j·V_j may still run
         p_next, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, c, (j + 1) * TILE, kv_limit, keys, j + 1 >= full_end,
-                                                FP8, P_EXP, TREE, not MSUM, FMA_EXP)
+                                                FP8, P_EXP, TREE, not MSUM)
         if P_REGS:
             mbarrier.arrive(empty.index(nxt), count=1)  # K_{j+1} is read
             mbarrier.arrive(vt_empty.index(rj % 2), count=1)  # P_j·V_j is done

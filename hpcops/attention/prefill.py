@@ -83,15 +83,16 @@ class PrefillConfig:
     program an SM walking the flat tile list in snake order (`prefill_gluon_ws_persist_kernel`), so that the
     producer loads the next q tile's K/V while the consumers finish this one: a program a tile leaves each tile's
     pipeline fill and drain (the q load, the first K/V TMA (fp8: and transpose), the last P·V, the epilogue)
-    exposed, ~6-10 % of a tile at q4k-q8k by the bench's per-wave times. Opt-in, not yet measured on the H200
-    (bench rows `hpcops-fp8q-persist`, `hpcops-persist`).
-    `gluon_fma_exp` (either Gluon kernel; 0, 1 or 2): that many quarters of each tile's exponentials computed on
-    the FMA pipes by a polynomial (FA4's software exp2: degree 2 where P becomes e4m3, 3 where it stays 16-bit)
-    instead of MUFU, whose 16 lanes an SM take as long for a 128×128 tile's exp2 as the fp8 tensor cores take for
-    its two GEMMs. `gluon_q_regs` (the fp8 kernel): q in registers as S's A operand, loaded once,
-    instead of read from shared memory by every S wgmma (the fp8 loop reads ~190 KB of shared memory a 128×128
-    step, wgmma operands, the Vᵀ transpose and P). Both opt-in until measured (bench rows `hpcops-fp8q-fexp1`,
-    `hpcops-fp8q-fexp2`, `hpcops-fp8q-qregs`, `hpcops-fexp1`).
+    exposed, ~6-10 % of a tile at q4k-q8k by the bench's per-wave times. Measured on the H200 (two runs,
+    `bench/results/prefill_persist_f014e59.md`, `prefill_fexp_qregs_633e984.md`): no faster anywhere, fp8
+    1.00-1.04x the default's time at q4k/q8k, bf16 0.97-1.12x its base's; the fill and drain are not what bounds
+    the loop (the consumers' softmax is, `PREFILL.md`). Opt-in, kept as the base for overlapping a tile's epilogue
+    with the next tile's loop (bench rows `hpcops-fp8q-persist`, `hpcops-persist`).
+    `gluon_q_regs` (the fp8 kernel): q in registers as S's A operand, loaded once (16 registers a thread), instead
+    of read from shared memory by every S wgmma (a 128×128 fp8 step reads ~190 KB of shared memory: wgmma operands,
+    the Vᵀ transpose and P). `gluon_config(fp8=True)` turns it on: H200, same run, 0.986-0.991x the time of q from
+    shared memory at every fp8 q4k/q8k case (`bench/results/prefill_fexp_qregs_633e984.md`; bench row
+    `hpcops-fp8q-smemq` beside it). A 16-bit q in registers spills (24 bytes a consumer at head_dim 128).
     `tma`, `pv_fp8`, `quant_q` and `fma_scale` are the `tl` kernel's (the Gluon kernel always reads by TMA and
     scales inside exp2).
     """
@@ -113,7 +114,6 @@ class PrefillConfig:
     gluon_pv_overlap: bool = False
     gluon_mma_sum: bool = False
     gluon_persist: bool = False
-    gluon_fma_exp: int = 0
     gluon_q_regs: bool = False
 
     def __post_init__(self):
@@ -126,9 +126,6 @@ class PrefillConfig:
                 f"PrefillConfig.pv_fp8 needs block_n >= 32 (an fp8 P·V dot has K = block_n and fp8 MMAs "
                 f"take K >= 32), got block_n={self.block_n}"
             )
-        if self.gluon_fma_exp not in (0, 1, 2):
-            raise ValueError(f"PrefillConfig.gluon_fma_exp must be 0, 1 or 2 (quarters of the exp2 on the FMA pipes), "
-                             f"got {self.gluon_fma_exp!r}")
 
 
 def prefill_config(
@@ -219,7 +216,7 @@ def gluon_config(*, head_dim: int, group: int, max_seqlen_q: int, num_kv_heads: 
     `fp8` (an fp8 q over fp8 KV): the warp-specialized kernel in fp8 on 128×128 tiles and three K/V buffers for
     every query of 64 rows and more (faster than the tl fp8-q kernel at every case of the prefill suite, h8/1 q512's
     32 tiles included: 0.68-0.96x its time, bench/results/prefill.md), its row sums on the tensor cores
-    (`gluon_mma_sum`), None below."""
+    (`gluon_mma_sum`) and q in registers (`gluon_q_regs`), None below."""
     rows = group * max(int(max_seqlen_q), 1)
     if fp8:
         if gluon is None and rows < 64:
@@ -227,7 +224,7 @@ def gluon_config(*, head_dim: int, group: int, max_seqlen_q: int, num_kv_heads: 
         block_n = 128 if head_dim <= 128 else 64
         stages = 3 if gluon_smem_bytes(128, block_n, 3, head_dim, 1, True, mma_sum=True) <= GLUON_SMEM_BYTES else 2
         return PrefillConfig(block_m=128, block_n=block_n, num_warps=8, num_stages=stages, heads_inner=True,
-                             gluon=gluon, gluon_ws=True, gluon_mma_sum=True)
+                             gluon=gluon, gluon_ws=True, gluon_mma_sum=True, gluon_q_regs=True)
     tiles = None
     if num_kv_heads is not None and total_q is not None:
         tiles = num_kv_heads * triton.cdiv(max(int(total_q), 1) * group, 128)
@@ -443,7 +440,7 @@ def _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, out,
     common = dict(D=d, G=hq // hkv, TILE=config.block_n, PAGE=page, BLOCK_B=block_b, STAGES=config.num_stages,
                   HEADS_INNER=bool(config.heads_inner))
     bits = (1 if config.gluon_tree else 0) | (2 if config.gluon_pv_overlap else 0) | (4 if config.gluon_mma_sum else 0)
-    bits |= 8 * config.gluon_fma_exp | (32 if config.gluon_q_regs else 0)
+    bits |= 32 if config.gluon_q_regs else 0
     softmax = {"SOFTMAX": bits} if bits else {}  # the defaults' launches keep their signature
     if config.gluon_ws:
         fp8 = q.dtype == FP8_E4M3

@@ -121,10 +121,11 @@ def _make_inputs(s: Scenario, layer: int, device: str = "cuda") -> dict[str, Any
 
 
 # the warp-specialized Gluon kernel over an fp8 q and fp8 KV as a fixed config, its row sums on the CUDA cores (the
-# variants' base); and with them on the tensor cores (gluon_mma_sum: the fp8-q default on an H200)
+# variants' base); and with them on the tensor cores and q in registers (gluon_mma_sum, gluon_q_regs: the fp8-q default
+# on an H200)
 GLUON_FP8 = {"gluon": True, "gluon_ws": True, "block_m": 128, "num_warps": 8, "block_n": 128, "num_stages": 3,
              "heads_inner": True, "gluon_mma_sum": False}
-GLUON_FP8_MSUM = {**GLUON_FP8, "gluon_mma_sum": True}
+GLUON_FP8_MSUM = {**GLUON_FP8, "gluon_mma_sum": True, "gluon_q_regs": True}
 
 # the bf16 warp-specialized Gluon kernel with gluon_tree, on the same tile (the bf16 default's at q2k-q8k)
 GLUON_BF16_TREE = {**GLUON_FP8, "gluon_tree": True}
@@ -389,7 +390,7 @@ def cases(opts: dict) -> Iterator[Case]:
                              "(gluon_p_regs=True)")
                     )
                     impls.append(
-                        Impl("hpcops-fp8q-fsum", _ours(True, GLUON_FP8),
+                        Impl("hpcops-fp8q-fsum", _ours(True, {**GLUON_FP8_MSUM, "gluon_mma_sum": False}),
                              note="variant: the Gluon fp8 kernel, row sums on the CUDA cores (gluon_mma_sum=False)")
                     )
                     impls.append(
@@ -397,20 +398,10 @@ def cases(opts: dict) -> Iterator[Case]:
                              note="variant: the fp8 default as a persistent grid, a program an SM walking the tiles "
                              "(gluon_persist=True)")
                     )
-                    for fexp in (1, 2):
-                        impls.append(
-                            Impl(f"hpcops-fp8q-fexp{fexp}", _ours(True, {**GLUON_FP8_MSUM, "gluon_fma_exp": fexp}),
-                                 note=f"variant: the fp8 default with {('a quarter', 'half')[fexp - 1]} of its exp2 "
-                                 f"on the FMA pipes (gluon_fma_exp={fexp})")
-                        )
                     impls.append(
-                        Impl("hpcops-fp8q-qregs", _ours(True, {**GLUON_FP8_MSUM, "gluon_q_regs": True}),
-                             note="variant: the fp8 default with q in registers (gluon_q_regs=True)")
-                    )
-                    impls.append(
-                        Impl("hpcops-fp8q-qregs-fexp1",
-                             _ours(True, {**GLUON_FP8_MSUM, "gluon_q_regs": True, "gluon_fma_exp": 1}),
-                             note="variant: gluon_q_regs=True, gluon_fma_exp=1")
+                        Impl("hpcops-fp8q-smemq", _ours(True, {**GLUON_FP8_MSUM, "gluon_q_regs": False}),
+                             note="variant: the fp8 default with q read from shared memory by every S wgmma "
+                             "(gluon_q_regs=False)")
                     )
                     impls.append(
                         Impl("hpcops-fp8q-tree", _ours(True, {**GLUON_FP8, "gluon_tree": True}),
@@ -425,11 +416,6 @@ def cases(opts: dict) -> Iterator[Case]:
                         Impl("hpcops-tree", _ours(False, GLUON_BF16_TREE),
                              note="variant: the warp-specialized Gluon kernel with its row max and sum as trees "
                              "(gluon_tree=True)")
-                    )
-                    impls.append(
-                        Impl("hpcops-fexp1", _ours(False, {"gluon": True, "gluon_fma_exp": 1}),
-                             note="variant: the bf16 default with a quarter of its exp2 on the FMA pipes "
-                             "(gluon_fma_exp=1)")
                     )
                     impls.append(
                         Impl("hpcops-persist", _ours(False, {**GLUON_BF16_TREE, "gluon_persist": True}),
