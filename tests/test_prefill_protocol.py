@@ -90,12 +90,20 @@ def run(tiles, S, seed):
             t0 += n - 1
         log.append(f"consumer {w} done")
 
-    actors = {"p": producer(), "c0": consumer(0), "c1": consumer(1)}
+    _schedule({"p": producer(), "c0": consumer(0), "c1": consumer(1)}, pending, slot, full, rnd,
+              ("deadlock", tiles, S, seed))
+
+
+
+def _schedule(actors, pending, slot, full, rnd, what):
+    """Run the partitions' generators (each yields the wait it blocks on) and the TMA completions in a random order
+    until all are done: a step of a ready partition, or one pending load landing in its slot (`full` arrives).
+    Nothing ready and nothing in flight is a deadlock (`what` names the case)."""
     waits = {k: next(a) for k, a in actors.items()}
     while actors or pending:
         ready = [k for k in actors if waits[k]()]
         choices = ready + (["tma"] if pending else [])
-        assert choices, ("deadlock", tiles, S, seed, sorted(actors))
+        assert choices, (*what, sorted(actors))
         k = rnd.choice(choices)
         if k == "tma":
             g, s = pending.pop(rnd.randrange(len(pending)))
@@ -148,22 +156,8 @@ def run_bf16(tiles, S, seed):
             g0 += n
             t0 += n - 1
 
-    actors = {"p": producer(), "c0": consumer(0), "c1": consumer(1)}
-    waits = {k: next(a) for k, a in actors.items()}
-    while actors or pending:
-        ready = [k for k in actors if waits[k]()]
-        choices = ready + (["tma"] if pending else [])
-        assert choices, ("deadlock", tiles, S, seed, sorted(actors))
-        k = rnd.choice(choices)
-        if k == "tma":
-            g, s = pending.pop(rnd.randrange(len(pending)))
-            slot[s] = g
-            full[s].arrive()
-            continue
-        try:
-            waits[k] = next(actors[k])
-        except StopIteration:
-            del actors[k], waits[k]
+    _schedule({"p": producer(), "c0": consumer(0), "c1": consumer(1)}, pending, slot, full, rnd,
+              ("deadlock", tiles, S, seed))
 
 
 @pytest.mark.parametrize("stages", [2, 3, 4])
@@ -188,7 +182,7 @@ def test_the_model_sees_a_missing_release():
     import inspect
 
     src = inspect.getsource(run).replace("            vt_empty[rl % 2].arrive()\n", "")
-    ns = {"random": random, "Bar": Bar}
+    ns = {"random": random, "Bar": Bar, "_schedule": _schedule}
     exec(src, ns)  # noqa: S102 - this module's own function, one line removed
     with pytest.raises(AssertionError, match="deadlock"):
         ns["run"]([3, 2], 2, 0)
