@@ -7,7 +7,8 @@ SM, minimum tiles per program, task cost and snap (`plan_decode`'s `num_programs
 Inputs are the suite's (`make_decode_inputs`, each layer its own caches); the gate compares the load-balanced
 schedule with the torch reference as the suite's check does; times are CUDA-graph replays of the bench's
 `hpcops-fp8q` row over fp8 KV (the prologue's fp8 q; tunes before 2026-12 timed the bf16-q `hpcops` row there,
-level within ~2 %) and its `hpcops` row over 16-bit KV, the plan outside the graph. `--knobs task_cost,snap,min_tiles`
+level within ~2 %) and its `hpcops` row over 16-bit KV, the plan outside the graph; the "... fp8 q16" scenarios
+(not in `--quick`) time the bf16-q `hpcops` row over fp8 KV (`--only q16`). `--knobs task_cost,snap,min_tiles`
 moves only those.
 
 The plan kernel's own launch (`DecodeConfig.plan_block_c`, `plan_warps`, `plan_block_b`) is tuned on
@@ -127,7 +128,7 @@ DECODE_SPACE = (
     knob(("task_cost", "snap"), (12, 0), (12, 16), (16, 16), (6, 0), near=None),
     knob(("task_cost", "min_tiles"), (8, 2), (8, 1), near=None),
     # what a split costs (DecodeConfig.split_cost): up to that much longer buckets of whole requests, no split
-    knob("split_cost", 0, 16, 32, 64, 128, near=None),
+    knob("split_cost", 0, 8, 16, 24, 32, 64, 128, near=None),
     knob(("split_cost", "min_tiles"), (32, 2), (64, 2), (32, 1), near=None),
     knob("pdl", False, True),
     # the attention kernel itself launched with PDL (waits before its first read; the launch gap overlapped)
@@ -163,10 +164,21 @@ def _config_fields() -> tuple[str, ...]:
     return tuple(f.name for f in fields(DecodeConfig))
 
 
-def _query(x: dict[str, Any]):
+@dataclass(frozen=True)
+class Q16Scenario(suite.Scenario):
+    """A decode scenario over fp8 KV timed with the bf16 q (the bench's `hpcops` row there: the `tl` kernel
+    converting every KV tile, the row that `hpcops-static` is compared with); named "<scenario> q16"."""
+
+    @property
+    def name(self) -> str:
+        return f"{super().name} q16"
+
+
+def _query(x: dict[str, Any], s: Any = None):
     """The q a scenario is timed with: over fp8 KV the prologue's fp8 q and its scales (the bench's
-    `hpcops-fp8q` row, the one issue 10's targets count, and the only one the Gluon kernel serves), else bf16."""
-    return (x["q8"], x["q_scale"]) if "q8" in x else (x["q"], None)
+    `hpcops-fp8q` row, the one issue 10's targets count, and the only one the Gluon kernel serves) unless the
+    scenario is a `Q16Scenario`, else bf16."""
+    return (x["q8"], x["q_scale"]) if "q8" in x and not isinstance(s, Q16Scenario) else (x["q"], None)
 
 
 class DecodeTune(TuneOp):
@@ -175,7 +187,9 @@ class DecodeTune(TuneOp):
     space = SPACE
 
     def scenarios(self, quick: bool) -> list[suite.Scenario | PlanScenario]:
-        return [*suite.scenarios(quick), *(PLAN_QUICK if quick else PLAN_SCENARIOS)]
+        base = suite.scenarios(quick)
+        q16 = [] if quick else [Q16Scenario(s.spec, s.hq, s.hkv, s.fp8) for s in base if s.fp8]
+        return [*base, *q16, *(PLAN_QUICK if quick else PLAN_SCENARIOS)]
 
     def base(self, s: suite.Scenario) -> Candidate:
         from hpcops.attention.decode import DecodeConfig
@@ -218,7 +232,7 @@ class DecodeTune(TuneOp):
             from hpcops._platform import num_sms
 
             _, page, hkv, d = x["k_cache"].shape
-            q, q_scale = _query(x)
+            q, q_scale = _query(x, s)
             # told what the calls take, as the bench's rows and a model's step (`decode.plan_kernel`)
             plan = hpcops.plan_decode(x["seq_lens"], num_kv_heads=hkv, block_size=page,
                                       num_programs=cand["pps"] * num_sms(x["q"].device) if cand["pps"] else None,
@@ -259,7 +273,7 @@ class DecodeTune(TuneOp):
         x["out"].fill_(float("nan"))
         got = self.prepare(s, cand)(x)()
         if "reference" not in x:
-            q, q_scale = _query(x)
+            q, q_scale = _query(x, s)
             x["reference"] = ref.decode_attention(q, x["k_cache"], x["v_cache"], x["block_table"], x["seq_lens"],
                                                   k_scale=x["k_scale"], v_scale=x["v_scale"], q_scale=q_scale)
         assert_close(x["reference"], got, name=f"decode [{name}]")
