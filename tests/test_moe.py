@@ -152,6 +152,7 @@ class Case:
     swap: bool | None = None  # force config.swap_ab
     naive: bool | None = None  # force one task per pair (True) or the index (False)
     fused_shared: int = 0  # I_s of a shared expert fused into the GEMM kernels (shared_w13 / shared_w2)
+    promote: bool | None = None  # force config.fp8_promote_all
 
     @property
     def id(self) -> str:
@@ -174,6 +175,8 @@ class Case:
             s += f"-swap{int(self.swap)}"
         if self.naive is not None:
             s += "-naive" if self.naive else "-indexed"
+        if self.promote is not None:
+            s += f"-promote{int(self.promote)}"
         return s
 
 
@@ -217,6 +220,9 @@ PATH_BASES = [
 ]
 PATH_CASES = [replace(c, swap=swap, naive=naive) for c in PATH_BASES for swap in (False, True)
               for naive in (False, True)]
+# fp8 per-tensor wide tiles (no swap-AB) with their MMA sums promoted every K step (MoeConfig.fp8_promote_all)
+PATH_CASES += [Case(6, quant="fp8_tensor", shared=True, ep=True, E=8, swap=False, promote=True),
+               Case(7, quant="fp8_tensor", static=False, swap=False, naive=False, promote=True, H=384)]
 
 
 def _tolerance(case: Case) -> dict:
@@ -254,6 +260,8 @@ def run_case(case: Case, device: str):
         cfg = cfg.with_(swap_ab=case.swap)
     if case.naive is not None:
         cfg = cfg.with_(naive_max_pairs=1 << 30 if case.naive else 0)
+    if case.promote is not None:
+        cfg = cfg.with_(fp8_promote_all=case.promote)
     out = nan_like(torch.empty(case.T, case.H, dtype=case.dtype, device=device)) if case.use_out else None
     got = fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap, shared_output=shared,
                     out=out, config=cfg, shared_w13=s13, shared_w2=s2)
@@ -500,6 +508,33 @@ def test_gpu_hy3_paths(T, kind, naive, swap):
     ref = R.fused_moe(x, wts.w13, wts.w2, tw, ids, quant=quant, expert_map=emap, shared_output=shared)
     tol = {} if kind == "none" else {"maxtol": 4e-2, "rmstol": 1.5e-2}  # fp8 tolerance, see _tolerance
     assert_close(ref, got, **tol)
+
+
+def _rel_err(ref, got):
+    r, e = ref.float(), (got.float() - ref.float()).abs()
+    return (e.max() / r.abs().max()).item(), (e.pow(2).mean().sqrt() / r.pow(2).mean().sqrt()).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dyn", [False, True])
+@pytest.mark.parametrize("T, shape", [(2048, "tp8"), (4096, "tp8"), (2048, "ep8")])
+def test_gpu_fp8_wide_tiles_promote(T, shape, dyn):
+    """fp8 per-tensor at batches whose tiles are 64+ rows without swap-AB (wgmma, Triton's reduced-precision fp8
+    sum over the whole K loop): within the fp8 tolerance, and with `fp8_promote_all` (the sum joins fp32 every K
+    step) no less accurate, on the same inputs; static and dynamic activation scales."""
+    inter, n_local = (192, None) if shape == "tp8" else (1536, 24)
+    wts, tw, ids, emap, x = _hy3_inputs(T, inter, "fp8_tensor", n_local)
+    quant = Fp8PerTensor(wts.quant.w13_scale, wts.quant.w2_scale) if dyn else wts.quant
+    cfg = get_config(num_tokens=T, inter=inter, quant="fp8_tensor", num_local_experts=n_local, **HY3_CFG)
+    assert cfg.block_m >= 64 and not cfg.swap_ab, cfg  # the wide tiles this test is about
+    ref = R.fused_moe(x, wts.w13, wts.w2, tw, ids, quant=quant, expert_map=emap)
+    errs = {}
+    for promote in (False, True):
+        got = fused_moe(x, wts.w13, wts.w2, tw, ids, quant=quant, expert_map=emap, out=nan_like(x),
+                        config=cfg.with_(fp8_promote_all=promote))
+        assert_close(ref, got, maxtol=4e-2, rmstol=1.5e-2)
+        errs[promote] = _rel_err(ref, got)
+    assert errs[True][1] <= errs[False][1] * 1.05 + 1e-4, errs
 
 
 @pytest.mark.gpu

@@ -36,6 +36,9 @@ class MoeConfig:
     (Hopper's wgmma needs 64 rows there): for M tiles below 64 rows.
     `naive_max_pairs`: up to this many (token, slot) pairs there is no index at all: one task per pair,
     its expert read from topk_ids; a weight tile is read once per pair routed to its expert (decode).
+    `fp8_promote_all`: fp8 per-tensor tiles without swap-AB also add their MMA's sum to the fp32 accumulator every
+    K step (at most 128 products in the MMA's reduced-precision sum), as the swap-AB tiles always do
+    (`_moe_kernels._mma`); off: Triton's sm_90 default, one reduced-precision sum over the whole K loop.
     """
 
     block_m: int = 16
@@ -54,6 +57,7 @@ class MoeConfig:
     validate_ids: bool = True
     swap_ab: bool = False
     naive_max_pairs: int = 0
+    fp8_promote_all: bool = False
 
     def with_(self, **kw) -> MoeConfig:
         return replace(self, **kw)
