@@ -745,34 +745,13 @@ def _fp8_buffers(DT: gl.constexpr, D: gl.constexpr, TILE: gl.constexpr, FP8: gl.
 
 
 @gluon.jit
-def prefill_gluon_ws_kernel(
-    q_ptr, k_desc, v_desc, bt_ptr, seq_lens_ptr, cu_seqlens_q_ptr, out_ptr, sm_scale_log2,
-    num_reqs, tiles_per_head, num_kv_heads, bt_width, num_blocks,
-    stride_qt, stride_qh, stride_kh, stride_vh, stride_bt, stride_ot, stride_oh,
-    q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr,
-    D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr, BLOCK_B: gl.constexpr,
-    STAGES: gl.constexpr, HEADS_INNER: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
-    FP8: gl.constexpr = 0, FP8_CONSUMER_REGS: gl.constexpr = 224, FP8_PRODUCER_REGS: gl.constexpr = 56,
-    SOFTMAX: gl.constexpr = 0,
-):
-    """`prefill_gluon_kernel`'s maths on a 128-row q tile, warp-specialized: launched with num_warps = 4 (the
-    default partition, consumer 0) plus a 4-warp worker (consumer 1, CONSUMER_REGS registers) and a 1-warp TMA
-    producer (24 registers). FP8 (1; 2 with P in registers, 3 with two P buffers a consumer: `_attend`): an fp8 q
-    (per token-head scales) over
-    fp8 KV, both GEMMs in fp8, with a 4-warp producer that also transposes V (`_ws_producer_fp8`;
-    FP8_CONSUMER_REGS / FP8_PRODUCER_REGS)."""
-    gl.static_assert(num_warps == 4, "the default partition is consumer warpgroup 0")
-    gl.static_assert(STAGES >= 2, "two K/V buffers at least")
-    BLOCK_M: gl.constexpr = 128  # two consumer warpgroups of 64 rows
-    TOKENS: gl.constexpr = BLOCK_M // G
+def _ws_buffers(k_desc, v_desc, D: gl.constexpr, TILE: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr,
+                SOFTMAX: gl.constexpr):
+    """The warp-specialized kernels' shared memory (both consumers' q tiles, the K/V ring) and mbarriers (`full`,
+    `empty` a ring slot, the consumers' `turn`s), initialized; fp8 (`_fp8_buffers`): the Vᵀ buffers, the P buffers,
+    their mbarriers and the ones; 16-bit: the row-sum scratch (SOFTMAX & 2, `_attend`'s PV_OVERLAP) and stand-ins
+    for the fp8 buffers, never read."""
     DT: gl.constexpr = k_desc.dtype
-    kv_head, req, m_blk, ok = _tile_of(cu_seqlens_q_ptr, num_reqs, tiles_per_head, num_kv_heads, TOKENS, BLOCK_B,
-                                       HEADS_INNER, num_warps)
-    if not ok:
-        return
-    q_start, q_len, seq_len, ctx_len, first_tok, n = _request_span(cu_seqlens_q_ptr, seq_lens_ptr, req, m_blk,
-                                                                  TOKENS, TILE)
-
     q_smem = gl.allocate_shared_memory(DT, [2, 64, D], gl.NVMMASharedLayout.get_default_for([64, D], DT))
     k_smem = gl.allocate_shared_memory(DT, [STAGES, TILE, D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(DT, [STAGES, TILE, D], v_desc.layout)
@@ -795,6 +774,39 @@ def prefill_gluon_ws_kernel(
         mbarrier.init(empty.index(ib), count=3 if FP8 else 2)  # both consumers (fp8: and the producer's transpose)
     for ib in gl.static_range(2):
         mbarrier.init(turn.index(ib), count=1)
+    return q_smem, k_smem, v_smem, full, empty, turn, vt_smem, p_smem, vt_full, vt_empty, ones_smem
+
+
+@gluon.jit
+def prefill_gluon_ws_kernel(
+    q_ptr, k_desc, v_desc, bt_ptr, seq_lens_ptr, cu_seqlens_q_ptr, out_ptr, sm_scale_log2,
+    num_reqs, tiles_per_head, num_kv_heads, bt_width, num_blocks,
+    stride_qt, stride_qh, stride_kh, stride_vh, stride_bt, stride_ot, stride_oh,
+    q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr,
+    D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr, BLOCK_B: gl.constexpr,
+    STAGES: gl.constexpr, HEADS_INNER: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    FP8: gl.constexpr = 0, FP8_CONSUMER_REGS: gl.constexpr = 224, FP8_PRODUCER_REGS: gl.constexpr = 56,
+    SOFTMAX: gl.constexpr = 0,
+):
+    """`prefill_gluon_kernel`'s maths on a 128-row q tile, warp-specialized: launched with num_warps = 4 (the
+    default partition, consumer 0) plus a 4-warp worker (consumer 1, CONSUMER_REGS registers) and a 1-warp TMA
+    producer (24 registers). FP8 (1; 2 with P in registers, 3 with two P buffers a consumer: `_attend`): an fp8 q
+    (per token-head scales) over
+    fp8 KV, both GEMMs in fp8, with a 4-warp producer that also transposes V (`_ws_producer_fp8`;
+    FP8_CONSUMER_REGS / FP8_PRODUCER_REGS)."""
+    gl.static_assert(num_warps == 4, "the default partition is consumer warpgroup 0")
+    gl.static_assert(STAGES >= 2, "two K/V buffers at least")
+    BLOCK_M: gl.constexpr = 128  # two consumer warpgroups of 64 rows
+    TOKENS: gl.constexpr = BLOCK_M // G
+    kv_head, req, m_blk, ok = _tile_of(cu_seqlens_q_ptr, num_reqs, tiles_per_head, num_kv_heads, TOKENS, BLOCK_B,
+                                       HEADS_INNER, num_warps)
+    if not ok:
+        return
+    q_start, q_len, seq_len, ctx_len, first_tok, n = _request_span(cu_seqlens_q_ptr, seq_lens_ptr, req, m_blk,
+                                                                  TOKENS, TILE)
+
+    q_smem, k_smem, v_smem, full, empty, turn, vt_smem, p_smem, vt_full, vt_empty, ones_smem = _ws_buffers(
+        k_desc, v_desc, D, TILE, STAGES, FP8, SOFTMAX)
     bt_row = bt_ptr + req.to(gl.int64) * stride_bt
     args = (q_ptr, out_ptr, k_desc, v_desc, q_smem, k_smem, v_smem, full, empty, turn, bt_row, bt_width, num_blocks,
             kv_head * stride_kh, kv_head * stride_vh, n, q_start, q_len, first_tok, ctx_len, seq_len, kv_head,
@@ -953,29 +965,8 @@ def prefill_gluon_ws_persist_kernel(
     gl.static_assert(num_warps == 4, "the default partition is consumer warpgroup 0")
     gl.static_assert(STAGES >= 2, "two K/V buffers at least")
     gl.static_assert(FP8 != 2, "P in fp8 registers has no persistent form")
-    DT: gl.constexpr = k_desc.dtype
-    q_smem = gl.allocate_shared_memory(DT, [2, 64, D], gl.NVMMASharedLayout.get_default_for([64, D], DT))
-    k_smem = gl.allocate_shared_memory(DT, [STAGES, TILE, D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(DT, [STAGES, TILE, D], v_desc.layout)
-    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    if FP8:
-        vt_smem, p_smem, vt_full, vt_empty, ones_smem = _fp8_buffers(DT, D, TILE, FP8, SOFTMAX)
-    else:
-        vt_smem = q_smem  # not read
-        if SOFTMAX & 2:  # each consumer's row sums, written before its P·V wait (`_attend`'s PV_OVERLAP)
-            p_smem = gl.allocate_shared_memory(gl.float32, [2, 64], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        else:
-            p_smem = q_smem
-        vt_full = turn
-        vt_empty = turn
-        ones_smem = q_smem  # not read
-    for ib in gl.static_range(STAGES):
-        mbarrier.init(full.index(ib), count=1)
-        mbarrier.init(empty.index(ib), count=3 if FP8 else 2)  # both consumers (fp8: and the producer's transpose)
-    for ib in gl.static_range(2):
-        mbarrier.init(turn.index(ib), count=1)
+    q_smem, k_smem, v_smem, full, empty, turn, vt_smem, p_smem, vt_full, vt_empty, ones_smem = _ws_buffers(
+        k_desc, v_desc, D, TILE, STAGES, FP8, SOFTMAX)
     args = (q_ptr, out_ptr, k_desc, v_desc, q_smem, k_smem, v_smem, full, empty, turn, bt_ptr, stride_bt, bt_width,
             num_blocks, stride_kh, stride_vh, cu_seqlens_q_ptr, seq_lens_ptr, num_reqs, tiles_per_head, num_kv_heads,
             sm_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, q_scale_ptr, stride_qst, stride_qsh,
