@@ -152,7 +152,7 @@ class Case:
     swap: bool | None = None  # force config.swap_ab
     naive: bool | None = None  # force one task per pair (True) or the index (False)
     fused_shared: int = 0  # I_s of a shared expert fused into the GEMM kernels (shared_w13 / shared_w2)
-    promote: bool | None = None  # force config.fp8_promote_all
+    promote: int | None = None  # force config.fp8_promote
 
     @property
     def id(self) -> str:
@@ -176,7 +176,7 @@ class Case:
         if self.naive is not None:
             s += "-naive" if self.naive else "-indexed"
         if self.promote is not None:
-            s += f"-promote{int(self.promote)}"
+            s += f"-promote{self.promote}"
         return s
 
 
@@ -220,9 +220,9 @@ PATH_BASES = [
 ]
 PATH_CASES = [replace(c, swap=swap, naive=naive) for c in PATH_BASES for swap in (False, True)
               for naive in (False, True)]
-# fp8 per-tensor wide tiles (no swap-AB) with their MMA sums promoted every K step (MoeConfig.fp8_promote_all)
-PATH_CASES += [Case(6, quant="fp8_tensor", shared=True, ep=True, E=8, swap=False, promote=True),
-               Case(7, quant="fp8_tensor", static=False, swap=False, naive=False, promote=True, H=384)]
+# fp8 per-tensor MMA sums promoted every 64 products, or never (MoeConfig.fp8_promote; default 128)
+PATH_CASES += [Case(6, quant="fp8_tensor", shared=True, ep=True, E=8, swap=False, promote=64),
+               Case(7, quant="fp8_tensor", static=False, swap=True, naive=False, promote=0, H=384)]
 
 
 def _tolerance(case: Case) -> dict:
@@ -261,7 +261,7 @@ def run_case(case: Case, device: str):
     if case.naive is not None:
         cfg = cfg.with_(naive_max_pairs=1 << 30 if case.naive else 0)
     if case.promote is not None:
-        cfg = cfg.with_(fp8_promote_all=case.promote)
+        cfg = cfg.with_(fp8_promote=case.promote)
     out = nan_like(torch.empty(case.T, case.H, dtype=case.dtype, device=device)) if case.use_out else None
     got = fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap, shared_output=shared,
                     out=out, config=cfg, shared_w13=s13, shared_w2=s2)
@@ -390,6 +390,8 @@ def _bad_inputs(device):
         ("x", TypeError, dict(base, x=x.to(FP8))),
         ("config", ValueError, dict(bk, config=MoeConfig(block_k=64))),
         ("config.act_mul", ValueError, dict(base, config=MoeConfig(act_mul="fp16"))),
+        ("config.fp8_promote", ValueError, dict(f8, config=MoeConfig(fp8_promote=48))),
+        ("config.fp8_promote", ValueError, dict(f8, config=MoeConfig(fp8_promote=-32))),
         *_bad_shared_weights(base, f8, x, H, device),
     ]
 
@@ -519,22 +521,25 @@ def _rel_err(ref, got):
 @pytest.mark.parametrize("dyn", [False, True])
 @pytest.mark.parametrize("T, shape", [(2048, "tp8"), (4096, "tp8"), (2048, "ep8")])
 def test_gpu_fp8_wide_tiles_promote(T, shape, dyn):
-    """fp8 per-tensor at batches whose tiles are 64+ rows without swap-AB (wgmma, Triton's reduced-precision fp8
-    sum over the whole K loop): within the fp8 tolerance, and with `fp8_promote_all` (the sum joins fp32 every K
-    step) no less accurate, on the same inputs; static and dynamic activation scales."""
+    """fp8 per-tensor at batches whose tiles are 64+ rows without swap-AB (wgmma): with the default `fp8_promote`
+    (the MMA's reduced-precision sum joins fp32 every 128 products) within the fp8 tolerance and with an rms error
+    at most half of it, less than with fp8_promote=0 (Triton's default: one reduced-precision sum over the whole K loop,
+    max 6.9e-2 / rms 2.8e-2 with dynamic scales on the H200); static and dynamic activation scales."""
     inter, n_local = (192, None) if shape == "tp8" else (1536, 24)
     wts, tw, ids, emap, x = _hy3_inputs(T, inter, "fp8_tensor", n_local)
     quant = Fp8PerTensor(wts.quant.w13_scale, wts.quant.w2_scale) if dyn else wts.quant
     cfg = get_config(num_tokens=T, inter=inter, quant="fp8_tensor", num_local_experts=n_local, **HY3_CFG)
     assert cfg.block_m >= 64 and not cfg.swap_ab, cfg  # the wide tiles this test is about
     ref = R.fused_moe(x, wts.w13, wts.w2, tw, ids, quant=quant, expert_map=emap)
+    assert cfg.fp8_promote == 128
     errs = {}
-    for promote in (False, True):
+    for promote in (0, cfg.fp8_promote):
         got = fused_moe(x, wts.w13, wts.w2, tw, ids, quant=quant, expert_map=emap, out=nan_like(x),
-                        config=cfg.with_(fp8_promote_all=promote))
-        assert_close(ref, got, maxtol=4e-2, rmstol=1.5e-2)
+                        config=cfg.with_(fp8_promote=promote))
         errs[promote] = _rel_err(ref, got)
-    assert errs[True][1] <= errs[False][1] * 1.05 + 1e-4, errs
+        if promote:
+            assert_close(ref, got, maxtol=4e-2, rmstol=7.5e-3)
+    assert errs[128][1] < errs[0][1], errs
 
 
 @pytest.mark.gpu

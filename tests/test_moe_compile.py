@@ -72,8 +72,8 @@ def _launch_all() -> None:
                 fused_moe(x, w13, w2, tw, ids, quant=quant, expert_map=emap, config=cfg,
                           shared_w13=torch.zeros(384, H, dtype=torch.bfloat16),
                           shared_w2=torch.zeros(H, 192, dtype=torch.bfloat16))
-                if kind.startswith("fp8_tensor") and not cfg.swap_ab:  # the wide tiles' promoted fp8 sums
-                    fused_moe(x, w13, w2, tw, ids, quant=quant, expert_map=emap, config=cfg.with_(fp8_promote_all=True))
+                if kind.startswith("fp8_tensor"):  # one reduced-precision fp8 sum over the K loop (fp8_promote 0)
+                    fused_moe(x, w13, w2, tw, ids, quant=quant, expert_map=emap, config=cfg.with_(fp8_promote=0))
 
 
 _COMPILER = r"""

@@ -236,8 +236,7 @@ def _mma(a, w, acc, SWAP_AB: tl.constexpr, PROMOTE: tl.constexpr = 0):
     reduced-precision accumulator; swap-AB puts the MoE's decode tiles on wgmma (a 16-row tile runs mma.sync,
     which keeps fp32), and on the H200 that tripled the output error with static activation scales and
     multiplied it by 10 with dynamic per-token ones (Hy3 TP8 T 64: max 6.5e-2, rms 2.7e-2 against 5.4e-3 /
-    2.6e-3; bench/results/README.md, MoE). The wide tiles (64+ rows, no swap) take it with
-    `MoeConfig.fp8_promote_all`."""
+    2.6e-3; bench/results/README.md, MoE), and the 64+ row tiles' likewise at T 2048 (`MoeConfig.fp8_promote`)."""
     if SWAP_AB:
         if PROMOTE > 0:
             acc = tl.dot(w, tl.trans(a), acc, max_num_imprecise_acc=PROMOTE)

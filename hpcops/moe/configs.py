@@ -36,9 +36,12 @@ class MoeConfig:
     (Hopper's wgmma needs 64 rows there): for M tiles below 64 rows.
     `naive_max_pairs`: up to this many (token, slot) pairs there is no index at all: one task per pair,
     its expert read from topk_ids; a weight tile is read once per pair routed to its expert (decode).
-    `fp8_promote_all`: fp8 per-tensor tiles without swap-AB also add their MMA's sum to the fp32 accumulator every
-    K step (at most 128 products in the MMA's reduced-precision sum), as the swap-AB tiles always do
-    (`_moe_kernels._mma`); off: Triton's sm_90 default, one reduced-precision sum over the whole K loop.
+    `fp8_promote`: fp8 per-tensor tiles add their MMA's sum to the fp32 accumulator after at most this many
+    products, and at least once a K step (`max_num_imprecise_acc` = min(fp8_promote, the K tile);
+    `_moe_kernels._mma`). Hopper's fp8 MMA keeps a reduced-precision sum; left to it over a whole K loop (0:
+    Triton's sm_90 default) the output error grows with K: Hy3 at T 2048, dynamic per-token activation scales, max
+    6.9e-2 / rms 2.8e-2 against 4.0e-3 / 4.8e-3 promoted (bench/results/probe_moe_wide_promote.md), over the fp8
+    budget (4e-2 / 1.5e-2). A multiple of 32 (the fp8 MMA's K step), or 0.
     """
 
     block_m: int = 16
@@ -57,7 +60,7 @@ class MoeConfig:
     validate_ids: bool = True
     swap_ab: bool = False
     naive_max_pairs: int = 0
-    fp8_promote_all: bool = False
+    fp8_promote: int = 128
 
     def with_(self, **kw) -> MoeConfig:
         return replace(self, **kw)
@@ -151,7 +154,7 @@ def heuristic_config(*, num_tokens: int, top_k: int, num_experts: int, hidden: i
 
 TUNABLE = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "down_block_n", "down_block_k",
            "down_num_warps", "down_num_stages", "reduce_block_h", "index_small_max", "prequant_x", "swap_ab",
-           "naive_max_pairs")
+           "naive_max_pairs", "fp8_promote")
 
 
 @functools.cache

@@ -214,11 +214,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     s13, s2 = (shared_w13, shared_w2) if i_s else (dummy, dummy)
     stride_s = (s13.stride(0), s2.stride(0), s_act.stride(0), y_sh.stride(0)) if i_s else (0, 0, 0, 0)
     shared = dict(SHARED=bool(i_s))
-    # fp8 swap-AB tiles run on wgmma: its sum joins the fp32 accumulator every K step of at most 128 (`_mma`);
-    # the wide tiles too with `fp8_promote_all`
-    promote = narrow and (cfg.swap_ab or cfg.fp8_promote_all)
-    gu_promote = dict(FP8_PROMOTE=min(128, cfg.block_k)) if promote else {}
-    dn_promote = dict(FP8_PROMOTE=min(128, cfg.down_block_k)) if promote else {}
+    # fp8 tiles on wgmma (swap-AB's and the 64+ row ones): the MMA's reduced-precision sum joins the fp32
+    # accumulator after at most cfg.fp8_promote products, at least once a K step (`_mma`)
+    promote = narrow and cfg.fp8_promote > 0
+    gu_promote = dict(FP8_PROMOTE=min(cfg.fp8_promote, cfg.block_k)) if promote else {}
+    dn_promote = dict(FP8_PROMOTE=min(cfg.fp8_promote, cfg.down_block_k)) if promote else {}
 
     K.moe_gate_up_kernel[(n_shared_gu + n_tasks * triton.cdiv(inter, cfg.block_n),)](
         a.x, a.scale, w13, ws.w13, a.a13, tasks, offsets, sorted_pair, topk_ids, emap,
