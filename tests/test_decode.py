@@ -157,30 +157,6 @@ def test_plan_split_cost_cuts_short_uniform_batches_whole(hkv, programs, snap, w
     assert _tables(got_long) == _tables(equal_long) and _desc(got_long) == _desc(equal_long)
 
 
-@pytest.mark.parametrize("hkv, lens, whole16, whole_up", [(1, [512] * 64, True, False), (8, [4096] * 64, True, True)])
-def test_plan_split_cost_by_kv_upcast(hkv, lens, whole16, whole_up, device):
-    """The default split cost follows the dtypes a plan is told (`DecodePlan.upcast_kv`): the tl kernel over 16-bit
-    KV (or an fp8 q over fp8 KV) charges SPLIT_COST_TL, over fp8 KV with a bf16 q (it converts every tile)
-    SPLIT_COST_TL_UPCAST. 64x0.5K h8/1 (40-unit pairs, a 16-unit bucket) is cut whole only at the former; 64x4K h64/8
-    (264-unit pairs, a 512-unit bucket) at both. The device kernel's tables are the reference's."""
-    from hpcops.attention import decode as dec
-
-    seq = torch.tensor(lens, dtype=torch.int32, device=device)
-    kw = dict(num_kv_heads=hkv, num_programs=264, min_tiles=4, task_cost=8, num_q_heads=8 * hkv, head_dim=128)
-    fp8, bf16 = torch.float8_e4m3fn, torch.bfloat16
-    with dec.decode_config_changed(task_desc=True, split_cost=None, gluon=False):
-        for q_dtype, kv_dtype, whole, upcast in ((bf16, bf16, whole16, False), (fp8, fp8, whole16, False),
-                                                 (bf16, fp8, whole_up, True)):
-            got = hpcops.plan_decode(seq, q_dtype=q_dtype, kv_dtype=kv_dtype, **kw)
-            want = ref.plan_decode(seq.cpu(), q_dtype=q_dtype, kv_dtype=kv_dtype, **kw)
-            assert got.kernel == "tl" and got.upcast_kv is upcast and want.upcast_kv is upcast
-            assert _tables(got) == _tables(want) and _desc(got) == _desc(want)
-            assert (got.host_tables()["used_snap"] == plan_mod.WHOLE_SNAP) is whole, (q_dtype, kv_dtype)
-            again = hpcops.plan_decode(seq, out=got, **{k: v for k, v in kw.items() if k in ("num_kv_heads",)})
-            assert again.upcast_kv is upcast and _tables(again) == _tables(want)
-    assert plan_mod.split_cost_for("tl", True) == plan_mod.SPLIT_COST_TL_UPCAST < plan_mod.SPLIT_COST_TL
-
-
 def test_split_cost_errors():
     from hpcops.attention.decode import DecodeConfig
 

@@ -148,8 +148,7 @@ class DecodeConfig:
         largest pair's cost) that is at most the equal cut's bucket + split_cost, the plan cuts there and moves
         every cut to a request boundary: no request is split (the static split's cut on uniform short batches,
         without its combine). Elsewhere the equal cut as before. 0: never. None (default): by the plan's kernel,
-        `plan.SPLIT_COST_TL` (32, 8 tiles) for the `tl` kernel, `plan.SPLIT_COST_TL_UPCAST` (16) where it upcasts fp8
-        KV to a 16-bit q (`DecodePlan.upcast_kv`) and 0 for the Gluon kernel. The H200 tune at `78dfefb`
+        `plan.SPLIT_COST_TL` (32, 8 tiles) for the `tl` kernel and 0 for the Gluon kernel. The H200 tune at `78dfefb`
         (bench/results/decode_tune_split_cost.md): on the `tl` kernel (merges through the combine kernel, 2 programs an
         SM) 32 takes 64x0.5K h8/1 bf16 from 13.0 to 11.6 µs (one request a program instead of a 4-tile bucket),
         h64/8 from 45.8 to 38.6 (two requests a program instead of 1.3: the static split's 38.6) and 64x4K h64/8
@@ -406,12 +405,6 @@ def plan_kernel(num_kv_heads: int, q_len: int, block_size: int, device, *, num_q
     if block_size < TILE and (block_size < 8 or TILE % block_size):
         return "tl"
     return "tl" if _hopper(device) else "gluon"
-
-
-def plan_upcasts_kv(kernel: str, q_dtype: torch.dtype | None, kv_dtype: torch.dtype | None) -> bool:
-    """Whether a plan's kernel converts every KV tile to q's dtype (`DecodePlan.upcast_kv`, `plan_decode`'s hints):
-    the `tl` kernel told a 16-bit q over fp8 KV. The plan charges a split less there (`plan.split_cost_for`)."""
-    return kernel == "tl" and kv_dtype == FP8_E4M3 and q_dtype is not None and q_dtype != FP8_E4M3
 
 
 def plan_programs_per_sm(kernel: str, num_kv_heads: int, q_len: int, *, num_q_heads: int | None = None,

@@ -102,26 +102,20 @@ WHOLE_SNAP = 2147483647
 # kernel (combine kernel, 2 programs an SM) gains from whole cuts of short batches (64x0.5K 1.10-1.18x, h64/8 64x4K
 # 1.03x); the Gluon kernel (tail merge, 3 an SM) loses (0.87-0.90x), so 0 there
 SPLIT_COST_TL = 32
-# ... and the tl kernel upcasting fp8 KV to a 16-bit q every tile (`DecodePlan.upcast_kv`): a tile's conversions
-# lengthen one program's serial chain, so a whole request a program pays less than on 16-bit KV (decode.md at
-# aad7acc, 64x0.5K h8/1 fp8 bf16 q: the whole cut 13.6 µs, the static split 11.7). Half the 16-bit figure: at h8/1
-# 64x0.5K the whole cut (40 units against a 16-unit bucket) needs 24, so it is no longer taken; h64/8 64x4K's
-# (528 against 512) still is.
-SPLIT_COST_TL_UPCAST = 16
+# Not by KV dtype: over fp8 KV with a bf16 q (the tl kernel converts every tile) a lower split cost was tried (tune
+# decode's "q16" scenarios, bench/results/decode_tune_q16_40726ce.md): 64x0.5K h8/1 13.8 µs split (split_cost <= 16)
+# against 13.6 whole; the static split's 11.7 (decode.md) comes from its kernel, not from its cut.
 
 
-def split_cost_for(kernel: str, upcast_kv: bool = False) -> int:
+def split_cost_for(kernel: str) -> int:
     """The split cost (cost units) the plan charges for `kernel` ("tl" or "gluon"): DecodeConfig.split_cost, or
-    by default SPLIT_COST_TL for the tl kernel (SPLIT_COST_TL_UPCAST where it upcasts fp8 KV to a 16-bit q,
-    `upcast_kv`) and 0 (never a whole cut) for the Gluon kernel."""
+    by default SPLIT_COST_TL for the tl kernel and 0 (never a whole cut) for the Gluon kernel."""
     from hpcops.attention.decode import decode_config
 
     asked = decode_config().split_cost
     if asked is not None:
         return asked
-    if kernel == "gluon":
-        return 0
-    return SPLIT_COST_TL_UPCAST if upcast_kv else SPLIT_COST_TL
+    return 0 if kernel == "gluon" else SPLIT_COST_TL
 
 
 # Launch choices of the plan kernel: DecodeConfig.plan_block_c, plan_warps, plan_block_b
@@ -162,7 +156,6 @@ class DecodePlan:
     has_desc: bool = False
     has_pairs: bool = False  # pair_desc written by the last plan (DecodeConfig.tail_merge)
     kernel: str = "tl"  # the attention kernel the plan was built for: "tl" or "gluon" (`decode.plan_kernel`)
-    upcast_kv: bool = False  # told a 16-bit q over fp8 KV: the tl kernel converts every KV tile (`split_cost_for`)
     task_cost: int = 0  # as asked; the cut charges it only with descriptors (`cut_task_cost`)
     snap: int = 0  # likewise (`cut_snap`)
     _workspace: dict = field(default_factory=dict, repr=False)
@@ -355,9 +348,7 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
             Hopper kernel reads take the Gluon kernel with the tail merge and 3 programs an SM (the H200
             bench: h8/1 fp8 1.39× FlashInfer against 1.32× for the `tl` kernel, h64/8 fp8 15–23 % faster;
             bench/results/README.md); anything else, or no hints, the `tl` kernel with 2. With `out=`, the
-            plan's own. `DecodeConfig.gluon` False keeps every plan on the `tl` kernel. A 16-bit q over fp8 KV
-            on the `tl` kernel (`DecodePlan.upcast_kv`) lowers the cost the cut charges a split
-            (`split_cost_for`).
+            plan's own. `DecodeConfig.gluon` False keeps every plan on the `tl` kernel.
     """
     del max_seq_len  # buffers are sized by batch and program count only
     _validate_plan_args(seq_lens, num_kv_heads, q_len, block_size, out.max_batch if out is not None else max_batch,
@@ -373,7 +364,7 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
         plan = out
         plan.batch = seq_lens.shape[0]
     else:
-        from hpcops.attention.decode import plan_kernel, plan_programs_per_sm, plan_upcasts_kv
+        from hpcops.attention.decode import plan_kernel, plan_programs_per_sm
 
         dev = seq_lens.device
         cap = max(max_batch or seq_lens.shape[0], 1)
@@ -383,8 +374,7 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
                                       kv_dtype=kv_dtype)
         c = num_programs or default_num_programs(q_len, dev, programs_per_sm=per_sm)
         plan = DecodePlan(
-            kernel=kernel, upcast_kv=plan_upcasts_kv(kernel, q_dtype, kv_dtype), num_kv_heads=num_kv_heads,
-            q_len=q_len, block_size=block_size, num_programs=c,
+            kernel=kernel, num_kv_heads=num_kv_heads, q_len=q_len, block_size=block_size, num_programs=c,
             min_tiles=max(1, min_tiles if min_tiles is not None else DEFAULT_MIN_TILES), max_batch=cap,
             batch=seq_lens.shape[0], task_cost=DEFAULT_TASK_COST if task_cost is None else task_cost,
             snap=DEFAULT_SNAP if snap is None else snap,
@@ -463,7 +453,7 @@ def _launch_plan(plan: DecodePlan, seq_lens: torch.Tensor) -> None:
         seq_lens, plan.cum, plan.header, plan.first_b, plan.last_b, plan.task_desc, plan.merge_desc,
         plan.pair_desc if plan.has_pairs else plan.merge_desc, plan.merge_sem if plan.has_pairs else plan.cum,
         b, plan.num_kv_heads, plan.num_programs, plan.min_tiles, cost_unit(cost), cost,
-        plan.cut_snap, split_cost_for(plan.kernel, plan.upcast_kv) if cost else 0,
+        plan.cut_snap, split_cost_for(plan.kernel) if cost else 0,
         TILE=TILE, BLOCK_B=block_b, BLOCK_C=block_c, ONE_BLOCK=cfg.plan_one_pass and b <= block_b,
         DESC=cfg.task_desc, PAIRS=plan.has_pairs,
         num_warps=warps,

@@ -38,7 +38,7 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
     `plan.CostStream` (the descriptor tables always; `has_desc`, which `host_tables` shows them by,
     and so the task cost the cut charges, as the kernel's); the same kernel choice from the same hints."""
     del max_seq_len
-    from hpcops.attention.decode import decode_config, plan_kernel, plan_programs_per_sm, plan_upcasts_kv
+    from hpcops.attention.decode import decode_config, plan_kernel, plan_programs_per_sm
 
     _validate_plan_args(seq_lens, num_kv_heads, q_len, block_size, out.max_batch if out else max_batch, task_cost,
                         snap)
@@ -46,7 +46,6 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
     b = seq_lens.shape[0]
     kernel = out.kernel if out else plan_kernel(num_kv_heads, q_len, block_size, dev, num_q_heads=num_q_heads,
                                                 head_dim=head_dim, q_dtype=q_dtype, kv_dtype=kv_dtype)
-    upcast = out.upcast_kv if out else plan_upcasts_kv(kernel, q_dtype, kv_dtype)
     per_sm = plan_programs_per_sm(kernel, num_kv_heads, q_len, num_q_heads=num_q_heads, head_dim=head_dim,
                                   kv_dtype=kv_dtype)
     c = out.num_programs if out else (num_programs or default_num_programs(q_len, dev, programs_per_sm=per_sm))
@@ -65,7 +64,7 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
     task_desc = [[-1, 0, 0, 0] for _ in range(c)]
     merge_desc = [[-1, 0, 0, 0] for _ in range(c)]
     if b:
-        cs = CostStream.cut(cum, num_kv_heads, cost, c, mt, cut_snap, split_cost_for(kernel, upcast) if cost else 0)
+        cs = CostStream.cut(cum, num_kv_heads, cost, c, mt, cut_snap, split_cost_for(kernel) if cost else 0)
         header = [cs.bucket, cs.s, cs.total, cs.active, cs.snap]
         ranges = [cs.program_range(k) for k in range(min(c, cs.active))]
         for k, (g0, g1) in enumerate(ranges):
@@ -79,9 +78,8 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
             if pair_lo >= g0 and pair_hi > g1:  # the pair of its last tile starts here and leaves
                 parts = sum(1 for a, z in ranges if a < z and a < pair_hi and z > pair_lo)
                 merge_desc[k] = [bl, hl, 2 * k + (0 if pair_lo == g0 else 1), parts]
-    plan = out or DecodePlan(kernel=kernel, upcast_kv=upcast, num_kv_heads=num_kv_heads, q_len=q_len,
-                             block_size=block_size, num_programs=c, min_tiles=mt, max_batch=cap, batch=b,
-                             task_cost=asked, snap=asked_snap,
+    plan = out or DecodePlan(kernel=kernel, num_kv_heads=num_kv_heads, q_len=q_len, block_size=block_size,
+                             num_programs=c, min_tiles=mt, max_batch=cap, batch=b, task_cost=asked, snap=asked_snap,
                              header=torch.empty(5, dtype=torch.int32, device=dev),
                              cum=torch.empty(cap + 1, dtype=torch.int32, device=dev),
                              first_b=torch.empty(c, dtype=torch.int32, device=dev),
