@@ -152,7 +152,7 @@ class Case:
     swap: bool | None = None  # force config.swap_ab
     naive: bool | None = None  # force one task per pair (True) or the index (False)
     fused_shared: int = 0  # I_s of a shared expert fused into the GEMM kernels (shared_w13 / shared_w2)
-    promote: int | None = None  # force config.fp8_promote
+    promote: int | None = None  # force config.fp8_promote (None: the default)
 
     @property
     def id(self) -> str:
@@ -220,9 +220,10 @@ PATH_BASES = [
 ]
 PATH_CASES = [replace(c, swap=swap, naive=naive) for c in PATH_BASES for swap in (False, True)
               for naive in (False, True)]
-# fp8 per-tensor MMA sums promoted every 64 products, or never (MoeConfig.fp8_promote; default 128)
+# fp8 per-tensor MMA sums promoted every 64 products, or never (MoeConfig.fp8_promote; default: by tile and scales)
 PATH_CASES += [Case(6, quant="fp8_tensor", shared=True, ep=True, E=8, swap=False, promote=64),
-               Case(7, quant="fp8_tensor", static=False, swap=True, naive=False, promote=0, H=384)]
+               Case(7, quant="fp8_tensor", static=False, swap=True, naive=False, promote=0, H=384),
+               Case(7, quant="fp8_tensor", static=False, swap=False, naive=False, promote=128, H=384)]
 
 
 def _tolerance(case: Case) -> dict:
@@ -392,6 +393,7 @@ def _bad_inputs(device):
         ("config.act_mul", ValueError, dict(base, config=MoeConfig(act_mul="fp16"))),
         ("config.fp8_promote", ValueError, dict(f8, config=MoeConfig(fp8_promote=48))),
         ("config.fp8_promote", ValueError, dict(f8, config=MoeConfig(fp8_promote=-32))),
+        ("config.fp8_promote", ValueError, dict(f8, config=MoeConfig(fp8_promote=64.0))),
         *_bad_shared_weights(base, f8, x, H, device),
     ]
 
@@ -521,25 +523,26 @@ def _rel_err(ref, got):
 @pytest.mark.parametrize("dyn", [False, True])
 @pytest.mark.parametrize("T, shape", [(2048, "tp8"), (4096, "tp8"), (2048, "ep8")])
 def test_gpu_fp8_wide_tiles_promote(T, shape, dyn):
-    """fp8 per-tensor at batches whose tiles are 64+ rows without swap-AB (wgmma): with the default `fp8_promote`
-    (the MMA's reduced-precision sum joins fp32 every 128 products) within the fp8 tolerance and with an rms error
-    at most half of it, less than with fp8_promote=0 (Triton's default: one reduced-precision sum over the whole K loop,
-    max 6.9e-2 / rms 2.8e-2 with dynamic scales on the H200); static and dynamic activation scales."""
+    """fp8 per-tensor at batches whose tiles are 64+ rows without swap-AB (wgmma). `fp8_promote=128` (the MMA's
+    reduced-precision sum joins fp32 every 128 products): within the fp8 tolerance with at most half its rms, and
+    more accurate than 0 (Triton's default, one reduced-precision sum over the whole K loop: max 6.9e-2 / rms 2.8e-2
+    with dynamic scales on the H200). The default (None) is the former with dynamic activation scales and the latter
+    with static ones, bit for bit, and within the fp8 tolerance either way."""
     inter, n_local = (192, None) if shape == "tp8" else (1536, 24)
     wts, tw, ids, emap, x = _hy3_inputs(T, inter, "fp8_tensor", n_local)
     quant = Fp8PerTensor(wts.quant.w13_scale, wts.quant.w2_scale) if dyn else wts.quant
     cfg = get_config(num_tokens=T, inter=inter, quant="fp8_tensor", num_local_experts=n_local, **HY3_CFG)
-    assert cfg.block_m >= 64 and not cfg.swap_ab, cfg  # the wide tiles this test is about
+    assert cfg.block_m >= 64 and not cfg.swap_ab and cfg.fp8_promote is None, cfg  # the wide tiles, the default
     ref = R.fused_moe(x, wts.w13, wts.w2, tw, ids, quant=quant, expert_map=emap)
-    assert cfg.fp8_promote == 128
-    errs = {}
-    for promote in (0, cfg.fp8_promote):
-        got = fused_moe(x, wts.w13, wts.w2, tw, ids, quant=quant, expert_map=emap, out=nan_like(x),
-                        config=cfg.with_(fp8_promote=promote))
-        errs[promote] = _rel_err(ref, got)
-        if promote:
-            assert_close(ref, got, maxtol=4e-2, rmstol=7.5e-3)
+    outs, errs = {}, {}
+    for promote in (0, 128, None):
+        outs[promote] = fused_moe(x, wts.w13, wts.w2, tw, ids, quant=quant, expert_map=emap, out=nan_like(x),
+                                  config=cfg.with_(fp8_promote=promote))
+        errs[promote] = _rel_err(ref, outs[promote])
+    assert_close(ref, outs[128], maxtol=4e-2, rmstol=7.5e-3)
+    assert_close(ref, outs[None], maxtol=4e-2, rmstol=1.5e-2)
     assert errs[128][1] < errs[0][1], errs
+    assert torch.equal(outs[None], outs[128 if dyn else 0]), errs
 
 
 @pytest.mark.gpu
@@ -794,3 +797,18 @@ def test_kernels_compare_named_codes_only():
                "A_WIDE_GROUP_AMAX": ActMode.WIDE_GROUP_AMAX, "X_STATIC": XMode.STATIC,
                "X_PER_TOKEN_GROUP": XMode.PER_TOKEN_GROUP}
     assert {k: int(getattr(K, k)) for k in mirrors} == {k: int(v) for k, v in mirrors.items()}
+
+
+def test_fp8_promote_rule():
+    """`MoeConfig.fp8_promote` None: 128 products on swap-AB tiles and on a GEMM whose fp8 input has per-token
+    scales, no promotion on the static-scale wide tiles; an int applies to every fp8 GEMM (0: none), capped by the K
+    tile; 16-bit weights never."""
+    from hpcops.moe.fused_moe import _fp8_promote
+
+    c = MoeConfig()
+    assert _fp8_promote(c, True, False, 128) == {}
+    assert _fp8_promote(c, True, True, 64) == {"FP8_PROMOTE": 64}
+    assert _fp8_promote(c.with_(swap_ab=True), True, False, 256) == {"FP8_PROMOTE": 128}
+    assert _fp8_promote(c.with_(swap_ab=True, fp8_promote=0), True, True, 128) == {}
+    assert _fp8_promote(c.with_(fp8_promote=256), True, False, 128) == {"FP8_PROMOTE": 128}
+    assert _fp8_promote(c.with_(fp8_promote=128), False, True, 128) == {}

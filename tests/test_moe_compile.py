@@ -72,8 +72,9 @@ def _launch_all() -> None:
                 fused_moe(x, w13, w2, tw, ids, quant=quant, expert_map=emap, config=cfg,
                           shared_w13=torch.zeros(384, H, dtype=torch.bfloat16),
                           shared_w2=torch.zeros(H, 192, dtype=torch.bfloat16))
-                if kind.startswith("fp8_tensor"):  # one reduced-precision fp8 sum over the K loop (fp8_promote 0)
-                    fused_moe(x, w13, w2, tw, ids, quant=quant, expert_map=emap, config=cfg.with_(fp8_promote=0))
+                if kind.startswith("fp8_tensor"):  # the fp8 MMA sums promoted the other way than by default
+                    fused_moe(x, w13, w2, tw, ids, quant=quant, expert_map=emap,
+                              config=cfg.with_(fp8_promote=0 if kind == "fp8_tensor_dyn" else 128))
 
 
 _COMPILER = r"""

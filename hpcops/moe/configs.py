@@ -38,10 +38,13 @@ class MoeConfig:
     its expert read from topk_ids; a weight tile is read once per pair routed to its expert (decode).
     `fp8_promote`: fp8 per-tensor tiles add their MMA's sum to the fp32 accumulator after at most this many
     products, and at least once a K step (`max_num_imprecise_acc` = min(fp8_promote, the K tile);
-    `_moe_kernels._mma`). Hopper's fp8 MMA keeps a reduced-precision sum; left to it over a whole K loop (0:
-    Triton's sm_90 default) the output error grows with K: Hy3 at T 2048, dynamic per-token activation scales, max
-    6.9e-2 / rms 2.8e-2 against 4.0e-3 / 4.8e-3 promoted (bench/results/probe_moe_wide_promote.md), over the fp8
-    budget (4e-2 / 1.5e-2). A multiple of 32 (the fp8 MMA's K step), or 0.
+    `_moe_kernels._mma`); 0: never (Triton's sm_90 default, one reduced-precision sum over the whole K loop); a
+    multiple of 32 (the fp8 MMA's K step). None (default): 128 on the swap-AB tiles and on a GEMM whose fp8 input
+    has per-token (dynamic) scales, 0 elsewhere. Hopper's fp8 MMA keeps a reduced-precision sum, so the error grows
+    with K (Hy3 T 2048 on the H200, bench/results/probe_moe_wide_promote.md): with dynamic scales max 6.9e-2 / rms
+    2.8e-2 unpromoted, over the fp8 budget (4e-2 / 1.5e-2), 4.0e-3 / 4.8e-3 promoted; with static scales 1.1e-2 /
+    9.1e-3 and 6.5e-3 / 4.2e-3, where promoting the 64+ row tiles costs 14 % (T 2048) to 33 % (T 16384) of the
+    layer's time (moe_promote_a5dbcb5.md).
     """
 
     block_m: int = 16
@@ -60,7 +63,7 @@ class MoeConfig:
     validate_ids: bool = True
     swap_ab: bool = False
     naive_max_pairs: int = 0
-    fp8_promote: int = 128
+    fp8_promote: int | None = None
 
     def with_(self, **kw) -> MoeConfig:
         return replace(self, **kw)

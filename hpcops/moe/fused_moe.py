@@ -21,6 +21,7 @@ from hpcops._checks import (
 from hpcops._library import register
 from hpcops._platform import is_interpreter
 from hpcops.moe import _moe_kernels as K
+from hpcops.moe.codes import ActMode, QuantCode
 from hpcops.moe.configs import ACT_MUL_MODES, MoeConfig, get_config
 from hpcops.moe.routing import build_moe_index
 from hpcops.moe.schemes import Scheme, scheme_for, scheme_named
@@ -127,6 +128,15 @@ def _validate_ids(topk_ids: torch.Tensor, n_global: int, expert_map: torch.Tenso
         check_index_range("expert_map", expert_map, -1, n_local, "a local expert id, or -1 for a remote expert")
 
 
+def _fp8_promote(cfg: MoeConfig, narrow: bool, per_token: bool, block_k: int) -> dict[str, int]:
+    """The FP8_PROMOTE launch argument of one GEMM (`MoeConfig.fp8_promote`): by default 128 products on the swap-AB
+    tiles and where the GEMM's fp8 input has per-token scales, none elsewhere."""
+    p = cfg.fp8_promote
+    if p is None:
+        p = 128 if cfg.swap_ab or per_token else 0
+    return dict(FP8_PROMOTE=min(p, block_k)) if narrow and p > 0 else {}
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, *, quant: Fp8PerTensor | Fp8Block128 | None = None,
               expert_map: torch.Tensor | None = None, shared_output: torch.Tensor | None = None,
@@ -214,11 +224,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     s13, s2 = (shared_w13, shared_w2) if i_s else (dummy, dummy)
     stride_s = (s13.stride(0), s2.stride(0), s_act.stride(0), y_sh.stride(0)) if i_s else (0, 0, 0, 0)
     shared = dict(SHARED=bool(i_s))
-    # fp8 tiles on wgmma (swap-AB's and the 64+ row ones): the MMA's reduced-precision sum joins the fp32
-    # accumulator after at most cfg.fp8_promote products, at least once a K step (`_mma`)
-    promote = narrow and cfg.fp8_promote > 0
-    gu_promote = dict(FP8_PROMOTE=min(cfg.fp8_promote, cfg.block_k)) if promote else {}
-    dn_promote = dict(FP8_PROMOTE=min(cfg.fp8_promote, cfg.down_block_k)) if promote else {}
+    # fp8 tiles on wgmma: the MMA's reduced-precision sum joins the fp32 accumulator after at most
+    # `fp8_promote` products, at least once a K step (`_mma`)
+    per_tensor = scheme.code == QuantCode.FP8_TENSOR
+    gu_promote = _fp8_promote(cfg, narrow, per_tensor and a.stride_t != 0, cfg.block_k)
+    dn_promote = _fp8_promote(cfg, narrow, per_tensor and act.mode == ActMode.WIDE_ROW_AMAX, cfg.down_block_k)
 
     K.moe_gate_up_kernel[(n_shared_gu + n_tasks * triton.cdiv(inter, cfg.block_n),)](
         a.x, a.scale, w13, ws.w13, a.a13, tasks, offsets, sorted_pair, topk_ids, emap,

@@ -146,9 +146,9 @@ class Fp8Tensor(Scheme):
     def validate(self, x, w13, w2, x_scale, cfg, T, H, E, inter):
         q, dev = self.quant, x.device
         p = cfg.fp8_promote
-        if type(p) is not int or p < 0 or p % 32:
-            raise ValueError(f"config.fp8_promote must be 0 or a positive multiple of 32 (products in one fp8 MMA "
-                             f"sum), got {p!r}")
+        if p is not None and (type(p) is not int or p < 0 or p % 32):
+            raise ValueError(f"config.fp8_promote must be None, 0 or a positive multiple of 32 (products in one fp8 "
+                             f"MMA sum), got {p!r}")
         check_tensor("w13", w13, dtypes=(FP8_E4M3,))
         check_tensor("w2", w2, dtypes=(FP8_E4M3,))
         _check_scale_shape("quant.w13_scale", q.w13_scale, [(E,), (1,)], dev)
