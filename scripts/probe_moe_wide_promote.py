@@ -1,4 +1,4 @@
-"""Probe (not a tool): the fp8 per-tensor MoE's error promoted (`MoeConfig.fp8_promote`, default 128: the MMA's
+"""Probe (not a tool): the fp8 per-tensor MoE's error promoted (`MoeConfig.fp8_promote` 128: the MMA's
 reduced-precision sum joins the fp32 accumulator every 128 products) and not (0: Triton's sm_90 default, one sum over
 the whole K loop), against the torch reference; Hy3 TP8 (I 192) and EP8 (I 1536, 24 local experts), static and
 dynamic activation scales, batches whose tiles are swap-AB (<= 32 rows) and 64+ rows. Prints a markdown table."""
@@ -14,7 +14,7 @@ from hpcops.moe.configs import get_config  # noqa: E402
 from hpcops.moe.fused_moe import fused_moe  # noqa: E402
 from hpcops.quant import Fp8PerTensor  # noqa: E402
 
-print("| shape | T | scales | tile | fp8_promote=0 max / rms | fp8_promote=128 (default) max / rms |")
+print("| shape | T | scales | tile | fp8_promote=0 max / rms | fp8_promote=128 max / rms |")
 print("|---|---:|---|---|---|---|")
 for shape, inter, n_local in (("TP8", 192, None), ("EP8", 1536, 24)):
     for T in (128, 512, 2048, 8192):

@@ -44,7 +44,7 @@ class MoeConfig:
     with K (Hy3 T 2048 on the H200, bench/results/probe_moe_wide_promote.md): with dynamic scales max 6.9e-2 / rms
     2.8e-2 unpromoted, over the fp8 budget (4e-2 / 1.5e-2), 4.0e-3 / 4.8e-3 promoted; with static scales 1.1e-2 /
     9.1e-3 and 6.5e-3 / 4.2e-3, where promoting the 64+ row tiles costs 14 % (T 2048) to 33 % (T 16384) of the
-    layer's time (moe_promote_a5dbcb5.md).
+    layer's time (moe_promote_63253cc.md).
     """
 
     block_m: int = 16
