@@ -282,7 +282,8 @@ def compile_launch(fn, desc: dict, *, capability: int = 90):
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a in desc["div16"]}
     return triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", capability, 32),
                           options={"num_warps": desc["num_warps"], "num_stages": desc["num_stages"],
-                                   "launch_pdl": desc["launch_pdl"]})
+                                   "launch_pdl": desc["launch_pdl"],
+                                   **({"maxnreg": desc["maxnreg"]} if desc.get("maxnreg") else {})})
 
 
 def sm90_resources(compiled) -> dict[str, int]:
