@@ -104,7 +104,8 @@ WHOLE_SNAP = 2147483647
 SPLIT_COST_TL = 32
 # Not by KV dtype: over fp8 KV with a bf16 q (the tl kernel converts every tile) a lower split cost was tried (tune
 # decode's "q16" scenarios, bench/results/decode_tune_q16_40726ce.md): 64x0.5K h8/1 13.8 µs split (split_cost <= 16)
-# against 13.6 whole; the static split's 11.7 (decode.md) comes from its kernel, not from its cut.
+# against 13.6 whole; the static split's 11.7 (decode.md) comes from its kernel, not from its cut (sm_90 builds:
+# decode_static_kernel 150 registers, 3 programs an SM; decode_persistent_kernel 189, 2 an SM).
 
 
 def split_cost_for(kernel: str) -> int:
