@@ -11,13 +11,7 @@ from hpcops.moe import reference as R  # noqa: E402
 from hpcops.moe.configs import get_config  # noqa: E402
 from hpcops.moe.fused_moe import fused_moe  # noqa: E402
 from hpcops.quant import Fp8PerTensor  # noqa: E402
-
-
-def err(ref, got):
-    r, o = ref.float(), got.float()
-    e = (o - r).abs()
-    return e.max().item() / r.abs().max().item(), (e.pow(2).mean().sqrt() / r.pow(2).mean().sqrt()).item()
-
+from hpcops.testing import relative_errors  # noqa: E402
 
 for T in (4, 16, 64, 256):
     torch.manual_seed(0)
@@ -38,9 +32,9 @@ for T in (4, 16, 64, 256):
             cfg = base.with_(**kw)
             got = fused_moe(x, wts.w13, wts.w2, tw, ids, quant=quant, config=cfg)
             outs[name] = got
-            mx, rms = err(ref, got)
+            mx, rms = relative_errors(ref, got)
             print(f"T{T} {'dyn' if dyn else 'static'} {name:18s} max {mx:.3e} rms {rms:.3e}")
-        mx, rms = err(outs["swap0"], outs["swap1"])
+        mx, rms = relative_errors(outs["swap0"], outs["swap1"])
         print(f"T{T} {'dyn' if dyn else 'static'} swap1 vs swap0  max {mx:.3e} rms {rms:.3e}")
         d = (outs["swap1"].float() - outs["swap0"].float()).abs().amax(-1)
         print("   tokens with the largest swap1-swap0 difference:", d.topk(min(5, T)).indices.tolist(),

@@ -7,12 +7,13 @@ import sys
 import torch
 
 sys.path.insert(0, "tests")
-from test_moe import HY3_CFG, _hy3_inputs, _rel_err  # noqa: E402
+from test_moe import HY3_CFG, _hy3_inputs  # noqa: E402
 
 from hpcops.moe import reference as R  # noqa: E402
 from hpcops.moe.configs import get_config  # noqa: E402
 from hpcops.moe.fused_moe import fused_moe  # noqa: E402
 from hpcops.quant import Fp8PerTensor  # noqa: E402
+from hpcops.testing import relative_errors  # noqa: E402
 
 print("| shape | T | scales | tile | fp8_promote=0 max / rms | fp8_promote=128 max / rms |")
 print("|---|---:|---|---|---|---|")
@@ -29,7 +30,7 @@ for shape, inter, n_local in (("TP8", 192, None), ("EP8", 1536, 24)):
             for promote in (0, 128):
                 got = fused_moe(x, wts.w13, wts.w2, tw, ids, quant=quant, expert_map=emap,
                                 config=cfg.with_(fp8_promote=promote))
-                mx, rms = _rel_err(ref, got)
+                mx, rms = relative_errors(ref, got)
                 cells.append(f"{mx:.2e} / {rms:.2e}")
             tile = f"{cfg.block_m}x{cfg.block_n} swap{int(cfg.swap_ab)}"
             print(f"| {shape} | {T} | {'dynamic' if dyn else 'static'} | {tile} | {cells[0]} | {cells[1]} |",

@@ -10,6 +10,7 @@ import argparse
 import torch
 
 from hpcops.bench.suites import prefill as P
+from hpcops.testing import relative_errors
 
 VARIANTS = {
     "fsum": P.GLUON_FP8,
@@ -18,11 +19,6 @@ VARIANTS = {
     "p_dbuf": {**P.GLUON_FP8, "gluon_p_dbuf": True},
 }
 
-
-def err(ref: torch.Tensor, got: torch.Tensor) -> tuple[float, float]:
-    r, o = ref.double(), got.double()
-    e = (o - r).abs()
-    return e.max().item() / r.abs().max().item(), (e.pow(2).mean().sqrt() / r.pow(2).mean().sqrt()).item()
 
 
 def main() -> None:
@@ -42,7 +38,7 @@ def main() -> None:
                 run = P._ours(True, variant)(x)
                 run().fill_(float("nan"))  # the output tensor (the same each call) starts NaN-filled
                 got = run()[rows][:, heads]
-                mx, rms = err(want, got)
+                mx, rms = relative_errors(want, got)
                 cells.append(f"{mx:.2e} / {rms:.2e}")
             lines.append(f"| {s.name} | " + " | ".join(cells) + " |")
             print(lines[-1], flush=True)

@@ -26,7 +26,7 @@ from hpcops.quant import (
     quantize_per_token,
     quantize_per_token_group,
 )
-from hpcops.testing import assert_close, capture_graph, nan_like, recorded_launches
+from hpcops.testing import assert_close, capture_graph, nan_like, recorded_launches, relative_errors
 
 # ---------------------------------------------------------------------------------------------------
 # factories
@@ -514,11 +514,6 @@ def test_gpu_hy3_paths(T, kind, naive, swap):
     assert_close(ref, got, **tol)
 
 
-def _rel_err(ref, got):
-    r, e = ref.float(), (got.float() - ref.float()).abs()
-    return (e.max() / r.abs().max()).item(), (e.pow(2).mean().sqrt() / r.pow(2).mean().sqrt()).item()
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dyn", [False, True])
 @pytest.mark.parametrize("T, shape", [(2048, "tp8"), (4096, "tp8"), (2048, "ep8")])
@@ -538,7 +533,7 @@ def test_gpu_fp8_wide_tiles_promote(T, shape, dyn):
     for promote in (0, 128, None):
         outs[promote] = fused_moe(x, wts.w13, wts.w2, tw, ids, quant=quant, expert_map=emap, out=nan_like(x),
                                   config=cfg.with_(fp8_promote=promote))
-        errs[promote] = _rel_err(ref, outs[promote])
+        errs[promote] = relative_errors(ref, outs[promote])
     assert_close(ref, outs[128], maxtol=4e-2, rmstol=7.5e-3)
     assert_close(ref, outs[None], maxtol=4e-2, rmstol=1.5e-2)
     assert errs[128][1] < errs[0][1], errs

@@ -25,12 +25,16 @@ class Bar:
         return self.done % 2 != parity
 
 
+def _ring_bars(S, releases):
+    """The K/V ring's barriers, S of each (`full`: the TMA bytes; `empty`: `releases` arrivals free a buffer), and
+    the two consumers' turns."""
+    return [Bar(1) for _ in range(S)], [Bar(releases) for _ in range(S)], [Bar(1) for _ in range(2)]
+
+
 def run(tiles, S, seed):
     rnd = random.Random(seed)
-    full = [Bar(1) for _ in range(S)]
-    empty = [Bar(3) for _ in range(S)]
+    full, empty, turn = _ring_bars(S, 3)  # K released by each consumer's S, V by the producer's transpose
     vt_full, vt_empty = [Bar(1) for _ in range(2)], [Bar(2) for _ in range(2)]
-    turn = [Bar(1) for _ in range(2)]
     slot = [None] * S  # the load index a K/V buffer holds
     vt = [None] * 2  # the load index a Vt buffer holds
     pending = []  # TMA loads in flight: (load index, slot)
@@ -120,9 +124,7 @@ def run_bf16(tiles, S, seed):
     """The 16-bit kernel's protocol (`_produce_tiles`, `_attend` with FP8 0, PERSIST): a 1-warp producer, a K/V
     buffer released by both consumers after their P·V of it (`empty` counts 2), the last one of a tile too."""
     rnd = random.Random(seed)
-    full = [Bar(1) for _ in range(S)]
-    empty = [Bar(2) for _ in range(S)]
-    turn = [Bar(1) for _ in range(2)]
+    full, empty, turn = _ring_bars(S, 2)  # released by both consumers after their P·V
     slot = [None] * S
     pending = []
 
@@ -182,7 +184,7 @@ def test_the_model_sees_a_missing_release():
     import inspect
 
     src = inspect.getsource(run).replace("            vt_empty[rl % 2].arrive()\n", "")
-    ns = {"random": random, "Bar": Bar, "_schedule": _schedule}
+    ns = {"random": random, "Bar": Bar, "_schedule": _schedule, "_ring_bars": _ring_bars}
     exec(src, ns)  # noqa: S102 - this module's own function, one line removed
     with pytest.raises(AssertionError, match="deadlock"):
         ns["run"]([3, 2], 2, 0)
