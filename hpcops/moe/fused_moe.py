@@ -4,6 +4,7 @@ down GEMM → top-k weighted fp32 reduction (+ shared expert output). See README
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -128,6 +129,31 @@ def _validate_ids(topk_ids: torch.Tensor, n_global: int, expert_map: torch.Tenso
         check_index_range("expert_map", expert_map, -1, n_local, "a local expert id, or -1 for a remote expert")
 
 
+@dataclass
+class _SharedExpert:
+    """A shared expert computed in the routed GEMM kernels (`shared_w13` / `shared_w2`): its tiles are the first
+    `n_gu` / `n_dn` programs of the two grids (16-bit K tiles of the routed tiles' bytes), its activation `act`
+    [T, I_s] and output `y` [T, H] in the output dtype; placeholders (`dummy`, no programs) without one."""
+
+    n_gu: int
+    n_dn: int
+    w13: torch.Tensor
+    w2: torch.Tensor
+    act: torch.Tensor
+    y: torch.Tensor
+    stride_act: int
+
+    @staticmethod
+    def of(shared_w13, shared_w2, i_s: int, T: int, H: int, cfg: MoeConfig, out_dt, dummy) -> _SharedExpert:
+        if not i_s:
+            return _SharedExpert(0, 0, dummy, dummy, dummy, dummy, 0)
+        m_tiles = triton.cdiv(T, cfg.block_m)
+        act = torch.empty((T, i_s), dtype=out_dt, device=dummy.device)
+        return _SharedExpert(m_tiles * triton.cdiv(i_s, cfg.block_n), m_tiles * triton.cdiv(H, cfg.down_block_n),
+                             shared_w13, shared_w2, act, torch.empty((T, H), dtype=out_dt, device=dummy.device),
+                             act.stride(0))
+
+
 def _fp8_promote(cfg: MoeConfig, narrow: bool, per_token: bool, block_k: int) -> dict[str, int]:
     """The FP8_PROMOTE launch argument of one GEMM (`MoeConfig.fp8_promote`): by default 128 products on the swap-AB
     tiles and where the GEMM's fp8 input has per-token scales, none elsewhere."""
@@ -214,50 +240,43 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     a = scheme.gate_up_input(x, x_scale, cfg, dummy)
     act = scheme.activation(T * k, inter, out_dt, cfg, dummy)
     ws = scheme.weight_scales(E, dummy)
-    # the fused shared expert: its tiles first in both grids; 16-bit K tiles of the routed tiles' bytes
-    m_tiles = triton.cdiv(T, cfg.block_m)
-    n_shared_gu = m_tiles * triton.cdiv(i_s, cfg.block_n) if i_s else 0
-    n_shared_dn = m_tiles * triton.cdiv(H, cfg.down_block_n) if i_s else 0
+    sx = _SharedExpert.of(shared_w13, shared_w2, i_s, T, H, cfg, out_dt, dummy)
     narrow = w13.element_size() == 1
-    s_act = torch.empty((T, i_s), dtype=out_dt, device=x.device) if i_s else dummy
-    y_sh = torch.empty((T, H), dtype=out_dt, device=x.device) if i_s else dummy
-    s13, s2 = (shared_w13, shared_w2) if i_s else (dummy, dummy)
-    stride_s = (s13.stride(0), s2.stride(0), s_act.stride(0), y_sh.stride(0)) if i_s else (0, 0, 0, 0)
-    shared = dict(SHARED=bool(i_s))
     # fp8 tiles on wgmma: the MMA's reduced-precision sum joins the fp32 accumulator after at most
     # `fp8_promote` products, at least once a K step (`_mma`)
     per_tensor = scheme.code == QuantCode.FP8_TENSOR
     gu_promote = _fp8_promote(cfg, narrow, per_tensor and a.stride_t != 0, cfg.block_k)
     dn_promote = _fp8_promote(cfg, narrow, per_tensor and act.mode == ActMode.WIDE_ROW_AMAX, cfg.down_block_k)
 
-    K.moe_gate_up_kernel[(n_shared_gu + n_tasks * triton.cdiv(inter, cfg.block_n),)](
+    K.moe_gate_up_kernel[(sx.n_gu + n_tasks * triton.cdiv(inter, cfg.block_n),)](
         a.x, a.scale, w13, ws.w13, a.a13, tasks, offsets, sorted_pair, topk_ids, emap,
         act.act, act.scale, act.a2, act.rowmax,
         H, inter, n_tasks, k, n_global, E,
         a.x.stride(0), a.stride_t, a.stride_g,
         w13.stride(0), w13.stride(1), *ws.w13_strides,
         act.act.stride(0), act.stride_s,
-        x, s13, s_act, T, i_s, n_shared_gu, x.stride(0), stride_s[0], stride_s[2],
+        x, sx.w13, sx.act, T, i_s, sx.n_gu, x.stride(0), sx.w13.stride(0) if i_s else 0, sx.stride_act,
         QUANT=int(scheme.code), X_FP8=a.fp8, ACT_OUT=int(act.mode), ACT_DT=_TL_DTYPE[out_dt],
-        BF16_MUL=cfg.act_mul == "bf16", SWAP_AB=cfg.swap_ab, **routing, **shared,
+        BF16_MUL=cfg.act_mul == "bf16", SWAP_AB=cfg.swap_ab, **routing, SHARED=bool(i_s),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SHARED_BLOCK_K=max(16, cfg.block_k // 2) if narrow else cfg.block_k, **gu_promote,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     y = torch.empty((T * k, H), dtype=out_dt, device=x.device)
-    K.moe_down_kernel[(n_shared_dn + n_tasks * triton.cdiv(H, cfg.down_block_n),)](
+    K.moe_down_kernel[(sx.n_dn + n_tasks * triton.cdiv(H, cfg.down_block_n),)](
         act.act, act.scale, act.a2, act.rowmax, w2, ws.w2, tasks, offsets, topk_ids, emap, y,
         H, inter, n_tasks, n_global, E,
         act.act.stride(0), act.stride_s, w2.stride(0), w2.stride(1), *ws.w2_strides,
         y.stride(0),
-        s_act, s2, y_sh, T, i_s, n_shared_dn, stride_s[2], stride_s[1], stride_s[3],
-        QUANT=int(scheme.code), ACT_IN=int(act.mode), SWAP_AB=cfg.swap_ab, **routing, **shared,
+        sx.act, sx.w2, sx.y, T, i_s, sx.n_dn, sx.stride_act, sx.w2.stride(0) if i_s else 0,
+        sx.y.stride(0) if i_s else 0,
+        QUANT=int(scheme.code), ACT_IN=int(act.mode), SWAP_AB=cfg.swap_ab, **routing, SHARED=bool(i_s),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
         SHARED_BLOCK_K=max(16, cfg.down_block_k // 2) if narrow else cfg.down_block_k, **dn_promote,
         num_warps=cfg.down_num_warps, num_stages=cfg.down_num_stages)
 
     if i_s:
-        shared_output = y_sh
+        shared_output = sx.y
     sh = shared_output if shared_output is not None else out
     if shared_ready is not None:
         torch.cuda.current_stream(x.device).wait_event(shared_ready)
