@@ -35,7 +35,11 @@ def test_cases_enumerate():
     vllm = impls["vllm-triton"]
     assert not vllm.ours and vllm.timing == "kernels" and vllm.kernel_filter == "fused_moe_kernel"
     assert "lower bound" in vllm.note and "moe_sum" in vllm.note
-    for kind in ("fp8t", "fp8b", "bf16"):  # every variant has the peer
+    dyn = [n for n in names if n.endswith("-fp8d")]
+    assert dyn == ["B64-tp8-fp8d", "B2048-tp8-fp8d", "B16384-tp8-fp8d", "B2048-ep8-fp8d"]
+    assert not any(n.endswith("-fp8d") for n in (c.name for c in quick))
+    assert all(c.params["dynamic_scales"] == c.name.endswith("-fp8d") for c in full)
+    for kind in ("fp8t", "fp8d", "fp8b", "bf16"):  # every variant has the peer
         assert any(i.name == "vllm-triton" for case in full if case.name.endswith(kind) for i in case.impls)
     assert "vllm-triton" in suite.__doc__ and "hpcops-kernels" in suite.__doc__
 
@@ -45,13 +49,14 @@ def tiny(tiny_moe_suite):
     """The moe suite at interpreter sizes (conftest)."""
 
 
-@pytest.mark.parametrize("layout,kind,t", [("tp8", "fp8_tensor", 5), ("tp8", "fp8_tensor", 1), ("ep8", "fp8_block", 5),
-                                            ("ep8", "none", 5)])
-def test_case_runs(tiny, layout, kind, t, device):
+@pytest.mark.parametrize("layout,kind,t,dyn", [("tp8", "fp8_tensor", 5, False), ("tp8", "fp8_tensor", 1, False),
+                                                ("ep8", "fp8_block", 5, False), ("ep8", "none", 5, False),
+                                                ("tp8", "fp8_tensor", 5, True)])
+def test_case_runs(tiny, layout, kind, t, dyn, device):
     """On the tier's device: the compiled kernels on the GPU (CPU tensors would reach a compiled Triton
     launch there: ValueError 'cannot be accessed from Triton'), the interpreter on the CPU. T 1 takes
-    the small-batch path (fused reduce), T 5 the sorted one."""
-    s = suite.Scenario(layout, t, kind)
+    the small-batch path (fused reduce), T 5 the sorted one; `dyn`: dynamic per-token activation scales."""
+    s = suite.Scenario(layout, t, kind, dyn)
     nbytes, flops = suite._traffic(s)
     assert nbytes > 0 and flops > 0
     x = suite._make_inputs(s, 0, device=device)
@@ -68,13 +73,16 @@ def test_case_runs(tiny, layout, kind, t, device):
 
 
 @needs_vllm
-@pytest.mark.parametrize("layout,kind,t", [("tp8", "fp8_tensor", 5), ("tp8", "none", 1), ("ep8", "none", 5),
-                                            ("ep8", "fp8_block", 5), ("ep8", "fp8_tensor", 3)])
-def test_vllm_peer(tiny, layout, kind, t, device):
+@pytest.mark.parametrize("layout,kind,t,dyn", [("tp8", "fp8_tensor", 5, False), ("tp8", "none", 1, False),
+                                                ("ep8", "none", 5, False), ("ep8", "fp8_block", 5, False),
+                                                ("ep8", "fp8_tensor", 3, False), ("tp8", "fp8_tensor", 5, True),
+                                                ("ep8", "fp8_tensor", 3, True)])
+def test_vllm_peer(tiny, layout, kind, t, dyn, device):
     """vLLM's vendored fused_experts on the bench's inputs (interpreter on the CPU): prepare runs the gate on
     layer 0; the timed callable leaves the shared output out (vLLM adds it outside fused_experts). T 1 TP
-    takes vLLM's naive assignment (T·k·4 <= E), the others its moe_align path; EP goes through expert_map."""
-    s = suite.Scenario(layout, t, kind)
+    takes vLLM's naive assignment (T·k·4 <= E), the others its moe_align path; EP goes through expert_map; `dyn`:
+    fp8 activations quantized per token at run time (vLLM's per_act_token_quant)."""
+    s = suite.Scenario(layout, t, kind, dyn)
     x = suite._make_inputs(s, 0, device=device)
     fn = suite._vllm(s)(x)  # raises AssertionError if it disagrees with the reference
     got = fn()

@@ -48,7 +48,8 @@ def test_moe_space_bounded_valid_and_starts_at_the_heuristic(gpu_heuristics, nam
     full, quick, smoke = Limits.of(False, False), Limits.of(True, False), Limits.of(False, True)
     assert full.phase_a + full.phase_b == MAX_CANDIDATES == 48
     scenarios = op.scenarios(False)
-    assert [s.name for s in scenarios] == [c.name for c in get_suite(name)({})]  # the bench's scenarios
+    # the bench's scenarios, less the dynamic-scale ones (fp8d: a tuned entry cannot tell them from fp8t)
+    assert [s.name for s in scenarios] == [c.name for c in get_suite(name)({}) if "-fp8d" not in c.name]
     for s in scenarios:
         # phase A's own candidates (on a GPU the tuned table's config for the shape comes second, "current")
         cands = [c for ph, c in phase_a(op, s, full) if ph == "A"]

@@ -27,6 +27,17 @@ VLLM_NOTE = ("device time of its two fused_moe_kernel launches only (profiler, l
 QUANT_TAGS = {"fp8_tensor": "fp8t", "fp8_block": "fp8b", "none": "bf16"}
 
 
+def dynamic_scales(s) -> bool:
+    """Whether shape `s` quantizes its fp8 per-tensor activations per token at run time (a `dynamic` field, False
+    where the shape has none) instead of with static a13 / a2 scales."""
+    return bool(getattr(s, "dynamic", False)) and s.kind == "fp8_tensor"
+
+
+def quant_tag(s) -> str:
+    """The quantization part of a case name: fp8t / fp8d (dynamic activation scales) / fp8b / bf16."""
+    return "fp8d" if dynamic_scales(s) else QUANT_TAGS[s.kind]
+
+
 class MoeShape(Protocol):
     """One MoE layer on one rank, at one batch."""
 
@@ -135,6 +146,8 @@ def weights(s: MoeShape, layer: int, device: str):
     q13 = (w13 / s13[:, None, None]).to(FP8)
     del w13
     q2 = (w2 / s2[:, None, None]).to(FP8)
+    if dynamic_scales(s):  # activations quantized per token at run time
+        return q13, q2, Fp8PerTensor(s13.float(), s2.float())
     a13 = torch.tensor([4.0 / 448], device=device)  # x ~ N(0,1); static scales as in FP8 checkpoints
     a2 = torch.tensor([0.5 / 448], device=device)
     return q13, q2, Fp8PerTensor(s13.float(), s2.float(), a13, a2)
@@ -233,6 +246,8 @@ def grouped_mm(s: MoeShape):
     def prepare(x):
         if s.kind == "fp8_block":
             raise PeerUnavailable("torch has no 128x128 block-scaled grouped GEMM")
+        if dynamic_scales(s):
+            raise PeerUnavailable("static activation scales only")
         op = "_scaled_grouped_mm" if s.kind == "fp8_tensor" else "_grouped_mm"
         if not hasattr(torch, op):
             raise PeerUnavailable(f"torch.{op} is missing in torch {torch.__version__}")
@@ -298,6 +313,8 @@ def torch_loop(s: MoeShape):
             raise PeerUnavailable("sanity row for T <= 64 only")
         if s.kind == "fp8_block":
             raise PeerUnavailable("no block-scaled torch matmul")
+        if dynamic_scales(s):
+            raise PeerUnavailable("static activation scales only")
         E, inter, T = s.e_local, s.inter, s.t
         ids, tw, emap = x["ids"].long(), x["tw"], x["emap"]
         quant = x["quant"]
@@ -356,12 +373,17 @@ def vllm_modules():
 
 def vllm_quant_config(s: MoeShape, quant, cfg):
     """vLLM's FusedMoEQuantConfig for our quant: None (bf16), fp8 per-tensor with static activation scales
-    [1] and per-expert weight scales [E], or fp8 128×128 blocks (the same scale layouts as ours)."""
+    [1] and per-expert weight scales [E], fp8 per-tensor weights with dynamic per-token activation scales
+    (`per_act_token_quant`: its kernel then reads a weight scale per output channel, so ours goes in as an [E, 1]
+    column, a zero channel stride), or fp8 128×128 blocks (the same scale layouts as ours)."""
     if s.kind == "none":
         return None
     if s.kind == "fp8_tensor":
+        if quant.a13_scale is None and quant.a2_scale is None:
+            return cfg.fp8_w8a8_moe_quant_config(quant.w13_scale.float().reshape(-1, 1),
+                                                 quant.w2_scale.float().reshape(-1, 1), per_act_token_quant=True)
         if quant.a13_scale is None or quant.a2_scale is None:
-            raise PeerUnavailable("the bench's fp8 rows use static activation scales")
+            raise PeerUnavailable("one static activation scale and one dynamic: not a vLLM configuration")
         one = lambda v: v.reshape(1).float()
         return cfg.fp8_w8a8_moe_quant_config(quant.w13_scale.float(), quant.w2_scale.float(),
                                              a1_scale=one(quant.a13_scale), a2_scale=one(quant.a2_scale))

@@ -2,8 +2,10 @@
 
 TP8/EP1: E 192, top-8, H 4096, I 192, batches 4…16384. TP1/EP8: 24 local experts of 192 (expert_map),
 I 1536, batches 4…2048. Uniform random routing (distinct experts per token), a shared-expert output
-added in the reduction. Variants: fp8 per-tensor with static activation scales (the main figure), fp8
-128×128 blocks (EP8 only: block quantization needs I % 128 == 0 and Hy3 TP8 has I = 192), bf16.
+added in the reduction. Variants: fp8 per-tensor with static activation scales (the main figure, `fp8t`), fp8
+per-tensor weights with dynamic per-token activation scales (`fp8d`: TP8 B 64 / 2048 / 16384, EP8 B 2048; the
+GEMMs add their fp8 MMA sums into fp32 every 128 products there, `MoeConfig.fp8_promote`), fp8 128×128 blocks (EP8
+only: block quantization needs I % 128 == 0 and Hy3 TP8 has I = 192), bf16.
 Each layer has its own weights (L2-cold, as in a model). Rows, all on the same inputs in one process:
 - `hpcops`: `fused_moe`, CUDA-graph replay of every layer's call / layers. Includes all its kernels (index
   build, gate-up, down, reduce with the shared output) and the gaps between them inside the graph.
@@ -16,7 +18,8 @@ Each layer has its own weights (L2-cold, as in a model). Rows, all on the same i
   unavailable otherwise), configured as vLLM configures it: `try_get_optimal_moe_config`, i.e. vLLM's tuned
   JSON for (E_local, I, device, dtype[, block]) where it ships one (0.33.0 ships none for Hy3's E=192,N=192
   or E=24,N=1536), else its `get_default_config`; fp8 per-tensor via `fp8_w8a8_moe_quant_config` with the
-  same static a1/a2 scales (x / scale, saturated, as ours), per-expert weight scales; fp8 blocks with
+  same static a1/a2 scales (x / scale, saturated, as ours), per-expert weight scales (`fp8d`: its
+  `per_act_token_quant`, the weight scale a [E, 1] column); fp8 blocks with
   `block_shape=[128, 128]` (activations quantized per token per 128-group, as ours); EP through its
   `expert_map` (global -> local id, -1 remote) with `global_num_experts=192`. Timed as the device time of its
   two `fused_moe_kernel` launches per call only (profiler, same method as `hpcops-kernels`): a LOWER BOUND of
@@ -52,6 +55,8 @@ N_LOCAL = {"tp8": 192, "ep8": 24}
 TP8_BATCHES = (4, 16, 64, 512, 2048, 4096, 16384)
 EP8_BATCHES = (4, 64, 512, 2048)
 QUICK_TP8, QUICK_EP8 = (4, 64, 4096), (4, 512)
+# fp8 per-tensor weights with dynamic per-token activation scales: the swap-AB tiles and the 64+ row ones
+DYN_TP8, DYN_EP8 = (64, 2048, 16384), (2048,)
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,7 @@ class Scenario(common.Hy3Rank):
     layout: str  # "tp8" | "ep8"
     t: int
     kind: str  # "fp8_tensor" | "fp8_block" | "none"
+    dynamic: bool = False  # fp8_tensor: dynamic per-token activation scales (no a13 / a2)
 
     @property
     def n_local(self) -> int:
@@ -68,7 +74,7 @@ class Scenario(common.Hy3Rank):
 
     @property
     def name(self) -> str:
-        return f"B{self.t}-{self.layout}-{common.QUANT_TAGS[self.kind]}"  # `--only B4-` does not match B4096
+        return f"B{self.t}-{self.layout}-{common.quant_tag(self)}"  # `--only B4-` does not match B4096
 
 
 # the shared machinery, under the names the tests use
@@ -88,6 +94,9 @@ def scenarios(quick: bool = False) -> list[Scenario]:
         if kind != "fp8_block":
             out += [Scenario("tp8", b, kind) for b in (QUICK_TP8 if quick else TP8_BATCHES)]
         out += [Scenario("ep8", b, kind) for b in (QUICK_EP8 if quick else EP8_BATCHES)]
+    if not quick:
+        out += [Scenario("tp8", b, "fp8_tensor", True) for b in DYN_TP8]
+        out += [Scenario("ep8", b, "fp8_tensor", True) for b in DYN_EP8]
     return out
 
 
@@ -95,7 +104,8 @@ def cases(opts: dict[str, Any]) -> Iterator[Case]:
     sweep = _config_overrides()
     for s in scenarios(bool(opts.get("quick"))):
         nbytes, flops = _traffic(s)
-        params = {"layout": s.layout, "B": s.t, "quant": s.kind, "E_global": E_GLOBAL, "E_local": s.n_local,
+        params = {"layout": s.layout, "B": s.t, "quant": s.kind, "dynamic_scales": s.dynamic, "E_global": E_GLOBAL,
+                  "E_local": s.n_local,
                   "top_k": TOP_K, "H": HIDDEN, "I": s.inter, "shared_output": True}
         yield Case(
             suite="moe", name=s.name, make_inputs=lambda layer, device="cuda", s=s: _make_inputs(s, layer, device),

@@ -73,7 +73,8 @@ class MoeTune(TuneOp):
     has_table = True
 
     def scenarios(self, quick: bool) -> list:
-        return suite.scenarios(quick)
+        # not the dynamic-scale cases: a tuned entry is keyed by shape and quant, and they share the static ones'
+        return [s for s in suite.scenarios(quick) if not s.dynamic]
 
     def base(self, s) -> Candidate:
         cfg = common.config_for(s, None, heuristic=True)
