@@ -135,21 +135,31 @@ for st in "${stages[@]}"; do
       # every stall reason (cycles a warp waits, per issued instruction) and every pipe's utilization (MUFU: xu)
       smem=$smem,'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio'
       smem=$smem,'regex:sm__inst_executed_pipe_.*\.avg\.pct_of_peak_sustained_active$'
-      for args in "--q bf16" "--q fp8"; do
-        ncu_one prefill_gluon \
+      # PROFILE_QS: which q dtypes (default "bf16 fp8"); PROFILE_CONFIGS: fp8 variants beside the default, each an
+      # HPCOPS_PREFILL_CONFIG string, ';'-separated (e.g. "gluon=1,gluon_p_dbuf=1"), each profiled (and with NCU_SASS
+      # its SASS written) under its own heading
+      runs=()
+      for q in ${PROFILE_QS:-bf16 fp8}; do runs+=("$q|"); done
+      IFS=';' read -ra pcfgs <<< "${PROFILE_CONFIGS:-}"
+      for c in "${pcfgs[@]}"; do [ -n "$c" ] && runs+=("fp8|$c"); done
+      for r in "${runs[@]}"; do
+        q=${r%%|*} c=${r#*|}
+        echo "=== profile_prefill --q $q ${c:+HPCOPS_PREFILL_CONFIG=$c}" | tee -a "$OUT/results/ncu_prefill.txt"
+        HPCOPS_PREFILL_CONFIG=$c ncu_one prefill_gluon \
           --section LaunchStats --section Occupancy --section SpeedOfLight --section ComputeWorkloadAnalysis \
           --section MemoryWorkloadAnalysis --section SchedulerStats --section WarpStateStats --metrics "$smem" \
-          --section SourceCounters python3 scripts/profile_prefill.py $args 2>&1 \
+          --section SourceCounters python3 scripts/profile_prefill.py --q "$q" 2>&1 \
           | tee -a "$OUT/results/ncu_prefill.txt" | tail -60
-      done
-      # NCU_SASS=1: the fp8 kernel's SASS with each instruction's executed count and stall samples (the source
-      # page as CSV): which instructions the warps wait at
-      if [ "${NCU_SASS:-0}" = 1 ]; then
-        ncu_one prefill_gluon \
-          --section SourceCounters --section WarpStateStats --page source --print-source sass --csv \
-          python3 scripts/profile_prefill.py --q fp8 > "$OUT/results/ncu_prefill_sass.csv" 2>&1
-        tail -3 "$OUT/results/ncu_prefill_sass.csv"
-      fi ;;
+        # NCU_SASS=1: an fp8 kernel's SASS with each instruction's executed count and stall samples (the source
+        # page as CSV): which instructions the warps wait at
+        if [ "${NCU_SASS:-0}" = 1 ] && [ "$q" = fp8 ]; then
+          sass="$OUT/results/ncu_prefill_sass${c:+_$(echo "$c" | tr -c 'a-zA-Z0-9_\n' _)}.csv"
+          HPCOPS_PREFILL_CONFIG=$c ncu_one prefill_gluon \
+            --section SourceCounters --section WarpStateStats --page source --print-source sass --csv \
+            python3 scripts/profile_prefill.py --q fp8 > "$sass" 2>&1
+          tail -3 "$sass"
+        fi
+      done ;;
     profile:decode-kernels)
       # per-kernel device time of a decode step (plan, attention, combine) per DecodeConfig variant:
       # results/profile_decode_kernels.txt (PROFILE_ARGS: --only, --variants; scripts/profile_decode_kernels.py)

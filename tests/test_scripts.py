@@ -132,7 +132,7 @@ def test_profile_decode_kernels_options_and_gpu_check_stage():
 def test_profile_prefill_options_and_gpu_check_stage():
     """The prefill profiler (for ncu) parses its options and says it needs a GPU, or refuses --gluon without an fp8
     q; gpu_check.sh has its stage, which profiles the bf16 and the fp8 default (both Gluon kernels on an H200),
-    shared-memory wavefronts and bank conflicts included."""
+    shared-memory wavefronts and bank conflicts included, and fp8 variants beside them (PROFILE_CONFIGS)."""
     env = {**os.environ, "PYTHONPATH": ROOT}
     res = subprocess.run([sys.executable, os.path.join(SCRIPTS, "profile_prefill.py"), "--help"], capture_output=True,
                          text=True, timeout=120, env=env)
@@ -144,7 +144,8 @@ def test_profile_prefill_options_and_gpu_check_stage():
         text = f.read()
     stage = text[text.index("profile:prefill)"):]
     stage = stage[:stage.index(";;")]
-    assert '"--q bf16" "--q fp8"' in stage and "bank_conflicts_pipe_lsu_mem_shared_op_st" in stage
+    assert "${PROFILE_QS:-bf16 fp8}" in stage and "bank_conflicts_pipe_lsu_mem_shared_op_st" in stage
+    assert "PROFILE_CONFIGS" in stage and "HPCOPS_PREFILL_CONFIG=$c" in stage
 
 
 FAKE_CHECK = """#!/usr/bin/env bash
