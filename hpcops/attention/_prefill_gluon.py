@@ -839,17 +839,25 @@ def _snake(i, pid, nprog):
 
 
 @gluon.jit
-def _ws_consume_persist(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr,
-                        STAGES: gl.constexpr, FP8: gl.constexpr, SOFTMAX: gl.constexpr, WG: gl.constexpr,
-                        BLOCK_B: gl.constexpr, HEADS_INNER: gl.constexpr):
+def _ws_persist(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
+                FP8: gl.constexpr, SOFTMAX: gl.constexpr, BLOCK_B: gl.constexpr, HEADS_INNER: gl.constexpr,
+                ROLE: gl.constexpr):
+    """A partition of the persistent kernel over the program's q tiles, which every partition walks in the same
+    sequence (`_snake`): ROLE 0 / 1 consumer warpgroup ROLE (`_attend`); 2 the fp8 producer warpgroup
+    (`_ws_producer_fp8`'s loads and transposes: a tile's first K/V loads go out as soon as the buffers they take are
+    released, while the consumers still work on the tile before); 3 the 16-bit producer warp (`_ws_producer`'s)."""
     (q_ptr, out_ptr, k_desc, v_desc, q_smem, k_smem, v_smem, full, empty, turn, bt_ptr, stride_bt, bt_width,
      num_blocks, stride_kh, stride_vh, cu_seqlens_q_ptr, seq_lens_ptr, num_reqs, tiles_per_head, num_kv_heads, c,
      stride_qt, stride_qh, stride_ot, stride_oh, q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr,
      vt_smem, p_smem, vt_full, vt_empty, ones_smem) = args
-    if FP8 == 3:  # all four P buffers, two a consumer: `_attend` picks 2·WG + tile % 2
-        p_bufs = p_smem
-    else:
-        p_bufs = p_smem.index(WG)
+    if ROLE < 2:
+        if FP8 == 3:  # all four P buffers, two a consumer: `_attend` picks 2·WG + tile % 2
+            p_bufs = p_smem
+        else:
+            p_bufs = p_smem.index(ROLE)
+    if ROLE == 2:
+        if (SOFTMAX & 4) != 0:
+            _store_ones(ones_smem, k_desc.dtype, TILE)  # published by the first vt_full
     TOKENS: gl.constexpr = 128 // G
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
@@ -859,93 +867,60 @@ def _ws_consume_persist(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constex
     for i in range(gl.cdiv(bound, nprog)):
         t = _snake(i, pid, nprog)
         kv_head, req, m_blk, ok = _tile_at(t, cu_seqlens_q_ptr, num_reqs, tiles_per_head, num_kv_heads, TOKENS,
-                                           BLOCK_B, HEADS_INNER, 4)
+                                           BLOCK_B, HEADS_INNER, 1 if ROLE == 3 else 4)
         if ok & (t < bound):
             q_start, q_len, seq_len, ctx_len, first_tok, n = _request_span(cu_seqlens_q_ptr, seq_lens_ptr, req, m_blk,
                                                                           TOKENS, TILE)
-            _attend(q_ptr, out_ptr, k_desc, v_desc, q_smem.index(WG), k_smem, v_smem, full, empty, turn,
-                    bt_ptr + req.to(gl.int64) * stride_bt, bt_width, num_blocks, kv_head * stride_kh,
-                    kv_head * stride_vh, n, q_start, q_len, first_tok, ctx_len, seq_len, kv_head, c, stride_qt,
-                    stride_qh, stride_ot, stride_oh,
-                    (q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, vt_smem, p_bufs, vt_full, vt_empty,
-                     ones_smem),
-                    WG * 64, 64, 4, D, G, TILE, PAGE, STAGES, True, WG, FP8, SOFTMAX, g0, t0, True)
+            bt_row = bt_ptr + req.to(gl.int64) * stride_bt
+            k_col = kv_head * stride_kh
+            v_col = kv_head * stride_vh
+            if ROLE < 2:
+                _attend(q_ptr, out_ptr, k_desc, v_desc, q_smem.index(ROLE), k_smem, v_smem, full, empty, turn, bt_row,
+                        bt_width, num_blocks, k_col, v_col, n, q_start, q_len, first_tok, ctx_len, seq_len, kv_head, c,
+                        stride_qt, stride_qh, stride_ot, stride_oh,
+                        (q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, vt_smem, p_bufs, vt_full,
+                         vt_empty, ones_smem),
+                        ROLE * 64, 64, 4, D, G, TILE, PAGE, STAGES, True, ROLE, FP8, SOFTMAX, g0, t0, True)
+            elif ROLE == 2:
+                _produce_fp8_first(k_desc, v_desc, k_smem, v_smem, full, empty, bt_row, bt_width, num_blocks, k_col,
+                                   v_col, n, g0, D, TILE, PAGE, STAGES, True)
+                _produce_fp8_steps(k_desc, v_desc, k_smem, v_smem, full, empty, vt_smem, vt_full, vt_empty, bt_row,
+                                   bt_width, num_blocks, k_col, v_col, n, seq_len, g0, D, TILE, PAGE, STAGES, FP8,
+                                   True)
+            else:
+                _produce_tiles(k_desc, v_desc, k_smem, v_smem, full, empty, bt_row, bt_width, num_blocks, k_col,
+                               v_col, n, g0, D, TILE, PAGE, STAGES, True)
             g0 += n
-            t0 += n - 1
+            if ROLE < 2:
+                t0 += n - 1
 
 
 @gluon.jit
 def _ws_consumer0_persist(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr,
                           STAGES: gl.constexpr, FP8: gl.constexpr, SOFTMAX: gl.constexpr, BLOCK_B: gl.constexpr,
                           HEADS_INNER: gl.constexpr):
-    _ws_consume_persist(args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX, 0, BLOCK_B, HEADS_INNER)
+    _ws_persist(args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX, BLOCK_B, HEADS_INNER, 0)
 
 
 @gluon.jit
 def _ws_consumer1_persist(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr,
                           STAGES: gl.constexpr, FP8: gl.constexpr, SOFTMAX: gl.constexpr, BLOCK_B: gl.constexpr,
                           HEADS_INNER: gl.constexpr):
-    _ws_consume_persist(args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX, 1, BLOCK_B, HEADS_INNER)
+    _ws_persist(args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX, BLOCK_B, HEADS_INNER, 1)
 
 
 @gluon.jit
 def _ws_producer_fp8_persist(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr,
                              STAGES: gl.constexpr, FP8: gl.constexpr, SOFTMAX: gl.constexpr, BLOCK_B: gl.constexpr,
                              HEADS_INNER: gl.constexpr):
-    """`_ws_producer_fp8` over the program's tiles (the consumers' sequence): a tile's first K/V loads go out as soon
-    as the buffers they take are released, while the consumers still work on the tile before."""
-    (q_ptr, out_ptr, k_desc, v_desc, q_smem, k_smem, v_smem, full, empty, turn, bt_ptr, stride_bt, bt_width,
-     num_blocks, stride_kh, stride_vh, cu_seqlens_q_ptr, seq_lens_ptr, num_reqs, tiles_per_head, num_kv_heads, c,
-     stride_qt, stride_qh, stride_ot, stride_oh, q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr,
-     vt_smem, p_smem, vt_full, vt_empty, ones_smem) = args
-    if (SOFTMAX & 4) != 0:
-        _store_ones(ones_smem, k_desc.dtype, TILE)  # published by the first vt_full
-    TOKENS: gl.constexpr = 128 // G
-    pid = gl.program_id(0)
-    nprog = gl.num_programs(0)
-    bound = tiles_per_head * num_kv_heads
-    g0 = pid * 0
-    for i in range(gl.cdiv(bound, nprog)):
-        t = _snake(i, pid, nprog)
-        kv_head, req, m_blk, ok = _tile_at(t, cu_seqlens_q_ptr, num_reqs, tiles_per_head, num_kv_heads, TOKENS,
-                                           BLOCK_B, HEADS_INNER, 4)
-        if ok & (t < bound):
-            q_start, q_len, seq_len, ctx_len, first_tok, n = _request_span(cu_seqlens_q_ptr, seq_lens_ptr, req, m_blk,
-                                                                          TOKENS, TILE)
-            bt_row = bt_ptr + req.to(gl.int64) * stride_bt
-            _produce_fp8_first(k_desc, v_desc, k_smem, v_smem, full, empty, bt_row, bt_width, num_blocks,
-                               kv_head * stride_kh, kv_head * stride_vh, n, g0, D, TILE, PAGE, STAGES, True)
-            _produce_fp8_steps(k_desc, v_desc, k_smem, v_smem, full, empty, vt_smem, vt_full, vt_empty, bt_row,
-                               bt_width, num_blocks, kv_head * stride_kh, kv_head * stride_vh, n, seq_len, g0, D,
-                               TILE, PAGE, STAGES, FP8, True)
-            g0 += n
+    _ws_persist(args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX, BLOCK_B, HEADS_INNER, 2)
 
 
 @gluon.jit
 def _ws_producer_persist(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr,
                          STAGES: gl.constexpr, FP8: gl.constexpr, SOFTMAX: gl.constexpr, BLOCK_B: gl.constexpr,
                          HEADS_INNER: gl.constexpr):
-    """`_ws_producer` (the 16-bit kernel's 1-warp producer) over the program's tiles."""
-    (q_ptr, out_ptr, k_desc, v_desc, q_smem, k_smem, v_smem, full, empty, turn, bt_ptr, stride_bt, bt_width,
-     num_blocks, stride_kh, stride_vh, cu_seqlens_q_ptr, seq_lens_ptr, num_reqs, tiles_per_head, num_kv_heads, c,
-     stride_qt, stride_qh, stride_ot, stride_oh, q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr,
-     vt_smem, p_smem, vt_full, vt_empty, ones_smem) = args
-    TOKENS: gl.constexpr = 128 // G
-    pid = gl.program_id(0)
-    nprog = gl.num_programs(0)
-    bound = tiles_per_head * num_kv_heads
-    g0 = pid * 0
-    for i in range(gl.cdiv(bound, nprog)):
-        t = _snake(i, pid, nprog)
-        kv_head, req, m_blk, ok = _tile_at(t, cu_seqlens_q_ptr, num_reqs, tiles_per_head, num_kv_heads, TOKENS,
-                                           BLOCK_B, HEADS_INNER, 1)
-        if ok & (t < bound):
-            q_start, q_len, seq_len, ctx_len, first_tok, n = _request_span(cu_seqlens_q_ptr, seq_lens_ptr, req, m_blk,
-                                                                          TOKENS, TILE)
-            _produce_tiles(k_desc, v_desc, k_smem, v_smem, full, empty, bt_ptr + req.to(gl.int64) * stride_bt,
-                           bt_width, num_blocks, kv_head * stride_kh, kv_head * stride_vh, n, g0, D, TILE, PAGE,
-                           STAGES, True)
-            g0 += n
+    _ws_persist(args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX, BLOCK_B, HEADS_INNER, 3)
 
 
 @gluon.jit

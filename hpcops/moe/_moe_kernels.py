@@ -238,16 +238,10 @@ def _mma(a, w, acc, SWAP_AB: tl.constexpr, PROMOTE: tl.constexpr = 0):
     multiplied it by 10 with dynamic per-token ones (Hy3 TP8 T 64: max 6.5e-2, rms 2.7e-2 against 5.4e-3 /
     2.6e-3; bench/results/README.md, MoE), and the 64+ row tiles' likewise at T 2048 (`MoeConfig.fp8_promote`)."""
     if SWAP_AB:
-        if PROMOTE > 0:
-            acc = tl.dot(w, tl.trans(a), acc, max_num_imprecise_acc=PROMOTE)
-        else:
-            acc = tl.dot(w, tl.trans(a), acc)
+        lhs, rhs = w, tl.trans(a)
     else:
-        if PROMOTE > 0:
-            acc = tl.dot(a, tl.trans(w), acc, max_num_imprecise_acc=PROMOTE)
-        else:
-            acc = tl.dot(a, tl.trans(w), acc)
-    return acc
+        lhs, rhs = a, tl.trans(w)
+    return tl.dot(lhs, rhs, acc, max_num_imprecise_acc=PROMOTE if PROMOTE > 0 else None)
 
 
 @triton.jit
