@@ -115,9 +115,13 @@ for st in "${stages[@]}"; do
         timeout 540 python3 scripts/moe_ep2.py --out "$OUT/results" 2>&1 | tee -a "$OUT/ep2.log" | tail -40 \
         || status=1 ;;
     profile:decode)
-      # Nsight Compute on the persistent decode kernel: stall reasons, memory throughput, occupancy.
-      for args in "--spec 64x4K --kv fp8" "--spec 64x4K --kv bf16"; do
-        ncu_one decode_persistent \
+      # Nsight Compute on the decode attention kernel (the persistent `tl` one, or with --schedule static the
+      # static one): stall reasons, memory throughput, occupancy. PROFILE_RUNS: ';'-separated profile_decode.py
+      # argument lists (default: 64x4K over fp8 and over bf16 KV)
+      IFS=';' read -ra pruns <<< "${PROFILE_RUNS:---spec 64x4K --kv fp8;--spec 64x4K --kv bf16}"
+      for args in "${pruns[@]}"; do
+        echo "=== profile_decode.py $args" | tee -a "$OUT/results/ncu_decode.txt"
+        ncu_one 'decode_persistent|decode_static_kernel' \
           --section LaunchStats --section Occupancy --section SpeedOfLight --section MemoryWorkloadAnalysis \
           --section SchedulerStats --section WarpStateStats \
           python3 scripts/profile_decode.py $args 2>&1 | tee -a "$OUT/results/ncu_decode.txt" | tail -60
