@@ -113,10 +113,6 @@ GLUON_SPACE = (
     knob("gluon_p_regs", False, True),
     knob("gluon_tree", False, True),
     knob("gluon_p_dbuf", False, True),
-    # two P buffers a consumer with a fourth K/V buffer: alone, p_dbuf was 7.5-9 % slower, and Nsight Compute put
-    # the loss in waits for K/V and Vᵀ (its consumers release a K/V buffer a P·V later; ncu_prefill_p_dbuf.md)
-    knob(("gluon_p_dbuf", "num_stages"), values_fn=lambda base, s: (
-        (base["gluon_p_dbuf"], base["num_stages"]), (True, base["num_stages"] + 1)), near=None),
     knob("gluon_pv_overlap", False, True),
     knob("gluon_mma_sum", False, True),
     knob("gluon_persist", False, True),
