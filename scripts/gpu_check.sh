@@ -59,7 +59,10 @@ for st in "${stages[@]}"; do
         n=$(basename "$f" .py)
         # the sm_90 build checks (*_compile.py: ptxas in subprocesses, nothing on the GPU) on 4 xdist workers: alone
         # among the 40 files on 16 cores test_prefill_compile.py's 35 builds ran past 420 s (session 30)
-        xd=(); case "$n" in *_compile) xd=(-n 4);; esac
+        # the five longest GPU files (275-327 s each at 1c6de6a, session 32, while the other 35 were done by ~210 s)
+        # on 2 workers each, so that their last minutes use the cores the finished files left
+        xd=(); case "$n" in *_compile) xd=(-n 4);;
+          test_decode|test_prefill|test_decode_kernels|test_moe|test_decode_paths) xd=(-n 2);; esac
         # 560 s a file: at a5dbcb5 (session 31) test_decode.py, test_decode_kernels.py and test_prefill.py, the
         # longest GPU files, ran past 420 s at 88-93 % of their tests beside the compile files' workers
         timeout ${TEST_TIMEOUT:-560} python3 -m pytest -v -p no:cacheprovider -rs "${xd[@]}" "$f" \
