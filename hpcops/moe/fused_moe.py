@@ -22,7 +22,6 @@ from hpcops._checks import (
 from hpcops._library import register
 from hpcops._platform import is_interpreter
 from hpcops.moe import _moe_kernels as K
-from hpcops.moe.codes import ActMode, QuantCode
 from hpcops.moe.configs import ACT_MUL_MODES, MoeConfig, get_config
 from hpcops.moe.routing import build_moe_index
 from hpcops.moe.schemes import Scheme, scheme_for, scheme_named
@@ -141,17 +140,19 @@ class _SharedExpert:
     w2: torch.Tensor
     act: torch.Tensor
     y: torch.Tensor
-    stride_act: int
 
     @staticmethod
     def of(shared_w13, shared_w2, i_s: int, T: int, H: int, cfg: MoeConfig, out_dt, dummy) -> _SharedExpert:
         if not i_s:
-            return _SharedExpert(0, 0, dummy, dummy, dummy, dummy, 0)
+            return _SharedExpert(0, 0, dummy, dummy, dummy, dummy)
         m_tiles = triton.cdiv(T, cfg.block_m)
-        act = torch.empty((T, i_s), dtype=out_dt, device=dummy.device)
         return _SharedExpert(m_tiles * triton.cdiv(i_s, cfg.block_n), m_tiles * triton.cdiv(H, cfg.down_block_n),
-                             shared_w13, shared_w2, act, torch.empty((T, H), dtype=out_dt, device=dummy.device),
-                             act.stride(0))
+                             shared_w13, shared_w2, torch.empty((T, i_s), dtype=out_dt, device=dummy.device),
+                             torch.empty((T, H), dtype=out_dt, device=dummy.device))
+
+    def strides(self) -> tuple[int, int, int, int]:
+        """Row strides of w13, w2, act and y (zeros without a shared expert: its kernels' arguments, never read)."""
+        return tuple(t.stride(0) for t in (self.w13, self.w2, self.act, self.y)) if self.n_gu else (0, 0, 0, 0)
 
 
 def _fp8_promote(cfg: MoeConfig, narrow: bool, per_token: bool, block_k: int) -> dict[str, int]:
@@ -241,12 +242,13 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     act = scheme.activation(T * k, inter, out_dt, cfg, dummy)
     ws = scheme.weight_scales(E, dummy)
     sx = _SharedExpert.of(shared_w13, shared_w2, i_s, T, H, cfg, out_dt, dummy)
+    sx_w13, sx_w2, sx_act, sx_y = sx.strides()
     narrow = w13.element_size() == 1
     # fp8 tiles on wgmma: the MMA's reduced-precision sum joins the fp32 accumulator after at most
     # `fp8_promote` products, at least once a K step (`_mma`)
-    per_tensor = scheme.code == QuantCode.FP8_TENSOR
-    gu_promote = _fp8_promote(cfg, narrow, per_tensor and a.stride_t != 0, cfg.block_k)
-    dn_promote = _fp8_promote(cfg, narrow, per_tensor and act.mode == ActMode.WIDE_ROW_AMAX, cfg.down_block_k)
+    gu_per_token, dn_per_token = scheme.per_token_inputs(a, act)
+    gu_promote = _fp8_promote(cfg, narrow, gu_per_token, cfg.block_k)
+    dn_promote = _fp8_promote(cfg, narrow, dn_per_token, cfg.down_block_k)
 
     K.moe_gate_up_kernel[(sx.n_gu + n_tasks * triton.cdiv(inter, cfg.block_n),)](
         a.x, a.scale, w13, ws.w13, a.a13, tasks, offsets, sorted_pair, topk_ids, emap,
@@ -255,7 +257,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         a.x.stride(0), a.stride_t, a.stride_g,
         w13.stride(0), w13.stride(1), *ws.w13_strides,
         act.act.stride(0), act.stride_s,
-        x, sx.w13, sx.act, T, i_s, sx.n_gu, x.stride(0), sx.w13.stride(0) if i_s else 0, sx.stride_act,
+        x, sx.w13, sx.act, T, i_s, sx.n_gu, x.stride(0), sx_w13, sx_act,
         QUANT=int(scheme.code), X_FP8=a.fp8, ACT_OUT=int(act.mode), ACT_DT=_TL_DTYPE[out_dt],
         BF16_MUL=cfg.act_mul == "bf16", SWAP_AB=cfg.swap_ab, **routing, SHARED=bool(i_s),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
@@ -268,8 +270,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         H, inter, n_tasks, n_global, E,
         act.act.stride(0), act.stride_s, w2.stride(0), w2.stride(1), *ws.w2_strides,
         y.stride(0),
-        sx.act, sx.w2, sx.y, T, i_s, sx.n_dn, sx.stride_act, sx.w2.stride(0) if i_s else 0,
-        sx.y.stride(0) if i_s else 0,
+        sx.act, sx.w2, sx.y, T, i_s, sx.n_dn, sx_act, sx_w2, sx_y,
         QUANT=int(scheme.code), ACT_IN=int(act.mode), SWAP_AB=cfg.swap_ab, **routing, SHARED=bool(i_s),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
         SHARED_BLOCK_K=max(16, cfg.down_block_k // 2) if narrow else cfg.down_block_k, **dn_promote,

@@ -91,6 +91,11 @@ class Scheme:
     def weight_scales(self, E: int, dummy) -> WeightScales:
         return WeightScales(dummy, (0, 0, 0), dummy, (0, 0, 0))
 
+    def per_token_inputs(self, a: GateUpInput, act: Activation) -> tuple[bool, bool]:
+        """Whether the gate-up's and the down GEMM's fp8 inputs carry per-token (dynamic) scales with per-tensor
+        weights: where `MoeConfig.fp8_promote`'s default promotes the MMA sums of any tile."""
+        return False, False
+
     @staticmethod
     def from_op_args(w13_scale, w2_scale, a13_scale, a2_scale):
         """The `quant` object from the torch.library op's flat scale arguments."""
@@ -192,6 +197,10 @@ class Fp8Tensor(Scheme):
 
         q = self.quant
         return WeightScales(q.w13_scale, stride(q.w13_scale), q.w2_scale, stride(q.w2_scale))
+
+    def per_token_inputs(self, a, act):
+        # x quantized per token (a scale a row), the activation quantized by its row amax
+        return a.stride_t != 0, act.mode == ActMode.WIDE_ROW_AMAX
 
     @staticmethod
     def from_op_args(w13_scale, w2_scale, a13_scale, a2_scale):
