@@ -153,7 +153,6 @@ class Case:
     naive: bool | None = None  # force one task per pair (True) or the index (False)
     fused_shared: int = 0  # I_s of a shared expert fused into the GEMM kernels (shared_w13 / shared_w2)
     promote: int | None = None  # force config.fp8_promote (None: the default)
-    fuse: bool | None = None  # force config.fuse_reduce
 
     @property
     def id(self) -> str:
@@ -178,8 +177,6 @@ class Case:
             s += "-naive" if self.naive else "-indexed"
         if self.promote is not None:
             s += f"-promote{self.promote}"
-        if self.fuse is not None:
-            s += f"-fuse{int(self.fuse)}"
         return s
 
 
@@ -227,17 +224,6 @@ PATH_CASES = [replace(c, swap=swap, naive=naive) for c in PATH_BASES for swap in
 PATH_CASES += [Case(6, quant="fp8_tensor", shared=True, ep=True, E=8, swap=False, promote=64),
                Case(7, quant="fp8_tensor", static=False, swap=True, naive=False, promote=0, H=384),
                Case(7, quant="fp8_tensor", static=False, swap=False, naive=False, promote=128, H=384)]
-# the top-k reduction in the down GEMM's tails (MoeConfig.fuse_reduce): both task forms, both GEMM forms, a k that is
-# no power of two, expert parallelism (tokens with no local pair: their rows come from the gate-up), shared_output,
-# NaN-filled out; with the fused shared expert the reduce kernel still runs
-FUSE_CASES = [replace(c, fuse=True, swap=swap, naive=naive)
-              for c in (Case(5, k=3, shared=True, use_out=True, ep=True, E=8),
-                        Case(7, quant="fp8_tensor", static=False),
-                        Case(6, k=2, quant="fp8_block", inter=256, H=200, ep=True, E=8, use_out=True),
-                        Case(19, k=2, fused_shared=48, ep=True, E=8))
-              for swap in (False, True) for naive in (False, True)]
-FUSE_CASES += [Case(40, k=5, inter=192, ep=True, E=16, use_out=True, shared=True, fuse=True, small_max=0),
-               Case(9, k=2, H=300, use_out=True, fuse=True)]
 
 
 def _tolerance(case: Case) -> dict:
@@ -277,8 +263,6 @@ def run_case(case: Case, device: str):
         cfg = cfg.with_(naive_max_pairs=1 << 30 if case.naive else 0)
     if case.promote is not None:
         cfg = cfg.with_(fp8_promote=case.promote)
-    if case.fuse is not None:
-        cfg = cfg.with_(fuse_reduce=case.fuse)
     out = nan_like(torch.empty(case.T, case.H, dtype=case.dtype, device=device)) if case.use_out else None
     got = fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap, shared_output=shared,
                     out=out, config=cfg, shared_w13=s13, shared_w2=s2)
@@ -289,7 +273,7 @@ def run_case(case: Case, device: str):
     return got, ref
 
 
-@pytest.mark.parametrize("case", CASES + PATH_CASES + FUSE_CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("case", CASES + PATH_CASES, ids=lambda c: c.id)
 def test_fused_moe(case, device):
     got, ref = run_case(case, device)
     assert got.dtype == case.dtype and got.shape == (case.T, case.H)
@@ -337,11 +321,6 @@ def test_all_experts_remote_gives_shared_output(device):
     assert torch.equal(out.cpu(), shared.cpu())
     out = fused_moe(x, wts.w13, wts.w2, tw, ids, expert_map=emap, out=nan_like(shared), config=cfg)
     assert (out.cpu() == 0).all()
-    # the fused reduction: no down program runs, the gate-up's programs write every row
-    for sh in (shared, None):
-        out = fused_moe(x, wts.w13, wts.w2, tw, ids, expert_map=emap, shared_output=sh, out=nan_like(shared),
-                        config=cfg.with_(fuse_reduce=True))
-        assert torch.equal(out.cpu(), shared.cpu()) if sh is not None else (out.cpu() == 0).all()
 
 
 def test_ep_ranks_sum_to_full(device):
@@ -559,44 +538,6 @@ def test_gpu_fp8_wide_tiles_promote(T, shape, dyn):
     assert_close(ref, outs[None], maxtol=4e-2, rmstol=1.5e-2)
     assert errs[128][1] < errs[0][1], errs
     assert torch.equal(outs[None], outs[128 if dyn else 0]), errs
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["fp8_tensor", "none", "fp8_block"])
-@pytest.mark.parametrize("T", [1, 4, 16, 64, 512, 2048])
-@pytest.mark.parametrize("shape", ["tp8", "ep8"])
-def test_gpu_fuse_reduce_bit_equal(shape, T, kind):
-    """`MoeConfig.fuse_reduce` (the top-k sums in the down GEMM's tails, the arrival counts zeroed by the gate-up)
-    equals the reduce kernel bit for bit at Hy3 sizes, with shared_output and a NaN-filled out, eagerly and in
-    CUDA-graph replays with new routing (the counts must start at 0 every replay)."""
-    if shape == "tp8" and kind == "fp8_block":
-        pytest.skip("Fp8Block128 needs I % 128 == 0 (Hy3 TP8 has I = 192)")
-    inter, n_local = (192, None) if shape == "tp8" else (1536, 24)
-    wts, tw, ids, emap, x = _hy3_inputs(T, inter, kind, n_local)
-    shared = torch.randn_like(x)
-    cfg = get_config(num_tokens=T, inter=inter, quant=kind, num_local_experts=n_local, **HY3_CFG)
-    want = fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap, shared_output=shared,
-                     out=nan_like(x), config=cfg.with_(fuse_reduce=False))
-    out = nan_like(x)
-
-    def step():
-        fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap, shared_output=shared, out=out,
-                  config=cfg.with_(fuse_reduce=True))
-
-    step()
-    torch.cuda.synchronize()
-    assert torch.equal(out, want)
-    graph, _ = capture_graph(step)
-    for seed in (5, 6):
-        tw2, ids2 = make_routing(T, HY3["k"], HY3["E"], "cuda", seed=seed)
-        tw.copy_(tw2)
-        ids.copy_(ids2)
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        want = fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap, shared_output=shared,
-                         config=cfg.with_(fuse_reduce=False))
-        assert torch.equal(out, want)
 
 
 @pytest.mark.gpu

@@ -289,74 +289,6 @@ def _shared_gate_up(sp, x_ptr, w_ptr, act_ptr, T, H, I_S, stride_x, stride_w, st
 
 
 @triton.jit
-def _reduce_prologue(pid, nprog, sem_ptr, n_sem, ids_ptr, map_ptr, sh_ptr, out_ptr, T, H, TOP_K, E_GLOBAL, E_LOCAL,
-                     stride_sh, stride_out, HAS_MAP: tl.constexpr, HAS_SHARED: tl.constexpr, K_POW2: tl.constexpr,
-                     SEM_POW2: tl.constexpr, BLOCK_H: tl.constexpr):
-    """`MoeConfig.fuse_reduce`, the gate-up programs' share (stream-ordered before the down GEMM): program `pid` of
-    `nprog` zeroes the down GEMM's arrival counts of tokens pid, pid + nprog, ... ([n_sem] a token, one an N tile),
-    and writes the output rows of those with no local pair, which no down program reaches: shared_output or 0."""
-    offs_s = tl.arange(0, SEM_POW2)
-    offs_j = tl.arange(0, K_POW2)
-    pid64 = pid.to(tl.int64)
-    for i in range(0, tl.cdiv(T - pid, nprog)):
-        t64 = pid64 + i * nprog
-        tl.store(sem_ptr + t64 * n_sem + offs_s, tl.zeros([SEM_POW2], dtype=tl.int32), mask=offs_s < n_sem)
-        _, ok = _local_expert(ids_ptr, map_ptr, t64 * TOP_K + offs_j, offs_j < TOP_K, E_GLOBAL, E_LOCAL, HAS_MAP)
-        if tl.sum(ok.to(tl.int32), 0) == 0:
-            for h0 in range(0, H, BLOCK_H):
-                cols = h0 + tl.arange(0, BLOCK_H)
-                cmask = cols < H
-                v = tl.zeros([BLOCK_H], dtype=tl.float32)
-                if HAS_SHARED:
-                    v += tl.load(sh_ptr + t64 * stride_sh + cols, mask=cmask, other=0.0).to(tl.float32)
-                tl.store(out_ptr + t64 * stride_out + cols, v.to(out_ptr.dtype.element_ty), mask=cmask)
-
-
-@triton.jit
-def _reduce_tail(rows, rmask, pid_n, cols, cmask, y_ptr, stride_y, sorted_ptr, pos_ptr, ids_ptr, map_ptr, tw_ptr,
-                 stride_tw, sem_ptr, n_sem, sh_ptr, stride_sh, out_ptr, stride_out, E_GLOBAL, E_LOCAL,
-                 TOP_K: tl.constexpr, NAIVE: tl.constexpr, HAS_MAP: tl.constexpr, HAS_SHARED: tl.constexpr,
-                 K_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """`MoeConfig.fuse_reduce`, after a down program stored its y rows: each row counts into its token's arrivals
-    at this N tile (release: the CTA barrier orders every thread's y stores before the atomics, as a semaphore
-    release does), and the program whose row completes a token's count (its local pairs) sums that token's y rows
-    of this N tile into `out` (acquire, then L2 reads), as `moe_reduce_kernel` does: Σ_j w[t, j]·y[row(t, j)] in
-    fp32, in j order (+ shared_output[t]). A tile's rows are distinct tokens (one expert's pairs, or one pair)."""
-    if NAIVE:
-        pair = rows
-    else:
-        pair = tl.load(sorted_ptr + rows, mask=rmask, other=0)
-    tok = (pair // TOP_K).to(tl.int64)
-    offs_j = tl.arange(0, K_POW2)
-    e_all, ok = _local_expert(ids_ptr, map_ptr, tok[:, None] * TOP_K + offs_j[None, :],
-                          rmask[:, None] & (offs_j < TOP_K)[None, :], E_GLOBAL, E_LOCAL, HAS_MAP)
-    need = tl.sum(ok.to(tl.int32), 1)  # [BLOCK_M] local pairs of each row's token
-    tl.debug_barrier()
-    arrived = tl.atomic_add(sem_ptr + tok * n_sem + pid_n, tl.full([BLOCK_M], 1, tl.int32), mask=rmask,
-                            sem="acq_rel", scope="gpu")
-    last = rmask & (arrived == need - 1)
-    if tl.max(last.to(tl.int32), 0) > 0:
-        tl.debug_barrier()
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for j in tl.static_range(TOP_K):
-            p = tok * TOP_K + j
-            if NAIVE:
-                e_j, ok_j = _local_expert(ids_ptr, map_ptr, p, last, E_GLOBAL, E_LOCAL, HAS_MAP)
-                r = tl.where(ok_j, p, -1)
-            else:
-                r = tl.load(pos_ptr + p, mask=last, other=-1).to(tl.int64)
-            w = tl.load(tw_ptr + tok * stride_tw + j, mask=last, other=0.0)
-            v = tl.load(y_ptr + r[:, None] * stride_y + cols[None, :], mask=(r >= 0)[:, None] & cmask[None, :],
-                        other=0.0, cache_modifier=".cg")
-            acc += w[:, None] * v.to(tl.float32)
-        if HAS_SHARED:
-            acc += tl.load(sh_ptr + tok[:, None] * stride_sh + cols[None, :], mask=last[:, None] & cmask[None, :],
-                           other=0.0).to(tl.float32)
-        tl.store(out_ptr + tok[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=last[:, None] & cmask[None, :])
-
-
-@triton.jit
 def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets_ptr, sorted_ptr, ids_ptr, map_ptr,
                        act_ptr, act_s_ptr, a2_ptr, rowmax_ptr,
                        H, I, CAP, TOP_K, E_GLOBAL, E_LOCAL,
@@ -364,14 +296,11 @@ def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets
                        stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk,
                        stride_act, stride_acts,
                        sx_ptr, s13_ptr, sact_ptr, T, I_S, N_SHARED, stride_sx, stride_s13, stride_sact,
-                       sem_ptr, n_sem, shout_ptr, out_ptr, stride_shout, stride_out,
                        QUANT: tl.constexpr, X_FP8: tl.constexpr, ACT_OUT: tl.constexpr,
                        ACT_DT: tl.constexpr, BF16_MUL: tl.constexpr,
                        NAIVE: tl.constexpr, HAS_MAP: tl.constexpr, SWAP_AB: tl.constexpr, SHARED: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SHARED_BLOCK_K: tl.constexpr, FP8_PROMOTE: tl.constexpr = 0, FUSE_REDUCE: tl.constexpr = False,
-                       HAS_SHARED_OUT: tl.constexpr = False, K_POW2: tl.constexpr = 1, SEM_POW2: tl.constexpr = 1,
-                       REDUCE_BLOCK_H: tl.constexpr = 1024):
+                       SHARED_BLOCK_K: tl.constexpr, FP8_PROMOTE: tl.constexpr = 0):
     """act[r, n] = silu(x[tok(r)]·w13[e, n]) · (x[tok(r)]·w13[e, I+n]) for one (M tile, N tile) task.
 
     SHARED: the first N_SHARED programs are the shared expert's gate-up instead (`_shared_gate_up`: the 16-bit
@@ -386,14 +315,9 @@ def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets
     loading (FP8_TENSOR: the static a13 scale; FP8_BLOCK: dynamic per row and 128-group). ACT_OUT
     (`ActMode`, see codes.py): WIDE_ROW_AMAX and WIDE_GROUP_AMAX also atomic-max the amax of each row
     (or row and 128-group); FP8_GROUP needs BLOCK_N = 128, WIDE_GROUP_AMAX BLOCK_N < 128.
-    FUSE_REDUCE (`MoeConfig.fuse_reduce`; no shared expert tiles then): `_reduce_prologue` first, in every program.
     """
     n_tiles = tl.cdiv(I, BLOCK_N)
     pid = tl.program_id(0)
-    if FUSE_REDUCE:
-        _reduce_prologue(pid, tl.num_programs(0), sem_ptr, n_sem, ids_ptr, map_ptr, shout_ptr, out_ptr, T, H,
-                         TOP_K, E_GLOBAL, E_LOCAL, stride_shout, stride_out, HAS_MAP, HAS_SHARED_OUT, K_POW2,
-                         SEM_POW2, REDUCE_BLOCK_H)
     if SHARED:
         if pid < N_SHARED:
             _shared_gate_up(pid, sx_ptr, s13_ptr, sact_ptr, T, H, I_S, stride_sx, stride_s13, stride_sact,
@@ -503,20 +427,16 @@ def moe_down_kernel(act_ptr, act_s_ptr, a2_ptr, rowmax_ptr, w_ptr, ws_ptr, tasks
                     stride_act, stride_acts, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk,
                     stride_y,
                     sact_ptr, s2_ptr, ysh_ptr, T, I_S, N_SHARED, stride_sact, stride_s2, stride_ysh,
-                    sorted_ptr, pos_ptr, tw_ptr, sem_ptr, shout_ptr, out_ptr, stride_tw, stride_shout, stride_out,
                     QUANT: tl.constexpr, ACT_IN: tl.constexpr,
                     NAIVE: tl.constexpr, HAS_MAP: tl.constexpr, SWAP_AB: tl.constexpr, SHARED: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    SHARED_BLOCK_K: tl.constexpr, FP8_PROMOTE: tl.constexpr = 0, FUSE_REDUCE: tl.constexpr = False,
-                    HAS_SHARED_OUT: tl.constexpr = False, TOP_K: tl.constexpr = 1, K_POW2: tl.constexpr = 1):
+                    SHARED_BLOCK_K: tl.constexpr, FP8_PROMOTE: tl.constexpr = 0):
     """y[r, n] = act[r]·w2[e, n] for one (M tile, N tile) task, rows as the gate-up wrote them.
 
     ACT_IN (`ActMode`, as the gate-up wrote it): the WIDE_*_AMAX modes are quantized here, per row from
     the row amax (FP8_TENSOR) or per row and 128-group from the group amax (FP8_BLOCK).
     SHARED: the first N_SHARED programs are the shared expert's down GEMM (`_shared_down`: sact [T, I_S] ·
     s2 [H, I_S]ᵀ into ysh [T, H]), the routed tasks after them.
-    FUSE_REDUCE (`MoeConfig.fuse_reduce`, not with SHARED): the top-k reduction into `out` in the programs'
-    tails (`_reduce_tail`), no `moe_reduce_kernel` launch.
     """
     n_tiles = tl.cdiv(H, BLOCK_N)
     pid = tl.program_id(0)
@@ -574,10 +494,6 @@ def moe_down_kernel(act_ptr, act_s_ptr, a2_ptr, rowmax_ptr, w_ptr, ws_ptr, tasks
             acc = acc * (r_s[:, None] * ws)
     y_ptrs = y_ptr + rows64[:, None] * stride_y + cols[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
-    if FUSE_REDUCE:
-        _reduce_tail(rows, rmask, pid_n, cols, cmask, y_ptr, stride_y, sorted_ptr, pos_ptr, ids_ptr, map_ptr, tw_ptr,
-                     stride_tw, sem_ptr, n_tiles, shout_ptr, stride_shout, out_ptr, stride_out, E_GLOBAL, E_LOCAL,
-                     TOP_K, NAIVE, HAS_MAP, HAS_SHARED_OUT, K_POW2, BLOCK_M, BLOCK_N)
 
 
 @triton.jit

@@ -45,10 +45,6 @@ class MoeConfig:
     2.8e-2 unpromoted, over the fp8 budget (4e-2 / 1.5e-2), 4.0e-3 / 4.8e-3 promoted; with static scales 1.1e-2 /
     9.1e-3 and 6.5e-3 / 4.2e-3, where promoting the 64+ row tiles costs 14 % (T 2048) to 33 % (T 16384) of the
     layer's time (moe_promote_63253cc.md).
-    `fuse_reduce`: the top-k reduction in the down GEMM's programs (the program whose row completes a token's
-    count at an N tile sums that token's rows there; the gate-up zeroes the counts), no reduce launch (2.4-3.9 µs
-    of Hy3 B4-B64 on the H200, profile_moe_small_b_1c6de6a.txt). Not with the fused shared expert or
-    `shared_ready` (the reduce kernel then runs). Off by default: not yet timed on the H200.
     """
 
     block_m: int = 16
@@ -68,7 +64,6 @@ class MoeConfig:
     swap_ab: bool = False
     naive_max_pairs: int = 0
     fp8_promote: int | None = None
-    fuse_reduce: bool = False
 
     def with_(self, **kw) -> MoeConfig:
         return replace(self, **kw)
@@ -162,7 +157,7 @@ def heuristic_config(*, num_tokens: int, top_k: int, num_experts: int, hidden: i
 
 TUNABLE = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "down_block_n", "down_block_k",
            "down_num_warps", "down_num_stages", "reduce_block_h", "index_small_max", "prequant_x", "swap_ab",
-           "naive_max_pairs", "fp8_promote", "fuse_reduce")
+           "naive_max_pairs", "fp8_promote")
 
 
 @functools.cache

@@ -155,49 +155,6 @@ class _SharedExpert:
         return tuple(t.stride(0) for t in (self.w13, self.w2, self.act, self.y)) if self.n_gu else (0, 0, 0, 0)
 
 
-@dataclass
-class _TopkReduce:
-    """The top-k reduction. Fused (`MoeConfig.fuse_reduce`; not with the fused shared expert, nor with a
-    `shared_ready` event to wait for): the gate-up programs zero the arrival counts `sem` [T, the down GEMM's N
-    tiles] and write the rows of tokens with no local pair, the down programs' tails sum the rest into `out`
-    (`gu` / `dn`: the two kernels' extra arguments and constexprs), no launch of its own. Otherwise
-    `moe_reduce_kernel` after the down GEMM (`finish`)."""
-
-    fused: bool
-    gu: tuple[tuple, dict]
-    dn: tuple[tuple, dict]
-
-    @staticmethod
-    def of(cfg: MoeConfig, i_s: int, shared_ready, shared_output, out: torch.Tensor, H: int, k: int,
-           sorted_pair, pair_pos, topk_weights, dummy) -> _TopkReduce:
-        fused = bool(cfg.fuse_reduce) and not i_s and shared_ready is None
-        n_sem = triton.cdiv(H, cfg.down_block_n) if fused else 0
-        sem = torch.empty((out.shape[0], n_sem), dtype=torch.int32, device=out.device) if fused else dummy
-        sh = shared_output if shared_output is not None else out
-        common = dict(FUSE_REDUCE=True, HAS_SHARED_OUT=shared_output is not None, K_POW2=triton.next_power_of_2(k))
-        gu_kw = dict(common, SEM_POW2=triton.next_power_of_2(n_sem),
-                     REDUCE_BLOCK_H=min(cfg.reduce_block_h, triton.next_power_of_2(H)))
-        return _TopkReduce(
-            fused, ((sem, n_sem, sh, out, sh.stride(0), out.stride(0)), gu_kw if fused else {}),
-            ((sorted_pair, pair_pos, topk_weights, sem, sh, out, topk_weights.stride(0), sh.stride(0), out.stride(0)),
-             dict(common, TOP_K=k) if fused else {}))
-
-    def finish(self, y, pair_pos, topk_ids, emap, topk_weights, shared_output, shared_ready, out, n_global: int,
-               E: int, k: int, cfg: MoeConfig, routing: dict) -> None:
-        """The reduce kernel, unless fused (after waiting for `shared_ready`, where given)."""
-        if self.fused:
-            return
-        T, H = out.shape
-        sh = shared_output if shared_output is not None else out
-        if shared_ready is not None:
-            torch.cuda.current_stream(out.device).wait_event(shared_ready)
-        bh = min(cfg.reduce_block_h, triton.next_power_of_2(H))
-        K.moe_reduce_kernel[(T, triton.cdiv(H, bh))](
-            y, pair_pos, topk_ids, emap, topk_weights, sh, out, H, n_global, E,
-            y.stride(0), topk_weights.stride(0), sh.stride(0), out.stride(0),
-            TOP_K=k, HAS_SHARED=shared_output is not None, **routing, BLOCK_H=bh, num_warps=4)
-
-
 def _fp8_promote(cfg: MoeConfig, narrow: bool, per_token: bool, block_k: int) -> dict[str, int]:
     """The FP8_PROMOTE launch argument of one GEMM (`MoeConfig.fp8_promote`): by default 128 products on the swap-AB
     tiles and where the GEMM's fp8 input has per-token scales, none elsewhere."""
@@ -286,7 +243,6 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     ws = scheme.weight_scales(E, dummy)
     sx = _SharedExpert.of(shared_w13, shared_w2, i_s, T, H, cfg, out_dt, dummy)
     sx_w13, sx_w2, sx_act, sx_y = sx.strides()
-    red = _TopkReduce.of(cfg, i_s, shared_ready, shared_output, out, H, k, sorted_pair, pair_pos, topk_weights, dummy)
     narrow = w13.element_size() == 1
     # fp8 tiles on wgmma: the MMA's reduced-precision sum joins the fp32 accumulator after at most
     # `fp8_promote` products, at least once a K step (`_mma`)
@@ -301,11 +257,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         a.x.stride(0), a.stride_t, a.stride_g,
         w13.stride(0), w13.stride(1), *ws.w13_strides,
         act.act.stride(0), act.stride_s,
-        x, sx.w13, sx.act, T, i_s, sx.n_gu, x.stride(0), sx_w13, sx_act, *red.gu[0],
+        x, sx.w13, sx.act, T, i_s, sx.n_gu, x.stride(0), sx_w13, sx_act,
         QUANT=int(scheme.code), X_FP8=a.fp8, ACT_OUT=int(act.mode), ACT_DT=_TL_DTYPE[out_dt],
         BF16_MUL=cfg.act_mul == "bf16", SWAP_AB=cfg.swap_ab, **routing, SHARED=bool(i_s),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SHARED_BLOCK_K=max(16, cfg.block_k // 2) if narrow else cfg.block_k, **gu_promote, **red.gu[1],
+        SHARED_BLOCK_K=max(16, cfg.block_k // 2) if narrow else cfg.block_k, **gu_promote,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     y = torch.empty((T * k, H), dtype=out_dt, device=x.device)
@@ -314,13 +270,22 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         H, inter, n_tasks, n_global, E,
         act.act.stride(0), act.stride_s, w2.stride(0), w2.stride(1), *ws.w2_strides,
         y.stride(0),
-        sx.act, sx.w2, sx.y, T, i_s, sx.n_dn, sx_act, sx_w2, sx_y, *red.dn[0],
+        sx.act, sx.w2, sx.y, T, i_s, sx.n_dn, sx_act, sx_w2, sx_y,
         QUANT=int(scheme.code), ACT_IN=int(act.mode), SWAP_AB=cfg.swap_ab, **routing, SHARED=bool(i_s),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
-        SHARED_BLOCK_K=max(16, cfg.down_block_k // 2) if narrow else cfg.down_block_k, **dn_promote, **red.dn[1],
+        SHARED_BLOCK_K=max(16, cfg.down_block_k // 2) if narrow else cfg.down_block_k, **dn_promote,
         num_warps=cfg.down_num_warps, num_stages=cfg.down_num_stages)
-    red.finish(y, pair_pos, topk_ids, emap, topk_weights, sx.y if i_s else shared_output, shared_ready, out,
-               n_global, E, k, cfg, routing)
+
+    if i_s:
+        shared_output = sx.y
+    sh = shared_output if shared_output is not None else out
+    if shared_ready is not None:
+        torch.cuda.current_stream(x.device).wait_event(shared_ready)
+    bh = min(cfg.reduce_block_h, triton.next_power_of_2(H))
+    K.moe_reduce_kernel[(T, triton.cdiv(H, bh))](
+        y, pair_pos, topk_ids, emap, topk_weights, sh, out, H, n_global, E,
+        y.stride(0), topk_weights.stride(0), sh.stride(0), out.stride(0),
+        TOP_K=k, HAS_SHARED=shared_output is not None, **routing, BLOCK_H=bh, num_warps=4)
     return out
 
 

@@ -45,7 +45,6 @@ SPACE = (
     knob("num_warps", 4, 8),
     knob("down_num_warps", 4, 8),
     knob("prequant_x", False, True),
-    knob("fuse_reduce", False, True),
 )
 
 ENTRY_KEYS = ("E", "E_local", "H", "I", "quant", "T")
