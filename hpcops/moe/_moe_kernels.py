@@ -289,28 +289,6 @@ def _shared_gate_up(sp, x_ptr, w_ptr, act_ptr, T, H, I_S, stride_x, stride_w, st
 
 
 @triton.jit
-def _prefetch_down(w_ptr, stride_n, H, I, part, parts, LINE: tl.constexpr, ROWS: tl.constexpr = 64,
-                   LINES: tl.constexpr = 4):
-    """Ask L2 for rows [part·⌈H/parts⌉, (part+1)·⌈H/parts⌉) of one expert's down weights ([H, I] at w_ptr, row
-    stride stride_n, LINE elements a 128-byte line): a `prefetch.global.L2::evict_last` per line start inside a
-    row (no register written, nothing waits on it), ROWS rows × LINES lines a step; a row of more than LINES
-    lines is asked for in several steps. Only addresses inside the rows: nothing past the tensor."""
-    per = tl.cdiv(H, parts)
-    r_end = tl.minimum(part * per + per, H)
-    offs_r = tl.arange(0, ROWS)
-    offs_c = tl.arange(0, LINES) * LINE
-    for r0 in range(part * per, r_end, ROWS):
-        rows = r0 + offs_r
-        for c0 in range(0, I, LINES * LINE):
-            cols = c0 + offs_c
-            mask = (rows < r_end)[:, None] & (cols < I)[None, :]
-            ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_n + cols[None, :]
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0; }",
-                "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets_ptr, sorted_ptr, ids_ptr, map_ptr,
                        act_ptr, act_s_ptr, a2_ptr, rowmax_ptr,
                        H, I, CAP, TOP_K, E_GLOBAL, E_LOCAL,
@@ -318,7 +296,6 @@ def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets
                        stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk,
                        stride_act, stride_acts,
                        sx_ptr, s13_ptr, sact_ptr, T, I_S, N_SHARED, stride_sx, stride_s13, stride_sact,
-                       w2_ptr, stride_w2e, stride_w2n, PREFETCH_DOWN: tl.constexpr, LINE: tl.constexpr,
                        QUANT: tl.constexpr, X_FP8: tl.constexpr, ACT_OUT: tl.constexpr,
                        ACT_DT: tl.constexpr, BF16_MUL: tl.constexpr,
                        NAIVE: tl.constexpr, HAS_MAP: tl.constexpr, SWAP_AB: tl.constexpr, SHARED: tl.constexpr,
@@ -338,9 +315,6 @@ def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets
     loading (FP8_TENSOR: the static a13 scale; FP8_BLOCK: dynamic per row and 128-group). ACT_OUT
     (`ActMode`, see codes.py): WIDE_ROW_AMAX and WIDE_GROUP_AMAX also atomic-max the amax of each row
     (or row and 128-group); FP8_GROUP needs BLOCK_N = 128, WIDE_GROUP_AMAX BLOCK_N < 128.
-    PREFETCH_DOWN (`MoeConfig.prefetch_down`): 1 or 2, the program asks L2 for its N tile's share of expert e's
-    down weights w2[e] ([H, I], LINE elements a 128-byte line) before (1, its own weight loads then evict first)
-    or after (2) its K loop.
     """
     n_tiles = tl.cdiv(I, BLOCK_N)
     pid = tl.program_id(0)
@@ -371,14 +345,11 @@ def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets
     if QUANT == Q_FP8_TENSOR:
         if not X_FP8:
             a13 = tl.load(a13_ptr)
-    if PREFETCH_DOWN == 1:
-        _prefetch_down(w2_ptr + e64 * stride_w2e, stride_w2n, H, I, pid_n, n_tiles, LINE)
     for k0 in range(0, H, BLOCK_K):
         kk = k0 + offs_k
         kmask = kk < H
         a = tl.load(x_rows + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        w = tl.load(w_rows + kk[None, :], mask=wmask[:, None] & kmask[None, :], other=0.0,
-                    eviction_policy="evict_first" if PREFETCH_DOWN == 1 else "")
+        w = tl.load(w_rows + kk[None, :], mask=wmask[:, None] & kmask[None, :], other=0.0)
         if QUANT == Q_NONE:
             acc = _mma(a, w, acc, SWAP_AB)
         elif QUANT == Q_FP8_TENSOR:
@@ -399,8 +370,6 @@ def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets
                 acc += tl.dot(w, tl.trans(a)) * (w_s[:, None] * a_s[None, :])
             else:
                 acc += tl.dot(a, tl.trans(w)) * (a_s[:, None] * w_s[None, :])
-    if PREFETCH_DOWN == 2:
-        _prefetch_down(w2_ptr + e64 * stride_w2e, stride_w2n, H, I, pid_n, n_tiles, LINE)
     acc_g, acc_u = _gate_up_halves(_mma_result(acc, SWAP_AB), BLOCK_M, BLOCK_N)
     if QUANT == Q_FP8_TENSOR:
         ws = tl.load(ws_ptr + e64 * stride_wse)

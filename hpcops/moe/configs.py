@@ -14,7 +14,6 @@ import os
 from dataclasses import dataclass, fields, replace
 
 ACT_MUL_MODES = ("fp32", "bf16")
-PREFETCH_DOWN_MODES = (0, 1, 2)
 
 
 @dataclass(frozen=True)
@@ -46,10 +45,6 @@ class MoeConfig:
     2.8e-2 unpromoted, over the fp8 budget (4e-2 / 1.5e-2), 4.0e-3 / 4.8e-3 promoted; with static scales 1.1e-2 /
     9.1e-3 and 6.5e-3 / 4.2e-3, where promoting the 64+ row tiles costs 14 % (T 2048) to 33 % (T 16384) of the
     layer's time (moe_promote_63253cc.md).
-    `prefetch_down`: each gate-up program asks L2 for its share of its expert's down weights
-    (`prefetch.global.L2::evict_last`, no registers, no wait), so the down GEMM finds them there: 1 before its K
-    loop (its own weight loads then evict first), 2 after it; 0 off. For batches whose touched down weights fit
-    in L2 (decode). GPU only: the interpreter has no inline assembly (there it is off).
     """
 
     block_m: int = 16
@@ -69,7 +64,6 @@ class MoeConfig:
     swap_ab: bool = False
     naive_max_pairs: int = 0
     fp8_promote: int | None = None
-    prefetch_down: int = 0
 
     def with_(self, **kw) -> MoeConfig:
         return replace(self, **kw)
@@ -163,7 +157,7 @@ def heuristic_config(*, num_tokens: int, top_k: int, num_experts: int, hidden: i
 
 TUNABLE = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "down_block_n", "down_block_k",
            "down_num_warps", "down_num_stages", "reduce_block_h", "index_small_max", "prequant_x", "swap_ab",
-           "naive_max_pairs", "fp8_promote", "prefetch_down")
+           "naive_max_pairs", "fp8_promote")
 
 
 @functools.cache

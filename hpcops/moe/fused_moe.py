@@ -22,7 +22,7 @@ from hpcops._checks import (
 from hpcops._library import register
 from hpcops._platform import is_interpreter
 from hpcops.moe import _moe_kernels as K
-from hpcops.moe.configs import ACT_MUL_MODES, PREFETCH_DOWN_MODES, MoeConfig, get_config
+from hpcops.moe.configs import ACT_MUL_MODES, MoeConfig, get_config
 from hpcops.moe.routing import build_moe_index
 from hpcops.moe.schemes import Scheme, scheme_for, scheme_named
 from hpcops.quant import Fp8Block128, Fp8PerTensor
@@ -81,7 +81,6 @@ def _validate(scheme: Scheme, x, w13, w2, topk_weights, topk_ids, expert_map, sh
                 raise ValueError(f"{name} must be contiguous along its last dimension")
     scheme.validate(x, w13, w2, x_scale, cfg, T, H, E, inter)
     check_choice("config.act_mul", cfg.act_mul, ACT_MUL_MODES)
-    check_choice("config.prefetch_down", cfg.prefetch_down, PREFETCH_DOWN_MODES)
     # last: argument errors first; then whether the kernels can run where the tensors are
     check_kernel_device("x", x)
     return T, H, E, inter, k, out_dt
@@ -251,8 +250,6 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     gu_promote = _fp8_promote(cfg, narrow, gu_per_token, cfg.block_k)
     dn_promote = _fp8_promote(cfg, narrow, dn_per_token, cfg.down_block_k)
 
-    # the down weights asked of L2 by the gate-up programs (MoeConfig.prefetch_down; inline assembly: GPU only)
-    prefetch = 0 if is_interpreter() else cfg.prefetch_down
     K.moe_gate_up_kernel[(sx.n_gu + n_tasks * triton.cdiv(inter, cfg.block_n),)](
         a.x, a.scale, w13, ws.w13, a.a13, tasks, offsets, sorted_pair, topk_ids, emap,
         act.act, act.scale, act.a2, act.rowmax,
@@ -261,7 +258,6 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         w13.stride(0), w13.stride(1), *ws.w13_strides,
         act.act.stride(0), act.stride_s,
         x, sx.w13, sx.act, T, i_s, sx.n_gu, x.stride(0), sx_w13, sx_act,
-        w2, w2.stride(0), w2.stride(1), PREFETCH_DOWN=prefetch, LINE=128 // w2.element_size(),
         QUANT=int(scheme.code), X_FP8=a.fp8, ACT_OUT=int(act.mode), ACT_DT=_TL_DTYPE[out_dt],
         BF16_MUL=cfg.act_mul == "bf16", SWAP_AB=cfg.swap_ab, **routing, SHARED=bool(i_s),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,

@@ -45,8 +45,6 @@ SPACE = (
     knob("num_warps", 4, 8),
     knob("down_num_warps", 4, 8),
     knob("prequant_x", False, True),
-    # the down weights asked of L2 by the gate-up programs: before their K loop, after it
-    knob("prefetch_down", 0, 1, 2),
 )
 
 ENTRY_KEYS = ("E", "E_local", "H", "I", "quant", "T")
