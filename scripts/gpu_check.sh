@@ -93,8 +93,10 @@ for st in "${stages[@]}"; do
         || { echo "profile_decode: FAILED" | tee -a "$sm/smoke.log"; tail -20 "$sm/ncu_smoke.txt"; status=1; }
       grep -h -E "^(=|tune_|profile_|\| )" "$sm/smoke.log" | tail -30 ;;
     tests:*)
-      timeout 420 python3 -m pytest -q -p no:cacheprovider ${st#tests:} 2>&1 | tee -a "$OUT/tests.log" | tail -25 \
-        || status=1 ;;
+      # TESTS_XDIST=N: on N xdist workers (a single-process `tests:tests/test_moe.py -k fuse`, 145 GPU cases, took
+      # 236 s in session 33, most of it compiling on one of the 16 cores)
+      timeout 420 python3 -m pytest -q -p no:cacheprovider ${TESTS_XDIST:+-n $TESTS_XDIST} ${st#tests:} 2>&1 \
+        | tee -a "$OUT/tests.log" | tail -25 || status=1 ;;
     bench:*)
       IFS=, read -ra suites <<< "${st#bench:}"
       # BENCH_TIMEOUT (seconds a suite, default none): a hanging kernel ends its suite, not the whole device call
