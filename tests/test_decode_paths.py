@@ -12,7 +12,7 @@ from test_decode import test_decode_matches_reference as _decode_matches_referen
 
 import hpcops
 from hpcops.attention import reference as ref
-from hpcops.testing import assert_close, make_paged_kv, nan_like
+from hpcops.testing import assert_close, make_paged_kv, nan_like, recorded_launches
 
 # ---------------------------------------------------------------- knob variants (task_desc, lean_loop)
 # the defaults run in every test above (task_desc, lean loop on fp8 KV, one-pass 16-entry plan); here the
@@ -105,15 +105,50 @@ def test_tail_merge_replans_into_the_same_buffers(case, group, device):
 
 def test_tail_group_default_is_one_level_where_few_partials_can_meet():
     """The Gluon kernel merges in one level where a pair can gather at most TAIL_ONE_LEVEL_MAX partials (programs
-    per kv head: h64/8 at 3 programs an SM of 132) and in groups of 4 rounds above (h8/1); the tl kernel (no
-    programs given) always in groups; an explicit tail_group wins."""
+    per kv head: h64/8 at 3 programs an SM of 132) and in groups of 4 rounds above (h8/1); either kernel in one
+    level where the block table holds no request of more tiles (a piece holds one at least) than a group; an
+    explicit tail_group wins."""
     from hpcops.attention import decode as dec
 
-    assert dec._tail_group(4, -(-396 // 8)) == 0 and dec._tail_group(4, dec.TAIL_ONE_LEVEL_MAX) == 0
-    assert dec._tail_group(4, 396) == 16 and dec._tail_group(4, dec.TAIL_ONE_LEVEL_MAX + 1) == 16
-    assert dec._tail_group(4) == 16
+    wide = 1 << 20  # tiles: a table as wide as vLLM's (max_model_len / page)
+    assert dec._tail_group(4, wide, -(-396 // 8)) == 0 and dec._tail_group(4, wide, dec.TAIL_ONE_LEVEL_MAX) == 0
+    assert dec._tail_group(4, wide, 396) == 16 and dec._tail_group(4, wide, dec.TAIL_ONE_LEVEL_MAX + 1) == 16
+    assert dec._tail_group(4, wide) == 16 and dec._tail_group(4, 17) == 16 and dec._tail_group(4, 17, 396) == 16
+    assert dec._tail_group(4, 16) == 0 and dec._tail_group(4, 8, 396) == 0  # 64x0.5K: 8 tiles a request at most
     with dec.decode_config_changed(tail_group=8):
-        assert dec._tail_group(4, 50) == 8 and dec._tail_group(4, 396) == 8
+        assert dec._tail_group(4, wide, 50) == 8 and dec._tail_group(4, wide, 396) == 8 and dec._tail_group(4, 2) == 8
+
+
+def test_tail_group_from_the_block_tables_width(device):
+    """The tail merge's launch takes one level where the block table is too narrow for a request of more tiles
+    than a group, groups where it is wide enough; the same merge (the split here has no more partials than a
+    group), bit for bit, and the reference's result. The plan is told the call's dtypes: on an sm_90 GPU the Gluon
+    kernel (groups of 16 partials), elsewhere the tl kernel (32); 132 programs, over 64 a kv head."""
+    from hpcops.attention import _decode_gluon as G
+    from hpcops.attention import _decode_kernels as K
+
+    case = Case((1000, 70), 8, 1, 64, 64, kv="fp8q", programs=132, min_tiles=1)
+    q, q_scale, kv = _inputs(case, device)
+    narrow = kv.block_table[:, :16].contiguous()  # 16 pages of 64: the 1000-token request's 16 tiles
+    wide = torch.cat([narrow, narrow[:, :1].expand(-1, 40)], dim=1).contiguous()  # 56 tiles
+    outs = []
+    with _with_config(dict(tail_merge=True, split_cost=0)):
+        plan = hpcops.plan_decode(kv.seq_lens, num_kv_heads=case.hkv, block_size=case.bs,
+                                  num_programs=case.programs, min_tiles=case.min_tiles, num_q_heads=case.hq,
+                                  head_dim=case.d, q_dtype=q.dtype, kv_dtype=kv.k_cache.dtype)
+        for table, wide_table in ((narrow, False), (wide, True)):
+            args = (q, kv.k_cache, kv.v_cache, table, kv.seq_lens)
+            kw = dict(plan=plan, k_scale=kv.k_scale, v_scale=kv.v_scale, q_scale=q_scale)
+            with recorded_launches(K, G) as calls:
+                hpcops.decode_attention(*args, **kw)
+            (name, group), = [(c[0], c[2]["TAIL_GROUP"]) for c in calls if "TAIL_GROUP" in c[2]]
+            assert group == ((16 if name == "decode_gluon_kernel" else 32) if wide_table else 0), (name, group)
+            out = nan_like(torch.empty(q.shape, dtype=torch.bfloat16, device=device))
+            outs.append(hpcops.decode_attention(*args, **kw, out=out))
+    assert torch.equal(outs[0], outs[1])
+    want = ref.decode_attention(q, kv.k_cache, kv.v_cache, narrow, kv.seq_lens, k_scale=kv.k_scale,
+                                v_scale=kv.v_scale, q_scale=q_scale)
+    assert_close(want, outs[0], maxtol=3e-2, rmstol=1e-2)
 
 
 def test_tail_merge_errors(device):

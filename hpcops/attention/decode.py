@@ -129,7 +129,9 @@ class DecodeConfig:
         alone (one program merging ~136 partials of 8 rows took ~100 µs in the `tl` kernel and ~20 in the
         Gluon kernel at 1x64K+15x4K h8/1, bench/results/decode_tune_tail_h8.md). None (default): four rounds
         of the merge's tile (16 partials at 8 rows of 128, 64 at one row), except in the Gluon kernel where a pair
-        can gather at most TAIL_ONE_LEVEL_MAX partials (programs per kv head): there one level; 0: one level.
+        can gather at most TAIL_ONE_LEVEL_MAX partials (programs per kv head), and in either kernel where the
+        block table is too narrow for a request of more tiles than a group (a piece holds one tile at least;
+        64x0.5K h8/1: 8 tiles): there one level; 0: one level.
     merge_prefetch: the Gluon kernel's tail merge issues the next round of partial loads before folding this
         round (two L2 round trips in flight instead of one; sm_90 build 128 registers a thread at h8/1 d128
         instead of 90, still 3 programs an SM, no spill). On (default): 1.5-5.5 % faster on every h8/1 fp8 case
@@ -273,14 +275,17 @@ def _tail_parts(r_pad: int, head_dim: int, prefetch: bool = False, elems: int | 
     return max(1, min(16, (elems or 4096) // (r_pad * width)))
 
 
-def _tail_group(tail_parts: int, programs_per_kv_head: int | None = None) -> int:
+def _tail_group(tail_parts: int, max_tiles: int, programs_per_kv_head: int | None = None) -> int:
     """Partials a group of the two-level tail merge: DecodeConfig.tail_group; by default 4 rounds of the tile, or
-    (the Gluon kernel, `programs_per_kv_head` given) one level where a pair can gather at most ~64 partials."""
+    one level (0) where no pair can gather more partials than that: a piece of a request holds at least one tile,
+    and no request is longer than the block table's `max_tiles` (the same merge, without the two-level code's
+    cost: 64x0.5K h8/1 fp8 on the H200, 14.4 against 15.3 µs a call, bench/results/README.md), or (the Gluon
+    kernel, `programs_per_kv_head` given) where a pair can gather at most ~64 partials."""
     if _CONFIG.tail_group is not None:
         return _CONFIG.tail_group
     if programs_per_kv_head is not None and programs_per_kv_head <= TAIL_ONE_LEVEL_MAX:
         return 0
-    return 4 * tail_parts
+    return 0 if max_tiles <= 4 * tail_parts else 4 * tail_parts
 
 
 # A (request, kv head) pair gathers at most ~num_programs / kv heads partials (one request holding the batch's
@@ -573,16 +578,18 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                          "hpcops.plan_decode under the same config as decode_attention")
     gluon_tail, tl_tail = {}, {}
     if tail:
+        max_tiles = triton.cdiv(block_table.shape[1] * bs, TILE)  # the longest request the table can hold
         r_pad = triton.next_power_of_2(rows)
         parts = _tail_parts(r_pad, d)
         # the Gluon merge's round: [parts, r_pad, D]
         g_parts = _tail_parts(r_pad, d, _CONFIG.merge_prefetch, _CONFIG.merge_round)
         gluon_tail = dict(TAIL_MERGE=True, R_PAD=r_pad, TAIL_PARTS=g_parts,
-                          TAIL_GROUP=_tail_group(g_parts, -(-plan.num_programs // hkv)),
+                          TAIL_GROUP=_tail_group(g_parts, max_tiles, -(-plan.num_programs // hkv)),
                           MERGE_PREFETCH=_CONFIG.merge_prefetch)
         # the tl merge takes one partial a step: 3 in flight on the pointer path, 1 beside TMA (where 2 or 3
         # spill 16 bytes: tests/test_decode_compile.py)
-        tl_tail = dict(TAIL_MERGE=True, R_PAD=r_pad, TAIL_GROUP=_tail_group(parts), TAIL_STAGES=1 if use_tma else 3)
+        tl_tail = dict(TAIL_MERGE=True, R_PAD=r_pad, TAIL_GROUP=_tail_group(parts, max_tiles),
+                       TAIL_STAGES=1 if use_tma else 3)
     if use_gluon:
         _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, out, part_o, part_lse, plan, q_scale, args_kv,
                       sm_scale, q_len, g, rows, gluon_tail, pdl_wait)
