@@ -45,9 +45,6 @@ class MoeConfig:
     2.8e-2 unpromoted, over the fp8 budget (4e-2 / 1.5e-2), 4.0e-3 / 4.8e-3 promoted; with static scales 1.1e-2 /
     9.1e-3 and 6.5e-3 / 4.2e-3, where promoting the 64+ row tiles costs 14 % (T 2048) to 33 % (T 16384) of the
     layer's time (moe_promote_63253cc.md).
-    `down_n_per`: N tiles a down GEMM program computes, in one flat loop over (N tile, K step) so that a single
-    software pipeline streams their weight tiles (1: a program a tile). For a short K (Hy3 TP8: I = 192, 3 K
-    steps a 64-wide tile) and many small programs (decode). Not yet timed on the H200.
     """
 
     block_m: int = 16
@@ -67,7 +64,6 @@ class MoeConfig:
     swap_ab: bool = False
     naive_max_pairs: int = 0
     fp8_promote: int | None = None
-    down_n_per: int = 1
 
     def with_(self, **kw) -> MoeConfig:
         return replace(self, **kw)
@@ -161,7 +157,7 @@ def heuristic_config(*, num_tokens: int, top_k: int, num_experts: int, hidden: i
 
 TUNABLE = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "down_block_n", "down_block_k",
            "down_num_warps", "down_num_stages", "reduce_block_h", "index_small_max", "prequant_x", "swap_ab",
-           "naive_max_pairs", "fp8_promote", "down_n_per")
+           "naive_max_pairs", "fp8_promote")
 
 
 @functools.cache
