@@ -227,13 +227,6 @@ GLUON_BUILDS = {  # name: (KV dtype, q dtype, head_dim, q rows padded, q_len, G,
     # DecodeConfig.pdl_wait: launched with PDL, griddepcontrol.wait before the first read (checked below)
     "fp8q-d128-h8/1-tail-prefetch-pdlwait": ("fp8", "fp8", 128, 8, 1, 8, 3, 64, [8, 4, True], {"PDL_WAIT": True}),
     "bf16-d128-h8/1-pdlwait": ("bf16", "bf16", 128, 8, 1, 8, 3, 64, None, {"PDL_WAIT": True}),
-    # DecodeConfig.score_ahead: the next tile's Sᵀ issued before this tile's softmax (3 or 4 buffers,
-    # DecodeConfig.gluon_stages), on the default h8/1 fp8 launch and on 16-bit KV
-    "fp8q-d128-h8/1-tail-prefetch-pdlwait-ahead": ("fp8", "fp8", 128, 8, 1, 8, 3, 64, [8, 4, True],
-                                                   {"PDL_WAIT": True, "SCORE_AHEAD": True}),
-    "fp8q-d128-h8/1-tail-prefetch-pdlwait-ahead-4buf": ("fp8", "fp8", 128, 8, 1, 8, 4, 64, [8, 4, True],
-                                                        {"PDL_WAIT": True, "SCORE_AHEAD": True}),
-    "bf16-d128-page32-ahead": ("bf16", "bf16", 128, 8, 1, 8, 3, 32, None, {"SCORE_AHEAD": True}),
 }
 
 
@@ -277,8 +270,6 @@ def test_gluon_decode_kernel_builds_for_sm90(name):
     r = sm90_build_in_subprocess(GLUON_BUILD, GLUON_BUILDS[name])
     print(name, r)
     k_steps = d // (32 if kv == "fp8" else 16)  # Sᵀ = K·qᵀ: one wgmma per K step
-    if "ahead" in name:  # DecodeConfig.score_ahead: Sᵀ of a task's first tile before the loop, the next ones in it
-        k_steps *= 2
     pv = (d // 64) * 4  # Oᵀ += Vᵀ·Pᵀ: D/64 row blocks (4 warps × 16) × 64 keys / 16
     assert r["spill_bytes"] == 0 and 0 < r["registers"] <= 168, r
     boxes = max(1, 64 // page)  # TMA boxes a tile, for K and for V

@@ -128,20 +128,15 @@ GLUON_CASES = [Case((3000, 70, 0, 1), 8, 1, 128, 64, kv="fp8q", programs=9, min_
                                   dict(tail_merge=True, tail_group=2, merge_prefetch=False),
                                   dict(tail_merge=True, pdl_wait=False), dict(pdl_wait=False),
                                   dict(tail_merge=True, merge_round=8192, merge_prefetch=False),
-                                  dict(tail_merge=True, merge_round=8192, merge_prefetch=False, tail_group=2),
-                                  dict(tail_merge=True, score_ahead=True), dict(score_ahead=True),
-                                  dict(tail_merge=True, score_ahead=True, gluon_stages=4),
-                                  dict(tail_merge=True, score_ahead=True, gluon_stages=2)],
+                                  dict(tail_merge=True, merge_round=8192, merge_prefetch=False, tail_group=2)],
                          ids=["combine", "tail_merge", "tail_group2", "no-prefetch", "tail_group2-no-prefetch",
-                              "tail_merge-no-pdl_wait", "combine-no-pdl_wait", "round8", "round8-tail_group2",
-                              "ahead", "ahead-combine", "ahead-4buf", "ahead-2buf"])
+                              "tail_merge-no-pdl_wait", "combine-no-pdl_wait", "round8", "round8-tail_group2"])
 @pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: c.id)
 def test_gpu_gluon_kernel_matches_reference(case, tail):
     """On an sm_90 GPU these cases take the Gluon kernel (no silent fallback) and match the torch reference, its
     splits merged by the combine kernel or in its own tail (DecodeConfig.tail_merge), in one level or two
     (tail_group 2: the 3000-token request's ~8 partials in groups of 2), with one round of partial loads in flight
-    or two (merge_prefetch, the default), 4 or 8 partials a round (merge_round 8192), and with the next tile's Sᵀ
-    issued before this tile's softmax (score_ahead) over 2, 3 or 4 buffers (gluon_stages)."""
+    or two (merge_prefetch, the default), 4 or 8 partials a round (merge_round 8192)."""
     from hpcops.attention.decode import gluon_unsupported_reason
 
     if torch.cuda.get_device_capability()[0] != 9:

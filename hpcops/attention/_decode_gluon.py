@@ -23,13 +23,7 @@ the log2 domain as there: s = q·k · sm_scale · log2(e) (· q_scale · k_scale
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
-    mbarrier,
-    tma,
-    warpgroup_mma,
-    warpgroup_mma_wait,
-)
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 
 
 @gluon.jit
@@ -212,7 +206,6 @@ def decode_gluon_kernel(
     TILE: gl.constexpr, STAGES: gl.constexpr, KV_FP8: gl.constexpr, Q_FP8: gl.constexpr, num_warps: gl.constexpr,
     TAIL_MERGE: gl.constexpr = False, R_PAD: gl.constexpr = 1, TAIL_PARTS: gl.constexpr = 1,
     TAIL_GROUP: gl.constexpr = 0, MERGE_PREFETCH: gl.constexpr = False, PDL_WAIT: gl.constexpr = False,
-    SCORE_AHEAD: gl.constexpr = False,
 ):
     ROWS: gl.constexpr = Q_LEN * G
     KV_BYTES: gl.constexpr = 2 * TILE * D * k_desc.dtype.primitive_bitwidth // 8
@@ -299,36 +292,17 @@ def decode_gluon_kernel(
         l_i = gl.zeros([NQ], gl.float32, layout=cols_s)
         o = gl.zeros([D, NQ], gl.float32, layout=o_layout)
 
-        if SCORE_AHEAD:  # DecodeConfig.score_ahead: the task's first Sᵀ before the loop
-            good_s = _page_good(bt_row, bt_width, num_blocks, lo, key_s, PAGE, TILE)
-            if n > 0:
-                mbarrier.wait(bars.index(used % STAGES), phase=(used // STAGES) & 1)
-            st = warpgroup_mma(k_smem.index(used % STAGES), q_t, gl.zeros([TILE, NQ], gl.float32, layout=s_layout),
-                               use_acc=False)
         for i in range(n):
             # refill the buffer the previous tile left (its wgmmas were waited for)
             j = i + STAGES - 1
             _issue_tile(k_desc, v_desc, k_smem, v_smem, bars, bt_row, bt_width, num_blocks, lo + j, k_col, v_col,
                         (used + j) % STAGES, j < n, PAGE, TILE, KV_BYTES)
             tile = lo + i
-            if SCORE_AHEAD:
-                s = (used + i) % STAGES
-                # Sᵀ of the next tile on the tensor cores while this one's softmax runs (waited for by this tile's
-                # synchronous P·V); after the task's last tile it reads a buffer no load is bound for: its result is
-                # never used
-                nxt = (used + i + 1) % STAGES
-                good_next = _page_good(bt_row, bt_width, num_blocks, tile + 1, key_s, PAGE, TILE)
-                if i + 1 < n:
-                    mbarrier.wait(bars.index(nxt), phase=((used + i + 1) // STAGES) & 1)
-                st_tok = warpgroup_mma(k_smem.index(nxt), q_t, gl.zeros([TILE, NQ], gl.float32, layout=s_layout),
-                                       use_acc=False, is_async=True)
-            else:
-                # the tile's page ids, read before the wait so their latency hides behind it
-                good_s = _page_good(bt_row, bt_width, num_blocks, tile, key_s, PAGE, TILE)
-                s = (used + i) % STAGES
-                mbarrier.wait(bars.index(s), phase=((used + i) // STAGES) & 1)
-                st = warpgroup_mma(k_smem.index(s), q_t, gl.zeros([TILE, NQ], gl.float32, layout=s_layout),
-                                   use_acc=False)
+            # the tile's page ids, read before the wait so their latency hides behind it
+            good_s = _page_good(bt_row, bt_width, num_blocks, tile, key_s, PAGE, TILE)
+            s = (used + i) % STAGES
+            mbarrier.wait(bars.index(s), phase=((used + i) // STAGES) & 1)
+            st = warpgroup_mma(k_smem.index(s), q_t, gl.zeros([TILE, NQ], gl.float32, layout=s_layout), use_acc=False)
             key = tile * TILE + key_s
             seen = (key[:, None] <= last_s[None, :]) & good_s[:, None]
             st = gl.where(seen, st * s_scale[None, :], float("-inf"))
@@ -345,9 +319,6 @@ def decode_gluon_kernel(
             vt = gl.where(v_ok[None, :], vt.to(PV), 0.0).to(PV)
             o = o * gl.convert_layout(alpha, cols_o)[None, :]
             o = warpgroup_mma(vt, p_t, o)
-            if SCORE_AHEAD:
-                st = warpgroup_mma_wait(0, deps=[st_tok])
-                good_s = good_next
         used += n
 
         # finish the task: the output (unsplit) or the fp32 partial and its log2-sum-exp (split)

@@ -144,11 +144,6 @@ class DecodeConfig:
         125). None (default): 4096. The H200 tune at `953957c` (bench/results/decode_tune_merge_round.md): 8192
         without the prefetch, groups of 16, is 0.6-2.5 % faster on the long h8/1 fp8 splits (1x64K+15x4K 22.4 ->
         21.8 µs) and 0.4-4 % slower on the short ones (64x0.5K 12.0 -> 12.5): no default.
-    score_ahead: the Gluon kernel issues the next tile's Sᵀ = K·qᵀ wgmma asynchronously before this tile's softmax
-        (its tensor-core time then overlaps the softmax, the P store and the V load; this tile's synchronous P·V
-        waits for it). The next tile's K is waited for a tile earlier than without it, so its loads hide behind one
-        tile fewer (`gluon_stages` 4 gives that tile back). Off (default): not yet measured on the H200.
-    gluon_stages: K/V buffers of the Gluon kernel (2..4); None (default): 3, or 2 for 16-bit KV at head_dim 256.
     split_cost: the plan's cost model for splitting a request at all, in quarters of a tile (0..256; with a task
         cost, i.e. task descriptors): what a split adds to the step (partial writes, the merge and its wait). Where
         every (head, request) fits whole in a bucket of c_max·ceil(bucket / c_max) cost units (c_max: the
@@ -208,8 +203,6 @@ class DecodeConfig:
     merge_round: int | None = None
     split_cost: int | None = None
     pdl_wait: bool = True
-    score_ahead: bool = False
-    gluon_stages: int | None = None
 
     def __post_init__(self):
         check_choice("DecodeConfig.lean_mode", self.lean_mode, LEAN_MODES)
@@ -224,10 +217,7 @@ class DecodeConfig:
         mr = self.merge_round
         if mr is not None and (type(mr) is not int or not 1024 <= mr <= 16384 or mr & (mr - 1)):
             raise ValueError(f"DecodeConfig.merge_round must be None or a power of two in 1024..16384, got {mr!r}")
-        gs = self.gluon_stages
-        if gs is not None and (type(gs) is not int or not 2 <= gs <= 4):
-            raise ValueError(f"DecodeConfig.gluon_stages must be None or an int in 2..4, got {gs!r}")
-        for name in ("merge_prefetch", "pdl_wait", "score_ahead"):
+        for name in ("merge_prefetch", "pdl_wait"):
             if type(getattr(self, name)) is not bool:
                 raise TypeError(f"DecodeConfig.{name} must be a bool, got {getattr(self, name)!r}")
         sc = self.split_cost
@@ -634,8 +624,7 @@ def _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, out, part_o, part_
     nb, bs, _, d = k_cache.shape
     kv_fp8 = k_cache.dtype == FP8_E4M3
     # K and V buffers of 64 keys: 3 deep where they fit beside other programs, 2 for 16-bit KV at head_dim 256
-    stages = _CONFIG.gluon_stages or (2 if (not kv_fp8 and d > 128) else 3)
-    ahead = {"SCORE_AHEAD": True} if _CONFIG.score_ahead else {}
+    stages = 2 if (not kv_fp8 and d > 128) else 3
     decode_gluon_kernel[(plan.num_programs,)](
         q, gluon_kv_descriptor(k_cache, min(TILE, bs)), gluon_kv_descriptor(v_cache, min(TILE, bs)), block_table,
         seq_lens, out,
@@ -646,7 +635,7 @@ def _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, out, part_o, part_
         q.stride(0), q.stride(1), k_cache.stride(2), v_cache.stride(2), block_table.stride(0),
         out.stride(0), out.stride(1),
         Q_LEN=q_len, G=g, NQ=max(8, triton.next_power_of_2(rows)), D=d, PAGE=bs, TILE=TILE, STAGES=stages,
-        KV_FP8=kv_fp8, Q_FP8=q.dtype == FP8_E4M3, num_warps=4, **tail_knobs, **pdl_knobs, **ahead)
+        KV_FP8=kv_fp8, Q_FP8=q.dtype == FP8_E4M3, num_warps=4, **tail_knobs, **pdl_knobs)
 
 
 def static_splits(batch: int, num_kv_heads: int, device=None) -> int:

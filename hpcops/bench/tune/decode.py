@@ -95,13 +95,6 @@ DECODE_SPACE = (
     knob("gluon", False, True),
     # with more programs an SM (its ~85 registers leave room; the split-KV probe was fastest at ~4 an SM)
     knob(("gluon", "pps"), (True, 3), (True, 4), (True, 6), near=None),
-    # the Gluon kernel's next Sᵀ issued before this tile's softmax (DecodeConfig.score_ahead), over 3 buffers and
-    # over 4 (the next tile's K is waited for a tile earlier; the 4th buffer gives that back), against 4 alone;
-    # and on 16-bit KV, where the Gluon kernel (tail merge, 3 programs an SM) is not the default
-    knob("score_ahead", False, True),
-    knob(("score_ahead", "gluon_stages"), (True, 4), near=None),
-    knob("gluon_stages", 4, near=None),
-    knob(("gluon", "tail_merge", "pps", "score_ahead"), (True, True, 3, False), (True, True, 3, True), near=None),
     # GQA 1 (one query row a kv head): the CUDA-core row path (DecodeConfig.row_path), alone, on 8 warps (half
     # its [block_n, D] per-slot accumulator a thread: ~128 registers instead of ptxas's ~222 on fp8 KV, d 128)
     # and capped at 168 registers for 3 programs an SM (fp8 KV: no spills; bf16 spills 72 bytes)
