@@ -227,6 +227,10 @@ GLUON_BUILDS = {  # name: (KV dtype, q dtype, head_dim, q rows padded, q_len, G,
     # DecodeConfig.pdl_wait: launched with PDL, griddepcontrol.wait before the first read (checked below)
     "fp8q-d128-h8/1-tail-prefetch-pdlwait": ("fp8", "fp8", 128, 8, 1, 8, 3, 64, [8, 4, True], {"PDL_WAIT": True}),
     "bf16-d128-h8/1-pdlwait": ("bf16", "bf16", 128, 8, 1, 8, 3, 64, None, {"PDL_WAIT": True}),
+    # DecodeConfig.pv_fp16 / v_mask_tail: P·V in fp16 over fp8 V, V masked on a request's last tile only
+    "fp8q-d128-h8/1-tail-prefetch-pdlwait-pvf16-vtail": ("fp8", "fp8", 128, 8, 1, 8, 3, 64, [8, 4, True],
+                                                         {"PDL_WAIT": True, "PV_F16": True, "V_MASK_TAIL": True}),
+    "bf16-d128-page32-vtail": ("bf16", "bf16", 128, 8, 1, 8, 3, 32, None, {"V_MASK_TAIL": True}),
 }
 
 

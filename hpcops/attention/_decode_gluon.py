@@ -206,6 +206,7 @@ def decode_gluon_kernel(
     TILE: gl.constexpr, STAGES: gl.constexpr, KV_FP8: gl.constexpr, Q_FP8: gl.constexpr, num_warps: gl.constexpr,
     TAIL_MERGE: gl.constexpr = False, R_PAD: gl.constexpr = 1, TAIL_PARTS: gl.constexpr = 1,
     TAIL_GROUP: gl.constexpr = 0, MERGE_PREFETCH: gl.constexpr = False, PDL_WAIT: gl.constexpr = False,
+    PV_F16: gl.constexpr = False, V_MASK_TAIL: gl.constexpr = False,
 ):
     ROWS: gl.constexpr = Q_LEN * G
     KV_BYTES: gl.constexpr = 2 * TILE * D * k_desc.dtype.primitive_bitwidth // 8
@@ -219,7 +220,7 @@ def decode_gluon_kernel(
                                               warps_per_cta=[num_warps, 1], order=[1, 0])
     q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NQ, D], k_desc.dtype)
     # P·V in bf16 over fp8 V (widened in registers), else in V's own 16-bit dtype
-    PV: gl.constexpr = gl.bfloat16 if KV_FP8 else v_desc.dtype
+    PV: gl.constexpr = (gl.float16 if PV_F16 else gl.bfloat16) if KV_FP8 else v_desc.dtype
     p_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NQ, TILE], PV)
     cols_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -315,10 +316,22 @@ def decode_gluon_kernel(
             p_smem.store(gl.permute(p.to(PV), (1, 0)))
             fence_async_shared()
             vt = v_smem.index(s).permute((1, 0)).load(vt_layout)  # [D, TILE]
-            v_ok = (tile * TILE + key_v < kv_len) & _page_good(bt_row, bt_width, num_blocks, tile, key_v, PAGE, TILE)
-            vt = gl.where(v_ok[None, :], vt.to(PV), 0.0).to(PV)
-            o = o * gl.convert_layout(alpha, cols_o)[None, :]
-            o = warpgroup_mma(vt, p_t, o)
+            if V_MASK_TAIL:
+                if (tile + 1) * TILE <= kv_len:
+                    # a tile inside the sequence: every key is the request's (a bad page's keys are TMA's zeros)
+                    v_pv = vt.to(PV)
+                else:
+                    v_ok = (tile * TILE + key_v < kv_len) & _page_good(bt_row, bt_width, num_blocks, tile, key_v,
+                                                                       PAGE, TILE)
+                    v_pv = gl.where(v_ok[None, :], vt.to(PV), 0.0).to(PV)
+                o = o * gl.convert_layout(alpha, cols_o)[None, :]
+                o = warpgroup_mma(v_pv, p_t, o)
+            else:
+                v_ok = (tile * TILE + key_v < kv_len) & _page_good(bt_row, bt_width, num_blocks, tile, key_v, PAGE,
+                                                                   TILE)
+                vt = gl.where(v_ok[None, :], vt.to(PV), 0.0).to(PV)
+                o = o * gl.convert_layout(alpha, cols_o)[None, :]
+                o = warpgroup_mma(vt, p_t, o)
         used += n
 
         # finish the task: the output (unsplit) or the fp32 partial and its log2-sum-exp (split)

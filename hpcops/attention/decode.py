@@ -144,6 +144,12 @@ class DecodeConfig:
         125). None (default): 4096. The H200 tune at `953957c` (bench/results/decode_tune_merge_round.md): 8192
         without the prefetch, groups of 16, is 0.6-2.5 % faster on the long h8/1 fp8 splits (1x64K+15x4K 22.4 ->
         21.8 µs) and 0.4-4 % slower on the short ones (64x0.5K 12.0 -> 12.5): no default.
+    pv_fp16: the Gluon kernel's P·V over fp8 V in fp16 instead of bf16 (V widened e4m3 -> f16 in one conversion a
+        pair; to bf16 it takes one more an element; P in [0, 1] keeps 3 more mantissa bits). Off (default): not yet
+        measured on the H200.
+    v_mask_tail: the Gluon kernel masks V (keys past the sequence, bad pages) only on a request's last, partial
+        tile; inside the sequence every key is the request's, and a bad page's keys are already the zeros TMA
+        reads past the cache. Off (default): not yet measured on the H200.
     split_cost: the plan's cost model for splitting a request at all, in quarters of a tile (0..256; with a task
         cost, i.e. task descriptors): what a split adds to the step (partial writes, the merge and its wait). Where
         every (head, request) fits whole in a bucket of c_max·ceil(bucket / c_max) cost units (c_max: the
@@ -203,6 +209,8 @@ class DecodeConfig:
     merge_round: int | None = None
     split_cost: int | None = None
     pdl_wait: bool = True
+    pv_fp16: bool = False
+    v_mask_tail: bool = False
 
     def __post_init__(self):
         check_choice("DecodeConfig.lean_mode", self.lean_mode, LEAN_MODES)
@@ -217,7 +225,7 @@ class DecodeConfig:
         mr = self.merge_round
         if mr is not None and (type(mr) is not int or not 1024 <= mr <= 16384 or mr & (mr - 1)):
             raise ValueError(f"DecodeConfig.merge_round must be None or a power of two in 1024..16384, got {mr!r}")
-        for name in ("merge_prefetch", "pdl_wait"):
+        for name in ("merge_prefetch", "pdl_wait", "pv_fp16", "v_mask_tail"):
             if type(getattr(self, name)) is not bool:
                 raise TypeError(f"DecodeConfig.{name} must be a bool, got {getattr(self, name)!r}")
         sc = self.split_cost
@@ -625,6 +633,7 @@ def _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, out, part_o, part_
     kv_fp8 = k_cache.dtype == FP8_E4M3
     # K and V buffers of 64 keys: 3 deep where they fit beside other programs, 2 for 16-bit KV at head_dim 256
     stages = 2 if (not kv_fp8 and d > 128) else 3
+    v_knobs = ({"PV_F16": True} if _CONFIG.pv_fp16 else {}) | ({"V_MASK_TAIL": True} if _CONFIG.v_mask_tail else {})
     decode_gluon_kernel[(plan.num_programs,)](
         q, gluon_kv_descriptor(k_cache, min(TILE, bs)), gluon_kv_descriptor(v_cache, min(TILE, bs)), block_table,
         seq_lens, out,
@@ -635,7 +644,7 @@ def _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, out, part_o, part_
         q.stride(0), q.stride(1), k_cache.stride(2), v_cache.stride(2), block_table.stride(0),
         out.stride(0), out.stride(1),
         Q_LEN=q_len, G=g, NQ=max(8, triton.next_power_of_2(rows)), D=d, PAGE=bs, TILE=TILE, STAGES=stages,
-        KV_FP8=kv_fp8, Q_FP8=q.dtype == FP8_E4M3, num_warps=4, **tail_knobs, **pdl_knobs)
+        KV_FP8=kv_fp8, Q_FP8=q.dtype == FP8_E4M3, num_warps=4, **tail_knobs, **pdl_knobs, **v_knobs)
 
 
 def static_splits(batch: int, num_kv_heads: int, device=None) -> int:

@@ -95,6 +95,10 @@ DECODE_SPACE = (
     knob("gluon", False, True),
     # with more programs an SM (its ~85 registers leave room; the split-KV probe was fastest at ~4 an SM)
     knob(("gluon", "pps"), (True, 3), (True, 4), (True, 6), near=None),
+    # the Gluon kernel's P·V over fp8 V in fp16 (one conversion a pair), V masked on a request's last tile only
+    knob("pv_fp16", False, True),
+    knob("v_mask_tail", False, True),
+    knob(("pv_fp16", "v_mask_tail"), (True, True), near=None),
     # GQA 1 (one query row a kv head): the CUDA-core row path (DecodeConfig.row_path), alone, on 8 warps (half
     # its [block_n, D] per-slot accumulator a thread: ~128 registers instead of ptxas's ~222 on fp8 KV, d 128)
     # and capped at 168 registers for 3 programs an SM (fp8 KV: no spills; bf16 spills 72 bytes)
