@@ -11,8 +11,10 @@ cache, where TMA fills zeros), STAGES buffers deep on
 mbarriers, issued STAGES − 1 tiles ahead inside a task. Sᵀ [64 keys, NQ rows] = K · qᵀ is one wgmma with the
 keys on its 64-row M side and the NQ q rows (q_len·G padded to 8 or 16) as N: fp8 K with the fp8 q of the
 prologue, or 16-bit K with a 16-bit q, K never widened. The online softmax runs per column (a q row). Oᵀ [D, NQ]
-+= Vᵀ · Pᵀ is a 16-bit wgmma with Vᵀ as the register operand (fp8 V widened there; keys past the sequence or on
-a bad page zeroed there, so a NaN in the cache never meets a zero probability) and Pᵀ through shared memory.
++= Vᵀ · Pᵀ is a 16-bit wgmma with Vᵀ as the register operand (fp8 V widened there, to fp16 with PV_F16, one
+conversion a pair; keys past the sequence or on a bad page zeroed there, so a NaN in the cache never meets a
+zero probability: with V_MASK_TAIL only on a request's last, partial tile, since inside the sequence every key
+is the request's and a bad page's rows are TMA's zeros) and Pᵀ through shared memory.
 
 The walk is `decode_persistent_kernel`'s with task descriptors (`_decode_kernels.py`): a program starts from
 its task_desc row and runs its tasks in order; an unsplit task writes the output, a split one its fp32 partial
@@ -219,7 +221,7 @@ def decode_gluon_kernel(
     q_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
                                               warps_per_cta=[num_warps, 1], order=[1, 0])
     q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NQ, D], k_desc.dtype)
-    # P·V in bf16 over fp8 V (widened in registers), else in V's own 16-bit dtype
+    # P·V in fp16 (PV_F16) or bf16 over fp8 V (widened in registers), else in V's own 16-bit dtype
     PV: gl.constexpr = (gl.float16 if PV_F16 else gl.bfloat16) if KV_FP8 else v_desc.dtype
     p_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NQ, TILE], PV)
     cols_s: gl.constexpr = gl.SliceLayout(0, s_layout)

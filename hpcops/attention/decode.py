@@ -145,11 +145,14 @@ class DecodeConfig:
         without the prefetch, groups of 16, is 0.6-2.5 % faster on the long h8/1 fp8 splits (1x64K+15x4K 22.4 ->
         21.8 µs) and 0.4-4 % slower on the short ones (64x0.5K 12.0 -> 12.5): no default.
     pv_fp16: the Gluon kernel's P·V over fp8 V in fp16 instead of bf16 (V widened e4m3 -> f16 in one conversion a
-        pair; to bf16 it takes one more an element; P in [0, 1] keeps 3 more mantissa bits). Off (default): not yet
-        measured on the H200.
-    v_mask_tail: the Gluon kernel masks V (keys past the sequence, bad pages) only on a request's last, partial
-        tile; inside the sequence every key is the request's, and a bad page's keys are already the zeros TMA
-        reads past the cache. Off (default): not yet measured on the H200.
+        pair; to bf16 it took one more an element, 64 F2F a tile a thread in the sm_90 SASS; P in [0, 1] keeps 3
+        more mantissa bits). v_mask_tail: the Gluon kernel masks V (keys past the sequence, bad pages) only on a
+        request's last, partial tile; inside the sequence every key is the request's, and a bad page's keys are
+        already the zeros TMA reads past the cache. Both on (default): the H200 tune at `b257be1`
+        (bench/results/decode_tune_pv_fp16_b257be1.md, graph replay) has the pair 1.08-1.13x faster on every h64/8
+        fp8 case and 1.03-1.11x on four h8/1 fp8 cases (64x0.5K 11.7 -> 10.5 µs, 1x64K+15x4K 22.4 -> 20.3), level
+        on 64x4K h8/1 (28.5 / 28.5; pv_fp16 alone 27.5) and 2x32K+30x4K (24.2 -> 23.5; alone 23.1); v_mask_tail
+        alone is level or up to 7.5 % slower.
     split_cost: the plan's cost model for splitting a request at all, in quarters of a tile (0..256; with a task
         cost, i.e. task descriptors): what a split adds to the step (partial writes, the merge and its wait). Where
         every (head, request) fits whole in a bucket of c_max·ceil(bucket / c_max) cost units (c_max: the
@@ -209,8 +212,8 @@ class DecodeConfig:
     merge_round: int | None = None
     split_cost: int | None = None
     pdl_wait: bool = True
-    pv_fp16: bool = False
-    v_mask_tail: bool = False
+    pv_fp16: bool = True
+    v_mask_tail: bool = True
 
     def __post_init__(self):
         check_choice("DecodeConfig.lean_mode", self.lean_mode, LEAN_MODES)
