@@ -231,9 +231,6 @@ GLUON_BUILDS = {  # name: (KV dtype, q dtype, head_dim, q rows padded, q_len, G,
     "fp8q-d128-h8/1-tail-prefetch-pdlwait-pvf16-vtail": ("fp8", "fp8", 128, 8, 1, 8, 3, 64, [8, 4, True],
                                                          {"PDL_WAIT": True, "PV_F16": True, "V_MASK_TAIL": True}),
     "bf16-d128-page32-vtail": ("bf16", "bf16", 128, 8, 1, 8, 3, 32, None, {"V_MASK_TAIL": True}),
-    # DecodeConfig.v_smem: 16-bit Vᵀ from shared memory inside the sequence (a second P·V site for the last tile)
-    "bf16-d128-h8/1-tail-vsmem-2buf": ("bf16", "bf16", 128, 8, 1, 8, 2, 64, [8, 4, True],
-                                       {"V_MASK_TAIL": True, "V_SMEM": True}),
 }
 
 
@@ -278,8 +275,6 @@ def test_gluon_decode_kernel_builds_for_sm90(name):
     print(name, r)
     k_steps = d // (32 if kv == "fp8" else 16)  # Sᵀ = K·qᵀ: one wgmma per K step
     pv = (d // 64) * 4  # Oᵀ += Vᵀ·Pᵀ: D/64 row blocks (4 warps × 16) × 64 keys / 16
-    if "vsmem" in name:  # DecodeConfig.v_smem: Vᵀ from shared memory inside the sequence, from registers on the last
-        pv *= 2
     assert r["spill_bytes"] == 0 and 0 < r["registers"] <= 168, r
     boxes = max(1, 64 // page)  # TMA boxes a tile, for K and for V
     assert r["wgmma"] == k_steps + pv and r["tma_loads"] == 2 * stages * boxes, r

@@ -131,22 +131,17 @@ GLUON_CASES = [Case((3000, 70, 0, 1), 8, 1, 128, 64, kv="fp8q", programs=9, min_
                                   dict(tail_merge=True, merge_round=8192, merge_prefetch=False, tail_group=2),
                                   dict(tail_merge=True, pv_fp16=True), dict(tail_merge=True, v_mask_tail=True),
                                   dict(tail_merge=True, pv_fp16=True, v_mask_tail=True),
-                                  dict(pv_fp16=True, v_mask_tail=True),
-                                  dict(tail_merge=True, v_smem=True),
-                                  dict(tail_merge=True, v_smem=True, gluon_stages=2),
-                                  dict(v_smem=True, gluon_stages=4)],
+                                  dict(pv_fp16=True, v_mask_tail=True)],
                          ids=["combine", "tail_merge", "tail_group2", "no-prefetch", "tail_group2-no-prefetch",
                               "tail_merge-no-pdl_wait", "combine-no-pdl_wait", "round8", "round8-tail_group2",
-                              "pv_fp16", "v_mask_tail", "pv_fp16-v_mask_tail", "combine-pv_fp16-v_mask_tail",
-                              "v_smem", "v_smem-2buf", "combine-v_smem-4buf"])
+                              "pv_fp16", "v_mask_tail", "pv_fp16-v_mask_tail", "combine-pv_fp16-v_mask_tail"])
 @pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: c.id)
 def test_gpu_gluon_kernel_matches_reference(case, tail):
     """On an sm_90 GPU these cases take the Gluon kernel (no silent fallback) and match the torch reference, its
     splits merged by the combine kernel or in its own tail (DecodeConfig.tail_merge), in one level or two
     (tail_group 2: the 3000-token request's ~8 partials in groups of 2), with one round of partial loads in flight
     or two (merge_prefetch, the default), 4 or 8 partials a round (merge_round 8192), P·V in fp16 over fp8 V
-    (pv_fp16), V masked on a request's last tile only (v_mask_tail), 16-bit Vᵀ from shared memory (v_smem) over
-    2, 3 or 4 buffers (gluon_stages)."""
+    (pv_fp16), V masked on a request's last tile only (v_mask_tail)."""
     from hpcops.attention.decode import gluon_unsupported_reason
 
     if torch.cuda.get_device_capability()[0] != 9:

@@ -29,9 +29,7 @@ VARIANTS = [LEGACY, dict(lean_loop=True), dict(task_desc=False, lean_loop=False,
             # the Gluon kernel where it applies (GPU tier, sm_90; elsewhere, the CPU tier included, the tl kernel)
             dict(gluon=True),
             # ... masking V on a request's last tile only (bad pages inside a sequence: TMA's zeros)
-            dict(gluon=True, tail_merge=True, v_mask_tail=True),
-            # ... 16-bit V straight from shared memory inside the sequence, 2 buffers
-            dict(gluon=True, tail_merge=True, v_smem=True, gluon_stages=2)]
+            dict(gluon=True, tail_merge=True, v_mask_tail=True)]
 # cases where the lean loop applies (pages >= 64 tokens, and smaller ones with lean_pages): causal edges
 # across a tile boundary (q_len 8 at 65 tokens), empty and exactly-one-tile requests, odd GQA, head_dim 96,
 # long splits
@@ -173,14 +171,9 @@ def test_tail_merge_errors(device):
     assert dec._tail_parts(1, 64, False, 16384) == 16
     with pytest.raises(TypeError, match="pdl_wait"):
         dec.set_decode_config(pdl_wait="yes")
-    for name in ("pv_fp16", "v_mask_tail", "v_smem"):
+    for name in ("pv_fp16", "v_mask_tail"):
         with pytest.raises(TypeError, match=name):
             dec.set_decode_config(**{name: 1})
-    with pytest.raises(ValueError, match="v_smem needs v_mask_tail"):
-        dec.set_decode_config(v_smem=True, v_mask_tail=False)
-    for bad in (1, 5, 3.0, True):
-        with pytest.raises(ValueError, match="DecodeConfig.gluon_stages"):
-            dec.set_decode_config(gluon_stages=bad)
     case = Case((300, 200), 4, 1, 64, 64, programs=6, min_tiles=1)
     q, _, kv = _inputs(case, device)
     plan = hpcops.plan_decode(kv.seq_lens, num_kv_heads=1, block_size=64, num_programs=6, min_tiles=1)

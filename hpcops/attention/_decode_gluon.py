@@ -208,7 +208,7 @@ def decode_gluon_kernel(
     TILE: gl.constexpr, STAGES: gl.constexpr, KV_FP8: gl.constexpr, Q_FP8: gl.constexpr, num_warps: gl.constexpr,
     TAIL_MERGE: gl.constexpr = False, R_PAD: gl.constexpr = 1, TAIL_PARTS: gl.constexpr = 1,
     TAIL_GROUP: gl.constexpr = 0, MERGE_PREFETCH: gl.constexpr = False, PDL_WAIT: gl.constexpr = False,
-    PV_F16: gl.constexpr = False, V_MASK_TAIL: gl.constexpr = False, V_SMEM: gl.constexpr = False,
+    PV_F16: gl.constexpr = False, V_MASK_TAIL: gl.constexpr = False,
 ):
     ROWS: gl.constexpr = Q_LEN * G
     KV_BYTES: gl.constexpr = 2 * TILE * D * k_desc.dtype.primitive_bitwidth // 8
@@ -317,17 +317,8 @@ def decode_gluon_kernel(
             m_i = m_new
             p_smem.store(gl.permute(p.to(PV), (1, 0)))
             fence_async_shared()
-            if V_SMEM:  # 16-bit V: Vᵀ straight from shared memory on a tile inside the sequence
-                o = o * gl.convert_layout(alpha, cols_o)[None, :]
-                if (tile + 1) * TILE <= kv_len:
-                    o = warpgroup_mma(v_smem.index(s).permute((1, 0)), p_t, o)
-                else:
-                    vt = v_smem.index(s).permute((1, 0)).load(vt_layout)  # [D, TILE]
-                    v_ok = (tile * TILE + key_v < kv_len) & _page_good(bt_row, bt_width, num_blocks, tile, key_v,
-                                                                       PAGE, TILE)
-                    o = warpgroup_mma(gl.where(v_ok[None, :], vt, 0.0).to(PV), p_t, o)
-            elif V_MASK_TAIL:
-                vt = v_smem.index(s).permute((1, 0)).load(vt_layout)  # [D, TILE]
+            vt = v_smem.index(s).permute((1, 0)).load(vt_layout)  # [D, TILE]
+            if V_MASK_TAIL:
                 if (tile + 1) * TILE <= kv_len:
                     # a tile inside the sequence: every key is the request's (a bad page's keys are TMA's zeros)
                     v_pv = vt.to(PV)
@@ -338,7 +329,6 @@ def decode_gluon_kernel(
                 o = o * gl.convert_layout(alpha, cols_o)[None, :]
                 o = warpgroup_mma(v_pv, p_t, o)
             else:
-                vt = v_smem.index(s).permute((1, 0)).load(vt_layout)  # [D, TILE]
                 v_ok = (tile * TILE + key_v < kv_len) & _page_good(bt_row, bt_width, num_blocks, tile, key_v, PAGE,
                                                                    TILE)
                 vt = gl.where(v_ok[None, :], vt.to(PV), 0.0).to(PV)

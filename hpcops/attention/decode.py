@@ -153,11 +153,6 @@ class DecodeConfig:
         fp8 case and 1.03-1.11x on four h8/1 fp8 cases (64x0.5K 11.7 -> 10.5 µs, 1x64K+15x4K 22.4 -> 20.3), level
         on 64x4K h8/1 (28.5 / 28.5; pv_fp16 alone 27.5) and 2x32K+30x4K (24.2 -> 23.5; alone 23.1); v_mask_tail
         alone is level or up to 7.5 % slower.
-    v_smem: over 16-bit KV, the Gluon kernel's P·V takes Vᵀ straight from shared memory (the wgmma's A operand,
-        transposed) on a tile inside the sequence, instead of loading it into registers; the last, partial tile
-        still masks V in registers. Needs v_mask_tail. Off (default): not yet measured on the H200.
-    gluon_stages: K/V buffers of the Gluon kernel (2..4); None (default): 3, or 2 for 16-bit KV at head_dim 256
-        (3 buffers of 16-bit K and V at head_dim 128 take 101 KB of shared memory a program: 2 programs an SM).
     split_cost: the plan's cost model for splitting a request at all, in quarters of a tile (0..256; with a task
         cost, i.e. task descriptors): what a split adds to the step (partial writes, the merge and its wait). Where
         every (head, request) fits whole in a bucket of c_max·ceil(bucket / c_max) cost units (c_max: the
@@ -219,8 +214,6 @@ class DecodeConfig:
     pdl_wait: bool = True
     pv_fp16: bool = True
     v_mask_tail: bool = True
-    v_smem: bool = False
-    gluon_stages: int | None = None
 
     def __post_init__(self):
         check_choice("DecodeConfig.lean_mode", self.lean_mode, LEAN_MODES)
@@ -235,12 +228,7 @@ class DecodeConfig:
         mr = self.merge_round
         if mr is not None and (type(mr) is not int or not 1024 <= mr <= 16384 or mr & (mr - 1)):
             raise ValueError(f"DecodeConfig.merge_round must be None or a power of two in 1024..16384, got {mr!r}")
-        gs = self.gluon_stages
-        if gs is not None and (type(gs) is not int or not 2 <= gs <= 4):
-            raise ValueError(f"DecodeConfig.gluon_stages must be None or an int in 2..4, got {gs!r}")
-        if self.v_smem and not self.v_mask_tail:
-            raise ValueError("DecodeConfig.v_smem needs v_mask_tail (V in shared memory is never masked)")
-        for name in ("merge_prefetch", "pdl_wait", "pv_fp16", "v_mask_tail", "v_smem"):
+        for name in ("merge_prefetch", "pdl_wait", "pv_fp16", "v_mask_tail"):
             if type(getattr(self, name)) is not bool:
                 raise TypeError(f"DecodeConfig.{name} must be a bool, got {getattr(self, name)!r}")
         sc = self.split_cost
@@ -647,9 +635,8 @@ def _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, out, part_o, part_
     nb, bs, _, d = k_cache.shape
     kv_fp8 = k_cache.dtype == FP8_E4M3
     # K and V buffers of 64 keys: 3 deep where they fit beside other programs, 2 for 16-bit KV at head_dim 256
-    stages = _CONFIG.gluon_stages or (2 if (not kv_fp8 and d > 128) else 3)
-    v_knobs = ({"PV_F16": True} if _CONFIG.pv_fp16 else {}) | ({"V_MASK_TAIL": True} if _CONFIG.v_mask_tail else {}) \
-        | ({"V_SMEM": True} if _CONFIG.v_smem and not kv_fp8 else {})
+    stages = 2 if (not kv_fp8 and d > 128) else 3
+    v_knobs = ({"PV_F16": True} if _CONFIG.pv_fp16 else {}) | ({"V_MASK_TAIL": True} if _CONFIG.v_mask_tail else {})
     decode_gluon_kernel[(plan.num_programs,)](
         q, gluon_kv_descriptor(k_cache, min(TILE, bs)), gluon_kv_descriptor(v_cache, min(TILE, bs)), block_table,
         seq_lens, out,

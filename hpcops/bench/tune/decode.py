@@ -99,9 +99,6 @@ DECODE_SPACE = (
     knob("pv_fp16", False, True),
     knob("v_mask_tail", False, True),
     knob(("pv_fp16", "v_mask_tail"), (True, True), near=None),
-    # 16-bit KV on the Gluon kernel (tail merge): Vᵀ from shared memory (v_smem), 2 buffers (3 programs fit an SM)
-    knob(("gluon", "tail_merge", "pps", "v_smem", "gluon_stages"), (True, True, 3, True, None),
-         (True, True, 3, True, 2), (True, True, 3, False, 2), (True, True, 2, True, None), near=None),
     # GQA 1 (one query row a kv head): the CUDA-core row path (DecodeConfig.row_path), alone, on 8 warps (half
     # its [block_n, D] per-slot accumulator a thread: ~128 registers instead of ptxas's ~222 on fp8 KV, d 128)
     # and capped at 168 registers for 3 programs an SM (fp8 KV: no spills; bf16 spills 72 bytes)
