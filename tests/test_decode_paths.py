@@ -26,10 +26,10 @@ VARIANTS = [LEGACY, dict(lean_loop=True), dict(task_desc=False, lean_loop=False,
             dict(tail_merge=True),
             # ... in two levels: groups of 2 partials merged into their first slot, then the groups
             dict(tail_merge=True, tail_group=2),
-            # the Gluon kernel where it applies (GPU tier, sm_90; elsewhere, the CPU tier included, the tl kernel)
-            dict(gluon=True),
-            # ... masking V on a request's last tile only (bad pages inside a sequence: TMA's zeros)
-            dict(gluon=True, tail_merge=True, v_mask_tail=True)]
+            # the Gluon kernel where it applies (GPU tier, sm_90; elsewhere, the CPU tier included, the tl kernel),
+            # V masked on a request's last tile only (v_mask_tail, by default: bad pages inside a sequence are TMA's
+            # zeros)
+            dict(gluon=True)]
 # cases where the lean loop applies (pages >= 64 tokens, and smaller ones with lean_pages): causal edges
 # across a tile boundary (q_len 8 at 65 tokens), empty and exactly-one-tile requests, odd GQA, head_dim 96,
 # long splits
