@@ -70,6 +70,15 @@ def _page_good(bt_row, bt_width, num_blocks, tile, keys, PAGE: gl.constexpr, TIL
 
 
 @gluon.jit
+def _v_masked(vt, tile, kv_len, key_v, bt_row, bt_width, num_blocks, PV: gl.constexpr, PAGE: gl.constexpr,
+              TILE: gl.constexpr):
+    """Vᵀ [D, TILE] of tile `tile` in P·V's dtype PV, the keys past the sequence or on a bad page zeroed (`key_v`:
+    the key offsets in Vᵀ's column layout), so a NaN in the cache never meets a zero probability."""
+    v_ok = (tile * TILE + key_v < kv_len) & _page_good(bt_row, bt_width, num_blocks, tile, key_v, PAGE, TILE)
+    return gl.where(v_ok[None, :], vt.to(PV), 0.0).to(PV)
+
+
+@gluon.jit
 def _load_round(part_o_ptr, part_lse_ptr, c, first_slot, rest_base, rest_step, n_parts, offs_r, d3,
                 ROWS: gl.constexpr, D: gl.constexpr):
     """One round of `_merge_rows`: the lse [TB, R_PAD] and O [TB, R_PAD, D] of partials c (masked past n_parts)."""
@@ -323,17 +332,11 @@ def decode_gluon_kernel(
                     # a tile inside the sequence: every key is the request's (a bad page's keys are TMA's zeros)
                     v_pv = vt.to(PV)
                 else:
-                    v_ok = (tile * TILE + key_v < kv_len) & _page_good(bt_row, bt_width, num_blocks, tile, key_v,
-                                                                       PAGE, TILE)
-                    v_pv = gl.where(v_ok[None, :], vt.to(PV), 0.0).to(PV)
-                o = o * gl.convert_layout(alpha, cols_o)[None, :]
-                o = warpgroup_mma(v_pv, p_t, o)
+                    v_pv = _v_masked(vt, tile, kv_len, key_v, bt_row, bt_width, num_blocks, PV, PAGE, TILE)
             else:
-                v_ok = (tile * TILE + key_v < kv_len) & _page_good(bt_row, bt_width, num_blocks, tile, key_v, PAGE,
-                                                                   TILE)
-                vt = gl.where(v_ok[None, :], vt.to(PV), 0.0).to(PV)
-                o = o * gl.convert_layout(alpha, cols_o)[None, :]
-                o = warpgroup_mma(vt, p_t, o)
+                v_pv = _v_masked(vt, tile, kv_len, key_v, bt_row, bt_width, num_blocks, PV, PAGE, TILE)
+            o = o * gl.convert_layout(alpha, cols_o)[None, :]
+            o = warpgroup_mma(v_pv, p_t, o)
         used += n
 
         # finish the task: the output (unsplit) or the fp32 partial and its log2-sum-exp (split)
