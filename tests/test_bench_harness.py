@@ -77,14 +77,19 @@ def test_demo_loads_match_the_plan():
 
 
 def test_per_call_us_parses_marked_calls():
-    """Profiler events between consecutive markers make one call; the median of the matching sums is returned."""
+    """Profiler events between consecutive markers make one call; the median of the matching sums is returned;
+    overlapping events (programmatic dependent launch) count their overlap once."""
     from hpcops.bench.timing import per_call_us
 
-    ev = [("mark", 0, 1), ("fused_moe_kernel", 1, 10), ("fill", 2, 5), ("fused_moe_kernel", 3, 4),
-          ("mark", 10, 1), ("fused_moe_kernel", 11, 12), ("fused_moe_kernel", 12, 3),
-          ("mark", 20, 1), ("fused_moe_kernel_x", 21, 30), ("fused_moe_kernel", 22, 6), ("mark", 30, 1)]
+    ev = [("mark", 0, 1), ("fused_moe_kernel", 1, 10), ("fill", 11, 5), ("fused_moe_kernel", 16, 4),
+          ("mark", 30, 1), ("fused_moe_kernel", 31, 12), ("fused_moe_kernel", 43, 3),
+          ("mark", 50, 1), ("fused_moe_kernel_x", 51, 30), ("fused_moe_kernel", 81, 6), ("mark", 90, 1)]
     assert per_call_us(ev, name_filter="fused_moe_kernel", marker="mark", calls=3) == 15.0  # 14, 15, 36
     assert per_call_us(ev, name_filter=None, marker="mark", calls=3) == 19.0  # 19, 15, 36
+    # a second kernel starting 4 µs into the first, a third inside the second, a fourth alone: [1, 15) and [30, 32)
+    # cover 16 µs (their durations sum to 24)
+    pdl = [("mark", 0, 1), ("gate_up", 1, 10), ("down", 5, 10), ("reduce", 12, 2), ("quant", 30, 2), ("mark", 40, 1)]
+    assert per_call_us(pdl, name_filter=None, marker="mark", calls=1) == 16.0
     with pytest.raises(RuntimeError, match="delimit 3 calls, expected 4"):
         per_call_us(ev, name_filter=None, marker="mark", calls=4)
     with pytest.raises(RuntimeError, match="no device events named"):

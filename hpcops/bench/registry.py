@@ -27,8 +27,8 @@ SUITES: dict[str, str] = {
 
 
 # how an implementation is timed (Impl.timing): "graph" = CUDA-graph replay of every layer's call / layers
-# (timing.graph_time_us); "kernels" = median per call of the summed device time of its kernels, from
-# torch.profiler (timing.profiler_kernel_time_us). Ratios only compare rows timed the same way.
+# (timing.graph_time_us); "kernels" = median per call of the device time its kernels cover (durations summed,
+# overlaps once), from torch.profiler (timing.profiler_kernel_time_us). Ratios only compare rows timed the same way.
 TIMINGS = ("graph", "kernels")
 
 

@@ -35,8 +35,8 @@ def markdown(result: SuiteResult) -> str:
     kernel_timed = sorted({r.impl for r in result.rows if r.timing == "kernels"})
     if kernel_timed:
         times += (" Rows " + ", ".join(f"`{i}`" for i in kernel_timed) + " are timed otherwise: the median per "
-                  "call of the summed device time of their kernels (torch.profiler, the same layers, eager calls, "
-                  "no launch gaps); their `x ours` is against our row timed that way.")
+                  "call of the device time their kernels cover (durations summed, an overlap once; torch.profiler, the "
+                  "same layers, eager calls, no launch gaps); their `x ours` is against our row timed that way.")
     lines = [f"# hpcops bench {result.suite}", "",
              f"Machine: {m.get('gpu', 'cpu')}, {m.get('sms', '?')} SMs, torch {m.get('torch')}, "
              f"triton {m.get('triton')}; measured copy bandwidth {copy} GB/s"

@@ -68,9 +68,11 @@ def profiler_kernel_time_us(fns: Sequence[Callable[[], object]], kernel_filter: 
 
     Runs every `fn` (one per layer, each with its own inputs, so L2 is as cold as in `graph_time_us`)
     `calls` times in layer order, eagerly, a marker kernel before each call and after the last; a call's
-    time is the sum of the durations of the device events (kernels, memsets, copies) between its two
-    markers whose name contains `kernel_filter` (every one if None). Launch gaps and host work are not
-    counted: this is the GPU time of the kernels only, the same for hpcops and for a peer.
+    time is the time covered by the device events (kernels, memsets, copies) between its two markers whose
+    name contains `kernel_filter` (every one if None): the sum of their durations, where two overlap (a kernel
+    launched with programmatic dependent launch starts before the previous one ends) the overlap once. Launch
+    gaps and host work are not counted: this is the GPU time of the kernels only, the same for hpcops and for a
+    peer.
     """
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
@@ -117,22 +119,23 @@ def device_events(events: Iterable, device_type) -> list[tuple[str, float, float
 
 def per_call_us(events: Sequence[tuple[str, float, float]], *, name_filter: str | None, marker: str,
                 calls: int) -> float:
-    """Median over calls of the summed duration of the events matching `name_filter` (all if None)
-    between consecutive `marker` events (names matched as substrings; `events` in start order).
+    """Median over calls of the time covered by the events matching `name_filter` (all if None) between
+    consecutive `marker` events (names matched as substrings; `events` in start order): the union of their
+    [start, start + duration) intervals, i.e. their summed durations less any overlap.
 
     Raises RuntimeError if the markers do not delimit exactly `calls` calls, or if no event matched:
     a wrong count or a filter matching nothing must never read as a time.
     """
     sums: list[float] = []
-    cur: float | None = None
+    cur: list[tuple[float, float]] | None = None
     matched = 0
-    for name, _start, dur in events:
+    for name, start, dur in events:
         if marker in name:
             if cur is not None:
-                sums.append(cur)
-            cur = 0.0
+                sums.append(_covered(cur))
+            cur = []
         elif cur is not None and (name_filter is None or name_filter in name):
-            cur += dur
+            cur.append((start, start + dur))
             matched += 1
     if len(sums) != calls:
         raise RuntimeError(f"profiler: the {marker!r} markers delimit {len(sums)} calls, expected {calls} "
@@ -141,6 +144,16 @@ def per_call_us(events: Sequence[tuple[str, float, float]], *, name_filter: str 
         what = f"named *{name_filter}*" if name_filter is not None else "at all"
         raise RuntimeError(f"profiler: no device events {what} between the markers")
     return statistics.median(sums)
+
+
+def _covered(intervals: Sequence[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals given in start order."""
+    total, end = 0.0, float("-inf")
+    for a, b in intervals:
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
 
 
 def copy_bandwidth_gbps(nbytes: int = 2 << 30) -> dict[str, float]:

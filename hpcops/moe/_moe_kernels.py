@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from hpcops.moe.codes import ActMode, QuantCode, XMode
 
-FP8_MAX = tl.constexpr(448.0)  # a constexpr global: compiled kernels may read it
+FP8_MAX = tl.constexpr(448.0)
+# MoeConfig.pdl: when a kernel releases the next one (launched with programmatic dependent launch)
+PDL_AT_START = tl.constexpr(1)
+PDL_AT_END = tl.constexpr(2)  # a constexpr global: compiled kernels may read it
 # constexpr mirrors of the named codes (codes.py): kernels may read constexpr globals only
 Q_NONE = tl.constexpr(int(QuantCode.NONE))
 Q_FP8_TENSOR = tl.constexpr(int(QuantCode.FP8_TENSOR))
@@ -163,9 +167,13 @@ def moe_index_scatter_kernel(ids_ptr, map_ptr, base_ptr, sorted_ptr, pos_ptr, N,
 
 @triton.jit
 def moe_quant_x_kernel(x_ptr, q_ptr, s_ptr, in_scale_ptr, H, stride_x, stride_q, stride_s,
-                       MODE: tl.constexpr, BLOCK_H: tl.constexpr):
+                       MODE: tl.constexpr, BLOCK_H: tl.constexpr, PDL_NEXT: tl.constexpr = 0):
     """fp8 x, one program per token. MODE (`XMode`): STATIC, the scale in_scale; PER_TOKEN,
-    s[t] = max|x[t]| / 448; PER_TOKEN_GROUP, per token and group of 128, s[t, g]."""
+    s[t] = max|x[t]| / 448; PER_TOKEN_GROUP, per token and group of 128, s[t, g].
+    PDL_NEXT (`MoeConfig.pdl`): the gate-up GEMM is launched with programmatic dependent launch; release it at
+    this program's start (it waits for this grid before reading x)."""
+    if PDL_NEXT != 0:
+        gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     if MODE == X_PER_TOKEN_GROUP:
         cols = tl.arange(0, 128)
@@ -300,7 +308,8 @@ def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets
                        ACT_DT: tl.constexpr, BF16_MUL: tl.constexpr,
                        NAIVE: tl.constexpr, HAS_MAP: tl.constexpr, SWAP_AB: tl.constexpr, SHARED: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SHARED_BLOCK_K: tl.constexpr, FP8_PROMOTE: tl.constexpr = 0):
+                       SHARED_BLOCK_K: tl.constexpr, FP8_PROMOTE: tl.constexpr = 0,
+                       PDL_WAIT: tl.constexpr = False, PDL_NEXT: tl.constexpr = 0):
     """act[r, n] = silu(x[tok(r)]·w13[e, n]) · (x[tok(r)]·w13[e, I+n]) for one (M tile, N tile) task.
 
     SHARED: the first N_SHARED programs are the shared expert's gate-up instead (`_shared_gate_up`: the 16-bit
@@ -315,17 +324,29 @@ def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets
     loading (FP8_TENSOR: the static a13 scale; FP8_BLOCK: dynamic per row and 128-group). ACT_OUT
     (`ActMode`, see codes.py): WIDE_ROW_AMAX and WIDE_GROUP_AMAX also atomic-max the amax of each row
     (or row and 128-group); FP8_GROUP needs BLOCK_N = 128, WIDE_GROUP_AMAX BLOCK_N < 128.
+    PDL_WAIT (`MoeConfig.pdl`; launched with programmatic dependent launch after another kernel of the call): every
+    program waits for the previous grid before its first read of what that grid wrote (x, act's buffers) and
+    before it exits; before the wait it reads only the call's inputs and the index. PDL_NEXT: release the down
+    GEMM's launch at this program's start (PDL_AT_START) or once its work is done (PDL_AT_END).
     """
     n_tiles = tl.cdiv(I, BLOCK_N)
     pid = tl.program_id(0)
+    if PDL_NEXT == PDL_AT_START:
+        gdc_launch_dependents()
     if SHARED:
         if pid < N_SHARED:
+            if PDL_WAIT:
+                gdc_wait()
             _shared_gate_up(pid, sx_ptr, s13_ptr, sact_ptr, T, H, I_S, stride_sx, stride_s13, stride_sact,
                             ACT_DT, BF16_MUL, SWAP_AB, BLOCK_M, BLOCK_N, SHARED_BLOCK_K)
+            if PDL_NEXT == PDL_AT_END:
+                gdc_launch_dependents()
             return
         pid -= N_SHARED
     e, rows, rmask, pid_n = _task_rows(pid, n_tiles, tasks_ptr, offsets_ptr, ids_ptr, map_ptr, CAP,
                                        E_GLOBAL, E_LOCAL, HAS_MAP, NAIVE, BLOCK_M)
+    if PDL_WAIT:
+        gdc_wait()
     if e < 0:
         return
     if NAIVE:
@@ -404,6 +425,8 @@ def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets
         q = tl.minimum(tl.maximum(act / s2[:, None], -FP8_MAX), FP8_MAX)
         tl.store(out_ptrs, q.to(tl.float8e4nv), mask=omask)
         tl.store(act_s_ptr + rows.to(tl.int64) * stride_acts + n0 // 128, s2, mask=rmask)
+    if PDL_NEXT == PDL_AT_END:
+        gdc_launch_dependents()
 
 
 @triton.jit
@@ -430,25 +453,37 @@ def moe_down_kernel(act_ptr, act_s_ptr, a2_ptr, rowmax_ptr, w_ptr, ws_ptr, tasks
                     QUANT: tl.constexpr, ACT_IN: tl.constexpr,
                     NAIVE: tl.constexpr, HAS_MAP: tl.constexpr, SWAP_AB: tl.constexpr, SHARED: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    SHARED_BLOCK_K: tl.constexpr, FP8_PROMOTE: tl.constexpr = 0):
+                    SHARED_BLOCK_K: tl.constexpr, FP8_PROMOTE: tl.constexpr = 0,
+                    PDL_WAIT: tl.constexpr = False, PDL_NEXT: tl.constexpr = 0, K_ONE: tl.constexpr = 0):
     """y[r, n] = act[r]·w2[e, n] for one (M tile, N tile) task, rows as the gate-up wrote them.
 
     ACT_IN (`ActMode`, as the gate-up wrote it): the WIDE_*_AMAX modes are quantized here, per row from
     the row amax (FP8_TENSOR) or per row and 128-group from the group amax (FP8_BLOCK).
     SHARED: the first N_SHARED programs are the shared expert's down GEMM (`_shared_down`: sact [T, I_S] ·
     s2 [H, I_S]ᵀ into ysh [T, H]), the routed tasks after them.
+    PDL_WAIT, PDL_NEXT (`MoeConfig.pdl`): as the gate-up's (the wait before the first read of act, its scales or
+    the shared expert's activation). K_ONE > 0 (a power of two >= I, QUANT not FP8_BLOCK): the whole K in one
+    step, the weight tile [BLOCK_N, K_ONE] loaded before the wait, while the gate-up still runs.
     """
     n_tiles = tl.cdiv(H, BLOCK_N)
     pid = tl.program_id(0)
+    if PDL_NEXT == PDL_AT_START:
+        gdc_launch_dependents()
     if SHARED:
         if pid < N_SHARED:
+            if PDL_WAIT:
+                gdc_wait()
             _shared_down(pid, sact_ptr, s2_ptr, ysh_ptr, T, H, I_S, stride_sact, stride_s2, stride_ysh, SWAP_AB,
                          BLOCK_M, BLOCK_N, SHARED_BLOCK_K)
+            if PDL_NEXT == PDL_AT_END:
+                gdc_launch_dependents()
             return
         pid -= N_SHARED
     e, rows, rmask, pid_n = _task_rows(pid, n_tiles, tasks_ptr, offsets_ptr, ids_ptr, map_ptr, CAP,
                                        E_GLOBAL, E_LOCAL, HAS_MAP, NAIVE, BLOCK_M)
     if e < 0:
+        if PDL_WAIT:
+            gdc_wait()
         return
     rows64 = rows.to(tl.int64)
     n0 = pid_n * BLOCK_N
@@ -459,32 +494,49 @@ def moe_down_kernel(act_ptr, act_s_ptr, a2_ptr, rowmax_ptr, w_ptr, ws_ptr, tasks
     a_rows = act_ptr + rows64[:, None] * stride_act
     w_rows = w_ptr + e64 * stride_we + cols.to(tl.int64)[:, None] * stride_wn
     acc = _mma_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
+    if K_ONE > 0:
+        k1 = tl.arange(0, K_ONE)
+        k1mask = k1 < I
+        w1 = tl.load(w_rows + k1[None, :], mask=cmask[:, None] & k1mask[None, :], other=0.0)
+        if PDL_WAIT:
+            gdc_wait()
+        a1 = tl.load(a_rows + k1[None, :], mask=rmask[:, None] & k1mask[None, :], other=0.0)
+    elif PDL_WAIT:
+        gdc_wait()
     if ACT_IN == A_WIDE_ROW_AMAX:
         r_s = tl.maximum(tl.load(rowmax_ptr + rows, mask=rmask, other=0.0), 1e-12) / FP8_MAX
-    for k0 in range(0, I, BLOCK_K):
-        kk = k0 + offs_k
-        kmask = kk < I
-        a = tl.load(a_rows + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        w = tl.load(w_rows + kk[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0)
-        if QUANT == Q_FP8_BLOCK:
-            a_s = tl.load(act_s_ptr + rows64 * stride_acts + k0 // 128, mask=rmask, other=0.0)
-            if ACT_IN == A_WIDE_GROUP_AMAX:
-                a_s = tl.maximum(a_s, 1e-12) / FP8_MAX
-                a = tl.minimum(tl.maximum(a.to(tl.float32) / a_s[:, None], -FP8_MAX), FP8_MAX)
-                a = a.to(tl.float8e4nv)
-            ws = tl.load(ws_ptr + e64 * stride_wse + (n0 // 128) * stride_wsn + (k0 // 128) * stride_wsk)
-            if SWAP_AB:
-                acc += tl.dot(w, tl.trans(a)) * (ws * a_s[None, :])
-            else:
-                acc += tl.dot(a, tl.trans(w)) * (a_s[:, None] * ws)
+    if K_ONE > 0:
+        if QUANT == Q_FP8_TENSOR:
+            if ACT_IN == A_WIDE_ROW_AMAX:
+                a1 = tl.minimum(tl.maximum(a1.to(tl.float32) / r_s[:, None], -FP8_MAX), FP8_MAX).to(tl.float8e4nv)
+            acc = _mma(a1, w1, acc, SWAP_AB, FP8_PROMOTE)
         else:
-            if QUANT == Q_FP8_TENSOR:
-                if ACT_IN == A_WIDE_ROW_AMAX:
-                    a = tl.minimum(tl.maximum(a.to(tl.float32) / r_s[:, None], -FP8_MAX), FP8_MAX)
+            acc = _mma(a1, w1, acc, SWAP_AB)
+    else:
+        for k0 in range(0, I, BLOCK_K):
+            kk = k0 + offs_k
+            kmask = kk < I
+            a = tl.load(a_rows + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+            w = tl.load(w_rows + kk[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0)
+            if QUANT == Q_FP8_BLOCK:
+                a_s = tl.load(act_s_ptr + rows64 * stride_acts + k0 // 128, mask=rmask, other=0.0)
+                if ACT_IN == A_WIDE_GROUP_AMAX:
+                    a_s = tl.maximum(a_s, 1e-12) / FP8_MAX
+                    a = tl.minimum(tl.maximum(a.to(tl.float32) / a_s[:, None], -FP8_MAX), FP8_MAX)
                     a = a.to(tl.float8e4nv)
-                acc = _mma(a, w, acc, SWAP_AB, FP8_PROMOTE)
+                ws = tl.load(ws_ptr + e64 * stride_wse + (n0 // 128) * stride_wsn + (k0 // 128) * stride_wsk)
+                if SWAP_AB:
+                    acc += tl.dot(w, tl.trans(a)) * (ws * a_s[None, :])
+                else:
+                    acc += tl.dot(a, tl.trans(w)) * (a_s[:, None] * ws)
             else:
-                acc = _mma(a, w, acc, SWAP_AB)
+                if QUANT == Q_FP8_TENSOR:
+                    if ACT_IN == A_WIDE_ROW_AMAX:
+                        a = tl.minimum(tl.maximum(a.to(tl.float32) / r_s[:, None], -FP8_MAX), FP8_MAX)
+                        a = a.to(tl.float8e4nv)
+                    acc = _mma(a, w, acc, SWAP_AB, FP8_PROMOTE)
+                else:
+                    acc = _mma(a, w, acc, SWAP_AB)
     acc = _mma_result(acc, SWAP_AB)
     if QUANT == Q_FP8_TENSOR:
         ws = tl.load(ws_ptr + e64 * stride_wse)
@@ -494,15 +546,20 @@ def moe_down_kernel(act_ptr, act_s_ptr, a2_ptr, rowmax_ptr, w_ptr, ws_ptr, tasks
             acc = acc * (r_s[:, None] * ws)
     y_ptrs = y_ptr + rows64[:, None] * stride_y + cols[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+    if PDL_NEXT == PDL_AT_END:
+        gdc_launch_dependents()
 
 
 @triton.jit
 def moe_reduce_kernel(y_ptr, pos_ptr, ids_ptr, map_ptr, tw_ptr, shared_ptr, out_ptr, H, E_GLOBAL, E_LOCAL,
                       stride_y, stride_tw, stride_sh, stride_out,
                       TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, NAIVE: tl.constexpr, HAS_MAP: tl.constexpr,
-                      BLOCK_H: tl.constexpr):
+                      BLOCK_H: tl.constexpr, PDL_WAIT: tl.constexpr = False):
     """out[t] = Σ_j topk_weights[t, j] · y[pos[t, j]] (+ shared_output[t]), in fp32; pos −1 skipped.
-    NAIVE: y rows are pairs (pos = t·k + j), skipped where the pair's expert is remote or out of range."""
+    NAIVE: y rows are pairs (pos = t·k + j), skipped where the pair's expert is remote or out of range.
+    PDL_WAIT (`MoeConfig.pdl`): launched with programmatic dependent launch; wait for the down GEMM first."""
+    if PDL_WAIT:
+        gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     cmask = cols < H

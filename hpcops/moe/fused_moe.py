@@ -22,6 +22,7 @@ from hpcops._checks import (
 from hpcops._library import register
 from hpcops._platform import is_interpreter
 from hpcops.moe import _moe_kernels as K
+from hpcops.moe.codes import QuantCode
 from hpcops.moe.configs import ACT_MUL_MODES, MoeConfig, get_config
 from hpcops.moe.routing import build_moe_index
 from hpcops.moe.schemes import Scheme, scheme_for, scheme_named
@@ -81,6 +82,7 @@ def _validate(scheme: Scheme, x, w13, w2, topk_weights, topk_ids, expert_map, sh
                 raise ValueError(f"{name} must be contiguous along its last dimension")
     scheme.validate(x, w13, w2, x_scale, cfg, T, H, E, inter)
     check_choice("config.act_mul", cfg.act_mul, ACT_MUL_MODES)
+    check_choice("config.pdl", cfg.pdl, (0, 1, 2))
     # last: argument errors first; then whether the kernels can run where the tensors are
     check_kernel_device("x", x)
     return T, H, E, inter, k, out_dt
@@ -238,8 +240,13 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     n_tasks = T * k if naive else idx.cap
     emap = expert_map if expert_map is not None else topk_ids
     routing = dict(NAIVE=naive, HAS_MAP=expert_map is not None)
-    a = scheme.gate_up_input(x, x_scale, cfg, dummy)
-    act = scheme.activation(T * k, inter, out_dt, cfg, dummy)
+    # MoeConfig.pdl: the gate-up, down and reduce kernels launched with programmatic dependent launch (sm_90)
+    pdl = 0 if is_interpreter() else cfg.pdl
+    act = scheme.activation(T * k, inter, out_dt, cfg, dummy)  # (its zero fill, if any, before x's quantization)
+    a = scheme.gate_up_input(x, x_scale, cfg, dummy, pdl_next=pdl)
+    # a kernel launched with PDL may start before the previous one is done and reads only the call's inputs before
+    # its wait: the first kernel of the call is launched as usual, so those inputs are complete when it starts
+    gu_pdl = _pdl_launch(pdl and (not naive or a.x is not x or act.rowmax is not dummy))
     ws = scheme.weight_scales(E, dummy)
     sx = _SharedExpert.of(shared_w13, shared_w2, i_s, T, H, cfg, out_dt, dummy)
     sx_w13, sx_w2, sx_act, sx_y = sx.strides()
@@ -261,10 +268,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         QUANT=int(scheme.code), X_FP8=a.fp8, ACT_OUT=int(act.mode), ACT_DT=_TL_DTYPE[out_dt],
         BF16_MUL=cfg.act_mul == "bf16", SWAP_AB=cfg.swap_ab, **routing, SHARED=bool(i_s),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SHARED_BLOCK_K=max(16, cfg.block_k // 2) if narrow else cfg.block_k, **gu_promote,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        SHARED_BLOCK_K=max(16, cfg.block_k // 2) if narrow else cfg.block_k, **gu_promote, **gu_pdl,
+        PDL_NEXT=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     y = torch.empty((T * k, H), dtype=out_dt, device=x.device)
+    reduce_pdl = bool(pdl) and shared_ready is None  # (an event wait between the two: launched as usual)
     K.moe_down_kernel[(sx.n_dn + n_tasks * triton.cdiv(H, cfg.down_block_n),)](
         act.act, act.scale, act.a2, act.rowmax, w2, ws.w2, tasks, offsets, topk_ids, emap, y,
         H, inter, n_tasks, n_global, E,
@@ -274,6 +282,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         QUANT=int(scheme.code), ACT_IN=int(act.mode), SWAP_AB=cfg.swap_ab, **routing, SHARED=bool(i_s),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
         SHARED_BLOCK_K=max(16, cfg.down_block_k // 2) if narrow else cfg.down_block_k, **dn_promote,
+        **_pdl_launch(pdl), PDL_NEXT=pdl if reduce_pdl else 0, K_ONE=_down_k_one(cfg, scheme, inter, w2),
         num_warps=cfg.down_num_warps, num_stages=cfg.down_num_stages)
 
     if i_s:
@@ -285,8 +294,22 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     K.moe_reduce_kernel[(T, triton.cdiv(H, bh))](
         y, pair_pos, topk_ids, emap, topk_weights, sh, out, H, n_global, E,
         y.stride(0), topk_weights.stride(0), sh.stride(0), out.stride(0),
-        TOP_K=k, HAS_SHARED=shared_output is not None, **routing, BLOCK_H=bh, num_warps=4)
+        TOP_K=k, HAS_SHARED=shared_output is not None, **routing, BLOCK_H=bh, **_pdl_launch(reduce_pdl),
+        num_warps=4)
     return out
+
+
+def _pdl_launch(on: bool) -> dict:
+    """Launch arguments of a kernel launched with programmatic dependent launch (it waits in PDL_WAIT), or none."""
+    return dict(PDL_WAIT=True, launch_pdl=True) if on else {}
+
+
+def _down_k_one(cfg: MoeConfig, scheme: Scheme, inter: int, w2: torch.Tensor) -> int:
+    """The down GEMM's one-step K (`MoeConfig.down_k_one`): I padded to a power of two where a [down_block_n, that]
+    weight tile takes at most 32 KB and the scheme has one weight scale per expert; 0 (the K loop) otherwise."""
+    k_one = max(16, triton.next_power_of_2(inter))
+    fits = k_one * cfg.down_block_n * w2.element_size() <= 32 * 1024
+    return k_one if cfg.down_k_one and fits and scheme.code != QuantCode.FP8_BLOCK else 0
 
 
 # ---- torch.library: the mutating out= form, for torch.compile and graph-capturing frameworks ----

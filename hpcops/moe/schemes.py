@@ -82,7 +82,9 @@ class Scheme:
         """Dtypes, scale shapes and config constraints of this scheme (the common shapes are checked)."""
         raise NotImplementedError
 
-    def gate_up_input(self, x, x_scale, cfg: MoeConfig, dummy) -> GateUpInput:
+    def gate_up_input(self, x, x_scale, cfg: MoeConfig, dummy, pdl_next: int = 0) -> GateUpInput:
+        """The gate-up GEMM's x: as given, or quantized to fp8 by `moe_quant_x_kernel` (which releases the gate-up
+        GEMM's launch where `pdl_next`, `MoeConfig.pdl`)."""
         return GateUpInput(x, dummy, 0, 0, dummy)
 
     def activation(self, n: int, inter: int, act_dt: torch.dtype, cfg: MoeConfig, dummy) -> Activation:
@@ -102,7 +104,7 @@ class Scheme:
         raise NotImplementedError
 
 
-def _quantize_x(x: torch.Tensor, mode: XMode, scale: torch.Tensor | None, dummy) -> GateUpInput:
+def _quantize_x(x: torch.Tensor, mode: XMode, scale: torch.Tensor | None, dummy, pdl_next: int) -> GateUpInput:
     """A separate pass that quantizes x to fp8 (`moe_quant_x_kernel`): per tensor with a static `scale`,
     or dynamic per token / per token and 128-group."""
     T, H = x.shape
@@ -110,11 +112,11 @@ def _quantize_x(x: torch.Tensor, mode: XMode, scale: torch.Tensor | None, dummy)
     if mode == XMode.PER_TOKEN_GROUP:
         s = torch.empty((T, triton.cdiv(H, 128)), dtype=torch.float32, device=x.device)
         K.moe_quant_x_kernel[(T,)](x, xq, s, s, H, x.stride(0), xq.stride(0), s.stride(0), MODE=int(mode),
-                                   BLOCK_H=128, num_warps=4)
+                                   BLOCK_H=128, PDL_NEXT=pdl_next, num_warps=4)
         return GateUpInput(xq, s, s.stride(0), 1, dummy)
     s = scale if mode == XMode.STATIC else torch.empty(T, dtype=torch.float32, device=x.device)
     K.moe_quant_x_kernel[(T,)](x, xq, s, s, H, x.stride(0), xq.stride(0), 1, MODE=int(mode),
-                               BLOCK_H=triton.next_power_of_2(H), num_warps=8 if H >= 4096 else 4)
+                               BLOCK_H=triton.next_power_of_2(H), PDL_NEXT=pdl_next, num_warps=8 if H >= 4096 else 4)
     return GateUpInput(xq, s, 0 if mode == XMode.STATIC else 1, 0, dummy)
 
 
@@ -170,7 +172,7 @@ class Fp8Tensor(Scheme):
         elif x_scale is not None:
             raise ValueError("x_scale is only meaningful for an fp8 x (a bf16/fp16 x is quantized inside)")
 
-    def gate_up_input(self, x, x_scale, cfg, dummy):
+    def gate_up_input(self, x, x_scale, cfg, dummy, pdl_next=0):
         a13 = self.quant.a13_scale
         if x.dtype == FP8_E4M3:
             xs = x_scale if x_scale is not None else a13
@@ -179,7 +181,7 @@ class Fp8Tensor(Scheme):
         if a13 is not None and not cfg.prequant_x:
             return GateUpInput(x, dummy, 0, 0, a13)  # quantized while loading the gate-up A tiles
         # dynamic per token (a full-row amax is needed before the K loop), or prequant_x
-        return _quantize_x(x, XMode.STATIC if a13 is not None else XMode.PER_TOKEN, a13, dummy)
+        return _quantize_x(x, XMode.STATIC if a13 is not None else XMode.PER_TOKEN, a13, dummy, pdl_next)
 
     def activation(self, n, inter, act_dt, cfg, dummy):
         dev = dummy.device
@@ -237,11 +239,11 @@ class Fp8Block(Scheme):
             raise ValueError("config: Fp8Block128 needs block_k = down_block_k = 128 and block_n, "
                              f"down_block_n dividing 128, got {cfg}")
 
-    def gate_up_input(self, x, x_scale, cfg, dummy):
+    def gate_up_input(self, x, x_scale, cfg, dummy, pdl_next=0):
         if x.dtype == FP8_E4M3:
             return GateUpInput(x, x_scale, x_scale.stride(0), 1, dummy)
         if cfg.prequant_x:
-            return _quantize_x(x, XMode.PER_TOKEN_GROUP, None, dummy)
+            return _quantize_x(x, XMode.PER_TOKEN_GROUP, None, dummy, pdl_next)
         return GateUpInput(x, dummy, 0, 0, dummy)  # quantized per row and 128-group while loading
 
     def activation(self, n, inter, act_dt, cfg, dummy):

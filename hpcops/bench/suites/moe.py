@@ -9,8 +9,9 @@ only: block quantization needs I % 128 == 0 and Hy3 TP8 has I = 192), bf16.
 Each layer has its own weights (L2-cold, as in a model). Rows, all on the same inputs in one process:
 - `hpcops`: `fused_moe`, CUDA-graph replay of every layer's call / layers. Includes all its kernels (index
   build, gate-up, down, reduce with the shared output) and the gaps between them inside the graph.
-- `hpcops-kernels`: the same calls timed like `vllm-triton`: median per call of the summed device time
-  of ALL its device work (kernels, memsets, copies), torch.profiler, eager. Excludes launch gaps.
+- `hpcops-kernels`: the same calls timed like `vllm-triton`: median per call of the device time
+  ALL its device work covers (kernels, memsets, copies; durations summed, where kernels overlap under
+  `MoeConfig.pdl` the overlap once), torch.profiler, eager. Excludes launch gaps.
   `hpcops-kernels` / `vllm-triton` is the like-for-like ratio (the report's `x ours` of `vllm-triton` is
   against this row).
 - `vllm-triton`: vLLM's own Triton `fused_experts` (vendored into `.peers/vllm_kernels` by
@@ -111,7 +112,7 @@ def cases(opts: dict[str, Any]) -> Iterator[Case]:
             suite="moe", name=s.name, make_inputs=lambda layer, device="cuda", s=s: _make_inputs(s, layer, device),
             impls=[Impl("hpcops", _ours(s), ours=True),
                    Impl("hpcops-kernels", _ours(s), ours=True, timing="kernels",
-                        note="sum of the device time of all its kernels per call (profiler), as vllm-triton"),
+                        note="device time its kernels cover per call (profiler), as vllm-triton"),
                    Impl("vllm-triton", _vllm(s), timing="kernels", kernel_filter=VLLM_KERNEL,
                         note="; ".join(filter(None, (VLLM_NOTE, _vllm_config_note(s))))),
                    *[Impl(common.override_label(kw), _ours(s, kw), note="config sweep") for kw in sweep],

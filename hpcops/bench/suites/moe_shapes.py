@@ -160,7 +160,7 @@ def cases(opts: dict[str, Any]) -> Iterator[Case]:
         params = {"model": s.model.name, "tp": s.model.tp, "B": s.t, "quant": s.kind, "E_global": s.e_global,
                   "E_local": s.e_local, "top_k": s.top_k, "H": s.hidden, "I": s.inter, "shared_output": s.shared,
                   "tuned": tuned.startswith("tuned"), "vllm_config": common.vllm_config_file(s)}
-        kernels_note = "sum of the device time of all its kernels per call (profiler), as vllm-triton"
+        kernels_note = "device time its kernels cover per call (profiler), as vllm-triton"
         yield Case(
             suite="moe-shapes", name=s.name,
             make_inputs=lambda layer, device="cuda", s=s: common.make_inputs(s, layer, device),

@@ -10,8 +10,8 @@ from hpcops.bench.tune.engine import Row, ScenarioResult, TuneResult
 
 TIMING_TEXT = {
     "graph": "CUDA-graph replay of every layer's call, median, per layer (the bench's `hpcops` rows)",
-    "kernels": "the summed device time of all the candidate's kernels per call, torch.profiler, median (the "
-               "bench's `hpcops-kernels` rows)",
+    "kernels": "the device time all the candidate's kernels cover per call (an overlap once), torch.profiler, "
+               "median (the bench's `hpcops-kernels` rows)",
 }
 
 
