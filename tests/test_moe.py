@@ -153,7 +153,6 @@ class Case:
     naive: bool | None = None  # force one task per pair (True) or the index (False)
     fused_shared: int = 0  # I_s of a shared expert fused into the GEMM kernels (shared_w13 / shared_w2)
     promote: int | None = None  # force config.fp8_promote (None: the default)
-    k_one: bool = False  # config.down_k_one: the down GEMM's K in one step where it fits
 
     @property
     def id(self) -> str:
@@ -178,8 +177,6 @@ class Case:
             s += "-naive" if self.naive else "-indexed"
         if self.promote is not None:
             s += f"-promote{self.promote}"
-        if self.k_one:
-            s += "-kone"
         return s
 
 
@@ -227,13 +224,6 @@ PATH_CASES = [replace(c, swap=swap, naive=naive) for c in PATH_BASES for swap in
 PATH_CASES += [Case(6, quant="fp8_tensor", shared=True, ep=True, E=8, swap=False, promote=64),
                Case(7, quant="fp8_tensor", static=False, swap=True, naive=False, promote=0, H=384),
                Case(7, quant="fp8_tensor", static=False, swap=False, naive=False, promote=128, H=384)]
-# the down GEMM's whole K (I padded to a power of two) in one step (MoeConfig.down_k_one): static fp8 act, the
-# 16-bit act with its row amax (dynamic scales), bf16 with the fused shared expert, and the 128-block scheme
-# (which keeps its K loop)
-PATH_CASES += [Case(7, quant="fp8_tensor", inter=192, swap=True, naive=True, k_one=True),
-               Case(7, quant="fp8_tensor", static=False, inter=96, swap=False, naive=False, k_one=True, ep=True, E=8),
-               Case(5, k=2, inter=64, fused_shared=40, swap=True, naive=False, k_one=True),
-               Case(3, quant="fp8_block", shared=True, block_n=64, k_one=True)]
 
 
 def _tolerance(case: Case) -> dict:
@@ -273,8 +263,6 @@ def run_case(case: Case, device: str):
         cfg = cfg.with_(naive_max_pairs=1 << 30 if case.naive else 0)
     if case.promote is not None:
         cfg = cfg.with_(fp8_promote=case.promote)
-    if case.k_one:
-        cfg = cfg.with_(down_k_one=True)
     out = nan_like(torch.empty(case.T, case.H, dtype=case.dtype, device=device)) if case.use_out else None
     got = fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap, shared_output=shared,
                     out=out, config=cfg, shared_w13=s13, shared_w2=s2)
@@ -662,22 +650,21 @@ def test_gpu_shared_output_from_another_stream(graph, pdl):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("k_one", [False, True])
 @pytest.mark.parametrize("pdl", [1, 2])
 @pytest.mark.parametrize("kind", ["none", "fp8_tensor", "fp8_tensor_dyn", "fp8_block"])
 @pytest.mark.parametrize("T", [4, 16, 64, 2048])
-def test_gpu_pdl(T, kind, pdl, k_one):
+def test_gpu_pdl(T, kind, pdl):
     """`MoeConfig.pdl` (the gate-up, down and reduce kernels launched with programmatic dependent launch, each
     waiting for the previous one's writes) at the tuned config of each batch regime (one task a pair at T 4, the
     index above), eagerly and replayed in a CUDA graph, with the shared expert fused into the GEMMs (T <= 64) or
     added from `shared_output`: bit-equal to the same config launched without PDL, and within the tolerance of the
-    reference; with `down_k_one` (the down GEMM's weights loaded before its wait) too. Output buffers start NaN."""
+    reference. Output buffers start NaN."""
     quant_kind = kind.replace("_dyn", "")
     inter, n_local = (192, None) if kind != "fp8_block" else (1536, 24)
     wts, tw, ids, emap, x = _hy3_inputs(T, inter, quant_kind, n_local)
     quant = Fp8PerTensor(wts.quant.w13_scale, wts.quant.w2_scale) if kind == "fp8_tensor_dyn" else wts.quant
     cfg = get_config(num_tokens=T, inter=inter, quant=quant_kind, num_local_experts=n_local,
-                     device_name=device_name(x.device), **HY3_CFG).with_(down_k_one=k_one)
+                     device_name=device_name(x.device), **HY3_CFG).with_(pdl=0)
     extra = {}
     if T <= 64:
         g = torch.Generator(device="cuda").manual_seed(3)
@@ -700,24 +687,6 @@ def test_gpu_pdl(T, kind, pdl, k_one):
     ref = R.fused_moe(x, wts.w13, wts.w2, tw, ids, quant=quant, expert_map=emap, **extra)
     tol = {} if kind == "none" else {"maxtol": 4e-2, "rmstol": 1.5e-2}  # fp8 tolerance, see _tolerance
     assert_close(ref, eager, **tol)
-
-
-def test_down_k_one_rule():
-    """`MoeConfig.down_k_one`: I padded to a power of two where the [down_block_n, K] weight tile takes <= 32 KB and
-    the scheme has one weight scale an expert; the K loop (0) otherwise or when off."""
-    from hpcops.moe.fused_moe import _down_k_one
-    from hpcops.moe.schemes import scheme_named
-
-    on = MoeConfig(down_block_n=64, down_k_one=True)
-    w8, w16 = torch.empty(1, 1, 1, dtype=torch.float8_e4m3fn), torch.empty(1, 1, 1, dtype=torch.bfloat16)
-    tensor, none, block = (scheme_named(n) for n in ("fp8_tensor", "none", "fp8_block"))
-    assert _down_k_one(on, tensor, 192, w8) == 256
-    assert _down_k_one(on, none, 192, w16) == 256  # 64 x 256 x 2 B = 32 KB
-    assert _down_k_one(on.with_(down_block_n=128), none, 192, w16) == 0
-    assert _down_k_one(on, tensor, 1536, w8) == 0
-    assert _down_k_one(on, tensor, 8, w8) == 16  # the MMA's smallest K
-    assert _down_k_one(on, block, 128, w8) == 0
-    assert _down_k_one(on.with_(down_k_one=False), tensor, 192, w8) == 0
 
 
 def test_pdl_config_is_checked():
@@ -750,8 +719,9 @@ def test_get_config_fp8_block_tiles():
 
 @pytest.mark.parametrize("kind,want", [
     ("fp8_tensor", ["moe_quant_x_kernel", "moe_gate_up_kernel", "moe_down_kernel", "moe_reduce_kernel"]),
-    ("fp8_tensor_dyn", ["moe_quant_x_kernel", "aten.zeros.default", "moe_gate_up_kernel",
-                        "moe_down_kernel", "moe_reduce_kernel"]),  # dynamic a2: a zeroed row-amax buffer
+    ("fp8_tensor_dyn", ["aten.zeros.default", "moe_quant_x_kernel", "moe_gate_up_kernel",
+                        "moe_down_kernel", "moe_reduce_kernel"]),  # dynamic a2: a zeroed row-amax buffer, first
+    # (x's quantization then comes right before the gate-up GEMM, whose launch it releases: MoeConfig.pdl)
 ])
 def test_decode_batch_launches(kind, want):
     """Everything a decode-size call puts on the stream (Triton launches and torch ops that run kernels):

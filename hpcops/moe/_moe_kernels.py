@@ -454,7 +454,7 @@ def moe_down_kernel(act_ptr, act_s_ptr, a2_ptr, rowmax_ptr, w_ptr, ws_ptr, tasks
                     NAIVE: tl.constexpr, HAS_MAP: tl.constexpr, SWAP_AB: tl.constexpr, SHARED: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     SHARED_BLOCK_K: tl.constexpr, FP8_PROMOTE: tl.constexpr = 0,
-                    PDL_WAIT: tl.constexpr = False, PDL_NEXT: tl.constexpr = 0, K_ONE: tl.constexpr = 0):
+                    PDL_WAIT: tl.constexpr = False, PDL_NEXT: tl.constexpr = 0):
     """y[r, n] = act[r]·w2[e, n] for one (M tile, N tile) task, rows as the gate-up wrote them.
 
     ACT_IN (`ActMode`, as the gate-up wrote it): the WIDE_*_AMAX modes are quantized here, per row from
@@ -462,8 +462,7 @@ def moe_down_kernel(act_ptr, act_s_ptr, a2_ptr, rowmax_ptr, w_ptr, ws_ptr, tasks
     SHARED: the first N_SHARED programs are the shared expert's down GEMM (`_shared_down`: sact [T, I_S] ·
     s2 [H, I_S]ᵀ into ysh [T, H]), the routed tasks after them.
     PDL_WAIT, PDL_NEXT (`MoeConfig.pdl`): as the gate-up's (the wait before the first read of act, its scales or
-    the shared expert's activation). K_ONE > 0 (a power of two >= I, QUANT not FP8_BLOCK): the whole K in one
-    step, the weight tile [BLOCK_N, K_ONE] loaded before the wait, while the gate-up still runs.
+    the shared expert's activation).
     """
     n_tiles = tl.cdiv(H, BLOCK_N)
     pid = tl.program_id(0)
@@ -494,49 +493,34 @@ def moe_down_kernel(act_ptr, act_s_ptr, a2_ptr, rowmax_ptr, w_ptr, ws_ptr, tasks
     a_rows = act_ptr + rows64[:, None] * stride_act
     w_rows = w_ptr + e64 * stride_we + cols.to(tl.int64)[:, None] * stride_wn
     acc = _mma_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
-    if K_ONE > 0:
-        k1 = tl.arange(0, K_ONE)
-        k1mask = k1 < I
-        w1 = tl.load(w_rows + k1[None, :], mask=cmask[:, None] & k1mask[None, :], other=0.0)
-        if PDL_WAIT:
-            gdc_wait()
-        a1 = tl.load(a_rows + k1[None, :], mask=rmask[:, None] & k1mask[None, :], other=0.0)
-    elif PDL_WAIT:
+    if PDL_WAIT:
         gdc_wait()
     if ACT_IN == A_WIDE_ROW_AMAX:
         r_s = tl.maximum(tl.load(rowmax_ptr + rows, mask=rmask, other=0.0), 1e-12) / FP8_MAX
-    if K_ONE > 0:
-        if QUANT == Q_FP8_TENSOR:
-            if ACT_IN == A_WIDE_ROW_AMAX:
-                a1 = tl.minimum(tl.maximum(a1.to(tl.float32) / r_s[:, None], -FP8_MAX), FP8_MAX).to(tl.float8e4nv)
-            acc = _mma(a1, w1, acc, SWAP_AB, FP8_PROMOTE)
-        else:
-            acc = _mma(a1, w1, acc, SWAP_AB)
-    else:
-        for k0 in range(0, I, BLOCK_K):
-            kk = k0 + offs_k
-            kmask = kk < I
-            a = tl.load(a_rows + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-            w = tl.load(w_rows + kk[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0)
-            if QUANT == Q_FP8_BLOCK:
-                a_s = tl.load(act_s_ptr + rows64 * stride_acts + k0 // 128, mask=rmask, other=0.0)
-                if ACT_IN == A_WIDE_GROUP_AMAX:
-                    a_s = tl.maximum(a_s, 1e-12) / FP8_MAX
-                    a = tl.minimum(tl.maximum(a.to(tl.float32) / a_s[:, None], -FP8_MAX), FP8_MAX)
-                    a = a.to(tl.float8e4nv)
-                ws = tl.load(ws_ptr + e64 * stride_wse + (n0 // 128) * stride_wsn + (k0 // 128) * stride_wsk)
-                if SWAP_AB:
-                    acc += tl.dot(w, tl.trans(a)) * (ws * a_s[None, :])
-                else:
-                    acc += tl.dot(a, tl.trans(w)) * (a_s[:, None] * ws)
+    for k0 in range(0, I, BLOCK_K):
+        kk = k0 + offs_k
+        kmask = kk < I
+        a = tl.load(a_rows + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        w = tl.load(w_rows + kk[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0)
+        if QUANT == Q_FP8_BLOCK:
+            a_s = tl.load(act_s_ptr + rows64 * stride_acts + k0 // 128, mask=rmask, other=0.0)
+            if ACT_IN == A_WIDE_GROUP_AMAX:
+                a_s = tl.maximum(a_s, 1e-12) / FP8_MAX
+                a = tl.minimum(tl.maximum(a.to(tl.float32) / a_s[:, None], -FP8_MAX), FP8_MAX)
+                a = a.to(tl.float8e4nv)
+            ws = tl.load(ws_ptr + e64 * stride_wse + (n0 // 128) * stride_wsn + (k0 // 128) * stride_wsk)
+            if SWAP_AB:
+                acc += tl.dot(w, tl.trans(a)) * (ws * a_s[None, :])
             else:
-                if QUANT == Q_FP8_TENSOR:
-                    if ACT_IN == A_WIDE_ROW_AMAX:
-                        a = tl.minimum(tl.maximum(a.to(tl.float32) / r_s[:, None], -FP8_MAX), FP8_MAX)
-                        a = a.to(tl.float8e4nv)
-                    acc = _mma(a, w, acc, SWAP_AB, FP8_PROMOTE)
-                else:
-                    acc = _mma(a, w, acc, SWAP_AB)
+                acc += tl.dot(a, tl.trans(w)) * (a_s[:, None] * ws)
+        else:
+            if QUANT == Q_FP8_TENSOR:
+                if ACT_IN == A_WIDE_ROW_AMAX:
+                    a = tl.minimum(tl.maximum(a.to(tl.float32) / r_s[:, None], -FP8_MAX), FP8_MAX)
+                    a = a.to(tl.float8e4nv)
+                acc = _mma(a, w, acc, SWAP_AB, FP8_PROMOTE)
+            else:
+                acc = _mma(a, w, acc, SWAP_AB)
     acc = _mma_result(acc, SWAP_AB)
     if QUANT == Q_FP8_TENSOR:
         ws = tl.load(ws_ptr + e64 * stride_wse)

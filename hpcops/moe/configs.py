@@ -45,11 +45,12 @@ class MoeConfig:
     2.8e-2 unpromoted, over the fp8 budget (4e-2 / 1.5e-2), 4.0e-3 / 4.8e-3 promoted; with static scales 1.1e-2 /
     9.1e-3 and 6.5e-3 / 4.2e-3, where promoting the 64+ row tiles costs 14 % (T 2048) to 33 % (T 16384) of the
     layer's time (moe_promote_63253cc.md).
-    `pdl` (sm_90, opt-in): the gate-up, down and reduce kernels are launched with programmatic dependent launch, so
-    each one's programs start on the SM slots the previous kernel leaves free and wait (griddepcontrol.wait) before
-    reading its output; 0 off, 1 a kernel releases the next one at each program's start, 2 once its work is done.
-    `down_k_one`: where I fits one K step (a power of two, a [down_block_n, K] weight tile of at most 32 KB; not the
-    128-block scheme), the down GEMM loads its whole weight tile at once, before the PDL wait for the gate-up's output.
+    `pdl` (sm_90 and later; ignored elsewhere and in the interpreter): the gate-up, down and reduce kernels are
+    launched with programmatic dependent launch, so each one's programs start on the SM slots the previous kernel
+    leaves free (its launch and start-up under the previous kernel's tail) and wait (griddepcontrol.wait) before
+    they read its output; 0 off, 1 (default) a kernel releases the next one at each program's start, 2 once the
+    program's work is done. Measured on the H200 (bench/results/moe_pdl_e45d138.md, graph replay): 1 is 0.93x the
+    time without at TP8 fp8 B4, 0.94x at EP8 fp8 B4, 0.96-0.99x at every other B 4-64 case; 2 0.96-1.00x.
     """
 
     block_m: int = 16
@@ -69,8 +70,7 @@ class MoeConfig:
     swap_ab: bool = False
     naive_max_pairs: int = 0
     fp8_promote: int | None = None
-    pdl: int = 0
-    down_k_one: bool = False
+    pdl: int = 1
 
     def with_(self, **kw) -> MoeConfig:
         return replace(self, **kw)
@@ -164,7 +164,7 @@ def heuristic_config(*, num_tokens: int, top_k: int, num_experts: int, hidden: i
 
 TUNABLE = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "down_block_n", "down_block_k",
            "down_num_warps", "down_num_stages", "reduce_block_h", "index_small_max", "prequant_x", "swap_ab",
-           "naive_max_pairs", "fp8_promote", "pdl", "down_k_one")
+           "naive_max_pairs", "fp8_promote", "pdl")
 
 
 @functools.cache

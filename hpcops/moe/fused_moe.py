@@ -22,7 +22,6 @@ from hpcops._checks import (
 from hpcops._library import register
 from hpcops._platform import is_interpreter
 from hpcops.moe import _moe_kernels as K
-from hpcops.moe.codes import QuantCode
 from hpcops.moe.configs import ACT_MUL_MODES, MoeConfig, get_config
 from hpcops.moe.routing import build_moe_index
 from hpcops.moe.schemes import Scheme, scheme_for, scheme_named
@@ -241,7 +240,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     emap = expert_map if expert_map is not None else topk_ids
     routing = dict(NAIVE=naive, HAS_MAP=expert_map is not None)
     # MoeConfig.pdl: the gate-up, down and reduce kernels launched with programmatic dependent launch (sm_90)
-    pdl = 0 if is_interpreter() else cfg.pdl
+    pdl = cfg.pdl if not is_interpreter() and _pdl_capable(x.device) else 0
     act = scheme.activation(T * k, inter, out_dt, cfg, dummy)  # (its zero fill, if any, before x's quantization)
     a = scheme.gate_up_input(x, x_scale, cfg, dummy, pdl_next=pdl)
     # a kernel launched with PDL may start before the previous one is done and reads only the call's inputs before
@@ -282,8 +281,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         QUANT=int(scheme.code), ACT_IN=int(act.mode), SWAP_AB=cfg.swap_ab, **routing, SHARED=bool(i_s),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
         SHARED_BLOCK_K=max(16, cfg.down_block_k // 2) if narrow else cfg.down_block_k, **dn_promote,
-        **_pdl_launch(pdl), PDL_NEXT=pdl if reduce_pdl else 0, K_ONE=_down_k_one(cfg, scheme, inter, w2),
-        num_warps=cfg.down_num_warps, num_stages=cfg.down_num_stages)
+        **_pdl_launch(pdl), PDL_NEXT=pdl if reduce_pdl else 0, num_warps=cfg.down_num_warps,
+        num_stages=cfg.down_num_stages)
 
     if i_s:
         shared_output = sx.y
@@ -299,17 +298,22 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     return out
 
 
+@functools.cache
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _pdl_capable(dev: torch.device) -> bool:
+    """Programmatic dependent launch needs sm_90 or later (off CUDA only where launches are recorded, not run:
+    ptx_fingerprint, the sm_90 build tests)."""
+    if dev.type != "cuda":
+        return True
+    return _cuda_capability(dev.index if dev.index is not None else torch.cuda.current_device())[0] >= 9
+
+
 def _pdl_launch(on: bool) -> dict:
     """Launch arguments of a kernel launched with programmatic dependent launch (it waits in PDL_WAIT), or none."""
     return dict(PDL_WAIT=True, launch_pdl=True) if on else {}
-
-
-def _down_k_one(cfg: MoeConfig, scheme: Scheme, inter: int, w2: torch.Tensor) -> int:
-    """The down GEMM's one-step K (`MoeConfig.down_k_one`): I padded to a power of two where a [down_block_n, that]
-    weight tile takes at most 32 KB and the scheme has one weight scale per expert; 0 (the K loop) otherwise."""
-    k_one = max(16, triton.next_power_of_2(inter))
-    fits = k_one * cfg.down_block_n * w2.element_size() <= 32 * 1024
-    return k_one if cfg.down_k_one and fits and scheme.code != QuantCode.FP8_BLOCK else 0
 
 
 # ---- torch.library: the mutating out= form, for torch.compile and graph-capturing frameworks ----
