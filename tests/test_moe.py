@@ -719,11 +719,12 @@ def test_pdl_and_block_groups_config_are_checked():
 @pytest.mark.parametrize("T", [4, 64, 512])
 def test_gpu_block_groups(T, prequant):
     """`MoeConfig.block_groups=2` (two 128-groups of H a gate-up step) at Hy3 EP8 fp8 128-block, the tuned tiles of
-    each batch, x quantized in the gate-up kernel or beforehand: within the fp8 tolerance of the reference and
-    as close to one group a step (the same products, summed in another order). Outputs start NaN."""
+    each batch at 2 stages (a step's tiles are twice as large), x quantized in the gate-up kernel or beforehand:
+    within the fp8 tolerance of the reference and of one group a step (the same products, summed in another order).
+    Outputs start NaN."""
     wts, tw, ids, emap, x = _hy3_inputs(T, 1536, "fp8_block", 24)
     cfg = get_config(num_tokens=T, inter=1536, quant="fp8_block", num_local_experts=24,
-                     device_name=device_name(x.device), **HY3_CFG).with_(prequant_x=prequant)
+                     device_name=device_name(x.device), **HY3_CFG).with_(prequant_x=prequant, num_stages=2)
 
     def run(c):
         return fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap, out=nan_like(x), config=c)
