@@ -5,7 +5,9 @@ weights), from torch.profiler. A GPU tool: run through gpu_check.sh's `profile:m
     python3 scripts/profile_moe.py --only B4-tp8-fp8t,B64-tp8-fp8t [--configs "block_n=64;down_block_n=128"]
 
 Each config (the suite's own, then every `--configs` item, as `HPCOPS_MOE_CONFIGS` spells them) prints one
-table: kernel name, launches per call, µs per call, and the share of the call.
+table: kernel name, launches per call, µs per call, and the share of the call. Every config runs with
+`pdl=0` unless it names `pdl`: under programmatic dependent launch a kernel starts early and waits, and its
+duration then holds that wait (the bench's `hpcops-kernels` rows count the kernels' covered time instead).
 """
 
 from __future__ import annotations
@@ -65,8 +67,8 @@ def main() -> int:
         raise SystemExit(f"--only: unknown scenario(s) {', '.join(map(repr, unknown))}; known: {', '.join(known)}")
     for s in [s for s in suite.scenarios() if s.name in wanted]:
         layers = [common.make_inputs(s, i) for i in range(args.layers)]
-        rows = [(common.override_label(kw) if kw else "hpcops", [common.ours(s, kw)(x) for x in layers])
-                for kw in variants]
+        rows = [(common.override_label(kw) if kw else "hpcops", [common.ours(s, {"pdl": 0, **(kw or {})})(x)
+                                                                 for x in layers]) for kw in variants]
         try:
             rows.append(("vllm-triton", [common.vllm(s)(x) for x in layers]))
         except Exception as exc:  # no .peers here: ours only

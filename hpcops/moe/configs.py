@@ -53,7 +53,9 @@ class MoeConfig:
     time without at TP8 fp8 B4, 0.94x at EP8 fp8 B4, 0.96-0.99x at every other B 4-64 case; 2 0.96-1.00x.
     `block_groups` (128-block fp8 only; ignored by the other schemes): 128-groups of H the gate-up GEMM takes a loop
     step, 1 or 2. Each group has its own dot and scales; with 2 both dots are issued before either product is
-    scaled and added, halving the steps whose scaled sum waits on its MMA.
+    scaled and added, halving the steps whose scaled sum waits on its MMA. Measured at Hy3 EP8 (H200,
+    bench/results/moe_block_groups_a6faf21.md): level at B4 (43.1 against 42.7 us, 3 stages), 0.97x at B64, and a
+    step's tiles are twice as large (3 stages overflow shared memory at B512), so it stays opt-in.
     """
 
     block_m: int = 16
