@@ -17,10 +17,10 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from hpcops.moe.codes import ActMode, QuantCode, XMode
 
-FP8_MAX = tl.constexpr(448.0)
+FP8_MAX = tl.constexpr(448.0)  # a constexpr global: compiled kernels may read it
 # MoeConfig.pdl: when a kernel releases the next one (launched with programmatic dependent launch)
 PDL_AT_START = tl.constexpr(1)
-PDL_AT_END = tl.constexpr(2)  # a constexpr global: compiled kernels may read it
+PDL_AT_END = tl.constexpr(2)
 # constexpr mirrors of the named codes (codes.py): kernels may read constexpr globals only
 Q_NONE = tl.constexpr(int(QuantCode.NONE))
 Q_FP8_TENSOR = tl.constexpr(int(QuantCode.FP8_TENSOR))
