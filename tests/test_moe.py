@@ -154,7 +154,6 @@ class Case:
     fused_shared: int = 0  # I_s of a shared expert fused into the GEMM kernels (shared_w13 / shared_w2)
     promote: int | None = None  # force config.fp8_promote (None: the default)
     groups: int | None = None  # force config.block_groups (fp8_block: 128-groups of H a gate-up step)
-    ahead: bool = False  # config.scales_ahead (fp8_block: the next group's scales loaded a step early)
 
     @property
     def id(self) -> str:
@@ -181,8 +180,6 @@ class Case:
             s += f"-promote{self.promote}"
         if self.groups is not None:
             s += f"-groups{self.groups}"
-        if self.ahead:
-            s += "-ahead"
         return s
 
 
@@ -213,11 +210,6 @@ CASES = [
     Case(7, quant="fp8_block", H=384, shared=True, groups=2),
     Case(6, k=2, quant="fp8_block", inter=256, H=200, ep=True, E=8, groups=2, prequant=True, block_n=128),
     Case(3, quant="fp8_block", H=384, block_n=64, groups=2),
-    # the next group's scales loaded a step early (MoeConfig.scales_ahead): 3 groups (the 2-unrolled loop's
-    # remainder), a ragged last group with x's scales from the pre-pass
-    Case(7, quant="fp8_block", H=384, shared=True, ahead=True),
-    Case(6, k=2, quant="fp8_block", inter=256, H=200, ep=True, E=8, ahead=True, prequant=True, block_n=128),
-    Case(3, quant="fp8_block", H=512, block_n=64, ahead=True),
 ]
 
 
@@ -241,9 +233,7 @@ PATH_CASES += [Case(6, quant="fp8_tensor", shared=True, ep=True, E=8, swap=False
                Case(7, quant="fp8_tensor", static=False, swap=True, naive=False, promote=0, H=384),
                Case(7, quant="fp8_tensor", static=False, swap=False, naive=False, promote=128, H=384),
                Case(7, quant="fp8_block", H=384, swap=False, naive=False, groups=2, fused_shared=64),
-               Case(5, quant="fp8_block", H=384, swap=True, naive=True, groups=2, prequant=True, block_n=128),
-               Case(7, quant="fp8_block", H=384, swap=False, naive=False, ahead=True, fused_shared=64),
-               Case(5, quant="fp8_block", H=640, swap=False, naive=True, ahead=True, prequant=True)]
+               Case(5, quant="fp8_block", H=384, swap=True, naive=True, groups=2, prequant=True, block_n=128)]
 
 
 def _tolerance(case: Case) -> dict:
@@ -285,8 +275,6 @@ def run_case(case: Case, device: str):
         cfg = cfg.with_(fp8_promote=case.promote)
     if case.groups is not None:
         cfg = cfg.with_(block_groups=case.groups)
-    if case.ahead:
-        cfg = cfg.with_(scales_ahead=True)
     out = nan_like(torch.empty(case.T, case.H, dtype=case.dtype, device=device)) if case.use_out else None
     got = fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap, shared_output=shared,
                     out=out, config=cfg, shared_w13=s13, shared_w2=s2)
@@ -714,8 +702,7 @@ def test_gpu_pdl(T, kind, pdl):
 
 
 def test_pdl_and_block_groups_config_are_checked():
-    """`MoeConfig.pdl` takes 0, 1 or 2, `block_groups` 1 or 2, `scales_ahead` only with one group a step
-    (ValueError naming the field otherwise)."""
+    """`MoeConfig.pdl` takes 0, 1 or 2, `block_groups` 1 or 2 (ValueError naming the field otherwise)."""
     T, k, E, H, inter = 2, 2, 4, 64, 64
     tw, ids = make_routing(T, k, E, "cpu")
     w = make_weights(E, H, inter, "none", device="cpu")
@@ -725,19 +712,16 @@ def test_pdl_and_block_groups_config_are_checked():
         fused_moe(x, w.w13, w.w2, tw, ids, config=cfg.with_(pdl=3))
     with pytest.raises(ValueError, match="config.block_groups"):
         fused_moe(x, w.w13, w.w2, tw, ids, config=cfg.with_(block_groups=4))
-    with pytest.raises(ValueError, match="config.scales_ahead"):
-        fused_moe(x, w.w13, w.w2, tw, ids, config=cfg.with_(block_groups=2, scales_ahead=True))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", [dict(block_groups=2), dict(scales_ahead=True)], ids=["groups2", "ahead"])
 @pytest.mark.parametrize("prequant", [False, True])
 @pytest.mark.parametrize("T", [4, 64, 512])
-def test_gpu_block_groups(T, prequant, variant):
-    """`MoeConfig.block_groups=2` (two 128-groups of H a gate-up step) and `scales_ahead` (the next group's scales
-    loaded a step early, the loop unrolled by 2) at Hy3 EP8 fp8 128-block, the tuned tiles of each batch at 2 stages
-    (both double a step's buffers), x quantized in the gate-up kernel or beforehand: within the fp8 tolerance of the
-    reference and of the default step (the same products, summed in another order). Outputs start NaN."""
+def test_gpu_block_groups(T, prequant):
+    """`MoeConfig.block_groups=2` (two 128-groups of H a gate-up step) at Hy3 EP8 fp8 128-block, the tuned tiles of
+    each batch at 2 stages (a step's tiles are twice as large), x quantized in the gate-up kernel or beforehand:
+    within the fp8 tolerance of the reference and of one group a step (the same products, summed in another order).
+    Outputs start NaN."""
     wts, tw, ids, emap, x = _hy3_inputs(T, 1536, "fp8_block", 24)
     cfg = get_config(num_tokens=T, inter=1536, quant="fp8_block", num_local_experts=24,
                      device_name=device_name(x.device), **HY3_CFG).with_(prequant_x=prequant, num_stages=2)
@@ -745,7 +729,7 @@ def test_gpu_block_groups(T, prequant, variant):
     def run(c):
         return fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap, out=nan_like(x), config=c)
 
-    one, two = run(cfg), run(cfg.with_(**variant))
+    one, two = run(cfg.with_(block_groups=1)), run(cfg.with_(block_groups=2))
     torch.cuda.synchronize()
     ref = R.fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap)
     assert_close(ref, two, maxtol=4e-2, rmstol=1.5e-2)

@@ -323,21 +323,6 @@ def _fp8_block_product(a, w, k0, tok, rmask, wrow, wmask, H, xs_ptr, stride_xst,
 
 
 @triton.jit
-def _fp8_block_scaled(a, w, w_s, a_s, X_FP8: tl.constexpr, SWAP_AB: tl.constexpr):
-    """`_fp8_block_product` with the group's scales given (`MoeConfig.scales_ahead`): w_s per weight row; a_s per
-    x row where x arrives fp8 (X_FP8), else x is quantized here per row."""
-    if not X_FP8:
-        af = a.to(tl.float32)
-        a_s = tl.maximum(tl.max(tl.abs(af), 1), 1e-12) / FP8_MAX
-        a = tl.minimum(tl.maximum(af / a_s[:, None], -FP8_MAX), FP8_MAX).to(tl.float8e4nv)
-    if SWAP_AB:
-        prod = tl.dot(w, tl.trans(a)) * (w_s[:, None] * a_s[None, :])
-    else:
-        prod = tl.dot(a, tl.trans(w)) * (a_s[:, None] * w_s[None, :])
-    return prod
-
-
-@triton.jit
 def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets_ptr, sorted_ptr, ids_ptr, map_ptr,
                        act_ptr, act_s_ptr, a2_ptr, rowmax_ptr,
                        H, I, CAP, TOP_K, E_GLOBAL, E_LOCAL,
@@ -350,8 +335,7 @@ def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets
                        NAIVE: tl.constexpr, HAS_MAP: tl.constexpr, SWAP_AB: tl.constexpr, SHARED: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        SHARED_BLOCK_K: tl.constexpr, FP8_PROMOTE: tl.constexpr = 0,
-                       PDL_WAIT: tl.constexpr = False, PDL_NEXT: tl.constexpr = 0, GROUPS_PER_STEP: tl.constexpr = 1,
-                       SCALES_AHEAD: tl.constexpr = False):
+                       PDL_WAIT: tl.constexpr = False, PDL_NEXT: tl.constexpr = 0, GROUPS_PER_STEP: tl.constexpr = 1):
     """act[r, n] = silu(x[tok(r)]·w13[e, n]) · (x[tok(r)]·w13[e, I+n]) for one (M tile, N tile) task.
 
     SHARED: the first N_SHARED programs are the shared expert's gate-up instead (`_shared_gate_up`: the 16-bit
@@ -372,9 +356,6 @@ def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets
     GEMM's launch at this program's start (PDL_AT_START) or once its work is done (PDL_AT_END).
     GROUPS_PER_STEP (FP8_BLOCK, `MoeConfig.block_groups`): 128-groups of K a loop step, each with its own dot and
     scales (2: half the steps, both dots issued before the products are scaled and added).
-    SCALES_AHEAD (FP8_BLOCK, one group a step, `MoeConfig.scales_ahead`): a step loads the next group's weight
-    scales (and x's, X_FP8) for the step after, so their latency hides behind a step's work; the loop is unrolled by
-    2 so the loaded registers are not copied (and waited for) at the back edge.
     """
     n_tiles = tl.cdiv(I, BLOCK_N)
     pid = tl.program_id(0)
@@ -413,14 +394,7 @@ def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets
     if QUANT == Q_FP8_TENSOR:
         if not X_FP8:
             a13 = tl.load(a13_ptr)
-    if SCALES_AHEAD:  # group 0's scales; each step then loads the next group's (MoeConfig.scales_ahead)
-        ws_row = ws_ptr + e64 * stride_wse + (wrow // 128) * stride_wsn
-        ws_next = tl.load(ws_row, mask=wmask, other=0.0)
-        if X_FP8:
-            xs_next = tl.load(xs_ptr + tok * stride_xst, mask=rmask, other=0.0)
-        else:  # quantized per step in the loop
-            xs_next = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for k0 in tl.range(0, H, BLOCK_K * GROUPS_PER_STEP, loop_unroll_factor=2 if SCALES_AHEAD else 1):
+    for k0 in range(0, H, BLOCK_K * GROUPS_PER_STEP):
         kk = k0 + offs_k
         kmask = kk < H
         a = tl.load(x_rows + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
@@ -437,14 +411,6 @@ def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets
                                     stride_xsg, ws_ptr + e64 * stride_wse, stride_wsk, stride_wsn, X_FP8, SWAP_AB,
                                     MAY_PASS_H=True)
             acc += lo + hi
-        elif QUANT == Q_FP8_BLOCK and SCALES_AHEAD:
-            # this group's scales were loaded a step ago; load the next group's now, used a step later
-            ws_cur, xs_cur = ws_next, xs_next
-            g1 = k0 // 128 + 1
-            ws_next = tl.load(ws_row + g1 * stride_wsk, mask=wmask & (g1 * 128 < H), other=0.0)
-            if X_FP8:
-                xs_next = tl.load(xs_ptr + tok * stride_xst + g1 * stride_xsg, mask=rmask & (g1 * 128 < H), other=0.0)
-            acc += _fp8_block_scaled(a, w, ws_cur, xs_cur, X_FP8, SWAP_AB)
         elif QUANT == Q_NONE:
             acc = _mma(a, w, acc, SWAP_AB)
         elif QUANT == Q_FP8_TENSOR:
