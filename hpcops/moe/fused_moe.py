@@ -22,7 +22,6 @@ from hpcops._checks import (
 from hpcops._library import register
 from hpcops._platform import is_interpreter
 from hpcops.moe import _moe_kernels as K
-from hpcops.moe.codes import QuantCode
 from hpcops.moe.configs import ACT_MUL_MODES, MoeConfig, get_config
 from hpcops.moe.routing import build_moe_index
 from hpcops.moe.schemes import Scheme, scheme_for, scheme_named
@@ -83,7 +82,6 @@ def _validate(scheme: Scheme, x, w13, w2, topk_weights, topk_ids, expert_map, sh
     scheme.validate(x, w13, w2, x_scale, cfg, T, H, E, inter)
     check_choice("config.act_mul", cfg.act_mul, ACT_MUL_MODES)
     check_choice("config.pdl", cfg.pdl, (0, 1, 2))
-    check_choice("config.block_groups", cfg.block_groups, (1, 2))
     # last: argument errors first; then whether the kernels can run where the tensors are
     check_kernel_device("x", x)
     return T, H, E, inter, k, out_dt
@@ -270,8 +268,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         BF16_MUL=cfg.act_mul == "bf16", SWAP_AB=cfg.swap_ab, **routing, SHARED=bool(i_s),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SHARED_BLOCK_K=max(16, cfg.block_k // 2) if narrow else cfg.block_k, **gu_promote, **gu_pdl,
-        PDL_NEXT=pdl, GROUPS_PER_STEP=cfg.block_groups if scheme.code == QuantCode.FP8_BLOCK else 1,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        PDL_NEXT=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     y = torch.empty((T * k, H), dtype=out_dt, device=x.device)
     reduce_pdl = bool(pdl) and shared_ready is None  # (an event wait between the two: launched as usual)

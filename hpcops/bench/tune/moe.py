@@ -45,7 +45,6 @@ SPACE = (
     knob("num_warps", 4, 8),
     knob("down_num_warps", 4, 8),
     knob("prequant_x", False, True),
-    knob("block_groups", 1, 2),  # 128-block fp8 only (valid)
 )
 
 ENTRY_KEYS = ("E", "E_local", "H", "I", "quant", "T")
@@ -85,8 +84,6 @@ class MoeTune(TuneOp):
         if s.kind == "fp8_block":  # MoeConfig: Fp8Block128 needs K tiles of 128 and N tiles dividing 128
             if c["block_k"] != 128 or c["down_block_k"] != 128 or 128 % c["block_n"] or 128 % c["down_block_n"]:
                 return False
-        elif c["block_groups"] != 1:  # the other schemes ignore it: no duplicate candidates
-            return False
         # K tiles past I add only masked work
         return c["down_block_k"] <= max(64, s.inter)
 
