@@ -35,6 +35,21 @@ def _cuda_sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+@functools.cache
+def _cuda_capability(index: int) -> tuple[int, int]:
+    import torch
+
+    return torch.cuda.get_device_capability(index)
+
+
+def cuda_capability(device: torch.device | str) -> tuple[int, int]:
+    """(major, minor) compute capability of a CUDA `device`, asked once per device."""
+    import torch
+
+    device = torch.device(device)
+    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def num_sms(device: torch.device | str | None = None) -> int:
     """Streaming multiprocessors of `device`; `DEFAULT_NUM_SMS` on the CPU or under the interpreter."""
     import torch

@@ -20,7 +20,7 @@ from hpcops._checks import (
     values_checkable,
 )
 from hpcops._library import register
-from hpcops._platform import is_interpreter
+from hpcops._platform import cuda_capability, is_interpreter
 from hpcops.moe import _moe_kernels as K
 from hpcops.moe.configs import ACT_MUL_MODES, MoeConfig, get_config
 from hpcops.moe.routing import build_moe_index
@@ -298,17 +298,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     return out
 
 
-@functools.cache
-def _cuda_capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
 def _pdl_capable(dev: torch.device) -> bool:
     """Programmatic dependent launch needs sm_90 or later (off CUDA only where launches are recorded, not run:
     ptx_fingerprint, the sm_90 build tests)."""
-    if dev.type != "cuda":
-        return True
-    return _cuda_capability(dev.index if dev.index is not None else torch.cuda.current_device())[0] >= 9
+    return dev.type != "cuda" or cuda_capability(dev)[0] >= 9
 
 
 def _pdl_launch(on: bool) -> dict:
