@@ -153,8 +153,6 @@ class Case:
     naive: bool | None = None  # force one task per pair (True) or the index (False)
     fused_shared: int = 0  # I_s of a shared expert fused into the GEMM kernels (shared_w13 / shared_w2)
     promote: int | None = None  # force config.fp8_promote (None: the default)
-    groups: int | None = None  # force config.block_groups (fp8_block: 128-groups of H a gate-up step)
-    ahead: bool = False  # config.scales_ahead (fp8_block: the next group's scales loaded a step early)
 
     @property
     def id(self) -> str:
@@ -179,10 +177,6 @@ class Case:
             s += "-naive" if self.naive else "-indexed"
         if self.promote is not None:
             s += f"-promote{self.promote}"
-        if self.groups is not None:
-            s += f"-groups{self.groups}"
-        if self.ahead:
-            s += "-ahead"
         return s
 
 
@@ -208,16 +202,6 @@ CASES = [
     Case(9, k=2, small_max=0),
     Case(3, quant="fp8_block", shared=True, block_n=64),  # 16-bit act + group amax, quantized by the down GEMM
     Case(6, k=3, quant="fp8_block", inter=256, H=200, ep=True, E=8, block_n=32),
-    # two 128-groups of H a gate-up step (MoeConfig.block_groups): H 384 ends on a half-empty step, H 200 on a
-    # ragged group; x quantized in the kernel or beforehand
-    Case(7, quant="fp8_block", H=384, shared=True, groups=2),
-    Case(6, k=2, quant="fp8_block", inter=256, H=200, ep=True, E=8, groups=2, prequant=True, block_n=128),
-    Case(3, quant="fp8_block", H=384, block_n=64, groups=2),
-    # the next group's scales loaded a step early (MoeConfig.scales_ahead): 3 groups (the 2-unrolled loop's
-    # remainder), a ragged last group with x's scales from the pre-pass
-    Case(7, quant="fp8_block", H=384, shared=True, ahead=True),
-    Case(6, k=2, quant="fp8_block", inter=256, H=200, ep=True, E=8, ahead=True, prequant=True, block_n=128),
-    Case(3, quant="fp8_block", H=512, block_n=64, ahead=True),
 ]
 
 
@@ -239,11 +223,7 @@ PATH_CASES = [replace(c, swap=swap, naive=naive) for c in PATH_BASES for swap in
 # fp8 per-tensor MMA sums promoted every 64 products, or never (MoeConfig.fp8_promote; default: by tile and scales)
 PATH_CASES += [Case(6, quant="fp8_tensor", shared=True, ep=True, E=8, swap=False, promote=64),
                Case(7, quant="fp8_tensor", static=False, swap=True, naive=False, promote=0, H=384),
-               Case(7, quant="fp8_tensor", static=False, swap=False, naive=False, promote=128, H=384),
-               Case(7, quant="fp8_block", H=384, swap=False, naive=False, groups=2, fused_shared=64),
-               Case(5, quant="fp8_block", H=384, swap=True, naive=True, groups=2, prequant=True, block_n=128),
-               Case(7, quant="fp8_block", H=384, swap=False, naive=False, ahead=True, fused_shared=64),
-               Case(5, quant="fp8_block", H=640, swap=False, naive=True, ahead=True, prequant=True)]
+               Case(7, quant="fp8_tensor", static=False, swap=False, naive=False, promote=128, H=384)]
 
 
 def _tolerance(case: Case) -> dict:
@@ -283,10 +263,6 @@ def run_case(case: Case, device: str):
         cfg = cfg.with_(naive_max_pairs=1 << 30 if case.naive else 0)
     if case.promote is not None:
         cfg = cfg.with_(fp8_promote=case.promote)
-    if case.groups is not None:
-        cfg = cfg.with_(block_groups=case.groups)
-    if case.ahead:
-        cfg = cfg.with_(scales_ahead=True)
     out = nan_like(torch.empty(case.T, case.H, dtype=case.dtype, device=device)) if case.use_out else None
     got = fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap, shared_output=shared,
                     out=out, config=cfg, shared_w13=s13, shared_w2=s2)
@@ -713,9 +689,8 @@ def test_gpu_pdl(T, kind, pdl):
     assert_close(ref, eager, **tol)
 
 
-def test_pdl_and_block_groups_config_are_checked():
-    """`MoeConfig.pdl` takes 0, 1 or 2, `block_groups` 1 or 2, `scales_ahead` only with one group a step
-    (ValueError naming the field otherwise)."""
+def test_pdl_config_is_checked():
+    """`MoeConfig.pdl` takes 0, 1 or 2 (ValueError naming it otherwise)."""
     T, k, E, H, inter = 2, 2, 4, 64, 64
     tw, ids = make_routing(T, k, E, "cpu")
     w = make_weights(E, H, inter, "none", device="cpu")
@@ -723,33 +698,6 @@ def test_pdl_and_block_groups_config_are_checked():
     cfg = get_config(num_tokens=T, top_k=k, num_experts=E, hidden=H, inter=inter, interpreter=True)
     with pytest.raises(ValueError, match="config.pdl"):
         fused_moe(x, w.w13, w.w2, tw, ids, config=cfg.with_(pdl=3))
-    with pytest.raises(ValueError, match="config.block_groups"):
-        fused_moe(x, w.w13, w.w2, tw, ids, config=cfg.with_(block_groups=4))
-    with pytest.raises(ValueError, match="config.scales_ahead"):
-        fused_moe(x, w.w13, w.w2, tw, ids, config=cfg.with_(block_groups=2, scales_ahead=True))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("variant", [dict(block_groups=2), dict(scales_ahead=True)], ids=["groups2", "ahead"])
-@pytest.mark.parametrize("prequant", [False, True])
-@pytest.mark.parametrize("T", [4, 64, 512])
-def test_gpu_block_groups(T, prequant, variant):
-    """`MoeConfig.block_groups=2` (two 128-groups of H a gate-up step) and `scales_ahead` (the next group's scales
-    loaded a step early, the loop unrolled by 2) at Hy3 EP8 fp8 128-block, the tuned tiles of each batch at 2 stages
-    (both double a step's buffers), x quantized in the gate-up kernel or beforehand: within the fp8 tolerance of the
-    reference and of the default step (the same products, summed in another order). Outputs start NaN."""
-    wts, tw, ids, emap, x = _hy3_inputs(T, 1536, "fp8_block", 24)
-    cfg = get_config(num_tokens=T, inter=1536, quant="fp8_block", num_local_experts=24,
-                     device_name=device_name(x.device), **HY3_CFG).with_(prequant_x=prequant, num_stages=2)
-
-    def run(c):
-        return fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap, out=nan_like(x), config=c)
-
-    one, two = run(cfg), run(cfg.with_(**variant))
-    torch.cuda.synchronize()
-    ref = R.fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap)
-    assert_close(ref, two, maxtol=4e-2, rmstol=1.5e-2)
-    assert_close(one, two, maxtol=4e-2, rmstol=1e-2)
 
 
 # ---------------------------------------------------------------------------------------------------

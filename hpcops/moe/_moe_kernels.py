@@ -17,10 +17,10 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from hpcops.moe.codes import ActMode, QuantCode, XMode
 
-FP8_MAX = tl.constexpr(448.0)  # a constexpr global: compiled kernels may read it
+FP8_MAX = tl.constexpr(448.0)
 # MoeConfig.pdl: when a kernel releases the next one (launched with programmatic dependent launch)
 PDL_AT_START = tl.constexpr(1)
-PDL_AT_END = tl.constexpr(2)
+PDL_AT_END = tl.constexpr(2)  # a constexpr global: compiled kernels may read it
 # constexpr mirrors of the named codes (codes.py): kernels may read constexpr globals only
 Q_NONE = tl.constexpr(int(QuantCode.NONE))
 Q_FP8_TENSOR = tl.constexpr(int(QuantCode.FP8_TENSOR))
@@ -297,47 +297,6 @@ def _shared_gate_up(sp, x_ptr, w_ptr, act_ptr, T, H, I_S, stride_x, stride_w, st
 
 
 @triton.jit
-def _fp8_block_product(a, w, k0, tok, rmask, wrow, wmask, H, xs_ptr, stride_xst, stride_xsg, ws_ptr, stride_wsk,
-                       stride_wsn, X_FP8: tl.constexpr, SWAP_AB: tl.constexpr, MAY_PASS_H: tl.constexpr = False):
-    """One 128-group of K of the 128-block fp8 gate-up GEMM, scaled: (a · wᵀ) · a_s · w_s in the accumulator's
-    orientation (SWAP_AB: w · aᵀ). a: the group's x rows, fp8 with their scales in xs (X_FP8), else 16-bit and
-    quantized here per row; w: its 2·BLOCK_N weight rows (fp8) with one scale per row's 128-block (gate rows and
-    up rows lie in different N blocks; ws_ptr is the expert's). MAY_PASS_H: the group may start at or past H (its
-    loads masked off), and then adds zero."""
-    g = k0 // 128
-    if MAY_PASS_H:
-        rmask = rmask & (k0 < H)
-        wmask = wmask & (k0 < H)
-    if X_FP8:
-        a_s = tl.load(xs_ptr + tok * stride_xst + g * stride_xsg, mask=rmask, other=0.0)
-    else:
-        af = a.to(tl.float32)
-        a_s = tl.maximum(tl.max(tl.abs(af), 1), 1e-12) / FP8_MAX
-        a = tl.minimum(tl.maximum(af / a_s[:, None], -FP8_MAX), FP8_MAX).to(tl.float8e4nv)
-    w_s = tl.load(ws_ptr + g * stride_wsk + (wrow // 128) * stride_wsn, mask=wmask, other=0.0)
-    if SWAP_AB:
-        prod = tl.dot(w, tl.trans(a)) * (w_s[:, None] * a_s[None, :])
-    else:
-        prod = tl.dot(a, tl.trans(w)) * (a_s[:, None] * w_s[None, :])
-    return prod
-
-
-@triton.jit
-def _fp8_block_scaled(a, w, w_s, a_s, X_FP8: tl.constexpr, SWAP_AB: tl.constexpr):
-    """`_fp8_block_product` with the group's scales given (`MoeConfig.scales_ahead`): w_s per weight row; a_s per
-    x row where x arrives fp8 (X_FP8), else x is quantized here per row."""
-    if not X_FP8:
-        af = a.to(tl.float32)
-        a_s = tl.maximum(tl.max(tl.abs(af), 1), 1e-12) / FP8_MAX
-        a = tl.minimum(tl.maximum(af / a_s[:, None], -FP8_MAX), FP8_MAX).to(tl.float8e4nv)
-    if SWAP_AB:
-        prod = tl.dot(w, tl.trans(a)) * (w_s[:, None] * a_s[None, :])
-    else:
-        prod = tl.dot(a, tl.trans(w)) * (a_s[:, None] * w_s[None, :])
-    return prod
-
-
-@triton.jit
 def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets_ptr, sorted_ptr, ids_ptr, map_ptr,
                        act_ptr, act_s_ptr, a2_ptr, rowmax_ptr,
                        H, I, CAP, TOP_K, E_GLOBAL, E_LOCAL,
@@ -350,8 +309,7 @@ def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets
                        NAIVE: tl.constexpr, HAS_MAP: tl.constexpr, SWAP_AB: tl.constexpr, SHARED: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        SHARED_BLOCK_K: tl.constexpr, FP8_PROMOTE: tl.constexpr = 0,
-                       PDL_WAIT: tl.constexpr = False, PDL_NEXT: tl.constexpr = 0, GROUPS_PER_STEP: tl.constexpr = 1,
-                       SCALES_AHEAD: tl.constexpr = False):
+                       PDL_WAIT: tl.constexpr = False, PDL_NEXT: tl.constexpr = 0):
     """act[r, n] = silu(x[tok(r)]·w13[e, n]) · (x[tok(r)]·w13[e, I+n]) for one (M tile, N tile) task.
 
     SHARED: the first N_SHARED programs are the shared expert's gate-up instead (`_shared_gate_up`: the 16-bit
@@ -370,11 +328,6 @@ def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets
     program waits for the previous grid before its first read of what that grid wrote (x, act's buffers) and
     before it exits; before the wait it reads only the call's inputs and the index. PDL_NEXT: release the down
     GEMM's launch at this program's start (PDL_AT_START) or once its work is done (PDL_AT_END).
-    GROUPS_PER_STEP (FP8_BLOCK, `MoeConfig.block_groups`): 128-groups of K a loop step, each with its own dot and
-    scales (2: half the steps, both dots issued before the products are scaled and added).
-    SCALES_AHEAD (FP8_BLOCK, one group a step, `MoeConfig.scales_ahead`): a step loads the next group's weight
-    scales (and x's, X_FP8) for the step after, so their latency hides behind a step's work; the loop is unrolled by
-    2 so the loaded registers are not copied (and waited for) at the back edge.
     """
     n_tiles = tl.cdiv(I, BLOCK_N)
     pid = tl.program_id(0)
@@ -413,47 +366,31 @@ def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets
     if QUANT == Q_FP8_TENSOR:
         if not X_FP8:
             a13 = tl.load(a13_ptr)
-    if SCALES_AHEAD:  # group 0's scales; each step then loads the next group's (MoeConfig.scales_ahead)
-        ws_row = ws_ptr + e64 * stride_wse + (wrow // 128) * stride_wsn
-        ws_next = tl.load(ws_row, mask=wmask, other=0.0)
-        if X_FP8:
-            xs_next = tl.load(xs_ptr + tok * stride_xst, mask=rmask, other=0.0)
-        else:  # quantized per step in the loop
-            xs_next = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for k0 in tl.range(0, H, BLOCK_K * GROUPS_PER_STEP, loop_unroll_factor=2 if SCALES_AHEAD else 1):
+    for k0 in range(0, H, BLOCK_K):
         kk = k0 + offs_k
         kmask = kk < H
         a = tl.load(x_rows + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
         w = tl.load(w_rows + kk[None, :], mask=wmask[:, None] & kmask[None, :], other=0.0)
-        if QUANT == Q_FP8_BLOCK and GROUPS_PER_STEP == 2:
-            # a second 128-group in the same step: its own loads, its dot issued before either product is scaled
-            kk2 = kk + 128
-            kmask2 = kk2 < H
-            a_hi = tl.load(x_rows + kk2[None, :], mask=rmask[:, None] & kmask2[None, :], other=0.0)
-            w_hi = tl.load(w_rows + kk2[None, :], mask=wmask[:, None] & kmask2[None, :], other=0.0)
-            lo = _fp8_block_product(a, w, k0, tok, rmask, wrow, wmask, H, xs_ptr, stride_xst, stride_xsg,
-                                    ws_ptr + e64 * stride_wse, stride_wsk, stride_wsn, X_FP8, SWAP_AB)
-            hi = _fp8_block_product(a_hi, w_hi, k0 + 128, tok, rmask, wrow, wmask, H, xs_ptr, stride_xst,
-                                    stride_xsg, ws_ptr + e64 * stride_wse, stride_wsk, stride_wsn, X_FP8, SWAP_AB,
-                                    MAY_PASS_H=True)
-            acc += lo + hi
-        elif QUANT == Q_FP8_BLOCK and SCALES_AHEAD:
-            # this group's scales were loaded a step ago; load the next group's now, used a step later
-            ws_cur, xs_cur = ws_next, xs_next
-            g1 = k0 // 128 + 1
-            ws_next = tl.load(ws_row + g1 * stride_wsk, mask=wmask & (g1 * 128 < H), other=0.0)
-            if X_FP8:
-                xs_next = tl.load(xs_ptr + tok * stride_xst + g1 * stride_xsg, mask=rmask & (g1 * 128 < H), other=0.0)
-            acc += _fp8_block_scaled(a, w, ws_cur, xs_cur, X_FP8, SWAP_AB)
-        elif QUANT == Q_NONE:
+        if QUANT == Q_NONE:
             acc = _mma(a, w, acc, SWAP_AB)
         elif QUANT == Q_FP8_TENSOR:
             if not X_FP8:
                 a = tl.minimum(tl.maximum(a.to(tl.float32) / a13, -FP8_MAX), FP8_MAX).to(tl.float8e4nv)
             acc = _mma(a, w, acc, SWAP_AB, FP8_PROMOTE)
         else:
-            acc += _fp8_block_product(a, w, k0, tok, rmask, wrow, wmask, H, xs_ptr, stride_xst, stride_xsg,
-                                      ws_ptr + e64 * stride_wse, stride_wsk, stride_wsn, X_FP8, SWAP_AB)
+            if X_FP8:
+                a_s = tl.load(xs_ptr + tok * stride_xst + (k0 // 128) * stride_xsg, mask=rmask, other=0.0)
+            else:
+                af = a.to(tl.float32)
+                a_s = tl.maximum(tl.max(tl.abs(af), 1), 1e-12) / FP8_MAX
+                a = tl.minimum(tl.maximum(af / a_s[:, None], -FP8_MAX), FP8_MAX).to(tl.float8e4nv)
+            # the scale of each weight row's 128-block (gate rows and up rows lie in different N blocks)
+            w_s = tl.load(ws_ptr + e64 * stride_wse + (k0 // 128) * stride_wsk + (wrow // 128) * stride_wsn,
+                          mask=wmask, other=0.0)
+            if SWAP_AB:
+                acc += tl.dot(w, tl.trans(a)) * (w_s[:, None] * a_s[None, :])
+            else:
+                acc += tl.dot(a, tl.trans(w)) * (a_s[:, None] * w_s[None, :])
     acc_g, acc_u = _gate_up_halves(_mma_result(acc, SWAP_AB), BLOCK_M, BLOCK_N)
     if QUANT == Q_FP8_TENSOR:
         ws = tl.load(ws_ptr + e64 * stride_wse)

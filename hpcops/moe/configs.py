@@ -51,14 +51,6 @@ class MoeConfig:
     they read its output; 0 off, 1 (default) a kernel releases the next one at each program's start, 2 once the
     program's work is done. Measured on the H200 (bench/results/moe_pdl_e45d138.md, graph replay): 1 is 0.93x the
     time without at TP8 fp8 B4, 0.94x at EP8 fp8 B4, 0.96-0.99x at every other B 4-64 case; 2 0.96-1.00x.
-    `block_groups` (128-block fp8 only; ignored by the other schemes): 128-groups of H the gate-up GEMM takes a loop
-    step, 1 or 2. Each group has its own dot and scales; with 2 both dots are issued before either product is
-    scaled and added, halving the steps whose scaled sum waits on its MMA. Measured at Hy3 EP8 (H200,
-    bench/results/moe_block_groups_a6faf21.md): level at B4 (43.1 against 42.7 us, 3 stages), 0.97x at B64, and a
-    step's tiles are twice as large (3 stages overflow shared memory at B512), so it stays opt-in.
-    `scales_ahead` (128-block fp8, one group a step): each K step loads the next group's weight scales (and x's,
-    with `prequant_x`) for the step after, so their latency hides behind a step's work instead of stalling it; the
-    loop is unrolled by 2, which doubles its pipeline buffers (fewer stages fit).
     """
 
     block_m: int = 16
@@ -79,8 +71,6 @@ class MoeConfig:
     naive_max_pairs: int = 0
     fp8_promote: int | None = None
     pdl: int = 1
-    block_groups: int = 1
-    scales_ahead: bool = False
 
     def with_(self, **kw) -> MoeConfig:
         return replace(self, **kw)
@@ -174,7 +164,7 @@ def heuristic_config(*, num_tokens: int, top_k: int, num_experts: int, hidden: i
 
 TUNABLE = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "down_block_n", "down_block_k",
            "down_num_warps", "down_num_stages", "reduce_block_h", "index_small_max", "prequant_x", "swap_ab",
-           "naive_max_pairs", "fp8_promote", "pdl", "block_groups", "scales_ahead")
+           "naive_max_pairs", "fp8_promote", "pdl")
 
 
 @functools.cache

@@ -22,7 +22,6 @@ from hpcops._checks import (
 from hpcops._library import register
 from hpcops._platform import cuda_capability, is_interpreter
 from hpcops.moe import _moe_kernels as K
-from hpcops.moe.codes import QuantCode
 from hpcops.moe.configs import ACT_MUL_MODES, MoeConfig, get_config
 from hpcops.moe.routing import build_moe_index
 from hpcops.moe.schemes import Scheme, scheme_for, scheme_named
@@ -83,9 +82,6 @@ def _validate(scheme: Scheme, x, w13, w2, topk_weights, topk_ids, expert_map, sh
     scheme.validate(x, w13, w2, x_scale, cfg, T, H, E, inter)
     check_choice("config.act_mul", cfg.act_mul, ACT_MUL_MODES)
     check_choice("config.pdl", cfg.pdl, (0, 1, 2))
-    check_choice("config.block_groups", cfg.block_groups, (1, 2))
-    if cfg.scales_ahead and cfg.block_groups != 1:
-        raise ValueError(f"config.scales_ahead needs config.block_groups = 1, got {cfg.block_groups}")
     # last: argument errors first; then whether the kernels can run where the tensors are
     check_kernel_device("x", x)
     return T, H, E, inter, k, out_dt
@@ -272,7 +268,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         BF16_MUL=cfg.act_mul == "bf16", SWAP_AB=cfg.swap_ab, **routing, SHARED=bool(i_s),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SHARED_BLOCK_K=max(16, cfg.block_k // 2) if narrow else cfg.block_k, **gu_promote, **gu_pdl,
-        PDL_NEXT=pdl, **_block_scale_launch(cfg, scheme), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        PDL_NEXT=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     y = torch.empty((T * k, H), dtype=out_dt, device=x.device)
     reduce_pdl = bool(pdl) and shared_ready is None  # (an event wait between the two: launched as usual)
@@ -300,15 +296,6 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         TOP_K=k, HAS_SHARED=shared_output is not None, **routing, BLOCK_H=bh, **_pdl_launch(reduce_pdl),
         num_warps=4)
     return out
-
-
-def _block_scale_launch(cfg: MoeConfig, scheme: Scheme) -> dict:
-    """The gate-up's 128-block fp8 step (`MoeConfig.block_groups`, `scales_ahead`); the other schemes ignore both."""
-    if scheme.code != QuantCode.FP8_BLOCK:
-        return {}
-    groups = dict(GROUPS_PER_STEP=2) if cfg.block_groups == 2 else {}
-    ahead = dict(SCALES_AHEAD=True) if cfg.scales_ahead else {}
-    return {**groups, **ahead}
 
 
 def _pdl_capable(dev: torch.device) -> bool:

@@ -45,8 +45,6 @@ SPACE = (
     knob("num_warps", 4, 8),
     knob("down_num_warps", 4, 8),
     knob("prequant_x", False, True),
-    knob("block_groups", 1, 2),  # 128-block fp8 only (valid)
-    knob("scales_ahead", False, True),  # 128-block fp8, one group a step (valid)
 )
 
 ENTRY_KEYS = ("E", "E_local", "H", "I", "quant", "T")
@@ -86,10 +84,6 @@ class MoeTune(TuneOp):
         if s.kind == "fp8_block":  # MoeConfig: Fp8Block128 needs K tiles of 128 and N tiles dividing 128
             if c["block_k"] != 128 or c["down_block_k"] != 128 or 128 % c["block_n"] or 128 % c["down_block_n"]:
                 return False
-            if c["scales_ahead"] and c["block_groups"] != 1:
-                return False
-        elif c["block_groups"] != 1 or c["scales_ahead"]:  # the other schemes ignore them: no duplicate candidates
-            return False
         # K tiles past I add only masked work
         return c["down_block_k"] <= max(64, s.inter)
 
