@@ -59,7 +59,7 @@ def probe(mb: float, per_sm: int, device: torch.device, *, calls: int = 5) -> di
     if abs(got - want) > 1e-3 * max(1.0, srcs[0].abs().double().sum().item()):
         raise RuntimeError(f"stream_read_kernel sums {got} over {mb} MB, torch {want}")
     kernel_us = profiler_kernel_time_us(fns, "stream_read_kernel", calls=calls)
-    graph_us = graph_time_us(fns, replays=20) if device.type == "cuda" else float("nan")
+    graph_us = graph_time_us(fns, replays=20)
     return {"mb": mb, "per_sm": per_sm, "layers": layers, "kernel_us": kernel_us, "graph_us": graph_us,
             "kernel_tbs": n * 4 / (kernel_us * 1e-6) / 1e12, "floor_us": n * 4 / (COPY_CEILING_TBS * 1e12) * 1e6}
 
