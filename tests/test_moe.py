@@ -153,6 +153,8 @@ class Case:
     naive: bool | None = None  # force one task per pair (True) or the index (False)
     fused_shared: int = 0  # I_s of a shared expert fused into the GEMM kernels (shared_w13 / shared_w2)
     promote: int | None = None  # force config.fp8_promote (None: the default)
+    n_per: int = 1  # config.down_n_per
+    down_bk: int | None = None  # force config.down_block_k (≥ inter with n_per > 1: one K step, act loaded once)
 
     @property
     def id(self) -> str:
@@ -177,6 +179,10 @@ class Case:
             s += "-naive" if self.naive else "-indexed"
         if self.promote is not None:
             s += f"-promote{self.promote}"
+        if self.n_per != 1:
+            s += f"-nper{self.n_per}"
+        if self.down_bk is not None:
+            s += f"-dbk{self.down_bk}"
         return s
 
 
@@ -225,6 +231,23 @@ PATH_CASES += [Case(6, quant="fp8_tensor", shared=True, ep=True, E=8, swap=False
                Case(7, quant="fp8_tensor", static=False, swap=True, naive=False, promote=0, H=384),
                Case(7, quant="fp8_tensor", static=False, swap=False, naive=False, promote=128, H=384)]
 
+# a down GEMM program over several N tiles in one flat (N tile, K step) loop (MoeConfig.down_n_per): a count that
+# does not divide the N tiles (the last program's fewer), K of several steps and of one, every quantization, both
+# GEMM and task forms, expert parallelism, the fused shared expert, NaN-filled out
+NPER_CASES = [replace(c, n_per=n_per, swap=swap, naive=naive)
+              for c in (Case(5, k=3, shared=True, use_out=True, ep=True, E=8, H=320),
+                        Case(7, quant="fp8_tensor", static=False, H=384),
+                        Case(6, k=2, quant="fp8_block", inter=256, H=384, ep=True, E=8, use_out=True),
+                        Case(9, k=2, quant="fp8_tensor", H=448, inter=64, fused_shared=48))
+              for n_per in (3,) for swap in (False, True) for naive in (False, True)]
+NPER_CASES += [Case(40, k=5, inter=192, H=320, ep=True, E=16, use_out=True, n_per=2, small_max=0),
+               Case(3, k=2, H=200, use_out=True, n_per=64)]
+# one K step over a masked I (act loaded once, the loop over N alone): 16-bit, fp8 static and dynamic, the GEMM form
+NPER_CASES += [Case(9, k=2, inter=96, H=320, use_out=True, n_per=3, down_bk=128, swap=False, naive=False),
+               Case(9, k=2, inter=96, H=320, quant="fp8_tensor", n_per=2, down_bk=128, swap=False, naive=False),
+               Case(8, k=2, inter=96, H=384, quant="fp8_tensor", static=False, n_per=4, down_bk=128, swap=True,
+                    naive=True, ep=True, E=8)]
+
 
 def _tolerance(case: Case) -> dict:
     if case.quant == "none":
@@ -263,6 +286,10 @@ def run_case(case: Case, device: str):
         cfg = cfg.with_(naive_max_pairs=1 << 30 if case.naive else 0)
     if case.promote is not None:
         cfg = cfg.with_(fp8_promote=case.promote)
+    if case.n_per != 1:
+        cfg = cfg.with_(down_n_per=case.n_per)
+    if case.down_bk is not None:
+        cfg = cfg.with_(down_block_k=case.down_bk)
     out = nan_like(torch.empty(case.T, case.H, dtype=case.dtype, device=device)) if case.use_out else None
     got = fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap, shared_output=shared,
                     out=out, config=cfg, shared_w13=s13, shared_w2=s2)
@@ -273,7 +300,7 @@ def run_case(case: Case, device: str):
     return got, ref
 
 
-@pytest.mark.parametrize("case", CASES + PATH_CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("case", CASES + PATH_CASES + NPER_CASES, ids=lambda c: c.id)
 def test_fused_moe(case, device):
     got, ref = run_case(case, device)
     assert got.dtype == case.dtype and got.shape == (case.T, case.H)
@@ -394,6 +421,8 @@ def _bad_inputs(device):
         ("config.fp8_promote", ValueError, dict(f8, config=MoeConfig(fp8_promote=48))),
         ("config.fp8_promote", ValueError, dict(f8, config=MoeConfig(fp8_promote=-32))),
         ("config.fp8_promote", ValueError, dict(f8, config=MoeConfig(fp8_promote=64.0))),
+        ("config.down_n_per", ValueError, dict(base, config=MoeConfig(down_n_per=0))),
+        ("config.down_n_per", ValueError, dict(base, config=MoeConfig(down_n_per=2.0))),
         *_bad_shared_weights(base, f8, x, H, device),
     ]
 
@@ -538,6 +567,61 @@ def test_gpu_fp8_wide_tiles_promote(T, shape, dyn):
     assert_close(ref, outs[None], maxtol=4e-2, rmstol=1.5e-2)
     assert errs[128][1] < errs[0][1], errs
     assert torch.equal(outs[None], outs[128 if dyn else 0]), errs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["fp8_tensor", "none", "fp8_block"])
+@pytest.mark.parametrize("T", [1, 4, 16, 64, 512, 2048, 4096])
+@pytest.mark.parametrize("shape", ["tp8", "ep8"])
+def test_gpu_down_n_per_bit_equal(shape, T, kind):
+    """`MoeConfig.down_n_per` (a down program over several N tiles in one flat loop, the MMA's accumulator restarted
+    at each tile) sums each tile in the order of one program a tile: bit-equal at Hy3 sizes (a count dividing the N
+    tiles and one that does not), NaN-filled out, eagerly and in a CUDA-graph replay with new routing."""
+    if shape == "tp8" and kind == "fp8_block":
+        pytest.skip("Fp8Block128 needs I % 128 == 0 (Hy3 TP8 has I = 192)")
+    inter, n_local = (192, None) if shape == "tp8" else (1536, 24)
+    wts, tw, ids, emap, x = _hy3_inputs(T, inter, kind, n_local)
+    cfg = get_config(num_tokens=T, inter=inter, quant=kind, num_local_experts=n_local, **HY3_CFG)
+
+    def run(n_per, out=None):
+        return fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap,
+                         out=nan_like(x) if out is None else out, config=cfg.with_(down_n_per=n_per))
+
+    want = run(1)
+    assert not want.isnan().any()
+    outs = {n_per: nan_like(x) for n_per in (4, 5, 32)}
+    for n_per, out in outs.items():
+        run(n_per, out)
+        torch.cuda.synchronize()
+        assert torch.equal(out, want), n_per
+    graph, _ = capture_graph(lambda: run(4, outs[4]))
+    tw2, ids2 = make_routing(T, HY3["k"], HY3["E"], "cuda", seed=7)
+    tw.copy_(tw2)
+    ids.copy_(ids2)
+    outs[4].fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(outs[4], run(1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["fp8_tensor", "fp8_tensor_dyn"])
+@pytest.mark.parametrize("T", [64, 2048, 4096])
+def test_gpu_down_n_per_one_k_step(T, kind):
+    """`down_n_per` with one K step over Hy3 TP8's I = 192 (down_block_k 256, masked): the activation tile is loaded
+    once and the program walks all of H's N tiles; within the reference's tolerance, NaN-filled out, and as close
+    to the reference as the default kernels (its K sum runs in another order, so not bit-equal)."""
+    quant_kind = kind.replace("_dyn", "")
+    wts, tw, ids, emap, x = _hy3_inputs(T, 192, quant_kind)
+    quant = Fp8PerTensor(wts.quant.w13_scale, wts.quant.w2_scale) if kind == "fp8_tensor_dyn" else wts.quant
+    cfg = get_config(num_tokens=T, inter=192, quant=quant_kind, **HY3_CFG)
+    ref = R.fused_moe(x, wts.w13, wts.w2, tw, ids, quant=quant)
+    want = fused_moe(x, wts.w13, wts.w2, tw, ids, quant=quant, out=nan_like(x), config=cfg)
+    got = fused_moe(x, wts.w13, wts.w2, tw, ids, quant=quant, out=nan_like(x),
+                    config=cfg.with_(down_n_per=32, down_block_k=256))
+    tol = {} if kind == "none" else {"maxtol": 4e-2, "rmstol": 1.5e-2}  # fp8 tolerance, see _tolerance
+    assert_close(ref, got, **tol)
+    assert relative_errors(ref, got)[1] <= 1.25 * relative_errors(ref, want)[1] + 1e-4
 
 
 @pytest.mark.gpu

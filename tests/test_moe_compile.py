@@ -15,6 +15,7 @@ import sys
 
 import pytest
 import torch
+import triton
 
 from hpcops.moe import _moe_kernels as K
 from hpcops.moe.configs import get_config
@@ -38,7 +39,8 @@ def _record(monkeypatch) -> list[dict]:
 
 def _launch_all() -> None:
     """fused_moe over both Hy3 layouts, every quantization and the configs of each batch regime, with the
-    shared expert's output added and with the shared expert fused into the GEMM kernels."""
+    shared expert's output added and with the shared expert fused into the GEMM kernels, and with a down program
+    over several N tiles (`MoeConfig.down_n_per`; at large batches also with one K step over I)."""
     E, H, k = 4, 4096, 8
     for inter in (192, 1536):
         for kind in ("none", "fp8_tensor", "fp8_tensor_dyn", "fp8_block"):
@@ -75,6 +77,12 @@ def _launch_all() -> None:
                 if T_cfg in (4, 64, 2048):  # MoeConfig.pdl: each kernel released at its programs' end, or no PDL
                     fused_moe(x, w13, w2, tw, ids, quant=quant, expert_map=emap, shared_output=torch.zeros_like(x),
                               config=cfg.with_(pdl=2 if T_cfg > 4 else 0))
+                if T_cfg in (4, 64, 2048, 4096):  # a down program over several N tiles (MoeConfig.down_n_per)
+                    fused_moe(x, w13, w2, tw, ids, quant=quant, expert_map=emap,
+                              config=cfg.with_(down_n_per=4 if T_cfg <= 64 else 32))
+                if T_cfg == 4096 and inter == 192 and kind.startswith("fp8_tensor"):  # ... one K step over I
+                    fused_moe(x, w13, w2, tw, ids, quant=quant, expert_map=emap,
+                              config=cfg.with_(down_n_per=32, down_block_k=triton.next_power_of_2(inter)))
                 if kind.startswith("fp8_tensor"):  # the fp8 MMA sums promoted the other way than by default
                     fused_moe(x, w13, w2, tw, ids, quant=quant, expert_map=emap,
                               config=cfg.with_(fp8_promote=0 if kind == "fp8_tensor_dyn" else 128))
@@ -106,6 +114,8 @@ print(json.dumps(bad))
 @pytest.mark.slow
 def test_kernels_compile_for_sm90(monkeypatch, tmp_path):
     launches = _record(monkeypatch)
+    assert any(d["consts"].get("N_PER") == 4 for d in launches)
+    assert any(d["consts"].get("K_ONE") for d in launches)
     assert {d["kernel"] for d in launches} >= {"moe_gate_up_kernel", "moe_down_kernel", "moe_reduce_kernel",
                                                "moe_index_small_kernel", "moe_index_scan_kernel",
                                                "moe_index_hist_kernel", "moe_index_scatter_kernel"}

@@ -445,6 +445,49 @@ def _shared_down(sp, act_ptr, w_ptr, y_ptr, T, H, I_S, stride_act, stride_w, str
 
 
 @triton.jit
+def _down_step(a, w, acc, rows64, rmask, r_s, act_s_ptr, ws_ptr, e64, n0, k0, stride_acts, stride_wse, stride_wsn,
+               stride_wsk, QUANT: tl.constexpr, ACT_IN: tl.constexpr, SWAP_AB: tl.constexpr,
+               FP8_PROMOTE: tl.constexpr):
+    """acc + one K step of the down GEMM's tile (a [BLOCK_M, BLOCK_K] act rows, w [BLOCK_N, BLOCK_K] weight rows
+    at output column n0, K offset k0), act quantized here where ACT_IN asks (`moe_down_kernel`)."""
+    if QUANT == Q_FP8_BLOCK:
+        a_s = tl.load(act_s_ptr + rows64 * stride_acts + k0 // 128, mask=rmask, other=0.0)
+        if ACT_IN == A_WIDE_GROUP_AMAX:
+            a_s = tl.maximum(a_s, 1e-12) / FP8_MAX
+            a = tl.minimum(tl.maximum(a.to(tl.float32) / a_s[:, None], -FP8_MAX), FP8_MAX)
+            a = a.to(tl.float8e4nv)
+        ws = tl.load(ws_ptr + e64 * stride_wse + (n0 // 128) * stride_wsn + (k0 // 128) * stride_wsk)
+        if SWAP_AB:
+            acc += tl.dot(w, tl.trans(a)) * (ws * a_s[None, :])
+        else:
+            acc += tl.dot(a, tl.trans(w)) * (a_s[:, None] * ws)
+    else:
+        if QUANT == Q_FP8_TENSOR:
+            if ACT_IN == A_WIDE_ROW_AMAX:
+                a = tl.minimum(tl.maximum(a.to(tl.float32) / r_s[:, None], -FP8_MAX), FP8_MAX)
+                a = a.to(tl.float8e4nv)
+            acc = _mma(a, w, acc, SWAP_AB, FP8_PROMOTE)
+        else:
+            acc = _mma(a, w, acc, SWAP_AB)
+    return acc
+
+
+@triton.jit
+def _down_store(acc, y_ptr, rows64, rmask, cols, cmask, r_s, a2_ptr, ws_ptr, e64, stride_wse, stride_y,
+                QUANT: tl.constexpr, ACT_IN: tl.constexpr, SWAP_AB: tl.constexpr):
+    """The down GEMM tile's epilogue: the per-tensor fp8 scales, y's dtype, the store."""
+    acc = _mma_result(acc, SWAP_AB)
+    if QUANT == Q_FP8_TENSOR:
+        ws = tl.load(ws_ptr + e64 * stride_wse)
+        if ACT_IN == A_FP8_STATIC:
+            acc = acc * (tl.load(a2_ptr) * ws)
+        else:
+            acc = acc * (r_s[:, None] * ws)
+    y_ptrs = y_ptr + rows64[:, None] * stride_y + cols[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+
+
+@triton.jit
 def moe_down_kernel(act_ptr, act_s_ptr, a2_ptr, rowmax_ptr, w_ptr, ws_ptr, tasks_ptr, offsets_ptr, ids_ptr, map_ptr,
                     y_ptr, H, I, CAP, E_GLOBAL, E_LOCAL,
                     stride_act, stride_acts, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk,
@@ -454,7 +497,8 @@ def moe_down_kernel(act_ptr, act_s_ptr, a2_ptr, rowmax_ptr, w_ptr, ws_ptr, tasks
                     NAIVE: tl.constexpr, HAS_MAP: tl.constexpr, SWAP_AB: tl.constexpr, SHARED: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     SHARED_BLOCK_K: tl.constexpr, FP8_PROMOTE: tl.constexpr = 0,
-                    PDL_WAIT: tl.constexpr = False, PDL_NEXT: tl.constexpr = 0):
+                    PDL_WAIT: tl.constexpr = False, PDL_NEXT: tl.constexpr = 0, N_PER: tl.constexpr = 1,
+                    K_ONE: tl.constexpr = False):
     """y[r, n] = act[r]·w2[e, n] for one (M tile, N tile) task, rows as the gate-up wrote them.
 
     ACT_IN (`ActMode`, as the gate-up wrote it): the WIDE_*_AMAX modes are quantized here, per row from
@@ -463,8 +507,16 @@ def moe_down_kernel(act_ptr, act_s_ptr, a2_ptr, rowmax_ptr, w_ptr, ws_ptr, tasks
     s2 [H, I_S]ᵀ into ysh [T, H]), the routed tasks after them.
     PDL_WAIT, PDL_NEXT (`MoeConfig.pdl`): as the gate-up's (the wait before the first read of act, its scales or
     the shared expert's activation).
+    N_PER > 1 (`MoeConfig.down_n_per`): a program computes N_PER consecutive N tiles of its task in one flat loop
+    over (N tile, K step), so one software pipeline streams all their weight tiles and a tile's epilogue runs
+    under the next tiles' loads (a short K, e.g. Hy3 TP8's I = 192, is 3 steps a tile). With one K step (BLOCK_K
+    ≥ I) the activation tile is loaded once and the loop runs over N alone.
     """
     n_tiles = tl.cdiv(H, BLOCK_N)
+    if N_PER == 1:
+        n_slots = n_tiles
+    else:
+        n_slots = tl.cdiv(n_tiles, N_PER)
     pid = tl.program_id(0)
     if PDL_NEXT == PDL_AT_START:
         gdc_launch_dependents()
@@ -478,58 +530,73 @@ def moe_down_kernel(act_ptr, act_s_ptr, a2_ptr, rowmax_ptr, w_ptr, ws_ptr, tasks
                 gdc_launch_dependents()
             return
         pid -= N_SHARED
-    e, rows, rmask, pid_n = _task_rows(pid, n_tiles, tasks_ptr, offsets_ptr, ids_ptr, map_ptr, CAP,
+    e, rows, rmask, pid_n = _task_rows(pid, n_slots, tasks_ptr, offsets_ptr, ids_ptr, map_ptr, CAP,
                                        E_GLOBAL, E_LOCAL, HAS_MAP, NAIVE, BLOCK_M)
     if e < 0:
         if PDL_WAIT:
             gdc_wait()
         return
     rows64 = rows.to(tl.int64)
-    n0 = pid_n * BLOCK_N
-    cols = n0 + tl.arange(0, BLOCK_N)
-    cmask = cols < H
+    if N_PER == 1:
+        n0 = pid_n * BLOCK_N
+        cols = n0 + tl.arange(0, BLOCK_N)
+        cmask = cols < H
     offs_k = tl.arange(0, BLOCK_K)
     e64 = e.to(tl.int64)
     a_rows = act_ptr + rows64[:, None] * stride_act
-    w_rows = w_ptr + e64 * stride_we + cols.to(tl.int64)[:, None] * stride_wn
+    if N_PER == 1:
+        w_rows = w_ptr + e64 * stride_we + cols.to(tl.int64)[:, None] * stride_wn
     acc = _mma_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
     if PDL_WAIT:
         gdc_wait()
+    r_s = 1.0  # the row scales of A_WIDE_ROW_AMAX (unused otherwise)
     if ACT_IN == A_WIDE_ROW_AMAX:
         r_s = tl.maximum(tl.load(rowmax_ptr + rows, mask=rmask, other=0.0), 1e-12) / FP8_MAX
-    for k0 in range(0, I, BLOCK_K):
-        kk = k0 + offs_k
-        kmask = kk < I
-        a = tl.load(a_rows + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        w = tl.load(w_rows + kk[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0)
-        if QUANT == Q_FP8_BLOCK:
-            a_s = tl.load(act_s_ptr + rows64 * stride_acts + k0 // 128, mask=rmask, other=0.0)
-            if ACT_IN == A_WIDE_GROUP_AMAX:
-                a_s = tl.maximum(a_s, 1e-12) / FP8_MAX
-                a = tl.minimum(tl.maximum(a.to(tl.float32) / a_s[:, None], -FP8_MAX), FP8_MAX)
-                a = a.to(tl.float8e4nv)
-            ws = tl.load(ws_ptr + e64 * stride_wse + (n0 // 128) * stride_wsn + (k0 // 128) * stride_wsk)
-            if SWAP_AB:
-                acc += tl.dot(w, tl.trans(a)) * (ws * a_s[None, :])
-            else:
-                acc += tl.dot(a, tl.trans(w)) * (a_s[:, None] * ws)
-        else:
-            if QUANT == Q_FP8_TENSOR:
-                if ACT_IN == A_WIDE_ROW_AMAX:
-                    a = tl.minimum(tl.maximum(a.to(tl.float32) / r_s[:, None], -FP8_MAX), FP8_MAX)
-                    a = a.to(tl.float8e4nv)
-                acc = _mma(a, w, acc, SWAP_AB, FP8_PROMOTE)
-            else:
-                acc = _mma(a, w, acc, SWAP_AB)
-    acc = _mma_result(acc, SWAP_AB)
-    if QUANT == Q_FP8_TENSOR:
-        ws = tl.load(ws_ptr + e64 * stride_wse)
-        if ACT_IN == A_FP8_STATIC:
-            acc = acc * (tl.load(a2_ptr) * ws)
-        else:
-            acc = acc * (r_s[:, None] * ws)
-    y_ptrs = y_ptr + rows64[:, None] * stride_y + cols[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+    if N_PER == 1:
+        for k0 in range(0, I, BLOCK_K):
+            kk = k0 + offs_k
+            kmask = kk < I
+            a = tl.load(a_rows + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+            w = tl.load(w_rows + kk[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0)
+            acc = _down_step(a, w, acc, rows64, rmask, r_s, act_s_ptr, ws_ptr, e64, n0, k0, stride_acts,
+                             stride_wse, stride_wsn, stride_wsk, QUANT, ACT_IN, SWAP_AB, FP8_PROMOTE)
+        _down_store(acc, y_ptr, rows64, rmask, cols, cmask, r_s, a2_ptr, ws_ptr, e64, stride_wse, stride_y, QUANT,
+                    ACT_IN, SWAP_AB)
+    elif K_ONE:
+        kmask = offs_k < I
+        a = tl.load(a_rows + offs_k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        nt0 = pid_n * N_PER
+        for t in range(0, tl.minimum(N_PER, n_tiles - nt0)):
+            n0 = (nt0 + t) * BLOCK_N
+            cols = n0 + tl.arange(0, BLOCK_N)
+            cmask = cols < H
+            w = tl.load(w_ptr + e64 * stride_we + cols.to(tl.int64)[:, None] * stride_wn + offs_k[None, :],
+                        mask=cmask[:, None] & kmask[None, :], other=0.0)
+            acc = _down_step(a, w, _mma_zeros(BLOCK_M, BLOCK_N, SWAP_AB), rows64, rmask, r_s, act_s_ptr, ws_ptr,
+                             e64, n0, 0, stride_acts, stride_wse, stride_wsn, stride_wsk, QUANT, ACT_IN, SWAP_AB,
+                             FP8_PROMOTE)
+            _down_store(acc, y_ptr, rows64, rmask, cols, cmask, r_s, a2_ptr, ws_ptr, e64, stride_wse, stride_y,
+                        QUANT, ACT_IN, SWAP_AB)
+    else:
+        k_steps = tl.cdiv(I, BLOCK_K)
+        nt0 = pid_n * N_PER
+        for it in range(0, tl.minimum(N_PER, n_tiles - nt0) * k_steps):
+            ks = it % k_steps
+            n0 = (nt0 + it // k_steps) * BLOCK_N
+            k0 = ks * BLOCK_K
+            cols = n0 + tl.arange(0, BLOCK_N)
+            cmask = cols < H
+            kk = k0 + offs_k
+            kmask = kk < I
+            a = tl.load(a_rows + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+            w = tl.load(w_ptr + e64 * stride_we + cols.to(tl.int64)[:, None] * stride_wn + kk[None, :],
+                        mask=cmask[:, None] & kmask[None, :], other=0.0)
+            acc = tl.where(ks == 0, 0.0, acc)  # a new N tile (Hopper: the MMA's use-acc flag)
+            acc = _down_step(a, w, acc, rows64, rmask, r_s, act_s_ptr, ws_ptr, e64, n0, k0, stride_acts,
+                             stride_wse, stride_wsn, stride_wsk, QUANT, ACT_IN, SWAP_AB, FP8_PROMOTE)
+            if ks == k_steps - 1:
+                _down_store(acc, y_ptr, rows64, rmask, cols, cmask, r_s, a2_ptr, ws_ptr, e64, stride_wse, stride_y,
+                            QUANT, ACT_IN, SWAP_AB)
     if PDL_NEXT == PDL_AT_END:
         gdc_launch_dependents()
 

@@ -51,6 +51,9 @@ class MoeConfig:
     they read its output; 0 off, 1 (default) a kernel releases the next one at each program's start, 2 once the
     program's work is done. Measured on the H200 (bench/results/moe_pdl_e45d138.md, graph replay): 1 is 0.93x the
     time without at TP8 fp8 B4, 0.94x at EP8 fp8 B4, 0.96-0.99x at every other B 4-64 case; 2 0.96-1.00x.
+    `down_n_per`: N tiles a down GEMM program computes, in one flat loop over (N tile, K step) so that a single
+    software pipeline streams their weight tiles (1: a program a tile). For a short K (Hy3 TP8: I = 192, 3 K
+    steps a 64-wide tile) and many small programs (decode). Not yet timed on the H200.
     """
 
     block_m: int = 16
@@ -71,6 +74,7 @@ class MoeConfig:
     naive_max_pairs: int = 0
     fp8_promote: int | None = None
     pdl: int = 1
+    down_n_per: int = 1
 
     def with_(self, **kw) -> MoeConfig:
         return replace(self, **kw)
@@ -164,7 +168,7 @@ def heuristic_config(*, num_tokens: int, top_k: int, num_experts: int, hidden: i
 
 TUNABLE = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "down_block_n", "down_block_k",
            "down_num_warps", "down_num_stages", "reduce_block_h", "index_small_max", "prequant_x", "swap_ab",
-           "naive_max_pairs", "fp8_promote", "pdl")
+           "naive_max_pairs", "fp8_promote", "pdl", "down_n_per")
 
 
 @functools.cache

@@ -82,6 +82,9 @@ def _validate(scheme: Scheme, x, w13, w2, topk_weights, topk_ids, expert_map, sh
     scheme.validate(x, w13, w2, x_scale, cfg, T, H, E, inter)
     check_choice("config.act_mul", cfg.act_mul, ACT_MUL_MODES)
     check_choice("config.pdl", cfg.pdl, (0, 1, 2))
+    if type(cfg.down_n_per) is not int or not 1 <= cfg.down_n_per <= 256:
+        raise ValueError(f"config.down_n_per must be an int in 1..256 (N tiles a down GEMM program), got "
+                         f"{cfg.down_n_per!r}")
     # last: argument errors first; then whether the kernels can run where the tensors are
     check_kernel_device("x", x)
     return T, H, E, inter, k, out_dt
@@ -272,7 +275,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
     y = torch.empty((T * k, H), dtype=out_dt, device=x.device)
     reduce_pdl = bool(pdl) and shared_ready is None  # (an event wait between the two: launched as usual)
-    K.moe_down_kernel[(sx.n_dn + n_tasks * triton.cdiv(H, cfg.down_block_n),)](
+    K.moe_down_kernel[(sx.n_dn + n_tasks * triton.cdiv(triton.cdiv(H, cfg.down_block_n), cfg.down_n_per),)](
         act.act, act.scale, act.a2, act.rowmax, w2, ws.w2, tasks, offsets, topk_ids, emap, y,
         H, inter, n_tasks, n_global, E,
         act.act.stride(0), act.stride_s, w2.stride(0), w2.stride(1), *ws.w2_strides,
@@ -281,6 +284,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         QUANT=int(scheme.code), ACT_IN=int(act.mode), SWAP_AB=cfg.swap_ab, **routing, SHARED=bool(i_s),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
         SHARED_BLOCK_K=max(16, cfg.down_block_k // 2) if narrow else cfg.down_block_k, **dn_promote,
+        **({"N_PER": cfg.down_n_per, "K_ONE": cfg.down_block_k >= inter} if cfg.down_n_per > 1 else {}),
         **_pdl_launch(pdl), PDL_NEXT=pdl if reduce_pdl else 0, num_warps=cfg.down_num_warps,
         num_stages=cfg.down_num_stages)
 
