@@ -46,7 +46,7 @@ SPACE = (
     knob("down_num_warps", 4, 8),
     knob("prequant_x", False, True),
     # N tiles a down GEMM program streams in one pipeline (short K: Hy3 TP8's I = 192)
-    knob("down_n_per", 1, 2, 4, 8),
+    knob("down_n_per", 1, 2, 4, 8, 32),
 )
 
 ENTRY_KEYS = ("E", "E_local", "H", "I", "quant", "T")
