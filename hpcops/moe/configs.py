@@ -51,9 +51,12 @@ class MoeConfig:
     they read its output; 0 off, 1 (default) a kernel releases the next one at each program's start, 2 once the
     program's work is done. Measured on the H200 (bench/results/moe_pdl_e45d138.md, graph replay): 1 is 0.93x the
     time without at TP8 fp8 B4, 0.94x at EP8 fp8 B4, 0.96-0.99x at every other B 4-64 case; 2 0.96-1.00x.
-    `down_n_per`: N tiles a down GEMM program computes, in one flat loop over (N tile, K step) so that a single
-    software pipeline streams their weight tiles (1: a program a tile). For a short K (Hy3 TP8: I = 192, 3 K
-    steps a 64-wide tile) and many small programs (decode). Not yet timed on the H200.
+    `down_n_per`: N tiles a down GEMM program computes (1: a program a tile), in one flat loop over (N tile, K
+    step) so that a single software pipeline streams their weight tiles and a tile's epilogue runs under the next
+    tiles' loads; with `down_block_k` ≥ I (one K step, masked) the activation tile is loaded once and the loop runs
+    over N alone. Measured on the H200 (bench/results/profile_moe_large_b_53018d0.txt): Hy3 TP8 fp8 T 16384 with
+    32 tiles and one K step of 256, down GEMM 526 against 625 µs (the tuned entry); the flat loop is slower there
+    and at T 2048-4096, and level or slower at decode sizes (moe_down_n_per_4e4c50e.md).
     """
 
     block_m: int = 16
