@@ -45,8 +45,9 @@ SPACE = (
     knob("num_warps", 4, 8),
     knob("down_num_warps", 4, 8),
     knob("prequant_x", False, True),
-    # N tiles a down GEMM program streams in one pipeline (short K: Hy3 TP8's I = 192)
-    knob("down_n_per", 1, 2, 4, 8, 32),
+    # N tiles a down GEMM program walks, at the heuristic's K tile and with one K step over I (down_block_k ≥ I:
+    # its activation tile loaded once; the pair Hy3 TP8 fp8 T 16384 measured best)
+    knob(("down_n_per", "down_block_k"), values_fn=lambda base, s: _down_walk_options(base, s.inter), near=None),
 )
 
 ENTRY_KEYS = ("E", "E_local", "H", "I", "quant", "T")
@@ -58,6 +59,17 @@ def _naive_options(heuristic: int, pairs: int) -> tuple[int, ...]:
     if pairs > 2048:
         return (heuristic,)
     return (heuristic, 0 if pairs <= heuristic else 1 << 30)
+
+
+def _down_walk_options(base: Candidate, inter: int) -> tuple[tuple[int, int], ...]:
+    """(down_n_per, down_block_k) pairs: the heuristic's, 8 and 32 N tiles a program at its K tile, and 32 with
+    one K step over I where that step is at most 256 wide."""
+    bk = base["down_block_k"]
+    opts = [(base["down_n_per"], bk), (8, bk), (32, bk)]
+    one = 1 << max(inter - 1, 0).bit_length()  # the power of two ≥ I
+    if bk < one <= 256:
+        opts.append((32, one))
+    return tuple(opts)
 
 
 def _tunable() -> tuple[str, ...]:
@@ -86,8 +98,9 @@ class MoeTune(TuneOp):
         if s.kind == "fp8_block":  # MoeConfig: Fp8Block128 needs K tiles of 128 and N tiles dividing 128
             if c["block_k"] != 128 or c["down_block_k"] != 128 or 128 % c["block_n"] or 128 % c["down_block_n"]:
                 return False
-        # K tiles past I add only masked work
-        return c["down_block_k"] <= max(64, s.inter)
+        # K tiles past I add only masked work, except one K step over I for a down program walking N tiles (its
+        # activation tile then loaded once)
+        return c["down_block_k"] <= max(64, s.inter) or (c["down_n_per"] > 1 and c["down_block_k"] < 2 * s.inter)
 
     def extra(self, s, base: Candidate) -> list[Candidate]:
         """The config the current tuned table (hpcops/moe/tuned.py, HPCOPS_MOE_TUNED) picks, if not the heuristic."""
