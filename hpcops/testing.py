@@ -239,7 +239,9 @@ def describe_launch(fn, args: tuple, kwargs: dict) -> dict:
     types, constexprs (triton dtypes as "tl.<name>"), the arguments the JIT specializes as divisible
     by 16 (tensors, ints ≡ 0 mod 16), and the launch options."""
     sig, div16 = {}, []
-    for a, v in zip(fn.arg_names, args):
+    # tensors given by keyword (runtime arguments: never a constexpr) are described as the positional ones
+    by_kw = [(a, kwargs[a]) for a in fn.arg_names[len(args):] if isinstance(kwargs.get(a), torch.Tensor)]
+    for a, v in [*zip(fn.arg_names, args), *by_kw]:
         if isinstance(v, torch.Tensor):
             sig[a] = "*" + _SIG_TYPES[v.dtype]
             div16.append(a)  # torch allocations are 16-byte aligned
@@ -258,7 +260,7 @@ def describe_launch(fn, args: tuple, kwargs: dict) -> dict:
         else:
             raise TypeError(f"{getattr(fn, '__name__', fn)}: argument {a} of type {type(v).__name__} is not handled")
     consts = {a: (f"tl.{v}" if type(v).__name__ == "dtype" else v) for a, v in kwargs.items()
-              if a not in _LAUNCH_OPTIONS}
+              if a not in _LAUNCH_OPTIONS and a not in sig}
     desc = {"sig": sig, "consts": consts, "div16": div16, "num_warps": kwargs.get("num_warps", 4),
             "num_stages": kwargs.get("num_stages", 3), "launch_pdl": kwargs.get("launch_pdl", False)}
     if kwargs.get("maxnreg") is not None:  # a warp-specialized Gluon kernel's register budget
@@ -280,6 +282,8 @@ def compile_launch(fn, desc: dict, *, capability: int = 90):
     for p in getattr(fn, "params", ()):
         if p.is_constexpr and p.name not in consts and p.name not in desc["sig"] and p.has_default:
             consts[p.name] = p.default
+        elif p.name not in consts and p.name not in desc["sig"] and p.has_default and p.default is None:
+            consts[p.name] = None  # an optional pointer left out: the JIT specializes None as a constexpr
     if "num_warps" in fn.arg_names:  # a Gluon kernel's constexpr, given at launch as the launch option
         consts.setdefault("num_warps", desc["num_warps"])
     sig = {a: ("constexpr" if a in consts else desc["sig"].get(a, "i32")) for a in fn.arg_names}

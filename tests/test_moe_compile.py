@@ -80,6 +80,8 @@ def _launch_all() -> None:
                 if T_cfg in (4, 64, 2048, 4096):  # a down program over several N tiles (MoeConfig.down_n_per)
                     fused_moe(x, w13, w2, tw, ids, quant=quant, expert_map=emap,
                               config=cfg.with_(down_n_per=4 if T_cfg <= 64 else 32))
+                if T_cfg in (4, 64):  # the gate-up K loop over 4 programs (MoeConfig.split_k)
+                    fused_moe(x, w13, w2, tw, ids, quant=quant, expert_map=emap, config=cfg.with_(split_k=4))
                 if T_cfg == 4096 and inter == 192 and kind.startswith("fp8_tensor"):  # ... one K step over I
                     fused_moe(x, w13, w2, tw, ids, quant=quant, expert_map=emap,
                               config=cfg.with_(down_n_per=32, down_block_k=triton.next_power_of_2(inter)))
@@ -105,6 +107,8 @@ for d in json.load(sys.stdin):
         bad.append(f"{d['kernel']} {d['consts']}: K loop not pipelined (no cp.async)")
     if k.metadata.shared > 227 * 1024:  # an H100/H200 block's shared memory: the launch would fail
         bad.append(f"{d['kernel']} {d['consts']}: {k.metadata.shared} bytes of shared memory")
+    if d["consts"].get("SPLIT_K", 1) > 1 and "atom.global.gpu.acq_rel" not in ptx:
+        bad.append(f"{d['kernel']} {d['consts']}: split K without an acquire-release arrival count")
     if d["consts"].get("PDL_WAIT") and "griddepcontrol.wait" not in ptx:
         bad.append(f"{d['kernel']} {d['consts']}: launched with PDL but never waits")
 print(json.dumps(bad))
@@ -116,6 +120,7 @@ def test_kernels_compile_for_sm90(monkeypatch, tmp_path):
     launches = _record(monkeypatch)
     assert any(d["consts"].get("N_PER") == 4 for d in launches)
     assert any(d["consts"].get("K_ONE") for d in launches)
+    assert any(d["consts"].get("SPLIT_K") == 4 for d in launches)
     assert {d["kernel"] for d in launches} >= {"moe_gate_up_kernel", "moe_down_kernel", "moe_reduce_kernel",
                                                "moe_index_small_kernel", "moe_index_scan_kernel",
                                                "moe_index_hist_kernel", "moe_index_scatter_kernel"}

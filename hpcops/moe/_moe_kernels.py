@@ -253,6 +253,12 @@ def _mma(a, w, acc, SWAP_AB: tl.constexpr, PROMOTE: tl.constexpr = 0):
 
 
 @triton.jit
+def _tile_offsets(acc):
+    """Row-major element offsets of a 2-D accumulator tile (its shape: the MMA's orientation)."""
+    return tl.arange(0, acc.shape[0])[:, None] * acc.shape[1] + tl.arange(0, acc.shape[1])[None, :]
+
+
+@triton.jit
 def _mma_result(acc, SWAP_AB: tl.constexpr):
     """The accumulator as [activation rows, weight rows] (transposed back after SWAP_AB)."""
     if SWAP_AB:
@@ -309,7 +315,8 @@ def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets
                        NAIVE: tl.constexpr, HAS_MAP: tl.constexpr, SWAP_AB: tl.constexpr, SHARED: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        SHARED_BLOCK_K: tl.constexpr, FP8_PROMOTE: tl.constexpr = 0,
-                       PDL_WAIT: tl.constexpr = False, PDL_NEXT: tl.constexpr = 0):
+                       PDL_WAIT: tl.constexpr = False, PDL_NEXT: tl.constexpr = 0,
+                       part_ptr=None, cnt_ptr=None, SPLIT_K: tl.constexpr = 1):
     """act[r, n] = silu(x[tok(r)]·w13[e, n]) · (x[tok(r)]·w13[e, I+n]) for one (M tile, N tile) task.
 
     SHARED: the first N_SHARED programs are the shared expert's gate-up instead (`_shared_gate_up`: the 16-bit
@@ -328,6 +335,10 @@ def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets
     program waits for the previous grid before its first read of what that grid wrote (x, act's buffers) and
     before it exits; before the wait it reads only the call's inputs and the index. PDL_NEXT: release the down
     GEMM's launch at this program's start (PDL_AT_START) or once its work is done (PDL_AT_END).
+    SPLIT_K > 1 (`MoeConfig.split_k`): SPLIT_K programs (adjacent ids) share a task, each over its own run of K
+    steps; each stores its fp32 partial tile to part [tiles, SPLIT_K, tile], and the last of them to count its
+    arrival at cnt[task·n_tiles + N tile] (zeroed by the launcher) sums the SPLIT_K partials in split order (the
+    result does not depend on which one is last) and runs the epilogue.
     """
     n_tiles = tl.cdiv(I, BLOCK_N)
     pid = tl.program_id(0)
@@ -343,6 +354,15 @@ def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets
                 gdc_launch_dependents()
             return
         pid -= N_SHARED
+    k_lo = 0
+    k_hi = H
+    split = 0
+    if SPLIT_K > 1:  # this program's run of K steps
+        split = pid % SPLIT_K
+        pid = pid // SPLIT_K
+        k_run = tl.cdiv(tl.cdiv(H, BLOCK_K), SPLIT_K) * BLOCK_K
+        k_lo = split * k_run
+        k_hi = tl.minimum(H, k_lo + k_run)
     e, rows, rmask, pid_n = _task_rows(pid, n_tiles, tasks_ptr, offsets_ptr, ids_ptr, map_ptr, CAP,
                                        E_GLOBAL, E_LOCAL, HAS_MAP, NAIVE, BLOCK_M)
     if PDL_WAIT:
@@ -366,7 +386,7 @@ def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets
     if QUANT == Q_FP8_TENSOR:
         if not X_FP8:
             a13 = tl.load(a13_ptr)
-    for k0 in range(0, H, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         kk = k0 + offs_k
         kmask = kk < H
         a = tl.load(x_rows + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
@@ -391,6 +411,18 @@ def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets
                 acc += tl.dot(w, tl.trans(a)) * (w_s[:, None] * a_s[None, :])
             else:
                 acc += tl.dot(a, tl.trans(w)) * (a_s[:, None] * w_s[None, :])
+    if SPLIT_K > 1:
+        part = part_ptr + pid.to(tl.int64) * (SPLIT_K * 2 * BLOCK_N * BLOCK_M) + _tile_offsets(acc)
+        tl.store(part + split * (2 * BLOCK_N * BLOCK_M), acc)
+        tl.debug_barrier()  # every thread's partial stored before the release below
+        arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived != SPLIT_K - 1:  # not the last: the last one finishes the tile
+            if PDL_NEXT == PDL_AT_END:
+                gdc_launch_dependents()
+            return
+        acc = tl.load(part, cache_modifier=".cg")
+        for j in tl.static_range(1, SPLIT_K):
+            acc += tl.load(part + j * (2 * BLOCK_N * BLOCK_M), cache_modifier=".cg")
     acc_g, acc_u = _gate_up_halves(_mma_result(acc, SWAP_AB), BLOCK_M, BLOCK_N)
     if QUANT == Q_FP8_TENSOR:
         ws = tl.load(ws_ptr + e64 * stride_wse)

@@ -57,6 +57,12 @@ class MoeConfig:
     over N alone. Measured on the H200 (bench/results/profile_moe_large_b_53018d0.txt): Hy3 TP8 fp8 T 16384 with
     32 tiles and one K step of 256, down GEMM 526 against 625 µs (the tuned entry); the flat loop is slower there
     and at T 2048-4096, and level or slower at decode sizes (moe_down_n_per_4e4c50e.md).
+    `split_k`: gate-up programs a task's K loop (over H) is split over (1: one). Each stores an fp32 partial tile
+    and the last of them to finish sums them in a fixed order (the result is the same whichever is last) and runs
+    the epilogue; a per-call workspace of split_k fp32 tiles per task and a zeroed count per task come with it. For
+    small batches with few tasks: there a gate-up program's time follows its K steps, not its bytes (the 128-block
+    fp8 tile waits on its MMA and scales every step), and fewer tasks than SMs leave SMs idle: Hy3 EP8 fp8 128-block
+    T 4, gate-up 28.4 µs over 32 K steps, 16.3 over 16 (bench/results/probe_moe_ksteps_2c734ee.md).
     """
 
     block_m: int = 16
@@ -78,6 +84,7 @@ class MoeConfig:
     fp8_promote: int | None = None
     pdl: int = 1
     down_n_per: int = 1
+    split_k: int = 1
 
     def with_(self, **kw) -> MoeConfig:
         return replace(self, **kw)
@@ -171,7 +178,7 @@ def heuristic_config(*, num_tokens: int, top_k: int, num_experts: int, hidden: i
 
 TUNABLE = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "down_block_n", "down_block_k",
            "down_num_warps", "down_num_stages", "reduce_block_h", "index_small_max", "prequant_x", "swap_ab",
-           "naive_max_pairs", "fp8_promote", "pdl", "down_n_per")
+           "naive_max_pairs", "fp8_promote", "pdl", "down_n_per", "split_k")
 
 
 @functools.cache

@@ -23,7 +23,7 @@ from hpcops._library import register
 from hpcops._platform import cuda_capability, is_interpreter
 from hpcops.moe import _moe_kernels as K
 from hpcops.moe.configs import ACT_MUL_MODES, MoeConfig, get_config
-from hpcops.moe.routing import build_moe_index
+from hpcops.moe.routing import build_moe_index, task_capacity
 from hpcops.moe.schemes import Scheme, scheme_for, scheme_named
 from hpcops.quant import Fp8Block128, Fp8PerTensor
 
@@ -85,6 +85,9 @@ def _validate(scheme: Scheme, x, w13, w2, topk_weights, topk_ids, expert_map, sh
     if type(cfg.down_n_per) is not int or not 1 <= cfg.down_n_per <= 256:
         raise ValueError(f"config.down_n_per must be an int in 1..256 (N tiles a down GEMM program), got "
                          f"{cfg.down_n_per!r}")
+    if type(cfg.split_k) is not int or not 1 <= cfg.split_k <= 16:
+        raise ValueError(f"config.split_k must be an int in 1..16 (gate-up programs a task's K loop is split over), "
+                         f"got {cfg.split_k!r}")
     # last: argument errors first; then whether the kernels can run where the tensors are
     check_kernel_device("x", x)
     return T, H, E, inter, k, out_dt
@@ -234,6 +237,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     topk_ids = topk_ids.contiguous()
     topk_weights = topk_weights.contiguous()
     naive = T * k <= cfg.naive_max_pairs  # one task per pair: no index
+    # (split K's arrival counts zeroed ahead of the index build: the kernels after it stay one PDL chain)
+    gu_split = _split_k_buffers(cfg, (T * k if naive else task_capacity(T * k, E, cfg.block_m))
+                                * triton.cdiv(inter, cfg.block_n), x.device)
     idx = None if naive else build_moe_index(topk_ids, E, cfg.block_m, expert_map=expert_map,
                                               small_max=cfg.index_small_max)
     dummy = topk_ids if naive else idx.offsets  # placeholder pointer for the arguments a mode does not read
@@ -259,7 +265,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     gu_promote = _fp8_promote(cfg, narrow, gu_per_token, cfg.block_k)
     dn_promote = _fp8_promote(cfg, narrow, dn_per_token, cfg.down_block_k)
 
-    K.moe_gate_up_kernel[(sx.n_gu + n_tasks * triton.cdiv(inter, cfg.block_n),)](
+    K.moe_gate_up_kernel[(sx.n_gu + n_tasks * triton.cdiv(inter, cfg.block_n) * cfg.split_k,)](
         a.x, a.scale, w13, ws.w13, a.a13, tasks, offsets, sorted_pair, topk_ids, emap,
         act.act, act.scale, act.a2, act.rowmax,
         H, inter, n_tasks, k, n_global, E,
@@ -271,7 +277,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         BF16_MUL=cfg.act_mul == "bf16", SWAP_AB=cfg.swap_ab, **routing, SHARED=bool(i_s),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SHARED_BLOCK_K=max(16, cfg.block_k // 2) if narrow else cfg.block_k, **gu_promote, **gu_pdl,
-        PDL_NEXT=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        PDL_NEXT=pdl, **gu_split, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     y = torch.empty((T * k, H), dtype=out_dt, device=x.device)
     reduce_pdl = bool(pdl) and shared_ready is None  # (an event wait between the two: launched as usual)
@@ -300,6 +306,15 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         TOP_K=k, HAS_SHARED=shared_output is not None, **routing, BLOCK_H=bh, **_pdl_launch(reduce_pdl),
         num_warps=4)
     return out
+
+
+def _split_k_buffers(cfg: MoeConfig, tiles: int, dev: torch.device) -> dict:
+    """The gate-up kernel's split-K arguments (`MoeConfig.split_k`): fp32 partial tiles [tiles, split_k, tile] and
+    arrival counts [tiles], zeroed; none for split_k 1."""
+    if cfg.split_k == 1:
+        return {}
+    part = torch.empty(tiles * cfg.split_k * 2 * cfg.block_n * cfg.block_m, dtype=torch.float32, device=dev)
+    return dict(part_ptr=part, cnt_ptr=torch.zeros(tiles, dtype=torch.int32, device=dev), SPLIT_K=cfg.split_k)
 
 
 def _pdl_capable(dev: torch.device) -> bool:
