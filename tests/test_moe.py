@@ -14,7 +14,7 @@ import torch
 
 import hpcops
 from hpcops.moe import reference as R
-from hpcops.moe.configs import MoeConfig, get_config
+from hpcops.moe.configs import MoeConfig, gate_up_split, get_config
 from hpcops.moe.fused_moe import device_name, fused_moe
 from hpcops.moe.routing import build_moe_index, select_experts, task_capacity
 from hpcops.quant import (
@@ -857,6 +857,21 @@ def test_get_config_fp8_block_tiles():
     assert cfg.block_n == 128 and cfg.num_warps == 8 and cfg.block_k == cfg.down_block_k == 128
     ep8 = get_config(num_tokens=4, inter=1536, quant="fp8_block", num_local_experts=24, **HY3_CFG)
     assert ep8.block_n == 128 and ep8.naive_max_pairs == 0 and cfg.naive_max_pairs == 48
+
+
+def test_gate_up_split_heuristic():
+    """fp8 128-block gate-up K loops go over several programs where the batch's tiles leave most of the 132 SMs
+    idle (`gate_up_split`): Hy3 EP8 T 4 (~3.8 touched experts × 12 N tiles) over 2, DeepSeek-V3 TP8 T 1 (8 × 2 tiles,
+    56 K steps) over 8; one program a task from a few dozen tokens on, and for the other schemes."""
+    ep8 = dict(inter=1536, quant="fp8_block", num_local_experts=24, **HY3_CFG)
+    assert get_config(num_tokens=4, **ep8).split_k == 2
+    assert get_config(num_tokens=64, **ep8).split_k == 1
+    dsv3 = dict(top_k=8, num_experts=256, hidden=7168, inter=256, quant="fp8_block")
+    assert get_config(num_tokens=1, **dsv3).split_k == 8 and get_config(num_tokens=16, **dsv3).split_k == 1
+    assert get_config(num_tokens=1, top_k=8, num_experts=128, hidden=2048, inter=768, quant="fp8_block").split_k == 2
+    for quant in ("none", "fp8_tensor"):
+        assert get_config(num_tokens=1, top_k=8, num_experts=256, hidden=7168, inter=256, quant=quant).split_k == 1
+    assert gate_up_split(4, 8, 192, 24, 512, 1536, 128, 128) == 1  # 4 K steps: no split
     dsv3 = get_config(num_tokens=1, top_k=8, num_experts=256, hidden=7168, inter=256, quant="fp8_block")
     assert dsv3.block_n == 128 and dsv3.naive_max_pairs == 64
 

@@ -165,10 +165,33 @@ def heuristic_config(*, num_tokens: int, top_k: int, num_experts: int, hidden: i
         # block_n 32 against 42.5 at 128; DeepSeek-V3 TP8 B16: 1.25x slower at 64).
         cfg = replace(cfg, block_n=128, block_k=128, down_block_k=128, block_m=min(cfg.block_m, 64),
                       down_block_n=min(cfg.down_block_n, 128), num_warps=8)
+        # its tile waits on its MMA and scales every K step, so a program's time follows its K steps: where the
+        # batch's gate-up tiles leave most SMs idle, their K loops go over several programs (`split_k`)
+        cfg = replace(cfg, split_k=gate_up_split(num_tokens, top_k, num_experts, n_local, hidden, inter,
+                                                 cfg.block_n, cfg.block_k))
     if interpreter:
         cfg = replace(cfg, block_n=max(cfg.block_n, 64), down_block_n=max(cfg.down_block_n, 128),
                       block_k=128, down_block_k=128 if quant == "fp8_block" else _k_tile(inter))
     return cfg
+
+
+SMS = 132  # streaming multiprocessors of an H100 / H200 (the machines the heuristic's rules were measured on)
+
+
+def gate_up_split(num_tokens: int, top_k: int, num_experts: int, n_local: int, hidden: int, inter: int,
+                  block_n: int, block_k: int) -> int:
+    """`split_k` for a gate-up GEMM of one M tile per touched expert: the largest power of two up to 8 that keeps
+    (expected touched local experts) × (N tiles) × split within the SMs and at least 4 K steps a program. The
+    expected touched experts under uniform top-k routing: n_local · (1 − (1 − k/E)^T)."""
+    if num_tokens <= 0:
+        return 1
+    touched = n_local * (1.0 - (1.0 - min(top_k / max(num_experts, 1), 1.0)) ** num_tokens)
+    tiles = max(touched, 1.0) * -(-inter // block_n)
+    steps = -(-hidden // block_k)
+    split = 1
+    while split < 8 and tiles * split * 2 <= SMS and steps >= 4 * split * 2:
+        split *= 2
+    return split
 
 
 # ---- tuned table ----------------------------------------------------------------------------------

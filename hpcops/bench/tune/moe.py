@@ -37,7 +37,8 @@ SPACE = (
     knob("swap_ab", False, True),
     knob("block_n", 16, 32, 64, 128),
     # the gate-up K loop over several programs, at decode batches (where a program's time follows its K steps)
-    knob("split_k", values_fn=lambda base, s: (1, 2, 4) if s.t <= 64 else (base["split_k"],), near=None),
+    knob("split_k", values_fn=lambda base, s: tuple(sorted({1, 2, 4, 8, base["split_k"]})) if s.t <= 64
+         else (base["split_k"],), near=None),
     knob("block_m", 16, 32, 64, 128),
     knob("down_block_n", 32, 64, 128, 256),
     knob("num_stages", 2, 3, 4, 5),
