@@ -12,11 +12,6 @@ from __future__ import annotations
 
 TUNED: dict[str, list[dict]] = {
     "NVIDIA H200": [
-        {"E": 128, "E_local": 128, "H": 2048, "I": 768, "quant": "fp8_block", "T": 1,
-         "config": {"block_m": 16, "block_n": 32, "block_k": 128, "num_warps": 4, "num_stages": 4, "down_block_n": 64,
-                    "down_block_k": 128, "down_num_warps": 4, "down_num_stages": 4, "reduce_block_h": 1024,
-                    "index_small_max": 1024, "prequant_x": False, "swap_ab": True, "naive_max_pairs": 32},
-         "heuristic_us": 23.7, "timing": "kernels", "us": 23.7},
         {"E": 128, "E_local": 128, "H": 2048, "I": 768, "quant": "fp8_block", "T": 16,
          "config": {"block_m": 16, "block_n": 128, "block_k": 128, "num_warps": 8, "num_stages": 3,
                     "down_block_n": 64, "down_block_k": 128, "down_num_warps": 4, "down_num_stages": 4,
@@ -35,11 +30,6 @@ TUNED: dict[str, list[dict]] = {
                     "reduce_block_h": 1024, "index_small_max": 1024, "prequant_x": True, "swap_ab": False,
                     "naive_max_pairs": 32},
          "heuristic_us": 301.71, "timing": "kernels", "us": 301.71},
-        {"E": 128, "E_local": 128, "H": 4096, "I": 384, "quant": "fp8_block", "T": 1,
-         "config": {"block_m": 16, "block_n": 32, "block_k": 128, "num_warps": 4, "num_stages": 4, "down_block_n": 64,
-                    "down_block_k": 128, "down_num_warps": 4, "down_num_stages": 3, "reduce_block_h": 1024,
-                    "index_small_max": 1024, "prequant_x": False, "swap_ab": True, "naive_max_pairs": 32},
-         "heuristic_us": 28.64, "timing": "kernels", "us": 27.78},
         {"E": 128, "E_local": 128, "H": 4096, "I": 384, "quant": "fp8_block", "T": 16,
          "config": {"block_m": 16, "block_n": 128, "block_k": 128, "num_warps": 8, "num_stages": 3,
                     "down_block_n": 128, "down_block_k": 128, "down_num_warps": 4, "down_num_stages": 3,
