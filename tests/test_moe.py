@@ -587,6 +587,37 @@ def test_gpu_fp8_wide_tiles_promote(T, shape, dyn):
     assert torch.equal(outs[None], outs[128 if dyn else 0]), errs
 
 
+class _Hy3Knob:
+    """A Hy3 layer (`shape` tp8 / ep8, `kind` of quantization, T tokens) under its GPU config with one MoeConfig
+    field (`knob`) set per call: `run(value, out)` (out NaN-filled when not given)."""
+
+    def __init__(self, shape: str, T: int, kind: str, knob: str):
+        if shape == "tp8" and kind == "fp8_block":
+            pytest.skip("Fp8Block128 needs I % 128 == 0 (Hy3 TP8 has I = 192)")
+        inter, n_local = (192, None) if shape == "tp8" else (1536, 24)
+        self.T, self.knob = T, knob
+        self.wts, self.tw, self.ids, self.emap, self.x = _hy3_inputs(T, inter, kind, n_local)
+        self.cfg = get_config(num_tokens=T, inter=inter, quant=kind, num_local_experts=n_local, **HY3_CFG)
+
+    def run(self, value, out=None):
+        return fused_moe(self.x, self.wts.w13, self.wts.w2, self.tw, self.ids, quant=self.wts.quant,
+                         expert_map=self.emap, out=nan_like(self.x) if out is None else out,
+                         config=self.cfg.with_(**{self.knob: value}))
+
+    def replay_with_new_routing(self, value):
+        """A CUDA graph of `run(value)` replayed after the routing changed in place: (its output, the eager call's
+        output on the new routing)."""
+        out = nan_like(self.x)
+        graph, _ = capture_graph(lambda: self.run(value, out))
+        tw2, ids2 = make_routing(self.T, HY3["k"], HY3["E"], "cuda", seed=7)
+        self.tw.copy_(tw2)
+        self.ids.copy_(ids2)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        return out, self.run(value)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["fp8_tensor", "none", "fp8_block"])
 @pytest.mark.parametrize("T", [1, 4, 16, 64, 512, 2048, 4096])
@@ -595,31 +626,16 @@ def test_gpu_down_n_per_bit_equal(shape, T, kind):
     """`MoeConfig.down_n_per` (a down program over several N tiles in one flat loop, the MMA's accumulator restarted
     at each tile) sums each tile in the order of one program a tile: bit-equal at Hy3 sizes (a count dividing the N
     tiles and one that does not), NaN-filled out, eagerly and in a CUDA-graph replay with new routing."""
-    if shape == "tp8" and kind == "fp8_block":
-        pytest.skip("Fp8Block128 needs I % 128 == 0 (Hy3 TP8 has I = 192)")
-    inter, n_local = (192, None) if shape == "tp8" else (1536, 24)
-    wts, tw, ids, emap, x = _hy3_inputs(T, inter, kind, n_local)
-    cfg = get_config(num_tokens=T, inter=inter, quant=kind, num_local_experts=n_local, **HY3_CFG)
-
-    def run(n_per, out=None):
-        return fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap,
-                         out=nan_like(x) if out is None else out, config=cfg.with_(down_n_per=n_per))
-
-    want = run(1)
+    h = _Hy3Knob(shape, T, kind, "down_n_per")
+    want = h.run(1)
     assert not want.isnan().any()
-    outs = {n_per: nan_like(x) for n_per in (4, 5, 32)}
-    for n_per, out in outs.items():
-        run(n_per, out)
+    for n_per in (4, 5, 32):
+        out = nan_like(h.x)
+        h.run(n_per, out)
         torch.cuda.synchronize()
         assert torch.equal(out, want), n_per
-    graph, _ = capture_graph(lambda: run(4, outs[4]))
-    tw2, ids2 = make_routing(T, HY3["k"], HY3["E"], "cuda", seed=7)
-    tw.copy_(tw2)
-    ids.copy_(ids2)
-    outs[4].fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(outs[4], run(1))
+    replayed, _ = h.replay_with_new_routing(4)
+    assert torch.equal(replayed, h.run(1))
 
 
 @pytest.mark.gpu
@@ -631,33 +647,17 @@ def test_gpu_split_k(shape, T, kind):
     order): within the reference's tolerance and as close to it as one program a task, NaN-filled out;
     deterministic (two runs bit-equal, whichever program arrives last); a CUDA-graph replay with new routing
     equals the eager call."""
-    if shape == "tp8" and kind == "fp8_block":
-        pytest.skip("Fp8Block128 needs I % 128 == 0 (Hy3 TP8 has I = 192)")
-    inter, n_local = (192, None) if shape == "tp8" else (1536, 24)
-    wts, tw, ids, emap, x = _hy3_inputs(T, inter, kind, n_local)
-    cfg = get_config(num_tokens=T, inter=inter, quant=kind, num_local_experts=n_local, **HY3_CFG)
-
-    def run(split, out=None):
-        return fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap,
-                         out=nan_like(x) if out is None else out, config=cfg.with_(split_k=split))
-
-    ref = R.fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap)
-    want = run(1)
+    h = _Hy3Knob(shape, T, kind, "split_k")
+    ref = R.fused_moe(h.x, h.wts.w13, h.wts.w2, h.tw, h.ids, quant=h.wts.quant, expert_map=h.emap)
+    want = h.run(1)
     tol = {} if kind == "none" else {"maxtol": 4e-2, "rmstol": 1.5e-2}  # fp8 tolerance, see _tolerance
     for split in (2, 3, 4):
-        got = run(split)
+        got = h.run(split)
         assert_close(ref, got, **tol)
         assert relative_errors(ref, got)[1] <= 1.25 * relative_errors(ref, want)[1] + 1e-4, split
-        assert torch.equal(run(split), got), split
-    out = nan_like(x)
-    graph, _ = capture_graph(lambda: run(4, out))
-    tw2, ids2 = make_routing(T, HY3["k"], HY3["E"], "cuda", seed=7)
-    tw.copy_(tw2)
-    ids.copy_(ids2)
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, run(4))
+        assert torch.equal(h.run(split), got), split
+    replayed, eager = h.replay_with_new_routing(4)
+    assert torch.equal(replayed, eager)
 
 
 @pytest.mark.gpu
