@@ -1022,3 +1022,19 @@ def test_fp8_promote_rule():
     assert _fp8_promote(c.with_(swap_ab=True, fp8_promote=0), True, True, 128) == {}
     assert _fp8_promote(c.with_(fp8_promote=256), True, False, 128) == {"FP8_PROMOTE": 128}
     assert _fp8_promote(c.with_(fp8_promote=128), False, True, 128) == {}
+
+
+@pytest.mark.parametrize("H", [200, 2600])
+def test_quant_x_per_token_group(H, device):
+    """`moe_quant_x_kernel` per token and 128-group (`prequant_x` for the 128-block scheme, an fp8 x's scales): the
+    scales and the fp8 values of `quantize_per_token_group`, with a partial last group and, at H 2600 (21 groups,
+    16 a step), a second step of groups that runs past H."""
+    from hpcops.moe.codes import XMode
+    from hpcops.moe.schemes import _quantize_x
+    from hpcops.quant import quantize_per_token_group
+
+    x = (torch.randn(5, H, generator=torch.Generator().manual_seed(3)) * 3).bfloat16().to(device)
+    got = _quantize_x(x, XMode.PER_TOKEN_GROUP, None, x, 0)
+    want_q, want_s = quantize_per_token_group(x)
+    assert torch.equal(got.scale, want_s.float())
+    assert torch.equal(got.x.float(), want_q.float())
