@@ -404,9 +404,11 @@ def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets
                 af = a.to(tl.float32)
                 a_s = tl.maximum(tl.max(tl.abs(af), 1), 1e-12) / FP8_MAX
                 a = tl.minimum(tl.maximum(af / a_s[:, None], -FP8_MAX), FP8_MAX).to(tl.float8e4nv)
-            # the scale of each weight row's 128-block (gate rows and up rows lie in different N blocks)
-            w_s = tl.load(ws_ptr + e64 * stride_wse + (k0 // 128) * stride_wsk + (wrow // 128) * stride_wsn,
-                          mask=wmask, other=0.0)
+            # the scale of each weight row's 128-block: the gate rows lie in one block, the up rows in another
+            # (block_n divides 128 and I % 128 == 0), so two scalar loads, spread over the rows in registers
+            ws_k = ws_ptr + e64 * stride_wse + (k0 // 128) * stride_wsk
+            w_s = tl.where(tl.arange(0, 2 * BLOCK_N) < BLOCK_N, tl.load(ws_k + (n0 // 128) * stride_wsn),
+                           tl.load(ws_k + ((I + n0) // 128) * stride_wsn))
             if SWAP_AB:
                 acc += tl.dot(w, tl.trans(a)) * (w_s[:, None] * a_s[None, :])
             else:
