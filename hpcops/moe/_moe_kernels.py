@@ -169,22 +169,26 @@ def moe_index_scatter_kernel(ids_ptr, map_ptr, base_ptr, sorted_ptr, pos_ptr, N,
 def moe_quant_x_kernel(x_ptr, q_ptr, s_ptr, in_scale_ptr, H, stride_x, stride_q, stride_s,
                        MODE: tl.constexpr, BLOCK_H: tl.constexpr, PDL_NEXT: tl.constexpr = 0):
     """fp8 x, one program per token. MODE (`XMode`): STATIC, the scale in_scale; PER_TOKEN,
-    s[t] = max|x[t]| / 448; PER_TOKEN_GROUP, per token and group of 128, s[t, g].
+    s[t] = max|x[t]| / 448; PER_TOKEN_GROUP, per token and group of 128, s[t, g], BLOCK_H // 128 groups a step
+    (side by side: at decode batches the few programs would otherwise walk H's groups one after another).
     PDL_NEXT (`MoeConfig.pdl`): the gate-up GEMM is launched with programmatic dependent launch; release it at
     this program's start (it waits for this grid before reading x)."""
     if PDL_NEXT != 0:
         gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     if MODE == X_PER_TOKEN_GROUP:
+        gi = tl.arange(0, BLOCK_H // 128)
         cols = tl.arange(0, 128)
-        for g in range(0, tl.cdiv(H, 128)):
-            c = g * 128 + cols
+        n_groups = tl.cdiv(H, 128)
+        for g0 in range(0, n_groups, BLOCK_H // 128):
+            g = g0 + gi
+            c = g[:, None] * 128 + cols[None, :]
             cmask = c < H
             x = tl.load(x_ptr + t * stride_x + c, mask=cmask, other=0.0).to(tl.float32)
-            s = tl.maximum(tl.max(tl.abs(x), 0), 1e-12) / FP8_MAX
-            q = tl.minimum(tl.maximum(x / s, -FP8_MAX), FP8_MAX)
+            s = tl.maximum(tl.max(tl.abs(x), 1), 1e-12) / FP8_MAX
+            q = tl.minimum(tl.maximum(x / s[:, None], -FP8_MAX), FP8_MAX)
             tl.store(q_ptr + t * stride_q + c, q.to(q_ptr.dtype.element_ty), mask=cmask)
-            tl.store(s_ptr + t * stride_s + g, s)
+            tl.store(s_ptr + t * stride_s + g, s, mask=g < n_groups)
     else:
         cols = tl.arange(0, BLOCK_H)
         cmask = cols < H

@@ -112,7 +112,8 @@ def _quantize_x(x: torch.Tensor, mode: XMode, scale: torch.Tensor | None, dummy,
     if mode == XMode.PER_TOKEN_GROUP:
         s = torch.empty((T, triton.cdiv(H, 128)), dtype=torch.float32, device=x.device)
         K.moe_quant_x_kernel[(T,)](x, xq, s, s, H, x.stride(0), xq.stride(0), s.stride(0), MODE=int(mode),
-                                   BLOCK_H=128, PDL_NEXT=pdl_next, num_warps=4)
+                                   BLOCK_H=128 * min(16, triton.next_power_of_2(triton.cdiv(H, 128))),
+                                   PDL_NEXT=pdl_next, num_warps=4)
         return GateUpInput(xq, s, s.stride(0), 1, dummy)
     s = scale if mode == XMode.STATIC else torch.empty(T, dtype=torch.float32, device=x.device)
     K.moe_quant_x_kernel[(T,)](x, xq, s, s, H, x.stride(0), xq.stride(0), 1, MODE=int(mode),
