@@ -157,6 +157,11 @@ class _SharedExpert:
                              shared_w13, shared_w2, torch.empty((T, i_s), dtype=out_dt, device=dummy.device),
                              torch.empty((T, H), dtype=out_dt, device=dummy.device))
 
+    @property
+    def i_s(self) -> int:
+        """The shared expert's intermediate size (0 without one)."""
+        return self.w2.shape[1] if self.n_gu else 0
+
     def strides(self) -> tuple[int, int, int, int]:
         """Row strides of w13, w2, act and y (zeros without a shared expert: its kernels' arguments, never read)."""
         return tuple(t.stride(0) for t in (self.w13, self.w2, self.act, self.y)) if self.n_gu else (0, 0, 0, 0)
@@ -257,42 +262,18 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     gu_pdl = _pdl_launch(pdl and (not naive or a.x is not x or act.rowmax is not dummy))
     ws = scheme.weight_scales(E, dummy)
     sx = _SharedExpert.of(shared_w13, shared_w2, i_s, T, H, cfg, out_dt, dummy)
-    sx_w13, sx_w2, sx_act, sx_y = sx.strides()
     narrow = w13.element_size() == 1
     # fp8 tiles on wgmma: the MMA's reduced-precision sum joins the fp32 accumulator after at most
     # `fp8_promote` products, at least once a K step (`_mma`)
     gu_per_token, dn_per_token = scheme.per_token_inputs(a, act)
     gu_promote = _fp8_promote(cfg, narrow, gu_per_token, cfg.block_k)
     dn_promote = _fp8_promote(cfg, narrow, dn_per_token, cfg.down_block_k)
-
-    K.moe_gate_up_kernel[(sx.n_gu + n_tasks * triton.cdiv(inter, cfg.block_n) * cfg.split_k,)](
-        a.x, a.scale, w13, ws.w13, a.a13, tasks, offsets, sorted_pair, topk_ids, emap,
-        act.act, act.scale, act.a2, act.rowmax,
-        H, inter, n_tasks, k, n_global, E,
-        a.x.stride(0), a.stride_t, a.stride_g,
-        w13.stride(0), w13.stride(1), *ws.w13_strides,
-        act.act.stride(0), act.stride_s,
-        x, sx.w13, sx.act, T, i_s, sx.n_gu, x.stride(0), sx_w13, sx_act,
-        QUANT=int(scheme.code), X_FP8=a.fp8, ACT_OUT=int(act.mode), ACT_DT=_TL_DTYPE[out_dt],
-        BF16_MUL=cfg.act_mul == "bf16", SWAP_AB=cfg.swap_ab, **routing, SHARED=bool(i_s),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SHARED_BLOCK_K=max(16, cfg.block_k // 2) if narrow else cfg.block_k, **gu_promote, **gu_pdl,
-        PDL_NEXT=pdl, **gu_split, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-
+    call = _GemmCall(scheme, cfg, T, H, E, inter, k, n_global, n_tasks, tasks, offsets, topk_ids, emap, routing, sx,
+                     narrow, pdl)
+    _launch_gate_up(call, x, a, w13, ws, act, sorted_pair, out_dt, gu_promote, gu_pdl, gu_split)
     y = torch.empty((T * k, H), dtype=out_dt, device=x.device)
     reduce_pdl = bool(pdl) and shared_ready is None  # (an event wait between the two: launched as usual)
-    K.moe_down_kernel[(sx.n_dn + n_tasks * triton.cdiv(triton.cdiv(H, cfg.down_block_n), cfg.down_n_per),)](
-        act.act, act.scale, act.a2, act.rowmax, w2, ws.w2, tasks, offsets, topk_ids, emap, y,
-        H, inter, n_tasks, n_global, E,
-        act.act.stride(0), act.stride_s, w2.stride(0), w2.stride(1), *ws.w2_strides,
-        y.stride(0),
-        sx.act, sx.w2, sx.y, T, i_s, sx.n_dn, sx_act, sx_w2, sx_y,
-        QUANT=int(scheme.code), ACT_IN=int(act.mode), SWAP_AB=cfg.swap_ab, **routing, SHARED=bool(i_s),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
-        SHARED_BLOCK_K=max(16, cfg.down_block_k // 2) if narrow else cfg.down_block_k, **dn_promote,
-        **({"N_PER": cfg.down_n_per, "K_ONE": cfg.down_block_k >= inter} if cfg.down_n_per > 1 else {}),
-        **_pdl_launch(pdl), PDL_NEXT=pdl if reduce_pdl else 0, num_warps=cfg.down_num_warps,
-        num_stages=cfg.down_num_stages)
+    _launch_down(call, w2, ws, act, y, dn_promote, reduce_pdl)
 
     if i_s:
         shared_output = sx.y
@@ -306,6 +287,68 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         TOP_K=k, HAS_SHARED=shared_output is not None, **routing, BLOCK_H=bh, **_pdl_launch(reduce_pdl),
         num_warps=4)
     return out
+
+
+@dataclass
+class _GemmCall:
+    """What the gate-up and down launches of one call share: scheme, config, sizes, the task form's tensors
+    (placeholders where a form reads none), the fused shared expert and the PDL mode."""
+
+    scheme: Scheme
+    cfg: MoeConfig
+    T: int
+    H: int
+    E: int
+    inter: int
+    k: int
+    n_global: int
+    n_tasks: int
+    tasks: torch.Tensor
+    offsets: torch.Tensor
+    topk_ids: torch.Tensor
+    emap: torch.Tensor
+    routing: dict
+    sx: _SharedExpert
+    narrow: bool  # 1-byte weights
+    pdl: int
+
+
+def _launch_gate_up(c: _GemmCall, x, a, w13, ws, act, sorted_pair, out_dt, promote: dict, pdl_launch: dict,
+                    split: dict) -> None:
+    """`moe_gate_up_kernel` over the shared expert's tiles, then tasks × N tiles (× split_k)."""
+    cfg, sx = c.cfg, c.sx
+    sx_w13, _, sx_act, _ = sx.strides()
+    K.moe_gate_up_kernel[(sx.n_gu + c.n_tasks * triton.cdiv(c.inter, cfg.block_n) * cfg.split_k,)](
+        a.x, a.scale, w13, ws.w13, a.a13, c.tasks, c.offsets, sorted_pair, c.topk_ids, c.emap,
+        act.act, act.scale, act.a2, act.rowmax,
+        c.H, c.inter, c.n_tasks, c.k, c.n_global, c.E,
+        a.x.stride(0), a.stride_t, a.stride_g,
+        w13.stride(0), w13.stride(1), *ws.w13_strides,
+        act.act.stride(0), act.stride_s,
+        x, sx.w13, sx.act, c.T, sx.i_s, sx.n_gu, x.stride(0), sx_w13, sx_act,
+        QUANT=int(c.scheme.code), X_FP8=a.fp8, ACT_OUT=int(act.mode), ACT_DT=_TL_DTYPE[out_dt],
+        BF16_MUL=cfg.act_mul == "bf16", SWAP_AB=cfg.swap_ab, **c.routing, SHARED=bool(sx.i_s),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        SHARED_BLOCK_K=max(16, cfg.block_k // 2) if c.narrow else cfg.block_k, **promote, **pdl_launch,
+        PDL_NEXT=c.pdl, **split, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _launch_down(c: _GemmCall, w2, ws, act, y, promote: dict, reduce_pdl: bool) -> None:
+    """`moe_down_kernel` over the shared expert's tiles, then tasks × ceil(N tiles / down_n_per)."""
+    cfg, sx = c.cfg, c.sx
+    _, sx_w2, sx_act, sx_y = sx.strides()
+    K.moe_down_kernel[(sx.n_dn + c.n_tasks * triton.cdiv(triton.cdiv(c.H, cfg.down_block_n), cfg.down_n_per),)](
+        act.act, act.scale, act.a2, act.rowmax, w2, ws.w2, c.tasks, c.offsets, c.topk_ids, c.emap, y,
+        c.H, c.inter, c.n_tasks, c.n_global, c.E,
+        act.act.stride(0), act.stride_s, w2.stride(0), w2.stride(1), *ws.w2_strides,
+        y.stride(0),
+        sx.act, sx.w2, sx.y, c.T, sx.i_s, sx.n_dn, sx_act, sx_w2, sx_y,
+        QUANT=int(c.scheme.code), ACT_IN=int(act.mode), SWAP_AB=cfg.swap_ab, **c.routing, SHARED=bool(sx.i_s),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
+        SHARED_BLOCK_K=max(16, cfg.down_block_k // 2) if c.narrow else cfg.down_block_k, **promote,
+        **({"N_PER": cfg.down_n_per, "K_ONE": cfg.down_block_k >= c.inter} if cfg.down_n_per > 1 else {}),
+        **_pdl_launch(c.pdl), PDL_NEXT=c.pdl if reduce_pdl else 0, num_warps=cfg.down_num_warps,
+        num_stages=cfg.down_num_stages)
 
 
 def _split_k_buffers(cfg: MoeConfig, tiles: int, dev: torch.device) -> dict:
