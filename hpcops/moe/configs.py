@@ -62,7 +62,10 @@ class MoeConfig:
     the epilogue; a per-call workspace of split_k fp32 tiles per task and a zeroed count per task come with it. For
     small batches with few tasks: there a gate-up program's time follows its K steps, not its bytes (the 128-block
     fp8 tile waits on its MMA and scales every step), and fewer tasks than SMs leave SMs idle: Hy3 EP8 fp8 128-block
-    T 4, gate-up 28.4 µs over 32 K steps, 16.3 over 16 (bench/results/probe_moe_ksteps_2c734ee.md).
+    T 4, gate-up 28.4 µs over 32 K steps, 16.3 over 16 (bench/results/probe_moe_ksteps_2c734ee.md). The heuristic
+    splits the 128-block scheme only (`gate_up_split`: Hy3 EP8 T 4 over 2, DeepSeek-V3 TP8 T 1 over 8, 0.89x vLLM's
+    GEMMs there against 1.91x unsplit); the per-tensor and 16-bit tiles measured 3-25 % slower split
+    (moe_split_k_addaa6c.md).
     """
 
     block_m: int = 16
