@@ -243,14 +243,13 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     topk_weights = topk_weights.contiguous()
     naive = T * k <= cfg.naive_max_pairs  # one task per pair: no index
     # (split K's arrival counts zeroed ahead of the index build: the kernels after it stay one PDL chain)
-    gu_split = _split_k_buffers(cfg, (T * k if naive else task_capacity(T * k, E, cfg.block_m))
-                                * triton.cdiv(inter, cfg.block_n), x.device)
+    n_tasks = T * k if naive else task_capacity(T * k, E, cfg.block_m)  # (the index's `cap`)
+    gu_split = _split_k_buffers(cfg, n_tasks * triton.cdiv(inter, cfg.block_n), x.device)
     idx = None if naive else build_moe_index(topk_ids, E, cfg.block_m, expert_map=expert_map,
                                               small_max=cfg.index_small_max)
     dummy = topk_ids if naive else idx.offsets  # placeholder pointer for the arguments a mode does not read
     tasks, offsets, sorted_pair, pair_pos = (dummy,) * 4 if naive else (idx.tasks, idx.offsets, idx.sorted_pair,
                                                                        idx.pair_pos)
-    n_tasks = T * k if naive else idx.cap
     emap = expert_map if expert_map is not None else topk_ids
     routing = dict(NAIVE=naive, HAS_MAP=expert_map is not None)
     # MoeConfig.pdl: the gate-up, down and reduce kernels launched with programmatic dependent launch (sm_90)
