@@ -133,9 +133,10 @@ def heuristic_config(*, num_tokens: int, top_k: int, num_experts: int, hidden: i
                      quant: str = "none", interpreter: bool = False,
                      num_local_experts: int | None = None) -> MoeConfig:
     """The untuned heuristic: tiles from the average rows per expert `num_tokens·top_k / num_experts`.
-    Rules measured on the H200 (`hpcops tune moe`, bench/results/moe_tune.md): fp8 per-tensor x is
-    quantized once up front; 16-bit decode tiles take K steps of 128; the 128-block scheme's gate-up tile
-    (gate and up halves, 2·block_n rows) runs on 8 warps; no naive tasks under expert parallelism."""
+    Rules measured on the H200 (`hpcops tune moe`, bench/results/moe_tune.md): fp8 per-tensor x (and the
+    128-block scheme's from 64 tokens) is quantized once up front; 16-bit decode tiles take K steps of 128; the
+    128-block scheme's gate-up tile (gate and up halves, 2·block_n rows) runs on 8 warps; no naive tasks under expert
+    parallelism."""
     avg = num_tokens * top_k / max(num_experts, 1)
     bm = block_m_for(avg)
     fp8 = quant != "none"
@@ -166,8 +167,11 @@ def heuristic_config(*, num_tokens: int, top_k: int, num_experts: int, hidden: i
         # block_n 128 lets the gate-up epilogue quantize whole 128-groups. Its 256-row gate+up tile runs on 8
         # warps. Narrower N tiles for more programs at tiny batches measured slower (EP8 B4: 49.8 µs at
         # block_n 32 against 42.5 at 128; DeepSeek-V3 TP8 B16: 1.25x slower at 64).
+        # From 64 tokens x is quantized up front (moe_prequant_d4ebce6.md, Hy3 EP8: 9 % faster at T 512, 4 % at
+        # 64; level at 4, and at T 1 the extra launch costs 6 %).
         cfg = replace(cfg, block_n=128, block_k=128, down_block_k=128, block_m=min(cfg.block_m, 64),
-                      down_block_n=min(cfg.down_block_n, 128), num_warps=8)
+                      down_block_n=min(cfg.down_block_n, 128), num_warps=8,
+                      prequant_x=cfg.prequant_x or num_tokens >= 64)
         # its tile waits on its MMA and scales every K step, so a program's time follows its K steps: where the
         # batch's gate-up tiles leave most SMs idle, their K loops go over several programs (`split_k`)
         cfg = replace(cfg, split_k=gate_up_split(num_tokens, top_k, num_experts, n_local, hidden, inter,
