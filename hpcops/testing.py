@@ -352,14 +352,17 @@ def sm90_build_in_subprocess(script: str, arg: Any, *, timeout: float = 600) -> 
 
 
 def compile_gluon_sm90(fn, signature: dict[str, str], constexprs: dict[str, Any], *, num_warps: int = 4,
-                       maxnreg: int | None = None):
+                       maxnreg: int | None = None, div16: tuple[str, ...] = ()):
     """`triton.compile` of a Gluon kernel for sm_90 from the CPU (it cannot run in the interpreter): `signature`
     maps every argument to its type string ("*fp32", "i32", "tensordesc<fp8e4nv[64, 128],NVMMASharedLayout(...)>"),
     constexpr arguments to "constexpr" with their values in `constexprs`; `maxnreg` as the launch passes it (the
-    warp-specialized kernels)."""
+    warp-specialized kernels); `div16`: the arguments a launch would specialize as multiples of 16 (integers) or
+    16-byte aligned (pointers), as Triton's JIT does from their values."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     options = {"num_warps": num_warps} | ({"maxnreg": maxnreg} if maxnreg is not None else {})
-    return triton.compile(GluonASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32), options=options)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a in div16}
+    return triton.compile(GluonASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=options)

@@ -844,6 +844,56 @@ def test_pdl_config_is_checked():
             fused_moe(x, w.w13, w.w2, tw, ids, config=cfg.with_(split_k=bad))
 
 
+def test_gluon_config_is_checked():
+    """`MoeConfig.gluon` names what it lacks (ValueError): a bool, the 128-block scheme, the decode tile, x
+    quantized up front, an sm_90 GPU."""
+    T, k, E, H, inter = 3, 2, 4, 256, 128
+    tw, ids = make_routing(T, k, E, "cpu")
+    x = torch.randn(T, H).bfloat16()
+    blk = make_weights(E, H, inter, "fp8_block", device="cpu")
+    cfg = get_config(num_tokens=T, top_k=k, num_experts=E, hidden=H, inter=inter, quant="fp8_block",
+                     interpreter=True).with_(swap_ab=True, block_m=16, block_n=128, block_k=128, prequant_x=True)
+    cases = [(dict(gluon=1), "must be a bool"), (dict(gluon=True, block_m=32), "takes swap_ab, block_m 16"),
+             (dict(gluon=True, prequant_x=False), "needs x quantized up front"),
+             (dict(gluon=True), "needs an sm_90 GPU")]
+    for over, msg in cases:
+        with pytest.raises(ValueError, match="config.gluon " + msg):
+            fused_moe(x, blk.w13, blk.w2, tw, ids, quant=blk.quant, config=cfg.with_(**over))
+    t = make_weights(E, H, inter, "fp8_tensor", device="cpu")
+    with pytest.raises(ValueError, match="config.gluon takes the fp8 128-block scheme"):
+        fused_moe(x, t.w13, t.w2, tw, ids, quant=t.quant, config=cfg.with_(gluon=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 4, 16, 64])
+@pytest.mark.parametrize("shape", ["ep8", "dsv3"])
+def test_gpu_gluon_gate_up(shape, T):
+    """`MoeConfig.gluon` (the 128-block gate-up as a Gluon kernel, x quantized up front) at Hy3 EP8 and DeepSeek-V3
+    TP8 sizes, over the heuristic's split, one program a task and 3: within the reference's tolerance and as close
+    to it as the `tl` kernel, NaN-filled out; a CUDA-graph replay with new routing equals the eager call."""
+    if shape == "ep8":
+        h = _Hy3Knob("ep8", T, "fp8_block", "gluon")
+    else:  # DeepSeek-V3 TP8: E 256, k 8, H 7168, I 256
+        h = _Hy3Knob.__new__(_Hy3Knob)
+        h.T, h.knob = T, "gluon"
+        E, k, H, inter = 256, 8, 7168, 256
+        h.wts = make_weights(E, H, inter, "fp8_block", device="cuda")
+        h.tw, h.ids = make_routing(T, k, E, "cuda")
+        h.emap = None
+        h.x = torch.randn(T, H, device="cuda").bfloat16()
+        h.cfg = get_config(num_tokens=T, top_k=k, num_experts=E, hidden=H, inter=inter, quant="fp8_block")
+    h.cfg = h.cfg.with_(prequant_x=True, swap_ab=True, block_m=16, block_n=128, block_k=128, act_mul="fp32")
+    ref = R.fused_moe(h.x, h.wts.w13, h.wts.w2, h.tw, h.ids, quant=h.wts.quant, expert_map=h.emap)
+    want = h.run(False)
+    for split in sorted({1, h.cfg.split_k, 3}):
+        h.cfg = h.cfg.with_(split_k=split)
+        got = h.run(True)
+        assert_close(ref, got, maxtol=4e-2, rmstol=1.5e-2)  # fp8 tolerance, see _tolerance
+        assert relative_errors(ref, got)[1] <= 1.25 * relative_errors(ref, want)[1] + 1e-4, split
+    replayed, eager = h.replay_with_new_routing(True)
+    assert torch.equal(replayed, eager)
+
+
 # ---------------------------------------------------------------------------------------------------
 # configs: launch counts, the tuned table
 

@@ -133,3 +133,44 @@ def test_kernels_compile_for_sm90(monkeypatch, tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     bad = json.loads(res.stdout.strip().splitlines()[-1])
     assert not bad, "\n".join(bad)
+
+
+GLUON_BUILD = """
+import json, sys
+from triton.experimental.gluon import language as gl
+from hpcops.moe._moe_gluon import moe_gate_up_block_gluon_kernel as kernel
+from hpcops.testing import compile_gluon_sm90, sm90_resources
+
+steps, stages, split, naive, warps = json.loads(sys.argv[1])
+layout = gl.NVMMASharedLayout.get_default_for([128, 128], gl.float8e4nv)
+sig = dict(x_ptr="*fp8e4nv", xs_ptr="*fp32", w_desc=f"tensordesc<fp8e4nv[128, 128],{layout}>", ws_ptr="*fp32",
+           tasks_ptr="*i32", offsets_ptr="*i32", sorted_ptr="*i32", ids_ptr="*i32", map_ptr="*i32",
+           act_ptr="*fp8e4nv", act_s_ptr="*fp32", part_ptr="*fp32", cnt_ptr="*i32")
+sig.update({a: "i32" for a in ("H", "I", "CAP", "TOP_K", "E_GLOBAL", "E_LOCAL", "stride_xt", "stride_xst",
+                               "stride_xsg", "stride_wse", "stride_wsn", "stride_wsk", "stride_act", "stride_acts")})
+consts = dict(ACT_DT=gl.bfloat16, NAIVE=bool(naive), HAS_MAP=True, BLOCK_M=16, STEPS=steps, STAGES=stages,
+              SPLIT_K=split, PDL_WAIT=True, PDL_NEXT=2, num_warps=warps)
+sig.update({a: "constexpr" for a in consts})
+c = compile_gluon_sm90(kernel, sig, consts, num_warps=warps,
+                       div16=("x_ptr", "act_ptr", "H", "stride_xt", "stride_act"))
+ptx = c.asm["ptx"]
+copies = ptx.count("cp.async.cg.shared.global") + ptx.count("cp.async.ca.shared.global")
+print(json.dumps(dict(sm90_resources(c), keep_two=ptx.count("wgmma.wait_group.sync.aligned 2"), x_copies=copies),
+                 sort_keys=True))
+"""
+
+
+@pytest.mark.parametrize("build", [(16, 4, 2, 0, 8), (32, 4, 1, 0, 4), (7, 4, 8, 1, 4), (56, 2, 1, 0, 8)],
+                         ids=["hy3-ep8-split2", "hy3-ep8-w4", "dsv3-split8-naive", "dsv3-unsplit"])
+def test_gluon_gate_up_builds_for_sm90(build):
+    """`MoeConfig.gluon`'s kernel (it cannot run in the interpreter) builds for sm_90 at the launcher's shapes (Hy3 EP8
+    H 4096 over 2 programs and over 1, DeepSeek-V3 H 7168 over 8 and 1): no spill, within shared memory, the weight
+    tiles by TMA, x's rows by cp.async, and the K loop's wait keeps the current step's two MMAs in flight
+    (`wgmma.wait_group 2`) while the previous step's result is scaled."""
+    from hpcops.testing import sm90_build_in_subprocess
+
+    steps, stages = build[:2]
+    r = sm90_build_in_subprocess(GLUON_BUILD, list(build))
+    assert r["spill_bytes"] == 0 and r["shared"] <= 227 * 1024, r
+    assert r["tma_loads"] > 0 and r["keep_two"] == 1, r
+    assert r["x_copies"] >= steps, r

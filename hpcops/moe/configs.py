@@ -66,6 +66,10 @@ class MoeConfig:
     splits the 128-block scheme only (`gate_up_split`: Hy3 EP8 T 4 over 2, DeepSeek-V3 TP8 T 1 over 8, 0.89x vLLM's
     GEMMs there against 1.91x unsplit); the per-tensor and 16-bit tiles measured 3-25 % slower split
     (moe_split_k_addaa6c.md).
+    `gluon` (opt-in; sm_90, the fp8 128-block scheme at decode tiles: `swap_ab`, `block_m` 16, `block_n` and
+    `block_k` 128, x quantized up front, no fused shared expert): the gate-up GEMM as a Gluon kernel
+    (`_moe_gluon.py`) that keeps a K step's MMAs in flight while the previous step's result is scaled, where the
+    `tl` kernel waits for every step's MMA before the next (the scales apply to each step's result).
     """
 
     block_m: int = 16
@@ -88,6 +92,7 @@ class MoeConfig:
     pdl: int = 1
     down_n_per: int = 1
     split_k: int = 1
+    gluon: bool = False
 
     def with_(self, **kw) -> MoeConfig:
         return replace(self, **kw)

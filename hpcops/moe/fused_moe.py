@@ -88,9 +88,42 @@ def _validate(scheme: Scheme, x, w13, w2, topk_weights, topk_ids, expert_map, sh
     if type(cfg.split_k) is not int or not 1 <= cfg.split_k <= 16:
         raise ValueError(f"config.split_k must be an int in 1..16 (gate-up programs a task's K loop is split over), "
                          f"got {cfg.split_k!r}")
+    if cfg.gluon:
+        _check_gluon(scheme, x, w13, cfg, H)
     # last: argument errors first; then whether the kernels can run where the tensors are
     check_kernel_device("x", x)
     return T, H, E, inter, k, out_dt
+
+
+def _check_gluon(scheme: Scheme, x: torch.Tensor, w13: torch.Tensor, cfg: MoeConfig, H: int) -> None:
+    """`MoeConfig.gluon`: the Gluon gate-up kernel's conditions (ValueError naming the one that fails)."""
+    why = None
+    if type(cfg.gluon) is not bool:
+        why = f"must be a bool, got {cfg.gluon!r}"
+    elif scheme.name != "fp8_block":
+        why = f"takes the fp8 128-block scheme (Fp8Block128) only, got quant {scheme.name!r}"
+    elif not (cfg.swap_ab and cfg.block_m == 16 and cfg.block_n == 128 and cfg.block_k == 128):
+        why = (f"takes swap_ab, block_m 16, block_n 128, block_k 128; got swap_ab {cfg.swap_ab}, block_m "
+               f"{cfg.block_m}, block_n {cfg.block_n}, block_k {cfg.block_k}")
+    elif cfg.act_mul != "fp32":
+        why = f"takes act_mul 'fp32', got {cfg.act_mul!r}"
+    elif not (cfg.prequant_x or x.dtype == FP8_E4M3):
+        why = "needs x quantized up front (config.prequant_x=True, or an fp8 x)"
+    elif is_interpreter() or x.device.type != "cuda" or cuda_capability(x.device)[0] < 9:
+        why = "needs an sm_90 GPU (a Gluon kernel: not the interpreter)"
+    elif H % 16 or w13.stride(1) != H or w13.stride(0) != w13.shape[1] * H or w13.data_ptr() % 16:
+        why = "needs a contiguous w13 with H a multiple of 16 (its tiles are read by TMA)"
+    elif _gluon_stages(H, cfg.split_k) == 0:
+        why = f"cannot hold x's rows of a {triton.cdiv(H, 128 * cfg.split_k) * 128}-wide K run in shared memory"
+    if why:
+        raise ValueError(f"config.gluon {why}")
+
+
+def _gluon_stages(H: int, split_k: int) -> int:
+    """TMA ring depth of the Gluon gate-up kernel that fits shared memory beside x's [16, K run] fp8 rows (0: none
+    of 2-4 does)."""
+    x_bytes = triton.cdiv(triton.cdiv(H, 128), split_k) * 16 * 128
+    return next((s for s in (4, 3, 2) if x_bytes + s * 2 * 128 * 128 <= 216 * 1024), 0)
 
 
 def _check_shared_weights(shared_w13, shared_w2, shared_output, x, H: int) -> int:
@@ -316,6 +349,12 @@ def _launch_gate_up(c: _GemmCall, x, a, w13, ws, act, sorted_pair, out_dt, promo
                     split: dict) -> None:
     """`moe_gate_up_kernel` over the shared expert's tiles, then tasks × N tiles (× split_k)."""
     cfg, sx = c.cfg, c.sx
+    if cfg.gluon:
+        if sx.i_s:
+            raise ValueError("config.gluon does not take a fused shared expert (shared_w13 / shared_w2): pass its "
+                             "output as shared_output")
+        _launch_gate_up_gluon(c, a, w13, ws, act, sorted_pair, out_dt, pdl_launch, split)
+        return
     sx_w13, _, sx_act, _ = sx.strides()
     K.moe_gate_up_kernel[(sx.n_gu + c.n_tasks * triton.cdiv(c.inter, cfg.block_n) * cfg.split_k,)](
         a.x, a.scale, w13, ws.w13, a.a13, c.tasks, c.offsets, sorted_pair, c.topk_ids, c.emap,
@@ -330,6 +369,28 @@ def _launch_gate_up(c: _GemmCall, x, a, w13, ws, act, sorted_pair, out_dt, promo
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SHARED_BLOCK_K=max(16, cfg.block_k // 2) if c.narrow else cfg.block_k, **promote, **pdl_launch,
         PDL_NEXT=c.pdl, **split, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _launch_gate_up_gluon(c: _GemmCall, a, w13, ws, act, sorted_pair, out_dt, pdl_launch: dict, split: dict) -> None:
+    """`moe_gate_up_block_gluon_kernel` (`MoeConfig.gluon`) over tasks × N tiles × split_k."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from hpcops.moe._moe_gluon import moe_gate_up_block_gluon_kernel
+
+    cfg = c.cfg
+    rows = w13.shape[0] * w13.shape[1]
+    w_desc = TensorDescriptor(w13, [rows, c.H], [c.H, 1], [128, 128],
+                              gl.NVMMASharedLayout.get_default_for([128, 128], gl.float8e4nv))
+    dummy = c.offsets
+    moe_gate_up_block_gluon_kernel[(c.n_tasks * (c.inter // 128) * cfg.split_k,)](
+        a.x, a.scale, w_desc, ws.w13, c.tasks, c.offsets, sorted_pair, c.topk_ids, c.emap, act.act, act.scale,
+        split.get("part_ptr", dummy), split.get("cnt_ptr", dummy),
+        c.H, c.inter, c.n_tasks, c.k, c.n_global, c.E,
+        a.x.stride(0), a.stride_t, a.stride_g, *ws.w13_strides, act.act.stride(0), act.stride_s,
+        ACT_DT=gl.float16 if out_dt == torch.float16 else gl.bfloat16, **c.routing, BLOCK_M=16,
+        STEPS=triton.cdiv(triton.cdiv(c.H, 128), cfg.split_k), STAGES=_gluon_stages(c.H, cfg.split_k),
+        SPLIT_K=cfg.split_k, PDL_NEXT=c.pdl, num_warps=cfg.num_warps, **(pdl_launch or {"PDL_WAIT": False}))
 
 
 def _launch_down(c: _GemmCall, w2, ws, act, y, promote: dict, reduce_pdl: bool) -> None:
