@@ -69,7 +69,11 @@ class MoeConfig:
     `gluon` (opt-in; sm_90, the fp8 128-block scheme at decode tiles: `swap_ab`, `block_m` 16, `block_n` and
     `block_k` 128, x quantized up front, no fused shared expert): the gate-up GEMM as a Gluon kernel
     (`_moe_gluon.py`) that keeps a K step's MMAs in flight while the previous step's result is scaled, where the
-    `tl` kernel waits for every step's MMA before the next (the scales apply to each step's result).
+    `tl` kernel waits for every step's MMA before the next (the scales apply to each step's result). Measured on
+    the H200 it is not faster (moe_gluon_1b7691f.md, graph replay with x quantized up front against the default:
+    Hy3 EP8 T 4 36.9 against 35.7 µs, T 64 130.8 / 120.8, the public shapes' T 1 1.00-1.05x): the MMA wait is not
+    what a 128-block step waits on; the kernel stays as the base for the next Hopper levers (a producer warp,
+    more programs an SM).
     """
 
     block_m: int = 16
