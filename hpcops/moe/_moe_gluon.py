@@ -28,20 +28,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from hpcops.attention._decode_gluon import _pdl_release as _gdc_release  # programmatic dependent launch
+from hpcops.attention._decode_gluon import _pdl_wait as _gdc_wait
+
 FP8_MAX = gl.constexpr(448.0)
 BN = gl.constexpr(128)  # gate (and up) rows of a tile: one weight-scale block
 BK = gl.constexpr(128)  # K step: one 128-group
-
-
-@gluon.jit
-def _gdc_wait():
-    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _gdc_release():
-    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
-                              pack=1)
 
 
 @gluon.jit
