@@ -27,3 +27,18 @@ def test_route_is_exported_with_its_reference():
     assert hpcops.route is hpcops.moe.route
     params = lambda f: [(p.name, p.kind, p.default) for p in inspect.signature(f).parameters.values()]  # noqa: E731
     assert params(hpcops.route) == params(reference.route)
+
+
+def test_moe_package_imports_in_a_fresh_process():
+    """`from hpcops.moe import fused_moe` is the submodule (the function is `hpcops.fused_moe`), and every name of
+    `hpcops.moe.__all__` resolves, in a fresh interpreter (a lazy package attribute named like the submodule
+    recursed there until the submodule happened to be imported)."""
+    import subprocess
+    import sys
+
+    code = ("import hpcops, hpcops.moe as m\n"
+            "from hpcops.moe import fused_moe\n"
+            "assert fused_moe.__name__ == 'hpcops.moe.fused_moe' and fused_moe.fused_moe is hpcops.fused_moe\n"
+            "assert all(getattr(m, n) is not None for n in m.__all__)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]

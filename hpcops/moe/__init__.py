@@ -1,15 +1,15 @@
-"""Fused MoE: routing (`select_experts`, `route`), the device-side index, and `fused_moe` (see README.md)."""
+"""Fused MoE: routing (`select_experts`, `route`), the device-side index, and `fused_moe` (see README.md).
+
+The function is `hpcops.fused_moe` (or `hpcops.moe.fused_moe.fused_moe`): `hpcops.moe.fused_moe` is its module, as
+Python's imports make a submodule's name an attribute of its package (a lazy attribute of the same name recursed).
+"""
 
 from __future__ import annotations
 
-__all__ = ["fused_moe", "select_experts", "route", "MoeConfig", "get_config", "build_moe_index", "MoeIndex"]
+__all__ = ["select_experts", "route", "MoeConfig", "get_config", "build_moe_index", "MoeIndex"]
 
 
 def __getattr__(name: str):
-    if name in ("fused_moe",):
-        from hpcops.moe import fused_moe as _m
-
-        return getattr(_m, name)
     if name in ("select_experts", "route", "build_moe_index", "MoeIndex"):
         from hpcops.moe import routing as _r
 
