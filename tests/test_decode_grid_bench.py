@@ -191,6 +191,21 @@ def test_merge_joins_split_runs(tmp_path):
     assert next(r for r in back.rows if r.case == "c" and r.impl == "hpcops").us == 9.0
 
 
+def test_merge_command_line(tmp_path, capsys):
+    """`python -m hpcops.bench.report SUITE OUT RUN...`: the same join; a usage error (exit 2) without arguments or
+    for a run folder without the suite's JSON."""
+    res = _fake_result()
+    report.write(res, tmp_path / "A")
+    assert report.main(["decode-grid", str(tmp_path / "all"), str(tmp_path / "A")]) == 0
+    assert "wrote" in capsys.readouterr().out
+    assert list(report.by_case(report.load(tmp_path / "all" / "decode-grid.json"))) == list("abcdef")
+    for argv in ([], ["decode-grid", str(tmp_path / "x"), str(tmp_path / "missing")]):
+        with pytest.raises(SystemExit) as e:
+            report.main(argv)
+        assert e.value.code == 2
+    assert "no decode-grid.json in" in capsys.readouterr().err
+
+
 def test_a_peer_that_raises_is_unavailable_and_vllm_takes_over(monkeypatch, tiny, device):
     """FlashInfer (absent here, or made to fail like an unsupported GQA) is `unavailable` with its error, a
     peer with a wrong output is `check-failed`; the summary then compares with vllm-unified."""

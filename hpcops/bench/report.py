@@ -159,7 +159,24 @@ def merge(suite: str, dirs: list[str | Path], out_dir: str | Path) -> list[Path]
     return write(joined(suite, dirs), out_dir)
 
 
-if __name__ == "__main__":  # python -m hpcops.bench.report SUITE OUT_DIR RUN_DIR...
-    import sys
+def main(argv: list[str] | None = None) -> int:
+    """`python -m hpcops.bench.report SUITE OUT_DIR RUN_DIR...`: `merge` from the command line."""
+    import argparse
 
-    print("wrote " + ", ".join(map(str, merge(sys.argv[1], sys.argv[3:], sys.argv[2]))))
+    ap = argparse.ArgumentParser(prog="python -m hpcops.bench.report",
+                                 description="Join runs of one bench suite into one report: each RUN_DIR holds a "
+                                             "SUITE.json; a later run's rows replace an earlier one's for a case "
+                                             "both measured. Writes OUT_DIR/SUITE.{json,md,png}.")
+    ap.add_argument("suite", help="the suite's name, e.g. moe, moe-shapes, decode, decode-grid")
+    ap.add_argument("out_dir", help="where the joined report goes (may be one of the RUN_DIRs)")
+    ap.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="folders holding SUITE.json, earliest first")
+    args = ap.parse_args(argv)
+    missing = [d for d in args.run_dirs if not (Path(d) / f"{args.suite}.json").is_file()]
+    if missing:
+        ap.error(f"no {args.suite}.json in {', '.join(missing)}")
+    print("wrote " + ", ".join(map(str, merge(args.suite, args.run_dirs, args.out_dir))))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
