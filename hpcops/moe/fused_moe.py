@@ -10,7 +10,6 @@ import torch
 import triton
 import triton.language as tl
 
-from hpcops import _platform
 from hpcops._checks import (
     FP8_E4M3,
     HALF_DTYPES,
@@ -18,6 +17,7 @@ from hpcops._checks import (
     check_index_range,
     check_kernel_device,
     check_tensor,
+    is_interpreter,
     values_checkable,
 )
 from hpcops._library import register
@@ -27,13 +27,6 @@ from hpcops.moe.configs import ACT_MUL_MODES, MoeConfig, get_config
 from hpcops.moe.routing import build_moe_index, task_capacity
 from hpcops.moe.schemes import Scheme, scheme_for, scheme_named
 from hpcops.quant import Fp8Block128, Fp8PerTensor
-
-
-def is_interpreter() -> bool:
-    """`_platform.is_interpreter()`, looked up at each call: a module that bound the function itself while
-    a test patched `_platform.is_interpreter` would keep the patched one after the test."""
-    return _platform.is_interpreter()
-
 
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -122,15 +115,20 @@ def _check_gluon(scheme: Scheme, x: torch.Tensor, w13: torch.Tensor, cfg: MoeCon
     elif H % 16 or w13.stride(1) != H or w13.stride(0) != w13.shape[1] * H or w13.data_ptr() % 16:
         why = "needs a contiguous w13 with H a multiple of 16 (its tiles are read by TMA)"
     elif _gluon_stages(H, cfg.split_k) == 0:
-        why = f"cannot hold x's rows of a {triton.cdiv(H, 128 * cfg.split_k) * 128}-wide K run in shared memory"
+        why = f"cannot hold x's rows of a {_gluon_steps(H, cfg.split_k) * 128}-wide K run in shared memory"
     if why:
         raise ValueError(f"config.gluon {why}")
+
+
+def _gluon_steps(H: int, split_k: int) -> int:
+    """K steps of 128 in a Gluon gate-up program's run (the most a program of the split has: its x rows' buffer)."""
+    return triton.cdiv(triton.cdiv(H, 128), split_k)
 
 
 def _gluon_stages(H: int, split_k: int) -> int:
     """TMA ring depth of the Gluon gate-up kernel that fits shared memory beside x's [16, K run] fp8 rows (0: none
     of 2-4 does)."""
-    x_bytes = triton.cdiv(triton.cdiv(H, 128), split_k) * 16 * 128
+    x_bytes = _gluon_steps(H, split_k) * 16 * 128
     return next((s for s in (4, 3, 2) if x_bytes + s * 2 * 128 * 128 <= 216 * 1024), 0)
 
 
@@ -397,7 +395,7 @@ def _launch_gate_up_gluon(c: _GemmCall, a, w13, ws, act, sorted_pair, out_dt, pd
         c.H, c.inter, c.n_tasks, c.k, c.n_global, c.E,
         a.x.stride(0), a.stride_t, a.stride_g, *ws.w13_strides, act.act.stride(0), act.stride_s,
         ACT_DT=gl.float16 if out_dt == torch.float16 else gl.bfloat16, **c.routing, BLOCK_M=16,
-        STEPS=triton.cdiv(triton.cdiv(c.H, 128), cfg.split_k), STAGES=_gluon_stages(c.H, cfg.split_k),
+        STEPS=_gluon_steps(c.H, cfg.split_k), STAGES=_gluon_stages(c.H, cfg.split_k),
         SPLIT_K=cfg.split_k, PDL_NEXT=c.pdl, num_warps=cfg.num_warps, **(pdl_launch or {"PDL_WAIT": False}))
 
 
