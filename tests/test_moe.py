@@ -156,7 +156,6 @@ class Case:
     n_per: int = 1  # config.down_n_per
     down_bk: int | None = None  # force config.down_block_k (≥ inter with n_per > 1: one K step, act loaded once)
     split: int = 1  # config.split_k
-    reduce: bool | None = None  # force config.down_reduce (None: the heuristic's, on up to 64 tokens)
 
     @property
     def id(self) -> str:
@@ -187,8 +186,6 @@ class Case:
             s += f"-dbk{self.down_bk}"
         if self.split != 1:
             s += f"-split{self.split}"
-        if self.reduce is not None:
-            s += f"-dreduce{int(self.reduce)}"
         return s
 
 
@@ -267,25 +264,6 @@ SPLIT_CASES += [Case(40, k=5, inter=192, H=384, ep=True, E=16, use_out=True, spl
                 Case(3, k=2, quant="fp8_block", H=384, use_out=True, split=4, block_n=64),
                 Case(7, quant="fp8_tensor", prequant=True, H=512, use_out=True, split=3, n_per=2)]
 
-# the reduction in the down GEMM's tail (MoeConfig.down_reduce): both task and GEMM forms, expert parallelism (tokens
-# without a local expert: shared_output or zeros), shared_output and NaN-filled out, every quantization, N tiles of
-# several programs (down_n_per, with one K step and with several), split_k, the multi-program index; with a fused
-# shared expert the reduce kernel runs instead
-REDUCE_CASES = [replace(c, reduce=True, swap=swap, naive=naive)
-                for c in (Case(5, k=3, shared=True, use_out=True, ep=True, E=8, H=320),
-                          Case(7, k=2, quant="fp8_tensor", static=False, H=384, use_out=True),
-                          Case(6, k=2, quant="fp8_block", inter=256, H=384, ep=True, E=8, use_out=True))
-                for swap in (False, True) for naive in (False, True)]
-REDUCE_CASES += [Case(9, k=2, quant="fp8_tensor", ep=True, E=8, use_out=True, n_per=3, reduce=True),
-                 Case(9, k=2, inter=96, H=320, use_out=True, n_per=3, down_bk=128, swap=False, naive=False,
-                      reduce=True),
-                 Case(40, k=5, inter=192, H=320, ep=True, E=16, use_out=True, small_max=0, shared=True, reduce=True),
-                 Case(5, k=3, H=384, quant="fp8_tensor", use_out=True, split=2, reduce=True),
-                 Case(6, k=2, fused_shared=48, ep=True, E=8, use_out=True, reduce=True),
-                 # the reduce kernel (the default above 64 tokens) at decode sizes, with and without an index
-                 Case(7, quant="fp8_tensor", shared=True, use_out=True, ep=True, E=8, reduce=False),
-                 Case(64, k=5, inter=192, shared=True, use_out=True, ep=True, E=8, reduce=False)]
-
 
 def _tolerance(case: Case) -> dict:
     if case.quant == "none":
@@ -330,8 +308,6 @@ def run_case(case: Case, device: str):
         cfg = cfg.with_(down_block_k=case.down_bk)
     if case.split != 1:
         cfg = cfg.with_(split_k=case.split)
-    if case.reduce is not None:
-        cfg = cfg.with_(down_reduce=case.reduce)
     out = nan_like(torch.empty(case.T, case.H, dtype=case.dtype, device=device)) if case.use_out else None
     got = fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap, shared_output=shared,
                     out=out, config=cfg, shared_w13=s13, shared_w2=s2)
@@ -342,21 +318,11 @@ def run_case(case: Case, device: str):
     return got, ref
 
 
-@pytest.mark.parametrize("case", CASES + PATH_CASES + NPER_CASES + SPLIT_CASES + REDUCE_CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("case", CASES + PATH_CASES + NPER_CASES + SPLIT_CASES, ids=lambda c: c.id)
 def test_fused_moe(case, device):
     got, ref = run_case(case, device)
     assert got.dtype == case.dtype and got.shape == (case.T, case.H)
     assert_close(ref, got, **_tolerance(case))
-
-
-@pytest.mark.parametrize("case", REDUCE_CASES[:4] + REDUCE_CASES[-7:-2], ids=lambda c: c.id)
-def test_down_reduce_equals_reduce_kernel(case, device):
-    """`MoeConfig.down_reduce` sums each token's rows in slot order, as the reduce kernel does: bit-equal, NaN-filled
-    out (tokens without a local expert included)."""
-    got, _ = run_case(case, device)
-    want, _ = run_case(replace(case, reduce=False), device)
-    assert not got.isnan().any()
-    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("mode", ["tensor-static", "tensor-per-token", "block"])
@@ -633,11 +599,10 @@ class _Hy3Knob:
         self.wts, self.tw, self.ids, self.emap, self.x = _hy3_inputs(T, inter, kind, n_local)
         self.cfg = get_config(num_tokens=T, inter=inter, quant=kind, num_local_experts=n_local, **HY3_CFG)
 
-    def run(self, value, out=None, config=None):
-        """The layer with the knob at `value` (on top of `config`, default: the GPU config)."""
+    def run(self, value, out=None):
         return fused_moe(self.x, self.wts.w13, self.wts.w2, self.tw, self.ids, quant=self.wts.quant,
                          expert_map=self.emap, out=nan_like(self.x) if out is None else out,
-                         config=(config or self.cfg).with_(**{self.knob: value}))
+                         config=self.cfg.with_(**{self.knob: value}))
 
     def replay_with_new_routing(self, value):
         """A CUDA graph of `run(value)` replayed after the routing changed in place: (its output, the eager call's
@@ -693,33 +658,6 @@ def test_gpu_split_k(shape, T, kind):
         assert torch.equal(h.run(split), got), split
     replayed, eager = h.replay_with_new_routing(4)
     assert torch.equal(replayed, eager)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["fp8_tensor", "none", "fp8_block"])
-@pytest.mark.parametrize("T", [1, 4, 16, 64, 512])
-@pytest.mark.parametrize("shape", ["tp8", "ep8"])
-def test_gpu_down_reduce(shape, T, kind):
-    """`MoeConfig.down_reduce` (the top-k reduction in the down GEMM's tail, the last program of a token summing its
-    rows in slot order) is bit-equal to the reduce kernel at Hy3 sizes: NaN-filled out, with and without
-    shared_output (EP8: a third of the tokens have no local expert and get shared_output or zeros), with several
-    N tiles a down program; a CUDA-graph replay with new routing equals the eager call (the counts zeroed each
-    call)."""
-    h = _Hy3Knob(shape, T, kind, "down_reduce")
-    want = h.run(False)
-    got = h.run(True)
-    assert not got.isnan().any()
-    assert torch.equal(got, want)
-    shared = torch.randn_like(h.x)
-    with_shared = [fused_moe(h.x, h.wts.w13, h.wts.w2, h.tw, h.ids, quant=h.wts.quant, expert_map=h.emap,
-                             shared_output=shared, out=nan_like(h.x), config=h.cfg.with_(down_reduce=on))
-                   for on in (False, True)]
-    assert torch.equal(with_shared[0], with_shared[1])
-    n_per = h.run(True, config=h.cfg.with_(down_n_per=4))
-    assert torch.equal(n_per, h.run(False, config=h.cfg.with_(down_n_per=4)))
-    replayed, eager = h.replay_with_new_routing(True)
-    assert torch.equal(replayed, eager)
-    assert torch.equal(eager, h.run(False))
 
 
 @pytest.mark.gpu
@@ -893,8 +831,7 @@ def test_gpu_pdl(T, kind, pdl):
 
 
 def test_pdl_config_is_checked():
-    """`MoeConfig.pdl` takes 0, 1 or 2, `split_k` an int in 1..16, `down_reduce` a bool (ValueError naming them
-    otherwise)."""
+    """`MoeConfig.pdl` takes 0, 1 or 2, `split_k` an int in 1..16 (ValueError naming them otherwise)."""
     T, k, E, H, inter = 2, 2, 4, 64, 64
     tw, ids = make_routing(T, k, E, "cpu")
     w = make_weights(E, H, inter, "none", device="cpu")
@@ -905,9 +842,6 @@ def test_pdl_config_is_checked():
     for bad in (0, 17, 2.0, True):
         with pytest.raises(ValueError, match="config.split_k"):
             fused_moe(x, w.w13, w.w2, tw, ids, config=cfg.with_(split_k=bad))
-    for bad in (1, None, "yes"):
-        with pytest.raises(ValueError, match="config.down_reduce"):
-            fused_moe(x, w.w13, w.w2, tw, ids, config=cfg.with_(down_reduce=bad))
 
 
 def test_gluon_config_is_checked():
@@ -993,18 +927,15 @@ def test_gate_up_split_heuristic():
 
 
 @pytest.mark.parametrize("kind,want", [
-    ("fp8_tensor", ["moe_quant_x_kernel", "moe_gate_up_kernel", "moe_down_kernel"]),
+    ("fp8_tensor", ["moe_quant_x_kernel", "moe_gate_up_kernel", "moe_down_kernel", "moe_reduce_kernel"]),
     ("fp8_tensor_dyn", ["aten.zeros.default", "moe_quant_x_kernel", "moe_gate_up_kernel",
-                        "moe_down_kernel"]),  # dynamic a2: a zeroed row-amax buffer, first
+                        "moe_down_kernel", "moe_reduce_kernel"]),  # dynamic a2: a zeroed row-amax buffer, first
     # (x's quantization then comes right before the gate-up GEMM, whose launch it releases: MoeConfig.pdl)
-    ("fp8_tensor_reduce_kernel", ["moe_quant_x_kernel", "moe_gate_up_kernel", "moe_down_kernel",
-                                  "moe_reduce_kernel"]),  # MoeConfig.down_reduce off
 ])
 def test_decode_batch_launches(kind, want):
     """Everything a decode-size call puts on the stream (Triton launches and torch ops that run kernels):
-    B=4 Hy3 with static fp8 scales is three launches: x quantized once, then one task per pair (32 pairs over
-    192 experts: no index), the two GEMMs, the reduction in the down GEMM's tail (a fourth launch without
-    `down_reduce`)."""
+    B=4 Hy3 with static fp8 scales is four launches: x quantized once, then one task per pair (32 pairs over
+    192 experts: no index), the two GEMMs and the reduction."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from hpcops.moe import _moe_kernels as K
@@ -1016,14 +947,12 @@ def test_decode_batch_launches(kind, want):
             return func(*args, **(kwargs or {}))
 
     E, H, inter, T, k = 4, 256, 128, 4, 8
-    base = kind.replace("_dyn", "").replace("_reduce_kernel", "")
-    wts = make_weights(E, H, inter, base, static=kind != "fp8_tensor_dyn")
+    base = kind.replace("_dyn", "")
+    wts = make_weights(E, H, inter, base, static=kind == "fp8_tensor")
     x = torch.zeros(T, H, dtype=torch.bfloat16)
     ids = torch.zeros(T, k, dtype=torch.int32)
     tw = torch.zeros(T, k)
     cfg = get_config(num_tokens=T, inter=192, quant=base, **HY3_CFG).with_(validate_ids=False)  # the GPU heuristic
-    if kind.endswith("_reduce_kernel"):
-        cfg = cfg.with_(down_reduce=False)
     with recorded_launches(K) as calls, TorchOps():
         fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, shared_output=x, out=torch.empty_like(x),
                   config=cfg)

@@ -320,8 +320,7 @@ def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        SHARED_BLOCK_K: tl.constexpr, FP8_PROMOTE: tl.constexpr = 0,
                        PDL_WAIT: tl.constexpr = False, PDL_NEXT: tl.constexpr = 0,
-                       part_ptr=None, cnt_ptr=None, SPLIT_K: tl.constexpr = 1,
-                       red_cnt_ptr=None, N_CNT=0, REDUCE: tl.constexpr = False, CNT_BLOCK: tl.constexpr = 16):
+                       part_ptr=None, cnt_ptr=None, SPLIT_K: tl.constexpr = 1):
     """act[r, n] = silu(x[tok(r)]·w13[e, n]) · (x[tok(r)]·w13[e, I+n]) for one (M tile, N tile) task.
 
     SHARED: the first N_SHARED programs are the shared expert's gate-up instead (`_shared_gate_up`: the 16-bit
@@ -344,16 +343,11 @@ def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets
     steps; each stores its fp32 partial tile to part [tiles, SPLIT_K, tile], and the last of them to count its
     arrival at cnt[task·n_tiles + N tile] (zeroed by the launcher) sums the SPLIT_K partials in split order (the
     result does not depend on which one is last) and runs the epilogue.
-    REDUCE (`MoeConfig.down_reduce`; no SHARED): the programs first zero the down GEMM's arrival counts, red_cnt
-    [N_CNT], CNT_BLOCK each (the grid covers them; see `_reduce_tail`).
     """
     n_tiles = tl.cdiv(I, BLOCK_N)
     pid = tl.program_id(0)
     if PDL_NEXT == PDL_AT_START:
         gdc_launch_dependents()
-    if REDUCE:  # zero this program's share of the down GEMM's arrival counts (before that kernel's wait for this one)
-        c_offs = pid * CNT_BLOCK + tl.arange(0, CNT_BLOCK)
-        tl.store(red_cnt_ptr + c_offs, tl.zeros((CNT_BLOCK,), tl.int32), mask=c_offs < N_CNT)
     if SHARED:
         if pid < N_SHARED:
             if PDL_WAIT:
@@ -489,78 +483,6 @@ def _shared_down(sp, act_ptr, w_ptr, y_ptr, T, H, I_S, stride_act, stride_w, str
 
 
 @triton.jit
-def _local_count(ids_ptr, map_ptr, tok, mask, E_GLOBAL, E_LOCAL, TOP_K, HAS_MAP: tl.constexpr):
-    """The number of local (and in-range) experts among each token's TOP_K slots (0 where not `mask`)."""
-    n = tl.zeros_like(tok).to(tl.int32)
-    for j in range(TOP_K):
-        _, ok = _local_expert(ids_ptr, map_ptr, tok * TOP_K + j, mask, E_GLOBAL, E_LOCAL, HAS_MAP)
-        n += ok.to(tl.int32)
-    return n
-
-
-@triton.jit
-def _reduce_empty_tokens(pid, n_programs, ids_ptr, map_ptr, sh_ptr, out_ptr, T, H, E_GLOBAL, E_LOCAL, stride_sh,
-                         stride_out, TOP_K, HAS_MAP: tl.constexpr, HAS_SHARED: tl.constexpr,
-                         OUT_BLOCK_H: tl.constexpr):
-    """MoeConfig.down_reduce, in every down GEMM program (after its wait for the gate-up: out may alias x): out[t] =
-    shared_output[t] (or zeros) for the tokens t ≡ pid (mod n_programs) without a local expert, which no
-    `_reduce_tail` reaches."""
-    cols = tl.arange(0, OUT_BLOCK_H)
-    for t in range(pid, T, n_programs):
-        t64 = tl.full((), 0, tl.int64) + t  # (the loop variable is a Python int in the interpreter)
-        if _local_count(ids_ptr, map_ptr, t64, t64 >= 0, E_GLOBAL, E_LOCAL, TOP_K, HAS_MAP) == 0:
-            for h0 in range(0, H, OUT_BLOCK_H):
-                c = h0 + cols
-                v = tl.zeros((OUT_BLOCK_H,), tl.float32)
-                if HAS_SHARED:
-                    v = tl.load(sh_ptr + t64 * stride_sh + c, mask=c < H, other=0.0).to(tl.float32)
-                tl.store(out_ptr + t64 * stride_out + c, v.to(out_ptr.dtype.element_ty), mask=c < H)
-
-
-@triton.jit
-def _reduce_tail(rows, rmask, slot, n_slots, nt0, n_here, H, y_ptr, stride_y, sorted_ptr, pos_ptr, ids_ptr, map_ptr,
-                 tw_ptr, stride_tw, sh_ptr, stride_sh, out_ptr, stride_out, cnt_ptr, E_GLOBAL, E_LOCAL,
-                 TOP_K: tl.constexpr, NAIVE: tl.constexpr, HAS_MAP: tl.constexpr, HAS_SHARED: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """MoeConfig.down_reduce: once a down program has stored its y rows over N tiles nt0 .. nt0 + n_here − 1 (its
-    `slot` of the n_slots a row of N tiles is cut into), each row counts its arrival at cnt[token, slot]; the
-    program that brings a token's count to its number of local pairs (the last of them) computes, over those
-    columns, out[token] = Σ_j topk_weights[token, j] · y[pos[token, j]] (+ shared_output) in fp32, as
-    `moe_reduce_kernel` does, in slot order: the result does not depend on which program arrives last."""
-    if NAIVE:
-        pair = rows
-    else:
-        pair = tl.load(sorted_ptr + rows, mask=rmask, other=0)
-    tok = (pair // TOP_K).to(tl.int64)
-    need = _local_count(ids_ptr, map_ptr, tok, rmask, E_GLOBAL, E_LOCAL, TOP_K, HAS_MAP)
-    tl.debug_barrier()  # every thread's y stores before the release below
-    arrived = tl.atomic_add(cnt_ptr + tok * n_slots + slot, 1, mask=rmask, sem="acq_rel", scope="gpu")
-    tl.debug_barrier()  # the acquire above before any thread's read of the other programs' y rows
-    last = rmask & (arrived == need - 1)
-    if tl.max(last.to(tl.int32), 0) > 0:
-        for t in range(0, n_here):
-            cols = (nt0 + t) * BLOCK_N + tl.arange(0, BLOCK_N)
-            cmask = cols < H
-            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            for j in tl.static_range(TOP_K):
-                if NAIVE:
-                    _, ok = _local_expert(ids_ptr, map_ptr, tok * TOP_K + j, last, E_GLOBAL, E_LOCAL, HAS_MAP)
-                    p = tl.where(ok, tok * TOP_K + j, -1)
-                else:
-                    p = tl.load(pos_ptr + tok * TOP_K + j, mask=last, other=-1)
-                w = tl.load(tw_ptr + tok * stride_tw + j, mask=last, other=0.0)
-                v = tl.load(y_ptr + p.to(tl.int64)[:, None] * stride_y + cols[None, :],
-                            mask=(last & (p >= 0))[:, None] & cmask[None, :], other=0.0, cache_modifier=".cg")
-                acc += w[:, None] * v.to(tl.float32)
-            omask = last[:, None] & cmask[None, :]
-            if HAS_SHARED:
-                acc += tl.load(sh_ptr + tok[:, None] * stride_sh + cols[None, :], mask=omask,
-                               other=0.0).to(tl.float32)
-            tl.store(out_ptr + tok[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-                     mask=omask)
-
-
-@triton.jit
 def _down_step(a, w, acc, rows64, rmask, r_s, act_s_ptr, ws_ptr, e64, n0, k0, stride_acts, stride_wse, stride_wsn,
                stride_wsk, QUANT: tl.constexpr, ACT_IN: tl.constexpr, SWAP_AB: tl.constexpr,
                FP8_PROMOTE: tl.constexpr):
@@ -614,10 +536,7 @@ def moe_down_kernel(act_ptr, act_s_ptr, a2_ptr, rowmax_ptr, w_ptr, ws_ptr, tasks
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     SHARED_BLOCK_K: tl.constexpr, FP8_PROMOTE: tl.constexpr = 0,
                     PDL_WAIT: tl.constexpr = False, PDL_NEXT: tl.constexpr = 0, N_PER: tl.constexpr = 1,
-                    K_ONE: tl.constexpr = False,
-                    sorted_ptr=None, pos_ptr=None, tw_ptr=None, sh_ptr=None, out_ptr=None, cnt_ptr=None,
-                    stride_tw=0, stride_sh=0, stride_out=0, TOP_K: tl.constexpr = 1, REDUCE: tl.constexpr = False,
-                    HAS_SHARED: tl.constexpr = False, OUT_BLOCK_H: tl.constexpr = 512):
+                    K_ONE: tl.constexpr = False):
     """y[r, n] = act[r]·w2[e, n] for one (M tile, N tile) task, rows as the gate-up wrote them.
 
     ACT_IN (`ActMode`, as the gate-up wrote it): the WIDE_*_AMAX modes are quantized here, per row from
@@ -630,10 +549,6 @@ def moe_down_kernel(act_ptr, act_s_ptr, a2_ptr, rowmax_ptr, w_ptr, ws_ptr, tasks
     over (N tile, K step), so one software pipeline streams all their weight tiles and a tile's epilogue runs
     under the next tiles' loads (a short K, e.g. Hy3 TP8's I = 192, is 3 steps a tile). With one K step (BLOCK_K
     ≥ I) the activation tile is loaded once and the loop runs over N alone.
-    REDUCE (`MoeConfig.down_reduce`): no reduce kernel; once a program's tiles are stored its rows count their
-    arrival per (token, N slot) and the last program of a token sums its top-k rows into out (`_reduce_tail`; the
-    counts [T, n_slots] zeroed by the gate-up kernel), and the tokens without a local expert get shared_output or
-    zeros (`_reduce_empty_tokens`).
     """
     n_tiles = tl.cdiv(H, BLOCK_N)
     if N_PER == 1:
@@ -658,9 +573,6 @@ def moe_down_kernel(act_ptr, act_s_ptr, a2_ptr, rowmax_ptr, w_ptr, ws_ptr, tasks
     if e < 0:
         if PDL_WAIT:
             gdc_wait()
-        if REDUCE:
-            _reduce_empty_tokens(pid, tl.num_programs(0), ids_ptr, map_ptr, sh_ptr, out_ptr, T, H, E_GLOBAL, E_LOCAL,
-                                 stride_sh, stride_out, TOP_K, HAS_MAP, HAS_SHARED, OUT_BLOCK_H)
         return
     rows64 = rows.to(tl.int64)
     if N_PER == 1:
@@ -723,18 +635,6 @@ def moe_down_kernel(act_ptr, act_s_ptr, a2_ptr, rowmax_ptr, w_ptr, ws_ptr, tasks
             if ks == k_steps - 1:
                 _down_store(acc, y_ptr, rows64, rmask, cols, cmask, r_s, a2_ptr, ws_ptr, e64, stride_wse, stride_y,
                             QUANT, ACT_IN, SWAP_AB)
-    if REDUCE:  # after the loop (inside it, its reduction and atomics keep Triton from pipelining the loads)
-        if N_PER == 1:
-            _reduce_tail(rows, rmask, pid_n, n_slots, pid_n, 1, H, y_ptr, stride_y, sorted_ptr, pos_ptr, ids_ptr,
-                         map_ptr, tw_ptr, stride_tw, sh_ptr, stride_sh, out_ptr, stride_out, cnt_ptr, E_GLOBAL,
-                         E_LOCAL, TOP_K, NAIVE, HAS_MAP, HAS_SHARED, BLOCK_M, BLOCK_N)
-        else:
-            _reduce_tail(rows, rmask, pid_n, n_slots, pid_n * N_PER, tl.minimum(N_PER, n_tiles - pid_n * N_PER), H,
-                         y_ptr, stride_y, sorted_ptr, pos_ptr, ids_ptr, map_ptr, tw_ptr, stride_tw, sh_ptr,
-                         stride_sh, out_ptr, stride_out, cnt_ptr, E_GLOBAL, E_LOCAL, TOP_K, NAIVE, HAS_MAP,
-                         HAS_SHARED, BLOCK_M, BLOCK_N)
-        _reduce_empty_tokens(pid, tl.num_programs(0), ids_ptr, map_ptr, sh_ptr, out_ptr, T, H, E_GLOBAL, E_LOCAL,
-                             stride_sh, stride_out, TOP_K, HAS_MAP, HAS_SHARED, OUT_BLOCK_H)
     if PDL_NEXT == PDL_AT_END:
         gdc_launch_dependents()
 

@@ -74,12 +74,6 @@ class MoeConfig:
     Hy3 EP8 T 4 36.9 against 35.7 µs, T 64 130.8 / 120.8, the public shapes' T 1 1.00-1.05x): the MMA wait is not
     what a 128-block step waits on; the kernel stays as the base for the next Hopper levers (a producer warp,
     more programs an SM).
-    `down_reduce`: no reduce kernel; the down GEMM's programs count their rows' arrival per (token, N tile) and the
-    last one of a token sums its top-k rows of y into out, in slot order as the reduce kernel does (the same result
-    whichever program is last; `_moe_kernels._reduce_tail`). The gate-up programs zero the counts (T × the down
-    programs over H, int32, a call) and the down programs write the rows of tokens without a local expert. The
-    reduce kernel runs instead with `gluon`, a fused shared expert or `shared_ready`. For decode batches, where the
-    reduce kernel is a launch of a few µs over a few hundred KB.
     """
 
     block_m: int = 16
@@ -103,7 +97,6 @@ class MoeConfig:
     down_n_per: int = 1
     split_k: int = 1
     gluon: bool = False
-    down_reduce: bool = False
 
     def with_(self, **kw) -> MoeConfig:
         return replace(self, **kw)
@@ -152,7 +145,7 @@ def heuristic_config(*, num_tokens: int, top_k: int, num_experts: int, hidden: i
     Rules measured on the H200 (`hpcops tune moe`, bench/results/moe_tune.md): fp8 per-tensor x (and the
     128-block scheme's from 64 tokens) is quantized once up front; 16-bit decode tiles take K steps of 128; the
     128-block scheme's gate-up tile (gate and up halves, 2·block_n rows) runs on 8 warps; no naive tasks under expert
-    parallelism; up to 64 tokens the top-k reduction runs in the down GEMM's tail (`down_reduce`)."""
+    parallelism."""
     avg = num_tokens * top_k / max(num_experts, 1)
     bm = block_m_for(avg)
     fp8 = quant != "none"
@@ -177,10 +170,8 @@ def heuristic_config(*, num_tokens: int, top_k: int, num_experts: int, hidden: i
     # naive block assignment, T·k·4 ≤ E).
     # naive_max_pairs = 0 under expert parallelism (measured: the index wins at EP8 B4).
     n_local = num_local_experts or num_experts
-    # Decode batches: the top-k reduction in the down GEMM's tail (no reduce kernel: DOWN_REDUCE_MAX_TOKENS).
     cfg = replace(cfg, prequant_x=bm >= 64 or quant == "fp8_tensor", swap_ab=bm <= 32,
-                  naive_max_pairs=num_experts // 4 if n_local == num_experts else 0,
-                  down_reduce=0 < num_tokens <= DOWN_REDUCE_MAX_TOKENS)
+                  naive_max_pairs=num_experts // 4 if n_local == num_experts else 0)
     if quant == "fp8_block":
         # block_n 128 lets the gate-up epilogue quantize whole 128-groups. Its 256-row gate+up tile runs on 8
         # warps. Narrower N tiles for more programs at tiny batches measured slower (EP8 B4: 49.8 µs at
@@ -200,9 +191,6 @@ def heuristic_config(*, num_tokens: int, top_k: int, num_experts: int, hidden: i
     return cfg
 
 
-# MoeConfig.down_reduce by default up to this many tokens (decode batches, where the reduce kernel is mostly its
-# launch and ramp).
-DOWN_REDUCE_MAX_TOKENS = 64
 SMS = 132  # streaming multiprocessors of an H100 / H200 (the machines the heuristic's rules were measured on)
 
 
@@ -229,7 +217,7 @@ def gate_up_split(num_tokens: int, top_k: int, num_experts: int, n_local: int, h
 
 TUNABLE = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "down_block_n", "down_block_k",
            "down_num_warps", "down_num_stages", "reduce_block_h", "index_small_max", "prequant_x", "swap_ab",
-           "naive_max_pairs", "fp8_promote", "pdl", "down_n_per", "split_k", "down_reduce")
+           "naive_max_pairs", "fp8_promote", "pdl", "down_n_per", "split_k")
 
 
 @functools.cache

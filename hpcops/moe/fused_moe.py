@@ -89,8 +89,6 @@ def _validate(scheme: Scheme, x, w13, w2, topk_weights, topk_ids, expert_map, sh
     if type(cfg.split_k) is not int or not 1 <= cfg.split_k <= 16:
         raise ValueError(f"config.split_k must be an int in 1..16 (gate-up programs a task's K loop is split over), "
                          f"got {cfg.split_k!r}")
-    if type(cfg.down_reduce) is not bool:
-        raise ValueError(f"config.down_reduce must be a bool, got {cfg.down_reduce!r}")
     if cfg.gluon:
         _check_gluon(scheme, x, w13, cfg, H)
     # last: argument errors first; then whether the kernels can run where the tensors are
@@ -310,19 +308,14 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     dn_promote = _fp8_promote(cfg, narrow, dn_per_token, cfg.down_block_k)
     call = _GemmCall(scheme, cfg, T, H, E, inter, k, n_global, n_tasks, tasks, offsets, topk_ids, emap, routing, sx,
                      narrow, pdl)
+    _launch_gate_up(call, x, a, w13, ws, act, sorted_pair, out_dt, gu_promote, gu_pdl, gu_split)
+    y = torch.empty((T * k, H), dtype=out_dt, device=x.device)
+    reduce_pdl = bool(pdl) and shared_ready is None  # (an event wait between the two: launched as usual)
+    _launch_down(call, w2, ws, act, y, dn_promote, reduce_pdl)
+
     if i_s:
         shared_output = sx.y
     sh = shared_output if shared_output is not None else out
-    # MoeConfig.down_reduce: the down GEMM's tail reduces (no reduce kernel), where nothing has to run between them
-    red_gu, red_dn = _down_reduce_args(call, shared_ready, pair_pos, sorted_pair, topk_weights, sh,
-                                       shared_output is not None, out)
-    _launch_gate_up(call, x, a, w13, ws, act, sorted_pair, out_dt, gu_promote, gu_pdl, gu_split, red_gu)
-    y = torch.empty((T * k, H), dtype=out_dt, device=x.device)
-    reduce_pdl = bool(pdl) and shared_ready is None and not red_dn  # (an event wait between: launched as usual)
-    _launch_down(call, w2, ws, act, y, dn_promote, reduce_pdl, red_dn)
-    if red_dn:
-        return out
-
     if shared_ready is not None:
         torch.cuda.current_stream(x.device).wait_event(shared_ready)
     bh = min(cfg.reduce_block_h, triton.next_power_of_2(H))
@@ -358,28 +351,8 @@ class _GemmCall:
     pdl: int
 
 
-def _down_reduce_args(c: _GemmCall, shared_ready, pair_pos, sorted_pair, topk_weights, sh, has_shared: bool,
-                      out) -> tuple[dict, dict]:
-    """`MoeConfig.down_reduce`: the gate-up and down launch arguments of the down GEMM's tail reduction (arrival
-    counts [T, down programs over H], zeroed by the gate-up programs), or none where the reduce kernel runs: without the
-    knob, with `gluon`, a fused shared expert (its down tiles would be one more arrival) or `shared_ready` (the
-    reduction waits for another stream, the GEMMs do not)."""
-    cfg = c.cfg
-    if not cfg.down_reduce or cfg.gluon or c.sx.i_s or shared_ready is not None:
-        return {}, {}
-    n_cnt = c.T * triton.cdiv(triton.cdiv(c.H, cfg.down_block_n), cfg.down_n_per)  # [T, down programs a row]
-    cnt = torch.empty(n_cnt, dtype=torch.int32, device=out.device)
-    gu_programs = c.n_tasks * triton.cdiv(c.inter, cfg.block_n) * cfg.split_k
-    gu = dict(red_cnt_ptr=cnt, N_CNT=n_cnt, REDUCE=True,
-              CNT_BLOCK=max(16, triton.next_power_of_2(triton.cdiv(n_cnt, gu_programs))))
-    dn = dict(sorted_ptr=sorted_pair, pos_ptr=pair_pos, tw_ptr=topk_weights, sh_ptr=sh, out_ptr=out, cnt_ptr=cnt,
-              stride_tw=topk_weights.stride(0), stride_sh=sh.stride(0), stride_out=out.stride(0), TOP_K=c.k,
-              REDUCE=True, HAS_SHARED=has_shared, OUT_BLOCK_H=min(1024, triton.next_power_of_2(c.H)))
-    return gu, dn
-
-
 def _launch_gate_up(c: _GemmCall, x, a, w13, ws, act, sorted_pair, out_dt, promote: dict, pdl_launch: dict,
-                    split: dict, reduce: dict) -> None:
+                    split: dict) -> None:
     """`moe_gate_up_kernel` over the shared expert's tiles, then tasks × N tiles (× split_k)."""
     cfg, sx = c.cfg, c.sx
     if cfg.gluon:
@@ -401,7 +374,7 @@ def _launch_gate_up(c: _GemmCall, x, a, w13, ws, act, sorted_pair, out_dt, promo
         BF16_MUL=cfg.act_mul == "bf16", SWAP_AB=cfg.swap_ab, **c.routing, SHARED=bool(sx.i_s),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SHARED_BLOCK_K=max(16, cfg.block_k // 2) if c.narrow else cfg.block_k, **promote, **pdl_launch,
-        PDL_NEXT=c.pdl, **split, **reduce, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        PDL_NEXT=c.pdl, **split, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def _launch_gate_up_gluon(c: _GemmCall, a, w13, ws, act, sorted_pair, out_dt, pdl_launch: dict, split: dict) -> None:
@@ -426,7 +399,7 @@ def _launch_gate_up_gluon(c: _GemmCall, a, w13, ws, act, sorted_pair, out_dt, pd
         SPLIT_K=cfg.split_k, PDL_NEXT=c.pdl, num_warps=cfg.num_warps, **(pdl_launch or {"PDL_WAIT": False}))
 
 
-def _launch_down(c: _GemmCall, w2, ws, act, y, promote: dict, reduce_pdl: bool, reduce: dict) -> None:
+def _launch_down(c: _GemmCall, w2, ws, act, y, promote: dict, reduce_pdl: bool) -> None:
     """`moe_down_kernel` over the shared expert's tiles, then tasks × ceil(N tiles / down_n_per)."""
     cfg, sx = c.cfg, c.sx
     _, sx_w2, sx_act, sx_y = sx.strides()
@@ -440,7 +413,7 @@ def _launch_down(c: _GemmCall, w2, ws, act, y, promote: dict, reduce_pdl: bool, 
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
         SHARED_BLOCK_K=max(16, cfg.down_block_k // 2) if c.narrow else cfg.down_block_k, **promote,
         **({"N_PER": cfg.down_n_per, "K_ONE": cfg.down_block_k >= c.inter} if cfg.down_n_per > 1 else {}),
-        **_pdl_launch(c.pdl), PDL_NEXT=c.pdl if reduce_pdl else 0, **reduce, num_warps=cfg.down_num_warps,
+        **_pdl_launch(c.pdl), PDL_NEXT=c.pdl if reduce_pdl else 0, num_warps=cfg.down_num_warps,
         num_stages=cfg.down_num_stages)
 
 
