@@ -177,7 +177,8 @@ for st in "${stages[@]}"; do
         | tee -a "$OUT/results/profile_decode_kernels.txt" | tail -80 || status=1 ;;
     profile:moe)
       # per-kernel device time of fused_moe (and vLLM's GEMMs) on the moe suite's scenarios: results/profile_moe.txt
-      timeout 420 python3 scripts/profile_moe.py ${PROFILE_ARGS:-} 2>&1 | tee -a "$OUT/results/profile_moe.txt" | tail -80 \
+      eval "pargs=(${PROFILE_ARGS:-})"  # shell quoting kept: --configs 'reduce_block_h=256;prequant_x=0'
+      timeout 420 python3 scripts/profile_moe.py "${pargs[@]}" 2>&1 | tee -a "$OUT/results/profile_moe.txt" | tail -80 \
         || status=1 ;;
     tune:*)
       # `hpcops tune <op>` for each op: <op>_tune.{md,json} (+ moe_tuned.json) in results/; TUNE_ARGS adds options

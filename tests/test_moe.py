@@ -909,6 +909,20 @@ def test_get_config_fp8_block_tiles():
     assert ep8.block_n == 128 and ep8.naive_max_pairs == 0 and cfg.naive_max_pairs == 48
 
 
+def test_reduce_block_h_heuristic():
+    """The reduction takes 256 columns a program up to 64 tokens and 1024 above, tuned entry or not (the tuner does
+    not sweep it, so `TUNABLE` leaves it to the heuristic)."""
+    from hpcops.moe.configs import TUNABLE
+
+    assert "reduce_block_h" not in TUNABLE
+    for dev in (None, "NVIDIA H200"):
+        for T, want in ((1, 256), (4, 256), (64, 256), (65, 1024), (512, 1024), (4096, 1024)):
+            for n_local, quant in ((None, "fp8_tensor"), (24, "fp8_block"), (None, "none")):
+                cfg = get_config(num_tokens=T, inter=192 if n_local is None else 1536, quant=quant,
+                                 num_local_experts=n_local, device_name=dev, **HY3_CFG)
+                assert cfg.reduce_block_h == want, (dev, T, n_local, quant)
+
+
 def test_gate_up_split_heuristic():
     """fp8 128-block gate-up K loops go over several programs where the batch's tiles leave most of the 132 SMs
     idle (`gate_up_split`): Hy3 EP8 T 4 (~3.8 touched experts × 12 N tiles) over 2, DeepSeek-V3 TP8 T 1 (8 × 2 tiles,

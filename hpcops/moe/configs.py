@@ -170,8 +170,12 @@ def heuristic_config(*, num_tokens: int, top_k: int, num_experts: int, hidden: i
     # naive block assignment, T·k·4 ≤ E).
     # naive_max_pairs = 0 under expert parallelism (measured: the index wins at EP8 B4).
     n_local = num_local_experts or num_experts
+    # The reduction's columns a program: 256 up to 64 tokens, where its few programs are latency-bound (Hy3 on the
+    # H200, bench/results/profile_moe_small_b_2cd84a7.txt: the reduce kernel 1.6 against 2.4 µs at TP8 fp8 T 4, 2.0
+    # against 3.3 at T 16; graph replay 0.98-1.00x the call's time at T 4-64, moe_sweep_reduce_naive_2cd84a7.md).
     cfg = replace(cfg, prequant_x=bm >= 64 or quant == "fp8_tensor", swap_ab=bm <= 32,
-                  naive_max_pairs=num_experts // 4 if n_local == num_experts else 0)
+                  naive_max_pairs=num_experts // 4 if n_local == num_experts else 0,
+                  reduce_block_h=256 if num_tokens <= 64 else 1024)
     if quant == "fp8_block":
         # block_n 128 lets the gate-up epilogue quantize whole 128-groups. Its 256-row gate+up tile runs on 8
         # warps. Narrower N tiles for more programs at tiny batches measured slower (EP8 B4: 49.8 µs at
@@ -215,8 +219,9 @@ def gate_up_split(num_tokens: int, top_k: int, num_experts: int, n_local: int, h
 # "quant": "none" | "fp8_tensor" | "fp8_block", "T": the batch it was measured at, "config": {MoeConfig
 # fields}} (extra keys such as "us" are kept as documentation). `hpcops tune moe` writes them.
 
+# (reduce_block_h is not among them: `hpcops tune moe` does not sweep it, so the heuristic sets it)
 TUNABLE = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "down_block_n", "down_block_k",
-           "down_num_warps", "down_num_stages", "reduce_block_h", "index_small_max", "prequant_x", "swap_ab",
+           "down_num_warps", "down_num_stages", "index_small_max", "prequant_x", "swap_ab",
            "naive_max_pairs", "fp8_promote", "pdl", "down_n_per", "split_k")
 
 
