@@ -845,8 +845,8 @@ def test_pdl_config_is_checked():
 
 
 def test_gluon_config_is_checked():
-    """`MoeConfig.gluon` names what it lacks (ValueError): a bool, the 128-block scheme, the decode tile, x
-    quantized up front, an sm_90 GPU."""
+    """`MoeConfig.gluon` names what it lacks (ValueError): a bool, the 128-block scheme, the decode tile, no fused
+    shared expert, x quantized up front, an sm_90 GPU."""
     T, k, E, H, inter = 3, 2, 4, 256, 128
     tw, ids = make_routing(T, k, E, "cpu")
     x = torch.randn(T, H).bfloat16()
@@ -862,6 +862,10 @@ def test_gluon_config_is_checked():
     t = make_weights(E, H, inter, "fp8_tensor", device="cpu")
     with pytest.raises(ValueError, match="config.gluon takes the fp8 128-block scheme"):
         fused_moe(x, t.w13, t.w2, tw, ids, quant=t.quant, config=cfg.with_(gluon=True))
+    # a fused shared expert: refused before anything is launched
+    with pytest.raises(ValueError, match="config.gluon does not take a fused shared expert"):
+        fused_moe(x, blk.w13, blk.w2, tw, ids, quant=blk.quant, config=cfg.with_(gluon=True),
+                  shared_w13=torch.zeros(2 * 64, H).bfloat16(), shared_w2=torch.zeros(H, 64).bfloat16())
 
 
 @pytest.mark.gpu

@@ -50,7 +50,8 @@ def _check_k_major(name: str, t: torch.Tensor) -> None:
                          f"{tuple(t.stride())}")
 
 
-def _validate(scheme: Scheme, x, w13, w2, topk_weights, topk_ids, expert_map, shared_output, out, x_scale, cfg):
+def _validate(scheme: Scheme, x, w13, w2, topk_weights, topk_ids, expert_map, shared_output, out, x_scale, cfg,
+              fused_shared: bool):
     """The shapes every scheme shares, then the scheme's own checks; returns (T, H, E, I, k, out dtype)."""
     check_tensor("x", x, dtypes=(*HALF_DTYPES, FP8_E4M3), ndim=2)
     dev = x.device
@@ -90,14 +91,16 @@ def _validate(scheme: Scheme, x, w13, w2, topk_weights, topk_ids, expert_map, sh
         raise ValueError(f"config.split_k must be an int in 1..16 (gate-up programs a task's K loop is split over), "
                          f"got {cfg.split_k!r}")
     if cfg.gluon:
-        _check_gluon(scheme, x, w13, cfg, H)
+        _check_gluon(scheme, x, w13, cfg, H, fused_shared)
     # last: argument errors first; then whether the kernels can run where the tensors are
     check_kernel_device("x", x)
     return T, H, E, inter, k, out_dt
 
 
-def _check_gluon(scheme: Scheme, x: torch.Tensor, w13: torch.Tensor, cfg: MoeConfig, H: int) -> None:
-    """`MoeConfig.gluon`: the Gluon gate-up kernel's conditions (ValueError naming the one that fails)."""
+def _check_gluon(scheme: Scheme, x: torch.Tensor, w13: torch.Tensor, cfg: MoeConfig, H: int,
+                 fused_shared: bool) -> None:
+    """`MoeConfig.gluon`: the Gluon gate-up kernel's conditions (ValueError naming the one that fails), before
+    anything is launched."""
     why = None
     if type(cfg.gluon) is not bool:
         why = f"must be a bool, got {cfg.gluon!r}"
@@ -108,6 +111,8 @@ def _check_gluon(scheme: Scheme, x: torch.Tensor, w13: torch.Tensor, cfg: MoeCon
                f"{cfg.block_m}, block_n {cfg.block_n}, block_k {cfg.block_k}")
     elif cfg.act_mul != "fp32":
         why = f"takes act_mul 'fp32', got {cfg.act_mul!r}"
+    elif fused_shared:
+        why = "does not take a fused shared expert (shared_w13 / shared_w2): pass its output as shared_output"
     elif not (cfg.prequant_x or x.dtype == FP8_E4M3):
         why = "needs x quantized up front (config.prequant_x=True, or an fp8 x)"
     elif is_interpreter() or x.device.type != "cuda" or cuda_capability(x.device)[0] < 9:
@@ -269,7 +274,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     cfg = config
     _check_shared_ready(shared_ready, shared_output, x)
     T, H, E, inter, k, out_dt = _validate(scheme, x, w13, w2, topk_weights, topk_ids, expert_map, shared_output,
-                                          out, x_scale, cfg)
+                                          out, x_scale, cfg, shared_w13 is not None or shared_w2 is not None)
     i_s = _check_shared_weights(shared_w13, shared_w2, shared_output, x, H)
     n_global = expert_map.shape[0] if expert_map is not None else E
     if cfg.validate_ids:
@@ -355,10 +360,7 @@ def _launch_gate_up(c: _GemmCall, x, a, w13, ws, act, sorted_pair, out_dt, promo
                     split: dict) -> None:
     """`moe_gate_up_kernel` over the shared expert's tiles, then tasks × N tiles (× split_k)."""
     cfg, sx = c.cfg, c.sx
-    if cfg.gluon:
-        if sx.i_s:
-            raise ValueError("config.gluon does not take a fused shared expert (shared_w13 / shared_w2): pass its "
-                             "output as shared_output")
+    if cfg.gluon:  # (its conditions checked by `_check_gluon`)
         _launch_gate_up_gluon(c, a, w13, ws, act, sorted_pair, out_dt, pdl_launch, split)
         return
     sx_w13, _, sx_act, _ = sx.strides()
