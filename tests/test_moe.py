@@ -156,6 +156,7 @@ class Case:
     n_per: int = 1  # config.down_n_per
     down_bk: int | None = None  # force config.down_block_k (≥ inter with n_per > 1: one K step, act loaded once)
     split: int = 1  # config.split_k
+    index_quant: bool = True  # config.index_quant
 
     @property
     def id(self) -> str:
@@ -186,6 +187,8 @@ class Case:
             s += f"-dbk{self.down_bk}"
         if self.split != 1:
             s += f"-split{self.split}"
+        if not self.index_quant:
+            s += "-iq0"
         return s
 
 
@@ -308,6 +311,7 @@ def run_case(case: Case, device: str):
         cfg = cfg.with_(down_block_k=case.down_bk)
     if case.split != 1:
         cfg = cfg.with_(split_k=case.split)
+    cfg = cfg.with_(index_quant=case.index_quant)
     out = nan_like(torch.empty(case.T, case.H, dtype=case.dtype, device=device)) if case.use_out else None
     got = fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap, shared_output=shared,
                     out=out, config=cfg, shared_w13=s13, shared_w2=s2)
@@ -323,6 +327,30 @@ def test_fused_moe(case, device):
     got, ref = run_case(case, device)
     assert got.dtype == case.dtype and got.shape == (case.T, case.H)
     assert_close(ref, got, **_tolerance(case))
+
+
+# x's fp8 quantization pass inside the index build's launch (MoeConfig.index_quant): static per tensor, dynamic per
+# token, per token and 128-group, the one-program index and the three-kernel one (the pass then alone after it),
+# expert parallelism, a tuned-size batch (64 tokens: 64 quantizing programs beside the sort), NaN-filled out
+INDEX_QUANT_CASES = [Case(6, quant="fp8_tensor", prequant=True, ep=True, E=8, naive=False, use_out=True),
+                     Case(7, quant="fp8_tensor", static=False, naive=False, H=384),
+                     Case(6, k=2, quant="fp8_block", inter=256, H=200, prequant=True, block_n=128, ep=True, E=8,
+                          naive=False, use_out=True),
+                     Case(20, quant="fp8_tensor", static=False, small_max=0, ep=True, E=8, use_out=True),
+                     Case(64, k=2, quant="fp8_tensor", prequant=True, naive=False)]
+
+
+@pytest.mark.parametrize("case", INDEX_QUANT_CASES, ids=lambda c: c.id)
+def test_index_quant(case, device):
+    """`MoeConfig.index_quant`: the output is the same bit for bit whether x's quantization runs alone after the
+    index or in the index build's launch (which releases the gate-up's, waiting before it reads the index), and the
+    reference's within the fp8 tolerance."""
+    outs = []
+    for iq in (False, True):
+        got, ref = run_case(replace(case, index_quant=iq), device)
+        assert_close(ref, got, name=f"index_quant={iq}", **_tolerance(case))
+        outs.append(got)
+    assert torch.equal(outs[0], outs[1])
 
 
 @pytest.mark.parametrize("mode", ["tensor-static", "tensor-per-token", "block"])
@@ -977,6 +1005,30 @@ def test_decode_batch_launches(kind, want):
     assert [name for name, _, _ in calls] == want
 
 
+@pytest.mark.parametrize("index_quant,want", [
+    (True, ["moe_index_small_kernel", "moe_gate_up_kernel", "moe_down_kernel", "moe_reduce_kernel"]),
+    (False, ["moe_index_small_kernel", "moe_quant_x_kernel", "moe_gate_up_kernel", "moe_down_kernel",
+             "moe_reduce_kernel"]),
+])
+def test_index_batch_launches(index_quant, want):
+    """Under expert parallelism a decode batch builds the index (B=4 Hy3 EP8, static fp8 scales): x's quantization is
+    T more programs of the index build's one-program launch (`MoeConfig.index_quant`), four launches in all, or
+    its own launch after the index without."""
+    from hpcops.moe import _moe_kernels as K
+
+    E, H, inter, T, k = 24, 256, 128, 4, 8
+    wts = make_weights(E, H, inter, "fp8_tensor", static=True)
+    emap = make_expert_map(192, list(range(24)))
+    cfg = get_config(num_tokens=T, inter=192, quant="fp8_tensor", num_local_experts=24, **HY3_CFG)
+    cfg = cfg.with_(validate_ids=False, index_quant=index_quant)  # the GPU heuristic
+    x = torch.zeros(T, H, dtype=torch.bfloat16)
+    with recorded_launches(K) as calls:
+        fused_moe(x, wts.w13, wts.w2, torch.zeros(T, k), torch.zeros(T, k, dtype=torch.int32), quant=wts.quant,
+                  expert_map=emap, out=torch.empty_like(x), config=cfg)
+    assert [name for name, _, _ in calls] == want
+    assert calls[0][2].get("QUANT_X", False) == index_quant
+
+
 def _entry(T, **cfg):
     return {"E": 192, "E_local": 192, "H": 4096, "I": 192, "quant": "fp8_tensor", "T": T, "config": cfg}
 
@@ -1102,7 +1154,47 @@ def test_quant_x_per_token_group(H, device):
     from hpcops.quant import quantize_per_token_group
 
     x = (torch.randn(5, H, generator=torch.Generator().manual_seed(3)) * 3).bfloat16().to(device)
-    got = _quantize_x(x, XMode.PER_TOKEN_GROUP, None, x, 0)
+    got = _quantize_x(x, XMode.PER_TOKEN_GROUP, None, x)
+    got.scale.fill_(float("nan"))
+    got.pending.launch()
     want_q, want_s = quantize_per_token_group(x)
     assert torch.equal(got.scale, want_s.float())
     assert torch.equal(got.x.float(), want_q.float())
+
+
+@pytest.mark.parametrize("mode", ["static", "per-token", "per-token-group"])
+@pytest.mark.parametrize("small", [True, False], ids=["one-program", "hist-scan-scatter"])
+def test_index_build_quantizes_x(mode, small, device):
+    """`build_moe_index(x_quant=)`: x's quantization as T more programs of the one-program index build's launch (or
+    alone after the three-kernel build): the fp8 rows and scales of `moe_quant_x_kernel` run alone, bit for bit, and
+    of the torch quantizers; the index the same as without it."""
+    from hpcops.moe.codes import XMode
+    from hpcops.moe.schemes import _quantize_x
+    from hpcops.quant import quantize_per_tensor, quantize_per_token, quantize_per_token_group
+
+    T, k, E, H = 9, 3, 8, 300
+    _, ids = make_routing(T, k, E, device=device)
+    emap = make_expert_map(E, [6, 0, 3, 5], device)
+    x = (torch.randn(T, H, generator=torch.Generator().manual_seed(5)) * 2).bfloat16().to(device)
+    xmode = {"static": XMode.STATIC, "per-token": XMode.PER_TOKEN, "per-token-group": XMode.PER_TOKEN_GROUP}[mode]
+    a13 = torch.tensor([0.02], device=device)
+    alone, fused = (_quantize_x(x, xmode, a13 if mode == "static" else None, x) for _ in range(2))
+    for a in (alone, fused):
+        if mode != "static":
+            a.scale.fill_(float("nan"))
+    alone.pending.launch()
+    small_max = 10**6 if small else 0
+    idx = build_moe_index(ids, 4, 16, expert_map=emap, small_max=small_max, block=16, x_quant=fused.pending)
+    plain = build_moe_index(ids, 4, 16, expert_map=emap, small_max=small_max, block=16)
+    for f in ("offsets", "tasks", "pair_pos"):
+        assert torch.equal(getattr(idx, f), getattr(plain, f)), f
+    used = int(plain.offsets[-1])  # (rows past the routed pairs are unused: not written by the three-kernel build)
+    assert torch.equal(idx.sorted_pair[:used], plain.sorted_pair[:used])
+    assert torch.equal(fused.x.view(torch.uint8), alone.x.view(torch.uint8))
+    if mode == "static":
+        want_q, _ = quantize_per_tensor(x, a13)
+    else:
+        assert torch.equal(fused.scale, alone.scale)
+        want_q, want_s = quantize_per_token(x) if mode == "per-token" else quantize_per_token_group(x)
+        assert torch.equal(fused.scale, want_s.float().reshape(fused.scale.shape))
+    assert torch.equal(fused.x.float(), want_q.float())

@@ -94,20 +94,32 @@ def _write_offsets_and_tasks(counts, offsets_ptr, tasks_ptr, E_LOCAL, CAP,
 @triton.jit
 def moe_index_small_kernel(ids_ptr, map_ptr, offsets_ptr, sorted_ptr, pos_ptr, tasks_ptr,
                            N, E_GLOBAL, E_LOCAL, CAP,
+                           x_ptr, q_ptr, s_ptr, in_scale_ptr, H, stride_x, stride_q, stride_s,
                            HAS_MAP: tl.constexpr, N_PAD: tl.constexpr, E_PAD: tl.constexpr,
-                           BLOCK_M: tl.constexpr, CAP_BLOCK: tl.constexpr):
-    """Whole index in one program (small batches): sort pairs by (expert, pair id), deterministic."""
-    offs = tl.arange(0, N_PAD)
-    mask = offs < N
-    e, ok = _local_expert(ids_ptr, map_ptr, offs, mask, E_GLOBAL, E_LOCAL, HAS_MAP)
-    key = tl.sort(e * N_PAD + offs)
-    s_e = key // N_PAD
-    s_pair = key % N_PAD
-    s_ok = s_e < E_LOCAL
-    tl.store(sorted_ptr + offs, tl.where(s_ok, s_pair, -1), mask=mask)
-    tl.store(pos_ptr + s_pair, tl.where(s_ok, offs, -1), mask=s_pair < N)
-    counts = tl.histogram(e, E_PAD, mask=ok)
-    _write_offsets_and_tasks(counts, offsets_ptr, tasks_ptr, E_LOCAL, CAP, E_PAD, BLOCK_M, CAP_BLOCK)
+                           BLOCK_M: tl.constexpr, CAP_BLOCK: tl.constexpr, QUANT_X: tl.constexpr = False,
+                           X_MODE: tl.constexpr = 0, X_BLOCK_H: tl.constexpr = 16, PDL_NEXT: tl.constexpr = 0):
+    """Whole index in one program (small batches): sort pairs by (expert, pair id), deterministic.
+    QUANT_X (`MoeConfig.index_quant`): programs 1..T quantize x's rows as `moe_quant_x_kernel` does (X_MODE,
+    X_BLOCK_H), beside program 0's sort: one launch for both. PDL_NEXT: every program releases the gate-up GEMM's
+    launch at its start; that kernel then waits before it reads the index (its PDL_WAIT_FIRST)."""
+    if PDL_NEXT != 0:
+        gdc_launch_dependents()
+    pid = tl.program_id(0)
+    if pid == 0:
+        offs = tl.arange(0, N_PAD)
+        mask = offs < N
+        e, ok = _local_expert(ids_ptr, map_ptr, offs, mask, E_GLOBAL, E_LOCAL, HAS_MAP)
+        key = tl.sort(e * N_PAD + offs)
+        s_e = key // N_PAD
+        s_pair = key % N_PAD
+        s_ok = s_e < E_LOCAL
+        tl.store(sorted_ptr + offs, tl.where(s_ok, s_pair, -1), mask=mask)
+        tl.store(pos_ptr + s_pair, tl.where(s_ok, offs, -1), mask=s_pair < N)
+        counts = tl.histogram(e, E_PAD, mask=ok)
+        _write_offsets_and_tasks(counts, offsets_ptr, tasks_ptr, E_LOCAL, CAP, E_PAD, BLOCK_M, CAP_BLOCK)
+    elif QUANT_X:
+        _quant_x_row(x_ptr, q_ptr, s_ptr, in_scale_ptr, (pid - 1).to(tl.int64), H, stride_x, stride_q, stride_s,
+                     X_MODE, X_BLOCK_H)
 
 
 @triton.jit
@@ -166,16 +178,11 @@ def moe_index_scatter_kernel(ids_ptr, map_ptr, base_ptr, sorted_ptr, pos_ptr, N,
 
 
 @triton.jit
-def moe_quant_x_kernel(x_ptr, q_ptr, s_ptr, in_scale_ptr, H, stride_x, stride_q, stride_s,
-                       MODE: tl.constexpr, BLOCK_H: tl.constexpr, PDL_NEXT: tl.constexpr = 0):
-    """fp8 x, one program per token. MODE (`XMode`): STATIC, the scale in_scale; PER_TOKEN,
-    s[t] = max|x[t]| / 448; PER_TOKEN_GROUP, per token and group of 128, s[t, g], BLOCK_H // 128 groups a step
-    (side by side: at decode batches the few programs would otherwise walk H's groups one after another).
-    PDL_NEXT (`MoeConfig.pdl`): the gate-up GEMM is launched with programmatic dependent launch; release it at
-    this program's start (it waits for this grid before reading x)."""
-    if PDL_NEXT != 0:
-        gdc_launch_dependents()
-    t = tl.program_id(0).to(tl.int64)
+def _quant_x_row(x_ptr, q_ptr, s_ptr, in_scale_ptr, t, H, stride_x, stride_q, stride_s,
+                 MODE: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Row t of x to fp8. MODE (`XMode`): STATIC, the scale in_scale; PER_TOKEN, s[t] = max|x[t]| / 448;
+    PER_TOKEN_GROUP, per token and group of 128, s[t, g], BLOCK_H // 128 groups a step (side by side: at decode
+    batches the few programs would otherwise walk H's groups one after another)."""
     if MODE == X_PER_TOKEN_GROUP:
         gi = tl.arange(0, BLOCK_H // 128)
         cols = tl.arange(0, 128)
@@ -200,6 +207,18 @@ def moe_quant_x_kernel(x_ptr, q_ptr, s_ptr, in_scale_ptr, H, stride_x, stride_q,
             tl.store(s_ptr + t * stride_s, s)
         q = tl.minimum(tl.maximum(x / s, -FP8_MAX), FP8_MAX)
         tl.store(q_ptr + t * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=cmask)
+
+
+@triton.jit
+def moe_quant_x_kernel(x_ptr, q_ptr, s_ptr, in_scale_ptr, H, stride_x, stride_q, stride_s,
+                       MODE: tl.constexpr, BLOCK_H: tl.constexpr, PDL_NEXT: tl.constexpr = 0):
+    """fp8 x, one program per token (`_quant_x_row`; `XMode`). PDL_NEXT (`MoeConfig.pdl`): the gate-up GEMM is
+    launched with programmatic dependent launch; release it at this program's start (it waits for this grid
+    before reading x)."""
+    if PDL_NEXT != 0:
+        gdc_launch_dependents()
+    _quant_x_row(x_ptr, q_ptr, s_ptr, in_scale_ptr, tl.program_id(0).to(tl.int64), H, stride_x, stride_q, stride_s,
+                 MODE, BLOCK_H)
 
 
 @triton.jit
@@ -320,7 +339,7 @@ def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        SHARED_BLOCK_K: tl.constexpr, FP8_PROMOTE: tl.constexpr = 0,
                        PDL_WAIT: tl.constexpr = False, PDL_NEXT: tl.constexpr = 0,
-                       part_ptr=None, cnt_ptr=None, SPLIT_K: tl.constexpr = 1):
+                       part_ptr=None, cnt_ptr=None, SPLIT_K: tl.constexpr = 1, PDL_WAIT_FIRST: tl.constexpr = False):
     """act[r, n] = silu(x[tok(r)]·w13[e, n]) · (x[tok(r)]·w13[e, I+n]) for one (M tile, N tile) task.
 
     SHARED: the first N_SHARED programs are the shared expert's gate-up instead (`_shared_gate_up`: the 16-bit
@@ -337,8 +356,9 @@ def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets
     (or row and 128-group); FP8_GROUP needs BLOCK_N = 128, WIDE_GROUP_AMAX BLOCK_N < 128.
     PDL_WAIT (`MoeConfig.pdl`; launched with programmatic dependent launch after another kernel of the call): every
     program waits for the previous grid before its first read of what that grid wrote (x, act's buffers) and
-    before it exits; before the wait it reads only the call's inputs and the index. PDL_NEXT: release the down
-    GEMM's launch at this program's start (PDL_AT_START) or once its work is done (PDL_AT_END).
+    before it exits; before the wait it reads only the call's inputs and the index (PDL_WAIT_FIRST: the previous
+    grid writes the index too, `MoeConfig.index_quant`: the wait comes before the task's decode). PDL_NEXT:
+    release the down GEMM's launch at this program's start (PDL_AT_START) or once its work is done (PDL_AT_END).
     SPLIT_K > 1 (`MoeConfig.split_k`): SPLIT_K programs (adjacent ids) share a task, each over its own run of K
     steps; each stores its fp32 partial tile to part [tiles, SPLIT_K, tile], and the last of them to count its
     arrival at cnt[task·n_tiles + N tile] (zeroed by the launcher) sums the SPLIT_K partials in split order (the
@@ -367,9 +387,11 @@ def moe_gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, a13_ptr, tasks_ptr, offsets
         k_run = tl.cdiv(tl.cdiv(H, BLOCK_K), SPLIT_K) * BLOCK_K
         k_lo = split * k_run
         k_hi = tl.minimum(H, k_lo + k_run)
+    if PDL_WAIT_FIRST:
+        gdc_wait()
     e, rows, rmask, pid_n = _task_rows(pid, n_tiles, tasks_ptr, offsets_ptr, ids_ptr, map_ptr, CAP,
                                        E_GLOBAL, E_LOCAL, HAS_MAP, NAIVE, BLOCK_M)
-    if PDL_WAIT:
+    if PDL_WAIT and not PDL_WAIT_FIRST:
         gdc_wait()
     if e < 0:
         return

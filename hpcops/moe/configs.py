@@ -31,6 +31,13 @@ class MoeConfig:
     16-bit activation dtype first and rounds silu(gate) before the product, as torch does in bf16.
     `prequant_x`: quantize a bf16/fp16 x to fp8 in a separate pass (one read of x) instead of inside
     every gate-up program's loader (which re-reads bf16 rows once per N tile): pays for large batches.
+    `index_quant` (default on): where the index is built by one program (up to `index_small_max` pairs, not
+    `naive_max_pairs`), x's fp8 quantization pass (`prequant_x`, dynamic per-token or 128-group scales) runs as T
+    more programs of that launch, one launch less before the GEMMs; the launch releases the gate-up GEMM's (`pdl`),
+    whose programs then wait before they read the index (with `gluon`, launched as usual after it). Off: the index,
+    then the quantization alone. Measured on the H200 (bench/results/moe_index_quant_c96724b.md, graph replay):
+    Hy3 EP8 fp8 B4 27.3 against 29.0 µs, TP8 fp8 B16 65.1 / 66.6, EP8 128-block B4 34.1 / 35.4; the gate-up
+    launched as usual after the one launch instead: 28.3, 65.1, 35.4 (kernel sums the same either way).
     `validate_ids`: check topk_ids values on the host (a device sync) when not capturing a CUDA graph.
     `swap_ab`: both GEMMs compute weights × activations^T, the weight rows on the tensor core's M side
     (Hopper's wgmma needs 64 rows there): for M tiles below 64 rows.
@@ -88,6 +95,7 @@ class MoeConfig:
     reduce_block_h: int = 1024
     index_small_max: int = 1024
     prequant_x: bool = False
+    index_quant: bool = True
     act_mul: str = "fp32"
     validate_ids: bool = True
     swap_ab: bool = False

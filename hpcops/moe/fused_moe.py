@@ -84,6 +84,8 @@ def _validate(scheme: Scheme, x, w13, w2, topk_weights, topk_ids, expert_map, sh
     scheme.validate(x, w13, w2, x_scale, cfg, T, H, E, inter)
     check_choice("config.act_mul", cfg.act_mul, ACT_MUL_MODES)
     check_choice("config.pdl", cfg.pdl, (0, 1, 2))
+    if type(cfg.index_quant) is not bool:
+        raise ValueError(f"config.index_quant must be a bool, got {cfg.index_quant!r}")
     if type(cfg.down_n_per) is not int or not 1 <= cfg.down_n_per <= 256:
         raise ValueError(f"config.down_n_per must be an int in 1..256 (N tiles a down GEMM program), got "
                          f"{cfg.down_n_per!r}")
@@ -289,20 +291,32 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     # (split K's arrival counts zeroed ahead of the index build: the kernels after it stay one PDL chain)
     n_tasks = T * k if naive else task_capacity(T * k, E, cfg.block_m)  # (the index's `cap`)
     gu_split = _split_k_buffers(cfg, n_tasks * triton.cdiv(inter, cfg.block_n), x.device)
+    # MoeConfig.pdl: the gate-up, down and reduce kernels launched with programmatic dependent launch (sm_90)
+    pdl = cfg.pdl if not is_interpreter() and _pdl_capable(x.device) else 0
+    dummy = topk_ids  # placeholder pointer for the arguments a mode does not read
+    # (act's zero fill, if any, comes before the launch that releases the gate-up GEMM's)
+    act = scheme.activation(T * k, inter, out_dt, cfg, dummy)
+    a = scheme.gate_up_input(x, x_scale, cfg, dummy)  # x's quantization (a.pending) launched below
+    # MoeConfig.index_quant: x's quantization in the index build's launch(es), last before the gate-up
+    in_index = a.pending is not None and cfg.index_quant and not naive
     idx = None if naive else build_moe_index(topk_ids, E, cfg.block_m, expert_map=expert_map,
-                                              small_max=cfg.index_small_max)
-    dummy = topk_ids if naive else idx.offsets  # placeholder pointer for the arguments a mode does not read
+                                              small_max=cfg.index_small_max,
+                                              x_quant=a.pending if in_index else None, pdl_next=pdl,
+                                              release_early=not cfg.gluon)
+    if a.pending is not None and not in_index:
+        a.pending.launch(pdl)
+    # one launch of index and quantization, which releases the gate-up's: that waits before it reads the index (the
+    # Gluon gate-up, which reads it before its wait, launched as usual after it)
+    fused_index = in_index and T * k <= cfg.index_small_max
     tasks, offsets, sorted_pair, pair_pos = (dummy,) * 4 if naive else (idx.tasks, idx.offsets, idx.sorted_pair,
                                                                        idx.pair_pos)
     emap = expert_map if expert_map is not None else topk_ids
     routing = dict(NAIVE=naive, HAS_MAP=expert_map is not None)
-    # MoeConfig.pdl: the gate-up, down and reduce kernels launched with programmatic dependent launch (sm_90)
-    pdl = cfg.pdl if not is_interpreter() and _pdl_capable(x.device) else 0
-    act = scheme.activation(T * k, inter, out_dt, cfg, dummy)  # (its zero fill, if any, before x's quantization)
-    a = scheme.gate_up_input(x, x_scale, cfg, dummy, pdl_next=pdl)
     # a kernel launched with PDL may start before the previous one is done and reads only the call's inputs before
     # its wait: the first kernel of the call is launched as usual, so those inputs are complete when it starts
-    gu_pdl = _pdl_launch(pdl and (not naive or a.x is not x or act.rowmax is not dummy))
+    gu_pdl = _pdl_launch(pdl and not fused_index and (not naive or a.x is not x or act.rowmax is not dummy))
+    if pdl and fused_index and not cfg.gluon:
+        gu_pdl = dict(PDL_WAIT=True, PDL_WAIT_FIRST=True, launch_pdl=True)
     ws = scheme.weight_scales(E, dummy)
     sx = _SharedExpert.of(shared_w13, shared_w2, i_s, T, H, cfg, out_dt, dummy)
     narrow = w13.element_size() == 1

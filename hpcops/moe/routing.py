@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import triton
@@ -11,6 +12,9 @@ from hpcops import _platform
 from hpcops._checks import check_choice, check_tensor, kernels_are_replaced
 from hpcops._library import register
 from hpcops.moe import _moe_kernels as K
+
+if TYPE_CHECKING:
+    from hpcops.moe.schemes import XQuant
 
 INDEX_BLOCK = 1024  # pairs per program of the multi-program index build
 CAP_BLOCK = 256  # task-map slots per iteration of the sentinel fill
@@ -291,7 +295,8 @@ def task_capacity(num_pairs: int, num_local_experts: int, block_m: int) -> int:
 
 def build_moe_index(topk_ids: torch.Tensor, num_local_experts: int, block_m: int, *,
                     expert_map: torch.Tensor | None = None, small_max: int = 1024,
-                    block: int = INDEX_BLOCK) -> MoeIndex:
+                    block: int = INDEX_BLOCK, x_quant: XQuant | None = None, pdl_next: int = 0,
+                    release_early: bool = False) -> MoeIndex:
     """Counting sort of the (token, slot) pairs by local expert, on the device, without a host sync.
 
     `topk_ids`: int32 [T, k] global expert ids; `expert_map`: int32 [E_global] (local id or −1).
@@ -299,6 +304,10 @@ def build_moe_index(topk_ids: torch.Tensor, num_local_experts: int, block_m: int
     (a power of 2): per-block expert histograms, one program's scan (offsets, task map, each block's
     first rows), and a per-block sort + scatter. No atomics; rows are in pair order inside every expert
     either way (deterministic).
+    `x_quant` (`fused_moe`'s `MoeConfig.index_quant`): x's fp8 quantization pass, launched here: as T more
+    programs of the single program's launch (one launch less; with `release_early` its programs release the next
+    launch, which must wait before it reads the index), or alone after the three kernels, releasing the next
+    launch where `pdl_next` (`MoeConfig.pdl`).
     """
     ids = topk_ids.contiguous()
     dev = ids.device
@@ -315,9 +324,18 @@ def build_moe_index(topk_ids: torch.Tensor, num_local_experts: int, block_m: int
     e_pad = triton.next_power_of_2(e_local + 1)
     if n <= small_max:
         n_pad = max(16, triton.next_power_of_2(max(n, 1)))
-        K.moe_index_small_kernel[(1,)](ids, emap, offsets, sorted_pair, pair_pos, tasks, n, e_global, e_local,
-                                       cap, HAS_MAP=has_map, N_PAD=n_pad, E_PAD=e_pad, BLOCK_M=block_m,
-                                       CAP_BLOCK=CAP_BLOCK, num_warps=8 if n_pad >= 1024 else 4)
+        warps = 8 if n_pad >= 1024 else 4
+        if x_quant is None:
+            xq_args, xq_kw = (ids, ids, ids, ids, 0, 0, 0, 0), {}  # placeholders: QUANT_X off
+        else:
+            xq_args = x_quant.args()
+            xq_kw = dict(QUANT_X=True, X_MODE=int(x_quant.mode), X_BLOCK_H=x_quant.block_h,
+                         PDL_NEXT=pdl_next if release_early else 0)
+            warps = max(warps, x_quant.warps)
+        grid = 1 + (x_quant.x.shape[0] if x_quant is not None else 0)
+        K.moe_index_small_kernel[(grid,)](ids, emap, offsets, sorted_pair, pair_pos, tasks, n, e_global, e_local,
+                                          cap, *xq_args, HAS_MAP=has_map, N_PAD=n_pad, E_PAD=e_pad, BLOCK_M=block_m,
+                                          CAP_BLOCK=CAP_BLOCK, **xq_kw, num_warps=warps)
     else:
         nb = triton.cdiv(n, block)
         hist = torch.empty((nb, e_pad), dtype=torch.int32, device=dev)
@@ -329,4 +347,6 @@ def build_moe_index(topk_ids: torch.Tensor, num_local_experts: int, block_m: int
                                       num_warps=4)
         K.moe_index_scatter_kernel[(nb,)](ids, emap, base, sorted_pair, pair_pos, n, e_global, e_local,
                                           HAS_MAP=has_map, E_PAD=e_pad, BLOCK=block, num_warps=4)
+        if x_quant is not None:
+            x_quant.launch(pdl_next)
     return MoeIndex(offsets, sorted_pair, pair_pos, tasks, block_m, cap)

@@ -23,15 +23,45 @@ from hpcops.quant import Fp8Block128, Fp8PerTensor
 
 
 @dataclass
+class XQuant:
+    """x's fp8 quantization pass, planned and not yet launched (`moe_quant_x_kernel`, one program a token): `x`
+    into `q`, `mode` (`XMode`), the static scale `in_scale` (STATIC), the dynamic scales `s` by row through
+    `stride_s`; `block_h` columns a step, `warps`. `fused_moe` runs it alone right before the gate-up GEMM
+    (`launch`), or as T more programs of the single-program index build's launch (`build_moe_index(x_quant=)`,
+    `MoeConfig.index_quant`)."""
+
+    x: torch.Tensor
+    q: torch.Tensor
+    s: torch.Tensor
+    in_scale: torch.Tensor
+    mode: XMode
+    stride_s: int
+    block_h: int
+    warps: int
+
+    def args(self) -> tuple:
+        """The quantization's kernel arguments (x, q, s, in_scale, H and the row strides)."""
+        return self.x, self.q, self.s, self.in_scale, self.x.shape[1], self.x.stride(0), self.q.stride(0), self.stride_s
+
+    def launch(self, pdl_next: int = 0) -> None:
+        """Alone: `moe_quant_x_kernel`, which releases the gate-up GEMM's launch where `pdl_next` (`MoeConfig.pdl`)."""
+        K.moe_quant_x_kernel[(self.x.shape[0],)](*self.args(), MODE=int(self.mode), BLOCK_H=self.block_h,
+                                                 PDL_NEXT=pdl_next, num_warps=self.warps)
+
+
+@dataclass
 class GateUpInput:
     """The gate-up GEMM's A operand: x (16-bit, or fp8 with `scale` by row through `stride_t` and by
-    128-group through `stride_g`), and `a13`, the static scale that quantizes a 16-bit x while loading."""
+    128-group through `stride_g`), and `a13`, the static scale that quantizes a 16-bit x while loading.
+    `pending`: the pass that writes an fp8 `x` from the caller's 16-bit one, still to be launched (None: nothing
+    to run)."""
 
     x: torch.Tensor
     scale: torch.Tensor
     stride_t: int
     stride_g: int
     a13: torch.Tensor
+    pending: XQuant | None = None
 
     @property
     def fp8(self) -> bool:
@@ -82,9 +112,8 @@ class Scheme:
         """Dtypes, scale shapes and config constraints of this scheme (the common shapes are checked)."""
         raise NotImplementedError
 
-    def gate_up_input(self, x, x_scale, cfg: MoeConfig, dummy, pdl_next: int = 0) -> GateUpInput:
-        """The gate-up GEMM's x: as given, or quantized to fp8 by `moe_quant_x_kernel` (which releases the gate-up
-        GEMM's launch where `pdl_next`, `MoeConfig.pdl`)."""
+    def gate_up_input(self, x, x_scale, cfg: MoeConfig, dummy) -> GateUpInput:
+        """The gate-up GEMM's x: as given, or an fp8 x that `pending` (`XQuant`, the caller launches it) writes."""
         return GateUpInput(x, dummy, 0, 0, dummy)
 
     def activation(self, n: int, inter: int, act_dt: torch.dtype, cfg: MoeConfig, dummy) -> Activation:
@@ -104,21 +133,18 @@ class Scheme:
         raise NotImplementedError
 
 
-def _quantize_x(x: torch.Tensor, mode: XMode, scale: torch.Tensor | None, dummy, pdl_next: int) -> GateUpInput:
-    """A separate pass that quantizes x to fp8 (`moe_quant_x_kernel`): per tensor with a static `scale`,
-    or dynamic per token / per token and 128-group."""
+def _quantize_x(x: torch.Tensor, mode: XMode, scale: torch.Tensor | None, dummy) -> GateUpInput:
+    """x quantized to fp8 by a pass of its own (`XQuant`, left `pending`): per tensor with a static `scale`, or
+    dynamic per token / per token and 128-group."""
     T, H = x.shape
     xq = torch.empty((T, H), dtype=FP8_E4M3, device=x.device)
     if mode == XMode.PER_TOKEN_GROUP:
         s = torch.empty((T, triton.cdiv(H, 128)), dtype=torch.float32, device=x.device)
-        K.moe_quant_x_kernel[(T,)](x, xq, s, s, H, x.stride(0), xq.stride(0), s.stride(0), MODE=int(mode),
-                                   BLOCK_H=128 * min(16, triton.next_power_of_2(triton.cdiv(H, 128))),
-                                   PDL_NEXT=pdl_next, num_warps=4)
-        return GateUpInput(xq, s, s.stride(0), 1, dummy)
+        job = XQuant(x, xq, s, s, mode, s.stride(0), 128 * min(16, triton.next_power_of_2(triton.cdiv(H, 128))), 4)
+        return GateUpInput(xq, s, s.stride(0), 1, dummy, job)
     s = scale if mode == XMode.STATIC else torch.empty(T, dtype=torch.float32, device=x.device)
-    K.moe_quant_x_kernel[(T,)](x, xq, s, s, H, x.stride(0), xq.stride(0), 1, MODE=int(mode),
-                               BLOCK_H=triton.next_power_of_2(H), PDL_NEXT=pdl_next, num_warps=8 if H >= 4096 else 4)
-    return GateUpInput(xq, s, 0 if mode == XMode.STATIC else 1, 0, dummy)
+    job = XQuant(x, xq, s, s, mode, 1, triton.next_power_of_2(H), 8 if H >= 4096 else 4)
+    return GateUpInput(xq, s, 0 if mode == XMode.STATIC else 1, 0, dummy, job)
 
 
 class Wide16(Scheme):
@@ -173,7 +199,7 @@ class Fp8Tensor(Scheme):
         elif x_scale is not None:
             raise ValueError("x_scale is only meaningful for an fp8 x (a bf16/fp16 x is quantized inside)")
 
-    def gate_up_input(self, x, x_scale, cfg, dummy, pdl_next=0):
+    def gate_up_input(self, x, x_scale, cfg, dummy):
         a13 = self.quant.a13_scale
         if x.dtype == FP8_E4M3:
             xs = x_scale if x_scale is not None else a13
@@ -182,7 +208,7 @@ class Fp8Tensor(Scheme):
         if a13 is not None and not cfg.prequant_x:
             return GateUpInput(x, dummy, 0, 0, a13)  # quantized while loading the gate-up A tiles
         # dynamic per token (a full-row amax is needed before the K loop), or prequant_x
-        return _quantize_x(x, XMode.STATIC if a13 is not None else XMode.PER_TOKEN, a13, dummy, pdl_next)
+        return _quantize_x(x, XMode.STATIC if a13 is not None else XMode.PER_TOKEN, a13, dummy)
 
     def activation(self, n, inter, act_dt, cfg, dummy):
         dev = dummy.device
@@ -240,11 +266,11 @@ class Fp8Block(Scheme):
             raise ValueError("config: Fp8Block128 needs block_k = down_block_k = 128 and block_n, "
                              f"down_block_n dividing 128, got {cfg}")
 
-    def gate_up_input(self, x, x_scale, cfg, dummy, pdl_next=0):
+    def gate_up_input(self, x, x_scale, cfg, dummy):
         if x.dtype == FP8_E4M3:
             return GateUpInput(x, x_scale, x_scale.stride(0), 1, dummy)
         if cfg.prequant_x:
-            return _quantize_x(x, XMode.PER_TOKEN_GROUP, None, dummy, pdl_next)
+            return _quantize_x(x, XMode.PER_TOKEN_GROUP, None, dummy)
         return GateUpInput(x, dummy, 0, 0, dummy)  # quantized per row and 128-group while loading
 
     def activation(self, n, inter, act_dt, cfg, dummy):
