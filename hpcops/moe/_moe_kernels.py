@@ -97,13 +97,13 @@ def moe_index_small_kernel(ids_ptr, map_ptr, offsets_ptr, sorted_ptr, pos_ptr, t
                            x_ptr, q_ptr, s_ptr, in_scale_ptr, H, stride_x, stride_q, stride_s,
                            HAS_MAP: tl.constexpr, N_PAD: tl.constexpr, E_PAD: tl.constexpr,
                            BLOCK_M: tl.constexpr, CAP_BLOCK: tl.constexpr, QUANT_X: tl.constexpr = False,
-                           X_MODE: tl.constexpr = 0, X_BLOCK_H: tl.constexpr = 16, PDL_NEXT: tl.constexpr = 0):
+                           X_MODE: tl.constexpr = 0, X_BLOCK_H: tl.constexpr = 16):
     """Whole index in one program (small batches): sort pairs by (expert, pair id), deterministic.
     QUANT_X (`MoeConfig.index_quant`): programs 1..T quantize x's rows as `moe_quant_x_kernel` does (X_MODE,
-    X_BLOCK_H), beside program 0's sort: one launch for both. PDL_NEXT: every program releases the gate-up GEMM's
-    launch at its start; that kernel then waits before it reads the index (its PDL_WAIT_FIRST)."""
-    if PDL_NEXT != 0:
-        gdc_launch_dependents()
+    X_BLOCK_H), beside program 0's sort: one launch for both. It never releases the next launch early: the kernels
+    after the gate-up GEMM read the index before their PDL wait, which is safe only while the gate-up grid starts
+    after this one has exited (an early release here raced on the H200: the down GEMM, released at the gate-up's
+    start, read a part-built index)."""
     pid = tl.program_id(0)
     if pid == 0:
         offs = tl.arange(0, N_PAD)

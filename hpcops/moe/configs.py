@@ -33,11 +33,11 @@ class MoeConfig:
     every gate-up program's loader (which re-reads bf16 rows once per N tile): pays for large batches.
     `index_quant` (default on): where the index is built by one program (up to `index_small_max` pairs, not
     `naive_max_pairs`), x's fp8 quantization pass (`prequant_x`, dynamic per-token or 128-group scales) runs as T
-    more programs of that launch, one launch less before the GEMMs; the launch releases the gate-up GEMM's (`pdl`),
-    whose programs then wait before they read the index (with `gluon`, launched as usual after it). Off: the index,
-    then the quantization alone. Measured on the H200 (bench/results/moe_index_quant_c96724b.md, graph replay):
-    Hy3 EP8 fp8 B4 27.3 against 29.0 µs, TP8 fp8 B16 65.1 / 66.6, EP8 128-block B4 34.1 / 35.4; the gate-up
-    launched as usual after the one launch instead: 28.3, 65.1, 35.4 (kernel sums the same either way).
+    more programs of that launch, one launch less before the GEMMs; the gate-up GEMM's launch starts once it has
+    exited (`pdl`: its programs wait before they read the index). Off: the index, then the quantization alone.
+    Measured on the H200 (bench/results/moe_index_quant.md, kernel sums, same run): Hy3 EP8 fp8 B4 26.5 against
+    27.7 µs, TP8 fp8 B16 65.5 / 66.5, EP8 fp8 B64 107.7 / 109.8 (profiler, pdl off; the quantization costs
+    nothing beside the one-program sort).
     `validate_ids`: check topk_ids values on the host (a device sync) when not capturing a CUDA graph.
     `swap_ab`: both GEMMs compute weights × activations^T, the weight rows on the tensor core's M side
     (Hopper's wgmma needs 64 rows there): for M tiles below 64 rows.

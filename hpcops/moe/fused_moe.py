@@ -301,8 +301,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     in_index = a.pending is not None and cfg.index_quant and not naive
     idx = None if naive else build_moe_index(topk_ids, E, cfg.block_m, expert_map=expert_map,
                                               small_max=cfg.index_small_max,
-                                              x_quant=a.pending if in_index else None, pdl_next=pdl,
-                                              release_early=not cfg.gluon)
+                                              x_quant=a.pending if in_index else None, pdl_next=pdl)
     if a.pending is not None and not in_index:
         a.pending.launch(pdl)
     # one launch of index and quantization, which releases the gate-up's: that waits before it reads the index (the

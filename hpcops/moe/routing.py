@@ -295,8 +295,7 @@ def task_capacity(num_pairs: int, num_local_experts: int, block_m: int) -> int:
 
 def build_moe_index(topk_ids: torch.Tensor, num_local_experts: int, block_m: int, *,
                     expert_map: torch.Tensor | None = None, small_max: int = 1024,
-                    block: int = INDEX_BLOCK, x_quant: XQuant | None = None, pdl_next: int = 0,
-                    release_early: bool = False) -> MoeIndex:
+                    block: int = INDEX_BLOCK, x_quant: XQuant | None = None, pdl_next: int = 0) -> MoeIndex:
     """Counting sort of the (token, slot) pairs by local expert, on the device, without a host sync.
 
     `topk_ids`: int32 [T, k] global expert ids; `expert_map`: int32 [E_global] (local id or −1).
@@ -305,9 +304,9 @@ def build_moe_index(topk_ids: torch.Tensor, num_local_experts: int, block_m: int
     first rows), and a per-block sort + scatter. No atomics; rows are in pair order inside every expert
     either way (deterministic).
     `x_quant` (`fused_moe`'s `MoeConfig.index_quant`): x's fp8 quantization pass, launched here: as T more
-    programs of the single program's launch (one launch less; with `release_early` its programs release the next
-    launch, which must wait before it reads the index), or alone after the three kernels, releasing the next
-    launch where `pdl_next` (`MoeConfig.pdl`).
+    programs of the single program's launch (one launch less; it releases no launch early, so the next one starts
+    once it has exited), or alone after the three kernels, releasing the next launch where `pdl_next`
+    (`MoeConfig.pdl`).
     """
     ids = topk_ids.contiguous()
     dev = ids.device
@@ -329,8 +328,7 @@ def build_moe_index(topk_ids: torch.Tensor, num_local_experts: int, block_m: int
             xq_args, xq_kw = (ids, ids, ids, ids, 0, 0, 0, 0), {}  # placeholders: QUANT_X off
         else:
             xq_args = x_quant.args()
-            xq_kw = dict(QUANT_X=True, X_MODE=int(x_quant.mode), X_BLOCK_H=x_quant.block_h,
-                         PDL_NEXT=pdl_next if release_early else 0)
+            xq_kw = dict(QUANT_X=True, X_MODE=int(x_quant.mode), X_BLOCK_H=x_quant.block_h)
             warps = max(warps, x_quant.warps)
         grid = 1 + (x_quant.x.shape[0] if x_quant is not None else 0)
         K.moe_index_small_kernel[(grid,)](ids, emap, offsets, sorted_pair, pair_pos, tasks, n, e_global, e_local,
