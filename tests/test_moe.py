@@ -157,7 +157,6 @@ class Case:
     down_bk: int | None = None  # force config.down_block_k (≥ inter with n_per > 1: one K step, act loaded once)
     split: int = 1  # config.split_k
     index_quant: bool = True  # config.index_quant
-    w_early: int = 0  # config.down_w_early
 
     @property
     def id(self) -> str:
@@ -190,8 +189,6 @@ class Case:
             s += f"-split{self.split}"
         if not self.index_quant:
             s += "-iq0"
-        if self.w_early:
-            s += f"-wearly{self.w_early}"
         return s
 
 
@@ -314,7 +311,7 @@ def run_case(case: Case, device: str):
         cfg = cfg.with_(down_block_k=case.down_bk)
     if case.split != 1:
         cfg = cfg.with_(split_k=case.split)
-    cfg = cfg.with_(index_quant=case.index_quant, down_w_early=case.w_early)
+    cfg = cfg.with_(index_quant=case.index_quant)
     out = nan_like(torch.empty(case.T, case.H, dtype=case.dtype, device=device)) if case.use_out else None
     got = fused_moe(x, wts.w13, wts.w2, tw, ids, quant=wts.quant, expert_map=emap, shared_output=shared,
                     out=out, config=cfg, shared_w13=s13, shared_w2=s2)
@@ -354,45 +351,6 @@ def test_index_quant(case, device):
         assert_close(ref, got, name=f"index_quant={iq}", **_tolerance(case))
         outs.append(got)
     assert torch.equal(outs[0], outs[1])
-
-
-# the down GEMM's first weight tile loaded before its PDL wait, that K step peeled off the loop
-# (MoeConfig.down_w_early): K of several steps and of one (down_block_k ≥ I, masked), every quantization, both GEMM
-# and task forms, expert parallelism, the fused shared expert, NaN-filled out
-W_EARLY_CASES = [replace(c, swap=swap, naive=naive)
-                 for c in (Case(5, k=3, shared=True, use_out=True, ep=True, E=8, H=320),
-                           Case(7, quant="fp8_tensor", static=False, H=384, use_out=True),
-                           Case(6, k=2, quant="fp8_block", inter=256, H=384, ep=True, E=8, use_out=True),
-                           Case(9, k=2, quant="fp8_tensor", H=448, inter=64, fused_shared=48))
-                 for swap in (False, True) for naive in (False, True)]
-W_EARLY_CASES += [Case(9, k=2, inter=96, H=320, quant="fp8_tensor", down_bk=128, use_out=True),
-                  Case(40, k=5, inter=192, H=320, ep=True, E=16, use_out=True, small_max=0, down_bk=256)]
-
-
-@pytest.mark.parametrize("case", W_EARLY_CASES, ids=lambda c: c.id)
-def test_down_w_early(case, device):
-    """`MoeConfig.down_w_early`: the same bits as the down GEMM's plain K loop (the same steps in the same order),
-    and the reference's within tolerance; 1 the first tile in registers, 2 the L2 prefetch (inline PTX: on the GPU
-    only, the interpreter runs the plain loop)."""
-    want, ref = run_case(case, device)
-    for mode in (1, 2):
-        got, _ = run_case(replace(case, w_early=mode), device)
-        assert_close(ref, got, name=f"down_w_early={mode}", **_tolerance(case))
-        assert torch.equal(got, want), mode
-
-
-def test_down_w_early_config_is_checked():
-    """`MoeConfig.down_w_early` is 0, 1 or 2 and takes down_n_per 1 (ValueError naming it otherwise)."""
-    T, k, E, H, inter = 2, 2, 4, 64, 64
-    tw, ids = make_routing(T, k, E, "cpu")
-    w = make_weights(E, H, inter, "none", device="cpu")
-    x = torch.randn(T, H).bfloat16()
-    cfg = get_config(num_tokens=T, top_k=k, num_experts=E, hidden=H, inter=inter, interpreter=True)
-    for bad in (True, 3, "yes"):
-        with pytest.raises(ValueError, match="config.down_w_early must be 0, 1 or 2"):
-            fused_moe(x, w.w13, w.w2, tw, ids, config=cfg.with_(down_w_early=bad))
-    with pytest.raises(ValueError, match="config.down_w_early takes down_n_per 1"):
-        fused_moe(x, w.w13, w.w2, tw, ids, config=cfg.with_(down_w_early=2, down_n_per=2))
 
 
 @pytest.mark.parametrize("mode", ["tensor-static", "tensor-per-token", "block"])
@@ -706,32 +664,6 @@ def test_gpu_down_n_per_bit_equal(shape, T, kind):
         assert torch.equal(out, want), n_per
     replayed, _ = h.replay_with_new_routing(4)
     assert torch.equal(replayed, h.run(1))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["fp8_tensor", "none", "fp8_block"])
-@pytest.mark.parametrize("T", [1, 4, 16, 64, 512])
-@pytest.mark.parametrize("shape", ["tp8", "ep8"])
-def test_gpu_down_w_early_bit_equal(shape, T, kind):
-    """`MoeConfig.down_w_early` (weights fetched before the PDL wait, under the gate-up's tail: 1 the first tile into
-    registers, 2 the whole tile into L2) at Hy3 sizes: bit-equal to the plain K loop at the GPU config's K tile and
-    with one K step over TP8's I (down_block_k 256, 16-bit weights at 2 stages), NaN-filled out, eagerly and in a
-    CUDA-graph replay with new routing."""
-    h = _Hy3Knob(shape, T, kind, "down_w_early")
-    want = h.run(0)
-    assert not want.isnan().any()
-    for mode in (1, 2):
-        assert torch.equal(h.run(mode), want), mode
-    if shape == "tp8":
-        one = h.cfg.with_(down_block_k=256, **({"down_num_stages": 2} if kind == "none" else {}))
-        base = fused_moe(h.x, h.wts.w13, h.wts.w2, h.tw, h.ids, quant=h.wts.quant, out=nan_like(h.x), config=one)
-        for mode in (1, 2):
-            got = fused_moe(h.x, h.wts.w13, h.wts.w2, h.tw, h.ids, quant=h.wts.quant, out=nan_like(h.x),
-                            config=one.with_(down_w_early=mode))
-            assert torch.equal(got, base), mode
-    for mode in (1, 2):
-        replayed, eager = h.replay_with_new_routing(mode)
-        assert torch.equal(replayed, eager), mode
 
 
 @pytest.mark.gpu

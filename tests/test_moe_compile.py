@@ -40,8 +40,7 @@ def _record(monkeypatch) -> list[dict]:
 def _launch_all() -> None:
     """fused_moe over both Hy3 layouts, every quantization and the configs of each batch regime, with the
     shared expert's output added and with the shared expert fused into the GEMM kernels, and with a down program
-    over several N tiles (`MoeConfig.down_n_per`; at large batches also with one K step over I), and with the first
-    down weight tile loaded before the PDL wait (`MoeConfig.down_w_early`)."""
+    over several N tiles (`MoeConfig.down_n_per`; at large batches also with one K step over I)."""
     E, H, k = 4, 4096, 8
     for inter in (192, 1536):
         for kind in ("none", "fp8_tensor", "fp8_tensor_dyn", "fp8_block"):
@@ -81,14 +80,6 @@ def _launch_all() -> None:
                 if T_cfg in (4, 64, 2048, 4096):  # a down program over several N tiles (MoeConfig.down_n_per)
                     fused_moe(x, w13, w2, tw, ids, quant=quant, expert_map=emap,
                               config=cfg.with_(down_n_per=4 if T_cfg <= 64 else 32))
-                if T_cfg in (4, 64):  # the first down weight tile before the PDL wait (MoeConfig.down_w_early)
-                    for mode in (1, 2):  # the first tile into registers, the whole tile into L2
-                        fused_moe(x, w13, w2, tw, ids, quant=quant, expert_map=emap,
-                                  config=cfg.with_(down_w_early=mode))
-                    if inter == 192:  # ... one K step over I
-                        fused_moe(x, w13, w2, tw, ids, quant=quant, expert_map=emap,
-                                  config=cfg.with_(down_w_early=1, down_block_k=256,
-                                                   **({"down_num_stages": 2} if kind == "none" else {})))
                 if T_cfg in (4, 64):  # the gate-up K loop over 4 programs (MoeConfig.split_k)
                     fused_moe(x, w13, w2, tw, ids, quant=quant, expert_map=emap, config=cfg.with_(split_k=4))
                 if T_cfg == 4096 and inter == 192 and kind.startswith("fp8_tensor"):  # ... one K step over I
@@ -118,8 +109,6 @@ for d in json.load(sys.stdin):
         bad.append(f"{d['kernel']} {d['consts']}: {k.metadata.shared} bytes of shared memory")
     if d["consts"].get("SPLIT_K", 1) > 1 and "atom.global.gpu.acq_rel" not in ptx:
         bad.append(f"{d['kernel']} {d['consts']}: split K without an acquire-release arrival count")
-    if d["consts"].get("W_EARLY") == 2 and "prefetch.global.L2" not in ptx:
-        bad.append(f"{d['kernel']} {d['consts']}: down_w_early 2 without an L2 prefetch")
     if d["consts"].get("PDL_WAIT") and "griddepcontrol.wait" not in ptx:
         bad.append(f"{d['kernel']} {d['consts']}: launched with PDL but never waits")
 print(json.dumps(bad))
@@ -132,8 +121,6 @@ def test_kernels_compile_for_sm90(monkeypatch, tmp_path):
     assert any(d["consts"].get("N_PER") == 4 for d in launches)
     assert any(d["consts"].get("K_ONE") for d in launches)
     assert any(d["consts"].get("SPLIT_K") == 4 for d in launches)
-    assert any(d["consts"].get("W_EARLY") == 1 and d["consts"].get("BLOCK_K") == 256 for d in launches)
-    assert any(d["consts"].get("W_EARLY") == 2 for d in launches)
     assert {d["kernel"] for d in launches} >= {"moe_gate_up_kernel", "moe_down_kernel", "moe_reduce_kernel",
                                                "moe_index_small_kernel", "moe_index_scan_kernel",
                                                "moe_index_hist_kernel", "moe_index_scatter_kernel"}

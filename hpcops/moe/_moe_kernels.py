@@ -548,16 +548,6 @@ def _down_store(acc, y_ptr, rows64, rmask, cols, cmask, r_s, a2_ptr, ws_ptr, e64
 
 
 @triton.jit
-def _prefetch_rows_l2(rows, n, LINES: tl.constexpr):
-    """prefetch.global.L2 of the first n elements after each pointer of `rows` ([R, 1]): LINES addresses a row, 128
-    bytes apart, the last at the row's end (the lines an unaligned row touches); sm_90 PTX, no registers held."""
-    step: tl.constexpr = 128 // (rows.dtype.element_ty.primitive_bitwidth // 8)
-    offs = tl.minimum(tl.arange(0, LINES) * step, n - 1)
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [rows + offs[None, :]],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def moe_down_kernel(act_ptr, act_s_ptr, a2_ptr, rowmax_ptr, w_ptr, ws_ptr, tasks_ptr, offsets_ptr, ids_ptr, map_ptr,
                     y_ptr, H, I, CAP, E_GLOBAL, E_LOCAL,
                     stride_act, stride_acts, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk,
@@ -568,7 +558,7 @@ def moe_down_kernel(act_ptr, act_s_ptr, a2_ptr, rowmax_ptr, w_ptr, ws_ptr, tasks
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     SHARED_BLOCK_K: tl.constexpr, FP8_PROMOTE: tl.constexpr = 0,
                     PDL_WAIT: tl.constexpr = False, PDL_NEXT: tl.constexpr = 0, N_PER: tl.constexpr = 1,
-                    K_ONE: tl.constexpr = False, W_EARLY: tl.constexpr = 0, W_LINES: tl.constexpr = 1):
+                    K_ONE: tl.constexpr = False):
     """y[r, n] = act[r]·w2[e, n] for one (M tile, N tile) task, rows as the gate-up wrote them.
 
     ACT_IN (`ActMode`, as the gate-up wrote it): the WIDE_*_AMAX modes are quantized here, per row from
@@ -581,10 +571,6 @@ def moe_down_kernel(act_ptr, act_s_ptr, a2_ptr, rowmax_ptr, w_ptr, ws_ptr, tasks
     over (N tile, K step), so one software pipeline streams all their weight tiles and a tile's epilogue runs
     under the next tiles' loads (a short K, e.g. Hy3 TP8's I = 192, is 3 steps a tile). With one K step (BLOCK_K
     ≥ I) the activation tile is loaded once and the loop runs over N alone.
-    W_EARLY (`MoeConfig.down_w_early`, N_PER 1; the weights are the call's inputs, so a program that starts under
-    the gate-up's tail can fetch them before its PDL wait): 1, the first K step's weight tile is loaded into
-    registers before the wait and that step runs peeled off the K loop; 2 (sm_90, not the interpreter), the
-    program's whole [BLOCK_N, I] weight tile is prefetched into L2 (W_LINES lines a row), the K loop unchanged.
     """
     n_tiles = tl.cdiv(H, BLOCK_N)
     if N_PER == 1:
@@ -621,22 +607,13 @@ def moe_down_kernel(act_ptr, act_s_ptr, a2_ptr, rowmax_ptr, w_ptr, ws_ptr, tasks
     if N_PER == 1:
         w_rows = w_ptr + e64 * stride_we + cols.to(tl.int64)[:, None] * stride_wn
     acc = _mma_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
-    if W_EARLY == 2:
-        _prefetch_rows_l2(tl.where(cmask[:, None], w_rows, w_ptr + e64 * stride_we), I, W_LINES)
-    if W_EARLY == 1:
-        kmask0 = offs_k < I
-        w0 = tl.load(w_rows + offs_k[None, :], mask=cmask[:, None] & kmask0[None, :], other=0.0)
     if PDL_WAIT:
         gdc_wait()
     r_s = 1.0  # the row scales of A_WIDE_ROW_AMAX (unused otherwise)
     if ACT_IN == A_WIDE_ROW_AMAX:
         r_s = tl.maximum(tl.load(rowmax_ptr + rows, mask=rmask, other=0.0), 1e-12) / FP8_MAX
     if N_PER == 1:
-        if W_EARLY == 1:
-            a = tl.load(a_rows + offs_k[None, :], mask=rmask[:, None] & kmask0[None, :], other=0.0)
-            acc = _down_step(a, w0, acc, rows64, rmask, r_s, act_s_ptr, ws_ptr, e64, n0, 0, stride_acts,
-                             stride_wse, stride_wsn, stride_wsk, QUANT, ACT_IN, SWAP_AB, FP8_PROMOTE)
-        for k0 in range(BLOCK_K if W_EARLY == 1 else 0, I, BLOCK_K):
+        for k0 in range(0, I, BLOCK_K):
             kk = k0 + offs_k
             kmask = kk < I
             a = tl.load(a_rows + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)

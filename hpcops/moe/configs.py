@@ -64,9 +64,6 @@ class MoeConfig:
     over N alone. Measured on the H200 (bench/results/profile_moe_large_b_53018d0.txt): Hy3 TP8 fp8 T 16384 with
     32 tiles and one K step of 256, down GEMM 526 against 625 µs (the tuned entry); the flat loop is slower there
     and at T 2048-4096, and level or slower at decode sizes (moe_down_n_per_4e4c50e.md).
-    `down_w_early` (opt-in; `down_n_per` 1): a down GEMM program fetches weights before its PDL wait, so the
-    programs that start under the gate-up's tail stream them meanwhile: 1, its first K step's tile into registers
-    (that step peeled off the K loop); 2 (under `pdl` only), its whole weight tile prefetched into L2.
     `split_k`: gate-up programs a task's K loop (over H) is split over (1: one). Each stores an fp32 partial tile
     and the last of them to finish sums them in a fixed order (the result is the same whichever is last) and runs
     the epilogue; a per-call workspace of split_k fp32 tiles per task and a zeroed count per task come with it. For
@@ -106,7 +103,6 @@ class MoeConfig:
     fp8_promote: int | None = None
     pdl: int = 1
     down_n_per: int = 1
-    down_w_early: int = 0
     split_k: int = 1
     gluon: bool = False
 
@@ -234,7 +230,7 @@ def gate_up_split(num_tokens: int, top_k: int, num_experts: int, n_local: int, h
 # (reduce_block_h is not among them: `hpcops tune moe` does not sweep it, so the heuristic sets it)
 TUNABLE = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "down_block_n", "down_block_k",
            "down_num_warps", "down_num_stages", "index_small_max", "prequant_x", "swap_ab",
-           "naive_max_pairs", "fp8_promote", "pdl", "down_n_per", "down_w_early", "split_k")
+           "naive_max_pairs", "fp8_promote", "pdl", "down_n_per", "split_k")
 
 
 @functools.cache

@@ -89,11 +89,6 @@ def _validate(scheme: Scheme, x, w13, w2, topk_weights, topk_ids, expert_map, sh
     if type(cfg.down_n_per) is not int or not 1 <= cfg.down_n_per <= 256:
         raise ValueError(f"config.down_n_per must be an int in 1..256 (N tiles a down GEMM program), got "
                          f"{cfg.down_n_per!r}")
-    if type(cfg.down_w_early) is not int or cfg.down_w_early not in (0, 1, 2):
-        raise ValueError(f"config.down_w_early must be 0, 1 or 2, got {cfg.down_w_early!r}")
-    if cfg.down_w_early and cfg.down_n_per != 1:
-        raise ValueError(f"config.down_w_early takes down_n_per 1 (a program a tile), got down_n_per "
-                         f"{cfg.down_n_per}")
     if type(cfg.split_k) is not int or not 1 <= cfg.split_k <= 16:
         raise ValueError(f"config.split_k must be an int in 1..16 (gate-up programs a task's K loop is split over), "
                          f"got {cfg.split_k!r}")
@@ -433,19 +428,8 @@ def _launch_down(c: _GemmCall, w2, ws, act, y, promote: dict, reduce_pdl: bool) 
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
         SHARED_BLOCK_K=max(16, cfg.down_block_k // 2) if c.narrow else cfg.down_block_k, **promote,
         **({"N_PER": cfg.down_n_per, "K_ONE": cfg.down_block_k >= c.inter} if cfg.down_n_per > 1 else {}),
-        **_w_early(cfg, c, w2),
         **_pdl_launch(c.pdl), PDL_NEXT=c.pdl if reduce_pdl else 0, num_warps=cfg.down_num_warps,
         num_stages=cfg.down_num_stages)
-
-
-def _w_early(cfg: MoeConfig, c: _GemmCall, w2: torch.Tensor) -> dict:
-    """The down kernel's W_EARLY / W_LINES (`MoeConfig.down_w_early`): 2, the L2 prefetch, only under PDL (sm_90,
-    not the interpreter: inline PTX), a line each 128 bytes of a weight row and one at its end."""
-    mode = cfg.down_w_early
-    if mode == 0 or (mode == 2 and not c.pdl):
-        return {}
-    lines = triton.next_power_of_2(-(-c.inter * w2.element_size() // 128) + 1)
-    return {"W_EARLY": mode, "W_LINES": lines} if mode == 2 else {"W_EARLY": mode}
 
 
 def _split_k_buffers(cfg: MoeConfig, tiles: int, dev: torch.device) -> dict:
