@@ -302,14 +302,6 @@ def _finish_task(acc, m_i, l_i, v_scale, split, slot, b, h, offs_m, offs_d, out_
 
 
 @triton.jit
-def _clock_mark():
-    """(this SM's id, the global nanosecond timer): a program's time stamp for `times_ptr` (GPU only)."""
-    sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-    ns = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
-    return sm, ns
-
-
-@triton.jit
 def decode_persistent_kernel(
     q_ptr, k_ptr, v_ptr, k_desc, v_desc, bt_ptr, seq_lens_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     header_ptr, cum_ptr, first_b_ptr, pair_desc_ptr, merge_sem_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
@@ -323,7 +315,6 @@ def decode_persistent_kernel(
     LEAN_RECOMPUTE: tl.constexpr = False, KV_SAME_STRIDES: tl.constexpr = False, LEAN_PAGES: tl.constexpr = False,
     ROW_PATH: tl.constexpr = False, TAIL_MERGE: tl.constexpr = False, R_PAD: tl.constexpr = 1,
     TAIL_STAGES: tl.constexpr = 1, TAIL_GROUP: tl.constexpr = 0, PDL_WAIT: tl.constexpr = False,
-    times_ptr=None,
 ):
     """One persistent program walks its bucket of the plan's tile stream, task by task.
 
@@ -343,20 +334,12 @@ def decode_persistent_kernel(
     merge_sem; the program that writes the last partial merges the pair into the output (`_tail_merge`),
     so no combine kernel runs. R_PAD: Q_LEN·G padded to a power of two; TAIL_STAGES: partials' loads in
     flight (`_merge_rows`); TAIL_GROUP: partials a group of the two-level merge of a long split (0: one level).
-    times_ptr (a probe's, `scripts/probe_decode_balance.py`; None in every launch of the library): int64 [programs,
-    6], this program's SM, its start and end on the global timer (ns), its tasks, its tiles and the end of its
-    first task (with TASK_DESC).
     """
     pid = tl.program_id(0)
     if PDL_WAIT:
         gdc_wait()
     if USE_PDL:
         gdc_launch_dependents()
-    if times_ptr is not None:
-        sm_id, t_start = _clock_mark()
-        tasks = pid * 0
-        t_first = t_start
-        tiles = pid * 0
     if TASK_DESC:
         offs_m = tl.arange(0, M_PAD)
         offs_d = tl.arange(0, D_PAD)
@@ -390,11 +373,6 @@ def decode_persistent_kernel(
                 if split:
                     _tail_merge(part_o_ptr, part_lse_ptr, pair_desc_ptr, merge_sem_ptr, pid, b, h, B, out_ptr,
                                 stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, R_PAD, TAIL_STAGES, TAIL_GROUP)
-            if times_ptr is not None:
-                _, t_now = _clock_mark()
-                t_first = tl.where(tasks == 0, t_now, t_first)
-                tasks += 1
-                tiles += n
             left -= n
             h = tl.where(b_next == 0, h + 1, h)
             b = b_next
@@ -440,15 +418,6 @@ def decode_persistent_kernel(
     if PDL_WAIT:
         if not USE_PDL:  # no combine: release the next kernel once this program's work is done
             gdc_launch_dependents()
-    if times_ptr is not None:
-        _, t_end = _clock_mark()
-        row = times_ptr + pid * 6
-        tl.store(row, sm_id.to(tl.int64))
-        tl.store(row + 1, t_start)
-        tl.store(row + 2, t_end)
-        tl.store(row + 3, tasks.to(tl.int64))
-        tl.store(row + 4, tiles.to(tl.int64))
-        tl.store(row + 5, t_first)
 
 
 @triton.jit
