@@ -136,8 +136,8 @@ class DecodeConfig:
         round (two L2 round trips in flight instead of one; sm_90 build 128 registers a thread at h8/1 d128
         instead of 90, still 3 programs an SM, no spill). On (default): 1.5-5.5 % faster on every h8/1 fp8 case
         of the H200 bench at `1080690` (1x128K+31x4K 32.8 -> 30.9 µs, 1x64K+15x4K 24.2 -> 23.0; h64/8 level);
-        the `tl` kernel's merge has no such form.
-    merge_round: fp32 elements of one Gluon tail-merge round, a [parts, r_pad, D_PAD] tile (a power of two in
+        the `tl` kernel's tail merge takes the same rounds and the same prefetch.
+    merge_round: fp32 elements of one tail-merge round (both kernels), a [parts, r_pad, D_PAD] tile (a power of two in
         1024..16384; parts at most 16): more partials a round halve the dependent L2 round trips of a long split's
         merge (16 partials of 8 rows at d128: 2 rounds of 8 instead of 4 of 4) at the price of registers (sm_90
         build at h8/1 d128: 8 partials with merge_prefetch 236 registers a thread, 2 programs an SM; without it
@@ -591,16 +591,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if tail:
         max_tiles = triton.cdiv(block_table.shape[1] * bs, TILE)  # the longest request the table can hold
         r_pad = triton.next_power_of_2(rows)
-        parts = _tail_parts(r_pad, d)
         # the Gluon merge's round: [parts, r_pad, D]
         g_parts = _tail_parts(r_pad, d, _CONFIG.merge_prefetch, _CONFIG.merge_round)
         gluon_tail = dict(TAIL_MERGE=True, R_PAD=r_pad, TAIL_PARTS=g_parts,
                           TAIL_GROUP=_tail_group(g_parts, max_tiles, -(-plan.num_programs // hkv)),
                           MERGE_PREFETCH=_CONFIG.merge_prefetch)
-        # the tl merge takes one partial a step: 3 in flight on the pointer path, 1 beside TMA (where 2 or 3
-        # spill 16 bytes: tests/test_decode_compile.py)
-        tl_tail = dict(TAIL_MERGE=True, R_PAD=r_pad, TAIL_GROUP=_tail_group(parts, max_tiles),
-                       TAIL_STAGES=1 if use_tma else 3)
+        # the tl merge: rounds of the same tile, the next round's loads in flight with merge_prefetch where the
+        # tile keeps to its budget (not at 64 q rows of 128: one partial a round, and ptxas spilled the second)
+        tl_prefetch = _CONFIG.merge_prefetch and g_parts * r_pad * max(triton.next_power_of_2(d), 128) <= 4096
+        tl_tail = dict(TAIL_MERGE=True, R_PAD=r_pad, TAIL_PARTS=g_parts, MERGE_PREFETCH=tl_prefetch,
+                       TAIL_GROUP=_tail_group(g_parts, max_tiles))
     if use_gluon:
         _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, out, part_o, part_lse, plan, q_scale, args_kv,
                       sm_scale, q_len, g, rows, gluon_tail, pdl_wait)
