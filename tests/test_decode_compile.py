@@ -153,6 +153,9 @@ VARIANTS["persistent-lean-recompute-fp8q-tail-pdlwait"] = _attn(q="fp8e4nv", kv=
                                                                 **LEAN_MODES["recompute"])
 VARIANTS["persistent-lean-tma-bf16-pdlwait"] = _attn(TASK_DESC=True, USE_PDL=True, PDL_WAIT=True, **LEAN_MODES["tma"])
 VARIANTS["combine-pdl-next"] = _combine("decode_combine_kernel", USE_PDL=True, PDL_NEXT=True, MERGE_DESC=True)
+# DecodeConfig.combine_wide: every q row of a split in one program, 8 partials a round, two rounds in flight
+VARIANTS["combine-wide-pdl-next"] = _combine("decode_combine_kernel", USE_PDL=True, PDL_NEXT=True, MERGE_DESC=True,
+                                             WIDE=True, R_PAD=8, PARTS=8, PREFETCH=True)
 VARIANTS["persistent-fp8q-q4-g16-tail"] = _attn(q="fp8e4nv", kv="fp8e4nv", q_len=4, g=16, R_PAD=64,
                                                 TAIL_PARTS=1, TAIL_GROUP=4,
                                                 **TAIL, **LEAN_MODES["recompute"])

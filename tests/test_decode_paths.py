@@ -22,6 +22,8 @@ VARIANTS = [LEGACY, dict(lean_loop=True), dict(task_desc=False, lean_loop=False,
             dict(lean_loop=True, lean_mode="recompute"), dict(lean_loop=True, lean_mode="tma", use_tma=True),
             # the combine's merge in rounds of 2 partials (the default merges up to 64 in one round)
             dict(combine_chunks=2),
+            # the combine's merge a split in one program, every q row at once, without and with the prefetch
+            dict(combine_wide=True), dict(combine_wide=True, merge_prefetch=False),
             # split requests merged by the attention program that writes their last partial (no combine kernel)
             dict(tail_merge=True),
             # ... in two levels: groups of 2 partials merged into their first slot, then the groups
@@ -52,11 +54,13 @@ def test_decode_variants_match_reference(case, variant, device):
             _decode_matches_reference(case, "static", device)
 
 
-@pytest.mark.parametrize("variant", [{}, dict(combine_chunks=32), dict(combine_chunks=16)], ids=_vid)
+@pytest.mark.parametrize("variant", [{}, dict(combine_chunks=32), dict(combine_chunks=16), dict(combine_wide=True),
+                                     dict(combine_wide=True, merge_prefetch=False)], ids=_vid)
 def test_combine_merges_many_partials(variant, device):
     """A request split over more partials than the combine's 16-partial tile: the default merges them in one
     64-partial round, combine_chunks 32 in rounds of 32, 16 in rounds of 16 (a running maximum across rounds);
-    a 2-partial request beside it takes the small tile. Both schedules."""
+    a 2-partial request beside it takes the small tile. combine_wide: both q rows in one program, rounds of 16
+    partials (the most a round takes), the next in flight or not. Both schedules."""
     case = Case((2000, 70), 2, 1, 64, 64, kv="fp8q", programs=40, min_tiles=1)
     for schedule in ("dynamic", "static"):
         with _with_config(variant):
@@ -193,6 +197,8 @@ def test_lean_mode_and_max_regs_errors():
     for bad in (0, 1, 24, 512, 16.0, True):
         with pytest.raises(ValueError, match="DecodeConfig.combine_chunks"):
             dec.set_decode_config(combine_chunks=bad)
+    with pytest.raises(TypeError, match="DecodeConfig.combine_wide"):
+        dec.set_decode_config(combine_wide=1)
     assert dec.decode_config() == dec.DecodeConfig()  # a rejected change leaves the config as it was
 
 

@@ -682,6 +682,7 @@ def decode_combine_kernel(
     part_o_ptr, part_lse_ptr, out_ptr, header_ptr, cum_ptr, last_b_ptr, stride_ot, stride_oh,
     Q_LEN: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CB: tl.constexpr,
     USE_PDL: tl.constexpr = False, MERGE_DESC: tl.constexpr = False, PDL_NEXT: tl.constexpr = False,
+    WIDE: tl.constexpr = False, R_PAD: tl.constexpr = 1, PARTS: tl.constexpr = 1, PREFETCH: tl.constexpr = False,
 ):
     """Program (k, row) merges `row` of the split (head, request) that starts in program k's bucket and leaves it.
 
@@ -691,6 +692,9 @@ def decode_combine_kernel(
     merge_desc [programs, 4], whose row k (request or −1, head, first slot, partials) says it in one load level.
     PDL_NEXT (with MERGE_DESC): after its merge, let the next kernel launch (the next layer's attention kernel,
     PDL_WAIT; a program with nothing to merge releases it by exiting).
+    WIDE (with MERGE_DESC; `DecodeConfig.combine_wide`, a grid of one program a bucket): program k merges every q
+    row of its split at once, as the tail merge does (`_merge_rows`: rounds of PARTS partials of R_PAD rows,
+    PREFETCH: two rounds in flight).
     """
     k = tl.program_id(0)
     row = tl.program_id(1)
@@ -703,8 +707,12 @@ def decode_combine_kernel(
         if b >= 0:
             if USE_PDL:
                 gdc_wait()
-            _merge_partials(part_o_ptr, part_lse_ptr, first_slot, 2 * k, 2, n_chunks, b, h, row, out_ptr,
-                            stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, CB)
+            if WIDE:
+                _merge_rows(part_o_ptr, part_lse_ptr, first_slot, 2 * k, 2, n_chunks, b, h, out_ptr, stride_ot,
+                            stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, R_PAD, PARTS, PREFETCH)
+            else:
+                _merge_partials(part_o_ptr, part_lse_ptr, first_slot, 2 * k, 2, n_chunks, b, h, row, out_ptr,
+                                stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, CB)
             if PDL_NEXT:
                 gdc_launch_dependents()
     else:

@@ -153,6 +153,12 @@ class DecodeConfig:
         fp8 case and 1.03-1.11x on four h8/1 fp8 cases (64x0.5K 11.7 -> 10.5 µs, 1x64K+15x4K 22.4 -> 20.3), level
         on 64x4K h8/1 (28.5 / 28.5; pv_fp16 alone 27.5) and 2x32K+30x4K (24.2 -> 23.5; alone 23.1); v_mask_tail
         alone is level or up to 7.5 % slower.
+    combine_wide: the dynamic schedule's combine kernel (no tail merge) runs one program a bucket that merges
+        every q row of its split at once, in rounds of a [parts, rows, D] fp32 tile of COMBINE_WIDE_ROUND elements
+        (two in flight with merge_prefetch), instead of one program a (bucket, q row) each merging one row (at h8/1
+        a grid of 8x as many programs, most of which only read their bucket's merge descriptor and exit). A long
+        split then takes ceil(partials / parts) dependent rounds in one program (8 partials a round at 8 rows of
+        128), where the row grid took ceil(partials / combine_chunks) in each row's program. Off (default).
     split_cost: the plan's cost model for splitting a request at all, in quarters of a tile (0..256; with a task
         cost, i.e. task descriptors): what a split adds to the step (partial writes, the merge and its wait). Where
         every (head, request) fits whole in a bucket of c_max·ceil(bucket / c_max) cost units (c_max: the
@@ -192,6 +198,7 @@ class DecodeConfig:
     num_warps: int | None = None
     block_n: int = 64
     combine_chunks: int = 64
+    combine_wide: bool = False
     use_tma: bool | None = None
     pdl: bool = True
     min_rows: int = 16
@@ -228,7 +235,7 @@ class DecodeConfig:
         mr = self.merge_round
         if mr is not None and (type(mr) is not int or not 1024 <= mr <= 16384 or mr & (mr - 1)):
             raise ValueError(f"DecodeConfig.merge_round must be None or a power of two in 1024..16384, got {mr!r}")
-        for name in ("merge_prefetch", "pdl_wait", "pv_fp16", "v_mask_tail"):
+        for name in ("merge_prefetch", "pdl_wait", "pv_fp16", "v_mask_tail", "combine_wide"):
             if type(getattr(self, name)) is not bool:
                 raise TypeError(f"DecodeConfig.{name} must be a bool, got {getattr(self, name)!r}")
         sc = self.split_cost
@@ -304,6 +311,7 @@ def _tail_group(tail_parts: int, max_tiles: int, programs_per_kv_head: int | Non
 # faster on every h64/8 fp8 case (49.5 programs a kv head; 1x128K+31x4K 153.5 -> 147.6 µs), while at h8/1 (396)
 # the long split needs two (1x64K+15x4K: 23.0 against 60.1 µs in one level).
 TAIL_ONE_LEVEL_MAX = 64
+COMBINE_WIDE_ROUND = 8192  # fp32 elements of a combine_wide round: 8 partials of 8 rows at d128
 
 
 def _num_stages() -> int:
@@ -616,11 +624,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             TASK_DESC=_CONFIG.task_desc, **attn_knobs, **common, **tl_tail, **pdl_wait)
     if tail:
         return out
-    decode_combine_kernel[(plan.num_programs, rows)](
+    wide = {}
+    if _CONFIG.combine_wide and _CONFIG.task_desc:  # every q row of a split in one program
+        r_pad = triton.next_power_of_2(rows)
+        wide = dict(WIDE=True, R_PAD=r_pad, PARTS=_tail_parts(r_pad, d, _CONFIG.merge_prefetch, COMBINE_WIDE_ROUND),
+                    PREFETCH=_CONFIG.merge_prefetch)
+    decode_combine_kernel[(plan.num_programs, 1 if wide else rows)](
         part_o, part_lse, out, plan.header, plan.cum, plan.merge_desc if _CONFIG.task_desc else plan.last_b,
         out.stride(0), out.stride(1),
         CB=_combine_chunks(d), USE_PDL=pdl, MERGE_DESC=_CONFIG.task_desc, num_warps=4, **common, **pdl_launch,
-        **({"PDL_NEXT": True} if pdl and pdl_wait else {}))
+        **({"PDL_NEXT": True} if pdl and pdl_wait else {}), **wide)
     return out
 
 
