@@ -13,11 +13,17 @@ kernel alone (the combine launch skipped) and of the combine alone (the attentio
 partials the last real call left), so that what the combine and the dependency between the two cost shows.
 
     python3 scripts/probe_decode_balance.py --out DIR [--specs 64x4K,1x64K+15x4K] [--heads 8/1] [--kv bf16]
+
+The hook is not in the library's kernel (it was measured in session 45 and kept out of `main` until the GPU tier
+runs on it); bring it into a working tree first:
+
+    git show ffa8b15 -- hpcops/attention/_decode_kernels.py | git apply
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 from pathlib import Path
 
@@ -32,7 +38,7 @@ SPECS = "64x0.5K,64x4K,32x0.125K+32x4K,2x32K+30x4K,1x64K+15x4K,1x128K+31x4K"
 
 
 class _Timed:
-    """`decode_persistent_kernel` with `times_ptr` added to every launch (the library never passes it)."""
+    """`decode_persistent_kernel` with `times_ptr` added to every launch (the hook `ffa8b15` adds)."""
 
     def __init__(self, fn, times: torch.Tensor):
         self.fn, self.times = fn, times
@@ -132,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("probe_decode_balance.py needs a CUDA GPU")
+    if "times_ptr" not in inspect.signature(DK.decode_persistent_kernel.fn).parameters:
+        raise SystemExit("decode_persistent_kernel has no times_ptr hook here: first "
+                         "`git show ffa8b15 -- hpcops/attention/_decode_kernels.py | git apply`")
     hq, hkv = (int(v) for v in a.heads.split("/"))
     rows = [probe(s, hq, hkv, a.kv == "fp8") for s in a.specs.split(",")]
     if a.split:

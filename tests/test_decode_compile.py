@@ -133,31 +133,25 @@ VARIANTS["static-row-fp8kv"] = _attn("decode_static_kernel", kv="fp8e4nv", SPLIT
 # the tune moves (hpcops/bench/tune/decode.py): 8 warps (~128 registers), a cap of 168 (3 programs an SM)
 VARIANTS["persistent-row-fp8kv-8warps"] = _attn(kv="fp8e4nv", warps=8, **ROW)
 VARIANTS["persistent-row-fp8kv-cap168"] = _attn(kv="fp8e4nv", maxnreg=168, **ROW)
-# DecodeConfig.tail_merge as the launcher passes it (q rows padded to R_PAD, rounds of TAIL_PARTS partials, two in
-# flight with merge_prefetch, tail_group's default groups): the fp8 default (recompute), bf16 over TMA, the row
-# path, and 64 q rows
+# DecodeConfig.tail_merge as the launcher passes it (q rows padded to R_PAD, TAIL_STAGES partials' loads in
+# flight, tail_group's default groups): the fp8 default (recompute), bf16 over TMA, the row path, and 64 q rows
 TAIL = dict(TASK_DESC=True, TAIL_MERGE=True)
 VARIANTS["persistent-lean-recompute-fp8q-tail"] = _attn(q="fp8e4nv", kv="fp8e4nv", R_PAD=8,
-                                                        TAIL_PARTS=4, MERGE_PREFETCH=True, TAIL_GROUP=16, **TAIL,
+                                                        TAIL_STAGES=3, TAIL_GROUP=16, **TAIL,
                                                         **LEAN_MODES["recompute"])
-VARIANTS["persistent-lean-tma-bf16-tail"] = _attn(R_PAD=8, TAIL_PARTS=4, MERGE_PREFETCH=True, TAIL_GROUP=16,
-                                                  **TAIL, **LEAN_MODES["tma"])
-VARIANTS["persistent-row-fp8q-tail"] = _attn(q="fp8e4nv", kv="fp8e4nv", R_PAD=1, TAIL_PARTS=16,
-                                             MERGE_PREFETCH=True, TAIL_GROUP=64,
+VARIANTS["persistent-lean-tma-bf16-tail"] = _attn(R_PAD=8, TAIL_STAGES=1, TAIL_GROUP=16, **TAIL, **LEAN_MODES["tma"])
+VARIANTS["persistent-row-fp8q-tail"] = _attn(q="fp8e4nv", kv="fp8e4nv", R_PAD=1, TAIL_STAGES=3,
+                                             TAIL_GROUP=64,
                                              **{**ROW, **TAIL})
 # DecodeConfig.pdl_wait: the attention kernel launched with PDL waits before its first read (and the combine after it
 # lets the next kernel launch): the tl path's default over fp8 q (tail merge) and over bf16 KV (TMA, the combine)
-VARIANTS["persistent-lean-recompute-fp8q-tail-pdlwait"] = _attn(q="fp8e4nv", kv="fp8e4nv", R_PAD=8,
-                                                                TAIL_PARTS=4, MERGE_PREFETCH=True, TAIL_GROUP=16,
-                                                                PDL_WAIT=True, **TAIL,
+VARIANTS["persistent-lean-recompute-fp8q-tail-pdlwait"] = _attn(q="fp8e4nv", kv="fp8e4nv", R_PAD=8, TAIL_STAGES=3,
+                                                                TAIL_GROUP=16, PDL_WAIT=True, **TAIL,
                                                                 **LEAN_MODES["recompute"])
 VARIANTS["persistent-lean-tma-bf16-pdlwait"] = _attn(TASK_DESC=True, USE_PDL=True, PDL_WAIT=True, **LEAN_MODES["tma"])
 VARIANTS["combine-pdl-next"] = _combine("decode_combine_kernel", USE_PDL=True, PDL_NEXT=True, MERGE_DESC=True)
-# DecodeConfig.combine_wide: every q row of a split in one program, 8 partials a round, two rounds in flight
-VARIANTS["combine-wide-pdl-next"] = _combine("decode_combine_kernel", USE_PDL=True, PDL_NEXT=True, MERGE_DESC=True,
-                                             WIDE=True, R_PAD=8, PARTS=8, PREFETCH=True)
 VARIANTS["persistent-fp8q-q4-g16-tail"] = _attn(q="fp8e4nv", kv="fp8e4nv", q_len=4, g=16, R_PAD=64,
-                                                TAIL_PARTS=1, TAIL_GROUP=4,
+                                                TAIL_STAGES=1, TAIL_GROUP=4,
                                                 **TAIL, **LEAN_MODES["recompute"])
 # ptxas spills (stack frame bytes) seen with Triton 3.6, no more allowed: the lean TMA loop on fp8 KV
 # (ptxas stops at 128 registers) keeps 4 values on the stack, stored before the task loop and

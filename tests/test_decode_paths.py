@@ -22,8 +22,6 @@ VARIANTS = [LEGACY, dict(lean_loop=True), dict(task_desc=False, lean_loop=False,
             dict(lean_loop=True, lean_mode="recompute"), dict(lean_loop=True, lean_mode="tma", use_tma=True),
             # the combine's merge in rounds of 2 partials (the default merges up to 64 in one round)
             dict(combine_chunks=2),
-            # the combine's merge a split in one program, every q row at once, without and with the prefetch
-            dict(combine_wide=True), dict(combine_wide=True, merge_prefetch=False),
             # split requests merged by the attention program that writes their last partial (no combine kernel)
             dict(tail_merge=True),
             # ... in two levels: groups of 2 partials merged into their first slot, then the groups
@@ -54,13 +52,11 @@ def test_decode_variants_match_reference(case, variant, device):
             _decode_matches_reference(case, "static", device)
 
 
-@pytest.mark.parametrize("variant", [{}, dict(combine_chunks=32), dict(combine_chunks=16), dict(combine_wide=True),
-                                     dict(combine_wide=True, merge_prefetch=False)], ids=_vid)
+@pytest.mark.parametrize("variant", [{}, dict(combine_chunks=32), dict(combine_chunks=16)], ids=_vid)
 def test_combine_merges_many_partials(variant, device):
     """A request split over more partials than the combine's 16-partial tile: the default merges them in one
     64-partial round, combine_chunks 32 in rounds of 32, 16 in rounds of 16 (a running maximum across rounds);
-    a 2-partial request beside it takes the small tile. combine_wide: both q rows in one program, rounds of 16
-    partials (the most a round takes), the next in flight or not. Both schedules."""
+    a 2-partial request beside it takes the small tile. Both schedules."""
     case = Case((2000, 70), 2, 1, 64, 64, kv="fp8q", programs=40, min_tiles=1)
     for schedule in ("dynamic", "static"):
         with _with_config(variant):
@@ -129,8 +125,7 @@ def test_tail_group_from_the_block_tables_width(device):
     """The tail merge's launch takes one level where the block table is too narrow for a request of more tiles
     than a group, groups where it is wide enough; the same merge (the split here has no more partials than a
     group), bit for bit, and the reference's result. The plan is told the call's dtypes: on an sm_90 GPU the Gluon
-    kernel, elsewhere the tl kernel, both in groups of 16 partials (4 rounds of 4: d64 counts as 128 with the
-    merge's prefetch); 132 programs, over 64 a kv head."""
+    kernel (groups of 16 partials), elsewhere the tl kernel (32); 132 programs, over 64 a kv head."""
     from hpcops.attention import _decode_gluon as G
     from hpcops.attention import _decode_kernels as K
 
@@ -149,7 +144,7 @@ def test_tail_group_from_the_block_tables_width(device):
             with recorded_launches(K, G) as calls:
                 hpcops.decode_attention(*args, **kw)
             (name, group), = [(c[0], c[2]["TAIL_GROUP"]) for c in calls if "TAIL_GROUP" in c[2]]
-            assert group == (16 if wide_table else 0), (name, group)
+            assert group == ((16 if name == "decode_gluon_kernel" else 32) if wide_table else 0), (name, group)
             out = nan_like(torch.empty(q.shape, dtype=torch.bfloat16, device=device))
             outs.append(hpcops.decode_attention(*args, **kw, out=out))
     assert torch.equal(outs[0], outs[1])
@@ -197,8 +192,6 @@ def test_lean_mode_and_max_regs_errors():
     for bad in (0, 1, 24, 512, 16.0, True):
         with pytest.raises(ValueError, match="DecodeConfig.combine_chunks"):
             dec.set_decode_config(combine_chunks=bad)
-    with pytest.raises(TypeError, match="DecodeConfig.combine_wide"):
-        dec.set_decode_config(combine_wide=1)
     assert dec.decode_config() == dec.DecodeConfig()  # a rejected change leaves the config as it was
 
 

@@ -302,14 +302,6 @@ def _finish_task(acc, m_i, l_i, v_scale, split, slot, b, h, offs_m, offs_d, out_
 
 
 @triton.jit
-def _clock_mark():
-    """(this SM's id, the global nanosecond timer): a program's time stamp for `times_ptr` (GPU only)."""
-    sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-    ns = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
-    return sm, ns
-
-
-@triton.jit
 def decode_persistent_kernel(
     q_ptr, k_ptr, v_ptr, k_desc, v_desc, bt_ptr, seq_lens_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     header_ptr, cum_ptr, first_b_ptr, pair_desc_ptr, merge_sem_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
@@ -322,9 +314,7 @@ def decode_persistent_kernel(
     USE_PDL: tl.constexpr = False, TASK_DESC: tl.constexpr = False, LEAN: tl.constexpr = False,
     LEAN_RECOMPUTE: tl.constexpr = False, KV_SAME_STRIDES: tl.constexpr = False, LEAN_PAGES: tl.constexpr = False,
     ROW_PATH: tl.constexpr = False, TAIL_MERGE: tl.constexpr = False, R_PAD: tl.constexpr = 1,
-    TAIL_PARTS: tl.constexpr = 1, MERGE_PREFETCH: tl.constexpr = False, TAIL_GROUP: tl.constexpr = 0,
-    PDL_WAIT: tl.constexpr = False,
-    times_ptr=None,
+    TAIL_STAGES: tl.constexpr = 1, TAIL_GROUP: tl.constexpr = 0, PDL_WAIT: tl.constexpr = False,
 ):
     """One persistent program walks its bucket of the plan's tile stream, task by task.
 
@@ -340,26 +330,16 @@ def decode_persistent_kernel(
     request), the next request's length loaded before the current task's tiles.
     LEAN, LEAN_RECOMPUTE, KV_SAME_STRIDES: the whole-tile loop and its addressing (`_attend_tiles`).
     ROW_PATH: one query row a task (Q_LEN·G == 1) on the CUDA cores (`_attend_task`).
-    TAIL_MERGE (with TASK_DESC): a split task's partial, once the program's tasks are all done (a program holds
-    at most two split tasks, its first and its last; counted after the KV loop, the merge's tiles do not add to
-    the loop's registers), is counted into the pair's merge_sem; the program that counts the last partial merges
-    the pair into the output (`_tail_merge`), so no combine kernel runs. R_PAD: Q_LEN·G padded to a power of
-    two; TAIL_PARTS: partials a merge round, MERGE_PREFETCH: two rounds in flight (`_merge_rows`); TAIL_GROUP:
-    partials a group of the two-level merge of a long split (0: one level).
-    times_ptr (a probe's, `scripts/probe_decode_balance.py`; None in every launch of the library): int64 [programs,
-    6], this program's SM, its start and end on the global timer (ns), its tasks, its tiles and the end of its
-    first task (with TASK_DESC).
+    TAIL_MERGE (with TASK_DESC): a split task, once its partial is written, counts it into the pair's
+    merge_sem; the program that writes the last partial merges the pair into the output (`_tail_merge`),
+    so no combine kernel runs. R_PAD: Q_LEN·G padded to a power of two; TAIL_STAGES: partials' loads in
+    flight (`_merge_rows`); TAIL_GROUP: partials a group of the two-level merge of a long split (0: one level).
     """
     pid = tl.program_id(0)
     if PDL_WAIT:
         gdc_wait()
     if USE_PDL:
         gdc_launch_dependents()
-    if times_ptr is not None:
-        sm_id, t_start = _clock_mark()
-        tasks = pid * 0
-        t_first = t_start
-        tiles = pid * 0
     if TASK_DESC:
         offs_m = tl.arange(0, M_PAD)
         offs_d = tl.arange(0, D_PAD)
@@ -375,11 +355,6 @@ def decode_persistent_kernel(
         left = tl.load(td + 3)
         kv_len = tl.load(seq_lens_ptr + b, mask=b >= 0, other=0)
         later = pid * 0
-        # the split tasks (at most two: the first and the last) whose merge this program joins after its loop
-        split_b = pid * 0 - 1
-        split_h = pid * 0
-        last_b = pid * 0 - 1
-        last_h = pid * 0
         while left > 0:
             b_next = tl.where(b + 1 == B, 0, b + 1)
             kv_next = tl.load(seq_lens_ptr + b_next)
@@ -395,29 +370,15 @@ def decode_persistent_kernel(
             _finish_task(acc, m_i, l_i, v_scale, split, 2 * pid + later, b, h, offs_m, offs_d, out_ptr,
                          part_o_ptr, part_lse_ptr, stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, Q_LEN * G)
             if TAIL_MERGE:
-                first = split & (later == 0)
-                split_b = tl.where(first, b, split_b)
-                split_h = tl.where(first, h, split_h)
-                last_b = tl.where(split & (later != 0), b, last_b)
-                last_h = tl.where(split & (later != 0), h, last_h)
-            if times_ptr is not None:
-                _, t_now = _clock_mark()
-                t_first = tl.where(tasks == 0, t_now, t_first)
-                tasks += 1
-                tiles += n
+                if split:
+                    _tail_merge(part_o_ptr, part_lse_ptr, pair_desc_ptr, merge_sem_ptr, pid, b, h, B, out_ptr,
+                                stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, R_PAD, TAIL_STAGES, TAIL_GROUP)
             left -= n
             h = tl.where(b_next == 0, h + 1, h)
             b = b_next
             kv_len = kv_next
             lo = 0
             later = 1
-        if TAIL_MERGE:  # after the loop: the merge's tiles do not add to the KV loop's registers
-            for k in range(2):
-                mb = tl.where(k == 0, split_b, last_b)
-                if mb >= 0:
-                    _tail_merge(part_o_ptr, part_lse_ptr, pair_desc_ptr, merge_sem_ptr, pid, mb,
-                                tl.where(k == 0, split_h, last_h), B, out_ptr, stride_ot, stride_oh, Q_LEN, G,
-                                HEAD_DIM, D_PAD, R_PAD, TAIL_PARTS, MERGE_PREFETCH, TAIL_GROUP)
     else:
         bucket = tl.load(header_ptr)
         s_tiles = tl.load(header_ptr + 1)
@@ -457,15 +418,6 @@ def decode_persistent_kernel(
     if PDL_WAIT:
         if not USE_PDL:  # no combine: release the next kernel once this program's work is done
             gdc_launch_dependents()
-    if times_ptr is not None:
-        _, t_end = _clock_mark()
-        row = times_ptr + pid * 6
-        tl.store(row, sm_id.to(tl.int64))
-        tl.store(row + 1, t_start)
-        tl.store(row + 2, t_end)
-        tl.store(row + 3, tasks.to(tl.int64))
-        tl.store(row + 4, tiles.to(tl.int64))
-        tl.store(row + 5, t_first)
 
 
 @triton.jit
@@ -554,32 +506,15 @@ def _merge_chunks(part_o_ptr, part_lse_ptr, first_slot, rest_base, rest_step, n_
 
 
 @triton.jit
-def _merge_load(part_o_ptr, part_lse_ptr, c, first_slot, rest_base, rest_step, n_parts, offs_r, offs_d,
-                ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """One round of `_merge_rows`: lse [P, R_PAD] and O [P, R_PAD, D_PAD] of partials c [P] (masked past n_parts
-    and past the rows and columns that exist; read past L1, `.cg`: other programs wrote them in this launch)."""
-    slot = tl.where(c == 0, first_slot, rest_base + c * rest_step)
-    row = slot[:, None] * ROWS + offs_r[None, :]  # [P, R_PAD] (int32: a plan's slots · rows · D < 2^31)
-    ok = (c < n_parts)[:, None] & (offs_r < ROWS)[None, :]
-    lse = tl.load(part_lse_ptr + row, mask=ok, other=float("-inf"), cache_modifier=".cg")
-    o = tl.load(part_o_ptr + row[:, :, None] * HEAD_DIM + offs_d[None, None, :],
-                mask=ok[:, :, None] & (offs_d < HEAD_DIM)[None, None, :], other=0.0, cache_modifier=".cg")
-    return lse, o
-
-
-@triton.jit
 def _merge_rows(part_o_ptr, part_lse_ptr, first_slot, rest_base, rest_step, n_parts, b, h, out_ptr,
                 stride_ot, stride_oh, Q_LEN: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr,
-                D_PAD: tl.constexpr, R_PAD: tl.constexpr, PARTS: tl.constexpr, PREFETCH: tl.constexpr,
-                TO_PART: tl.constexpr = False):
+                D_PAD: tl.constexpr, R_PAD: tl.constexpr, STAGES: tl.constexpr, TO_PART: tl.constexpr = False):
     """Every q row of a split (request b, kv head h) at once: out = Σ_c 2^(lse_c − m) · O_c / Σ_c 2^(lse_c − m)
-    over slots first_slot, rest_base + c·rest_step, in rounds of PARTS partials ([PARTS, R_PAD, D_PAD] tiles; a
-    running maximum a row, the partials of a round in one thread's registers: no reduction across threads).
-    PREFETCH (DecodeConfig.merge_prefetch): the next round's loads are issued before this round is folded in
-    (two rounds in flight; a round is an L2 round trip). TO_PART: the result is a partial again, its O and
-    log2-sum-exp written into slot first_slot (a group of a two-level merge)."""
+    over slots first_slot, rest_base + c·rest_step, one partial a step ([R_PAD, D_PAD] tile, a running maximum
+    a row: elementwise, no reduction across threads), STAGES partials' loads in flight. TO_PART: the result is
+    a partial again, its O and log2-sum-exp written into slot first_slot (a group of a two-level merge).
+    Partials are read past L1 (`.cg`): other programs wrote them in this launch."""
     ROWS: tl.constexpr = Q_LEN * G
-    offs_p = tl.arange(0, PARTS)
     offs_r = tl.arange(0, R_PAD)
     offs_d = tl.arange(0, D_PAD)
     r_ok = offs_r < ROWS
@@ -587,24 +522,17 @@ def _merge_rows(part_o_ptr, part_lse_ptr, first_slot, rest_base, rest_step, n_pa
     m_run = tl.full([R_PAD], float("-inf"), tl.float32)
     w = tl.zeros([R_PAD], dtype=tl.float32)
     acc = tl.zeros([R_PAD, D_PAD], dtype=tl.float32)
-    if PREFETCH:
-        lse_n, o_n = _merge_load(part_o_ptr, part_lse_ptr, offs_p, first_slot, rest_base, rest_step, n_parts,
-                                 offs_r, offs_d, ROWS, HEAD_DIM)
-    for c0 in range(0, n_parts, PARTS):
-        if PREFETCH:
-            lse = lse_n
-            o = o_n
-            lse_n, o_n = _merge_load(part_o_ptr, part_lse_ptr, c0 + PARTS + offs_p, first_slot, rest_base,
-                                     rest_step, n_parts, offs_r, offs_d, ROWS, HEAD_DIM)
-        else:
-            lse, o = _merge_load(part_o_ptr, part_lse_ptr, c0 + offs_p, first_slot, rest_base, rest_step, n_parts,
-                                 offs_r, offs_d, ROWS, HEAD_DIM)
-        m_new = tl.maximum(m_run, tl.max(lse, axis=0))
+    for c in tl.range(0, n_parts, num_stages=STAGES):
+        row = tl.where(c == 0, first_slot, rest_base + c * rest_step).to(tl.int64) * ROWS + offs_r
+        lse = tl.load(part_lse_ptr + row, mask=r_ok, other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=rd_ok, other=0.0,
+                    cache_modifier=".cg")
+        m_new = tl.maximum(m_run, lse)
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_run - m_ref)
-        wc = tl.exp2(lse - m_ref[None, :])  # [P, R_PAD]; 0 for an empty partial or a masked slot
-        acc = acc * alpha[:, None] + tl.sum(o * wc[:, :, None], axis=0)
-        w = w * alpha + tl.sum(wc, axis=0)
+        wc = tl.exp2(lse - m_ref)  # 0 for an empty partial or a masked row
+        acc = acc * alpha[:, None] + o * wc[:, None]
+        w = w * alpha + wc
         m_run = m_new
     res = acc / tl.where(w == 0.0, 1.0, w)[:, None]
     if TO_PART:
@@ -620,7 +548,7 @@ def _merge_rows(part_o_ptr, part_lse_ptr, first_slot, rest_base, rest_step, n_pa
 @triton.jit
 def _tail_merge(part_o_ptr, part_lse_ptr, pair_desc_ptr, merge_sem_ptr, pid, b, h, B, out_ptr, stride_ot,
                 stride_oh, Q_LEN: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                R_PAD: tl.constexpr, PARTS: tl.constexpr, PREFETCH: tl.constexpr, GROUP: tl.constexpr):
+                R_PAD: tl.constexpr, STAGES: tl.constexpr, GROUP: tl.constexpr):
     """A split task's partial is written: count it in (release: the CTA barrier orders every thread's partial
     stores before the one-thread atomic, as a semaphore release does); the program that brings the count to
     the pair's partials merges them (acquire) and sets the count back to 0 for the next call.
@@ -650,7 +578,7 @@ def _tail_merge(part_o_ptr, part_lse_ptr, pair_desc_ptr, merge_sem_ptr, pid, b, 
             if ready:
                 tl.store(merge_sem_ptr + g_first, 0)
                 _merge_rows(part_o_ptr, part_lse_ptr, g_first, 2 * (owner + g_lo), 2, g_n, b, h, out_ptr,
-                            stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, R_PAD, PARTS, PREFETCH, True)
+                            stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, R_PAD, STAGES, True)
                 tl.debug_barrier()
             n_top = (parts + GROUP - 1) // GROUP
             step = parts * 0 + 2 * GROUP
@@ -659,7 +587,7 @@ def _tail_merge(part_o_ptr, part_lse_ptr, pair_desc_ptr, merge_sem_ptr, pid, b, 
         if arrived == n_top - 1:
             tl.store(pair_sem, 0)
             _merge_rows(part_o_ptr, part_lse_ptr, first_slot, 2 * owner, step, n_top, b, h, out_ptr, stride_ot,
-                        stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, R_PAD, PARTS, PREFETCH)
+                        stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, R_PAD, STAGES)
 
 
 @triton.jit
@@ -682,7 +610,6 @@ def decode_combine_kernel(
     part_o_ptr, part_lse_ptr, out_ptr, header_ptr, cum_ptr, last_b_ptr, stride_ot, stride_oh,
     Q_LEN: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CB: tl.constexpr,
     USE_PDL: tl.constexpr = False, MERGE_DESC: tl.constexpr = False, PDL_NEXT: tl.constexpr = False,
-    WIDE: tl.constexpr = False, R_PAD: tl.constexpr = 1, PARTS: tl.constexpr = 1, PREFETCH: tl.constexpr = False,
 ):
     """Program (k, row) merges `row` of the split (head, request) that starts in program k's bucket and leaves it.
 
@@ -692,9 +619,6 @@ def decode_combine_kernel(
     merge_desc [programs, 4], whose row k (request or −1, head, first slot, partials) says it in one load level.
     PDL_NEXT (with MERGE_DESC): after its merge, let the next kernel launch (the next layer's attention kernel,
     PDL_WAIT; a program with nothing to merge releases it by exiting).
-    WIDE (with MERGE_DESC; `DecodeConfig.combine_wide`, a grid of one program a bucket): program k merges every q
-    row of its split at once, as the tail merge does (`_merge_rows`: rounds of PARTS partials of R_PAD rows,
-    PREFETCH: two rounds in flight).
     """
     k = tl.program_id(0)
     row = tl.program_id(1)
@@ -707,12 +631,8 @@ def decode_combine_kernel(
         if b >= 0:
             if USE_PDL:
                 gdc_wait()
-            if WIDE:
-                _merge_rows(part_o_ptr, part_lse_ptr, first_slot, 2 * k, 2, n_chunks, b, h, out_ptr, stride_ot,
-                            stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, R_PAD, PARTS, PREFETCH)
-            else:
-                _merge_partials(part_o_ptr, part_lse_ptr, first_slot, 2 * k, 2, n_chunks, b, h, row, out_ptr,
-                                stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, CB)
+            _merge_partials(part_o_ptr, part_lse_ptr, first_slot, 2 * k, 2, n_chunks, b, h, row, out_ptr,
+                            stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, CB)
             if PDL_NEXT:
                 gdc_launch_dependents()
     else:

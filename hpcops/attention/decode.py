@@ -136,8 +136,8 @@ class DecodeConfig:
         round (two L2 round trips in flight instead of one; sm_90 build 128 registers a thread at h8/1 d128
         instead of 90, still 3 programs an SM, no spill). On (default): 1.5-5.5 % faster on every h8/1 fp8 case
         of the H200 bench at `1080690` (1x128K+31x4K 32.8 -> 30.9 µs, 1x64K+15x4K 24.2 -> 23.0; h64/8 level);
-        the `tl` kernel's tail merge takes the same rounds and the same prefetch.
-    merge_round: fp32 elements of one tail-merge round (both kernels), a [parts, r_pad, D_PAD] tile (a power of two in
+        the `tl` kernel's merge has no such form.
+    merge_round: fp32 elements of one Gluon tail-merge round, a [parts, r_pad, D_PAD] tile (a power of two in
         1024..16384; parts at most 16): more partials a round halve the dependent L2 round trips of a long split's
         merge (16 partials of 8 rows at d128: 2 rounds of 8 instead of 4 of 4) at the price of registers (sm_90
         build at h8/1 d128: 8 partials with merge_prefetch 236 registers a thread, 2 programs an SM; without it
@@ -153,12 +153,6 @@ class DecodeConfig:
         fp8 case and 1.03-1.11x on four h8/1 fp8 cases (64x0.5K 11.7 -> 10.5 µs, 1x64K+15x4K 22.4 -> 20.3), level
         on 64x4K h8/1 (28.5 / 28.5; pv_fp16 alone 27.5) and 2x32K+30x4K (24.2 -> 23.5; alone 23.1); v_mask_tail
         alone is level or up to 7.5 % slower.
-    combine_wide: the dynamic schedule's combine kernel (no tail merge) runs one program a bucket that merges
-        every q row of its split at once, in rounds of a [parts, rows, D] fp32 tile of COMBINE_WIDE_ROUND elements
-        (two in flight with merge_prefetch), instead of one program a (bucket, q row) each merging one row (at h8/1
-        a grid of 8x as many programs, most of which only read their bucket's merge descriptor and exit). A long
-        split then takes ceil(partials / parts) dependent rounds in one program (8 partials a round at 8 rows of
-        128), where the row grid took ceil(partials / combine_chunks) in each row's program. Off (default).
     split_cost: the plan's cost model for splitting a request at all, in quarters of a tile (0..256; with a task
         cost, i.e. task descriptors): what a split adds to the step (partial writes, the merge and its wait). Where
         every (head, request) fits whole in a bucket of c_max·ceil(bucket / c_max) cost units (c_max: the
@@ -198,7 +192,6 @@ class DecodeConfig:
     num_warps: int | None = None
     block_n: int = 64
     combine_chunks: int = 64
-    combine_wide: bool = False
     use_tma: bool | None = None
     pdl: bool = True
     min_rows: int = 16
@@ -235,7 +228,7 @@ class DecodeConfig:
         mr = self.merge_round
         if mr is not None and (type(mr) is not int or not 1024 <= mr <= 16384 or mr & (mr - 1)):
             raise ValueError(f"DecodeConfig.merge_round must be None or a power of two in 1024..16384, got {mr!r}")
-        for name in ("merge_prefetch", "pdl_wait", "pv_fp16", "v_mask_tail", "combine_wide"):
+        for name in ("merge_prefetch", "pdl_wait", "pv_fp16", "v_mask_tail"):
             if type(getattr(self, name)) is not bool:
                 raise TypeError(f"DecodeConfig.{name} must be a bool, got {getattr(self, name)!r}")
         sc = self.split_cost
@@ -311,7 +304,6 @@ def _tail_group(tail_parts: int, max_tiles: int, programs_per_kv_head: int | Non
 # faster on every h64/8 fp8 case (49.5 programs a kv head; 1x128K+31x4K 153.5 -> 147.6 µs), while at h8/1 (396)
 # the long split needs two (1x64K+15x4K: 23.0 against 60.1 µs in one level).
 TAIL_ONE_LEVEL_MAX = 64
-COMBINE_WIDE_ROUND = 8192  # fp32 elements of a combine_wide round: 8 partials of 8 rows at d128
 
 
 def _num_stages() -> int:
@@ -599,16 +591,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if tail:
         max_tiles = triton.cdiv(block_table.shape[1] * bs, TILE)  # the longest request the table can hold
         r_pad = triton.next_power_of_2(rows)
+        parts = _tail_parts(r_pad, d)
         # the Gluon merge's round: [parts, r_pad, D]
         g_parts = _tail_parts(r_pad, d, _CONFIG.merge_prefetch, _CONFIG.merge_round)
         gluon_tail = dict(TAIL_MERGE=True, R_PAD=r_pad, TAIL_PARTS=g_parts,
                           TAIL_GROUP=_tail_group(g_parts, max_tiles, -(-plan.num_programs // hkv)),
                           MERGE_PREFETCH=_CONFIG.merge_prefetch)
-        # the tl merge: rounds of the same tile, the next round's loads in flight with merge_prefetch where the
-        # tile keeps to its budget (not at 64 q rows of 128: one partial a round, and ptxas spilled the second)
-        tl_prefetch = _CONFIG.merge_prefetch and g_parts * r_pad * max(triton.next_power_of_2(d), 128) <= 4096
-        tl_tail = dict(TAIL_MERGE=True, R_PAD=r_pad, TAIL_PARTS=g_parts, MERGE_PREFETCH=tl_prefetch,
-                       TAIL_GROUP=_tail_group(g_parts, max_tiles))
+        # the tl merge takes one partial a step: 3 in flight on the pointer path, 1 beside TMA (where 2 or 3
+        # spill 16 bytes: tests/test_decode_compile.py)
+        tl_tail = dict(TAIL_MERGE=True, R_PAD=r_pad, TAIL_GROUP=_tail_group(parts, max_tiles),
+                       TAIL_STAGES=1 if use_tma else 3)
     if use_gluon:
         _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, out, part_o, part_lse, plan, q_scale, args_kv,
                       sm_scale, q_len, g, rows, gluon_tail, pdl_wait)
@@ -624,16 +616,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             TASK_DESC=_CONFIG.task_desc, **attn_knobs, **common, **tl_tail, **pdl_wait)
     if tail:
         return out
-    wide = {}
-    if _CONFIG.combine_wide and _CONFIG.task_desc:  # every q row of a split in one program
-        r_pad = triton.next_power_of_2(rows)
-        wide = dict(WIDE=True, R_PAD=r_pad, PARTS=_tail_parts(r_pad, d, _CONFIG.merge_prefetch, COMBINE_WIDE_ROUND),
-                    PREFETCH=_CONFIG.merge_prefetch)
-    decode_combine_kernel[(plan.num_programs, 1 if wide else rows)](
+    decode_combine_kernel[(plan.num_programs, rows)](
         part_o, part_lse, out, plan.header, plan.cum, plan.merge_desc if _CONFIG.task_desc else plan.last_b,
         out.stride(0), out.stride(1),
         CB=_combine_chunks(d), USE_PDL=pdl, MERGE_DESC=_CONFIG.task_desc, num_warps=4, **common, **pdl_launch,
-        **({"PDL_NEXT": True} if pdl and pdl_wait else {}), **wide)
+        **({"PDL_NEXT": True} if pdl and pdl_wait else {}))
     return out
 
 

@@ -84,12 +84,7 @@ DECODE_SPACE = (
     knob(("gluon", "tail_merge", "tail_group", "pps"), (True, True, 8, 3), (True, True, 32, 3), (True, True, 0, 3),
          near=None),
     knob(("tail_merge", "tail_group"), (True, 8), (True, 0), near=None),
-    # the tail merge makes a split cheaper (no combine launch): the plan's split cost with it
-    knob(("tail_merge", "split_cost"), (True, 0), (True, 8), (True, 16), (True, 64), near=None),
     knob("merge_prefetch", False, True),
-    # the combine kernel a program a split (every q row at once) instead of a program a (split, q row)
-    knob("combine_wide", False, True),
-    knob(("combine_wide", "merge_prefetch"), (True, False), near=None),
     # wider Gluon merge rounds (8 partials of 8 rows at d128) without the prefetch (with it: 2 programs an SM),
     # alone and with groups of 16 / 32 partials
     knob(("merge_round", "merge_prefetch"), (8192, False), near=None),
