@@ -81,7 +81,7 @@ def _attn(kernel="decode_persistent_kernel", q="bf16", kv="bf16", tma=False, g=8
 
 
 def _combine(kernel, **extra):
-    const = dict(Q_LEN=1, G=8, HEAD_DIM=128, D_PAD=128, **{"CB": 16, **extra})
+    const = dict(Q_LEN=1, G=8, HEAD_DIM=128, D_PAD=128, CB=16, **extra)
     return dict(kernel=kernel, q="bf16", kv="bf16", tma=False, const=const, warps=4, stages=2)
 
 
@@ -150,14 +150,6 @@ VARIANTS["persistent-lean-recompute-fp8q-tail-pdlwait"] = _attn(q="fp8e4nv", kv=
                                                                 **LEAN_MODES["recompute"])
 VARIANTS["persistent-lean-tma-bf16-pdlwait"] = _attn(TASK_DESC=True, USE_PDL=True, PDL_WAIT=True, **LEAN_MODES["tma"])
 VARIANTS["combine-pdl-next"] = _combine("decode_combine_kernel", USE_PDL=True, PDL_NEXT=True, MERGE_DESC=True)
-# the launcher's default round at d128: 64 partials
-VARIANTS["combine-pdl-next-cb64"] = _combine("decode_combine_kernel", USE_PDL=True, PDL_NEXT=True, MERGE_DESC=True,
-                                             CB=64)
-# DecodeConfig.combine_prefetch: two rounds of 64 partials in flight; on 8 warps (combine_warps) rounds of 128
-VARIANTS["combine-pdl-next-prefetch"] = _combine("decode_combine_kernel", USE_PDL=True, PDL_NEXT=True,
-                                                 MERGE_DESC=True, PREFETCH=True, CB=64)
-VARIANTS["combine-pdl-next-prefetch-8warps"] = {**_combine("decode_combine_kernel", USE_PDL=True, PDL_NEXT=True,
-                                                           MERGE_DESC=True, PREFETCH=True, CB=128), "warps": 8}
 VARIANTS["persistent-fp8q-q4-g16-tail"] = _attn(q="fp8e4nv", kv="fp8e4nv", q_len=4, g=16, R_PAD=64,
                                                 TAIL_STAGES=1, TAIL_GROUP=4,
                                                 **TAIL, **LEAN_MODES["recompute"])

@@ -52,14 +52,11 @@ def test_decode_variants_match_reference(case, variant, device):
             _decode_matches_reference(case, "static", device)
 
 
-@pytest.mark.parametrize("variant", [{}, dict(combine_chunks=32), dict(combine_chunks=16),
-                                     dict(combine_chunks=16, combine_prefetch=True),
-                                     dict(combine_chunks=128, combine_warps=8, combine_prefetch=True)], ids=_vid)
+@pytest.mark.parametrize("variant", [{}, dict(combine_chunks=32), dict(combine_chunks=16)], ids=_vid)
 def test_combine_merges_many_partials(variant, device):
     """A request split over more partials than the combine's 16-partial tile: the default merges them in one
-    64-partial round, combine_chunks 32 in rounds of 32, 16 in rounds of 16 (a running maximum across rounds),
-    with combine_prefetch the next round's loads in flight (the last prefetch reads nothing: masked); on 8 warps
-    a 128-partial round; a 2-partial request beside it takes the small tile. Both schedules."""
+    64-partial round, combine_chunks 32 in rounds of 32, 16 in rounds of 16 (a running maximum across rounds);
+    a 2-partial request beside it takes the small tile. Both schedules."""
     case = Case((2000, 70), 2, 1, 64, 64, kv="fp8q", programs=40, min_tiles=1)
     for schedule in ("dynamic", "static"):
         with _with_config(variant):
@@ -195,11 +192,6 @@ def test_lean_mode_and_max_regs_errors():
     for bad in (0, 1, 24, 512, 16.0, True):
         with pytest.raises(ValueError, match="DecodeConfig.combine_chunks"):
             dec.set_decode_config(combine_chunks=bad)
-    for bad in (2, 6, 32, 8.0, True):
-        with pytest.raises(ValueError, match="DecodeConfig.combine_warps"):
-            dec.set_decode_config(combine_warps=bad)
-    with pytest.raises(TypeError, match="DecodeConfig.combine_prefetch"):
-        dec.set_decode_config(combine_prefetch=1)
     assert dec.decode_config() == dec.DecodeConfig()  # a rejected change leaves the config as it was
 
 

@@ -467,27 +467,14 @@ def _attend_task(q_ptr, k_ptr, v_ptr, k_desc, v_desc, bt_ptr, q_scale_ptr, b, h,
 
 
 @triton.jit
-def _chunk_load(part_o_ptr, part_lse_ptr, c, first_slot, rest_base, rest_step, n_chunks, row, offs_d,
-                ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """One round of `_merge_chunks`: lse [CB] and O [CB, D_PAD] of `row` in partials c (masked past n_chunks)."""
-    c_ok = c < n_chunks
-    slot = tl.where(c == 0, first_slot, rest_base + c * rest_step).to(tl.int64)
-    lse = tl.load(part_lse_ptr + slot * ROWS + row, mask=c_ok, other=float("-inf"))
-    o = tl.load(part_o_ptr + (slot * ROWS + row)[:, None] * HEAD_DIM + offs_d[None, :],
-                mask=c_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
-    return lse, o
-
-
-@triton.jit
 def _merge_chunks(part_o_ptr, part_lse_ptr, first_slot, rest_base, rest_step, n_chunks, b, h, row, out_ptr,
                   stride_ot, stride_oh, Q_LEN: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  D_PAD: tl.constexpr, CB: tl.constexpr, PREFETCH: tl.constexpr = False):
+                  D_PAD: tl.constexpr, CB: tl.constexpr):
     """out[row] = Σ_c 2^(lse_c − m) · O_c / Σ_c 2^(lse_c − m) over chunk slots first_slot, rest_base + c·rest_step.
 
     One pass over the chunks in blocks of CB, the running maximum rescaling what came before (an online
     softmax over the partials): a merge of at most CB partials is one round of loads (lse and O together),
-    a longer one ceil(n / CB) rounds. PREFETCH (DecodeConfig.combine_prefetch): the next round's loads are
-    issued before this one is folded in (two rounds in flight).
+    a longer one ceil(n / CB) rounds.
     """
     ROWS: tl.constexpr = Q_LEN * G
     offs_c = tl.arange(0, CB)
@@ -496,18 +483,13 @@ def _merge_chunks(part_o_ptr, part_lse_ptr, first_slot, rest_base, rest_step, n_
     m_run = tl.max(tl.full([CB], float("-inf"), tl.float32), axis=0)
     w = tl.sum(tl.zeros([CB], dtype=tl.float32), axis=0)
     acc = tl.zeros([D_PAD], dtype=tl.float32)
-    if PREFETCH:
-        lse_n, o_n = _chunk_load(part_o_ptr, part_lse_ptr, offs_c, first_slot, rest_base, rest_step, n_chunks, row,
-                                 offs_d, ROWS, HEAD_DIM)
     for c0 in range(0, n_chunks, CB):
-        if PREFETCH:
-            lse = lse_n
-            o = o_n
-            lse_n, o_n = _chunk_load(part_o_ptr, part_lse_ptr, c0 + CB + offs_c, first_slot, rest_base, rest_step,
-                                     n_chunks, row, offs_d, ROWS, HEAD_DIM)
-        else:
-            lse, o = _chunk_load(part_o_ptr, part_lse_ptr, c0 + offs_c, first_slot, rest_base, rest_step, n_chunks,
-                                 row, offs_d, ROWS, HEAD_DIM)  # [CB], [CB, D]
+        c = c0 + offs_c
+        c_ok = c < n_chunks
+        slot = tl.where(c == 0, first_slot, rest_base + c * rest_step).to(tl.int64)
+        lse = tl.load(part_lse_ptr + slot * ROWS + row, mask=c_ok, other=float("-inf"))
+        o = tl.load(part_o_ptr + (slot * ROWS + row)[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=c_ok[:, None] & d_ok[None, :], other=0.0)  # [CB, D]
         m_new = tl.maximum(m_run, tl.max(lse, axis=0))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_run - m_ref)
@@ -611,16 +593,16 @@ def _tail_merge(part_o_ptr, part_lse_ptr, pair_desc_ptr, merge_sem_ptr, pid, b, 
 @triton.jit
 def _merge_partials(part_o_ptr, part_lse_ptr, first_slot, rest_base, rest_step, n_chunks, b, h, row, out_ptr,
                     stride_ot, stride_oh, Q_LEN: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    D_PAD: tl.constexpr, CB: tl.constexpr, PREFETCH: tl.constexpr = False):
+                    D_PAD: tl.constexpr, CB: tl.constexpr):
     """`_merge_chunks` in one round of a 16-partial tile where that holds them all (most merges: fewer
-    addresses and registers a program), else in rounds of CB (PREFETCH: two in flight)."""
+    addresses and registers a program), else in rounds of CB."""
     SMALL: tl.constexpr = 16 if CB > 16 else CB
     if n_chunks <= SMALL:
         _merge_chunks(part_o_ptr, part_lse_ptr, first_slot, rest_base, rest_step, n_chunks, b, h, row, out_ptr,
                       stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, SMALL)
     else:
         _merge_chunks(part_o_ptr, part_lse_ptr, first_slot, rest_base, rest_step, n_chunks, b, h, row, out_ptr,
-                      stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, CB, PREFETCH)
+                      stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, CB)
 
 
 @triton.jit
@@ -628,7 +610,6 @@ def decode_combine_kernel(
     part_o_ptr, part_lse_ptr, out_ptr, header_ptr, cum_ptr, last_b_ptr, stride_ot, stride_oh,
     Q_LEN: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CB: tl.constexpr,
     USE_PDL: tl.constexpr = False, MERGE_DESC: tl.constexpr = False, PDL_NEXT: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False,
 ):
     """Program (k, row) merges `row` of the split (head, request) that starts in program k's bucket and leaves it.
 
@@ -637,7 +618,7 @@ def decode_combine_kernel(
     launch only after its own wait, so the plan is complete then too). MERGE_DESC: `last_b_ptr` is the plan's
     merge_desc [programs, 4], whose row k (request or −1, head, first slot, partials) says it in one load level.
     PDL_NEXT (with MERGE_DESC): after its merge, let the next kernel launch (the next layer's attention kernel,
-    PDL_WAIT; a program with nothing to merge releases it by exiting). PREFETCH: `_merge_partials`'.
+    PDL_WAIT; a program with nothing to merge releases it by exiting).
     """
     k = tl.program_id(0)
     row = tl.program_id(1)
@@ -651,7 +632,7 @@ def decode_combine_kernel(
             if USE_PDL:
                 gdc_wait()
             _merge_partials(part_o_ptr, part_lse_ptr, first_slot, 2 * k, 2, n_chunks, b, h, row, out_ptr,
-                            stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, CB, PREFETCH)
+                            stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, CB)
             if PDL_NEXT:
                 gdc_launch_dependents()
     else:
@@ -671,7 +652,7 @@ def decode_combine_kernel(
                     gdc_wait()
                 first_slot = 2 * k + tl.where(pair_lo == k * bucket, 0, 1)
                 _merge_partials(part_o_ptr, part_lse_ptr, first_slot, 2 * k, 2, last - first + 1, b, h, row,
-                                out_ptr, stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, CB, PREFETCH)
+                                out_ptr, stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, CB)
 
 
 @triton.jit
@@ -720,7 +701,7 @@ def decode_static_kernel(
 def decode_static_combine_kernel(
     part_o_ptr, part_lse_ptr, out_ptr, seq_lens_ptr, num_kv_heads, stride_ot, stride_oh,
     SPLITS: tl.constexpr, Q_LEN: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    CB: tl.constexpr, TILE: tl.constexpr, PREFETCH: tl.constexpr = False,
+    CB: tl.constexpr, TILE: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -732,4 +713,4 @@ def decode_static_combine_kernel(
     if n_chunks > 1:
         base = (b * num_kv_heads + h) * SPLITS
         _merge_partials(part_o_ptr, part_lse_ptr, base, base, 1, n_chunks, b, h, row, out_ptr, stride_ot, stride_oh,
-                        Q_LEN, G, HEAD_DIM, D_PAD, CB, PREFETCH)
+                        Q_LEN, G, HEAD_DIM, D_PAD, CB)

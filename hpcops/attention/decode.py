@@ -41,10 +41,6 @@ class DecodeConfig:
         maximum), at most 8192 / head_dim (padded): a [chunks, head_dim] fp32 tile of 64 registers a thread
         on 4 warps. 64 (was 16 in two passes): a merge of up to 64 partials is one round of loads; merges of
         up to 16 take a 16-partial tile (fewer addresses a program: the H200 had 64 slower there);
-    combine_warps: warps of a combine program (4, 8 or 16); the chunks' cap grows with them (2048 elements a
-        warp: 128 partials at d128 on 8 warps), so a long split merges in fewer dependent rounds;
-    combine_prefetch: a merge of more partials than a round issues the next round's loads before folding this
-        one (two rounds in flight: a long split's rounds overlap their L2 round trips; twice the tile's registers);
     use_tma: load K/V tiles with TMA descriptors where the layout allows it (pages ≥ 64 tokens,
         pages contiguous, 16-byte aligned rows, power-of-two head_dim); elsewhere pointer loads. None
         (default): TMA for a 16-bit KV cache (with lean_mode "tma": 4.4 % faster over the h8/1 sweep,
@@ -196,8 +192,6 @@ class DecodeConfig:
     num_warps: int | None = None
     block_n: int = 64
     combine_chunks: int = 64
-    combine_warps: int = 4
-    combine_prefetch: bool = False
     use_tma: bool | None = None
     pdl: bool = True
     min_rows: int = 16
@@ -234,9 +228,7 @@ class DecodeConfig:
         mr = self.merge_round
         if mr is not None and (type(mr) is not int or not 1024 <= mr <= 16384 or mr & (mr - 1)):
             raise ValueError(f"DecodeConfig.merge_round must be None or a power of two in 1024..16384, got {mr!r}")
-        if self.combine_warps not in (4, 8, 16) or type(self.combine_warps) is not int:
-            raise ValueError(f"DecodeConfig.combine_warps must be 4, 8 or 16, got {self.combine_warps!r}")
-        for name in ("merge_prefetch", "pdl_wait", "pv_fp16", "v_mask_tail", "combine_prefetch"):
+        for name in ("merge_prefetch", "pdl_wait", "pv_fp16", "v_mask_tail"):
             if type(getattr(self, name)) is not bool:
                 raise TypeError(f"DecodeConfig.{name} must be a bool, got {getattr(self, name)!r}")
         sc = self.split_cost
@@ -277,9 +269,8 @@ def decode_config() -> DecodeConfig:
 
 
 def _combine_chunks(head_dim: int) -> int:
-    """Partials a combine round: DecodeConfig.combine_chunks, at most a [CB, D_PAD] fp32 tile of 2048 elements a
-    warp (8192 on the default 4 warps)."""
-    return max(1, min(_CONFIG.combine_chunks, 2048 * _CONFIG.combine_warps // triton.next_power_of_2(head_dim)))
+    """Partials a combine round: DecodeConfig.combine_chunks, at most a [CB, D_PAD] fp32 tile of 8192 elements."""
+    return max(1, min(_CONFIG.combine_chunks, 8192 // triton.next_power_of_2(head_dim)))
 
 
 def _tail_parts(r_pad: int, head_dim: int, prefetch: bool = False, elems: int | None = None) -> int:
@@ -575,8 +566,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         if splits > 1:
             decode_static_combine_kernel[(b, hkv, rows)](
                 part_o, part_lse, out, seq_lens, hkv, out.stride(0), out.stride(1),
-                SPLITS=splits, TILE=TILE, CB=_combine_chunks(d), PREFETCH=_CONFIG.combine_prefetch,
-                num_warps=_CONFIG.combine_warps, **common)
+                SPLITS=splits, TILE=TILE, CB=_combine_chunks(d), num_warps=4, **common)
         return out
     if plan is None:
         plan = plan_decode(seq_lens, num_kv_heads=hkv, q_len=q_len, block_size=bs, num_q_heads=hq, head_dim=d,
@@ -629,8 +619,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     decode_combine_kernel[(plan.num_programs, rows)](
         part_o, part_lse, out, plan.header, plan.cum, plan.merge_desc if _CONFIG.task_desc else plan.last_b,
         out.stride(0), out.stride(1),
-        CB=_combine_chunks(d), PREFETCH=_CONFIG.combine_prefetch, USE_PDL=pdl, MERGE_DESC=_CONFIG.task_desc,
-        num_warps=_CONFIG.combine_warps, **common, **pdl_launch,
+        CB=_combine_chunks(d), USE_PDL=pdl, MERGE_DESC=_CONFIG.task_desc, num_warps=4, **common, **pdl_launch,
         **({"PDL_NEXT": True} if pdl and pdl_wait else {}))
     return out
 

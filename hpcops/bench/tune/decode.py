@@ -85,12 +85,6 @@ DECODE_SPACE = (
          near=None),
     knob(("tail_merge", "tail_group"), (True, 8), (True, 0), near=None),
     knob("merge_prefetch", False, True),
-    # the combine's rounds: a long split's next round in flight, wider rounds on more warps
-    knob("combine_prefetch", False, True),
-    knob("combine_chunks", 16, 32, near=None),
-    knob(("combine_chunks", "combine_prefetch"), (32, True), (16, True), near=None),
-    knob(("combine_warps", "combine_chunks"), (8, 128), (16, 256), near=None),
-    knob(("combine_warps", "combine_chunks", "combine_prefetch"), (8, 128, True), (8, 64, True), near=None),
     # wider Gluon merge rounds (8 partials of 8 rows at d128) without the prefetch (with it: 2 programs an SM),
     # alone and with groups of 16 / 32 partials
     knob(("merge_round", "merge_prefetch"), (8192, False), near=None),
