@@ -95,7 +95,9 @@ for st in "${stages[@]}"; do
     tests:*)
       # TESTS_XDIST=N: on N xdist workers (a single-process `tests:tests/test_moe.py -k fuse`, 145 GPU cases, took
       # 236 s in session 33, most of it compiling on one of the 16 cores)
-      timeout 420 python3 -m pytest -q -p no:cacheprovider ${TESTS_XDIST:+-n $TESTS_XDIST} ${st#tests:} 2>&1 \
+      # shell quoting kept: "tests:tests/test_decode.py -k 'tail or combine'" (unquoted, -k got three words)
+      eval "targs=(${st#tests:})"
+      timeout 420 python3 -m pytest -q -p no:cacheprovider ${TESTS_XDIST:+-n $TESTS_XDIST} "${targs[@]}" 2>&1 \
         | tee -a "$OUT/tests.log" | tail -25 || status=1 ;;
     bench:*)
       IFS=, read -ra suites <<< "${st#bench:}"
