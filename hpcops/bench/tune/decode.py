@@ -125,8 +125,6 @@ DECODE_SPACE = (
          near=None),
     knob(("lean_loop", "use_tma", "lean_mode", "max_regs", "pps"), (True, True, "tma", 128, 4), near=None),
     knob("min_tiles", 2, 4, 8, 16),
-    # floors near the long h8/1 mixes' 7-15 tiles a program (fewer, longer programs, as pps 1 makes them)
-    knob("min_tiles", 12, 16, 24, near=None),
     # the plan's cost model: what a task costs on top of its tiles (quarters of a tile; 0 = equal-tile cut),
     # and the snap that keeps a request whole when a cut would leave a small piece of it
     knob("task_cost", 0, 4, 6, 12, 16, near=None),
