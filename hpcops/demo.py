@@ -20,7 +20,6 @@ from hpcops.attention.plan import (
     TILE,
     WHOLE_SNAP,
     CostStream,
-    max_parts_for,
     split_cost_for,
 )
 from hpcops.bench.scenarios import DECODE_SCENARIOS, parse_lengths
@@ -46,7 +45,7 @@ def _cut(lens: list[int], num_kv_heads: int, num_programs: int, min_tiles: int, 
     for n in lens:
         cum.append(cum[-1] + _tiles(n))
     return CostStream.cut(cum, num_kv_heads, task_cost, num_programs, min_tiles, snap if task_cost else 0,
-                          split_cost_for("tl") if task_cost else 0, max_parts_for("tl"))
+                          split_cost_for("tl") if task_cost else 0)
 
 
 def static_loads(lens: list[int], num_kv_heads: int, num_sms: int) -> list[int]:

@@ -39,15 +39,14 @@ def test_plan_matches_reference(seed, device):
     cost = rng.choice([0, 1, 3, 4, 9])
     snap = rng.choice([0, 4, 16, 64])
     split_cost = rng.choice([0, 16, 64, 256])
-    max_parts = rng.choice([0, 0, 1, 3, 64])
     kw = dict(num_kv_heads=hkv, num_programs=c, min_tiles=mt, task_cost=cost, snap=snap)
     sl = torch.tensor(lens, dtype=torch.int32, device=device)
-    with _with_config(dict(task_desc=False, max_parts=max_parts)):
+    with _with_config(dict(task_desc=False)):
         got = hpcops.plan_decode(sl, **kw)
         want = ref.plan_decode(sl.cpu(), **kw)
     assert _tables(got) == _tables(want) and not got.has_desc and got.cut_task_cost == got.cut_snap == 0
     _check_tasks(want, c, hkv, lens)
-    with _with_config(dict(task_desc=True, plan_one_pass=bool(seed % 2), split_cost=split_cost, max_parts=max_parts)):
+    with _with_config(dict(task_desc=True, plan_one_pass=bool(seed % 2), split_cost=split_cost)):
         got = hpcops.plan_decode(sl, **kw)
         want = ref.plan_decode(sl.cpu(), **kw)
     assert got.has_desc and got.cut_task_cost == cost and got.cut_snap == (snap if cost else 0)
@@ -156,37 +155,6 @@ def test_plan_split_cost_cuts_short_uniform_batches_whole(hkv, programs, snap, w
     assert not any(t[5] for t in tasks) and not (got.merge_desc[:, 0] >= 0).any()
     assert sorted((h, b) for _, h, b, *_ in tasks) == [(h, b) for h in range(hkv) for b in range(64)]
     assert _tables(got_long) == _tables(equal_long) and _desc(got_long) == _desc(equal_long)
-
-
-@pytest.mark.parametrize("max_parts, bucket, pieces", [(0, 31, 133), (128, 33, 125), (64, 62, 67), (32, 62, 67)])
-def test_plan_max_parts_bounds_the_longest_split(max_parts, bucket, pieces, device):
-    """1x64K+15x4K h8/1 on 264 programs (task cost 8): the equal cut's bucket of 31 units (7.75 tiles) cuts the
-    64K request into 133 pieces, three combine rounds of 64; DecodeConfig.max_parts raises the bucket to the
-    largest pair's cost (4104 units) / max_parts (128: 33 units, 125 pieces), but to no more than twice the equal
-    one (64 and 32: 62 units, 67 pieces, the cut of 132 programs). The kernel's tables are the reference's, and
-    every tile is still covered once."""
-    from hpcops.attention import decode as dec
-
-    lens = [65536] + [4096] * 15
-    kw = dict(num_kv_heads=1, num_programs=264, min_tiles=4, task_cost=8, snap=0)
-    sl = torch.tensor(lens, dtype=torch.int32, device=device)
-    with dec.decode_config_changed(task_desc=True, max_parts=max_parts):
-        got = hpcops.plan_decode(sl, **kw)
-        want = ref.plan_decode(sl.cpu(), **kw)
-    assert _tables(got) == _tables(want) and _desc(got) == _desc(want)
-    assert got.host_tables()["header"][0] == bucket
-    assert sum(1 for t in want.tasks() if t[2] == 0) == pieces
-    assert not max_parts or pieces <= max_parts + 1 or bucket == 2 * 31
-    _check_tasks(want, 264, 1, lens)
-
-
-def test_max_parts_errors():
-    from hpcops.attention.decode import DecodeConfig
-
-    for bad in (-1, plan_mod.MAX_MAX_PARTS + 1, 2.0, "64"):
-        with pytest.raises(ValueError, match="max_parts"):
-            DecodeConfig(max_parts=bad)
-    assert DecodeConfig().max_parts is None and DecodeConfig(max_parts=0).max_parts == 0
 
 
 def test_split_cost_errors():

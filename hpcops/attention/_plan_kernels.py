@@ -58,7 +58,7 @@ def _in_stream(x, cnt, lo, hi, s_cost, s_total, unit, task_cost, snap):
 @triton.jit
 def plan_decode_kernel(
     seq_lens_ptr, cum_ptr, header_ptr, first_b_ptr, last_b_ptr, task_desc_ptr, merge_desc_ptr, pair_desc_ptr,
-    merge_sem_ptr, B, num_kv_heads, num_programs, min_tiles, unit, task_cost, snap, split_cost, max_parts,
+    merge_sem_ptr, B, num_kv_heads, num_programs, min_tiles, unit, task_cost, snap, split_cost,
     TILE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr, ONE_BLOCK: tl.constexpr = False,
     DESC: tl.constexpr = False, PAIRS: tl.constexpr = False,
 ):
@@ -66,8 +66,7 @@ def plan_decode_kernel(
     the per-program task and merge descriptors: the cost-stream cut of plan.py (program k runs the
     tiles that start in [k·bucket, (k+1)·bucket) of the cost stream, each cut snapped to a request
     boundary when it would cut off at most `snap` units; with `split_cost` > 0, where a bucket of whole largest
-    requests costs at most that much more than the equal one, that bucket and every cut at a request boundary;
-    with `max_parts` > 0 the bucket is at least the largest request's cost / max_parts, up to twice its size).
+    requests costs at most that much more than the equal one, that bucket and every cut at a request boundary).
 
     Every program computes the prefix sums (O(B) loads), then serves BLOCK_C entries of the plan by
     locating both ends of each entry's range among the requests' first-tile starts (one reduction of a
@@ -102,10 +101,8 @@ def plan_decode_kernel(
     s_cost = unit * s_total + task_cost * B
     total = s_cost * num_kv_heads
     bucket = tl.maximum(tl.maximum((total + num_programs - 1) // num_programs, unit * min_tiles), unit + task_cost)
-    c_max = unit * t_max + task_cost  # the largest (head, request)'s cost
-    if max_parts > 0:  # at most max_parts + 1 pieces of it, for at most twice the bucket
-        bucket = tl.maximum(bucket, tl.minimum((c_max + max_parts - 1) // max_parts, 2 * bucket))
     snap = tl.minimum(snap, bucket // 4)
+    c_max = unit * t_max + task_cost  # the largest (head, request)'s cost
     whole = c_max * ((bucket + c_max - 1) // c_max)
     no_split = (split_cost > 0) & (whole <= bucket + split_cost)
     bucket = tl.where(no_split, whole, bucket)

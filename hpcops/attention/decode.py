@@ -24,15 +24,7 @@ from hpcops._checks import (
 )
 from hpcops._library import register
 from hpcops.attention._tma import kv_descriptor, kv_tma_unsupported_reason, tma_unsupported_reason
-from hpcops.attention.plan import (
-    MAX_MAX_PARTS,
-    MAX_Q_LEN,
-    MAX_SPLIT_COST,
-    TILE,
-    DecodePlan,
-    check_plan_matches,
-    plan_decode,
-)
+from hpcops.attention.plan import MAX_Q_LEN, MAX_SPLIT_COST, TILE, DecodePlan, check_plan_matches, plan_decode
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 256)
 MAX_GQA = 16
@@ -173,14 +165,6 @@ class DecodeConfig:
         h64/8 from 45.8 to 38.6 (two requests a program instead of 1.3: the static split's 38.6) and 64x4K h64/8
         from 255.9 to 249.4, and moves no long mix; on the Gluon kernel (merges in its tail, 3 programs an SM)
         whole cuts are slower (64x0.5K h8/1 fp8 12.6 -> 14.6 µs, h64/8 30.4 -> 33.4).
-    max_parts: the plan's bound on how finely one (head, request) is cut: the bucket is at least the largest
-        pair's cost / max_parts (1..4096), so no pair is cut into more than max_parts + 1 pieces, whose merge
-        (the combine's rounds of `combine_chunks` partials, or the Gluon tail merge's groups) is a latency chain
-        after the attention grid; but never more than twice the equal cut's bucket (at least half the programs
-        keep work: one an SM at 2 an SM). It bites only where one request is much longer than the equal cut's
-        bucket (1x64K+15x4K h8/1 on 264 programs: 133 pieces of 7.75 tiles, three combine rounds of 64; at 64,
-        67 pieces of 15.5 tiles, the cut of one program an SM). 0: no bound. None (default): by the plan's
-        kernel, `plan.MAX_PARTS_TL` / `plan.MAX_PARTS_GLUON`.
     plan_block_c, plan_warps, plan_block_b: launch of the plan kernel (`plan_decode`, once per step):
         plan entries (persistent programs) served per plan program (16..256: smaller = more plan
         programs, each with a smaller [plan_block_c, block] compare-count tile; 0 = by batch size,
@@ -227,7 +211,6 @@ class DecodeConfig:
     merge_prefetch: bool = True
     merge_round: int | None = None
     split_cost: int | None = None
-    max_parts: int | None = None
     pdl_wait: bool = True
     pv_fp16: bool = True
     v_mask_tail: bool = True
@@ -252,10 +235,6 @@ class DecodeConfig:
         if sc is not None and (type(sc) is not int or not 0 <= sc <= MAX_SPLIT_COST):
             raise ValueError(f"DecodeConfig.split_cost must be None or an int in 0..{MAX_SPLIT_COST} (quarters of a "
                              f"tile), got {sc!r}")
-        mp = self.max_parts
-        if mp is not None and (type(mp) is not int or not 0 <= mp <= MAX_MAX_PARTS):
-            raise ValueError(f"DecodeConfig.max_parts must be None or an int in 0..{MAX_MAX_PARTS} (0: no bound), "
-                             f"got {mp!r}")
         cb = self.combine_chunks
         if type(cb) is not int or not 2 <= cb <= 256 or cb & (cb - 1):
             raise ValueError(f"DecodeConfig.combine_chunks must be a power of two in 2..256, got {cb!r}")

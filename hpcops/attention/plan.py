@@ -108,23 +108,6 @@ SPLIT_COST_TL = 32
 # decode_static_kernel 150 registers, 3 programs an SM; decode_persistent_kernel 189, 2 an SM).
 
 
-# DecodeConfig.max_parts' range; None: by the plan's kernel (MAX_PARTS_TL, MAX_PARTS_GLUON; 0 = no bound)
-MAX_MAX_PARTS = 4096
-MAX_PARTS_TL = 0
-MAX_PARTS_GLUON = 0
-
-
-def max_parts_for(kernel: str) -> int:
-    """The most pieces the plan cuts the largest (head, request) into, for `kernel` ("tl" or "gluon"):
-    DecodeConfig.max_parts, or by default MAX_PARTS_TL / MAX_PARTS_GLUON (0: no bound)."""
-    from hpcops.attention.decode import decode_config
-
-    asked = decode_config().max_parts
-    if asked is not None:
-        return asked
-    return MAX_PARTS_GLUON if kernel == "gluon" else MAX_PARTS_TL
-
-
 def split_cost_for(kernel: str) -> int:
     """The split cost (cost units) the plan charges for `kernel` ("tl" or "gluon"): DecodeConfig.split_cost, or
     by default SPLIT_COST_TL for the tl kernel and 0 (never a whole cut) for the Gluon kernel."""
@@ -244,20 +227,16 @@ class CostStream:
 
     @classmethod
     def cut(cls, cum: list[int], num_kv_heads: int, task_cost: int, num_programs: int, min_tiles: int,
-            snap: int = 0, split_cost: int = 0, max_parts: int = 0) -> CostStream:
+            snap: int = 0, split_cost: int = 0) -> CostStream:
         """The plan's cut for `num_programs` programs: the bucket (cost units) at least min_tiles tiles
-        and one tile + one task start, so that every bucket but the last holds the start of a tile, and (with
-        `max_parts` > 0) at least the largest pair's cost c_max / max_parts, so that no (head, request) is cut
-        into more than max_parts + 1 pieces, but never more than twice the bucket without it
-        (`DecodeConfig.max_parts`); the asked snap clamped to a quarter bucket. With `split_cost` (cost units,
-        > 0), the whole cut where it costs at most that much more: a bucket of whole largest pairs
-        (c_max·ceil(bucket / c_max)) and every cut moved to a request boundary (`DecodeConfig.split_cost`)."""
+        and one tile + one task start, so that every bucket but the last holds the start of a tile; the asked
+        snap clamped to a quarter bucket. With `split_cost` (cost units, > 0), the whole cut where it costs at
+        most that much more: a bucket of whole largest pairs (c_max·ceil(bucket / c_max)) and every cut moved
+        to a request boundary (`DecodeConfig.split_cost`)."""
         unit = cost_unit(task_cost)
         total = num_kv_heads * (unit * cum[-1] + task_cost * (len(cum) - 1))
         bucket = max(-(-total // num_programs), unit * min_tiles, unit + task_cost)
         c_max = unit * max(b - a for a, b in zip(cum, cum[1:])) + task_cost
-        if max_parts:
-            bucket = max(bucket, min(-(-c_max // max_parts), 2 * bucket))
         whole = c_max * -(-bucket // c_max)
         if split_cost and whole <= bucket + split_cost:
             return cls(cum, num_kv_heads, task_cost, whole, WHOLE_SNAP)
@@ -475,7 +454,7 @@ def _launch_plan(plan: DecodePlan, seq_lens: torch.Tensor) -> None:
         seq_lens, plan.cum, plan.header, plan.first_b, plan.last_b, plan.task_desc, plan.merge_desc,
         plan.pair_desc if plan.has_pairs else plan.merge_desc, plan.merge_sem if plan.has_pairs else plan.cum,
         b, plan.num_kv_heads, plan.num_programs, plan.min_tiles, cost_unit(cost), cost,
-        plan.cut_snap, split_cost_for(plan.kernel) if cost else 0, max_parts_for(plan.kernel),
+        plan.cut_snap, split_cost_for(plan.kernel) if cost else 0,
         TILE=TILE, BLOCK_B=block_b, BLOCK_C=block_c, ONE_BLOCK=cfg.plan_one_pass and b <= block_b,
         DESC=cfg.task_desc, PAIRS=plan.has_pairs,
         num_warps=warps,

@@ -22,7 +22,6 @@ from hpcops.attention.plan import (
     DecodePlan,
     _validate_plan_args,
     default_num_programs,
-    max_parts_for,
     pair_buffers,
     split_cost_for,
 )
@@ -65,8 +64,7 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
     task_desc = [[-1, 0, 0, 0] for _ in range(c)]
     merge_desc = [[-1, 0, 0, 0] for _ in range(c)]
     if b:
-        cs = CostStream.cut(cum, num_kv_heads, cost, c, mt, cut_snap, split_cost_for(kernel) if cost else 0,
-                            max_parts_for(kernel))
+        cs = CostStream.cut(cum, num_kv_heads, cost, c, mt, cut_snap, split_cost_for(kernel) if cost else 0)
         header = [cs.bucket, cs.s, cs.total, cs.active, cs.snap]
         ranges = [cs.program_range(k) for k in range(min(c, cs.active))]
         for k, (g0, g1) in enumerate(ranges):

@@ -134,8 +134,6 @@ DECODE_SPACE = (
     # what a split costs (DecodeConfig.split_cost): up to that much longer buckets of whole requests, no split
     knob("split_cost", 0, 8, 16, 24, 32, 64, 128, near=None),
     knob(("split_cost", "min_tiles"), (32, 2), (64, 2), (32, 1), near=None),
-    # a bound on the pieces of the largest request (DecodeConfig.max_parts): a long split's merge in fewer rounds
-    knob("max_parts", 0, 64, 128, 192, near=None),
     knob("pdl", False, True),
     # the attention kernel itself launched with PDL (waits before its first read; the launch gap overlapped)
     knob("pdl_wait", False, True),
