@@ -5,7 +5,8 @@ torch.profiler. A GPU tool: through gpu_check.sh's `profile:decode-kernels` stag
     python3 scripts/profile_decode_kernels.py --only "64x4K h8/1 fp8,64x0.5K h8/1 fp8" \
         --variants "tail_merge=1;gluon=1 pps=3;schedule=static"
 
-fp8-KV scenarios run with the prologue's fp8 q (the bench's `hpcops-fp8q` row). The plan step is profiled
+fp8-KV scenarios run with the prologue's fp8 q (the bench's `hpcops-fp8q` row; `--q16`: the bf16 q, its
+`hpcops` row). The plan step is profiled
 beside the attention (`plan_decode(..., out=plan)` every call, as once per step in a model: its buffers are
 made once; told the call's dtypes, so over fp8 KV the default is the Gluon kernel with the tail merge at 3
 programs an SM, `gluon=0` the `tl` kernel); `pps` = persistent programs per SM (the plan's num_programs; unset:
@@ -35,8 +36,9 @@ def parse_variant(text: str) -> dict:
     return out
 
 
-def calls_for(x: dict, variant: dict):
-    """A no-argument call of one layer's decode step (plan + attention) under `variant`."""
+def calls_for(x: dict, variant: dict, q16: bool = False):
+    """A no-argument call of one layer's decode step (plan + attention) under `variant`; q16: over fp8 KV the bf16
+    q (the bench's `hpcops` row there, the `tl` kernel converting every tile) instead of the prologue's fp8 q."""
     import hpcops
     from hpcops import _platform
     from hpcops.attention import decode as dec
@@ -46,7 +48,7 @@ def calls_for(x: dict, variant: dict):
              if k not in ("schedule", "pps")}
     pps = variant.get("pps")
     _, page, hkv, d = x["k_cache"].shape
-    q, qs = (x["q8"], x["q_scale"]) if "q8" in x else (x["q"], None)
+    q, qs = (x["q8"], x["q_scale"]) if "q8" in x and not q16 else (x["q"], None)
     programs = None if pps is None else pps * _platform.num_sms(q.device)
 
     plan = None
@@ -75,6 +77,7 @@ def main() -> int:
                                           "schedule=static",
                     help="';'-separated DecodeConfig overrides beside the default, e.g. \"gluon=1 pps=3\"")
     ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--q16", action="store_true", help="over fp8 KV, the bf16 q (the bench's `hpcops` row)")
     args = ap.parse_args()
     from hpcops.bench.suites import decode as suite
 
@@ -87,9 +90,9 @@ def main() -> int:
         s = known[name]
         layers = [suite.make_decode_inputs(s.lens, s.hq, s.hkv, s.fp8, seed=i) for i in range(args.layers)]
         for variant in variants:
-            label = " ".join(f"{k}={v}" for k, v in variant.items()) or "default"
+            label = (" ".join(f"{k}={v}" for k, v in variant.items()) or "default") + (" q16" if args.q16 else "")
             try:
-                times = per_kernel_us([calls_for(x, variant) for x in layers])
+                times = per_kernel_us([calls_for(x, variant, args.q16) for x in layers])
             except Exception as exc:  # a variant that does not apply here: say so, go on
                 print(f"\n{name} {label}: failed ({type(exc).__name__}: {str(exc)[:160]})")
                 continue
