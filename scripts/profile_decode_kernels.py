@@ -10,7 +10,8 @@ fp8-KV scenarios run with the prologue's fp8 q (the bench's `hpcops-fp8q` row; `
 beside the attention (`plan_decode(..., out=plan)` every call, as once per step in a model: its buffers are
 made once; told the call's dtypes, so over fp8 KV the default is the Gluon kernel with the tail merge at 3
 programs an SM, `gluon=0` the `tl` kernel); `pps` = persistent programs per SM (the plan's num_programs; unset:
-the plan's choice). Each variant prints one table: kernel, launches per call, µs per call, share.
+the plan's choice); `min_tiles`, `task_cost`, `snap` go to `plan_decode`. Each variant prints one table:
+kernel, launches per call, µs per call, share.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import fields
 
 import torch
 
@@ -36,6 +38,18 @@ def parse_variant(text: str) -> dict:
     return out
 
 
+PLAN_ARGS = ("min_tiles", "task_cost", "snap")  # plan_decode's arguments, not DecodeConfig's
+
+
+def split_variant(variant: dict) -> tuple[dict, dict]:
+    """A parsed variant as (DecodeConfig changes, its bool fields from 0 / 1; plan_decode's arguments)."""
+    from hpcops.attention.decode import DecodeConfig
+
+    flags = {f.name for f in fields(DecodeConfig) if f.type in (bool, "bool", "bool | None")}
+    knobs = {k: bool(v) if k in flags else v for k, v in variant.items() if k not in ("schedule", "pps", *PLAN_ARGS)}
+    return knobs, {k: v for k, v in variant.items() if k in PLAN_ARGS}
+
+
 def calls_for(x: dict, variant: dict, q16: bool = False):
     """A no-argument call of one layer's decode step (plan + attention) under `variant`; q16: over fp8 KV the bf16
     q (the bench's `hpcops` row there, the `tl` kernel converting every tile) instead of the prologue's fp8 q."""
@@ -44,8 +58,7 @@ def calls_for(x: dict, variant: dict, q16: bool = False):
     from hpcops.attention import decode as dec
 
     schedule = variant.get("schedule", "dynamic")
-    knobs = {k: bool(v) if k in ("gluon", "row_path", "tail_merge", "pdl") else v for k, v in variant.items()
-             if k not in ("schedule", "pps")}
+    knobs, plan_args = split_variant(variant)
     pps = variant.get("pps")
     _, page, hkv, d = x["k_cache"].shape
     q, qs = (x["q8"], x["q_scale"]) if "q8" in x and not q16 else (x["q"], None)
@@ -57,7 +70,7 @@ def calls_for(x: dict, variant: dict, q16: bool = False):
         with dec.decode_config_changed(**knobs):
             plan = hpcops.plan_decode(x["seq_lens"], num_kv_heads=hkv, block_size=page, num_programs=programs,
                                       num_q_heads=q.shape[1], head_dim=d, q_dtype=q.dtype,
-                                      kv_dtype=x["k_cache"].dtype)
+                                      kv_dtype=x["k_cache"].dtype, **plan_args)
 
     def run():
         with dec.decode_config_changed(**knobs):

@@ -122,6 +122,9 @@ def test_profile_decode_kernels_options_and_gpu_check_stage():
     assert prof.parse_variant("gluon=1 pps=3 schedule=static") == {"gluon": 1, "pps": 3, "schedule": "static"}
     with pytest.raises(ValueError, match="not key=value"):
         prof.parse_variant("gluon")
+    # DecodeConfig's bools from 0 / 1 (any of them: pdl_wait failed as an int), the plan's arguments to plan_decode
+    knobs, plan_args = prof.split_variant(prof.parse_variant("pdl_wait=0 split_cost=0 min_tiles=2 pps=1 lean_loop=1"))
+    assert knobs == {"pdl_wait": False, "split_cost": 0, "lean_loop": True} and plan_args == {"min_tiles": 2}
     res = subprocess.run([sys.executable, os.path.join(SCRIPTS, "profile_decode_kernels.py"), "--only", "nope"],
                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
     assert res.returncode != 0 and "unknown scenario 'nope'" in res.stderr
