@@ -239,3 +239,28 @@ def test_gluon_decode_probe_compiles_for_sm90():
     assert res.returncode == 0, res.stderr[-2000:]
     got = json.loads(res.stdout.strip().splitlines()[-1])
     assert got["wgmma"] == 12 and got["tma_loads"] == 7 and got["spill_bytes"] == 0 and 0 < got["registers"] <= 128
+
+
+def test_ab_bench_prepare_and_summary(tmp_path):
+    """scripts/ab_bench.sh: `prepare REV` puts REV's hpcops/ in the base folder; `summary` tables our rows of both
+    trees' bench files, each round's µs and new / base of the medians (peers' rows left out)."""
+    script = os.path.join(SCRIPTS, "ab_bench.sh")
+    env = {**os.environ, "AB_BASE": str(tmp_path / "base"), "OUT": str(tmp_path / "out")}
+    res = subprocess.run(["bash", script, "prepare", "HEAD"], capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "base" / "hpcops" / "__init__.py").exists() and (tmp_path / "base" / "REV").read_text().strip()
+    for tree, us in (("base", [10.0, 12.0]), ("new", [9.0, 11.0])):
+        for i, u in enumerate(us, 1):
+            d = tmp_path / "out" / "ab" / f"{tree}_{i}"
+            d.mkdir(parents=True)
+            rows = [{"case": "c1", "impl": "hpcops", "ours": True, "us": u},
+                    {"case": "c1", "impl": "peer", "ours": False, "us": 1.0}]
+            (d / "decode.json").write_text(json.dumps({"rows": rows}))
+    res = subprocess.run(["bash", script, "summary", "decode", "2"], capture_output=True, text=True, timeout=60,
+                         env=env)
+    assert res.returncode == 0, res.stderr
+    table = (tmp_path / "out" / "ab" / "ab.md").read_text()
+    assert "| c1 | hpcops | 10.0 / 12.0 | 9.0 / 11.0 | 0.909 |" in table and "peer" not in table
+    res = subprocess.run(["bash", script, "run", "decode", "x"], capture_output=True, text=True, timeout=60,
+                         env={**env, "AB_BASE": str(tmp_path / "none")})
+    assert res.returncode == 2 and "prepare REV" in res.stderr
