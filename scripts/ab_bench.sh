@@ -62,8 +62,8 @@ lines = [f"# A/B: {rev} (base) against the working tree (new), {suite}, {rounds}
 for (case, impl), t in times.items():
     if t["base"] and t["new"]:
         ratio = statistics.median(t["new"]) / statistics.median(t["base"])
-        fmt = lambda xs: " / ".join(f"{x:.1f}" for x in xs)  # noqa: E731
-        lines.append(f"| {case} | {impl} | {fmt(t['base'])} | {fmt(t['new'])} | {ratio:.3f} |")
+        base, new = (" / ".join(f"{x:.1f}" for x in t[tree]) for tree in ("base", "new"))
+        lines.append(f"| {case} | {impl} | {base} | {new} | {ratio:.3f} |")
 open(os.path.join(folder, "ab.md"), "w").write("\n".join(lines) + "\n")
 print("\n".join(lines))
 PY

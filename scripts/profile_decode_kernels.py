@@ -38,16 +38,15 @@ def parse_variant(text: str) -> dict:
     return out
 
 
-PLAN_ARGS = ("min_tiles", "task_cost", "snap")  # plan_decode's arguments, not DecodeConfig's
-
-
 def split_variant(variant: dict) -> tuple[dict, dict]:
-    """A parsed variant as (DecodeConfig changes, its bool fields from 0 / 1; plan_decode's arguments)."""
+    """A parsed variant as (DecodeConfig changes, its bool fields from 0 / 1; plan_decode's arguments: the decode
+    tuner's plan knobs but pps, which becomes num_programs)."""
     from hpcops.attention.decode import DecodeConfig
+    from hpcops.bench.tune.decode import PLAN_KNOBS
 
     flags = {f.name for f in fields(DecodeConfig) if f.type in (bool, "bool", "bool | None")}
-    knobs = {k: bool(v) if k in flags else v for k, v in variant.items() if k not in ("schedule", "pps", *PLAN_ARGS)}
-    return knobs, {k: v for k, v in variant.items() if k in PLAN_ARGS}
+    knobs = {k: bool(v) if k in flags else v for k, v in variant.items() if k != "schedule" and k not in PLAN_KNOBS}
+    return knobs, {k: v for k, v in variant.items() if k in PLAN_KNOBS and k != "pps"}
 
 
 def calls_for(x: dict, variant: dict, q16: bool = False):
