@@ -25,7 +25,7 @@ def _tables(plan):
 
 def _desc(plan):
     """The descriptor tables (the reference fills them always, the kernel under task_desc)."""
-    return plan.task_desc[:, :4].tolist(), plan.merge_desc.tolist()
+    return plan.task_desc[:, :5].tolist(), plan.merge_desc.tolist()
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -81,8 +81,8 @@ def _check_tasks(plan, c, hkv, lens):
     desc, merge = _desc(plan)
     for i in range(c):
         mine = [t for t in tasks if t[0] == i]
-        assert desc[i] == ([mine[0][2], mine[0][1], mine[0][3], sum(t[4] for t in mine)] if mine else
-                           [-1, 0, 0, 0])
+        assert desc[i] == ([mine[0][2], mine[0][1], mine[0][3], sum(t[4] for t in mine), lens[mine[0][2]]] if mine
+                           else [-1, 0, 0, 0, 0])
     pieces = {}
     for prog, h, req, *_rest, split in tasks:
         if split:
@@ -610,11 +610,17 @@ def test_stale_plan_raises(device, monkeypatch):
     assert_close(ref.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_table, new_lens), got)
 
 
-def test_plan_with_the_same_tiles_is_not_stale(device):
-    """Lengths with the same 64-token tile counts give the same tables (the kernels read the lengths
-    themselves): the plan is still right, and accepted."""
+def test_plan_with_the_same_tiles_but_other_lengths_is_stale(device, monkeypatch):
+    """Lengths with the same 64-token tile counts cut the same, but each program's first request's length is
+    in the plan's task descriptors (its first tiles need no load of seq_lens): another step's lengths are
+    refused where checkable, and the plan re-planned for them is right."""
+    if device != "cpu":
+        monkeypatch.setenv("HPCOPS_CHECK", "1")
     q, kv, plan, _ = _stale_setup(device)
     same_tiles = torch.tensor([1, 193, 65], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="plan is stale.*its tables differ from those of these seq_lens"):
+        hpcops.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_table, same_tiles, plan=plan)
+    hpcops.plan_decode(same_tiles, num_kv_heads=2, block_size=16, out=plan)
     got = hpcops.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_table, same_tiles, plan=plan,
                                   out=nan_like(q))
     assert_close(ref.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_table, same_tiles), got)

@@ -262,7 +262,7 @@ def decode_gluon_kernel(
     h = gl.load(td + 1)
     lo = gl.load(td + 2)
     left = gl.load(td + 3)
-    kv_len = gl.load(seq_lens_ptr + b, mask=b >= 0, other=0)
+    kv_len = gl.load(td + 4, mask=b >= 0, other=0)  # the first request's length (0 idle)
     later = pid * 0
     used = pid * 0  # tiles through the buffers so far: buffer used % STAGES, mbarrier phase (used // STAGES) & 1
 

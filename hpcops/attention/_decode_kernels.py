@@ -325,8 +325,8 @@ def decode_persistent_kernel(
     let the next kernel launch when the program's work is done (at the start, the next grid's programs would take
     the SM slots this one leaves free as they free up, unevenly, and a persistent grid placed unevenly runs long).
     TASK_DESC: `first_b_ptr` is the plan's task_desc [programs, 8]: start from it (request, head,
-    first tile, bucket length: one load level) and walk with the request lengths alone (a task after
-    the first starts at tile 0 of the next request; a task is split iff it does not cover its
+    first tile, bucket length, the request's length: one load level) and walk with the request lengths alone (a
+    task after the first starts at tile 0 of the next request; a task is split iff it does not cover its
     request), the next request's length loaded before the current task's tiles.
     LEAN, LEAN_RECOMPUTE, KV_SAME_STRIDES: the whole-tile loop and its addressing (`_attend_tiles`).
     ROW_PATH: one query row a task (Q_LEN·G == 1) on the CUDA cores (`_attend_task`).
@@ -353,7 +353,7 @@ def decode_persistent_kernel(
         h = tl.load(td + 1)
         lo = tl.load(td + 2)
         left = tl.load(td + 3)
-        kv_len = tl.load(seq_lens_ptr + b, mask=b >= 0, other=0)
+        kv_len = tl.load(td + 4, mask=b >= 0, other=0)  # the first request's length (0 idle)
         later = pid * 0
         while left > 0:
             b_next = tl.where(b + 1 == B, 0, b + 1)

@@ -180,6 +180,8 @@ def plan_decode_kernel(
         tl.store(td + 1, tl.where(active, first_head, 0), mask=c_ok)
         tl.store(td + 2, tl.where(active & in_b, before0, 0), mask=c_ok)
         tl.store(td + 3, tl.where(active, g1 - g0, 0), mask=c_ok)
+        # the first request's length: the attention program's first tile range without a load level of its own
+        tl.store(td + 4, tl.load(seq_lens_ptr + first_req, mask=active, other=0), mask=c_ok)
         # merge descriptor: the split (head, request) P of the last tile, when it starts in this program
         # and leaves it. P's pieces: this program's, then one for each cut inside P; only the last cut
         # inside P can have snapped (to P's end: the others are a bucket or more from both ends).

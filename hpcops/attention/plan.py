@@ -31,8 +31,9 @@ and replayed with new lengths:
   tile (−1 for an idle program);
 * ``task_desc`` int32 [num_programs, 8]: where each program starts, so that it needs one load to
   begin (``DecodeConfig.task_desc``): its first request (−1 idle), kv head, first tile inside that
-  request and tiles in its bucket (columns 4–7 unused; lengths are read from seq_lens, so a plan
-  stays valid for any seq_lens with the same tile counts);
+  request, tiles in its bucket and the first request's length (0 idle: the one length a program needs
+  before its first tile; the later requests' lengths are read from seq_lens while a task runs);
+  columns 5–7 unused;
 * ``merge_desc`` int32 [num_programs, 4]: the split (head, request) the combine program k merges
   (the one that starts in bucket k and leaves it): request (−1 none), head, first partial slot,
   number of partials.
@@ -193,7 +194,7 @@ class DecodePlan:
         t = {"header": h[:4], "used_snap": h[4], "cum": self.cum[: self.batch + 1].tolist(),
              "first_b": self.first_b.tolist(), "last_b": self.last_b.tolist()}
         if self.has_desc:
-            t.update(task_desc=self.task_desc[:, :4].tolist(), merge_desc=self.merge_desc.tolist())
+            t.update(task_desc=self.task_desc[:, :5].tolist(), merge_desc=self.merge_desc.tolist())
         return t
 
     def tasks(self) -> list[tuple[int, int, int, int, int, bool]]:

@@ -61,7 +61,8 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
         cum.append(cum[-1] + max(1, -(-n // TILE)))
     header = [0, 0, 0, 0, 0]
     first_b, last_b = [-1] * c, [-1] * c
-    task_desc = [[-1, 0, 0, 0] for _ in range(c)]
+    task_desc = [[-1, 0, 0, 0, 0] for _ in range(c)]
+    lens = seq_lens.long().cpu().tolist()
     merge_desc = [[-1, 0, 0, 0] for _ in range(c)]
     if b:
         cs = CostStream.cut(cum, num_kv_heads, cost, c, mt, cut_snap, split_cost_for(kernel) if cost else 0)
@@ -73,7 +74,7 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
             hf, bf, jf = cs.locate(g0)
             hl, bl, _ = cs.locate(g1 - 1)
             first_b[k], last_b[k] = bf, bl
-            task_desc[k] = [bf, hf, jf, g1 - g0]
+            task_desc[k] = [bf, hf, jf, g1 - g0, lens[bf]]
             pair_lo, pair_hi = hl * cs.s + cum[bl], hl * cs.s + cum[bl + 1]
             if pair_lo >= g0 and pair_hi > g1:  # the pair of its last tile starts here and leaves
                 parts = sum(1 for a, z in ranges if a < z and a < pair_hi and z > pair_lo)
@@ -95,7 +96,7 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
     plan.cum[: b + 1].copy_(torch.tensor(cum, **i32))
     plan.first_b.copy_(torch.tensor(first_b, **i32))
     plan.last_b.copy_(torch.tensor(last_b, **i32))
-    plan.task_desc[:, :4].copy_(torch.tensor(task_desc, **i32))
+    plan.task_desc[:, :5].copy_(torch.tensor(task_desc, **i32))
     plan.merge_desc.copy_(torch.tensor(merge_desc, **i32))
     plan.has_pairs = plan.pair_desc is not None and has_desc
     if plan.has_pairs:  # each merge seen from its pair (rows of unsplit pairs left as they are); counts at 0
