@@ -438,7 +438,7 @@ GPU_SCENARIOS = [("2x32K+30x4K", 8, 1, True), ("1x128K+31x4K", 8, 1, False), ("6
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", [{}, LEGACY, POINTER, dict(use_tma=False, lean_mode="recompute", lean_loop=True),
                                      dict(tail_merge=True), dict(tail_merge=True, gluon=True), dict(split_cost=256),
-                                     dict(pdl_wait=False), dict(pair_wait=True)],
+                                     dict(pdl_wait=False)],
                          ids=lambda d: _vid(d) or "default")
 @pytest.mark.parametrize("spec, hq, hkv, fp8", GPU_SCENARIOS, ids=lambda v: str(v))
 def test_gpu_real_sizes(spec, hq, hkv, fp8, variant):
@@ -471,8 +471,7 @@ def _gpu_real_sizes(spec, hq, hkv, fp8):
 @pytest.mark.parametrize("variant", [{}, LEGACY, dict(lean_loop=True, plan_block_c=32, plan_warps=2),
                                      dict(tail_merge=True), dict(tail_merge=True, tail_group=2),
                                      dict(split_cost=64, tail_merge=True), dict(pdl_wait=False),
-                                     dict(pdl_wait=True, tail_merge=True, tail_group=2), dict(pair_wait=True),
-                                     dict(pair_wait=True, pdl_wait=False)],
+                                     dict(pdl_wait=True, tail_merge=True, tail_group=2)],
                          ids=lambda d: _vid(d) or "default")
 @pytest.mark.parametrize("q_len", [1, 3])
 def test_gpu_cuda_graph_replay_with_new_lengths(q_len, variant):

@@ -150,12 +150,6 @@ VARIANTS["persistent-lean-recompute-fp8q-tail-pdlwait"] = _attn(q="fp8e4nv", kv=
                                                                 **LEAN_MODES["recompute"])
 VARIANTS["persistent-lean-tma-bf16-pdlwait"] = _attn(TASK_DESC=True, USE_PDL=True, PDL_WAIT=True, **LEAN_MODES["tma"])
 VARIANTS["combine-pdl-next"] = _combine("decode_combine_kernel", USE_PDL=True, PDL_NEXT=True, MERGE_DESC=True)
-# DecodeConfig.pair_wait: the bf16 default's attention kernel counting its splits' partials, and the combine polling
-# each pair's count (the launcher's PDL, PDL_NEXT and merge descriptors)
-VARIANTS["persistent-lean-tma-bf16-pdlwait-countpairs"] = _attn(TASK_DESC=True, USE_PDL=True, PDL_WAIT=True,
-                                                                COUNT_PAIRS=True, **LEAN_MODES["tma"])
-VARIANTS["combine-pdl-next-pairwait"] = _combine("decode_combine_kernel", USE_PDL=True, PDL_NEXT=True, MERGE_DESC=True,
-                                                 PAIR_WAIT=True, SPIN_SLEEP=True)
 VARIANTS["persistent-fp8q-q4-g16-tail"] = _attn(q="fp8e4nv", kv="fp8e4nv", q_len=4, g=16, R_PAD=64,
                                                 TAIL_STAGES=1, TAIL_GROUP=4,
                                                 **TAIL, **LEAN_MODES["recompute"])

@@ -26,8 +26,6 @@ VARIANTS = [LEGACY, dict(lean_loop=True), dict(task_desc=False, lean_loop=False,
             dict(tail_merge=True),
             # ... in two levels: groups of 2 partials merged into their first slot, then the groups
             dict(tail_merge=True, tail_group=2),
-            # the combine waiting on each split's own count of partials instead of the whole attention grid
-            dict(pair_wait=True),
             # the Gluon kernel where it applies (GPU tier, sm_90; elsewhere, the CPU tier included, the tl kernel),
             # V masked on a request's last tile only (v_mask_tail, by default: bad pages inside a sequence are TMA's
             # zeros)
@@ -54,8 +52,7 @@ def test_decode_variants_match_reference(case, variant, device):
             _decode_matches_reference(case, "static", device)
 
 
-@pytest.mark.parametrize("variant", [{}, dict(combine_chunks=32), dict(combine_chunks=16),
-                                     dict(pair_wait=True, combine_chunks=16)], ids=_vid)
+@pytest.mark.parametrize("variant", [{}, dict(combine_chunks=32), dict(combine_chunks=16)], ids=_vid)
 def test_combine_merges_many_partials(variant, device):
     """A request split over more partials than the combine's 16-partial tile: the default merges them in one
     64-partial round, combine_chunks 32 in rounds of 32, 16 in rounds of 16 (a running maximum across rounds);
@@ -106,85 +103,6 @@ def test_tail_merge_replans_into_the_same_buffers(case, group, device):
             if b >= 0:
                 idx = h * len(lens) + b
                 assert want_plan.pair_desc[idx].tolist() == plan.pair_desc[idx].tolist()
-
-
-@pytest.mark.parametrize("case", [Case((2000, 70), 2, 1, 64, 64, kv="fp8q", programs=40, min_tiles=1),
-                                  Case((700, 64, 3, 129), 12, 4, 128, 64, q_len=3, programs=9, min_tiles=1)],
-                         ids=lambda c: c.id)
-def test_pair_wait_leaves_the_counts_at_zero(case, device):
-    """DecodeConfig.pair_wait: the attention kernel counts each split's partials into the plan's pair counts,
-    the combine waits on them, and the pair's last row program sets them back: after every call (two layers a
-    step) every count is 0 again, the plan zeroes counts an aborted step left, and a re-plan of other lengths
-    into the same buffers merges right again; the first case's split has more partials than a round (16)."""
-    from hpcops.attention import _decode_kernels as K
-
-    with _with_config(dict(pair_wait=True, split_cost=0)):  # splits, never the whole cut
-        q, q_scale, kv = _inputs(case, device)
-        # the equal-tile cut (no task cost): the 2000-token request in 32 one-tile pieces
-        plan = hpcops.plan_decode(kv.seq_lens, num_kv_heads=case.hkv, q_len=case.q_len, block_size=case.bs,
-                                  num_programs=case.programs, min_tiles=case.min_tiles, task_cost=0)
-        assert plan.kernel == "tl"
-        for step, lens in enumerate((list(case.lens), [n // 3 + 5 for n in case.lens])):
-            seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
-            plan.merge_sem.fill_(7)  # as an aborted step would leave them: the plan zeroes the counts
-            hpcops.plan_decode(seq_lens, num_kv_heads=case.hkv, q_len=case.q_len, block_size=case.bs, out=plan)
-            assert int(plan.merge_sem[: 2 * case.programs + len(lens) * case.hkv].abs().sum()) == 0
-            md = plan.merge_desc.tolist()
-            assert any(r[0] >= 0 for r in md), "the case must split a request"
-            if step == 0 and case.lens[0] == 2000:
-                assert max(r[3] for r in md) > 16, "the case must merge more partials than a round"
-            want = ref.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_table, seq_lens, k_scale=kv.k_scale,
-                                        v_scale=kv.v_scale, q_scale=q_scale)
-            args = (q, kv.k_cache, kv.v_cache, kv.block_table, seq_lens)
-            kw = dict(plan=plan, k_scale=kv.k_scale, v_scale=kv.v_scale, q_scale=q_scale)
-            with recorded_launches(K) as calls:  # what the launcher passes (nothing runs in the block)
-                hpcops.decode_attention(*args, **kw)
-            launches = {c[0]: c[2] for c in calls}
-            assert launches["decode_persistent_kernel"].get("COUNT_PAIRS") is True, launches
-            assert launches["decode_combine_kernel"].get("PAIR_WAIT") is True, launches
-            for layer in range(2):
-                out = nan_like(torch.empty(q.shape, dtype=torch.bfloat16 if q.dtype == FP8 else q.dtype,
-                                           device=device))
-                hpcops.decode_attention(*args, **kw, out=out)
-                assert_close(want, out, name=f"pair wait, step {step}, layer {layer}")
-                assert int(plan.merge_sem.abs().sum()) == 0, plan.merge_sem.tolist()
-
-
-@pytest.mark.gpu
-def test_gpu_pair_wait_stale_plan_does_not_hang():
-    """A plan built for other lengths (the contract: a wrong result, not an error) must not hang pair_wait's
-    combine, whose programs poll counts that such a call may never complete: the poll is bounded."""
-    import time
-
-    case = Case((2000, 70, 900), 8, 1, 128, 64, programs=40, min_tiles=1)
-    q, q_scale, kv = _inputs(case, "cuda")
-    with _with_config(dict(pair_wait=True, split_cost=0)):
-        plan = hpcops.plan_decode(torch.tensor([130, 2000, 64], dtype=torch.int32, device="cuda"),
-                                  num_kv_heads=case.hkv, block_size=case.bs, num_programs=case.programs,
-                                  min_tiles=1, task_cost=0)
-        start = time.monotonic()
-        hpcops.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, plan=plan,
-                                k_scale=kv.k_scale, v_scale=kv.v_scale, q_scale=q_scale)
-        torch.cuda.synchronize()
-        assert time.monotonic() - start < 60
-
-
-def test_pair_wait_errors(device):
-    """pair_wait is a bool, needs task_desc, and a plan built under it (whose pair counts the plan zeroes)."""
-    from hpcops.attention import decode as dec
-
-    with pytest.raises(TypeError, match="pair_wait"):
-        dec.set_decode_config(pair_wait=1)
-    with pytest.raises(ValueError, match="pair_wait needs task_desc"):
-        dec.set_decode_config(pair_wait=True, task_desc=False)
-    case = Case((700, 64, 3, 129), 12, 4, 128, 64, programs=9, min_tiles=1)
-    q, q_scale, kv = _inputs(case, device)
-    with _with_config(dict(split_cost=0)):
-        plan = hpcops.plan_decode(kv.seq_lens, num_kv_heads=case.hkv, block_size=case.bs,
-                                  num_programs=case.programs, min_tiles=case.min_tiles)
-    with _with_config(dict(pair_wait=True, split_cost=0)), \
-            pytest.raises(ValueError, match="without DecodeConfig.pair_wait"):
-        hpcops.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, plan=plan)
 
 
 def test_tail_group_default_is_one_level_where_few_partials_can_meet():

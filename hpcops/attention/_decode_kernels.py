@@ -315,7 +315,6 @@ def decode_persistent_kernel(
     LEAN_RECOMPUTE: tl.constexpr = False, KV_SAME_STRIDES: tl.constexpr = False, LEAN_PAGES: tl.constexpr = False,
     ROW_PATH: tl.constexpr = False, TAIL_MERGE: tl.constexpr = False, R_PAD: tl.constexpr = 1,
     TAIL_STAGES: tl.constexpr = 1, TAIL_GROUP: tl.constexpr = 0, PDL_WAIT: tl.constexpr = False,
-    COUNT_PAIRS: tl.constexpr = False,
 ):
     """One persistent program walks its bucket of the plan's tile stream, task by task.
 
@@ -335,8 +334,6 @@ def decode_persistent_kernel(
     merge_sem; the program that writes the last partial merges the pair into the output (`_tail_merge`),
     so no combine kernel runs. R_PAD: Q_LEN·G padded to a power of two; TAIL_STAGES: partials' loads in
     flight (`_merge_rows`); TAIL_GROUP: partials a group of the two-level merge of a long split (0: one level).
-    COUNT_PAIRS (with TASK_DESC, `DecodeConfig.pair_wait`): a split task, once its partial is written, counts it
-    into the pair's merge_sem (CTA barrier, then one release atomic), which the combine kernel (PAIR_WAIT) polls.
     """
     pid = tl.program_id(0)
     if PDL_WAIT:
@@ -372,10 +369,6 @@ def decode_persistent_kernel(
             split = (lo > 0) | (lo + n < t_b)
             _finish_task(acc, m_i, l_i, v_scale, split, 2 * pid + later, b, h, offs_m, offs_d, out_ptr,
                          part_o_ptr, part_lse_ptr, stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, Q_LEN * G)
-            if COUNT_PAIRS:
-                tl.debug_barrier()  # every thread's partial stores before the one-thread release
-                tl.atomic_add(merge_sem_ptr + 2 * tl.num_programs(0) + h * B + b, 1, mask=split, sem="release",
-                              scope="gpu")
             if TAIL_MERGE:
                 if split:
                     _tail_merge(part_o_ptr, part_lse_ptr, pair_desc_ptr, merge_sem_ptr, pid, b, h, B, out_ptr,
@@ -476,13 +469,12 @@ def _attend_task(q_ptr, k_ptr, v_ptr, k_desc, v_desc, bt_ptr, q_scale_ptr, b, h,
 @triton.jit
 def _merge_chunks(part_o_ptr, part_lse_ptr, first_slot, rest_base, rest_step, n_chunks, b, h, row, out_ptr,
                   stride_ot, stride_oh, Q_LEN: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  D_PAD: tl.constexpr, CB: tl.constexpr, CG: tl.constexpr = False):
+                  D_PAD: tl.constexpr, CB: tl.constexpr):
     """out[row] = Σ_c 2^(lse_c − m) · O_c / Σ_c 2^(lse_c − m) over chunk slots first_slot, rest_base + c·rest_step.
 
     One pass over the chunks in blocks of CB, the running maximum rescaling what came before (an online
     softmax over the partials): a merge of at most CB partials is one round of loads (lse and O together),
-    a longer one ceil(n / CB) rounds. CG: the partials are read past L1 (written by programs running beside
-    this one, `DecodeConfig.pair_wait`).
+    a longer one ceil(n / CB) rounds.
     """
     ROWS: tl.constexpr = Q_LEN * G
     offs_c = tl.arange(0, CB)
@@ -495,14 +487,9 @@ def _merge_chunks(part_o_ptr, part_lse_ptr, first_slot, rest_base, rest_step, n_
         c = c0 + offs_c
         c_ok = c < n_chunks
         slot = tl.where(c == 0, first_slot, rest_base + c * rest_step).to(tl.int64)
-        if CG:
-            lse = tl.load(part_lse_ptr + slot * ROWS + row, mask=c_ok, other=float("-inf"), cache_modifier=".cg")
-            o = tl.load(part_o_ptr + (slot * ROWS + row)[:, None] * HEAD_DIM + offs_d[None, :],
-                        mask=c_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")  # [CB, D]
-        else:
-            lse = tl.load(part_lse_ptr + slot * ROWS + row, mask=c_ok, other=float("-inf"))
-            o = tl.load(part_o_ptr + (slot * ROWS + row)[:, None] * HEAD_DIM + offs_d[None, :],
-                        mask=c_ok[:, None] & d_ok[None, :], other=0.0)  # [CB, D]
+        lse = tl.load(part_lse_ptr + slot * ROWS + row, mask=c_ok, other=float("-inf"))
+        o = tl.load(part_o_ptr + (slot * ROWS + row)[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=c_ok[:, None] & d_ok[None, :], other=0.0)  # [CB, D]
         m_new = tl.maximum(m_run, tl.max(lse, axis=0))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_run - m_ref)
@@ -606,24 +593,23 @@ def _tail_merge(part_o_ptr, part_lse_ptr, pair_desc_ptr, merge_sem_ptr, pid, b, 
 @triton.jit
 def _merge_partials(part_o_ptr, part_lse_ptr, first_slot, rest_base, rest_step, n_chunks, b, h, row, out_ptr,
                     stride_ot, stride_oh, Q_LEN: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    D_PAD: tl.constexpr, CB: tl.constexpr, CG: tl.constexpr = False):
+                    D_PAD: tl.constexpr, CB: tl.constexpr):
     """`_merge_chunks` in one round of a 16-partial tile where that holds them all (most merges: fewer
     addresses and registers a program), else in rounds of CB."""
     SMALL: tl.constexpr = 16 if CB > 16 else CB
     if n_chunks <= SMALL:
         _merge_chunks(part_o_ptr, part_lse_ptr, first_slot, rest_base, rest_step, n_chunks, b, h, row, out_ptr,
-                      stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, SMALL, CG)
+                      stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, SMALL)
     else:
         _merge_chunks(part_o_ptr, part_lse_ptr, first_slot, rest_base, rest_step, n_chunks, b, h, row, out_ptr,
-                      stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, CB, CG)
+                      stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, CB)
 
 
 @triton.jit
 def decode_combine_kernel(
-    part_o_ptr, part_lse_ptr, out_ptr, header_ptr, cum_ptr, last_b_ptr, stride_ot, stride_oh, merge_sem_ptr, B,
+    part_o_ptr, part_lse_ptr, out_ptr, header_ptr, cum_ptr, last_b_ptr, stride_ot, stride_oh,
     Q_LEN: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CB: tl.constexpr,
     USE_PDL: tl.constexpr = False, MERGE_DESC: tl.constexpr = False, PDL_NEXT: tl.constexpr = False,
-    PAIR_WAIT: tl.constexpr = False, SPIN_SLEEP: tl.constexpr = False,
 ):
     """Program (k, row) merges `row` of the split (head, request) that starts in program k's bucket and leaves it.
 
@@ -633,14 +619,6 @@ def decode_combine_kernel(
     merge_desc [programs, 4], whose row k (request or −1, head, first slot, partials) says it in one load level.
     PDL_NEXT (with MERGE_DESC): after its merge, let the next kernel launch (the next layer's attention kernel,
     PDL_WAIT; a program with nothing to merge releases it by exiting).
-    PAIR_WAIT (with MERGE_DESC, `DecodeConfig.pair_wait`): instead of the grid-wide wait, poll the pair's count in
-    merge_sem (2·programs + head·B + request, raised by the attention kernel's COUNT_PAIRS) until all its partials
-    are in (at most ~2M polls: a plan that does not match the call gives a wrong result, not a hang), merge them
-    (read past L1), and count this row in: the pair's last row program sets the count back to 0 for the next call.
-    SPIN_SLEEP (on a GPU; the interpreter has no inline asm): a 200 ns nanosleep between polls, so the polling
-    programs beside the attention programs leave them the SM's issue slots. Program (0, 0) still waits for the
-    attention grid before it exits, so this grid cannot end before it (the next kernel's wait then covers the
-    unsplit outputs too).
     """
     k = tl.program_id(0)
     row = tl.program_id(1)
@@ -651,34 +629,12 @@ def decode_combine_kernel(
         first_slot = tl.load(md + 2)
         n_chunks = tl.load(md + 3)
         if b >= 0:
-            if PAIR_WAIT:
-                sem = merge_sem_ptr + 2 * tl.num_programs(0) + h * B + b
-                seen = tl.atomic_add(sem, 0, sem="acquire", scope="gpu")
-                polls = seen * 0
-                # bounded (~1 s of L2 round trips): a plan that does not match the call (other lengths, the
-                # contract's wrong result) must not hang the GPU
-                while (seen < n_chunks) & (polls < 2_000_000):
-                    if SPIN_SLEEP:  # the polling warps yield the SM's issue slots to the attention programs
-                        tl.inline_asm_elementwise("nanosleep.u32 200; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
-                                                  is_pure=False, pack=1)
-                    seen = tl.atomic_add(sem, 0, sem="acquire", scope="gpu")
-                    polls += 1
-                _merge_partials(part_o_ptr, part_lse_ptr, first_slot, 2 * k, 2, n_chunks, b, h, row, out_ptr,
-                                stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, CB, True)
-                # every row program of the pair has passed its wait once the count reaches n_chunks + rows
-                if tl.atomic_add(sem, 1, sem="relaxed", scope="gpu") == n_chunks + tl.num_programs(1) - 1:
-                    tl.atomic_xchg(sem, 0, sem="relaxed", scope="gpu")
-            else:
-                if USE_PDL:
-                    gdc_wait()
-                _merge_partials(part_o_ptr, part_lse_ptr, first_slot, 2 * k, 2, n_chunks, b, h, row, out_ptr,
-                                stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, CB)
+            if USE_PDL:
+                gdc_wait()
+            _merge_partials(part_o_ptr, part_lse_ptr, first_slot, 2 * k, 2, n_chunks, b, h, row, out_ptr,
+                            stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, CB)
             if PDL_NEXT:
                 gdc_launch_dependents()
-        if PAIR_WAIT:
-            if USE_PDL:
-                if (k == 0) & (row == 0):
-                    gdc_wait()
     else:
         b = tl.load(last_b_ptr + k)
         if b >= 0:

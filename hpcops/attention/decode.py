@@ -175,16 +175,6 @@ class DecodeConfig:
         scan kept in registers for the compare-count) instead of two (scan, then re-load and re-scan
         for the compare). On: with 16 entries on 1 warp the plan step is 1.8–2.9 µs for B 16–256
         (was 2.9–57 µs) in the H200 sweep.
-    pair_wait: the `tl` kernel's combine waits for each split request's own partials instead of the whole
-        attention grid: a split task, once its partial is written, counts it into the plan's pair count
-        (`merge_sem`, CTA barrier then one release atomic, as the tail merge does), and a combine program polls
-        its pair's count (acquire) until every partial is in, merges, and the pair's last q row program sets the
-        count back to 0. With PDL the combine's programs are resident while the attention grid runs, so a pair
-        whose pieces are done merges on an SM an attention program has left (the grid's programs end over
-        several µs: bench/results/probe_decode_balance.md), and only the last pairs' merges follow the attention
-        kernel, not a whole grid's wait, release and merge (3-5.6 µs of the h8/1 bf16 steps there). One combine
-        program (0, 0) still waits for the attention grid, so the call ends after it. Needs task_desc and a plan
-        built with it on (the plan then zeroes the counts each step). Off (default): opt-in until the H200 measures it.
     pdl_wait: the dynamic schedule's attention kernel (`tl` or Gluon) is itself launched with programmatic
         dependent launch (sm90): its programs may become resident while the previous kernel in the stream
         finishes, and wait (griddepcontrol.wait) before their first read, so nothing it reads (q, the plan, the
@@ -224,7 +214,6 @@ class DecodeConfig:
     pdl_wait: bool = True
     pv_fp16: bool = True
     v_mask_tail: bool = True
-    pair_wait: bool = False
 
     def __post_init__(self):
         check_choice("DecodeConfig.lean_mode", self.lean_mode, LEAN_MODES)
@@ -233,16 +222,13 @@ class DecodeConfig:
             raise ValueError(f"DecodeConfig.max_regs must be None or an int in 32..255, got {self.max_regs!r}")
         if self.tail_merge and not self.task_desc:
             raise ValueError("DecodeConfig.tail_merge needs task_desc (the plan's pair table is written with it)")
-        if self.pair_wait is True and not self.task_desc:
-            raise ValueError("DecodeConfig.pair_wait needs task_desc (the combine finds its pair in the plan's "
-                             "merge_desc)")
         tg = self.tail_group
         if tg is not None and (type(tg) is not int or not (tg == 0 or 2 <= tg <= 4096)):
             raise ValueError(f"DecodeConfig.tail_group must be None, 0 or an int in 2..4096, got {tg!r}")
         mr = self.merge_round
         if mr is not None and (type(mr) is not int or not 1024 <= mr <= 16384 or mr & (mr - 1)):
             raise ValueError(f"DecodeConfig.merge_round must be None or a power of two in 1024..16384, got {mr!r}")
-        for name in ("merge_prefetch", "pdl_wait", "pv_fp16", "v_mask_tail", "pair_wait"):
+        for name in ("merge_prefetch", "pdl_wait", "pv_fp16", "v_mask_tail"):
             if type(getattr(self, name)) is not bool:
                 raise TypeError(f"DecodeConfig.{name} must be a bool, got {getattr(self, name)!r}")
         sc = self.split_cost
@@ -615,11 +601,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         # spill 16 bytes: tests/test_decode_compile.py)
         tl_tail = dict(TAIL_MERGE=True, R_PAD=r_pad, TAIL_GROUP=_tail_group(parts, max_tiles),
                        TAIL_STAGES=1 if use_tma else 3)
-    # DecodeConfig.pair_wait: the tl kernel counts each split's partials, its combine waits per pair
-    pair_wait = _CONFIG.pair_wait and not tail and not use_gluon
-    if pair_wait and not plan.has_pairs:
-        raise ValueError("plan was built without DecodeConfig.pair_wait (its pair counts are not zeroed): re-plan "
-                         "with hpcops.plan_decode under the same config as decode_attention")
     if use_gluon:
         _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, out, part_o, part_lse, plan, q_scale, args_kv,
                       sm_scale, q_len, g, rows, gluon_tail, pdl_wait)
@@ -627,22 +608,19 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         decode_persistent_kernel[(plan.num_programs,)](
             q, k_cache, v_cache, *descs, block_table, seq_lens, out, part_o, part_lse,
             plan.header, plan.cum, plan.task_desc if _CONFIG.task_desc else plan.first_b,
-            plan.pair_desc if tail else dummy, plan.merge_sem if tail or pair_wait else dummy,
+            plan.pair_desc if tail else dummy, plan.merge_sem if tail else dummy,
             q_scale if q_fp8 else dummy, *args_kv,
             sm_scale * LOG2E, b, hq, block_table.shape[1], nb, *strides,
             BLOCK_SIZE=bs, TILE=TILE, BLOCK_N=block_n, KV_FP8=kv_fp8, Q_FP8=q_fp8, NUM_STAGES=_num_stages(),
             num_warps=num_warps, M_PAD=m_pad, USE_TMA=use_tma, USE_PDL=pdl and not tail,
-            TASK_DESC=_CONFIG.task_desc, **attn_knobs, **common, **tl_tail, **pdl_wait,
-            **({"COUNT_PAIRS": True} if pair_wait else {}))
+            TASK_DESC=_CONFIG.task_desc, **attn_knobs, **common, **tl_tail, **pdl_wait)
     if tail:
         return out
     decode_combine_kernel[(plan.num_programs, rows)](
         part_o, part_lse, out, plan.header, plan.cum, plan.merge_desc if _CONFIG.task_desc else plan.last_b,
         out.stride(0), out.stride(1),
-        plan.merge_sem if pair_wait else dummy, b,
         CB=_combine_chunks(d), USE_PDL=pdl, MERGE_DESC=_CONFIG.task_desc, num_warps=4, **common, **pdl_launch,
-        **({"PDL_NEXT": True} if pdl and pdl_wait else {}),
-        **({"PAIR_WAIT": True, "SPIN_SLEEP": on_gpu} if pair_wait else {}))
+        **({"PDL_NEXT": True} if pdl and pdl_wait else {}))
     return out
 
 

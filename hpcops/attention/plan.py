@@ -432,8 +432,7 @@ def _launch_plan(plan: DecodePlan, seq_lens: torch.Tensor) -> None:
     cfg = decode_config()
     b = seq_lens.shape[0]
     plan.has_desc = cfg.task_desc
-    plan.has_pairs = cfg.task_desc and (cfg.tail_merge or (cfg.tail_merge is None and plan.kernel == "gluon")
-                                        or cfg.pair_wait)
+    plan.has_pairs = cfg.task_desc and (cfg.tail_merge or (cfg.tail_merge is None and plan.kernel == "gluon"))
     if plan.has_pairs and plan.pair_desc is None:
         raise ValueError("DecodeConfig.tail_merge needs a plan with pair buffers (built by plan_decode)")
     if b == 0:

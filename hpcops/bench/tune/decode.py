@@ -84,11 +84,6 @@ DECODE_SPACE = (
     knob(("gluon", "tail_merge", "tail_group", "pps"), (True, True, 8, 3), (True, True, 32, 3), (True, True, 0, 3),
          near=None),
     knob(("tail_merge", "tail_group"), (True, 8), (True, 0), near=None),
-    # the tl kernel's combine waiting on each split's own partials, not the whole attention grid (alone, and with
-    # the plan's equal cut on the short batches, where the whole cut leaves nothing to merge)
-    knob("pair_wait", False, True),
-    knob(("pair_wait", "split_cost"), (True, 0), near=None),
-    knob(("pair_wait", "split_cost", "min_tiles"), (True, 0, 2), near=None),
     knob("merge_prefetch", False, True),
     # wider Gluon merge rounds (8 partials of 8 rows at d128) without the prefetch (with it: 2 programs an SM),
     # alone and with groups of 16 / 32 partials
