@@ -57,12 +57,12 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
     cost = asked if has_desc else 0
     cut_snap = asked_snap if cost else 0
     cum = [0]
-    for n in seq_lens.long().cpu().tolist():
+    lens = seq_lens.long().cpu().tolist()
+    for n in lens:
         cum.append(cum[-1] + max(1, -(-n // TILE)))
     header = [0, 0, 0, 0, 0]
     first_b, last_b = [-1] * c, [-1] * c
     task_desc = [[-1, 0, 0, 0, 0] for _ in range(c)]
-    lens = seq_lens.long().cpu().tolist()
     merge_desc = [[-1, 0, 0, 0] for _ in range(c)]
     if b:
         cs = CostStream.cut(cum, num_kv_heads, cost, c, mt, cut_snap, split_cost_for(kernel) if cost else 0)

@@ -32,20 +32,14 @@ gate, else `vllm-unified`. Target (issue 10): no case below 1.0× its peer, exce
 streams at ≥ 90 % of copy bandwidth; the markdown ends with the verdict per case (`summary_markdown`),
 the PNG shows peer time / our time per case (`plot`).
 
-GPU time (H200; estimated, nothing of the grid has run on a GPU yet). Timing itself is cheap: the harness
-replays one graph of L layers (L2-cold, L ≥ 8) 50 times, and `bench/results/decode.md` gives 15–40 µs per
-layer for h8/1 and up to ~300 µs for 1 GB layers (h64/8 bf16 64x4K), so < 0.2 s per row. What costs is
-per case ~3–5 s (inputs, the reference gate of ours and of each peer, graph captures), Triton compilation
-per new (GQA, head_dim, page, KV) — ours with both q dtypes, vLLM's kernel and reduction: ~10–20 s, 27
-such combinations in the grid, 10 in `--quick` — and FlashInfer's JIT build on a fresh machine (~40 s per
-module, one per head_dim × KV dtype × wrapper: 12 in the grid, 6 in `--quick`; the d128 ones are those of
-the `decode` suite). Estimates, fresh machine / compiled (a warm machine that ran it before):
-- `hpcops bench decode --grid --quick`: ~6–8 min / ~1 min;
-- `hpcops bench decode --grid`: ~15–20 min / ~4 min: more than one 10-minute command on a fresh machine. On
-  one machine, after `--grid --quick` (which builds every fp8 FlashInfer module and the d128 bf16 ones), run
-  `--grid --only fp8 --out A` (28 cases, ~4 min) and `--grid --only bf16 --out B` (26 cases, 4 FlashInfer
-  builds, ~7 min), then join them anywhere with `python -m hpcops.bench.report decode-grid OUT A B`. The
-  reports are rewritten after every case, so a part cut short keeps what it measured.
+GPU time (H200, session 48, FlashInfer wheels and `.peers` carried): on a fresh
+machine `--grid --only bf16` (26 cases) took ~150 s and `--grid --only fp8` (28 cases) ~210 s, so the whole grid
+fits two 10-minute device commands (or one, tightly). What costs is per case ~3–5 s (inputs, the reference gate of
+ours and of each peer, graph captures) and Triton compilation per new (GQA, head_dim, page, KV) — ours with both q
+dtypes, vLLM's kernel and reduction; timing itself is < 0.2 s a row (one graph of L ≥ 8 L2-cold layers replayed 50
+times). Run the parts with `--out A` / `--out B` and join them anywhere with
+`python -m hpcops.bench.report decode-grid OUT A B`. The reports are rewritten after every case, so a part cut
+short keeps what it measured.
 """
 
 from __future__ import annotations
