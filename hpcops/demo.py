@@ -45,7 +45,7 @@ def _cut(lens: list[int], num_kv_heads: int, num_programs: int, min_tiles: int, 
     for n in lens:
         cum.append(cum[-1] + _tiles(n))
     return CostStream.cut(cum, num_kv_heads, task_cost, num_programs, min_tiles, snap if task_cost else 0,
-                          split_cost_for("tl") if task_cost else 0)
+                          split_cost_for("tl") if task_cost else 0, num_sms=-(-num_programs // DEFAULT_PROGRAMS_PER_SM))
 
 
 def static_loads(lens: list[int], num_kv_heads: int, num_sms: int) -> list[int]:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import hpcops
+from hpcops import _platform
 from hpcops.attention import plan as plan_mod
 from hpcops.attention import reference as ref
 from hpcops.quant import quantize_per_token_head
@@ -39,7 +40,8 @@ def test_plan_matches_reference(seed, device):
     cost = rng.choice([0, 1, 3, 4, 9])
     snap = rng.choice([0, 4, 16, 64])
     split_cost = rng.choice([0, 16, 64, 256])
-    kw = dict(num_kv_heads=hkv, num_programs=c, min_tiles=mt, task_cost=cost, snap=snap)
+    kw = dict(num_kv_heads=hkv, num_programs=c, min_tiles=mt, task_cost=cost, snap=snap,
+              num_sms=rng.choice([None, 1, 66, 132]))
     sl = torch.tensor(lens, dtype=torch.int32, device=device)
     with _with_config(dict(task_desc=False)):
         got = hpcops.plan_decode(sl, **kw)
@@ -155,6 +157,41 @@ def test_plan_split_cost_cuts_short_uniform_batches_whole(hkv, programs, snap, w
     assert not any(t[5] for t in tasks) and not (got.merge_desc[:, 0] >= 0).any()
     assert sorted((h, b) for _, h, b, *_ in tasks) == [(h, b) for h in range(hkv) for b in range(64)]
     assert _tables(got_long) == _tables(equal_long) and _desc(got_long) == _desc(equal_long)
+
+
+@pytest.mark.parametrize("spec, hkv, sms, whole", [
+    ("16x2K", 8, 132, True),  # 128 whole pairs of 136 units, one an SM, against 2 programs of 66 an SM
+    ("8x1K", 8, 132, True),  # 64 of 72 against 2 of 18 (+ 40)
+    ("16x2K", 8, 264, False),  # one program an SM either way: 136 against 66 + 40
+    ("64x4K", 1, 132, False),  # 264 against 2 of 64 (+ 40)
+    ("64x0.5K", 1, 132, True),  # 40 against 2 of 16 (+ 40)
+    ("16x1K", 1, 132, False),  # 72 against one of 16 (+ 40): the whole cut would leave 116 SMs idle
+])
+def test_plan_whole_cut_by_busiest_sm(spec, hkv, sms, whole, device):
+    """The whole cut is weighed per SM (`plan.whole_pays`): its buckets × the programs an SM runs, against the
+    equal cut's + the split cost (40 for the tl kernel). The device's plan kernel and the reference agree."""
+    from hpcops.attention import decode as dec
+    from hpcops.bench.scenarios import parse_lengths
+
+    lens = torch.tensor(parse_lengths(spec), dtype=torch.int32, device=device)
+    kw = dict(num_kv_heads=hkv, num_programs=264, min_tiles=4, task_cost=8, snap=0, num_sms=sms)
+    with dec.decode_config_changed(task_desc=True, split_cost=None):
+        got = hpcops.plan_decode(lens, **kw)
+        want = ref.plan_decode(lens.cpu(), **kw)
+    assert got.num_sms == want.num_sms == sms
+    assert _tables(got) == _tables(want) and _desc(got) == _desc(want)
+    assert (got.host_tables()["used_snap"] == plan_mod.WHOLE_SNAP) is whole
+    assert any(t[5] for t in got.tasks()) is not whole
+
+
+def test_plan_num_sms_errors(device):
+    lens = torch.tensor([100, 200], dtype=torch.int32, device=device)
+    for bad in (0, -1, 1.5, "132"):
+        with pytest.raises(ValueError, match="num_sms"):
+            hpcops.plan_decode(lens, num_kv_heads=1, num_sms=bad)
+        with pytest.raises(ValueError, match="num_sms"):
+            ref.plan_decode(lens.cpu(), num_kv_heads=1, num_sms=bad)
+    assert hpcops.plan_decode(lens, num_kv_heads=1).num_sms == _platform.num_sms(lens.device)
 
 
 def test_split_cost_errors():

@@ -1,0 +1,48 @@
+"""scripts/probe_whole_cut.py on the CPU (interpreter): every cut of a small case runs, its output matches the
+model cut's, and the report names the cut the default plan made."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _probe():
+    spec = importlib.util.spec_from_file_location("probe_whole_cut", ROOT / "scripts" / "probe_whole_cut.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["probe_whole_cut"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("case, whole", [("4x0.25K h8/1", True), ("2x2K h8/1", False)])
+def test_probe_cases_and_report(case, whole):
+    pytest.importorskip("triton")
+    from hpcops import _platform
+
+    if not _platform.is_interpreter():
+        pytest.skip("the CPU tier runs this under TRITON_INTERPRET=1")
+    probe = _probe()
+    calls = []
+
+    def timer(fns, replays):
+        for fn in fns:
+            fn()
+        calls.append(len(fns))
+        return float(len(calls))
+
+    row = probe.time_case(case, rounds=2, device="cpu", timer=timer, layers=1)
+    assert len(calls) == 2 * 4 and set(row["us"]) == {"model", "equal", "whole", "static"}
+    assert row["cut"]["whole"]["whole"] and not row["cut"]["equal"]["whole"]
+    assert row["cut"]["model"]["whole"] is whole
+    md = probe.markdown([row], "cpu")
+    assert f"| {case} | {'whole' if whole else 'equal'} (bucket" in md
+
+
+def test_probe_case_names():
+    probe = _probe()
+    assert probe._case("16x2K h64/8") == ("16x2K", 64, 8)
+    assert all(len(c.split()) == 2 for c in probe.CASES.split(","))
