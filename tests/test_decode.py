@@ -184,6 +184,24 @@ def test_plan_whole_cut_by_busiest_sm(spec, hkv, sms, whole, device):
     assert any(t[5] for t in got.tasks()) is not whole
 
 
+def test_check_plan_matches_takes_the_plans_kernel(device):
+    """A Gluon plan (split cost 0: the equal cut) of a short uniform batch, where the tl kernel's plan would keep
+    every request whole, is checked against the reference cut for its own kernel: no false "stale" error; other
+    lengths still raise."""
+    from hpcops.attention import decode as dec
+
+    lens = torch.tensor([512] * 64, dtype=torch.int32, device=device)
+    with dec.decode_config_changed(task_desc=True, split_cost=None):
+        plan = hpcops.plan_decode(lens, num_kv_heads=1, num_programs=264)
+        assert plan.host_tables()["used_snap"] == plan_mod.WHOLE_SNAP  # the tl kernel's: whole
+        plan.kernel = "gluon"  # as plan_kernel picks on sm_90 for an fp8 q over fp8 KV
+        hpcops.plan_decode(lens, num_kv_heads=1, out=plan)
+        assert plan.host_tables()["used_snap"] != plan_mod.WHOLE_SNAP and any(t[5] for t in plan.tasks())
+        plan_mod.check_plan_matches(plan, lens.cpu())
+        with pytest.raises(ValueError, match="stale"):
+            plan_mod.check_plan_matches(plan, (lens + 64).cpu())
+
+
 def test_plan_num_sms_errors(device):
     lens = torch.tensor([100, 200], dtype=torch.int32, device=device)
     for bad in (0, -1, 1.5, "132"):

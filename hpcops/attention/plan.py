@@ -429,11 +429,14 @@ def check_plan_matches(plan: DecodePlan, seq_lens: torch.Tensor) -> None:
     `[plan.batch]`), recomputed by the torch reference builder with the plan's own num_kv_heads,
     programs and tile floor. Syncs when the plan is on a device: checking mode only."""
     from hpcops.attention import reference as ref
+    from hpcops.attention.decode import decode_config_changed
 
-    want = ref.plan_decode(seq_lens, num_kv_heads=plan.num_kv_heads, q_len=plan.q_len,
-                           block_size=plan.block_size, max_batch=plan.max_batch,
-                           num_programs=plan.num_programs, min_tiles=plan.min_tiles, task_cost=plan.task_cost,
-                           snap=plan.snap, num_sms=plan.num_sms)
+    # the split cost of the plan's own kernel (the reference, given no dtype hints, would take the tl kernel's)
+    with decode_config_changed(split_cost=split_cost_for(plan.kernel)):
+        want = ref.plan_decode(seq_lens, num_kv_heads=plan.num_kv_heads, q_len=plan.q_len,
+                               block_size=plan.block_size, max_batch=plan.max_batch,
+                               num_programs=plan.num_programs, min_tiles=plan.min_tiles, task_cost=plan.task_cost,
+                               snap=plan.snap, num_sms=plan.num_sms)
     want.has_desc = plan.has_desc
     want = want.host_tables()
     have = plan.host_tables()
