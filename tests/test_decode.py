@@ -160,16 +160,20 @@ def test_plan_split_cost_cuts_short_uniform_batches_whole(hkv, programs, snap, w
 
 
 @pytest.mark.parametrize("spec, hkv, sms, whole", [
-    ("16x2K", 8, 132, True),  # 128 whole pairs of 136 units, one an SM, against 2 programs of 66 an SM
-    ("8x1K", 8, 132, True),  # 64 of 72 against 2 of 18 (+ 40)
-    ("16x2K", 8, 264, False),  # one program an SM either way: 136 against 66 + 40
-    ("64x4K", 1, 132, False),  # 264 against 2 of 64 (+ 40)
-    ("64x0.5K", 1, 132, True),  # 40 against 2 of 16 (+ 40)
-    ("16x1K", 1, 132, False),  # 72 against one of 16 (+ 40): the whole cut would leave 116 SMs idle
+    ("16x2K", 8, 132, True),  # 128 whole pairs of 136 units, one an SM, against max(66, 17408 / 132) + 40
+    ("8x1K", 8, 132, True),  # 64 of 72 against 35 + 40
+    ("16x2K", 8, 264, False),  # 136 against 66 + 40
+    ("128x4K", 1, 132, True),  # 128 of 264 against 256 + 40
+    ("64x4K", 1, 132, False),  # 64 of 264 against 128 + 40
+    ("64x0.5K", 1, 132, True),  # 40 against 20 + 40
+    ("32x1K", 1, 132, False),  # 32 of 72 against 18 + 40: 100 SMs idle (H100: 16.3 µs whole, 12.7 equal)
+    ("48x1K", 1, 132, False),  # 72 against 27 + 40 (H100: 16.7 µs whole, 16.1 equal)
+    ("16x1K", 1, 132, False),  # 72 against max(16, 9) + 40
 ])
 def test_plan_whole_cut_by_busiest_sm(spec, hkv, sms, whole, device):
-    """The whole cut is weighed per SM (`plan.whole_pays`): its buckets × the programs an SM runs, against the
-    equal cut's + the split cost (40 for the tl kernel). The device's plan kernel and the reference agree."""
+    """The whole cut is weighed on the busiest SM (`plan.whole_pays`): its whole buckets × the whole programs an SM
+    runs, against the equal cut's share (a bucket or total / SMs) + the split cost (40 for the tl kernel). The
+    device's plan kernel and the reference agree."""
     from hpcops.attention import decode as dec
     from hpcops.bench.scenarios import parse_lengths
 

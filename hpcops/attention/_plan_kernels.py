@@ -105,9 +105,9 @@ def plan_decode_kernel(
     snap = tl.minimum(snap, bucket // 4)
     c_max = unit * t_max + task_cost  # the largest (head, request)'s cost
     whole = c_max * ((bucket + c_max - 1) // c_max)
-    # plan.whole_pays: the busiest SM's load, buckets × programs an SM (active programs over num_sms, rounded up)
-    per_sm_split = bucket * (((total - unit) // bucket + 1 + num_sms - 1) // num_sms)
+    # plan.whole_pays: the busiest SM's load, whole buckets × whole programs an SM against the equal cut's share
     per_sm_whole = whole * (((total - unit) // whole + 1 + num_sms - 1) // num_sms)
+    per_sm_split = tl.maximum(bucket, (total + num_sms - 1) // num_sms)
     no_split = (split_cost > 0) & (per_sm_whole <= per_sm_split + split_cost)
     bucket = tl.where(no_split, whole, bucket)
     snap = tl.where(no_split, BIG, snap)

@@ -102,8 +102,9 @@ WHOLE_SNAP = 2147483647
 # DecodeConfig.split_cost None: by the plan's kernel (the H200 tune at 78dfefb, decode_tune_split_cost.md): the tl
 # kernel (combine kernel, 2 programs an SM) gains from whole cuts of short batches (64x0.5K 1.10-1.18x, h64/8 64x4K
 # 1.03x); the Gluon kernel (tail merge, 3 an SM) loses (0.87-0.90x), so 0 there. 40 (10 tiles) with the per-SM
-# comparison (`whole_pays`): the H100 tune of session 49 (decode_tune_pair_wait_split_cost_h100.md) had the whole
-# cut of 8x1K h64/8 bf16 1.13x faster, needing 36 or more; no other bench or grid case changes its cut up to 48.
+# comparison (`whole_pays`): session 49's H100 probe (probe_whole_cut_h100.md) has the whole cut of 8x1K h64/8 bf16
+# 1.11x faster (it needs 37 or more) and that of 48x1K h8/1 1.04x slower (45 or more would take it); between the
+# two, only 8x1K and 16x2K h64/8 of the bench and grid cases change their cut.
 SPLIT_COST_TL = 40
 # Not by KV dtype: over fp8 KV with a bf16 q (the tl kernel converts every tile) a lower split cost was tried (tune
 # decode's "q16" scenarios, bench/results/decode_tune_q16_40726ce.md): 64x0.5K h8/1 13.8 µs split (split_cost <= 16)
@@ -113,15 +114,15 @@ SPLIT_COST_TL = 40
 
 def whole_pays(total: int, unit: int, bucket: int, whole: int, num_sms: int, split_cost: int) -> bool:
     """Whether the whole cut (buckets of `whole` cost units, no request split) beats the equal cut (buckets of
-    `bucket`, the split requests merged after) by the plan's cost model: compared per SM, the busiest SM's
-    load, its buckets times the programs it runs (the grid's active programs over `num_sms`, rounded up: a
-    program beside another shares its SM), the equal cut's plus `split_cost` (the merge, partial writes).
-    So a whole cut that leaves one program an SM where the equal one has two wins at up to twice the bucket
-    (16x2K h64/8: 128 whole pairs of 136 units against 2 × 66; 8x1K: 72 against 2 × 18)."""
-    active_split = (total - unit) // bucket + 1
-    active_whole = (total - unit) // whole + 1
-    per_sm_split = bucket * -(-active_split // num_sms)
-    per_sm_whole = whole * -(-active_whole // num_sms)
+    `bucket`, the split requests merged after) by the plan's cost model, compared on the busiest SM: the whole
+    cut's holds ceil(whole programs / num_sms) whole buckets (a whole pair cannot spread); the equal cut's its
+    share of the stream, the larger of a bucket and total / num_sms, plus `split_cost` (partial writes, the
+    merge and its wait). So a whole cut that leaves one program an SM where the equal one runs two pays up to
+    twice the bucket (16x2K h64/8: 128 whole pairs of 136 units against 132 + 40), and one that would
+    leave most SMs idle does not (32x1K h8/1: 32 pairs of 72 against 18 + 40). Session 49's H100 probe
+    (bench/results/probe_whole_cut_h100.md) agrees on all its 9 cases."""
+    per_sm_whole = whole * -(-((total - unit) // whole + 1) // num_sms)
+    per_sm_split = max(bucket, -(-total // num_sms))
     return per_sm_whole <= per_sm_split + split_cost
 
 
