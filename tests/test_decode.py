@@ -188,6 +188,26 @@ def test_plan_whole_cut_by_busiest_sm(spec, hkv, sms, whole, device):
     assert any(t[5] for t in got.tasks()) is not whole
 
 
+def test_whole_cut_cases_of_the_decode_bench():
+    """Which of the decode bench's cases the tl kernel's plan cuts whole on 264 programs over 132 SMs (the H200 and
+    H100 bench grid): the short uniform batches and the h64/8 ones whose pairs fill the SMs about once, measured
+    faster whole (bench/results/probe_whole_cut_h100.md, decode_h100_042c88d.md); every mix with a long request
+    keeps the equal cut. A change of the cost model that moves a case shows here."""
+    from hpcops.bench.scenarios import parse_lengths
+    from hpcops.bench.suites import decode as suite
+
+    whole = set()
+    for sc in suite.scenarios():
+        cum = [0]
+        for n in parse_lengths(sc.spec):
+            cum.append(cum[-1] + max(1, -(-n // plan_mod.TILE)))
+        cs = plan_mod.CostStream.cut(cum, sc.hkv, plan_mod.DEFAULT_TASK_COST, 264, plan_mod.DEFAULT_MIN_TILES, 0,
+                                     plan_mod.SPLIT_COST_TL, num_sms=132)
+        if cs.snap == plan_mod.WHOLE_SNAP:
+            whole.add(f"{sc.spec} h{sc.hq}/{sc.hkv}")
+    assert whole == {"64x0.5K h8/1", "64x0.5K h64/8", "64x4K h64/8", "8x1K h64/8", "16x2K h64/8", "32x1K h64/8"}
+
+
 def test_check_plan_matches_takes_the_plans_kernel(device):
     """A Gluon plan (split cost 0: the equal cut) of a short uniform batch, where the tl kernel's plan would keep
     every request whole, is checked against the reference cut for its own kernel: no false "stale" error; other
