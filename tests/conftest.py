@@ -5,7 +5,9 @@ tolerances assume them); `@pytest.mark.gpu` tests run only where CUDA is present
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 
 import pytest
 import torch
@@ -13,6 +15,17 @@ import torch
 from hpcops._platform import is_interpreter
 
 HAS_CUDA = torch.cuda.is_available() and not is_interpreter()
+SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+
+
+def load_script(name: str, module: str | None = None):
+    """scripts/<name>.py imported as module `module` (default: name), registered in sys.modules first (a script's
+    dataclasses look their module up)."""
+    spec = importlib.util.spec_from_file_location(module or name, os.path.join(SCRIPTS, f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
 if not HAS_CUDA:
     os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton kernels
     from hpcops import _interpreter

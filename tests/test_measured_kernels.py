@@ -8,13 +8,13 @@ results, then re-record the fingerprints (`python scripts/ptx_fingerprint.py > b
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+from conftest import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "ptx_fingerprint.py")
@@ -22,10 +22,7 @@ RECORDED = os.path.join(ROOT, "bench", "results", "fingerprints.json")
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("ptx_fingerprint", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("ptx_fingerprint")
 
 
 def _row(run, kernel, sha):

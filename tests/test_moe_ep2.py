@@ -12,7 +12,6 @@ rank's listening port) outlives a test, and a run past its time limit is killed 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -22,21 +21,13 @@ import time
 
 import pytest
 import torch
-from conftest import HAS_CUDA
+from conftest import HAS_CUDA, load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "moe_ep2.py")
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("moe_ep2_script", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
-
-
-ep2 = _load()
+ep2 = load_script("moe_ep2", "moe_ep2_script")
 
 
 def _live_in_group(pgid: int) -> list[int]:

@@ -1,21 +1,12 @@
 """scripts/probe_whole_cut.py on the CPU (interpreter): every cut of a small case runs, its output matches the
 model cut's, and the report names the cut the default plan made."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import load_script
 
 
 def _probe():
-    spec = importlib.util.spec_from_file_location("probe_whole_cut", ROOT / "scripts" / "probe_whole_cut.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["probe_whole_cut"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("probe_whole_cut")
 
 
 @pytest.mark.parametrize("case, whole", [("4x0.25K h8/1", True), ("2x2K h8/1", False)])

@@ -193,12 +193,9 @@ def test_gpu_parallel_queues_timeouts_and_one_archive(tmp_path):
 
 def test_gpu_parallel_keeps_a_quoted_semicolon_in_its_job():
     """`;` separates a queue's jobs only outside quotes: profile_decode_kernels' --variants list keeps its own."""
-    import importlib.util
+    from conftest import load_script
 
-    spec = importlib.util.spec_from_file_location("gpu_parallel", os.path.join(SCRIPTS, "gpu_parallel.py"))
-    gp = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_parallel"] = gp  # its dataclasses look their module up
-    spec.loader.exec_module(gp)
+    gp = load_script("gpu_parallel")
     jobs = gp.parse_queue(1, "PROFILE_ARGS='--variants \"tail_merge=1;gluon=0\"' profile:decode-kernels ;"
                              " timeout=300 bench:decode;bench:moe")
     assert [(j.stage, j.env, j.timeout) for j in jobs] == [
