@@ -45,7 +45,7 @@ def _cut(lens: list[int], num_kv_heads: int, num_programs: int, min_tiles: int, 
     for n in lens:
         cum.append(cum[-1] + _tiles(n))
     return CostStream.cut(cum, num_kv_heads, task_cost, num_programs, min_tiles, snap if task_cost else 0,
-                          split_cost_for("tl") if task_cost else 0)
+                          split_cost_for("tl") if task_cost else 0, num_sms=-(-num_programs // DEFAULT_PROGRAMS_PER_SM))
 
 
 def static_loads(lens: list[int], num_kv_heads: int, num_sms: int) -> list[int]:
@@ -183,8 +183,8 @@ def _notes(rows: list[dict], programs: int) -> list[str]:
             notes.append(f"{r['spec']}: short uniform requests. The plan keeps each one whole ({r['dyn_n']} programs "
                          f"of {r['dyn_max']} tiles, {programs - r['dyn_n']} idle) where splitting would save less "
                          f"than it costs: a split request's partials are written, merged by a second kernel and "
-                         f"waited for, which the plan charges as {SPLIT_COST_TL / TASK_UNITS:g} tiles "
-                         "(DecodeConfig.split_cost). So in tiles it reads "
+                         f"waited for, which the plan charges as {SPLIT_COST_TL / TASK_UNITS:g} tiles on the busiest "
+                         "SM (DecodeConfig.split_cost). So in tiles it reads "
                          f"{r['sta_span'] / r['dyn_span']:.2f}x against the static split's {r['sta_n']} programs of "
                          f"≤ {r['sta_max']} (and its merge); in time, on the H200, the whole cut runs 64x0.5K h8/1 "
                          "bf16 in 11.5 µs against the static split's 12.4 (over fp8 KV with a bf16 q it is still "

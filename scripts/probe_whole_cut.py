@@ -11,9 +11,9 @@ interleaved over rounds, and the cut the default plan made:
 
     python3 scripts/probe_whole_cut.py --out DIR [--cases '16x2K h64/8,32x1K h8/1'] [--rounds 3]
 
-Writes DIR/probe_whole_cut.{json,md}. The default cases: the two that session 49's per-SM rule
-(`plan.whole_pays`, parked) moves to the whole cut (8x1K, 16x2K at h64/8), the shapes nearest its threshold at h8/1
-(32x1K, 48x1K, 128x4K), and controls it keeps as before (64x0.5K whole, 64x4K equal).
+Writes DIR/probe_whole_cut.{json,md}. The default cases: the two the model moved to the whole cut in session 49
+(8x1K, 16x2K at h64/8), the shapes nearest its threshold at h8/1 (32x1K, 48x1K, 128x4K), and controls the model
+keeps as before (64x0.5K whole, 64x4K equal).
 """
 
 from __future__ import annotations

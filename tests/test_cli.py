@@ -176,7 +176,7 @@ def test_demo_explains_its_terms_and_numbers(capsys):
     assert "64x4K: the static grid has 320 programs of ≤ 13 tiles for 264 slots, so 56 slots run two" in flat
     # 64x0.5K: the plan's whole cut (one request a program) is explained by the split cost, with its numbers
     assert "64x0.5K: short uniform requests. The plan keeps each one whole (64 programs of 8 tiles, 200 idle)" in flat
-    assert "charges as 8 tiles (DecodeConfig.split_cost)" in flat and "reads 0.25x against" in flat
+    assert "charges as 10 tiles on the busiest SM (DecodeConfig.split_cost)" in flat and "reads 0.25x against" in flat
 
 
 def test_demo_correctness_line_names_its_dtypes(capsys):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import hpcops
+from hpcops import _platform
 from hpcops.attention import plan as plan_mod
 from hpcops.attention import reference as ref
 from hpcops.quant import quantize_per_token_head
@@ -39,7 +40,8 @@ def test_plan_matches_reference(seed, device):
     cost = rng.choice([0, 1, 3, 4, 9])
     snap = rng.choice([0, 4, 16, 64])
     split_cost = rng.choice([0, 16, 64, 256])
-    kw = dict(num_kv_heads=hkv, num_programs=c, min_tiles=mt, task_cost=cost, snap=snap)
+    kw = dict(num_kv_heads=hkv, num_programs=c, min_tiles=mt, task_cost=cost, snap=snap,
+              num_sms=rng.choice([None, 1, 66, 132]))
     sl = torch.tensor(lens, dtype=torch.int32, device=device)
     with _with_config(dict(task_desc=False)):
         got = hpcops.plan_decode(sl, **kw)
@@ -157,6 +159,55 @@ def test_plan_split_cost_cuts_short_uniform_batches_whole(hkv, programs, snap, w
     assert _tables(got_long) == _tables(equal_long) and _desc(got_long) == _desc(equal_long)
 
 
+@pytest.mark.parametrize("spec, hkv, sms, whole", [
+    ("16x2K", 8, 132, True),  # 128 whole pairs of 136 units, one an SM, against max(66, 17408 / 132) + 40
+    ("8x1K", 8, 132, True),  # 64 of 72 against 35 + 40
+    ("16x2K", 8, 264, False),  # 136 against 66 + 40
+    ("128x4K", 1, 132, True),  # 128 of 264 against 256 + 40
+    ("64x4K", 1, 132, False),  # 64 of 264 against 128 + 40
+    ("64x0.5K", 1, 132, True),  # 40 against 20 + 40
+    ("32x1K", 1, 132, False),  # 32 of 72 against 18 + 40: 100 SMs idle (H100: 16.3 µs whole, 12.7 equal)
+    ("48x1K", 1, 132, False),  # 72 against 27 + 40 (H100: 16.7 µs whole, 16.1 equal)
+    ("16x1K", 1, 132, False),  # 72 against max(16, 9) + 40
+])
+def test_plan_whole_cut_by_busiest_sm(spec, hkv, sms, whole, device):
+    """The whole cut is weighed on the busiest SM (`plan.whole_pays`): its whole buckets × the whole programs an SM
+    runs, against the equal cut's share (a bucket or total / SMs) + the split cost (40 for the tl kernel). The
+    device's plan kernel and the reference agree."""
+    from hpcops.attention import decode as dec
+    from hpcops.bench.scenarios import parse_lengths
+
+    lens = torch.tensor(parse_lengths(spec), dtype=torch.int32, device=device)
+    kw = dict(num_kv_heads=hkv, num_programs=264, min_tiles=4, task_cost=8, snap=0, num_sms=sms)
+    with dec.decode_config_changed(task_desc=True, split_cost=None):
+        got = hpcops.plan_decode(lens, **kw)
+        want = ref.plan_decode(lens.cpu(), **kw)
+    assert got.num_sms == want.num_sms == sms
+    assert _tables(got) == _tables(want) and _desc(got) == _desc(want)
+    assert (got.host_tables()["used_snap"] == plan_mod.WHOLE_SNAP) is whole
+    assert any(t[5] for t in got.tasks()) is not whole
+
+
+def test_whole_cut_cases_of_the_decode_bench():
+    """Which of the decode bench's cases the tl kernel's plan cuts whole on 264 programs over 132 SMs (the H200 and
+    H100 bench grid): the short uniform batches and the h64/8 ones whose pairs fill the SMs about once, measured
+    faster whole (bench/results/probe_whole_cut_h100.md, decode_h100_042c88d.md); every mix with a long request
+    keeps the equal cut. A change of the cost model that moves a case shows here."""
+    from hpcops.bench.scenarios import parse_lengths
+    from hpcops.bench.suites import decode as suite
+
+    whole = set()
+    for sc in suite.scenarios():
+        cum = [0]
+        for n in parse_lengths(sc.spec):
+            cum.append(cum[-1] + max(1, -(-n // plan_mod.TILE)))
+        cs = plan_mod.CostStream.cut(cum, sc.hkv, plan_mod.DEFAULT_TASK_COST, 264, plan_mod.DEFAULT_MIN_TILES, 0,
+                                     plan_mod.SPLIT_COST_TL, num_sms=132)
+        if cs.snap == plan_mod.WHOLE_SNAP:
+            whole.add(f"{sc.spec} h{sc.hq}/{sc.hkv}")
+    assert whole == {"64x0.5K h8/1", "64x0.5K h64/8", "64x4K h64/8", "8x1K h64/8", "16x2K h64/8", "32x1K h64/8"}
+
+
 def test_check_plan_matches_takes_the_plans_kernel(device):
     """A Gluon plan (split cost 0: the equal cut) of a short uniform batch, where the tl kernel's plan would keep
     every request whole, is checked against the reference cut for its own kernel: no false "stale" error; other
@@ -173,6 +224,16 @@ def test_check_plan_matches_takes_the_plans_kernel(device):
         plan_mod.check_plan_matches(plan, lens.cpu())
         with pytest.raises(ValueError, match="stale"):
             plan_mod.check_plan_matches(plan, (lens + 64).cpu())
+
+
+def test_plan_num_sms_errors(device):
+    lens = torch.tensor([100, 200], dtype=torch.int32, device=device)
+    for bad in (0, -1, 1.5, "132"):
+        with pytest.raises(ValueError, match="num_sms"):
+            hpcops.plan_decode(lens, num_kv_heads=1, num_sms=bad)
+        with pytest.raises(ValueError, match="num_sms"):
+            ref.plan_decode(lens.cpu(), num_kv_heads=1, num_sms=bad)
+    assert hpcops.plan_decode(lens, num_kv_heads=1).num_sms == _platform.num_sms(lens.device)
 
 
 def test_split_cost_errors():

@@ -58,7 +58,7 @@ def _in_stream(x, cnt, lo, hi, s_cost, s_total, unit, task_cost, snap):
 @triton.jit
 def plan_decode_kernel(
     seq_lens_ptr, cum_ptr, header_ptr, first_b_ptr, last_b_ptr, task_desc_ptr, merge_desc_ptr, pair_desc_ptr,
-    merge_sem_ptr, B, num_kv_heads, num_programs, min_tiles, unit, task_cost, snap, split_cost,
+    merge_sem_ptr, B, num_kv_heads, num_programs, min_tiles, unit, task_cost, snap, split_cost, num_sms,
     TILE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr, ONE_BLOCK: tl.constexpr = False,
     DESC: tl.constexpr = False, PAIRS: tl.constexpr = False,
 ):
@@ -66,7 +66,8 @@ def plan_decode_kernel(
     the per-program task and merge descriptors: the cost-stream cut of plan.py (program k runs the
     tiles that start in [k·bucket, (k+1)·bucket) of the cost stream, each cut snapped to a request
     boundary when it would cut off at most `snap` units; with `split_cost` > 0, where a bucket of whole largest
-    requests costs at most that much more than the equal one, that bucket and every cut at a request boundary).
+    requests costs its busiest SM (of `num_sms`) at most that much more than the equal one, that bucket and every
+    cut at a request boundary: `plan.whole_pays`).
 
     Every program computes the prefix sums (O(B) loads), then serves BLOCK_C entries of the plan by
     locating both ends of each entry's range among the requests' first-tile starts (one reduction of a
@@ -104,7 +105,10 @@ def plan_decode_kernel(
     snap = tl.minimum(snap, bucket // 4)
     c_max = unit * t_max + task_cost  # the largest (head, request)'s cost
     whole = c_max * ((bucket + c_max - 1) // c_max)
-    no_split = (split_cost > 0) & (whole <= bucket + split_cost)
+    # plan.whole_pays: the busiest SM's load, whole buckets × whole programs an SM against the equal cut's share
+    per_sm_whole = whole * (((total - unit) // whole + 1 + num_sms - 1) // num_sms)
+    per_sm_split = tl.maximum(bucket, (total + num_sms - 1) // num_sms)
+    no_split = (split_cost > 0) & (per_sm_whole <= per_sm_split + split_cost)
     bucket = tl.where(no_split, whole, bucket)
     snap = tl.where(no_split, BIG, snap)
     if PAIRS:

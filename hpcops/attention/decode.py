@@ -156,10 +156,11 @@ class DecodeConfig:
     split_cost: the plan's cost model for splitting a request at all, in quarters of a tile (0..256; with a task
         cost, i.e. task descriptors): what a split adds to the step (partial writes, the merge and its wait). Where
         every (head, request) fits whole in a bucket of c_max·ceil(bucket / c_max) cost units (c_max: the
-        largest pair's cost) that is at most the equal cut's bucket + split_cost, the plan cuts there and moves
-        every cut to a request boundary: no request is split (the static split's cut on uniform short batches,
-        without its combine). Elsewhere the equal cut as before. 0: never. None (default): by the plan's kernel,
-        `plan.SPLIT_COST_TL` (32, 8 tiles) for the `tl` kernel and 0 for the Gluon kernel. The H200 tune at `78dfefb`
+        largest pair's cost) whose busiest SM's load (buckets × programs an SM) is at most the equal cut's +
+        split_cost (`plan.whole_pays`), the plan cuts there and moves every cut to a request boundary: no request
+        is split (the static split's cut on uniform short batches, without its combine). Elsewhere the equal cut
+        as before. 0: never. None (default): by the plan's kernel, `plan.SPLIT_COST_TL` (40, 10 tiles) for the
+        `tl` kernel and 0 for the Gluon kernel. The H200 tune at `78dfefb`
         (bench/results/decode_tune_split_cost.md): on the `tl` kernel (merges through the combine kernel, 2 programs an
         SM) 32 takes 64x0.5K h8/1 bf16 from 13.0 to 11.6 µs (one request a program instead of a 4-tile bucket),
         h64/8 from 45.8 to 38.6 (two requests a program instead of 1.3: the static split's 38.6) and 64x4K h64/8

@@ -101,12 +101,29 @@ MAX_SPLIT_COST = 256
 WHOLE_SNAP = 2147483647
 # DecodeConfig.split_cost None: by the plan's kernel (the H200 tune at 78dfefb, decode_tune_split_cost.md): the tl
 # kernel (combine kernel, 2 programs an SM) gains from whole cuts of short batches (64x0.5K 1.10-1.18x, h64/8 64x4K
-# 1.03x); the Gluon kernel (tail merge, 3 an SM) loses (0.87-0.90x), so 0 there
-SPLIT_COST_TL = 32
+# 1.03x); the Gluon kernel (tail merge, 3 an SM) loses (0.87-0.90x), so 0 there. 40 (10 tiles) with the per-SM
+# comparison (`whole_pays`): session 49's H100 probe (probe_whole_cut_h100.md) has the whole cut of 8x1K h64/8 bf16
+# 1.11x faster (it needs 37 or more) and that of 48x1K h8/1 1.04x slower (45 or more would take it); between the
+# two, only 8x1K and 16x2K h64/8 of the bench and grid cases change their cut.
+SPLIT_COST_TL = 40
 # Not by KV dtype: over fp8 KV with a bf16 q (the tl kernel converts every tile) a lower split cost was tried (tune
 # decode's "q16" scenarios, bench/results/decode_tune_q16_40726ce.md): 64x0.5K h8/1 13.8 µs split (split_cost <= 16)
 # against 13.6 whole; the static split's 11.7 (decode.md) comes from its kernel, not from its cut (sm_90 builds:
 # decode_static_kernel 150 registers, 3 programs an SM; decode_persistent_kernel 189, 2 an SM).
+
+
+def whole_pays(total: int, unit: int, bucket: int, whole: int, num_sms: int, split_cost: int) -> bool:
+    """Whether the whole cut (buckets of `whole` cost units, no request split) beats the equal cut (buckets of
+    `bucket`, the split requests merged after) by the plan's cost model, compared on the busiest SM: the whole
+    cut's holds ceil(whole programs / num_sms) whole buckets (a whole pair cannot spread); the equal cut's its
+    share of the stream, the larger of a bucket and total / num_sms, plus `split_cost` (partial writes, the
+    merge and its wait). So a whole cut that leaves one program an SM where the equal one runs two pays up to
+    twice the bucket (16x2K h64/8: 128 whole pairs of 136 units against 132 + 40), and one that would
+    leave most SMs idle does not (32x1K h8/1: 32 pairs of 72 against 18 + 40). Session 49's H100 probe
+    (bench/results/probe_whole_cut_h100.md) agrees on all its 9 cases."""
+    per_sm_whole = whole * -(-((total - unit) // whole + 1) // num_sms)
+    per_sm_split = max(bucket, -(-total // num_sms))
+    return per_sm_whole <= per_sm_split + split_cost
 
 
 def split_cost_for(kernel: str) -> int:
@@ -158,6 +175,7 @@ class DecodePlan:
     has_desc: bool = False
     has_pairs: bool = False  # pair_desc written by the last plan (DecodeConfig.tail_merge)
     kernel: str = "tl"  # the attention kernel the plan was built for: "tl" or "gluon" (`decode.plan_kernel`)
+    num_sms: int = _platform.DEFAULT_NUM_SMS  # the SMs its grid runs on (the cost model's `whole_pays`)
     task_cost: int = 0  # as asked; the cut charges it only with descriptors (`cut_task_cost`)
     snap: int = 0  # likewise (`cut_snap`)
     _workspace: dict = field(default_factory=dict, repr=False)
@@ -228,18 +246,18 @@ class CostStream:
 
     @classmethod
     def cut(cls, cum: list[int], num_kv_heads: int, task_cost: int, num_programs: int, min_tiles: int,
-            snap: int = 0, split_cost: int = 0) -> CostStream:
-        """The plan's cut for `num_programs` programs: the bucket (cost units) at least min_tiles tiles
-        and one tile + one task start, so that every bucket but the last holds the start of a tile; the asked
-        snap clamped to a quarter bucket. With `split_cost` (cost units, > 0), the whole cut where it costs at
-        most that much more: a bucket of whole largest pairs (c_max·ceil(bucket / c_max)) and every cut moved
-        to a request boundary (`DecodeConfig.split_cost`)."""
+            snap: int = 0, split_cost: int = 0, *, num_sms: int) -> CostStream:
+        """The plan's cut for `num_programs` programs on `num_sms` SMs: the bucket (cost units) at least
+        min_tiles tiles and one tile + one task start, so that every bucket but the last holds the start of a
+        tile; the asked snap clamped to a quarter bucket. With `split_cost` (cost units, > 0), the whole cut
+        where it costs at most that much more (`whole_pays`): a bucket of whole largest pairs
+        (c_max·ceil(bucket / c_max)) and every cut moved to a request boundary (`DecodeConfig.split_cost`)."""
         unit = cost_unit(task_cost)
         total = num_kv_heads * (unit * cum[-1] + task_cost * (len(cum) - 1))
         bucket = max(-(-total // num_programs), unit * min_tiles, unit + task_cost)
         c_max = unit * max(b - a for a, b in zip(cum, cum[1:])) + task_cost
         whole = c_max * -(-bucket // c_max)
-        if split_cost and whole <= bucket + split_cost:
+        if split_cost and whole_pays(total, unit, bucket, whole, num_sms, split_cost):
             return cls(cum, num_kv_heads, task_cost, whole, WHOLE_SNAP)
         return cls(cum, num_kv_heads, task_cost, bucket, min(snap, bucket // 4))
 
@@ -300,7 +318,8 @@ def default_num_programs(q_len: int = 1, device: torch.device | str | None = Non
     return max(1, per_sm * _platform.num_sms(device))
 
 
-def _validate_plan_args(seq_lens, num_kv_heads, q_len, block_size, max_batch, task_cost=None, snap=None):
+def _validate_plan_args(seq_lens, num_kv_heads, q_len, block_size, max_batch, task_cost=None, snap=None,
+                        num_sms=None):
     check_tensor("seq_lens", seq_lens, dtypes=(torch.int32,), ndim=1)
     if not isinstance(num_kv_heads, int) or num_kv_heads < 1:
         raise ValueError(f"num_kv_heads must be a positive int, got {num_kv_heads!r}")
@@ -312,6 +331,8 @@ def _validate_plan_args(seq_lens, num_kv_heads, q_len, block_size, max_batch, ta
         raise ValueError(f"task_cost must be an int in 0..{MAX_TASK_COST} (quarters of a tile), got {task_cost!r}")
     if snap is not None and (type(snap) is not int or not 0 <= snap <= MAX_TASK_COST):
         raise ValueError(f"snap must be an int in 0..{MAX_TASK_COST} (quarters of a tile), got {snap!r}")
+    if num_sms is not None and (type(num_sms) is not int or num_sms < 1):
+        raise ValueError(f"num_sms must be a positive int, got {num_sms!r}")
     if max_batch is not None and seq_lens.shape[0] > max_batch:
         raise ValueError(f"seq_lens has {seq_lens.shape[0]} requests, more than the plan's max_batch={max_batch}")
 
@@ -320,7 +341,8 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
                 max_batch: int | None = None, max_seq_len: int | None = None, num_programs: int | None = None,
                 min_tiles: int | None = None, task_cost: int | None = None, snap: int | None = None,
                 out: DecodePlan | None = None, num_q_heads: int | None = None, head_dim: int | None = None,
-                q_dtype: torch.dtype | None = None, kv_dtype: torch.dtype | None = None) -> DecodePlan:
+                q_dtype: torch.dtype | None = None, kv_dtype: torch.dtype | None = None,
+                num_sms: int | None = None) -> DecodePlan:
     """Compute the load-balanced decode schedule for one step on the device.
 
     The plan is valid for exactly these `seq_lens` (and num_kv_heads, q_len, block_size): call this
@@ -351,10 +373,12 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
             bench: h8/1 fp8 1.39× FlashInfer against 1.32× for the `tl` kernel, h64/8 fp8 15–23 % faster;
             bench/results/README.md); anything else, or no hints, the `tl` kernel with 2. With `out=`, the
             plan's own. `DecodeConfig.gluon` False keeps every plan on the `tl` kernel.
+        num_sms: the SMs the attention grid runs on, which the cost model weighs a whole cut by (`whole_pays`;
+            default: the device's, `DEFAULT_NUM_SMS` off a GPU). With `out=`, the plan's own.
     """
     del max_seq_len  # buffers are sized by batch and program count only
     _validate_plan_args(seq_lens, num_kv_heads, q_len, block_size, out.max_batch if out is not None else max_batch,
-                        task_cost, snap)
+                        task_cost, snap, num_sms)
     check_kernel_device("seq_lens", seq_lens)
     if out is not None:
         if (num_kv_heads, q_len, block_size) != (out.num_kv_heads, out.q_len, out.block_size):
@@ -376,7 +400,8 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
                                       kv_dtype=kv_dtype)
         c = num_programs or default_num_programs(q_len, dev, programs_per_sm=per_sm)
         plan = DecodePlan(
-            kernel=kernel, num_kv_heads=num_kv_heads, q_len=q_len, block_size=block_size, num_programs=c,
+            kernel=kernel, num_sms=num_sms or _platform.num_sms(dev), num_kv_heads=num_kv_heads, q_len=q_len,
+            block_size=block_size, num_programs=c,
             min_tiles=max(1, min_tiles if min_tiles is not None else DEFAULT_MIN_TILES), max_batch=cap,
             batch=seq_lens.shape[0], task_cost=DEFAULT_TASK_COST if task_cost is None else task_cost,
             snap=DEFAULT_SNAP if snap is None else snap,
@@ -412,7 +437,7 @@ def check_plan_matches(plan: DecodePlan, seq_lens: torch.Tensor) -> None:
         want = ref.plan_decode(seq_lens, num_kv_heads=plan.num_kv_heads, q_len=plan.q_len,
                                block_size=plan.block_size, max_batch=plan.max_batch,
                                num_programs=plan.num_programs, min_tiles=plan.min_tiles, task_cost=plan.task_cost,
-                               snap=plan.snap)
+                               snap=plan.snap, num_sms=plan.num_sms)
     want.has_desc = plan.has_desc
     want = want.host_tables()
     have = plan.host_tables()
@@ -458,7 +483,7 @@ def _launch_plan(plan: DecodePlan, seq_lens: torch.Tensor) -> None:
         seq_lens, plan.cum, plan.header, plan.first_b, plan.last_b, plan.task_desc, plan.merge_desc,
         plan.pair_desc if plan.has_pairs else plan.merge_desc, plan.merge_sem if plan.has_pairs else plan.cum,
         b, plan.num_kv_heads, plan.num_programs, plan.min_tiles, cost_unit(cost), cost,
-        plan.cut_snap, split_cost_for(plan.kernel) if cost else 0,
+        plan.cut_snap, split_cost_for(plan.kernel) if cost else 0, plan.num_sms,
         TILE=TILE, BLOCK_B=block_b, BLOCK_C=block_c, ONE_BLOCK=cfg.plan_one_pass and b <= block_b,
         DESC=cfg.task_desc, PAIRS=plan.has_pairs,
         num_warps=warps,

@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from hpcops import _platform
 from hpcops.attention._prefill_reference import prefill_attention
 from hpcops.attention.plan import (
     DEFAULT_MIN_TILES,
@@ -33,7 +34,8 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
                 max_batch: int | None = None, max_seq_len: int | None = None, num_programs: int | None = None,
                 min_tiles: int | None = None, task_cost: int | None = None, snap: int | None = None,
                 out: DecodePlan | None = None, num_q_heads: int | None = None, head_dim: int | None = None,
-                q_dtype: torch.dtype | None = None, kv_dtype: torch.dtype | None = None) -> DecodePlan:
+                q_dtype: torch.dtype | None = None, kv_dtype: torch.dtype | None = None,
+                num_sms: int | None = None) -> DecodePlan:
     """Host reference of `hpcops.plan_decode`: the same tables, computed in Python integers with
     `plan.CostStream` (the descriptor tables always; `has_desc`, which `host_tables` shows them by,
     and so the task cost the cut charges, as the kernel's); the same kernel choice from the same hints."""
@@ -41,7 +43,7 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
     from hpcops.attention.decode import decode_config, plan_kernel, plan_programs_per_sm
 
     _validate_plan_args(seq_lens, num_kv_heads, q_len, block_size, out.max_batch if out else max_batch, task_cost,
-                        snap)
+                        snap, num_sms)
     dev = seq_lens.device
     b = seq_lens.shape[0]
     kernel = out.kernel if out else plan_kernel(num_kv_heads, q_len, block_size, dev, num_q_heads=num_q_heads,
@@ -51,6 +53,7 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
     c = out.num_programs if out else (num_programs or default_num_programs(q_len, dev, programs_per_sm=per_sm))
     mt = out.min_tiles if out else max(1, min_tiles if min_tiles is not None else DEFAULT_MIN_TILES)
     cap = out.max_batch if out else max(max_batch or b, 1)
+    sms = out.num_sms if out else (num_sms or _platform.num_sms(dev))
     asked = out.task_cost if out else (DEFAULT_TASK_COST if task_cost is None else task_cost)
     asked_snap = out.snap if out else (DEFAULT_SNAP if snap is None else snap)
     has_desc = decode_config().task_desc
@@ -65,7 +68,8 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
     task_desc = [[-1, 0, 0, 0, 0] for _ in range(c)]
     merge_desc = [[-1, 0, 0, 0] for _ in range(c)]
     if b:
-        cs = CostStream.cut(cum, num_kv_heads, cost, c, mt, cut_snap, split_cost_for(kernel) if cost else 0)
+        cs = CostStream.cut(cum, num_kv_heads, cost, c, mt, cut_snap, split_cost_for(kernel) if cost else 0,
+                            num_sms=sms)
         header = [cs.bucket, cs.s, cs.total, cs.active, cs.snap]
         ranges = [cs.program_range(k) for k in range(min(c, cs.active))]
         for k, (g0, g1) in enumerate(ranges):
@@ -79,7 +83,7 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
             if pair_lo >= g0 and pair_hi > g1:  # the pair of its last tile starts here and leaves
                 parts = sum(1 for a, z in ranges if a < z and a < pair_hi and z > pair_lo)
                 merge_desc[k] = [bl, hl, 2 * k + (0 if pair_lo == g0 else 1), parts]
-    plan = out or DecodePlan(kernel=kernel, num_kv_heads=num_kv_heads, q_len=q_len, block_size=block_size,
+    plan = out or DecodePlan(kernel=kernel, num_sms=sms, num_kv_heads=num_kv_heads, q_len=q_len, block_size=block_size,
                              num_programs=c, min_tiles=mt, max_batch=cap, batch=b, task_cost=asked, snap=asked_snap,
                              header=torch.empty(5, dtype=torch.int32, device=dev),
                              cum=torch.empty(cap + 1, dtype=torch.int32, device=dev),
