@@ -40,6 +40,7 @@ def test_plan_matches_reference(seed, device):
     cost = rng.choice([0, 1, 3, 4, 9])
     snap = rng.choice([0, 4, 16, 64])
     split_cost = rng.choice([0, 16, 64, 256])
+    slices = rng.choice([1, 2, 4, 8])
     kw = dict(num_kv_heads=hkv, num_programs=c, min_tiles=mt, task_cost=cost, snap=snap,
               num_sms=rng.choice([None, 1, 66, 132]))
     sl = torch.tensor(lens, dtype=torch.int32, device=device)
@@ -48,7 +49,7 @@ def test_plan_matches_reference(seed, device):
         want = ref.plan_decode(sl.cpu(), **kw)
     assert _tables(got) == _tables(want) and not got.has_desc and got.cut_task_cost == got.cut_snap == 0
     _check_tasks(want, c, hkv, lens)
-    with _with_config(dict(task_desc=True, plan_one_pass=bool(seed % 2), split_cost=split_cost)):
+    with _with_config(dict(task_desc=True, plan_one_pass=bool(seed % 2), split_cost=split_cost, merge_slices=slices)):
         got = hpcops.plan_decode(sl, **kw)
         want = ref.plan_decode(sl.cpu(), **kw)
     assert got.has_desc and got.cut_task_cost == cost and got.cut_snap == (snap if cost else 0)
@@ -401,6 +402,60 @@ def test_decode_whole_cut_matches_reference(tail, device):
     assert_close(ref.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens), got)
 
 
+@pytest.mark.parametrize("slices, warps", [(2, 4), (4, 4), (8, 4), (4, 2), (1, 2)])
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_decode_merge_slices_match_reference(slices, warps, kv, device):
+    """DecodeConfig.merge_slices: a request of 80 tiles split over ~27 programs (more than 16 partials) beside
+    short ones, each pair's merge split into column slices over its owner and the programs after it (the plan's
+    helper rows, the kernel's the reference's); the output equals the reference's, and a split of at most 16
+    partials keeps its one merging program."""
+    from hpcops.attention import decode as dec
+
+    case = Case((64 * 80, 70, 300, 1, 64 * 20), 8, 1, 64, 64, kv=kv, programs=40, min_tiles=1)
+    q, q_scale, kv_ = _inputs(case, device)
+    kw = dict(num_kv_heads=1, block_size=64, num_programs=40, min_tiles=1)
+    with dec.decode_config_changed(merge_slices=slices, split_cost=0, combine_warps=warps):
+        plan = hpcops.plan_decode(kv_.seq_lens, **kw)
+        want_plan = ref.plan_decode(kv_.seq_lens.cpu(), **kw)
+        assert plan.merge_slices == want_plan.merge_slices == slices
+        assert _tables(plan) == _tables(want_plan) and _desc(plan) == _desc(want_plan)
+        md = plan.merge_desc.tolist()
+        owners = [k for k, (b, _, slot, n) in enumerate(md) if b >= 0 and slot // 2 == k]
+        helpers = [k for k, (b, _, slot, n) in enumerate(md) if b >= 0 and slot // 2 != k]
+        long_owner = [k for k in owners if md[k][3] > 16]
+        assert len(long_owner) == 1 and md[long_owner[0]][0] == 0  # request 0 (80 tiles)
+        assert helpers == list(range(long_owner[0] + 1, long_owner[0] + slices))  # none with 1 slice
+        assert all(md[k][3] <= 16 for k in owners if k not in long_owner) and len(owners) >= 2
+        got = hpcops.decode_attention(q, kv_.k_cache, kv_.v_cache, kv_.block_table, kv_.seq_lens, plan=plan,
+                                      k_scale=kv_.k_scale, v_scale=kv_.v_scale, out=nan_like(q))
+    want = ref.decode_attention(q, kv_.k_cache, kv_.v_cache, kv_.block_table, kv_.seq_lens, k_scale=kv_.k_scale,
+                                v_scale=kv_.v_scale)
+    assert_close(want, got)
+
+
+def test_merge_slices_errors(device):
+    from hpcops.attention import decode as dec
+    from hpcops.attention.decode import DecodeConfig
+
+    for bad in (0, 3, 16, 2.0, True):
+        with pytest.raises(ValueError, match="merge_slices"):
+            DecodeConfig(merge_slices=bad)
+    for bad in (1, 3, 8, 4.0):
+        with pytest.raises(ValueError, match="combine_warps"):
+            DecodeConfig(combine_warps=bad)
+    with pytest.raises(ValueError, match="merge_slices needs task_desc"):
+        DecodeConfig(merge_slices=4, task_desc=False)
+    case = Case((64 * 40,), 8, 1, 64, 64)
+    q, _, kv = _inputs(case, device)
+    plan = hpcops.plan_decode(kv.seq_lens, num_kv_heads=1, block_size=64, num_programs=32, min_tiles=1)
+    with dec.decode_config_changed(merge_slices=4):  # a plan without helper rows: the combine would leave columns
+        with pytest.raises(ValueError, match="merge_slices=1"):
+            hpcops.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, plan=plan)
+        sliced = hpcops.plan_decode(kv.seq_lens, num_kv_heads=1, block_size=64, num_programs=32, min_tiles=1)
+    with pytest.raises(ValueError, match="merge_slices=4"):  # helper rows read as owners would merge wrong slots
+        hpcops.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, plan=sliced)
+
+
 def test_decode_default_plan_and_scale(device):
     kv = make_paged_kv([40, 100], num_kv_heads=1, head_dim=64, block_size=16, device=device)
     q = torch.randn(2, 4, 64, device=device).bfloat16()
@@ -517,7 +572,8 @@ GPU_SCENARIOS = [("2x32K+30x4K", 8, 1, True), ("1x128K+31x4K", 8, 1, False), ("6
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", [{}, LEGACY, POINTER, dict(use_tma=False, lean_mode="recompute", lean_loop=True),
                                      dict(tail_merge=True), dict(tail_merge=True, gluon=True), dict(split_cost=256),
-                                     dict(pdl_wait=False)],
+                                     dict(pdl_wait=False), dict(merge_slices=4), dict(merge_slices=8, gluon=True),
+                                     dict(merge_slices=4, combine_warps=2)],
                          ids=lambda d: _vid(d) or "default")
 @pytest.mark.parametrize("spec, hq, hkv, fp8", GPU_SCENARIOS, ids=lambda v: str(v))
 def test_gpu_real_sizes(spec, hq, hkv, fp8, variant):
@@ -550,7 +606,7 @@ def _gpu_real_sizes(spec, hq, hkv, fp8):
 @pytest.mark.parametrize("variant", [{}, LEGACY, dict(lean_loop=True, plan_block_c=32, plan_warps=2),
                                      dict(tail_merge=True), dict(tail_merge=True, tail_group=2),
                                      dict(split_cost=64, tail_merge=True), dict(pdl_wait=False),
-                                     dict(pdl_wait=True, tail_merge=True, tail_group=2)],
+                                     dict(pdl_wait=True, tail_merge=True, tail_group=2), dict(merge_slices=4)],
                          ids=lambda d: _vid(d) or "default")
 @pytest.mark.parametrize("q_len", [1, 3])
 def test_gpu_cuda_graph_replay_with_new_lengths(q_len, variant):

@@ -150,6 +150,14 @@ VARIANTS["persistent-lean-recompute-fp8q-tail-pdlwait"] = _attn(q="fp8e4nv", kv=
                                                                 **LEAN_MODES["recompute"])
 VARIANTS["persistent-lean-tma-bf16-pdlwait"] = _attn(TASK_DESC=True, USE_PDL=True, PDL_WAIT=True, **LEAN_MODES["tma"])
 VARIANTS["combine-pdl-next"] = _combine("decode_combine_kernel", USE_PDL=True, PDL_NEXT=True, MERGE_DESC=True)
+# DecodeConfig.merge_slices at the launcher's rounds (CB 64 at d128): a long split's merge in column slices, rounds
+# of 256 partials of 32 columns (4 slices) or 512 of 16 (8); the same without slices for the registers beside them
+for _s in (1, 4, 8):
+    VARIANTS[f"combine-pdl-next-cb64-slices{_s}"] = _combine("decode_combine_kernel", USE_PDL=True, PDL_NEXT=True,
+                                                             MERGE_DESC=True, MERGE_SLICES=_s)
+    VARIANTS[f"combine-pdl-next-cb64-slices{_s}"]["const"]["CB"] = 64
+    # DecodeConfig.combine_warps 2: the same on 2 warps (1 warp spills: 112-176 bytes)
+    VARIANTS[f"combine-pdl-next-cb64-slices{_s}-2warps"] = dict(VARIANTS[f"combine-pdl-next-cb64-slices{_s}"], warps=2)
 VARIANTS["persistent-fp8q-q4-g16-tail"] = _attn(q="fp8e4nv", kv="fp8e4nv", q_len=4, g=16, R_PAD=64,
                                                 TAIL_STAGES=1, TAIL_GROUP=4,
                                                 **TAIL, **LEAN_MODES["recompute"])

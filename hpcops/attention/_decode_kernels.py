@@ -469,20 +469,24 @@ def _attend_task(q_ptr, k_ptr, v_ptr, k_desc, v_desc, bt_ptr, q_scale_ptr, b, h,
 @triton.jit
 def _merge_chunks(part_o_ptr, part_lse_ptr, first_slot, rest_base, rest_step, n_chunks, b, h, row, out_ptr,
                   stride_ot, stride_oh, Q_LEN: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  D_PAD: tl.constexpr, CB: tl.constexpr):
+                  D_PAD: tl.constexpr, CB: tl.constexpr, DW: tl.constexpr = 0, col0=0):
     """out[row] = Σ_c 2^(lse_c − m) · O_c / Σ_c 2^(lse_c − m) over chunk slots first_slot, rest_base + c·rest_step.
 
     One pass over the chunks in blocks of CB, the running maximum rescaling what came before (an online
     softmax over the partials): a merge of at most CB partials is one round of loads (lse and O together),
-    a longer one ceil(n / CB) rounds.
+    a longer one ceil(n / CB) rounds. DW (> 0): only the DW columns from col0 (a slice of the row, the rest
+    merged by other programs: `decode_combine_kernel`'s MERGE_SLICES); 0: the whole row.
     """
     ROWS: tl.constexpr = Q_LEN * G
     offs_c = tl.arange(0, CB)
-    offs_d = tl.arange(0, D_PAD)
+    if DW == 0:
+        offs_d = tl.arange(0, D_PAD)
+    else:
+        offs_d = col0 + tl.arange(0, DW)
     d_ok = offs_d < HEAD_DIM
     m_run = tl.max(tl.full([CB], float("-inf"), tl.float32), axis=0)
     w = tl.sum(tl.zeros([CB], dtype=tl.float32), axis=0)
-    acc = tl.zeros([D_PAD], dtype=tl.float32)
+    acc = tl.zeros([D_PAD if DW == 0 else DW], dtype=tl.float32)
     for c0 in range(0, n_chunks, CB):
         c = c0 + offs_c
         c_ok = c < n_chunks
@@ -610,6 +614,7 @@ def decode_combine_kernel(
     part_o_ptr, part_lse_ptr, out_ptr, header_ptr, cum_ptr, last_b_ptr, stride_ot, stride_oh,
     Q_LEN: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CB: tl.constexpr,
     USE_PDL: tl.constexpr = False, MERGE_DESC: tl.constexpr = False, PDL_NEXT: tl.constexpr = False,
+    MERGE_SLICES: tl.constexpr = 1,
 ):
     """Program (k, row) merges `row` of the split (head, request) that starts in program k's bucket and leaves it.
 
@@ -619,6 +624,11 @@ def decode_combine_kernel(
     merge_desc [programs, 4], whose row k (request or −1, head, first slot, partials) says it in one load level.
     PDL_NEXT (with MERGE_DESC): after its merge, let the next kernel launch (the next layer's attention kernel,
     PDL_WAIT; a program with nothing to merge releases it by exiting).
+    MERGE_SLICES (> 1, with MERGE_DESC; `DecodeConfig.merge_slices`, a plan built with it): a split of more than
+    16 partials is merged by MERGE_SLICES programs, each a slice of D_PAD / MERGE_SLICES columns of the row in rounds
+    of CB · MERGE_SLICES partials (one round up to 256 at head_dim 128, where one program takes 4): its owner
+    (slice 0) and the programs just after it, inside the split, which have nothing of their own to merge; the
+    plan writes their merge_desc rows as the owner's, so a row's slice is k − first_slot // 2.
     """
     k = tl.program_id(0)
     row = tl.program_id(1)
@@ -631,8 +641,19 @@ def decode_combine_kernel(
         if b >= 0:
             if USE_PDL:
                 gdc_wait()
-            _merge_partials(part_o_ptr, part_lse_ptr, first_slot, 2 * k, 2, n_chunks, b, h, row, out_ptr,
-                            stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, CB)
+            if MERGE_SLICES > 1:
+                owner = first_slot // 2
+                if n_chunks > 16:
+                    DW: tl.constexpr = D_PAD // MERGE_SLICES
+                    _merge_chunks(part_o_ptr, part_lse_ptr, first_slot, 2 * owner, 2, n_chunks, b, h, row, out_ptr,
+                                  stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, CB * MERGE_SLICES, DW,
+                                  (k - owner) * DW)
+                else:
+                    _merge_partials(part_o_ptr, part_lse_ptr, first_slot, 2 * k, 2, n_chunks, b, h, row, out_ptr,
+                                    stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, CB)
+            else:
+                _merge_partials(part_o_ptr, part_lse_ptr, first_slot, 2 * k, 2, n_chunks, b, h, row, out_ptr,
+                                stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, CB)
             if PDL_NEXT:
                 gdc_launch_dependents()
     else:

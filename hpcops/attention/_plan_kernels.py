@@ -60,7 +60,7 @@ def plan_decode_kernel(
     seq_lens_ptr, cum_ptr, header_ptr, first_b_ptr, last_b_ptr, task_desc_ptr, merge_desc_ptr, pair_desc_ptr,
     merge_sem_ptr, B, num_kv_heads, num_programs, min_tiles, unit, task_cost, snap, split_cost, num_sms,
     TILE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr, ONE_BLOCK: tl.constexpr = False,
-    DESC: tl.constexpr = False, PAIRS: tl.constexpr = False,
+    DESC: tl.constexpr = False, PAIRS: tl.constexpr = False, SLICES: tl.constexpr = 1,
 ):
     """Tiles per request, their prefix sums, the bucket, each program's first/last request, and (DESC)
     the per-program task and merge descriptors: the cost-stream cut of plan.py (program k runs the
@@ -77,6 +77,9 @@ def plan_decode_kernel(
     PAIRS (with DESC): each merge also written from the pair's side, pair_desc[head·B + request] = (owning
     program, partials, first slot), for the attention kernel's tail merge; program 0 zeroes the groups' and the
     pairs' counts (merge_sem), which the attention kernels leave at 0: a step starts clean even after an aborted one.
+    SLICES (> 1, with DESC; `DecodeConfig.merge_slices`): a split of more than 16 pieces (an unsnapped cut) gets
+    merge helpers: the SLICES − 1 programs after its owner, all inside it (nothing of their own to merge), have
+    their merge_desc row written as the owner's (the combine kernel's MERGE_SLICES).
     """
     pid = tl.program_id(0)
     offs_b = tl.arange(0, BLOCK_B)
@@ -201,10 +204,28 @@ def plan_decode_kernel(
         parts = last_cut - offs_c + 1 - tl.where(closed & (last_cut > offs_c), 1, 0)
         merge = active & in_last & (p_lo >= g0) & (p_hi > g1)
         md = merge_desc_ptr + offs_c * 4
-        tl.store(md + 0, tl.where(merge, last_req, -1), mask=c_ok)
-        tl.store(md + 1, tl.where(merge, last_head, 0), mask=c_ok)
-        tl.store(md + 2, tl.where(merge, 2 * offs_c + tl.where(p_lo == g0, 0, 1), 0), mask=c_ok)
-        tl.store(md + 3, tl.where(merge, parts, 0), mask=c_ok)
+        if SLICES > 1:
+            # a merge helper: a program inside the split pair P of its first tile (P started before it and goes on
+            # after it) among the SLICES − 1 after P's owner, the program of P's first tile (an unsnapped cut)
+            h_lo = hd0 * s_total + cum0
+            h_hi = hd0 * s_total + next0
+            h_pos = hd0 * s_cost + unit * cum0 + task_cost * (b0 + 1)  # where P's first tile starts
+            owner = h_pos // bucket
+            h_parts = (h_pos + unit * (next0 - cum0 - 1)) // bucket - owner + 1
+            # P's partial is the owner's first (slot 2·owner) unless a tile of the owner's starts before P's first
+            h_slot = 2 * owner + tl.where(h_pos - task_cost - unit < owner * bucket, 0, 1)
+            helper = active & in_b & (h_lo < g0) & (h_hi > g1) & (snap == 0) & (h_parts > 16) & \
+                (offs_c - owner < SLICES)
+            tl.store(md + 0, tl.where(merge, last_req, tl.where(helper, first_req, -1)), mask=c_ok)
+            tl.store(md + 1, tl.where(merge, last_head, tl.where(helper, first_head, 0)), mask=c_ok)
+            tl.store(md + 2, tl.where(merge, 2 * offs_c + tl.where(p_lo == g0, 0, 1), tl.where(helper, h_slot, 0)),
+                     mask=c_ok)
+            tl.store(md + 3, tl.where(merge, parts, tl.where(helper, h_parts, 0)), mask=c_ok)
+        else:
+            tl.store(md + 0, tl.where(merge, last_req, -1), mask=c_ok)
+            tl.store(md + 1, tl.where(merge, last_head, 0), mask=c_ok)
+            tl.store(md + 2, tl.where(merge, 2 * offs_c + tl.where(p_lo == g0, 0, 1), 0), mask=c_ok)
+            tl.store(md + 3, tl.where(merge, parts, 0), mask=c_ok)
         if PAIRS:
             pd = pair_desc_ptr + (last_head * B + last_req).to(tl.int64) * 4
             tl.store(pd + 0, offs_c, mask=c_ok & merge)

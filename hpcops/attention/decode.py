@@ -153,6 +153,15 @@ class DecodeConfig:
         fp8 case and 1.03-1.11x on four h8/1 fp8 cases (64x0.5K 11.7 -> 10.5 µs, 1x64K+15x4K 22.4 -> 20.3), level
         on 64x4K h8/1 (28.5 / 28.5; pv_fp16 alone 27.5) and 2x32K+30x4K (24.2 -> 23.5; alone 23.1); v_mask_tail
         alone is level or up to 7.5 % slower.
+    merge_slices: a split request of more than 16 partials merged by this many combine programs (1, 2, 4, 8),
+        each a slice of the row's columns in one round of up to 64 · merge_slices partials at head_dim 128,
+        instead of one program in rounds of 64 (a long request's 130-odd partials: 3 dependent rounds). The
+        helpers are the combine programs just after the split's owner, which have nothing of their own to
+        merge (the plan writes their rows: build the plan under the same setting). The `tl` kernel's combine
+        only. 1 (default): off. Not yet measured on a GPU.
+    combine_warps: the `tl` path's combine kernel on 2 or 4 (default) warps a program. On 2 the merge's
+        reductions over the partials stay in fewer warps and more programs sit beside the attention programs (sm_90
+        builds at d128: 168 registers, 198 with 4 merge slices, no spill; 1 warp spills). Not yet measured.
     split_cost: the plan's cost model for splitting a request at all, in quarters of a tile (0..256; with a task
         cost, i.e. task descriptors): what a split adds to the step (partial writes, the merge and its wait). Where
         every (head, request) fits whole in a bucket of c_max·ceil(bucket / c_max) cost units (c_max: the
@@ -215,6 +224,8 @@ class DecodeConfig:
     pdl_wait: bool = True
     pv_fp16: bool = True
     v_mask_tail: bool = True
+    merge_slices: int = 1
+    combine_warps: int = 4
 
     def __post_init__(self):
         check_choice("DecodeConfig.lean_mode", self.lean_mode, LEAN_MODES)
@@ -236,6 +247,13 @@ class DecodeConfig:
         if sc is not None and (type(sc) is not int or not 0 <= sc <= MAX_SPLIT_COST):
             raise ValueError(f"DecodeConfig.split_cost must be None or an int in 0..{MAX_SPLIT_COST} (quarters of a "
                              f"tile), got {sc!r}")
+        if self.merge_slices not in (1, 2, 4, 8) or type(self.merge_slices) is not int:
+            raise ValueError(f"DecodeConfig.merge_slices must be 1, 2, 4 or 8, got {self.merge_slices!r}")
+        if self.combine_warps not in (2, 4) or type(self.combine_warps) is not int:
+            raise ValueError(f"DecodeConfig.combine_warps must be 2 or 4, got {self.combine_warps!r}")
+        if self.merge_slices > 1 and not self.task_desc:
+            raise ValueError("DecodeConfig.merge_slices needs task_desc (the helpers' rows are in the plan's "
+                             "merge_desc)")
         cb = self.combine_chunks
         if type(cb) is not int or not 2 <= cb <= 256 or cb & (cb - 1):
             raise ValueError(f"DecodeConfig.combine_chunks must be a power of two in 2..256, got {cb!r}")
@@ -602,6 +620,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         # spill 16 bytes: tests/test_decode_compile.py)
         tl_tail = dict(TAIL_MERGE=True, R_PAD=r_pad, TAIL_GROUP=_tail_group(parts, max_tiles),
                        TAIL_STAGES=1 if use_tma else 3)
+    if not tail and plan.merge_slices != _CONFIG.merge_slices:  # the combine reads the plan's merge helpers
+        raise ValueError(f"plan was built with DecodeConfig.merge_slices={plan.merge_slices}, the decode runs with "
+                         f"{_CONFIG.merge_slices}: re-plan with hpcops.plan_decode under the same config")
     if use_gluon:
         _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, out, part_o, part_lse, plan, q_scale, args_kv,
                       sm_scale, q_len, g, rows, gluon_tail, pdl_wait)
@@ -620,8 +641,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     decode_combine_kernel[(plan.num_programs, rows)](
         part_o, part_lse, out, plan.header, plan.cum, plan.merge_desc if _CONFIG.task_desc else plan.last_b,
         out.stride(0), out.stride(1),
-        CB=_combine_chunks(d), USE_PDL=pdl, MERGE_DESC=_CONFIG.task_desc, num_warps=4, **common, **pdl_launch,
-        **({"PDL_NEXT": True} if pdl and pdl_wait else {}))
+        CB=_combine_chunks(d), USE_PDL=pdl, MERGE_DESC=_CONFIG.task_desc, num_warps=_CONFIG.combine_warps, **common,
+        **pdl_launch,
+        **({"PDL_NEXT": True} if pdl and pdl_wait else {}),
+        **({"MERGE_SLICES": plan.merge_slices} if plan.merge_slices > 1 else {}))
     return out
 
 

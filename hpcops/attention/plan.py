@@ -36,7 +36,9 @@ and replayed with new lengths:
   columns 5–7 unused;
 * ``merge_desc`` int32 [num_programs, 4]: the split (head, request) the combine program k merges
   (the one that starts in bucket k and leaves it): request (−1 none), head, first partial slot,
-  number of partials.
+  number of partials. With ``DecodeConfig.merge_slices`` S > 1, a split of more than 16 partials also
+  in the rows of the S − 1 programs after its owner (inside the split, nothing of their own to merge):
+  they merge slices of its columns; such a row's owner is first slot // 2.
 * ``pair_desc`` int32 [max_batch·num_kv_heads, 4] and ``merge_sem`` int32 [2·num_programs +
   max_batch·num_kv_heads] (``DecodeConfig.tail_merge``): for a split (head h, request b), row h·B + b of
   ``pair_desc`` holds its merge (the program k that owns it, partials, first slot: ``merge_desc`` row k
@@ -174,6 +176,7 @@ class DecodePlan:
     merge_sem: torch.Tensor | None = None
     has_desc: bool = False
     has_pairs: bool = False  # pair_desc written by the last plan (DecodeConfig.tail_merge)
+    merge_slices: int = 1  # merge helpers written by the last plan (DecodeConfig.merge_slices; 1: none)
     kernel: str = "tl"  # the attention kernel the plan was built for: "tl" or "gluon" (`decode.plan_kernel`)
     num_sms: int = _platform.DEFAULT_NUM_SMS  # the SMs its grid runs on (the cost model's `whole_pays`)
     task_cost: int = 0  # as asked; the cut charges it only with descriptors (`cut_task_cost`)
@@ -461,6 +464,7 @@ def _launch_plan(plan: DecodePlan, seq_lens: torch.Tensor) -> None:
     b = seq_lens.shape[0]
     plan.has_desc = cfg.task_desc
     plan.has_pairs = cfg.task_desc and (cfg.tail_merge or (cfg.tail_merge is None and plan.kernel == "gluon"))
+    plan.merge_slices = cfg.merge_slices if cfg.task_desc else 1
     if plan.has_pairs and plan.pair_desc is None:
         raise ValueError("DecodeConfig.tail_merge needs a plan with pair buffers (built by plan_decode)")
     if b == 0:
@@ -485,7 +489,7 @@ def _launch_plan(plan: DecodePlan, seq_lens: torch.Tensor) -> None:
         b, plan.num_kv_heads, plan.num_programs, plan.min_tiles, cost_unit(cost), cost,
         plan.cut_snap, split_cost_for(plan.kernel) if cost else 0, plan.num_sms,
         TILE=TILE, BLOCK_B=block_b, BLOCK_C=block_c, ONE_BLOCK=cfg.plan_one_pass and b <= block_b,
-        DESC=cfg.task_desc, PAIRS=plan.has_pairs,
+        DESC=cfg.task_desc, PAIRS=plan.has_pairs, SLICES=plan.merge_slices,
         num_warps=warps,
     )
 

@@ -59,6 +59,7 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
     has_desc = decode_config().task_desc
     cost = asked if has_desc else 0
     cut_snap = asked_snap if cost else 0
+    slices = decode_config().merge_slices if has_desc else 1
     cum = [0]
     lens = seq_lens.long().cpu().tolist()
     for n in lens:
@@ -83,6 +84,11 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
             if pair_lo >= g0 and pair_hi > g1:  # the pair of its last tile starts here and leaves
                 parts = sum(1 for a, z in ranges if a < z and a < pair_hi and z > pair_lo)
                 merge_desc[k] = [bl, hl, 2 * k + (0 if pair_lo == g0 else 1), parts]
+        if slices > 1 and cs.snap == 0:  # merge helpers: the programs after a long split's owner, inside it
+            for k, (bl, hl, slot, parts) in enumerate(list(merge_desc)):
+                if bl >= 0 and parts > 16:
+                    for j in range(k + 1, min(k + slices, k + parts - 1)):
+                        merge_desc[j] = [bl, hl, slot, parts]
     plan = out or DecodePlan(kernel=kernel, num_sms=sms, num_kv_heads=num_kv_heads, q_len=q_len, block_size=block_size,
                              num_programs=c, min_tiles=mt, max_batch=cap, batch=b, task_cost=asked, snap=asked_snap,
                              header=torch.empty(5, dtype=torch.int32, device=dev),
@@ -103,10 +109,11 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
     plan.task_desc[:, :5].copy_(torch.tensor(task_desc, **i32))
     plan.merge_desc.copy_(torch.tensor(merge_desc, **i32))
     plan.has_pairs = plan.pair_desc is not None and has_desc
+    plan.merge_slices = slices
     if plan.has_pairs:  # each merge seen from its pair (rows of unsplit pairs left as they are); counts at 0
         plan.merge_sem.zero_()
         for k, (bl, hl, slot, parts) in enumerate(merge_desc):
-            if bl >= 0:
+            if bl >= 0 and slot // 2 == k:  # its owner's row (not a merge helper's)
                 plan.pair_desc[hl * b + bl].copy_(torch.tensor([k, parts, slot, 0], **i32))
     return plan
 
