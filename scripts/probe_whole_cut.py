@@ -1,6 +1,7 @@
 """Probe: does the plan's whole cut pay where its cost model says so (issue 10, `plan.whole_pays`)?
 
-For each case (a length spec at some heads, bf16 KV, the `tl` kernel's plan), CUDA-graph µs per layer (the
+For each case (a length spec at some heads, bf16 KV or with `fp8` fp8 KV under a bf16 q: the bench's `hpcops` row,
+the `tl` kernel's plan in both), CUDA-graph µs per layer (the
 bench's method: the decode suite's inputs, L2-cold, one graph of layers) of the dynamic decode under three cuts,
 interleaved over rounds, and the cut the default plan made:
 
@@ -9,7 +10,7 @@ interleaved over rounds, and the cut the default plan made:
 - `whole`: `split_cost=256` (the whole cut wherever a bucket of whole pairs exists at all);
 - `static`: the classic split-KV grid (`schedule="static"`), the ablation the plan must not lose to.
 
-    python3 scripts/probe_whole_cut.py --out DIR [--cases '16x2K h64/8,32x1K h8/1'] [--rounds 3]
+    python3 scripts/probe_whole_cut.py --out DIR [--cases '16x2K h64/8,32x1K h8/1,64x0.5K h8/1 fp8'] [--rounds 3]
 
 Writes DIR/probe_whole_cut.{json,md}. The default cases: the two the model moved to the whole cut in session 49
 (8x1K, 16x2K at h64/8), the shapes nearest its threshold at h8/1 (32x1K, 48x1K, 128x4K), and controls the model
@@ -27,9 +28,12 @@ CUTS = {"model": {}, "equal": {"split_cost": 0}, "whole": {"split_cost": 256}}
 
 
 def _case(name: str):
-    spec, heads = name.split()
-    hq, hkv = (int(v) for v in heads[1:].split("/"))
-    return spec, hq, hkv
+    """'64x0.5K h8/1' or '64x0.5K h8/1 fp8' -> (spec, hq, hkv, fp8 KV)."""
+    parts = name.split()
+    if len(parts) not in (2, 3) or parts[2:] not in ([], ["fp8"]) or not parts[1].startswith("h"):
+        raise ValueError(f"--cases: a case is 'SPEC hQ/KV' or 'SPEC hQ/KV fp8', got {name!r}")
+    hq, hkv = (int(v) for v in parts[1][1:].split("/"))
+    return parts[0], hq, hkv, len(parts) == 3
 
 
 def time_case(name: str, rounds: int, device: str = "cuda", timer=None, layers: int | None = None) -> dict:
@@ -42,10 +46,10 @@ def time_case(name: str, rounds: int, device: str = "cuda", timer=None, layers: 
     from hpcops.bench.suites.decode import PAGE, Scenario, make_decode_inputs
     from hpcops.bench.timing import graph_time_us, layers_for
 
-    spec, hq, hkv = _case(name)
-    sc = Scenario(spec, hq, hkv, False)
+    spec, hq, hkv, fp8 = _case(name)
+    sc = Scenario(spec, hq, hkv, fp8)
     timer = timer or graph_time_us
-    xs = [make_decode_inputs(sc.lens, hq, hkv, False, seed=i, device=device)
+    xs = [make_decode_inputs(sc.lens, hq, hkv, fp8, seed=i, device=device)
           for i in range(layers or layers_for(int(sc.bytes)))]
     x0 = xs[0]
     hints = dict(num_kv_heads=hkv, block_size=PAGE, num_q_heads=hq, head_dim=x0["q"].shape[-1],
@@ -53,7 +57,8 @@ def time_case(name: str, rounds: int, device: str = "cuda", timer=None, layers: 
 
     def fns(schedule: str, plan):
         return [lambda x=x: hpcops.decode_attention(x["q"], x["k_cache"], x["v_cache"], x["block_table"],
-                                                    x["seq_lens"], plan=plan, schedule=schedule, out=x["out"])
+                                                    x["seq_lens"], plan=plan, schedule=schedule, k_scale=x["k_scale"],
+                                                    v_scale=x["v_scale"], out=x["out"])
                 for x in xs]
 
     want = None
@@ -78,8 +83,9 @@ def time_case(name: str, rounds: int, device: str = "cuda", timer=None, layers: 
 
 def markdown(rows: list[dict], device: str) -> str:
     out = [f"# probe_whole_cut\n\nDevice: {device}. CUDA-graph µs per layer (L2-cold, the decode bench's inputs, bf16 "
-           "KV, the `tl` kernel), median over rounds, the cuts interleaved. `model` = the default plan (its cut "
-           "named), `equal` = split_cost 0, `whole` = split_cost 256, `static` = the split-KV ablation.\n",
+           "KV or, where the case says fp8, fp8 KV under a bf16 q; the `tl` kernel), median over rounds, the cuts "
+           "interleaved. `model` = the default plan (its cut named), `equal` = split_cost 0, `whole` = split_cost "
+           "256, `static` = the split-KV ablation.\n",
            "| case | model's cut | model µs | equal µs | whole µs | static µs | equal / model |",
            "|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:

@@ -9,7 +9,7 @@ def _probe():
     return load_script("probe_whole_cut")
 
 
-@pytest.mark.parametrize("case, whole", [("4x0.25K h8/1", True), ("2x2K h8/1", False)])
+@pytest.mark.parametrize("case, whole", [("4x0.25K h8/1", True), ("2x2K h8/1", False), ("4x0.25K h8/1 fp8", True)])
 def test_probe_cases_and_report(case, whole):
     pytest.importorskip("triton")
     from hpcops import _platform
@@ -35,5 +35,9 @@ def test_probe_cases_and_report(case, whole):
 
 def test_probe_case_names():
     probe = _probe()
-    assert probe._case("16x2K h64/8") == ("16x2K", 64, 8)
+    assert probe._case("16x2K h64/8") == ("16x2K", 64, 8, False)
+    assert probe._case("64x0.5K h8/1 fp8") == ("64x0.5K", 8, 1, True)
+    for bad in ("64x0.5K h8/1 bf16", "64x0.5K", "64x0.5K 8/1"):
+        with pytest.raises(ValueError, match="--cases"):
+            probe._case(bad)
     assert all(len(c.split()) == 2 for c in probe.CASES.split(","))
