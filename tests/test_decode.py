@@ -445,14 +445,20 @@ def test_merge_slices_errors(device):
             DecodeConfig(combine_warps=bad)
     with pytest.raises(ValueError, match="merge_slices needs task_desc"):
         DecodeConfig(merge_slices=4, task_desc=False)
+    # the default (None): 4 slices with task descriptors, none without (no error)
+    assert DecodeConfig().merge_slices_used() == 4 and DecodeConfig(task_desc=False).merge_slices_used() == 1
+    assert DecodeConfig(merge_slices=2).merge_slices_used() == 2
     case = Case((64 * 40,), 8, 1, 64, 64)
     q, _, kv = _inputs(case, device)
-    plan = hpcops.plan_decode(kv.seq_lens, num_kv_heads=1, block_size=64, num_programs=32, min_tiles=1)
-    with dec.decode_config_changed(merge_slices=4):  # a plan without helper rows: the combine would leave columns
-        with pytest.raises(ValueError, match="merge_slices=1"):
-            hpcops.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, plan=plan)
-        sliced = hpcops.plan_decode(kv.seq_lens, num_kv_heads=1, block_size=64, num_programs=32, min_tiles=1)
-    with pytest.raises(ValueError, match="merge_slices=4"):  # helper rows read as owners would merge wrong slots
+    kw = dict(num_kv_heads=1, block_size=64, num_programs=32, min_tiles=1)
+    with dec.decode_config_changed(merge_slices=1):
+        plain = hpcops.plan_decode(kv.seq_lens, **kw)
+    # under the default: a plan without helper rows, the combine would leave columns
+    with pytest.raises(ValueError, match="merge_slices=1"):
+        hpcops.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, plan=plain)
+    sliced = hpcops.plan_decode(kv.seq_lens, **kw)
+    # helper rows read as owners would merge wrong slots
+    with dec.decode_config_changed(merge_slices=1), pytest.raises(ValueError, match="merge_slices=4"):
         hpcops.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, plan=sliced)
 
 
@@ -572,8 +578,8 @@ GPU_SCENARIOS = [("2x32K+30x4K", 8, 1, True), ("1x128K+31x4K", 8, 1, False), ("6
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", [{}, LEGACY, POINTER, dict(use_tma=False, lean_mode="recompute", lean_loop=True),
                                      dict(tail_merge=True), dict(tail_merge=True, gluon=True), dict(split_cost=256),
-                                     dict(pdl_wait=False), dict(merge_slices=4), dict(merge_slices=8, gluon=True),
-                                     dict(merge_slices=4, combine_warps=2)],
+                                     dict(pdl_wait=False), dict(merge_slices=1, combine_warps=4),
+                                     dict(merge_slices=8, gluon=True), dict(merge_slices=2, combine_warps=4)],
                          ids=lambda d: _vid(d) or "default")
 @pytest.mark.parametrize("spec, hq, hkv, fp8", GPU_SCENARIOS, ids=lambda v: str(v))
 def test_gpu_real_sizes(spec, hq, hkv, fp8, variant):
@@ -606,7 +612,8 @@ def _gpu_real_sizes(spec, hq, hkv, fp8):
 @pytest.mark.parametrize("variant", [{}, LEGACY, dict(lean_loop=True, plan_block_c=32, plan_warps=2),
                                      dict(tail_merge=True), dict(tail_merge=True, tail_group=2),
                                      dict(split_cost=64, tail_merge=True), dict(pdl_wait=False),
-                                     dict(pdl_wait=True, tail_merge=True, tail_group=2), dict(merge_slices=4)],
+                                     dict(pdl_wait=True, tail_merge=True, tail_group=2),
+                                     dict(merge_slices=1, combine_warps=4)],
                          ids=lambda d: _vid(d) or "default")
 @pytest.mark.parametrize("q_len", [1, 3])
 def test_gpu_cuda_graph_replay_with_new_lengths(q_len, variant):

@@ -158,10 +158,13 @@ class DecodeConfig:
         instead of one program in rounds of 64 (a long request's 130-odd partials: 3 dependent rounds). The
         helpers are the combine programs just after the split's owner, which have nothing of their own to
         merge (the plan writes their rows: build the plan under the same setting). The `tl` kernel's combine
-        only. 1 (default): off. Not yet measured on a GPU.
-    combine_warps: the `tl` path's combine kernel on 2 or 4 (default) warps a program. On 2 the merge's
+        only. None (default): 4 with task descriptors, else 1 (off). With 2 combine warps, 4 slices take the long
+        rows 5-8 % faster and stay within 0.5 % elsewhere (H100 tune, bench/results/decode_tune_merge_slices_h100.md:
+        1x64K+15x4K h8/1 bf16 31.6 -> 29.4 µs, 1x128K+31x4K 54.4 -> 51.6, fp8 q16 1.07-1.08x).
+    combine_warps: the `tl` path's combine kernel on 2 (default) or 4 warps a program. On 2 the merge's
         reductions over the partials stay in fewer warps and more programs sit beside the attention programs (sm_90
-        builds at d128: 168 registers, 198 with 4 merge slices, no spill; 1 warp spills). Not yet measured.
+        builds at d128: 168 registers, 198 with 4 merge slices, no spill; 1 warp spills); alone 1-4 % faster on the
+        mixed and 64x4K rows of the same tune, level on the rest.
     split_cost: the plan's cost model for splitting a request at all, in quarters of a tile (0..256; with a task
         cost, i.e. task descriptors): what a split adds to the step (partial writes, the merge and its wait). Where
         every (head, request) fits whole in a bucket of c_max·ceil(bucket / c_max) cost units (c_max: the
@@ -224,8 +227,8 @@ class DecodeConfig:
     pdl_wait: bool = True
     pv_fp16: bool = True
     v_mask_tail: bool = True
-    merge_slices: int = 1
-    combine_warps: int = 4
+    merge_slices: int | None = None
+    combine_warps: int = 2
 
     def __post_init__(self):
         check_choice("DecodeConfig.lean_mode", self.lean_mode, LEAN_MODES)
@@ -247,16 +250,24 @@ class DecodeConfig:
         if sc is not None and (type(sc) is not int or not 0 <= sc <= MAX_SPLIT_COST):
             raise ValueError(f"DecodeConfig.split_cost must be None or an int in 0..{MAX_SPLIT_COST} (quarters of a "
                              f"tile), got {sc!r}")
-        if self.merge_slices not in (1, 2, 4, 8) or type(self.merge_slices) is not int:
-            raise ValueError(f"DecodeConfig.merge_slices must be 1, 2, 4 or 8, got {self.merge_slices!r}")
+        ms = self.merge_slices
+        if ms is not None and (type(ms) is not int or ms not in (1, 2, 4, 8)):
+            raise ValueError(f"DecodeConfig.merge_slices must be None, 1, 2, 4 or 8, got {ms!r}")
         if self.combine_warps not in (2, 4) or type(self.combine_warps) is not int:
             raise ValueError(f"DecodeConfig.combine_warps must be 2 or 4, got {self.combine_warps!r}")
-        if self.merge_slices > 1 and not self.task_desc:
+        if ms is not None and ms > 1 and not self.task_desc:
             raise ValueError("DecodeConfig.merge_slices needs task_desc (the helpers' rows are in the plan's "
                              "merge_desc)")
         cb = self.combine_chunks
         if type(cb) is not int or not 2 <= cb <= 256 or cb & (cb - 1):
             raise ValueError(f"DecodeConfig.combine_chunks must be a power of two in 2..256, got {cb!r}")
+
+    def merge_slices_used(self) -> int:
+        """The merge slices a plan built under this config writes: `merge_slices`, None = 4 with task descriptors
+        (the helpers' rows are in the plan's merge_desc), 1 (none) without."""
+        if not self.task_desc:
+            return 1
+        return 4 if self.merge_slices is None else self.merge_slices
 
 
 LEAN_MODES = ("hold", "recompute", "tma")
@@ -620,9 +631,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         # spill 16 bytes: tests/test_decode_compile.py)
         tl_tail = dict(TAIL_MERGE=True, R_PAD=r_pad, TAIL_GROUP=_tail_group(parts, max_tiles),
                        TAIL_STAGES=1 if use_tma else 3)
-    if not tail and plan.merge_slices != _CONFIG.merge_slices:  # the combine reads the plan's merge helpers
+    if not tail and plan.merge_slices != _CONFIG.merge_slices_used():  # the combine reads the plan's merge helpers
         raise ValueError(f"plan was built with DecodeConfig.merge_slices={plan.merge_slices}, the decode runs with "
-                         f"{_CONFIG.merge_slices}: re-plan with hpcops.plan_decode under the same config")
+                         f"{_CONFIG.merge_slices_used()}: re-plan with hpcops.plan_decode under the same config")
     if use_gluon:
         _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, out, part_o, part_lse, plan, q_scale, args_kv,
                       sm_scale, q_len, g, rows, gluon_tail, pdl_wait)

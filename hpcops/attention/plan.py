@@ -464,7 +464,7 @@ def _launch_plan(plan: DecodePlan, seq_lens: torch.Tensor) -> None:
     b = seq_lens.shape[0]
     plan.has_desc = cfg.task_desc
     plan.has_pairs = cfg.task_desc and (cfg.tail_merge or (cfg.tail_merge is None and plan.kernel == "gluon"))
-    plan.merge_slices = cfg.merge_slices if cfg.task_desc else 1
+    plan.merge_slices = cfg.merge_slices_used()
     if plan.has_pairs and plan.pair_desc is None:
         raise ValueError("DecodeConfig.tail_merge needs a plan with pair buffers (built by plan_decode)")
     if b == 0:

@@ -59,7 +59,7 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
     has_desc = decode_config().task_desc
     cost = asked if has_desc else 0
     cut_snap = asked_snap if cost else 0
-    slices = decode_config().merge_slices if has_desc else 1
+    slices = decode_config().merge_slices_used()
     cum = [0]
     lens = seq_lens.long().cpu().tolist()
     for n in lens:

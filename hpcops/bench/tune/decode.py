@@ -85,10 +85,10 @@ DECODE_SPACE = (
          near=None),
     knob(("tail_merge", "tail_group"), (True, 8), (True, 0), near=None),
     # a long split's merge (more than 16 partials) in column slices over its owner and the next combine programs
-    knob("merge_slices", 1, 2, 4, 8),
-    # the combine on 2 warps (shorter reductions, more programs an SM), alone and with the slices
+    knob("merge_slices", 1, 2, 8),  # the default (None) is 4
+    # the combine on 2 warps (the default: shorter reductions, more programs an SM) or 4, alone and with the slices
     knob("combine_warps", 2, 4),
-    knob(("merge_slices", "combine_warps"), (4, 2), (8, 2), near=None),
+    knob(("merge_slices", "combine_warps"), (1, 4), (8, 4), near=None),
     knob("merge_prefetch", False, True),
     # wider Gluon merge rounds (8 partials of 8 rows at d128) without the prefetch (with it: 2 programs an SM),
     # alone and with groups of 16 / 32 partials
