@@ -84,6 +84,9 @@ DECODE_SPACE = (
     knob(("gluon", "tail_merge", "tail_group", "pps"), (True, True, 8, 3), (True, True, 32, 3), (True, True, 0, 3),
          near=None),
     knob(("tail_merge", "tail_group"), (True, 8), (True, 0), near=None),
+    # the combine kernel instead of the tail merge on a Gluon plan, at 2 or 3 programs an SM (the bench's
+    # `hpcops-gluon` row, combine at 2: an H100 ran it ~1.10x faster than `hpcops-fp8q` on the long h8/1 fp8 rows)
+    knob(("tail_merge", "pps"), (False, 2), (False, 3), near=None),
     # a long split's merge (more than 16 partials) in column slices over its owner and the next combine programs
     knob("merge_slices", 1, 2, 8),  # the default (None) is 4
     # the combine on 2 warps (the default: shorter reductions, more programs an SM) or 4, alone and with the slices
