@@ -93,6 +93,8 @@ DECODE_SPACE = (
     knob("combine_warps", 2, 4),
     knob(("merge_slices", "combine_warps"), (1, 4), (8, 4), near=None),
     knob("merge_prefetch", False, True),
+    # a short uniform batch cut equal at one program an SM (each request in about two halves) instead of whole
+    knob(("split_cost", "pps"), (0, 1), near=None),
     # wider Gluon merge rounds (8 partials of 8 rows at d128) without the prefetch (with it: 2 programs an SM),
     # alone and with groups of 16 / 32 partials
     knob(("merge_round", "merge_prefetch"), (8192, False), near=None),
