@@ -205,7 +205,10 @@ def _attend_whole(acc, m_i, l_i, q, s_scale, k_ptr, v_ptr, k_desc, v_desc, k_col
     """
     offs_n = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEAD_DIM
-    if not LEAN_RECOMPUTE:
+    if LEAN_RECOMPUTE:
+        k_off = 0  # rebuilt each step (`_whole_addr`)
+        v_off = 0
+    else:
         k_off = offs_n[:, None] * stride_kt + offs_d[None, :]  # [BLOCK_N, D] int32, loop-invariant
         if KV_SAME_STRIDES:
             v_off = k_off
@@ -218,62 +221,57 @@ def _attend_whole(acc, m_i, l_i, q, s_scale, k_ptr, v_ptr, k_desc, v_desc, k_col
         page_s = next_page
         next_page = _load_block_id(bt_row_ptr, (start + BLOCK_N) // BLOCK_SIZE, bt_width,
                                    start + BLOCK_N < tile_hi * TILE, False)
-        page, ok = _clamp_block(page_s, num_blocks, True)
-        page = page.to(tl.int64)
-        slot = start % BLOCK_SIZE
-        row0 = tl.where(ok, page_s, num_blocks) * BLOCK_SIZE + slot  # USE_TMA
-        if LEAN_RECOMPUTE:
-            # this step's slots times a stride that depends on the page: nothing the compiler can
-            # hoist out of the loops (the persistent kernel's task loop included) and hold
-            rows = slot + offs_n  # [BLOCK_N]
-            k_off = rows[:, None] * tl.where(ok, stride_kt, 0) + offs_d[None, :]  # [BLOCK_N, D] int32
-            k_base = page * stride_kb
-        else:
-            k_base = page * stride_kb + slot * stride_kt
-        k = _load_kv_tile(k_ptr + k_base + k_off, d_ok[None, :] & ok, k_desc, row0, k_col, ok, USE_TMA,
+        ok, row0, k_base, k_step, v_base, v_step = _whole_addr(page_s, start, num_blocks, stride_kb, stride_kt,
+                                                               stride_vb, stride_vt, k_off, v_off, offs_d, offs_n,
+                                                               BLOCK_SIZE, LEAN_RECOMPUTE, KV_SAME_STRIDES)
+        k = _load_kv_tile(k_ptr + k_base + k_step, d_ok[None, :] & ok, k_desc, row0, k_col, ok, USE_TMA,
                           not USE_TMA)  # [BLOCK_N, D]
         p, alpha, m_i, l_i = _whole_step(q, k, ok, s_scale, m_i, l_i, KV_FP8, Q_FP8, ROW)
-        if LEAN_RECOMPUTE:
-            if KV_SAME_STRIDES:
-                v_off = k_off
-                v_base = k_base
-            else:
-                v_off = rows[:, None] * tl.where(ok, stride_vt, 0) + offs_d[None, :]  # [BLOCK_N, D] int32
-                v_base = page * stride_vb
-        else:
-            v_base = page * stride_vb + slot * stride_vt
-        v = _load_kv_tile(v_ptr + v_base + v_off, d_ok[None, :] & ok, v_desc, row0, v_col, ok, USE_TMA,
+        v = _load_kv_tile(v_ptr + v_base + v_step, d_ok[None, :] & ok, v_desc, row0, v_col, ok, USE_TMA,
                           not USE_TMA)  # [BLOCK_N, D]
         acc = _pv_step(acc, alpha, p, v, KV_FP8, ROW)
     return acc, m_i, l_i
 
 
 @triton.jit
-def _whole_kv(k_ptr, v_ptr, k_desc, v_desc, k_col, v_col, page_s, start, num_blocks, stride_kb, stride_kt, stride_vb,
-              stride_vt, k_off, v_off, offs_d, offs_n, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-              USE_TMA: tl.constexpr, LEAN_RECOMPUTE: tl.constexpr, KV_SAME_STRIDES: tl.constexpr):
-    """The K and V tiles of the whole step at token `start` on page `page_s` (`_attend_whole`'s addressing:
-    a bad page id is never read, its V rows are 0) and whether the page is good."""
-    d_ok = offs_d < HEAD_DIM
+def _whole_addr(page_s, start, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt, k_off, v_off, offs_d, offs_n,
+                BLOCK_SIZE: tl.constexpr, LEAN_RECOMPUTE: tl.constexpr, KV_SAME_STRIDES: tl.constexpr):
+    """A whole step's addressing at token `start` on page `page_s` (`_attend_whole`): (page good, its TMA row (a bad
+    page's past the cache), K base and offsets, V base and offsets). The offsets are the held `k_off`, `v_off`, or
+    with LEAN_RECOMPUTE this step's slots times a stride that depends on the page: nothing the compiler can hoist
+    out of the loops (the persistent kernel's task loop included) and hold."""
     page, ok = _clamp_block(page_s, num_blocks, True)
     page = page.to(tl.int64)
     slot = start % BLOCK_SIZE
     row0 = tl.where(ok, page_s, num_blocks) * BLOCK_SIZE + slot  # USE_TMA
     if LEAN_RECOMPUTE:
         rows = slot + offs_n  # [BLOCK_N]
-        k_off = rows[:, None] * tl.where(ok, stride_kt, 0) + offs_d[None, :]
+        k_off = rows[:, None] * tl.where(ok, stride_kt, 0) + offs_d[None, :]  # [BLOCK_N, D] int32
         k_base = page * stride_kb
         if KV_SAME_STRIDES:
             v_off = k_off
             v_base = k_base
         else:
-            v_off = rows[:, None] * tl.where(ok, stride_vt, 0) + offs_d[None, :]
+            v_off = rows[:, None] * tl.where(ok, stride_vt, 0) + offs_d[None, :]  # [BLOCK_N, D] int32
             v_base = page * stride_vb
     else:
         k_base = page * stride_kb + slot * stride_kt
         v_base = page * stride_vb + slot * stride_vt
-    k = _load_kv_tile(k_ptr + k_base + k_off, d_ok[None, :] & ok, k_desc, row0, k_col, ok, USE_TMA, not USE_TMA)
-    v = _load_kv_tile(v_ptr + v_base + v_off, d_ok[None, :] & ok, v_desc, row0, v_col, ok, USE_TMA, not USE_TMA)
+    return ok, row0, k_base, k_off, v_base, v_off
+
+
+@triton.jit
+def _whole_kv(k_ptr, v_ptr, k_desc, v_desc, k_col, v_col, page_s, start, num_blocks, stride_kb, stride_kt, stride_vb,
+              stride_vt, k_off, v_off, offs_d, offs_n, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+              USE_TMA: tl.constexpr, LEAN_RECOMPUTE: tl.constexpr, KV_SAME_STRIDES: tl.constexpr):
+    """The K and V tiles of the whole step at token `start` on page `page_s` (`_whole_addr`; a bad page id is never
+    read, its V rows are 0) and whether the page is good."""
+    d_ok = offs_d < HEAD_DIM
+    ok, row0, k_base, k_step, v_base, v_step = _whole_addr(page_s, start, num_blocks, stride_kb, stride_kt, stride_vb,
+                                                           stride_vt, k_off, v_off, offs_d, offs_n, BLOCK_SIZE,
+                                                           LEAN_RECOMPUTE, KV_SAME_STRIDES)
+    k = _load_kv_tile(k_ptr + k_base + k_step, d_ok[None, :] & ok, k_desc, row0, k_col, ok, USE_TMA, not USE_TMA)
+    v = _load_kv_tile(v_ptr + v_base + v_step, d_ok[None, :] & ok, v_desc, row0, v_col, ok, USE_TMA, not USE_TMA)
     return k, v, ok
 
 
