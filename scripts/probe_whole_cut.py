@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 CASES = "8x1K h64/8,16x2K h64/8,32x1K h8/1,48x1K h8/1,128x4K h8/1,16x1K h8/1,64x0.5K h8/1,64x4K h8/1,32x1K h64/8"
@@ -30,10 +31,10 @@ CUTS = {"model": {}, "equal": {"split_cost": 0}, "whole": {"split_cost": 256}}
 def _case(name: str):
     """'64x0.5K h8/1' or '64x0.5K h8/1 fp8' -> (spec, hq, hkv, fp8 KV)."""
     parts = name.split()
-    if len(parts) not in (2, 3) or parts[2:] not in ([], ["fp8"]) or not parts[1].startswith("h"):
+    heads = re.fullmatch(r"h(\d+)/(\d+)", parts[1]) if len(parts) in (2, 3) else None
+    if heads is None or parts[2:] not in ([], ["fp8"]):
         raise ValueError(f"--cases: a case is 'SPEC hQ/KV' or 'SPEC hQ/KV fp8', got {name!r}")
-    hq, hkv = (int(v) for v in parts[1][1:].split("/"))
-    return parts[0], hq, hkv, len(parts) == 3
+    return parts[0], int(heads[1]), int(heads[2]), len(parts) == 3
 
 
 def time_case(name: str, rounds: int, device: str = "cuda", timer=None, layers: int | None = None) -> dict:

@@ -26,6 +26,8 @@ def load_script(name: str, module: str | None = None):
     sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
 if not HAS_CUDA:
     os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton kernels
     from hpcops import _interpreter

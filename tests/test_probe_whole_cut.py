@@ -37,7 +37,7 @@ def test_probe_case_names():
     probe = _probe()
     assert probe._case("16x2K h64/8") == ("16x2K", 64, 8, False)
     assert probe._case("64x0.5K h8/1 fp8") == ("64x0.5K", 8, 1, True)
-    for bad in ("64x0.5K h8/1 bf16", "64x0.5K", "64x0.5K 8/1"):
+    for bad in ("64x0.5K h8/1 bf16", "64x0.5K", "64x0.5K 8/1", "64x0.5K h8", "64x0.5K hx/1"):
         with pytest.raises(ValueError, match="--cases"):
             probe._case(bad)
     assert all(len(c.split()) == 2 for c in probe.CASES.split(","))
