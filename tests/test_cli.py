@@ -243,6 +243,15 @@ def test_pyproject_license_is_an_spdx_string():
     assert req == ["setuptools>=77"]  # SPDX license strings need setuptools 77
 
 
+def test_pyproject_vllm_extra_is_the_supported_range():
+    """`pip install hpcops[vllm]` asks for exactly the vLLM versions the plugin's version gate accepts."""
+    tomllib = pytest.importorskip("tomllib")
+    from hpcops.integrations.vllm._version import SUPPORTED_RANGE
+
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert meta["project"]["optional-dependencies"]["vllm"] == [f"vllm{SUPPORTED_RANGE}"]
+
+
 def _fake_setup(tmp_path: Path, fail: str = "") -> subprocess.CompletedProcess:
     """Run scripts/setup.sh in a copy whose .venv/bin/python is a stub: pip prints noise, installs nothing."""
     (tmp_path / "scripts").mkdir()

@@ -7,7 +7,7 @@
 * with ``HPCOPS_MOE=1``, hooks `hpcops.integrations.vllm.moe.HpcopsExperts` into vLLM's unquantized
   and fp8 MoE backend oracles.
 
-Supported vLLM: ``>=0.30,<0.34`` (tested 0.32.0). Outside that range the backend name is still
+Supported vLLM: ``>=0.30,<0.35`` (tested 0.32.0, 0.33.0, 0.34.0). Outside that range the backend name is still
 registered, so that ``--attention-backend HPCOPS`` fails at selection with the version message
 (rather than "unknown backend"), and ``HPCOPS_MOE=1`` raises at plugin load. This module imports
 vLLM only inside `register`.

