@@ -100,6 +100,19 @@ CPU_CASES = [
         kv_dtype=FP8,
         config=dataclasses.replace(AUTO, quant_q=True),
     ),
+    # scripts/fuzz_cpu.py --seed 6670 --ops prefill: q elements at e4m3 midpoints rounded one way by the kernel and
+    # the other by quantize_per_token_head (123 of them), against the old 1e-2 bound (`_tolerance`)
+    Case(
+        "quant-q-rounding-flips-gqa8",
+        [48, 63, 2],
+        [21, 63, 2],
+        hq=16,
+        hkv=2,
+        head_dim=128,
+        block_size=32,
+        kv_dtype=FP8,
+        config=PrefillConfig(block_m=32, block_n=32, num_warps=4, num_stages=1, quant_q=True),
+    ),
     Case(
         "quant-q-pvfp8-tma-gqa4",
         [50, 33],
@@ -192,10 +205,13 @@ def _tolerance(case: Case, device: str) -> dict:
         # P is rounded to e4m3 (3 mantissa bits) before P·V: ~2^-5 relative error per weight
         return {"maxtol": 6e-2, "rmstol": 3e-2}  # measured 1.8e-2 / 1.6e-2 on the CPU case
     if case.config is not None and case.config.quant_q and not case.q_fp8:
-        # the kernel scales q by 448/amax (a multiply) where quantize_per_token_head divides by amax/448:
-        # the two fp32 roundings differ now and then, flipping a q element's e4m3 rounding by one ulp
-        # (up to 2^-3 relative) in one of the two (H200: rms 2.09e-3 against fp16's default 2e-3)
-        return {"maxtol": 1e-2, "rmstol": 4e-3}
+        # the kernel scales q by 448/amax (a multiply; the division approximate on the GPU, correctly rounded in the
+        # interpreter) where quantize_per_token_head divides by amax/448: the fp32 products differ in their last bit
+        # now and then, and an element near the midpoint of two e4m3 values rounds the other way (one ulp, up to
+        # 2^-3 of it). On few keys one such flip moves a row by a few 1e-3 to 1e-2 (H200 sizes: rms 2.09e-3;
+        # scripts/fuzz_cpu.py's cases with quant_q, 88 seeds: max 2.5e-2, rms 8.1e-3 at worst, where q itself
+        # quantized costs up to 4.9e-2 / 2.4e-2 against the unquantized q)
+        return {"maxtol": 4e-2, "rmstol": 1.2e-2}
     return {}
 
 
