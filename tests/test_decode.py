@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 import hpcops
 from hpcops import _platform
@@ -672,6 +675,38 @@ def _gpu_graph_replay(q_len, fp8=False):
             qs = dict(q_scale=q_scale[i]) if fp8 else {}
             want = ref.decode_attention(q[i], kv.k_cache, kv.v_cache, kv.block_table, seq_lens, **scales, **qs)
             assert_close(want, oi)
+
+
+@triton.jit
+def _pdl_copy(src, dst, n, BLOCK: tl.constexpr):
+    """A consumer launched with PDL: waits for the previous grid (griddepcontrol.wait), then copies src to dst."""
+    gdc_wait()
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(dst + offs, tl.load(src + offs, mask=offs < n), mask=offs < n)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split_cost", [256, 0], ids=["whole", "equal"])
+def test_gpu_pdl_consumer_sees_the_output(split_cost):
+    """A kernel launched with PDL right after decode_attention (griddepcontrol.wait, then it reads `out`) sees the
+    finished output: the combine grid completes only after the attention grid, also when the plan splits nothing
+    (a whole cut, where no combine program has a merge to wait for). Repeated, each time from a NaN-filled out."""
+    from hpcops.attention import decode as dec
+
+    case = Case((512,) * 64, 8, 1, 128, 64)
+    q, _, kv = _inputs(case, "cuda")
+    want = ref.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens)
+    with dec.decode_config_changed(split_cost=split_cost):
+        plan = hpcops.plan_decode(kv.seq_lens, num_kv_heads=1, block_size=64)
+        assert any(t[5] for t in plan.tasks()) == (split_cost == 0)  # split tasks only under the equal cut
+        out, seen = nan_like(q), nan_like(q)
+        for _ in range(20):
+            out.fill_(float("nan"))
+            seen.fill_(float("nan"))
+            hpcops.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, plan=plan, out=out)
+            _pdl_copy[(triton.cdiv(out.numel(), 1024),)](out, seen, out.numel(), BLOCK=1024, launch_pdl=True)
+            torch.cuda.synchronize()
+            assert_close(want, seen, name=f"what a PDL consumer read (split_cost {split_cost})")
 
 
 @pytest.mark.gpu

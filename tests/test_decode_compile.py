@@ -62,6 +62,7 @@ def build(kernel, q, kv, tma, const, warps, stages, maxnreg=None):
     return {"regs": res["registers"], "spill_bytes": res["spill_bytes"],
             "cp_async": ptx.count("cp.async.c"), "tma": ptx.count("cp.async.bulk.tensor"),
             "local": ptx.count("st.local"), "smem": res["shared"], "griddep": ptx.count("griddepcontrol"),
+            "gdc_waits": ptx.count("griddepcontrol.wait"),
             "waits_first": ptx_waits_before_reads(ptx)}
 
 out = {}
@@ -199,6 +200,8 @@ def test_compiles_for_sm90():
         assert r["smem"] <= 227 * 1024, (name, r)
         if "pdl" in name:
             assert r["griddep"] > 0, f"{name}: no griddepcontrol instruction: {r}"
+        if name.startswith("combine-pdl"):  # program (0, 0) waits with nothing to merge, the merging ones before it
+            assert r["gdc_waits"] >= 2, f"{name}: the grid could complete before the attention grid: {r}"
         if "pdlwait" in name:  # launched with PDL: nothing read before the previous kernel's writes are visible
             assert r["waits_first"] is True, f"{name}: a global read before griddepcontrol.wait: {r}"
         if name.startswith(("persistent", "static-bf16")):

@@ -623,7 +623,9 @@ def decode_combine_kernel(
     launch only after its own wait, so the plan is complete then too). MERGE_DESC: `last_b_ptr` is the plan's
     merge_desc [programs, 4], whose row k (request or −1, head, first slot, partials) says it in one load level.
     PDL_NEXT (with MERGE_DESC): after its merge, let the next kernel launch (the next layer's attention kernel,
-    PDL_WAIT; a program with nothing to merge releases it by exiting).
+    PDL_WAIT; a program with nothing to merge releases it by exiting). USE_PDL: program (0, 0) waits for the
+    attention grid even with nothing to merge, so that this grid never completes before it (a plan that splits
+    nothing has no other waiting program, and the next kernel waits on this grid alone).
     MERGE_SLICES (> 1, with MERGE_DESC; `DecodeConfig.merge_slices`, a plan built with it): a split of more than
     16 partials is merged by MERGE_SLICES programs, each a slice of D_PAD / MERGE_SLICES columns of the row in rounds
     of CB · MERGE_SLICES partials (one round up to 256 at head_dim 128, where one program takes 4): its owner
@@ -632,6 +634,12 @@ def decode_combine_kernel(
     """
     k = tl.program_id(0)
     row = tl.program_id(1)
+    if USE_PDL:
+        # this grid must not complete before the attention grid has: a kernel launched with PDL after it waits on
+        # it alone (griddepcontrol.wait), and where nothing is split no other program waits (the next layer's
+        # attention would overlap this one's in a benchmark, a consumer of `out` read it early)
+        if (k == 0) & (row == 0):
+            gdc_wait()
     if MERGE_DESC:
         md = last_b_ptr + k * 4  # the plan's merge_desc
         b = tl.load(md)
