@@ -649,16 +649,11 @@ def decode_combine_kernel(
         if b >= 0:
             if USE_PDL:
                 gdc_wait()
-            if MERGE_SLICES > 1:
+            if MERGE_SLICES > 1 and n_chunks > 16:  # constexpr-false (one program a row) when MERGE_SLICES is 1
                 owner = first_slot // 2
-                if n_chunks > 16:
-                    DW: tl.constexpr = D_PAD // MERGE_SLICES
-                    _merge_chunks(part_o_ptr, part_lse_ptr, first_slot, 2 * owner, 2, n_chunks, b, h, row, out_ptr,
-                                  stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, CB * MERGE_SLICES, DW,
-                                  (k - owner) * DW)
-                else:
-                    _merge_partials(part_o_ptr, part_lse_ptr, first_slot, 2 * k, 2, n_chunks, b, h, row, out_ptr,
-                                    stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, CB)
+                DW: tl.constexpr = D_PAD // MERGE_SLICES
+                _merge_chunks(part_o_ptr, part_lse_ptr, first_slot, 2 * owner, 2, n_chunks, b, h, row, out_ptr,
+                              stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, CB * MERGE_SLICES, DW, (k - owner) * DW)
             else:
                 _merge_partials(part_o_ptr, part_lse_ptr, first_slot, 2 * k, 2, n_chunks, b, h, row, out_ptr,
                                 stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, CB)
