@@ -90,10 +90,16 @@ def test_per_call_us_parses_marked_calls():
     # cover 16 µs (their durations sum to 24)
     pdl = [("mark", 0, 1), ("gate_up", 1, 10), ("down", 5, 10), ("reduce", 12, 2), ("quant", 30, 2), ("mark", 40, 1)]
     assert per_call_us(pdl, name_filter=None, marker="mark", calls=1) == 16.0
+    assert per_call_us(pdl, name_filter=("gate_up", "down"), marker="mark", calls=1) == 14.0  # [1, 15)
     with pytest.raises(RuntimeError, match="delimit 3 calls, expected 4"):
         per_call_us(ev, name_filter=None, marker="mark", calls=4)
     with pytest.raises(RuntimeError, match="no device events named"):
         per_call_us(ev, name_filter="nope", marker="mark", calls=3)
+    # several texts: an event matching any of them counts
+    assert per_call_us(ev, name_filter=("fused_moe_kernel",), marker="mark", calls=3) == 15.0
+    assert per_call_us(ev, name_filter=("nope", "fused_moe"), marker="mark", calls=3) == 15.0
+    with pytest.raises(RuntimeError, match=r"\*nope\* or \*nada\*"):
+        per_call_us(ev, name_filter=("nope", "nada"), marker="mark", calls=3)
 
 
 def test_profile_per_call_on_cpu():

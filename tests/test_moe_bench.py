@@ -27,11 +27,21 @@ def test_cases_enumerate():
     assert not hasattr(suite, "VLLM_US") and not hasattr(suite, "TARGET_US")
     assert not any(k in case.params for case in full for k in ("vllm_triton_us", "target_us"))
     impls = {i.name: i for i in c.impls}
-    assert [i.name for i in c.impls][:3] == ["hpcops", "hpcops-kernels", "vllm-triton"] and c.impls[0].ours
+    assert [i.name for i in c.impls][:4] == ["hpcops", "hpcops-kernels", "hpcops-gemms", "vllm-triton"]
+    assert c.impls[0].ours
     assert impls["hpcops"].timing == "graph"
     # like for like: both kernel sums through the profiler, ours counting every kernel, vLLM's two GEMMs only
     assert impls["hpcops-kernels"].ours and impls["hpcops-kernels"].timing == "kernels"
     assert impls["hpcops-kernels"].kernel_filter is None
+    # our two GEMMs alone, beside vLLM's two GEMM launches: every hpcops GEMM kernel matches, nothing else does
+    gemms = impls["hpcops-gemms"]
+    assert gemms.ours and gemms.timing == "kernels" and "GEMM-for-GEMM" in gemms.note
+    from hpcops.moe import _moe_gluon, _moe_kernels
+
+    kernels = [n for mod in (_moe_kernels, _moe_gluon) for n in dir(mod) if n.endswith("_kernel")]
+    matched = {n for n in kernels if any(t in n for t in gemms.kernel_filter)}
+    assert matched >= {"moe_gate_up_kernel", "moe_down_kernel"}
+    assert all("gate_up" in n or "down" in n for n in matched), matched
     vllm = impls["vllm-triton"]
     assert not vllm.ours and vllm.timing == "kernels" and vllm.kernel_filter == "fused_moe_kernel"
     assert "lower bound" in vllm.note and "moe_sum" in vllm.note

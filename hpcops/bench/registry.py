@@ -91,8 +91,9 @@ class Impl:
     a CUDA graph. `ours` marks an hpcops implementation (the first is the one ratios are computed
     for). `per_step` work (the decode plan) runs once per model step: it is timed eagerly, alone.
     `timing` (one of TIMINGS): "graph" (default) or "kernels", the profiler's device time of the kernels
-    the callable launches, only those whose name contains `kernel_filter` if given (a peer timed by its
-    own kernels, without the stand-ins around them); such an impl need not be capturable.
+    the callable launches, only those whose name contains `kernel_filter` (or one of its texts) if given (a peer
+    timed by its own kernels, without the stand-ins around them; our GEMMs alone); such an impl need not be
+    capturable.
     """
 
     name: str
@@ -101,7 +102,7 @@ class Impl:
     note: str = ""
     per_step: bool = False
     timing: str = "graph"
-    kernel_filter: str | None = None
+    kernel_filter: str | tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.timing not in TIMINGS:

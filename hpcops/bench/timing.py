@@ -62,15 +62,16 @@ def eager_time_us(fn: Callable[[], object], *, replays: int = 50, warmup: int = 
 MARKER_KERNEL = "stream_copy_kernel"
 
 
-def profiler_kernel_time_us(fns: Sequence[Callable[[], object]], kernel_filter: str | None = None, *,
+def profiler_kernel_time_us(fns: Sequence[Callable[[], object]], kernel_filter: str | tuple[str, ...] | None = None, *,
                             calls: int = 5, warmup: int = 1) -> float:
     """Median per-call device time of the kernels a call launches, in µs, from torch.profiler (CUDA activity).
 
     Runs every `fn` (one per layer, each with its own inputs, so L2 is as cold as in `graph_time_us`)
     `calls` times in layer order, eagerly, a marker kernel before each call and after the last; a call's
     time is the time covered by the device events (kernels, memsets, copies) between its two markers whose
-    name contains `kernel_filter` (every one if None): the sum of their durations, where two overlap (a kernel
-    launched with programmatic dependent launch starts before the previous one ends) the overlap once. Launch
+    name contains `kernel_filter` (or one of its texts; every one if None): the sum of their durations, where two
+    overlap (a kernel launched with programmatic dependent launch starts before the previous one ends) the overlap
+    once. Launch
     gaps and host work are not counted: this is the GPU time of the kernels only, the same for hpcops and for a
     peer.
     """
@@ -87,7 +88,8 @@ def profiler_kernel_time_us(fns: Sequence[Callable[[], object]], kernel_filter: 
                                device_type=DeviceType.CUDA, sync=torch.cuda.synchronize)
 
 
-def profile_per_call_us(fns: Sequence[Callable[[], object]], name_filter: str | None, *, calls: int, warmup: int,
+def profile_per_call_us(fns: Sequence[Callable[[], object]], name_filter: str | tuple[str, ...] | None, *, calls: int,
+                        warmup: int,
                         marker: Callable[[], object], marker_name: str, activity, device_type,
                         sync: Callable[[], None]) -> float:
     """The device-independent body of `profiler_kernel_time_us` (the CPU tests run it with CPU activity)."""
@@ -117,15 +119,17 @@ def device_events(events: Iterable, device_type) -> list[tuple[str, float, float
     return sorted(out, key=lambda ev: ev[1])
 
 
-def per_call_us(events: Sequence[tuple[str, float, float]], *, name_filter: str | None, marker: str,
+def per_call_us(events: Sequence[tuple[str, float, float]], *, name_filter: str | tuple[str, ...] | None, marker: str,
                 calls: int) -> float:
-    """Median over calls of the time covered by the events matching `name_filter` (all if None) between
+    """Median over calls of the time covered by the events matching `name_filter` (a text, or a tuple of texts any
+    of which matches; all if None) between
     consecutive `marker` events (names matched as substrings; `events` in start order): the union of their
     [start, start + duration) intervals, i.e. their summed durations less any overlap.
 
     Raises RuntimeError if the markers do not delimit exactly `calls` calls, or if no event matched:
     a wrong count or a filter matching nothing must never read as a time.
     """
+    texts = (name_filter,) if isinstance(name_filter, str) else name_filter
     sums: list[float] = []
     cur: list[tuple[float, float]] | None = None
     matched = 0
@@ -134,14 +138,14 @@ def per_call_us(events: Sequence[tuple[str, float, float]], *, name_filter: str 
             if cur is not None:
                 sums.append(_covered(cur))
             cur = []
-        elif cur is not None and (name_filter is None or name_filter in name):
+        elif cur is not None and (texts is None or any(t in name for t in texts)):
             cur.append((start, start + dur))
             matched += 1
     if len(sums) != calls:
         raise RuntimeError(f"profiler: the {marker!r} markers delimit {len(sums)} calls, expected {calls} "
                            "(events dropped?)")
     if matched == 0:
-        what = f"named *{name_filter}*" if name_filter is not None else "at all"
+        what = f"named {' or '.join(f'*{t}*' for t in texts)}" if texts is not None else "at all"
         raise RuntimeError(f"profiler: no device events {what} between the markers")
     return statistics.median(sums)
 

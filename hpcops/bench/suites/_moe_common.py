@@ -22,6 +22,11 @@ VENDOR_VLLM = ("vendor vLLM's Triton kernels from the repository root with "
                "`python3 ../shared/tools/vllm_peer/vendor.py --source wheel` (writes .peers/vllm_kernels, git-ignored; "
                "carry it to the GPU machine)")
 VLLM_KERNEL = "fused_moe_kernel"  # the one Triton kernel of vLLM's fused_experts that is timed (2 launches)
+# our two GEMMs (tl and Gluon gate-up, down): the `hpcops-gemms` row, timed as vLLM's row is
+GEMM_KERNELS = ("moe_gate_up", "moe_down")
+GEMMS_NOTE = ("device time of its gate-up and down GEMM kernels only (profiler), the work vllm-triton's row times: "
+              "vllm-triton µs / this row's µs is the GEMM-for-GEMM ratio; the index, quantization and reduce left "
+              "out, as vLLM's align, activation and moe_sum are")
 VLLM_NOTE = ("device time of its two fused_moe_kernel launches only (profiler, like hpcops-kernels): a lower "
              "bound of real vLLM, which adds align, input quant, activation+quant and moe_sum kernels")
 QUANT_TAGS = {"fp8_tensor": "fp8t", "fp8_block": "fp8b", "none": "bf16"}

@@ -14,6 +14,8 @@ Each layer has its own weights (L2-cold, as in a model). Rows, all on the same i
   `MoeConfig.pdl` the overlap once), torch.profiler, eager. Excludes launch gaps.
   `hpcops-kernels` / `vllm-triton` is the like-for-like ratio (the report's `x ours` of `vllm-triton` is
   against this row).
+- `hpcops-gemms`: the same, its gate-up and down GEMM kernels only: the work `vllm-triton`'s row times (its
+  `x ours` is against `hpcops-kernels`; `vllm-triton` µs / `hpcops-gemms` µs is the GEMM-for-GEMM ratio).
 - `vllm-triton`: vLLM's own Triton `fused_experts` (vendored into `.peers/vllm_kernels` by
   `python3 ../shared/tools/vllm_peer/vendor.py --source wheel`, found there or in `$HPCOPS_PEERS_DIR`;
   unavailable otherwise), configured as vLLM configures it: `try_get_optimal_moe_config`, i.e. vLLM's tuned
@@ -113,6 +115,8 @@ def cases(opts: dict[str, Any]) -> Iterator[Case]:
             impls=[Impl("hpcops", _ours(s), ours=True),
                    Impl("hpcops-kernels", _ours(s), ours=True, timing="kernels",
                         note="device time its kernels cover per call (profiler), as vllm-triton"),
+                   Impl("hpcops-gemms", _ours(s), ours=True, timing="kernels", kernel_filter=common.GEMM_KERNELS,
+                        note=common.GEMMS_NOTE),
                    Impl("vllm-triton", _vllm(s), timing="kernels", kernel_filter=VLLM_KERNEL,
                         note="; ".join(filter(None, (VLLM_NOTE, _vllm_config_note(s))))),
                    *[Impl(common.override_label(kw), _ours(s, kw), note="config sweep") for kw in sweep],
