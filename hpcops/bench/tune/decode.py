@@ -93,11 +93,6 @@ DECODE_SPACE = (
     knob("combine_warps", 2, 4),
     knob(("merge_slices", "combine_warps"), (1, 4), (8, 4), near=None),
     knob("merge_prefetch", False, True),
-    # the lean loop two tiles a step into two softmax states (DecodeConfig.pair_steps): a step's K/V double in
-    # shared memory, so at 3 stages one program an SM; at 2 stages two; on 8 warps (fp8 KV under a bf16 q: 4 spill)
-    knob(("pair_steps", "pps"), (True, 1), near=None),
-    knob(("pair_steps", "num_stages"), (True, 2), near=None),
-    knob(("pair_steps", "num_warps", "pps"), (True, 8, 1), near=None),
     # a short uniform batch cut equal at one program an SM (each request in about two halves) instead of whole
     knob(("split_cost", "pps"), (0, 1), near=None),
     # wider Gluon merge rounds (8 partials of 8 rows at d128) without the prefetch (with it: 2 programs an SM),
