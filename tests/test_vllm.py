@@ -28,8 +28,8 @@ hv.register()
 # vLLM >= 0.33 runs x86 CPUs through triton-cpu and its CPU build's compiled ops, and refuses a config without
 # triton-cpu (CpuPlatform.check_and_update_config). This file needs neither (our kernels run in Triton's interpreter)
 # but for the engine run, which is skipped there: the config check is let through.
-NEEDS_TRITON_CPU = not torch.cuda.is_available() and _version._release(_version.vllm_version())[:2] >= (0, 33)
-if NEEDS_TRITON_CPU:
+NEEDS_TRITON_CPU = False  # vLLM >= 0.33 on the CPU platform, and no triton-cpu here
+if not torch.cuda.is_available() and _version._release(_version.vllm_version())[:2] >= (0, 33):
     import vllm.triton_utils
 
     NEEDS_TRITON_CPU = not vllm.triton_utils.HAS_TRITON
