@@ -261,3 +261,73 @@ def test_ab_bench_prepare_and_summary(tmp_path):
     res = subprocess.run(["bash", script, "run", "decode", "x"], capture_output=True, text=True, timeout=60,
                          env={**env, "AB_BASE": str(tmp_path / "none")})
     assert res.returncode == 2 and "prepare REV" in res.stderr
+
+
+def _decode_targets():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("decode_targets", os.path.join(SCRIPTS, "decode_targets.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _decode_report(tmp_path, scale_bf16: float = 1.0):
+    """A decode report: FlashInfer's best 1.2x our time on every h8/1 bf16 row (flashinfer-decode slower still),
+    1.6x on the fp8q rows, the dynamic plan 1.05x its static split on 64x0.5K h8/1 fp8 only."""
+    rows = []
+
+    def row(case, impl, us, nbytes=0):
+        rows.append(dict(suite="decode", case=case, impl=impl, us=us, status="ok", bytes=nbytes))
+
+    for i, s in enumerate(("64x0.5K", "64x4K", "32x0.125K+32x4K", "2x32K+30x4K", "1x64K+15x4K", "1x128K+31x4K")):
+        ours = 10.0 + i
+        row(f"{s} h8/1 bf16", "hpcops", ours * scale_bf16, nbytes=int(4e3 * ours))  # floor: 0.4 x ours at 10 GB/s
+        row(f"{s} h8/1 bf16", "hpcops-static", ours)
+        row(f"{s} h8/1 bf16", "flashinfer-tc", 1.2 * ours)
+        row(f"{s} h8/1 bf16", "flashinfer-decode", 3.0 * ours)
+        row(f"{s} h8/1 fp8", "hpcops", ours * (1.05 if s == "64x0.5K" else 1.0))
+        row(f"{s} h8/1 fp8", "hpcops-static", ours)
+        row(f"{s} h8/1 fp8", "hpcops-fp8q", ours / 1.6 * 1.2)
+        row(f"{s} h8/1 fp8", "flashinfer-tc", 1.2 * ours)
+    row("64x0.5K h8/1 bf16", "flashinfer-tc", 99.0)  # a failed peer row is not counted
+    rows[-1]["status"] = "error: boom"
+    path = tmp_path / "decode.json"
+    path.write_text(json.dumps(dict(suite="decode", machine=dict(gpu="G", copy_gbps=10.0), rows=rows)))
+    return path
+
+
+def test_decode_targets_groups_and_flags(tmp_path):
+    dt = _decode_targets()
+    machine, cases = dt.load(_decode_report(tmp_path))
+    md = dt.targets_markdown(cases)
+    assert "| h8/1 bf16 geomean (6 of 6) | 1.200 | >= 1.3 | **short** |" in md
+    assert "| h8/1 fp8 geomean (6 of 6) | 1.600 | >= 1.5 | pass |" in md
+    assert "| lowest single h8/1 row | 1.200 | >= 1.1 | pass |" in md
+    assert "| dynamic / static, worst case | 1.050 | <= 1.03 | **short** | 64x0.5K h8/1 fp8" in md
+    assert "| table 4 8x1K h64/8 bf16 | — |" in md  # not in this report: named, not passed
+
+
+def test_decode_targets_floor_cut_reaches_the_goal(tmp_path):
+    dt = _decode_targets()
+    machine, cases = dt.load(_decode_report(tmp_path))
+    md = dt.floor_markdown(machine, cases, "h8/1 bf16", 1.3)
+    assert "Geomean bound (every case at its floor): 3.000" in md  # peer 1.2x ours, floor 0.4x ours
+    rows = [(10.0 + i, 1.2 * (10.0 + i), 0.4 * (10.0 + i)) for i in range(6)]
+    cut = dt.needed_cut(rows, 1.3)
+    assert 0 < cut < 2
+    assert dt.geomean([p / max(f, o - cut) for o, p, f in rows]) == pytest.approx(1.3, rel=1e-6)
+    assert f"A call {cut:.2f} µs shorter in every case" in md
+    assert dt.needed_cut(rows, 3.5) is None  # past every case's floor
+    assert dt.needed_cut(rows, 1.1) == 0.0
+
+
+def test_decode_targets_rejects_other_reports(tmp_path):
+    dt = _decode_targets()
+    bad = tmp_path / "moe.json"
+    bad.write_text(json.dumps(dict(suite="moe", rows=[])))
+    with pytest.raises(ValueError, match="not a decode bench report"):
+        dt.load(bad)
+    res = subprocess.run([sys.executable, os.path.join(SCRIPTS, "decode_targets.py"), str(_decode_report(tmp_path)),
+                          "--floor-group", "h8 bf16"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "--floor-group must be" in res.stderr
