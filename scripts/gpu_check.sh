@@ -107,6 +107,11 @@ for st in "${stages[@]}"; do
       for s in "${suites[@]}"; do
         timeout "${BENCH_TIMEOUT:-0}" python3 -m hpcops bench "$s" --out "$OUT/results" --no-progress "${bargs[@]}" 2>&1 \
           | tee -a "$OUT/bench.log" | grep -v '^\[' | tail -60 || status=1
+        # issue 10's targets and the copy-floor bound of this run (scripts/decode_targets.py), beside the report
+        if [ "$s" = decode ] && [ -f "$OUT/results/decode.json" ] && [[ " ${bargs[*]:-} " != *" --grid "* ]]; then
+          python3 scripts/decode_targets.py "$OUT/results/decode.json" > "$OUT/results/decode_targets.md" 2>&1 \
+            && cat "$OUT/results/decode_targets.md"
+        fi
       done ;;
     layer:*)
       # the layer sweep in parts (each under the device's per-command limit): one `--only <part>` run a part, into
