@@ -20,10 +20,13 @@ the geomean to reach the target.
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout
+
+from hpcops.bench import report  # noqa: E402
+from hpcops.bench.suites.decode_grid import _geomean as geomean  # noqa: E402
 
 BLOG = ("64x0.5K", "64x4K", "32x0.125K+32x4K", "2x32K+30x4K", "1x64K+15x4K", "1x128K+31x4K")
 SKEW = ("2x32K+30x4K", "1x128K+31x4K")
@@ -31,32 +34,25 @@ TABLE4 = {"8x1K": 1.0, "16x2K": 1.0, "32x1K": 1.0, "64x4K": 0.95}
 PEERS = ("flashinfer-decode", "flashinfer-tc")
 
 
-def load(path: str | Path) -> tuple[dict, dict[str, dict[str, dict]]]:
-    """The report's machine and its ok rows as {case: {impl: row}}."""
-    data = json.loads(Path(path).read_text())
-    if "rows" not in data or data.get("suite") not in (None, "decode"):
-        raise ValueError(f"{path}: not a decode bench report (no 'rows' or another suite: {data.get('suite')!r})")
-    cases: dict[str, dict[str, dict]] = {}
-    for r in data["rows"]:
-        if r.get("status") == "ok" and r.get("us"):
-            cases.setdefault(r["case"], {})[r["impl"]] = r
-    return data.get("machine", {}), cases
+def load(path: str | Path) -> tuple[dict, dict[str, dict[str, report.Row]]]:
+    """The report's machine and its timed ok rows as {case: {impl: row}}."""
+    result = report.load(path)
+    if result.suite != "decode":
+        raise ValueError(f"{path}: not a decode bench report (suite {result.suite!r})")
+    cases = {c: {r.impl: r for r in rows if r.status == "ok" and r.us} for c, rows in report.by_case(result).items()}
+    return result.machine, cases
 
 
 def ours_impl(case: str) -> str:
     return "hpcops-fp8q" if case.endswith(" fp8") else "hpcops"
 
 
-def ratio(rows: dict[str, dict], impl: str) -> float | None:
+def ratio(rows: dict[str, report.Row], impl: str) -> float | None:
     """FlashInfer's best µs over `impl`'s µs in one case (None where either did not run)."""
-    peer = [rows[p]["us"] for p in PEERS if p in rows]
+    peer = [rows[p].us for p in PEERS if p in rows]
     if not peer or impl not in rows:
         return None
-    return min(peer) / rows[impl]["us"]
-
-
-def geomean(xs: list[float]) -> float:
-    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+    return min(peer) / rows[impl].us
 
 
 def _row(name: str, value: float | None, target: float | None, detail: str = "") -> str:
@@ -66,7 +62,7 @@ def _row(name: str, value: float | None, target: float | None, detail: str = "")
     return f"| {name} | {value:.3f} | {'' if target is None else f'>= {target}'} | {ok} | {detail} |"
 
 
-def targets_markdown(cases: dict[str, dict[str, dict]]) -> str:
+def targets_markdown(cases: dict[str, dict[str, report.Row]]) -> str:
     out = ["| target | value | goal | | detail |", "|---|---:|---:|---|---|"]
     for heads, kv, goal in (("h8/1", "fp8", 1.5), ("h8/1", "bf16", 1.3)):
         rs = {s: ratio(cases.get(f"{s} {heads} {kv}", {}), ours_impl(f"x {kv}")) for s in BLOG}
@@ -93,7 +89,7 @@ def targets_markdown(cases: dict[str, dict[str, dict]]) -> str:
     worst = None
     for c, rows in sorted(cases.items()):
         if "hpcops" in rows and "hpcops-static" in rows:
-            x = rows["hpcops"]["us"] / rows["hpcops-static"]["us"]
+            x = rows["hpcops"].us / rows["hpcops-static"].us
             if worst is None or x > worst[1]:
                 worst = (c, x)
     if worst:
@@ -121,7 +117,7 @@ def needed_cut(rows: list[tuple[float, float, float]], goal: float) -> float | N
     return hi
 
 
-def floor_markdown(machine: dict, cases: dict[str, dict[str, dict]], group: str, goal: float) -> str:
+def floor_markdown(machine: dict, cases: dict[str, dict[str, report.Row]], group: str, goal: float) -> str:
     bw = machine.get("copy_gbps")
     if not bw:
         return f"(no measured copy bandwidth in the report: no floor for {group})\n"
@@ -134,10 +130,10 @@ def floor_markdown(machine: dict, cases: dict[str, dict[str, dict]], group: str,
         c = f"{s} {heads} {kv}"
         r = cases.get(c, {})
         impl = ours_impl(c)
-        peer = [r[p]["us"] for p in PEERS if p in r]
+        peer = [r[p].us for p in PEERS if p in r]
         if impl not in r or not peer:
             continue
-        ours, floor = r[impl]["us"], r[impl]["bytes"] / bw / 1e3
+        ours, floor = r[impl].us, r[impl].bytes / bw / 1e3
         rows.append((ours, min(peer), floor))
         out.append(f"| {c} | {ours:.1f} | {floor:.1f} | {ours - floor:.1f} | {min(peer):.1f} | "
                    f"{min(peer) / ours:.3f} | {min(peer) / floor:.3f} |")

@@ -278,7 +278,8 @@ def _decode_report(tmp_path, scale_bf16: float = 1.0):
     rows = []
 
     def row(case, impl, us, nbytes=0):
-        rows.append(dict(suite="decode", case=case, impl=impl, us=us, status="ok", bytes=nbytes))
+        rows.append(dict(suite="decode", case=case, impl=impl, ours=impl.startswith("hpcops"), us=us, status="ok",
+                         bytes=nbytes))
 
     for i, s in enumerate(("64x0.5K", "64x4K", "32x0.125K+32x4K", "2x32K+30x4K", "1x64K+15x4K", "1x128K+31x4K")):
         ours = 10.0 + i
@@ -325,7 +326,7 @@ def test_decode_targets_floor_cut_reaches_the_goal(tmp_path):
 def test_decode_targets_rejects_other_reports(tmp_path):
     dt = _decode_targets()
     bad = tmp_path / "moe.json"
-    bad.write_text(json.dumps(dict(suite="moe", rows=[])))
+    bad.write_text(json.dumps(dict(suite="moe", machine={}, rows=[])))
     with pytest.raises(ValueError, match="not a decode bench report"):
         dt.load(bad)
     res = subprocess.run([sys.executable, os.path.join(SCRIPTS, "decode_targets.py"), str(_decode_report(tmp_path)),
