@@ -570,37 +570,6 @@ def _vid(d):
 # ---------------------------------------------------------------- GPU tier
 # the kernels and plan as measured before the H200 sweep that turned task_desc, lean_loop (fp8 KV), pdl and
 # the one-pass 16-entry plan on: still a supported configuration, kept under test
-@pytest.mark.parametrize("kv, mode", [("bf16", "tma"), ("bf16", "hold"), ("fp8", "recompute"), ("fp8q", "tma"),
-                                      ("fp16", "recompute")])
-def test_decode_pair_steps_match_reference(kv, mode, device):
-    """DecodeConfig.pair_steps: the persistent kernel's lean loop two tiles a step into two softmax states merged
-    after it, on tasks of an odd and an even number of whole tiles (the odd count's last step has a bad second
-    page), a masked tail, a request of one partial tile, pages of one and of two tiles, q_len 2; the output equals
-    the reference's."""
-    from hpcops.attention import decode as dec
-
-    for lens, hq, hkv, bs, q_len in [((64 * 7, 64 * 8 + 5, 1, 64 * 3 - 2, 64 * 12), 8, 1, 64, 1),
-                                     ((64 * 5, 300, 64 * 9), 8, 2, 128, 2)]:
-        case = Case(lens, hq, hkv, 128, bs, kv=kv, q_len=q_len, programs=7, min_tiles=1)
-        q, q_scale, kv_ = _inputs(case, device)
-        with dec.decode_config_changed(pair_steps=True, lean_loop=True, lean_mode=mode):
-            plan = hpcops.plan_decode(kv_.seq_lens, num_kv_heads=hkv, q_len=q_len, block_size=bs,
-                                      num_programs=case.programs, min_tiles=1)
-            out = nan_like(torch.empty(q.shape, dtype=torch.bfloat16 if q.dtype == FP8 else q.dtype, device=device))
-            got = hpcops.decode_attention(q, kv_.k_cache, kv_.v_cache, kv_.block_table, kv_.seq_lens, plan=plan,
-                                          k_scale=kv_.k_scale, v_scale=kv_.v_scale, q_scale=q_scale, out=out)
-        want = ref.decode_attention(q, kv_.k_cache, kv_.v_cache, kv_.block_table, kv_.seq_lens, k_scale=kv_.k_scale,
-                                    v_scale=kv_.v_scale, q_scale=q_scale)
-        assert_close(want, got, name=f"pair_steps {lens} {kv} {mode}")
-
-
-def test_pair_steps_errors():
-    from hpcops.attention.decode import DecodeConfig
-
-    with pytest.raises(TypeError, match="pair_steps"):
-        DecodeConfig(pair_steps=1)
-
-
 LEGACY = dict(task_desc=False, lean_loop=False, pdl=False, pdl_wait=False, plan_block_c=128, plan_warps=4,
               plan_one_pass=False, use_tma=False)
 # the defaults before the TMA lean loop (pointer loads, held offsets on fp8 KV): the pointer path at real sizes
@@ -613,9 +582,7 @@ GPU_SCENARIOS = [("2x32K+30x4K", 8, 1, True), ("1x128K+31x4K", 8, 1, False), ("6
 @pytest.mark.parametrize("variant", [{}, LEGACY, POINTER, dict(use_tma=False, lean_mode="recompute", lean_loop=True),
                                      dict(tail_merge=True), dict(tail_merge=True, gluon=True), dict(split_cost=256),
                                      dict(pdl_wait=False), dict(merge_slices=1, combine_warps=4),
-                                     dict(merge_slices=8, gluon=True), dict(merge_slices=2, combine_warps=4),
-                                     dict(pair_steps=True), dict(pair_steps=True, num_stages=2),
-                                     dict(pair_steps=True, use_tma=False, lean_mode="recompute", lean_loop=True)],
+                                     dict(merge_slices=8, gluon=True), dict(merge_slices=2, combine_warps=4)],
                          ids=lambda d: _vid(d) or "default")
 @pytest.mark.parametrize("spec, hq, hkv, fp8", GPU_SCENARIOS, ids=lambda v: str(v))
 def test_gpu_real_sizes(spec, hq, hkv, fp8, variant):
@@ -649,7 +616,7 @@ def _gpu_real_sizes(spec, hq, hkv, fp8):
                                      dict(tail_merge=True), dict(tail_merge=True, tail_group=2),
                                      dict(split_cost=64, tail_merge=True), dict(pdl_wait=False),
                                      dict(pdl_wait=True, tail_merge=True, tail_group=2),
-                                     dict(merge_slices=1, combine_warps=4), dict(pair_steps=True)],
+                                     dict(merge_slices=1, combine_warps=4)],
                          ids=lambda d: _vid(d) or "default")
 @pytest.mark.parametrize("q_len", [1, 3])
 def test_gpu_cuda_graph_replay_with_new_lengths(q_len, variant):

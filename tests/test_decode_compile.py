@@ -162,14 +162,6 @@ for _s in (1, 4, 8):
 VARIANTS["persistent-fp8q-q4-g16-tail"] = _attn(q="fp8e4nv", kv="fp8e4nv", q_len=4, g=16, R_PAD=64,
                                                 TAIL_STAGES=1, TAIL_GROUP=4,
                                                 **TAIL, **LEAN_MODES["recompute"])
-# DecodeConfig.pair_steps (two tiles a step, two softmax states): the bf16 TMA loop at 3 stages (137 KB of shared
-# memory, 232 registers: one program an SM) and at 2 (72 KB: two an SM), and fp8 KV under a bf16 q on 8 warps (on 4
-# the recomputed offset tiles of two tiles take 255 registers and spill 24 bytes)
-PAIRS = dict(TASK_DESC=True, USE_PDL=True, PDL_WAIT=True, PAIR_STEPS=True)
-VARIANTS["persistent-lean-tma-bf16-pairs"] = _attn(**PAIRS, **LEAN_MODES["tma"])
-VARIANTS["persistent-lean-tma-bf16-pairs-s2"] = _attn(stages=2, **PAIRS, **LEAN_MODES["tma"])
-VARIANTS["persistent-lean-recompute-fp8kv-pairs-8warps"] = _attn(kv="fp8e4nv", warps=8, **PAIRS,
-                                                                 **LEAN_MODES["recompute"])
 # ptxas spills (stack frame bytes) seen with Triton 3.6, no more allowed: the lean TMA loop on fp8 KV
 # (ptxas stops at 128 registers) keeps 4 values on the stack, stored before the task loop and
 # reloaded once per task (SASS: no STL/LDL inside the KV loops); the 1-warp variant's was there
@@ -218,8 +210,6 @@ def test_compiles_for_sm90():
             assert r["regs"] <= VARIANTS[name]["maxnreg"], f"{name}: {r['regs']} registers over the cap"
         if name.startswith("persistent") and name.endswith("-d256"):  # plan_programs_per_sm's premise
             assert r["regs"] * 8 * 32 > 65536 // 2, f"{name}: two programs of 8 warps fit an SM now: {r}"
-        if name.endswith("pairs-s2"):  # two programs an SM, as the plan's default programs an SM assumes
-            assert 2 * r["smem"] <= 227 * 1024 and 2 * r["regs"] * 128 <= 65536, f"{name}: two do not fit an SM: {r}"
         if name in LEAN_MAX_REGS:
             assert 0 < r["regs"] <= LEAN_MAX_REGS[name], f"{name}: {r['regs']} registers > {LEAN_MAX_REGS[name]}"
 

@@ -84,7 +84,7 @@ def _attend_tiles(acc, m_i, l_i, q, s_scale, last_pos, k_ptr, v_ptr, k_desc, v_d
                   BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, NUM_STAGES: tl.constexpr,
                   USE_TMA: tl.constexpr, LEAN: tl.constexpr = False, Q_LEN: tl.constexpr = 1,
                   LEAN_RECOMPUTE: tl.constexpr = False, KV_SAME_STRIDES: tl.constexpr = False,
-                  LEAN_PAGES: tl.constexpr = False, ROW: tl.constexpr = False, PAIR_STEPS: tl.constexpr = False):
+                  LEAN_PAGES: tl.constexpr = False, ROW: tl.constexpr = False):
     """Online softmax over KV tiles [tile_lo, tile_hi) of one (request, kv head), BLOCK_N keys a step.
 
     acc [M, D], m_i [M], l_i [M] fp32 running state; last_pos [M]: last key each row may see.
@@ -99,8 +99,6 @@ def _attend_tiles(acc, m_i, l_i, q, s_scale, last_pos, k_ptr, v_ptr, k_desc, v_d
     ROW (one query row, Q_LEN·G == 1; pointer loads): q [D] fp32, s_scale and last_pos scalars, and the
     state kept per key slot, acc [BLOCK_N, D], m_i, l_i [BLOCK_N] (`_row_softmax_step`): scores and P·V
     on the CUDA cores, no MMA and no reduction over keys inside the loops (`_merge_slots` after them).
-    PAIR_STEPS (`DecodeConfig.pair_steps`; the whole tiles of pages of a step or more, MMA tile): two tiles a step
-    with two online-softmax states (`_attend_whole_pairs`).
     """
     offs_n = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEAD_DIM
@@ -116,11 +114,6 @@ def _attend_tiles(acc, m_i, l_i, q, s_scale, last_pos, k_ptr, v_ptr, k_desc, v_d
                 acc, m_i, l_i, q, s_scale, k_ptr, v_ptr, bt_row_ptr, bt_width, num_blocks, stride_kb, stride_kt,
                 stride_vb, stride_vt, tile_lo, mid, offs_d, HEAD_DIM, BLOCK_SIZE, TILE, BLOCK_N, KV_FP8, Q_FP8,
                 NUM_STAGES, KV_SAME_STRIDES, ROW)
-        elif PAIR_STEPS and not ROW:
-            acc, m_i, l_i = _attend_whole_pairs(
-                acc, m_i, l_i, q, s_scale, k_ptr, v_ptr, k_desc, v_desc, k_col, v_col, bt_row_ptr, bt_width,
-                num_blocks, stride_kb, stride_kt, stride_vb, stride_vt, tile_lo, mid, offs_d, HEAD_DIM,
-                BLOCK_SIZE, TILE, BLOCK_N, KV_FP8, Q_FP8, NUM_STAGES, USE_TMA, LEAN_RECOMPUTE, KV_SAME_STRIDES)
         else:
             acc, m_i, l_i = _attend_whole(
                 acc, m_i, l_i, q, s_scale, k_ptr, v_ptr, k_desc, v_desc, k_col, v_col, bt_row_ptr, bt_width,
@@ -205,10 +198,7 @@ def _attend_whole(acc, m_i, l_i, q, s_scale, k_ptr, v_ptr, k_desc, v_desc, k_col
     """
     offs_n = tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEAD_DIM
-    if LEAN_RECOMPUTE:
-        k_off = 0  # rebuilt each step (`_whole_addr`)
-        v_off = 0
-    else:
+    if not LEAN_RECOMPUTE:
         k_off = offs_n[:, None] * stride_kt + offs_d[None, :]  # [BLOCK_N, D] int32, loop-invariant
         if KV_SAME_STRIDES:
             v_off = k_off
@@ -221,110 +211,34 @@ def _attend_whole(acc, m_i, l_i, q, s_scale, k_ptr, v_ptr, k_desc, v_desc, k_col
         page_s = next_page
         next_page = _load_block_id(bt_row_ptr, (start + BLOCK_N) // BLOCK_SIZE, bt_width,
                                    start + BLOCK_N < tile_hi * TILE, False)
-        ok, row0, k_base, k_step, v_base, v_step = _whole_addr(page_s, start, num_blocks, stride_kb, stride_kt,
-                                                               stride_vb, stride_vt, k_off, v_off, offs_d, offs_n,
-                                                               BLOCK_SIZE, LEAN_RECOMPUTE, KV_SAME_STRIDES)
-        k = _load_kv_tile(k_ptr + k_base + k_step, d_ok[None, :] & ok, k_desc, row0, k_col, ok, USE_TMA,
+        page, ok = _clamp_block(page_s, num_blocks, True)
+        page = page.to(tl.int64)
+        slot = start % BLOCK_SIZE
+        row0 = tl.where(ok, page_s, num_blocks) * BLOCK_SIZE + slot  # USE_TMA
+        if LEAN_RECOMPUTE:
+            # this step's slots times a stride that depends on the page: nothing the compiler can
+            # hoist out of the loops (the persistent kernel's task loop included) and hold
+            rows = slot + offs_n  # [BLOCK_N]
+            k_off = rows[:, None] * tl.where(ok, stride_kt, 0) + offs_d[None, :]  # [BLOCK_N, D] int32
+            k_base = page * stride_kb
+        else:
+            k_base = page * stride_kb + slot * stride_kt
+        k = _load_kv_tile(k_ptr + k_base + k_off, d_ok[None, :] & ok, k_desc, row0, k_col, ok, USE_TMA,
                           not USE_TMA)  # [BLOCK_N, D]
         p, alpha, m_i, l_i = _whole_step(q, k, ok, s_scale, m_i, l_i, KV_FP8, Q_FP8, ROW)
-        v = _load_kv_tile(v_ptr + v_base + v_step, d_ok[None, :] & ok, v_desc, row0, v_col, ok, USE_TMA,
+        if LEAN_RECOMPUTE:
+            if KV_SAME_STRIDES:
+                v_off = k_off
+                v_base = k_base
+            else:
+                v_off = rows[:, None] * tl.where(ok, stride_vt, 0) + offs_d[None, :]  # [BLOCK_N, D] int32
+                v_base = page * stride_vb
+        else:
+            v_base = page * stride_vb + slot * stride_vt
+        v = _load_kv_tile(v_ptr + v_base + v_off, d_ok[None, :] & ok, v_desc, row0, v_col, ok, USE_TMA,
                           not USE_TMA)  # [BLOCK_N, D]
         acc = _pv_step(acc, alpha, p, v, KV_FP8, ROW)
     return acc, m_i, l_i
-
-
-@triton.jit
-def _whole_addr(page_s, start, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt, k_off, v_off, offs_d, offs_n,
-                BLOCK_SIZE: tl.constexpr, LEAN_RECOMPUTE: tl.constexpr, KV_SAME_STRIDES: tl.constexpr):
-    """A whole step's addressing at token `start` on page `page_s` (`_attend_whole`): (page good, its TMA row (a bad
-    page's past the cache), K base and offsets, V base and offsets). The offsets are the held `k_off`, `v_off`, or
-    with LEAN_RECOMPUTE this step's slots times a stride that depends on the page: nothing the compiler can hoist
-    out of the loops (the persistent kernel's task loop included) and hold."""
-    page, ok = _clamp_block(page_s, num_blocks, True)
-    page = page.to(tl.int64)
-    slot = start % BLOCK_SIZE
-    row0 = tl.where(ok, page_s, num_blocks) * BLOCK_SIZE + slot  # USE_TMA
-    if LEAN_RECOMPUTE:
-        rows = slot + offs_n  # [BLOCK_N]
-        k_off = rows[:, None] * tl.where(ok, stride_kt, 0) + offs_d[None, :]  # [BLOCK_N, D] int32
-        k_base = page * stride_kb
-        if KV_SAME_STRIDES:
-            v_off = k_off
-            v_base = k_base
-        else:
-            v_off = rows[:, None] * tl.where(ok, stride_vt, 0) + offs_d[None, :]  # [BLOCK_N, D] int32
-            v_base = page * stride_vb
-    else:
-        k_base = page * stride_kb + slot * stride_kt
-        v_base = page * stride_vb + slot * stride_vt
-    return ok, row0, k_base, k_off, v_base, v_off
-
-
-@triton.jit
-def _whole_kv(k_ptr, v_ptr, k_desc, v_desc, k_col, v_col, page_s, start, num_blocks, stride_kb, stride_kt, stride_vb,
-              stride_vt, k_off, v_off, offs_d, offs_n, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-              USE_TMA: tl.constexpr, LEAN_RECOMPUTE: tl.constexpr, KV_SAME_STRIDES: tl.constexpr):
-    """The K and V tiles of the whole step at token `start` on page `page_s` (`_whole_addr`; a bad page id is never
-    read, its V rows are 0) and whether the page is good."""
-    d_ok = offs_d < HEAD_DIM
-    ok, row0, k_base, k_step, v_base, v_step = _whole_addr(page_s, start, num_blocks, stride_kb, stride_kt, stride_vb,
-                                                           stride_vt, k_off, v_off, offs_d, offs_n, BLOCK_SIZE,
-                                                           LEAN_RECOMPUTE, KV_SAME_STRIDES)
-    k = _load_kv_tile(k_ptr + k_base + k_step, d_ok[None, :] & ok, k_desc, row0, k_col, ok, USE_TMA, not USE_TMA)
-    v = _load_kv_tile(v_ptr + v_base + v_step, d_ok[None, :] & ok, v_desc, row0, v_col, ok, USE_TMA, not USE_TMA)
-    return k, v, ok
-
-
-@triton.jit
-def _attend_whole_pairs(acc, m_i, l_i, q, s_scale, k_ptr, v_ptr, k_desc, v_desc, k_col, v_col, bt_row_ptr, bt_width,
-                        num_blocks, stride_kb, stride_kt, stride_vb, stride_vt, tile_lo, tile_hi,
-                        offs_d, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
-                        BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, NUM_STAGES: tl.constexpr,
-                        USE_TMA: tl.constexpr = False, LEAN_RECOMPUTE: tl.constexpr = False,
-                        KV_SAME_STRIDES: tl.constexpr = False):
-    """`_attend_whole` two tiles a step (the MMA tile; `DecodeConfig.pair_steps`): tile 2i into the running state
-    (acc, m_i, l_i), tile 2i + 1 into a second one started empty, merged into the first after the loop.
-
-    The two chains of a step (scores, row max and sum, P·V) do not wait on each other, so the scheduler
-    interleaves them: a program streaming a short request (a whole cut, one program an SM) spends about one
-    chain's latency a step instead of one a tile. An odd count's last step reads its second tile's page as a bad
-    one (−1): its keys score −inf and its V rows are 0 (TMA reads the rows past the cache as zeros), so it adds
-    nothing. The pages are loaded a step ahead, as in `_attend_whole`."""
-    offs_n = tl.arange(0, BLOCK_N)
-    k_off = offs_n[:, None] * stride_kt + offs_d[None, :]  # [BLOCK_N, D] int32 (unused with LEAN_RECOMPUTE)
-    if KV_SAME_STRIDES:
-        v_off = k_off
-    else:
-        v_off = offs_n[:, None] * stride_vt + offs_d[None, :]
-    acc2 = tl.zeros_like(acc)
-    m2 = tl.full(m_i.shape, float("-inf"), tl.float32)
-    l2 = tl.zeros_like(l_i)
-    end = tile_hi * TILE
-    first = tile_lo * TILE
-    next_a = _load_block_id(bt_row_ptr, first // BLOCK_SIZE, bt_width, first < end, False)
-    next_b = _load_block_id(bt_row_ptr, (first + BLOCK_N) // BLOCK_SIZE, bt_width, first + BLOCK_N < end, False)
-    for start in tl.range(first, end, 2 * BLOCK_N, num_stages=NUM_STAGES):
-        page_a = next_a
-        page_b = next_b
-        nxt = start + 2 * BLOCK_N
-        next_a = _load_block_id(bt_row_ptr, nxt // BLOCK_SIZE, bt_width, nxt < end, False)
-        next_b = _load_block_id(bt_row_ptr, (nxt + BLOCK_N) // BLOCK_SIZE, bt_width, nxt + BLOCK_N < end, False)
-        k_a, v_a, ok_a = _whole_kv(k_ptr, v_ptr, k_desc, v_desc, k_col, v_col, page_a, start, num_blocks, stride_kb,
-                                   stride_kt, stride_vb, stride_vt, k_off, v_off, offs_d, offs_n, HEAD_DIM, BLOCK_SIZE,
-                                   USE_TMA, LEAN_RECOMPUTE, KV_SAME_STRIDES)
-        k_b, v_b, ok_b = _whole_kv(k_ptr, v_ptr, k_desc, v_desc, k_col, v_col, page_b, start + BLOCK_N, num_blocks,
-                                   stride_kb, stride_kt, stride_vb, stride_vt, k_off, v_off, offs_d, offs_n, HEAD_DIM,
-                                   BLOCK_SIZE, USE_TMA, LEAN_RECOMPUTE, KV_SAME_STRIDES)
-        p_a, alpha_a, m_i, l_i = _whole_step(q, k_a, ok_a, s_scale, m_i, l_i, KV_FP8, Q_FP8, False)
-        p_b, alpha_b, m2, l2 = _whole_step(q, k_b, ok_b, s_scale, m2, l2, KV_FP8, Q_FP8, False)
-        acc = _pv_step(acc, alpha_a, p_a, v_a, KV_FP8, False)
-        acc2 = _pv_step(acc2, alpha_b, p_b, v_b, KV_FP8, False)
-    # merge the second state into the first (a state that saw no key has m = −inf and l = 0)
-    m = tl.maximum(m_i, m2)
-    m_ref = tl.where(m == float("-inf"), 0.0, m)
-    w1 = tl.exp2(m_i - m_ref)
-    w2 = tl.exp2(m2 - m_ref)
-    return acc * w1[:, None] + acc2 * w2[:, None], m, l_i * w1 + l2 * w2
 
 
 @triton.jit
@@ -401,7 +315,6 @@ def decode_persistent_kernel(
     LEAN_RECOMPUTE: tl.constexpr = False, KV_SAME_STRIDES: tl.constexpr = False, LEAN_PAGES: tl.constexpr = False,
     ROW_PATH: tl.constexpr = False, TAIL_MERGE: tl.constexpr = False, R_PAD: tl.constexpr = 1,
     TAIL_STAGES: tl.constexpr = 1, TAIL_GROUP: tl.constexpr = 0, PDL_WAIT: tl.constexpr = False,
-    PAIR_STEPS: tl.constexpr = False,
 ):
     """One persistent program walks its bucket of the plan's tile stream, task by task.
 
@@ -421,7 +334,6 @@ def decode_persistent_kernel(
     merge_sem; the program that writes the last partial merges the pair into the output (`_tail_merge`),
     so no combine kernel runs. R_PAD: Q_LEN·G padded to a power of two; TAIL_STAGES: partials' loads in
     flight (`_merge_rows`); TAIL_GROUP: partials a group of the two-level merge of a long split (0: one level).
-    PAIR_STEPS (`DecodeConfig.pair_steps`): the lean loop two tiles a step, two softmax states (`_attend_tiles`).
     """
     pid = tl.program_id(0)
     if PDL_WAIT:
@@ -453,7 +365,7 @@ def decode_persistent_kernel(
                 sm_scale_log2 * kv_scale, num_q_heads, bt_width, num_blocks, offs_m, offs_d,
                 stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
                 Q_LEN, G, HEAD_DIM, M_PAD, D_PAD, BLOCK_SIZE, TILE, BLOCK_N, KV_FP8, Q_FP8, NUM_STAGES, USE_TMA,
-                LEAN, LEAN_RECOMPUTE, KV_SAME_STRIDES, LEAN_PAGES, ROW_PATH, PAIR_STEPS)
+                LEAN, LEAN_RECOMPUTE, KV_SAME_STRIDES, LEAN_PAGES, ROW_PATH)
             split = (lo > 0) | (lo + n < t_b)
             _finish_task(acc, m_i, l_i, v_scale, split, 2 * pid + later, b, h, offs_m, offs_d, out_ptr,
                          part_o_ptr, part_lse_ptr, stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, Q_LEN * G)
@@ -494,7 +406,7 @@ def decode_persistent_kernel(
                 sm_scale_log2 * kv_scale, num_q_heads, bt_width, num_blocks, offs_m, offs_d,
                 stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
                 Q_LEN, G, HEAD_DIM, M_PAD, D_PAD, BLOCK_SIZE, TILE, BLOCK_N, KV_FP8, Q_FP8, NUM_STAGES, USE_TMA,
-                LEAN, LEAN_RECOMPUTE, KV_SAME_STRIDES, LEAN_PAGES, ROW_PATH, PAIR_STEPS)
+                LEAN, LEAN_RECOMPUTE, KV_SAME_STRIDES, LEAN_PAGES, ROW_PATH)
             pair_lo = h * s_tiles + start_b
             pair_hi = h * s_tiles + end_b
             split = (pair_lo // bucket) != ((pair_hi - 1) // bucket)
@@ -516,7 +428,7 @@ def _attend_task(q_ptr, k_ptr, v_ptr, k_desc, v_desc, bt_ptr, q_scale_ptr, b, h,
                  D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr,
                  KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, NUM_STAGES: tl.constexpr, USE_TMA: tl.constexpr,
                  LEAN: tl.constexpr, LEAN_RECOMPUTE: tl.constexpr, KV_SAME_STRIDES: tl.constexpr,
-                 LEAN_PAGES: tl.constexpr, ROW_PATH: tl.constexpr = False, PAIR_STEPS: tl.constexpr = False):
+                 LEAN_PAGES: tl.constexpr, ROW_PATH: tl.constexpr = False):
     """One task: the q tile of (request b, kv head h), fresh softmax state, tiles [tile_lo, tile_hi).
 
     ROW_PATH (Q_LEN·G == 1, pointer loads): the one query row against each K tile on the CUDA cores, the
@@ -548,7 +460,7 @@ def _attend_task(q_ptr, k_ptr, v_ptr, k_desc, v_desc, bt_ptr, q_scale_ptr, b, h,
         bt_ptr + b.to(tl.int64) * stride_bt, bt_width, num_blocks,
         stride_kb, stride_kt, stride_vb, stride_vt, kv_len, tile_lo, tile_hi,
         offs_d, HEAD_DIM, BLOCK_SIZE, TILE, BLOCK_N, KV_FP8, Q_FP8, NUM_STAGES, USE_TMA, LEAN, Q_LEN,
-        LEAN_RECOMPUTE, KV_SAME_STRIDES, LEAN_PAGES, ROW_PATH, PAIR_STEPS)
+        LEAN_RECOMPUTE, KV_SAME_STRIDES, LEAN_PAGES, ROW_PATH)
     if ROW_PATH:
         acc, m_i, l_i = _merge_slots(acc, m_i, l_i, M_PAD)
     return acc, m_i, l_i, j

@@ -161,16 +161,6 @@ class DecodeConfig:
         only. None (default): 4 with task descriptors, else 1 (off). With 2 combine warps, 4 slices take the long
         rows 5-8 % faster and stay within 0.5 % elsewhere (H100 tune, bench/results/decode_tune_merge_slices_h100.md:
         1x64K+15x4K h8/1 bf16 31.6 -> 29.4 µs, 1x128K+31x4K 54.4 -> 51.6, fp8 q16 1.07-1.08x).
-    pair_steps: the `tl` kernel's lean loop over whole tiles (pages of a tile or more, the MMA tile; the row path
-        and the Gluon kernel unchanged) takes two tiles a step, each into its own online-softmax state, merged after
-        the loop: the two chains (scores, row max and sum, P·V) of a step do not wait on each other. Aimed at the
-        programs that stream a short request alone (a whole cut: 64x0.5K h8/1 runs one program an SM on 64 SMs at
-        ~1.1 µs a tile, bench/results/probe_decode_balance.md; more pipeline stages did not help,
-        decode_tune_tl_stages_pps_deb0af7.md, so the chain, not the load, sets that pace). A step's K and V
-        double in shared memory: with 3 stages of 16-bit K/V at head_dim 128 one program an SM (pair it with
-        `HPCOPS_DECODE_PROGRAMS_PER_SM=1` or `plan_decode(num_programs=SMs)`). The persistent kernel only: the
-        static split (`schedule="static"`, the ablation the plan is held to) keeps its loop. Off by default: not yet
-        measured on a GPU.
     combine_warps: the `tl` path's combine kernel on 2 (default) or 4 warps a program. On 2 the merge's
         reductions over the partials stay in fewer warps and more programs sit beside the attention programs (sm_90
         builds at d128: 168 registers, 198 with 4 merge slices, no spill; 1 warp spills); alone 1-4 % faster on the
@@ -239,7 +229,6 @@ class DecodeConfig:
     v_mask_tail: bool = True
     merge_slices: int | None = None
     combine_warps: int = 2
-    pair_steps: bool = False
 
     def __post_init__(self):
         check_choice("DecodeConfig.lean_mode", self.lean_mode, LEAN_MODES)
@@ -254,7 +243,7 @@ class DecodeConfig:
         mr = self.merge_round
         if mr is not None and (type(mr) is not int or not 1024 <= mr <= 16384 or mr & (mr - 1)):
             raise ValueError(f"DecodeConfig.merge_round must be None or a power of two in 1024..16384, got {mr!r}")
-        for name in ("merge_prefetch", "pdl_wait", "pv_fp16", "v_mask_tail", "pair_steps"):
+        for name in ("merge_prefetch", "pdl_wait", "pv_fp16", "v_mask_tail"):
             if type(getattr(self, name)) is not bool:
                 raise TypeError(f"DecodeConfig.{name} must be a bool, got {getattr(self, name)!r}")
         sc = self.split_cost
@@ -657,8 +646,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             sm_scale * LOG2E, b, hq, block_table.shape[1], nb, *strides,
             BLOCK_SIZE=bs, TILE=TILE, BLOCK_N=block_n, KV_FP8=kv_fp8, Q_FP8=q_fp8, NUM_STAGES=_num_stages(),
             num_warps=num_warps, M_PAD=m_pad, USE_TMA=use_tma, USE_PDL=pdl and not tail,
-            TASK_DESC=_CONFIG.task_desc, **attn_knobs, **common, **tl_tail, **pdl_wait,
-            **({"PAIR_STEPS": True} if _CONFIG.pair_steps else {}))  # absent when off: the recorded PTX
+            TASK_DESC=_CONFIG.task_desc, **attn_knobs, **common, **tl_tail, **pdl_wait)
     if tail:
         return out
     decode_combine_kernel[(plan.num_programs, rows)](

@@ -93,13 +93,13 @@ DECODE_SPACE = (
     knob("combine_warps", 2, 4),
     knob(("merge_slices", "combine_warps"), (1, 4), (8, 4), near=None),
     knob("merge_prefetch", False, True),
-    # the lean loop two tiles a step into two softmax states (DecodeConfig.pair_steps): a step's K/V double in
-    # shared memory, so at 3 stages one program an SM; at 2 stages two; on 8 warps (fp8 KV under a bf16 q: 4 spill)
-    knob(("pair_steps", "pps"), (True, 1), near=None),
-    knob(("pair_steps", "num_stages"), (True, 2), near=None),
-    knob(("pair_steps", "num_warps", "pps"), (True, 8, 1), near=None),
     # a short uniform batch cut equal at one program an SM (each request in about two halves) instead of whole
     knob(("split_cost", "pps"), (0, 1), near=None),
+    # the tl kernel over fp8 KV under a bf16 q builds to 189 registers (the static kernel: 150; 64x0.5K h8/1 under
+    # Nsight Compute, session 52): capped at 152 / 128 (24 / 16 bytes spilled, sm_90 build) for 3 / 4 programs an SM,
+    # with the equal cut and without
+    knob(("max_regs", "pps"), (152, 3), (128, 4), near=None),
+    knob(("split_cost", "max_regs", "pps"), (0, 152, 3), (0, 128, 4), near=None),
     # wider Gluon merge rounds (8 partials of 8 rows at d128) without the prefetch (with it: 2 programs an SM),
     # alone and with groups of 16 / 32 partials
     knob(("merge_round", "merge_prefetch"), (8192, False), near=None),
