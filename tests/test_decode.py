@@ -389,6 +389,25 @@ def test_decode_matches_reference(case, schedule, device):
             assert torch.all(got[i * case.q_len:(i + 1) * case.q_len] == 0)
 
 
+@pytest.mark.parametrize("schedule", ["dynamic", "static"])
+def test_decode_bf16_q_past_fp16_range_over_fp8_kv(schedule, device):
+    """Over fp8 KV the MMA path takes a 16-bit q in fp16 (K's one conversion): a bf16 q past fp16's 65504 is
+    scaled by a power of two a row, not turned into inf (NaN out, before the fix). Rows from 1 to 1e6."""
+    case = Case((300, 17, 64), 8, 1, 128, 64, q_len=1, kv="fp8")
+    q, _, kv = _inputs(case, device)
+    mult = torch.tensor([1.0, 3.0e4, 6.0e4, 7.0e4, 1.0e5, 1.0e6, 0.5, 2.0e5], device=device)
+    q = (q.float() * mult[None, :, None]).to(torch.bfloat16)
+    plan = None
+    if schedule == "dynamic":
+        plan = hpcops.plan_decode(kv.seq_lens, num_kv_heads=1, block_size=64, num_programs=4, min_tiles=1)
+    got = hpcops.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, plan=plan,
+                                  schedule=schedule, k_scale=kv.k_scale, v_scale=kv.v_scale, out=nan_like(q))
+    want = ref.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, k_scale=kv.k_scale,
+                                v_scale=kv.v_scale)
+    assert torch.isfinite(want).all()
+    assert_close(want, got)
+
+
 @pytest.mark.parametrize("tail", [False, True])
 def test_decode_whole_cut_matches_reference(tail, device):
     """With DecodeConfig.split_cost the plan of a short uniform batch splits no request (checked on the
