@@ -334,12 +334,14 @@ class Case:
     packed: bool = True
     programs: int = 6
     min_tiles: int = 1
+    q_mag: float = 1.0  # q ~ N(0, q_mag²): past fp16's 65504 for a bf16 q (scripts/fuzz_cpu.py draws it)
 
     @property
     def id(self):
         lens = "+".join(map(str, self.lens)) if len(self.lens) < 5 else f"{len(self.lens)}seqs"
         packed = "-packed" if self.packed else ""
-        return f"{lens}-h{self.hq}/{self.hkv}-d{self.d}-bs{self.bs}-q{self.q_len}-{self.kv}{packed}"
+        mag = f"-q{self.q_mag:g}" if self.q_mag != 1.0 else ""
+        return f"{lens}-h{self.hq}/{self.hkv}-d{self.d}-bs{self.bs}-q{self.q_len}-{self.kv}{packed}{mag}"
 
 
 CASES = [
@@ -359,7 +361,7 @@ def _inputs(case: Case, device):
     kv = make_paged_kv(list(case.lens), num_kv_heads=case.hkv, head_dim=case.d, block_size=case.bs,
                        dtype=dtype, device=device, packed=case.packed, extra_cols=1)
     qdt = torch.bfloat16 if case.kv in ("bf16", "fp8", "fp8q") else torch.float16
-    q = torch.randn(len(case.lens) * case.q_len, case.hq, case.d, device=device).to(qdt)
+    q = (torch.randn(len(case.lens) * case.q_len, case.hq, case.d, device=device) * case.q_mag).to(qdt)
     q_scale = None
     if case.kv == "fp8q":
         q, q_scale = quantize_per_token_head(q)
