@@ -61,9 +61,8 @@ def decode_case(rng: random.Random):
     lens = [_len_near(rng, bs, lo=q_len, hi=400 if d <= 128 else 200) for _ in range(rng.randint(1, 5))]
     if q_len == 1 and rng.random() < 0.2:
         lens[rng.randrange(len(lens))] = 0  # an empty sequence: zeros out
-    # now and then a bf16 q of a large magnitude. Not over fp8 KV with a 16-bit q ("fp8") while the fix of its
-    # fp16 overflow (f113fac) is parked: tests/test_decode.py's xfail test_decode_bf16_q_past_fp16_range_over_fp8_kv
-    q_mag = rng.choice((1e3, 1e5)) if kv in ("bf16", "fp8q") and rng.random() < 0.15 else 1.0
+    # now and then a bf16 q past fp16's range (the MMA over fp8 KV runs in fp16: session 54's NaN)
+    q_mag = rng.choice((1e3, 1e5)) if kv in ("bf16", "fp8", "fp8q") and rng.random() < 0.15 else 1.0
     case = test_decode.Case(tuple(lens), hkv * g, hkv, d, bs, q_len=q_len, kv=kv, packed=rng.random() < 0.5,
                             programs=rng.randint(1, 8), min_tiles=rng.randint(1, 4), q_mag=q_mag)
     schedule = rng.choice(("dynamic", "static"))

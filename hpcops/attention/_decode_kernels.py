@@ -39,13 +39,22 @@ def _load_q(q_ptr, q_scale_ptr, b, h, offs_m, offs_d, stride_qt, stride_qh, num_
     head = h * G + g
     ptrs = q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    if KV_FP8:
-        if not Q_FP8:
-            q = q.to(tl.float16)
     if Q_FP8:
         qs = tl.load(q_scale_ptr + tok * num_q_heads + head, mask=row_ok, other=0.0)
     else:
         qs = tl.full([offs_m.shape[0]], 1.0, tl.float32)
+    if KV_FP8 and not Q_FP8:
+        # fp8 K widens to fp16 in one conversion (to bf16 it takes a second, per element), so the 16-bit q goes
+        # to fp16 too. A bf16 q can exceed fp16's 65504: a row whose largest |q| is 2^15 or more is scaled by
+        # 2^-e (exact: a power of two; e from the exponent bits of that largest |q|), and its logit scale by 2^e.
+        if q.dtype == tl.bfloat16:
+            amax = tl.max(tl.abs(q.to(tl.float32)), axis=1)
+            e = tl.maximum(((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - (127 + 14), 0)
+            down = ((127 - e) << 23).to(tl.float32, bitcast=True)
+            q = (q.to(tl.float32) * down[:, None]).to(tl.float16)
+            qs = ((127 + e) << 23).to(tl.float32, bitcast=True)
+        else:
+            q = q.to(tl.float16)
     return q, qs, j
 
 

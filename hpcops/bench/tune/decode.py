@@ -152,6 +152,11 @@ DECODE_SPACE = (
     # the equal cut at 2 / 3 programs an SM: the static split's shape (64x0.5K h8/1, bf16 q over fp8 KV: static
     # 11.7 µs against the dynamic plan's 13.3 on the H200; pps 1 with the equal cut 12.8)
     knob(("split_cost", "pps"), (0, 2), (0, 3), near=None),
+    # the equal-tile cut (no task cost) with a 2-tile floor: on a uniform batch of 8-tile requests every program
+    # holds one request's 2-tile chunk, the static split's cut, one task a program
+    knob(("split_cost", "task_cost", "min_tiles", "pps"), (0, 0, 2, 2), (0, 0, 2, 3), (0, 0, 1, 2), (0, 0, 4, 2),
+         (0, 0, 1, 4), near=None),
+    knob(("split_cost", "task_cost", "min_tiles", "tail_merge"), (0, 0, 2, True), near=None),
     knob("pdl", False, True),
     # the attention kernel itself launched with PDL (waits before its first read; the launch gap overlapped)
     knob("pdl_wait", False, True),
