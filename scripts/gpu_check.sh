@@ -94,7 +94,8 @@ for st in "${stages[@]}"; do
       grep -h -E "^(=|tune_|profile_|\| )" "$sm/smoke.log" | tail -30 ;;
     tests:*)
       # TESTS_XDIST=N: on N xdist workers (a single-process `tests:tests/test_moe.py -k fuse`, 145 GPU cases, took
-      # 236 s in session 33, most of it compiling on one of the 16 cores)
+      # 236 s in session 33, most of it compiling on one of the 16 cores). The workers share one GPU's memory: on an
+      # H100's 80 GB, test_moe.py lost 28 cases to torch.OutOfMemoryError on 14 workers and 2 on 6 (session 55)
       # shell quoting kept: "tests:tests/test_decode.py -k 'tail or combine'" (unquoted, -k got three words)
       eval "targs=(${st#tests:})"
       timeout 420 python3 -m pytest -q -p no:cacheprovider ${TESTS_XDIST:+-n $TESTS_XDIST} "${targs[@]}" 2>&1 \
