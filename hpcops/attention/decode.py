@@ -630,7 +630,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     # the Gluon kernel: asked for (gluon True), or by default where the plan was built for it (`plan_kernel`)
     use_gluon = (_CONFIG.gluon or (_CONFIG.gluon is None and plan.kernel == "gluon")) and \
         gluon_unsupported_reason(q, k_cache, v_cache, rows) is None
-    # the tail merge: asked for, or by default with the Gluon kernel where the plan wrote the pair table
     # the tail merge: asked for, or by default where the plan wrote the pair table for this kernel (`plan_tail`)
     tail = bool(_CONFIG.tail_merge or (_CONFIG.tail_merge is None and plan.has_pairs
                                        and (use_gluon or plan.kernel == "tl")))
