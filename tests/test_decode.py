@@ -410,6 +410,60 @@ def test_decode_bf16_q_past_fp16_range_over_fp8_kv(schedule, device):
     assert_close(want, got)
 
 
+def test_plan_tail_default_is_the_gluon_kernels_and_a_16bit_q_over_fp8_kv_with_few_programs_a_kv_head():
+    """`decode.plan_tail`: the Gluon kernel always; the tl kernel only on a 16-bit q over fp8 KV with 2 or more q rows
+    a kv head, head_dim up to 128 and at most TAIL_ONE_LEVEL_MAX programs a kv head (h64/8 at 264 programs, not
+    h8/1); never without the hints."""
+    from hpcops.attention import decode as dec
+
+    h64 = dict(num_q_heads=64, head_dim=128, q_dtype=torch.bfloat16, kv_dtype=FP8)
+    assert dec.plan_tail("tl", 8, 1, 264, **h64)
+    assert dec.plan_tail("tl", 8, 1, 264, **{**h64, "q_dtype": torch.float16})
+    assert dec.plan_tail("tl", 8, 1, 8 * dec.TAIL_ONE_LEVEL_MAX, **h64)
+    assert not dec.plan_tail("tl", 8, 1, 8 * dec.TAIL_ONE_LEVEL_MAX + 1, **h64)
+    assert not dec.plan_tail("tl", 1, 1, 264, **{**h64, "num_q_heads": 8})  # h8/1: a pair can gather 264
+    assert not dec.plan_tail("tl", 8, 1, 264, **{**h64, "kv_dtype": torch.bfloat16})
+    assert not dec.plan_tail("tl", 8, 1, 264, **{**h64, "q_dtype": FP8})
+    assert not dec.plan_tail("tl", 8, 1, 264, **{**h64, "head_dim": 256})
+    assert not dec.plan_tail("tl", 8, 1, 264, **{**h64, "num_q_heads": 8})  # one q row a kv head: the row path
+    assert dec.plan_tail("tl", 8, 2, 264, **{**h64, "num_q_heads": 8})  # ... unless q_len makes it 2
+    assert not dec.plan_tail("tl", 8, 1, 264)
+    assert dec.plan_tail("gluon", 1, 1, 396)
+
+
+@pytest.mark.parametrize("kv_kind", ["fp8", "bf16"])
+def test_decode_default_tail_merge_over_fp8_kv_matches_reference(kv_kind, monkeypatch, device):
+    """A plan told a bf16 q over fp8 KV with few programs a kv head (`plan_tail`) writes the pair table, and
+    decode_attention then merges in the attention kernel (no combine launch: the combine kernel here raises); over
+    bf16 KV the same plan keeps the combine. Both equal the reference, through a second step on the same plan."""
+    from hpcops.attention import _decode_kernels
+
+    case = Case((300, 17, 64, 1000, 129), 16, 8, 64, 16, kv=kv_kind)
+    q, _, kv = _inputs(case, device)
+    hints = dict(num_q_heads=16, head_dim=64, q_dtype=q.dtype, kv_dtype=kv.k_cache.dtype)
+    kw = dict(num_kv_heads=8, block_size=16, num_programs=16, min_tiles=1, task_cost=0)  # the equal cut: splits
+    plan = hpcops.plan_decode(kv.seq_lens, **kw, **hints)
+    tail = kv_kind == "fp8"
+    assert (plan.kernel, plan.tail, plan.has_pairs) == ("tl", tail, tail)
+    assert any(t[5] for t in plan.tasks())  # some pair is split: a merge runs
+    if tail:
+        class _NoCombine:
+            def __getitem__(self, grid):
+                raise AssertionError("the combine kernel was launched under the default tail merge")
+
+        monkeypatch.setattr(_decode_kernels, "decode_combine_kernel", _NoCombine())
+    for lens in (case.lens, (1000, 1, 300, 64, 17)):
+        seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+        hpcops.plan_decode(seq_lens, out=plan, **{k: kw[k] for k in ("num_kv_heads", "block_size")})
+        got = hpcops.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_table, seq_lens, plan=plan,
+                                      k_scale=kv.k_scale, v_scale=kv.v_scale, out=nan_like(q))
+        want = ref.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_table, seq_lens, k_scale=kv.k_scale,
+                                    v_scale=kv.v_scale)
+        assert_close(want, got)
+    if tail:
+        assert int(plan.merge_sem.count_nonzero()) == 0  # every count set back for the next step
+
+
 @pytest.mark.parametrize("tail", [False, True])
 def test_decode_whole_cut_matches_reference(tail, device):
     """With DecodeConfig.split_cost the plan of a short uniform batch splits no request (checked on the

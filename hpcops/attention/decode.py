@@ -119,7 +119,8 @@ class DecodeConfig:
         the Gluon kernel rounds of 4096-element tiles) and resets the count. Saves the combine launch and its
         dependent wait (4.2-6.2 µs of 19-38 µs h8/1 steps in the H200 profile). Needs task_desc, and a plan
         built with it on (the plan then also writes `pair_desc`). True: both kernels; False: neither; None
-        (default): with the Gluon kernel where the plan wrote the pair table (a plan built for it). On the H200
+        (default): where the plan wrote the pair table, which it does where it was built for it (`plan_tail`:
+        the Gluon kernel, or the `tl` kernel on a 16-bit q over fp8 KV with few programs a kv head). On the H200
         the `tl` kernel + tail is level with its combine over the bench (`hpcops-tail`, geomean 1.006: h64/8
         2-9 % faster, long h8/1 batches up to 14 % slower); the Gluon kernel at 3 programs an SM gains most
         (`hpcops-fp8q` rows at `a686226`: h64/8 fp8 15-23 % faster than the `tl` kernel).
@@ -453,6 +454,23 @@ def plan_kernel(num_kv_heads: int, q_len: int, block_size: int, device, *, num_q
     return "tl" if _hopper(device) else "gluon"
 
 
+def plan_tail(kernel: str, num_kv_heads: int, q_len: int, num_programs: int, *, num_q_heads: int | None = None,
+              head_dim: int | None = None, q_dtype: torch.dtype | None = None,
+              kv_dtype: torch.dtype | None = None) -> bool:
+    """Whether a new plan is built for the tail merge by default (`DecodeConfig.tail_merge` None; `plan_decode`'s
+    hints): the Gluon kernel always; the `tl` kernel on a 16-bit q over fp8 KV (the MMA tile, 2 or more q rows a kv
+    head, head_dim up to 128) where a pair gathers at most TAIL_ONE_LEVEL_MAX partials (num_programs / kv heads):
+    the H100 tunes at 2e12d99 (bench/results/decode_tune_q16_all_h100_2e12d99.md, _bf16_tail_) have every h64/8
+    row with a bf16 q over fp8 KV 1.015-1.047x faster with it (64x4K 198.8 -> 189.7 µs), while at h8/1 (264
+    partials a pair) the long splits' merge costs 3-17 % and over bf16 KV it is level (0.99-1.01x at h64/8)."""
+    if kernel == "gluon":
+        return True
+    if None in (num_q_heads, head_dim, q_dtype, kv_dtype) or kv_dtype != FP8_E4M3 or q_dtype == FP8_E4M3:
+        return False
+    rows = q_len * num_q_heads // num_kv_heads
+    return rows >= 2 and head_dim <= 128 and -(-num_programs // num_kv_heads) <= TAIL_ONE_LEVEL_MAX
+
+
 def plan_programs_per_sm(kernel: str, num_kv_heads: int, q_len: int, *, num_q_heads: int | None = None,
                          head_dim: int | None = None, kv_dtype: torch.dtype | None = None) -> int | None:
     """Persistent programs an SM for a new plan (`plan_decode`'s hints; None: `DEFAULT_PROGRAMS_PER_SM`).
@@ -612,8 +630,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     # the Gluon kernel: asked for (gluon True), or by default where the plan was built for it (`plan_kernel`)
     use_gluon = (_CONFIG.gluon or (_CONFIG.gluon is None and plan.kernel == "gluon")) and \
         gluon_unsupported_reason(q, k_cache, v_cache, rows) is None
-    # the tail merge: asked for, or by default with the Gluon kernel where the plan wrote the pair table
-    tail = bool(_CONFIG.tail_merge or (_CONFIG.tail_merge is None and use_gluon and plan.has_pairs))
+    # the tail merge: asked for, or by default where the plan wrote the pair table for this kernel (`plan_tail`)
+    tail = bool(_CONFIG.tail_merge or (_CONFIG.tail_merge is None and plan.has_pairs
+                                       and (use_gluon or plan.kernel == "tl")))
     if tail and not plan.has_pairs:
         raise ValueError("plan was built without DecodeConfig.tail_merge (no pair table): re-plan with "
                          "hpcops.plan_decode under the same config as decode_attention")

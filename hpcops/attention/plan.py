@@ -178,6 +178,7 @@ class DecodePlan:
     has_pairs: bool = False  # pair_desc written by the last plan (DecodeConfig.tail_merge)
     merge_slices: int = 1  # merge helpers written by the last plan (DecodeConfig.merge_slices; 1: none)
     kernel: str = "tl"  # the attention kernel the plan was built for: "tl" or "gluon" (`decode.plan_kernel`)
+    tail: bool = False  # built for the tail merge (`decode.plan_tail`): its pair table written where tail_merge is None
     num_sms: int = _platform.DEFAULT_NUM_SMS  # the SMs its grid runs on (the cost model's `whole_pays`)
     task_cost: int = 0  # as asked; the cut charges it only with descriptors (`cut_task_cost`)
     snap: int = 0  # likewise (`cut_snap`)
@@ -393,7 +394,7 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
         plan = out
         plan.batch = seq_lens.shape[0]
     else:
-        from hpcops.attention.decode import plan_kernel, plan_programs_per_sm
+        from hpcops.attention.decode import plan_kernel, plan_programs_per_sm, plan_tail
 
         dev = seq_lens.device
         cap = max(max_batch or seq_lens.shape[0], 1)
@@ -402,8 +403,10 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
         per_sm = plan_programs_per_sm(kernel, num_kv_heads, q_len, num_q_heads=num_q_heads, head_dim=head_dim,
                                       kv_dtype=kv_dtype)
         c = num_programs or default_num_programs(q_len, dev, programs_per_sm=per_sm)
+        tail = plan_tail(kernel, num_kv_heads, q_len, c, num_q_heads=num_q_heads, head_dim=head_dim, q_dtype=q_dtype,
+                         kv_dtype=kv_dtype)
         plan = DecodePlan(
-            kernel=kernel, num_sms=num_sms or _platform.num_sms(dev), num_kv_heads=num_kv_heads, q_len=q_len,
+            kernel=kernel, tail=tail, num_sms=num_sms or _platform.num_sms(dev), num_kv_heads=num_kv_heads, q_len=q_len,
             block_size=block_size, num_programs=c,
             min_tiles=max(1, min_tiles if min_tiles is not None else DEFAULT_MIN_TILES), max_batch=cap,
             batch=seq_lens.shape[0], task_cost=DEFAULT_TASK_COST if task_cost is None else task_cost,
@@ -463,7 +466,7 @@ def _launch_plan(plan: DecodePlan, seq_lens: torch.Tensor) -> None:
     cfg = decode_config()
     b = seq_lens.shape[0]
     plan.has_desc = cfg.task_desc
-    plan.has_pairs = cfg.task_desc and (cfg.tail_merge or (cfg.tail_merge is None and plan.kernel == "gluon"))
+    plan.has_pairs = cfg.task_desc and (cfg.tail_merge or (cfg.tail_merge is None and plan.tail))
     plan.merge_slices = cfg.merge_slices_used()
     if plan.has_pairs and plan.pair_desc is None:
         raise ValueError("DecodeConfig.tail_merge needs a plan with pair buffers (built by plan_decode)")

@@ -40,7 +40,7 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
     `plan.CostStream` (the descriptor tables always; `has_desc`, which `host_tables` shows them by,
     and so the task cost the cut charges, as the kernel's); the same kernel choice from the same hints."""
     del max_seq_len
-    from hpcops.attention.decode import decode_config, plan_kernel, plan_programs_per_sm
+    from hpcops.attention.decode import decode_config, plan_kernel, plan_programs_per_sm, plan_tail
 
     _validate_plan_args(seq_lens, num_kv_heads, q_len, block_size, out.max_batch if out else max_batch, task_cost,
                         snap, num_sms)
@@ -51,6 +51,8 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
     per_sm = plan_programs_per_sm(kernel, num_kv_heads, q_len, num_q_heads=num_q_heads, head_dim=head_dim,
                                   kv_dtype=kv_dtype)
     c = out.num_programs if out else (num_programs or default_num_programs(q_len, dev, programs_per_sm=per_sm))
+    tail = out.tail if out else plan_tail(kernel, num_kv_heads, q_len, c, num_q_heads=num_q_heads, head_dim=head_dim,
+                                          q_dtype=q_dtype, kv_dtype=kv_dtype)
     mt = out.min_tiles if out else max(1, min_tiles if min_tiles is not None else DEFAULT_MIN_TILES)
     cap = out.max_batch if out else max(max_batch or b, 1)
     sms = out.num_sms if out else (num_sms or _platform.num_sms(dev))
@@ -89,8 +91,9 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
                 if bl >= 0 and parts > 16:
                     for j in range(k + 1, min(k + slices, k + parts - 1)):
                         merge_desc[j] = [bl, hl, slot, parts]
-    plan = out or DecodePlan(kernel=kernel, num_sms=sms, num_kv_heads=num_kv_heads, q_len=q_len, block_size=block_size,
-                             num_programs=c, min_tiles=mt, max_batch=cap, batch=b, task_cost=asked, snap=asked_snap,
+    plan = out or DecodePlan(kernel=kernel, tail=tail, num_sms=sms, num_kv_heads=num_kv_heads, q_len=q_len,
+                             block_size=block_size, num_programs=c, min_tiles=mt, max_batch=cap, batch=b,
+                             task_cost=asked, snap=asked_snap,
                              header=torch.empty(5, dtype=torch.int32, device=dev),
                              cum=torch.empty(cap + 1, dtype=torch.int32, device=dev),
                              first_b=torch.empty(c, dtype=torch.int32, device=dev),
