@@ -464,6 +464,54 @@ def test_decode_default_tail_merge_over_fp8_kv_matches_reference(kv_kind, monkey
         assert int(plan.merge_sem.count_nonzero()) == 0  # every count set back for the next step
 
 
+def test_plan_costs_scale_the_cut_for_the_converting_tile_without_the_tail_merge():
+    """`decode.plan_costs`: CONVERT_TILE_COSTS for the tl kernel's tile over fp8 KV under a 16-bit q (2 or more q rows
+    a kv head, head_dim up to 128) on a plan without the tail merge; None (the defaults) elsewhere or without hints."""
+    from hpcops.attention import decode as dec
+    from hpcops.attention.plan import CONVERT_TILE_COSTS
+
+    h8 = dict(num_q_heads=8, head_dim=128, q_dtype=torch.bfloat16, kv_dtype=FP8)
+    assert dec.plan_costs("tl", False, 1, 1, **h8) == CONVERT_TILE_COSTS
+    assert dec.plan_costs("tl", False, 1, 1, **{**h8, "q_dtype": torch.float16}) == CONVERT_TILE_COSTS
+    assert dec.plan_costs("tl", True, 1, 1, **h8) is None  # a tail-merged split is a dearer task
+    assert dec.plan_costs("gluon", False, 1, 1, **h8) is None
+    assert dec.plan_costs("tl", False, 1, 1, **{**h8, "q_dtype": FP8}) is None  # fp8 q: no conversion
+    assert dec.plan_costs("tl", False, 1, 1, **{**h8, "kv_dtype": torch.bfloat16}) is None
+    assert dec.plan_costs("tl", False, 1, 1, **{**h8, "head_dim": 256}) is None
+    assert dec.plan_costs("tl", False, 8, 1, **h8) is None  # one q row a kv head: the row path
+    assert dec.plan_costs("tl", False, 1, 1) is None
+
+
+def test_plan_of_a_16bit_q_over_fp8_kv_splits_short_requests_in_equal_pieces(device):
+    """A plan told a bf16 q over fp8 KV at h8/1 takes the converting tile's costs (min_tiles 2, task cost 4, split
+    cost 16): 24 requests of 8 tiles on 96 programs (more than TAIL_ONE_LEVEL_MAX: no tail merge) and 48 SMs go in
+    four 2-tile pieces each (the default costs keep every request whole: 40 units a request against 20 + 40 split),
+    the same tables as the reference's; the attention on it equals the reference over two steps."""
+    from hpcops.attention.plan import CONVERT_TILE_COSTS
+
+    case = Case((512,) * 24, 8, 1, 64, 16, kv="fp8")
+    q, _, kv = _inputs(case, device)
+    hints = dict(num_q_heads=8, head_dim=64, q_dtype=q.dtype, kv_dtype=kv.k_cache.dtype)
+    kw = dict(num_kv_heads=1, block_size=16, num_programs=96, num_sms=48)
+    plan = hpcops.plan_decode(kv.seq_lens, **kw, **hints)
+    assert (plan.kernel, plan.tail) == ("tl", False)
+    assert (plan.min_tiles, plan.task_cost, plan.split_cost) == CONVERT_TILE_COSTS
+    pieces = [(t[2], t[4]) for t in plan.tasks()]  # (request, tiles) of every task
+    assert sorted(pieces) == [(b, 2) for b in range(24) for _ in range(4)], pieces
+    want_plan = ref.plan_decode(kv.seq_lens.cpu(), **kw, **hints)
+    assert plan.host_tables() == want_plan.host_tables()
+    whole = hpcops.plan_decode(kv.seq_lens, **kw)  # no hints: the default costs, a whole cut
+    assert sorted((t[2], t[4]) for t in whole.tasks()) == [(b, 8) for b in range(24)]
+    for lens in (case.lens, (512, 17, 300, 64, 511, 1, 129, 200) * 3):
+        seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+        hpcops.plan_decode(seq_lens, out=plan, num_kv_heads=1, block_size=16)
+        got = hpcops.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_table, seq_lens, plan=plan,
+                                      k_scale=kv.k_scale, v_scale=kv.v_scale, out=nan_like(q))
+        want = ref.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_table, seq_lens, k_scale=kv.k_scale,
+                                    v_scale=kv.v_scale)
+        assert_close(want, got)
+
+
 @pytest.mark.parametrize("tail", [False, True])
 def test_decode_whole_cut_matches_reference(tail, device):
     """With DecodeConfig.split_cost the plan of a short uniform batch splits no request (checked on the

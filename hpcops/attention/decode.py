@@ -471,6 +471,24 @@ def plan_tail(kernel: str, num_kv_heads: int, q_len: int, num_programs: int, *, 
     return rows >= 2 and head_dim <= 128 and -(-num_programs // num_kv_heads) <= TAIL_ONE_LEVEL_MAX
 
 
+def plan_costs(kernel: str, tail: bool, num_kv_heads: int, q_len: int, *, num_q_heads: int | None = None,
+               head_dim: int | None = None, q_dtype: torch.dtype | None = None,
+               kv_dtype: torch.dtype | None = None) -> tuple[int, int, int] | None:
+    """The cost model's (min_tiles, task_cost, split_cost) for a new plan (`plan_decode`'s hints; None: the defaults,
+    `plan.DEFAULT_MIN_TILES`, `DEFAULT_TASK_COST` and the kernel's split cost): `plan.CONVERT_TILE_COSTS` for the
+    `tl` kernel's MMA tile over fp8 KV under a 16-bit q (2 or more q rows a kv head, head_dim up to 128), which
+    converts K and V and so weighs about two plain tiles, where its splits merge in the combine kernel (not a
+    `plan_tail` plan: a tail-merged split is a dearer task)."""
+    from hpcops.attention.plan import CONVERT_TILE_COSTS
+
+    if kernel != "tl" or tail or None in (num_q_heads, head_dim, q_dtype, kv_dtype):
+        return None
+    if kv_dtype != FP8_E4M3 or q_dtype == FP8_E4M3:
+        return None
+    rows = q_len * num_q_heads // num_kv_heads
+    return CONVERT_TILE_COSTS if rows >= 2 and head_dim <= 128 else None
+
+
 def plan_programs_per_sm(kernel: str, num_kv_heads: int, q_len: int, *, num_q_heads: int | None = None,
                          head_dim: int | None = None, kv_dtype: torch.dtype | None = None) -> int | None:
     """Persistent programs an SM for a new plan (`plan_decode`'s hints; None: `DEFAULT_PROGRAMS_PER_SM`).

@@ -112,6 +112,15 @@ SPLIT_COST_TL = 40
 # decode's "q16" scenarios, bench/results/decode_tune_q16_40726ce.md): 64x0.5K h8/1 13.8 µs split (split_cost <= 16)
 # against 13.6 whole; the static split's 11.7 (decode.md) comes from its kernel, not from its cut (sm_90 builds:
 # decode_static_kernel 150 registers, 3 programs an SM; decode_persistent_kernel 189, 2 an SM).
+# That split kept the task cost of 8 and the 4-tile floor: uneven pieces of a 40-unit request in 16-unit buckets.
+# The tl kernel's tile over fp8 KV under a 16-bit q converts K and V (a dearer tile, ~2x the plain one at 64x0.5K
+# h8/1: 13.7 µs whole against ~11.5 over bf16 KV, twice the bytes), so a task start, a split and the tile floor are
+# worth fewer tiles there: CONVERT_TILE_COSTS = (min_tiles, task_cost, split_cost), `decode.plan_costs`, where its
+# splits merge in the combine kernel. The H100 tune at dc4b7c9 (bench/results/decode_tune_cost_scale_h100_dc4b7c9.md):
+# 64x0.5K h8/1 13.7 -> 12.4-12.7 µs (each request in four 2-tile pieces: 9-unit buckets of 36-unit requests; the
+# static split 12.8), the other h8/1 rows of that kind 0.98-0.99x; at h64/8 (tail merge) task cost 4 costs the
+# 32x0.125K+32x4K row 22 % (a tail-merged split is a dearer task), so the tail plans keep the defaults.
+CONVERT_TILE_COSTS = (2, 4, 16)
 
 
 def whole_pays(total: int, unit: int, bucket: int, whole: int, num_sms: int, split_cost: int) -> bool:
@@ -128,14 +137,17 @@ def whole_pays(total: int, unit: int, bucket: int, whole: int, num_sms: int, spl
     return per_sm_whole <= per_sm_split + split_cost
 
 
-def split_cost_for(kernel: str) -> int:
-    """The split cost (cost units) the plan charges for `kernel` ("tl" or "gluon"): DecodeConfig.split_cost, or
-    by default SPLIT_COST_TL for the tl kernel and 0 (never a whole cut) for the Gluon kernel."""
+def split_cost_for(kernel: str, own: int | None = None) -> int:
+    """The split cost (cost units) the plan charges for `kernel` ("tl" or "gluon"): DecodeConfig.split_cost, else
+    the plan's own (`own`, `DecodePlan.split_cost`: `decode.plan_costs`), else SPLIT_COST_TL for the tl kernel and 0
+    (never a whole cut) for the Gluon kernel."""
     from hpcops.attention.decode import decode_config
 
     asked = decode_config().split_cost
     if asked is not None:
         return asked
+    if own is not None:
+        return own
     return 0 if kernel == "gluon" else SPLIT_COST_TL
 
 
@@ -182,6 +194,7 @@ class DecodePlan:
     num_sms: int = _platform.DEFAULT_NUM_SMS  # the SMs its grid runs on (the cost model's `whole_pays`)
     task_cost: int = 0  # as asked; the cut charges it only with descriptors (`cut_task_cost`)
     snap: int = 0  # likewise (`cut_snap`)
+    split_cost: int | None = None  # its own split cost (`decode.plan_costs`; None: the kernel's, `split_cost_for`)
     _workspace: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -362,10 +375,11 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
         max_batch: capacity of the plan's buffers (default: B); re-plan with `out=`.
         max_seq_len: accepted for API symmetry with capacity planning; buffers do not depend on it.
         num_programs: persistent programs (default: programs-per-SM × SMs).
-        min_tiles: minimum 64-token tiles per program (default `DEFAULT_MIN_TILES`).
+        min_tiles: minimum 64-token tiles per program (default `DEFAULT_MIN_TILES`, or the hints' tile costs:
+            `decode.plan_costs`).
         task_cost: what the cut charges each (head, request) on top of its tiles, in quarters of a
-            tile (0..64; default `DEFAULT_TASK_COST`); applies with task descriptors (the default
-            `DecodeConfig.task_desc`). With `out=`, the plan's own.
+            tile (0..64; default `DEFAULT_TASK_COST`, or the hints' `decode.plan_costs`); applies with task
+            descriptors (the default `DecodeConfig.task_desc`). With `out=`, the plan's own.
         snap: a cut that would leave at most this much of a request (quarters of a tile, 0..64;
             default `DEFAULT_SNAP`; with a task cost only) on one side moves to the request's nearer
             boundary instead of splitting it. With `out=`, the plan's own.
@@ -394,7 +408,7 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
         plan = out
         plan.batch = seq_lens.shape[0]
     else:
-        from hpcops.attention.decode import plan_kernel, plan_programs_per_sm, plan_tail
+        from hpcops.attention.decode import plan_costs, plan_kernel, plan_programs_per_sm, plan_tail
 
         dev = seq_lens.device
         cap = max(max_batch or seq_lens.shape[0], 1)
@@ -405,12 +419,15 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
         c = num_programs or default_num_programs(q_len, dev, programs_per_sm=per_sm)
         tail = plan_tail(kernel, num_kv_heads, q_len, c, num_q_heads=num_q_heads, head_dim=head_dim, q_dtype=q_dtype,
                          kv_dtype=kv_dtype)
+        own = plan_costs(kernel, tail, num_kv_heads, q_len, num_q_heads=num_q_heads, head_dim=head_dim,
+                         q_dtype=q_dtype, kv_dtype=kv_dtype)
+        mt0, tc0, sc0 = own or (DEFAULT_MIN_TILES, DEFAULT_TASK_COST, None)
         plan = DecodePlan(
             kernel=kernel, tail=tail, num_sms=num_sms or _platform.num_sms(dev), num_kv_heads=num_kv_heads, q_len=q_len,
             block_size=block_size, num_programs=c,
-            min_tiles=max(1, min_tiles if min_tiles is not None else DEFAULT_MIN_TILES), max_batch=cap,
-            batch=seq_lens.shape[0], task_cost=DEFAULT_TASK_COST if task_cost is None else task_cost,
-            snap=DEFAULT_SNAP if snap is None else snap,
+            min_tiles=max(1, min_tiles if min_tiles is not None else mt0), max_batch=cap,
+            batch=seq_lens.shape[0], task_cost=tc0 if task_cost is None else task_cost,
+            snap=DEFAULT_SNAP if snap is None else snap, split_cost=sc0,
             header=torch.zeros(5, dtype=torch.int32, device=dev),
             cum=torch.zeros(cap + 1, dtype=torch.int32, device=dev),
             first_b=torch.full((c,), -1, dtype=torch.int32, device=dev),
@@ -439,7 +456,7 @@ def check_plan_matches(plan: DecodePlan, seq_lens: torch.Tensor) -> None:
     from hpcops.attention.decode import decode_config_changed
 
     # the split cost of the plan's own kernel (the reference, given no dtype hints, would take the tl kernel's)
-    with decode_config_changed(split_cost=split_cost_for(plan.kernel)):
+    with decode_config_changed(split_cost=split_cost_for(plan.kernel, plan.split_cost)):
         want = ref.plan_decode(seq_lens, num_kv_heads=plan.num_kv_heads, q_len=plan.q_len,
                                block_size=plan.block_size, max_batch=plan.max_batch,
                                num_programs=plan.num_programs, min_tiles=plan.min_tiles, task_cost=plan.task_cost,
@@ -490,7 +507,7 @@ def _launch_plan(plan: DecodePlan, seq_lens: torch.Tensor) -> None:
         seq_lens, plan.cum, plan.header, plan.first_b, plan.last_b, plan.task_desc, plan.merge_desc,
         plan.pair_desc if plan.has_pairs else plan.merge_desc, plan.merge_sem if plan.has_pairs else plan.cum,
         b, plan.num_kv_heads, plan.num_programs, plan.min_tiles, cost_unit(cost), cost,
-        plan.cut_snap, split_cost_for(plan.kernel) if cost else 0, plan.num_sms,
+        plan.cut_snap, split_cost_for(plan.kernel, plan.split_cost) if cost else 0, plan.num_sms,
         TILE=TILE, BLOCK_B=block_b, BLOCK_C=block_c, ONE_BLOCK=cfg.plan_one_pass and b <= block_b,
         DESC=cfg.task_desc, PAIRS=plan.has_pairs, SLICES=plan.merge_slices,
         num_warps=warps,

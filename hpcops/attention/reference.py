@@ -40,7 +40,7 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
     `plan.CostStream` (the descriptor tables always; `has_desc`, which `host_tables` shows them by,
     and so the task cost the cut charges, as the kernel's); the same kernel choice from the same hints."""
     del max_seq_len
-    from hpcops.attention.decode import decode_config, plan_kernel, plan_programs_per_sm, plan_tail
+    from hpcops.attention.decode import decode_config, plan_costs, plan_kernel, plan_programs_per_sm, plan_tail
 
     _validate_plan_args(seq_lens, num_kv_heads, q_len, block_size, out.max_batch if out else max_batch, task_cost,
                         snap, num_sms)
@@ -53,10 +53,14 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
     c = out.num_programs if out else (num_programs or default_num_programs(q_len, dev, programs_per_sm=per_sm))
     tail = out.tail if out else plan_tail(kernel, num_kv_heads, q_len, c, num_q_heads=num_q_heads, head_dim=head_dim,
                                           q_dtype=q_dtype, kv_dtype=kv_dtype)
-    mt = out.min_tiles if out else max(1, min_tiles if min_tiles is not None else DEFAULT_MIN_TILES)
+    own = plan_costs(kernel, tail, num_kv_heads, q_len, num_q_heads=num_q_heads, head_dim=head_dim, q_dtype=q_dtype,
+                     kv_dtype=kv_dtype)
+    mt0, tc0, sc0 = own or (DEFAULT_MIN_TILES, DEFAULT_TASK_COST, None)
+    own_split = out.split_cost if out else sc0
+    mt = out.min_tiles if out else max(1, min_tiles if min_tiles is not None else mt0)
     cap = out.max_batch if out else max(max_batch or b, 1)
     sms = out.num_sms if out else (num_sms or _platform.num_sms(dev))
-    asked = out.task_cost if out else (DEFAULT_TASK_COST if task_cost is None else task_cost)
+    asked = out.task_cost if out else (tc0 if task_cost is None else task_cost)
     asked_snap = out.snap if out else (DEFAULT_SNAP if snap is None else snap)
     has_desc = decode_config().task_desc
     cost = asked if has_desc else 0
@@ -71,7 +75,7 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
     task_desc = [[-1, 0, 0, 0, 0] for _ in range(c)]
     merge_desc = [[-1, 0, 0, 0] for _ in range(c)]
     if b:
-        cs = CostStream.cut(cum, num_kv_heads, cost, c, mt, cut_snap, split_cost_for(kernel) if cost else 0,
+        cs = CostStream.cut(cum, num_kv_heads, cost, c, mt, cut_snap, split_cost_for(kernel, own_split) if cost else 0,
                             num_sms=sms)
         header = [cs.bucket, cs.s, cs.total, cs.active, cs.snap]
         ranges = [cs.program_range(k) for k in range(min(c, cs.active))]
@@ -93,7 +97,7 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
                         merge_desc[j] = [bl, hl, slot, parts]
     plan = out or DecodePlan(kernel=kernel, tail=tail, num_sms=sms, num_kv_heads=num_kv_heads, q_len=q_len,
                              block_size=block_size, num_programs=c, min_tiles=mt, max_batch=cap, batch=b,
-                             task_cost=asked, snap=asked_snap,
+                             task_cost=asked, snap=asked_snap, split_cost=own_split,
                              header=torch.empty(5, dtype=torch.int32, device=dev),
                              cum=torch.empty(cap + 1, dtype=torch.int32, device=dev),
                              first_b=torch.empty(c, dtype=torch.int32, device=dev),

@@ -142,7 +142,7 @@ DECODE_SPACE = (
     knob("min_tiles", 2, 4, 8, 16),
     # the plan's cost model: what a task costs on top of its tiles (quarters of a tile; 0 = equal-tile cut),
     # and the snap that keeps a request whole when a cut would leave a small piece of it
-    knob("task_cost", 0, 4, 6, 12, 16, near=None),
+    knob("task_cost", 0, 4, 6, 8, 12, 16, near=None),
     knob("snap", 0, 4, 16, near=None),
     knob(("task_cost", "snap"), (12, 0), (12, 16), (16, 16), (6, 0), near=None),
     knob(("task_cost", "min_tiles"), (8, 2), (8, 1), near=None),
@@ -157,6 +157,14 @@ DECODE_SPACE = (
     knob(("split_cost", "task_cost", "min_tiles", "pps"), (0, 0, 2, 2), (0, 0, 2, 3), (0, 0, 1, 2), (0, 0, 4, 2),
          (0, 0, 1, 4), near=None),
     knob(("split_cost", "task_cost", "min_tiles", "tail_merge"), (0, 0, 2, True), near=None),
+    # the cost model scaled for a dearer tile (a 16-bit q over fp8 KV: the tl kernel converts every tile): a task
+    # start, a split and the tile floor worth fewer tiles; on 64x0.5K h8/1 task cost 4 with a 2-tile floor cuts
+    # each request in four 2-tile pieces, as the equal cut does, and a split cost under 18 lets it split (the
+    # default there since dc4b7c9's tune: `decode.plan_costs`)
+    knob(("split_cost", "task_cost", "min_tiles"), (16, 4, 2), (0, 4, 2), (12, 4, 2), (16, 2, 2), (16, 4, 1),
+         (16, 6, 2), (24, 4, 2), near=None),
+    # the plain tile's costs (the defaults without `decode.plan_costs`), where the plan took the converting tile's
+    knob(("split_cost", "task_cost", "min_tiles"), (40, 8, 4), near=None),
     knob("pdl", False, True),
     # the attention kernel itself launched with PDL (waits before its first read; the launch gap overlapped)
     knob("pdl_wait", False, True),
@@ -220,11 +228,11 @@ class DecodeTune(TuneOp):
 
     def base(self, s: suite.Scenario) -> Candidate:
         from hpcops.attention.decode import DecodeConfig
-        from hpcops.attention.plan import DEFAULT_MIN_TILES, DEFAULT_SNAP, DEFAULT_TASK_COST
+        from hpcops.attention.plan import DEFAULT_SNAP
 
-        # pps None: the plan's own choice (told the call's dtypes: 3 an SM for the Gluon kernel, else 2)
-        return {**asdict(DecodeConfig()), "pps": None, "min_tiles": DEFAULT_MIN_TILES,
-                "task_cost": DEFAULT_TASK_COST, "snap": DEFAULT_SNAP}
+        # pps, min_tiles, task_cost None: the plan's own choice (told the call's dtypes: 3 an SM for the Gluon kernel,
+        # else 2; the tile costs of `decode.plan_costs`)
+        return {**asdict(DecodeConfig()), "pps": None, "min_tiles": None, "task_cost": None, "snap": DEFAULT_SNAP}
 
     def make_inputs(self, s: suite.Scenario | PlanScenario, layer: int, device: str) -> dict[str, Any]:
         if isinstance(s, PlanScenario):
