@@ -465,10 +465,8 @@ def plan_tail(kernel: str, num_kv_heads: int, q_len: int, num_programs: int, *, 
     partials a pair) the long splits' merge costs 3-17 % and over bf16 KV it is level (0.99-1.01x at h64/8)."""
     if kernel == "gluon":
         return True
-    if None in (num_q_heads, head_dim, q_dtype, kv_dtype) or kv_dtype != FP8_E4M3 or q_dtype == FP8_E4M3:
-        return False
-    rows = q_len * num_q_heads // num_kv_heads
-    return rows >= 2 and head_dim <= 128 and -(-num_programs // num_kv_heads) <= TAIL_ONE_LEVEL_MAX
+    return _converting_tile(num_kv_heads, q_len, num_q_heads, head_dim, q_dtype, kv_dtype) and \
+        -(-num_programs // num_kv_heads) <= TAIL_ONE_LEVEL_MAX
 
 
 def plan_costs(kernel: str, tail: bool, num_kv_heads: int, q_len: int, *, num_q_heads: int | None = None,
@@ -481,12 +479,19 @@ def plan_costs(kernel: str, tail: bool, num_kv_heads: int, q_len: int, *, num_q_
     `plan_tail` plan: a tail-merged split is a dearer task)."""
     from hpcops.attention.plan import CONVERT_TILE_COSTS
 
-    if kernel != "tl" or tail or None in (num_q_heads, head_dim, q_dtype, kv_dtype):
+    if kernel != "tl" or tail:
         return None
-    if kv_dtype != FP8_E4M3 or q_dtype == FP8_E4M3:
-        return None
-    rows = q_len * num_q_heads // num_kv_heads
-    return CONVERT_TILE_COSTS if rows >= 2 and head_dim <= 128 else None
+    return CONVERT_TILE_COSTS if _converting_tile(num_kv_heads, q_len, num_q_heads, head_dim, q_dtype, kv_dtype) \
+        else None
+
+
+def _converting_tile(num_kv_heads: int, q_len: int, num_q_heads: int | None, head_dim: int | None,
+                     q_dtype: torch.dtype | None, kv_dtype: torch.dtype | None) -> bool:
+    """Whether the `tl` kernel runs these hints as its MMA tile over fp8 KV under a 16-bit q, converting K and V
+    (2 or more q rows a kv head, head_dim up to 128; all four hints given): `plan_tail`'s and `plan_costs`' case."""
+    if None in (num_q_heads, head_dim, q_dtype, kv_dtype) or kv_dtype != FP8_E4M3 or q_dtype == FP8_E4M3:
+        return False
+    return q_len * num_q_heads // num_kv_heads >= 2 and head_dim <= 128
 
 
 def plan_programs_per_sm(kernel: str, num_kv_heads: int, q_len: int, *, num_q_heads: int | None = None,
