@@ -466,20 +466,35 @@ def test_decode_default_tail_merge_over_fp8_kv_matches_reference(kv_kind, monkey
 
 def test_plan_costs_scale_the_cut_for_the_converting_tile_without_the_tail_merge():
     """`decode.plan_costs`: CONVERT_TILE_COSTS for the tl kernel's tile over fp8 KV under a 16-bit q (2 or more q rows
-    a kv head, head_dim up to 128) on a plan without the tail merge; None (the defaults) elsewhere or without hints."""
+    a kv head, head_dim up to 128) on a plan without the tail merge, TAIL_TILE_COSTS on a tail plan; None (the
+    defaults) elsewhere or without hints."""
     from hpcops.attention import decode as dec
-    from hpcops.attention.plan import CONVERT_TILE_COSTS
+    from hpcops.attention.plan import CONVERT_TILE_COSTS, TAIL_TILE_COSTS
 
     h8 = dict(num_q_heads=8, head_dim=128, q_dtype=torch.bfloat16, kv_dtype=FP8)
     assert dec.plan_costs("tl", False, 1, 1, **h8) == CONVERT_TILE_COSTS
     assert dec.plan_costs("tl", False, 1, 1, **{**h8, "q_dtype": torch.float16}) == CONVERT_TILE_COSTS
-    assert dec.plan_costs("tl", True, 1, 1, **h8) is None  # a tail-merged split is a dearer task
+    assert dec.plan_costs("tl", True, 1, 1, **h8) == TAIL_TILE_COSTS  # a tail-merged split is a dearer task
     assert dec.plan_costs("gluon", False, 1, 1, **h8) is None
     assert dec.plan_costs("tl", False, 1, 1, **{**h8, "q_dtype": FP8}) is None  # fp8 q: no conversion
     assert dec.plan_costs("tl", False, 1, 1, **{**h8, "kv_dtype": torch.bfloat16}) is None
     assert dec.plan_costs("tl", False, 1, 1, **{**h8, "head_dim": 256}) is None
     assert dec.plan_costs("tl", False, 8, 1, **h8) is None  # one q row a kv head: the row path
     assert dec.plan_costs("tl", False, 1, 1) is None
+
+
+def test_tail_plan_of_a_16bit_q_over_fp8_kv_charges_a_dearer_task(device):
+    """A plan told a bf16 q over fp8 KV at h64/8 (264 programs: 33 a kv head, a tail plan) cuts with TAIL_TILE_COSTS
+    (task cost 12, the default tile floor and split cost), the same tables as the reference's told the same."""
+    from hpcops.attention.plan import DEFAULT_MIN_TILES
+
+    seq_lens = torch.tensor([128] * 16 + [4096] * 16, dtype=torch.int32, device=device)
+    hints = dict(num_q_heads=64, head_dim=128, q_dtype=torch.bfloat16, kv_dtype=FP8)
+    kw = dict(num_kv_heads=8, block_size=64, num_programs=264, num_sms=132)
+    plan = hpcops.plan_decode(seq_lens, **kw, **hints)
+    assert (plan.kernel, plan.tail) == ("tl", True)
+    assert (plan.min_tiles, plan.task_cost, plan.split_cost) == (DEFAULT_MIN_TILES, 12, None)
+    assert plan.host_tables() == ref.plan_decode(seq_lens.cpu(), **kw, **hints).host_tables()
 
 
 def test_plan_of_a_16bit_q_over_fp8_kv_splits_short_requests_in_equal_pieces(device):

@@ -473,16 +473,15 @@ def plan_costs(kernel: str, tail: bool, num_kv_heads: int, q_len: int, *, num_q_
                head_dim: int | None = None, q_dtype: torch.dtype | None = None,
                kv_dtype: torch.dtype | None = None) -> tuple[int, int, int] | None:
     """The cost model's (min_tiles, task_cost, split_cost) for a new plan (`plan_decode`'s hints; None: the defaults,
-    `plan.DEFAULT_MIN_TILES`, `DEFAULT_TASK_COST` and the kernel's split cost): `plan.CONVERT_TILE_COSTS` for the
-    `tl` kernel's MMA tile over fp8 KV under a 16-bit q (2 or more q rows a kv head, head_dim up to 128), which
-    converts K and V and so weighs about two plain tiles, where its splits merge in the combine kernel (not a
-    `plan_tail` plan: a tail-merged split is a dearer task)."""
-    from hpcops.attention.plan import CONVERT_TILE_COSTS
+    `plan.DEFAULT_MIN_TILES`, `DEFAULT_TASK_COST` and the kernel's split cost; a None split cost: the kernel's) for
+    the `tl` kernel's MMA tile over fp8 KV under a 16-bit q (2 or more q rows a kv head, head_dim up to 128), which
+    converts K and V and so weighs about two plain tiles: `plan.CONVERT_TILE_COSTS` where its splits merge in the
+    combine kernel, `plan.TAIL_TILE_COSTS` on a `plan_tail` plan (a tail-merged split is a dearer task)."""
+    from hpcops.attention.plan import CONVERT_TILE_COSTS, TAIL_TILE_COSTS
 
-    if kernel != "tl" or tail:
+    if kernel != "tl" or not _converting_tile(num_kv_heads, q_len, num_q_heads, head_dim, q_dtype, kv_dtype):
         return None
-    return CONVERT_TILE_COSTS if _converting_tile(num_kv_heads, q_len, num_q_heads, head_dim, q_dtype, kv_dtype) \
-        else None
+    return TAIL_TILE_COSTS if tail else CONVERT_TILE_COSTS
 
 
 def _converting_tile(num_kv_heads: int, q_len: int, num_q_heads: int | None, head_dim: int | None,

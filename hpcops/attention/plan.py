@@ -121,6 +121,11 @@ SPLIT_COST_TL = 40
 # static split 12.8), the other h8/1 rows of that kind 0.98-0.99x; at h64/8 (tail merge) task cost 4 costs the
 # 32x0.125K+32x4K row 22 % (a tail-merged split is a dearer task), so the tail plans keep the defaults.
 CONVERT_TILE_COSTS = (2, 4, 16)
+# The same tile on a tail plan (h64/8: `decode.plan_tail`), where a split pair's last program merges it: task cost 12
+# (three H100 tunes at dc4b7c9, e0bb285 and bb22c71, decode_tune_cost_scale_h100_dc4b7c9.md, _cost_defaults_
+# h100_e0bb285.md, _warps_tail_h100_bb22c71.md: 32x0.125K+32x4K h64/8 1.04-1.05x, the other five rows 0.991-1.007x);
+# the tile floor and the split cost the defaults'
+TAIL_TILE_COSTS = (DEFAULT_MIN_TILES, 12, None)
 
 
 def whole_pays(total: int, unit: int, bucket: int, whole: int, num_sms: int, split_cost: int) -> bool:
