@@ -252,6 +252,26 @@ def test_builder_mixed_batch(vllm_config):
     assert (md3.num_decodes, md3.num_prefills, md3.decode_plan.batch) == (8, 0, 8)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8, torch.uint8])
+def test_builder_plans_with_the_calls_dtypes(vllm_config, kv_dtype):
+    """The builder tells its plans what the decode calls take (`plan_decode`'s hints): over an fp8 cache (vLLM may
+    describe it as uint8) with the model's bf16 q the plan takes the converting tile's cut costs
+    (`decode.plan_costs`), over a bf16 cache the defaults; its tables equal the reference's told the same."""
+    from hpcops.attention.plan import CONVERT_TILE_COSTS, DEFAULT_MIN_TILES, DEFAULT_TASK_COST
+
+    builder = _builder(vllm_config, kv_dtype)
+    plan = builder.plans[1]
+    fp8 = kv_dtype != torch.bfloat16
+    want = CONVERT_TILE_COSTS if fp8 else (DEFAULT_MIN_TILES, DEFAULT_TASK_COST, None)
+    assert (plan.kernel, plan.tail) == ("tl", False)
+    assert (plan.min_tiles, plan.task_cost, plan.split_cost) == want
+    cm = _make_batch(Batch([1] * 6, [512, 40, 17, 300, 1, 129]), 256, torch.Generator().manual_seed(2))
+    md = builder.build(0, cm)
+    hints = dict(num_q_heads=HQ, head_dim=D, q_dtype=torch.bfloat16, kv_dtype=FP8 if fp8 else torch.bfloat16)
+    ref = attn_ref.plan_decode(cm.seq_lens, num_kv_heads=HKV, block_size=BS, num_programs=plan.num_programs, **hints)
+    assert md.decode_plan.host_tables() == ref.host_tables()
+
+
 def test_builder_spec_decode_threshold(vllm_config_spec):
     builder = _builder(vllm_config_spec)
     assert builder.reorder_batch_threshold == 3

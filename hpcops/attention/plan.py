@@ -116,10 +116,11 @@ SPLIT_COST_TL = 40
 # The tl kernel's tile over fp8 KV under a 16-bit q converts K and V (a dearer tile, ~2x the plain one at 64x0.5K
 # h8/1: 13.7 µs whole against ~11.5 over bf16 KV, twice the bytes), so a task start, a split and the tile floor are
 # worth fewer tiles there: CONVERT_TILE_COSTS = (min_tiles, task_cost, split_cost), `decode.plan_costs`, where its
-# splits merge in the combine kernel. The H100 tune at dc4b7c9 (bench/results/decode_tune_cost_scale_h100_dc4b7c9.md):
-# 64x0.5K h8/1 13.7 -> 12.4-12.7 µs (each request in four 2-tile pieces: 9-unit buckets of 36-unit requests; the
-# static split 12.8), the other h8/1 rows of that kind 0.98-0.99x; at h64/8 (tail merge) task cost 4 costs the
-# 32x0.125K+32x4K row 22 % (a tail-merged split is a dearer task), so the tail plans keep the defaults.
+# splits merge in the combine kernel. The H100 tunes at dc4b7c9 and e0bb285 (bench/results/decode_tune_cost_scale_
+# h100_dc4b7c9.md, decode_tune_cost_defaults_h100_e0bb285.md): 64x0.5K h8/1 13.8 -> 12.5 µs (each request in four
+# 2-tile pieces: 9-unit buckets of 36-unit requests; the static split 12.8), the other h8/1 rows of that kind
+# 0.97-1.00x (32x0.125K+32x4K 22.8 against 22.1: its 2-tile requests weigh less); at h64/8 (tail merge) task cost 4
+# costs the 32x0.125K+32x4K row 22 % (a tail-merged split is a dearer task), so the tail plans keep the defaults.
 CONVERT_TILE_COSTS = (2, 4, 16)
 # The same tile on a tail plan (h64/8: `decode.plan_tail`), where a split pair's last program merges it: task cost 12
 # (three H100 tunes at dc4b7c9, e0bb285 and bb22c71, decode_tune_cost_scale_h100_dc4b7c9.md, _cost_defaults_

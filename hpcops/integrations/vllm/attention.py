@@ -103,22 +103,35 @@ class HpcopsAttentionMetadataBuilder(AttentionMetadataBuilder[HpcopsAttentionMet
                 "num_speculative_tokens or pick another --attention-backend.")
         self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
         self.max_model_len = vllm_config.model_config.max_model_len
-        # One persistent plan per possible decode q_len, allocated once for max_num_seqs requests
-        # (plan buffers do not depend on max_model_len; it is passed for the record).
-        empty = torch.zeros(0, dtype=torch.int32, device=device)
-        self.plans = {
-            q: hpcops.plan_decode(empty, num_kv_heads=self.num_kv_heads, q_len=q, block_size=self.block_size,
-                                  max_batch=self.max_num_seqs, max_seq_len=self.max_model_len)
-            for q in range(1, max_q + 1)
-        }
-        # Pre-allocate the split-KV workspace so that no allocation happens during graph capture.
         try:
             hq = vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
         except Exception:  # a config without attention heads (e.g. a hand-built test config)
             hq = None
+        # One persistent plan per possible decode q_len, allocated once for max_num_seqs requests
+        # (plan buffers do not depend on max_model_len; it is passed for the record), told what every
+        # layer's call takes, as `hpcops.plan_decode` asks: its kernel, tail merge and cut costs follow them.
+        empty = torch.zeros(0, dtype=torch.int32, device=device)
+        self.plans = {
+            q: hpcops.plan_decode(empty, num_kv_heads=self.num_kv_heads, q_len=q, block_size=self.block_size,
+                                  max_batch=self.max_num_seqs, max_seq_len=self.max_model_len,
+                                  **self._plan_hints(vllm_config, kv_cache_spec, hq))
+            for q in range(1, max_q + 1)
+        }
+        # Pre-allocate the split-KV workspace so that no allocation happens during graph capture.
         if hq and hq % self.num_kv_heads == 0:
             for q, plan in self.plans.items():
                 plan.workspace(q * (hq // self.num_kv_heads), self.head_size)
+
+    def _plan_hints(self, vllm_config: VllmConfig, kv_cache_spec: AttentionSpec, hq: int | None) -> dict:
+        """`plan_decode`'s hints for this model's decode calls (none where the q heads are unknown): q in the
+        model's dtype (this backend takes no quantized q), the cache's dtype (an fp8 cache, which vLLM may
+        describe as uint8, is e4m3: `FP8_KV_DTYPES`)."""
+        if not hq or hq % self.num_kv_heads:
+            return {}
+        cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")
+        kv_dtype = FP8 if cache_dtype in FP8_KV_DTYPES or kv_cache_spec.dtype == torch.uint8 else kv_cache_spec.dtype
+        return dict(num_q_heads=hq, head_dim=self.head_size, q_dtype=vllm_config.model_config.dtype,
+                    kv_dtype=kv_dtype)
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config: VllmConfig, kv_cache_spec: KVCacheSpec) -> AttentionCGSupport:
