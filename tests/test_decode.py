@@ -527,62 +527,6 @@ def test_plan_of_a_16bit_q_over_fp8_kv_splits_short_requests_in_equal_pieces(dev
         assert_close(want, got)
 
 
-def test_tail_max_parts_validation():
-    from hpcops.attention import decode as dec
-
-    for bad in (-1, 65, 2.0, True, None):
-        with pytest.raises((ValueError, TypeError), match="tail_max_parts"):
-            dec.DecodeConfig(tail_max_parts=bad)
-    with pytest.raises(ValueError, match="tail_max_parts needs task_desc"):
-        dec.DecodeConfig(tail_max_parts=4, task_desc=False)
-
-
-def test_tail_by_step_merges_short_steps_in_the_tail_and_long_ones_in_the_combine(monkeypatch, device):
-    """DecodeConfig.tail_max_parts: the plan kernel writes each step's merge in its header (1 where no pair splits
-    into more than tail_max_parts partials, by the plan's bound), as the reference does. With the combine made a
-    no-op, a short step's output is still the reference's (the attention kernel merged it in its tail) and a long
-    step's split rows stay NaN (nothing merged them: the tail left them to the combine); with the combine, both
-    equal the reference."""
-    from hpcops.attention import _decode_kernels
-    from hpcops.attention import decode as dec
-
-    case = Case((300, 17, 64, 1000, 129), 4, 2, 64, 16)
-    q, _, kv = _inputs(case, device)
-    kw = dict(num_kv_heads=2, block_size=16, num_programs=16, min_tiles=1, task_cost=0)  # the equal cut: splits
-    # 1-tile buckets and a 2-tile largest request (at most 3 pieces a pair), 4-tile buckets and a 16-tile one (5)
-    steps = {"short": (70, 1, 17, 30, 5), "long": case.lens}
-    real = _decode_kernels.decode_combine_kernel
-
-    class _NoCombine:
-        def __getitem__(self, grid):
-            return lambda *a, **k: None
-
-    with dec.decode_config_changed(tail_merge=True, tail_max_parts=4):
-        plan = hpcops.plan_decode(kv.seq_lens, **kw)
-        for combine in (False, True):
-            monkeypatch.setattr(_decode_kernels, "decode_combine_kernel", real if combine else _NoCombine())
-            for name, lens in steps.items():
-                seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
-                hpcops.plan_decode(seq_lens, out=plan, num_kv_heads=2, block_size=16)
-                tables = plan.host_tables()
-                want_tables = ref.plan_decode(seq_lens.cpu(), **kw).host_tables()
-                assert tables == want_tables and tables["tail_step"] == (name == "short")
-                split_pairs = {(t[2], t[1]) for t in plan.tasks() if t[5]}  # (request, kv head)
-                assert split_pairs, "the step splits no request: nothing to merge"
-                got = hpcops.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_table, seq_lens, plan=plan,
-                                              out=nan_like(q))
-                want = ref.decode_attention(q, kv.k_cache, kv.v_cache, kv.block_table, seq_lens)
-                if combine or name == "short":
-                    assert_close(want, got)
-                else:  # one token a request; kv head h's q heads are 2h, 2h + 1
-                    split = torch.zeros(got.shape[:2], dtype=torch.bool, device=got.device)
-                    for b, h in split_pairs:
-                        split[b, 2 * h:2 * h + 2] = True
-                    assert bool(got[split].isnan().all()), "the tail merged a step it should have left to the combine"
-                    assert_close(want[~split], got[~split])  # the unsplit pairs, written by the attention kernel
-                assert int(plan.merge_sem.count_nonzero()) == 0
-
-
 @pytest.mark.parametrize("tail", [False, True])
 def test_decode_whole_cut_matches_reference(tail, device):
     """With DecodeConfig.split_cost the plan of a short uniform batch splits no request (checked on the

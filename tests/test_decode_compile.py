@@ -151,13 +151,6 @@ VARIANTS["persistent-lean-recompute-fp8q-tail-pdlwait"] = _attn(q="fp8e4nv", kv=
                                                                 **LEAN_MODES["recompute"])
 VARIANTS["persistent-lean-tma-bf16-pdlwait"] = _attn(TASK_DESC=True, USE_PDL=True, PDL_WAIT=True, **LEAN_MODES["tma"])
 VARIANTS["combine-pdl-next"] = _combine("decode_combine_kernel", USE_PDL=True, PDL_NEXT=True, MERGE_DESC=True)
-# DecodeConfig.tail_max_parts: the tail merge on the steps the plan's header gives it, the combine (launched with PDL
-# after it) skipping those steps
-VARIANTS["persistent-lean-recompute-fp8q-tail-bystep-pdlwait"] = _attn(
-    q="fp8e4nv", kv="fp8e4nv", R_PAD=8, TAIL_STAGES=3, TAIL_GROUP=16, TAIL_BY_STEP=True, USE_PDL=True,
-    PDL_WAIT=True, **TAIL, **LEAN_MODES["recompute"])
-VARIANTS["combine-pdl-next-skiptail"] = _combine("decode_combine_kernel", USE_PDL=True, PDL_NEXT=True,
-                                                 MERGE_DESC=True, SKIP_TAIL_STEP=True)
 # DecodeConfig.merge_slices at the launcher's rounds (CB 64 at d128): a long split's merge in column slices, rounds
 # of 256 partials of 32 columns (4 slices) or 512 of 16 (8); the same without slices for the registers beside them
 for _s in (1, 4, 8):
@@ -249,10 +242,6 @@ GLUON_BUILDS = {  # name: (KV dtype, q dtype, head_dim, q rows padded, q_len, G,
     "fp8q-d128-h8/1-tail-prefetch-pdlwait-pvf16-vtail": ("fp8", "fp8", 128, 8, 1, 8, 3, 64, [8, 4, True],
                                                          {"PDL_WAIT": True, "PV_F16": True, "V_MASK_TAIL": True}),
     "bf16-d128-page32-vtail": ("bf16", "bf16", 128, 8, 1, 8, 3, 32, None, {"V_MASK_TAIL": True}),
-    # DecodeConfig.tail_max_parts: the tail merge on the steps the plan's header gives it
-    "fp8q-d128-h8/1-tail-prefetch-pdlwait-pvf16-vtail-bystep": ("fp8", "fp8", 128, 8, 1, 8, 3, 64, [8, 4, True],
-                                                                {"PDL_WAIT": True, "PV_F16": True,
-                                                                 "V_MASK_TAIL": True, "TAIL_BY_STEP": True}),
 }
 
 
@@ -270,8 +259,7 @@ box = min(64, page)  # the launcher's TMA box: a 64-key tile, or a page under 64
 layout = gl.NVMMASharedLayout.get_default_for([box, d], names[kv][1])
 desc = f"tensordesc<{names[kv][0]}[{box}, {d}],{layout}>"
 sig = dict(q_ptr="*" + names[qd][0], k_desc=desc, v_desc=desc, bt_ptr="*i32", seq_lens_ptr="*i32",
-           out_ptr="*bf16", part_o_ptr="*fp32", part_lse_ptr="*fp32", task_desc_ptr="*i32", header_ptr="*i32",
-           pair_desc_ptr="*i32",
+           out_ptr="*bf16", part_o_ptr="*fp32", part_lse_ptr="*fp32", task_desc_ptr="*i32", pair_desc_ptr="*i32",
            merge_sem_ptr="*i32", q_scale_ptr="*fp32", k_scale_ptr="*fp32", v_scale_ptr="*fp32",
            sm_scale_log2="fp32")
 sig.update({a: "i32" for a in ("B", "num_q_heads", "bt_width", "num_blocks", "stride_qt", "stride_qh",

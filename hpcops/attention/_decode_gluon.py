@@ -209,7 +209,7 @@ def _pdl_release():
 
 @gluon.jit
 def decode_gluon_kernel(
-    q_ptr, k_desc, v_desc, bt_ptr, seq_lens_ptr, out_ptr, part_o_ptr, part_lse_ptr, task_desc_ptr, header_ptr,
+    q_ptr, k_desc, v_desc, bt_ptr, seq_lens_ptr, out_ptr, part_o_ptr, part_lse_ptr, task_desc_ptr,
     pair_desc_ptr, merge_sem_ptr,
     q_scale_ptr, k_scale_ptr, v_scale_ptr, sm_scale_log2, B, num_q_heads, bt_width, num_blocks,
     stride_qt, stride_qh, stride_kh, stride_vh, stride_bt, stride_ot, stride_oh,
@@ -217,7 +217,7 @@ def decode_gluon_kernel(
     TILE: gl.constexpr, STAGES: gl.constexpr, KV_FP8: gl.constexpr, Q_FP8: gl.constexpr, num_warps: gl.constexpr,
     TAIL_MERGE: gl.constexpr = False, R_PAD: gl.constexpr = 1, TAIL_PARTS: gl.constexpr = 1,
     TAIL_GROUP: gl.constexpr = 0, MERGE_PREFETCH: gl.constexpr = False, PDL_WAIT: gl.constexpr = False,
-    PV_F16: gl.constexpr = False, V_MASK_TAIL: gl.constexpr = False, TAIL_BY_STEP: gl.constexpr = False,
+    PV_F16: gl.constexpr = False, V_MASK_TAIL: gl.constexpr = False,
 ):
     ROWS: gl.constexpr = Q_LEN * G
     KV_BYTES: gl.constexpr = 2 * TILE * D * k_desc.dtype.primitive_bitwidth // 8
@@ -352,14 +352,9 @@ def decode_gluon_kernel(
             gl.store(part_o_ptr + (base + r_o)[None, :] * D + d_o[:, None], o, mask=row_ok[None, :])
             gl.store(part_lse_ptr + base + r_o, lse, mask=row_ok)
             if TAIL_MERGE:
-                # TAIL_BY_STEP (DecodeConfig.tail_max_parts): only on a step the plan's header gives the tail
-                do_merge = pid >= 0
-                if TAIL_BY_STEP:
-                    do_merge = gl.load(header_ptr + 5) != 0
-                if do_merge:
-                    _tail_merge(part_o_ptr, part_lse_ptr, pair_desc_ptr, merge_sem_ptr, pid, b, h, B, out_ptr,
-                                stride_ot, stride_oh, Q_LEN, G, D, R_PAD, TAIL_PARTS, TAIL_GROUP, num_warps,
-                                MERGE_PREFETCH)
+                _tail_merge(part_o_ptr, part_lse_ptr, pair_desc_ptr, merge_sem_ptr, pid, b, h, B, out_ptr,
+                            stride_ot, stride_oh, Q_LEN, G, D, R_PAD, TAIL_PARTS, TAIL_GROUP, num_warps,
+                            MERGE_PREFETCH)
         else:
             tok_o = (b * Q_LEN + r_o // G).to(gl.int64)
             head_o = h * G + r_o % G

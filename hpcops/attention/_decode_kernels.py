@@ -324,7 +324,6 @@ def decode_persistent_kernel(
     LEAN_RECOMPUTE: tl.constexpr = False, KV_SAME_STRIDES: tl.constexpr = False, LEAN_PAGES: tl.constexpr = False,
     ROW_PATH: tl.constexpr = False, TAIL_MERGE: tl.constexpr = False, R_PAD: tl.constexpr = 1,
     TAIL_STAGES: tl.constexpr = 1, TAIL_GROUP: tl.constexpr = 0, PDL_WAIT: tl.constexpr = False,
-    TAIL_BY_STEP: tl.constexpr = False,
 ):
     """One persistent program walks its bucket of the plan's tile stream, task by task.
 
@@ -344,8 +343,6 @@ def decode_persistent_kernel(
     merge_sem; the program that writes the last partial merges the pair into the output (`_tail_merge`),
     so no combine kernel runs. R_PAD: Q_LEN·G padded to a power of two; TAIL_STAGES: partials' loads in
     flight (`_merge_rows`); TAIL_GROUP: partials a group of the two-level merge of a long split (0: one level).
-    TAIL_BY_STEP (`DecodeConfig.tail_max_parts`): the tail merge only on a step whose plan header says so (header[5]);
-    on the others the partials are left to the combine kernel (launched then, with USE_PDL).
     """
     pid = tl.program_id(0)
     if PDL_WAIT:
@@ -382,10 +379,7 @@ def decode_persistent_kernel(
             _finish_task(acc, m_i, l_i, v_scale, split, 2 * pid + later, b, h, offs_m, offs_d, out_ptr,
                          part_o_ptr, part_lse_ptr, stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, Q_LEN * G)
             if TAIL_MERGE:
-                do_merge = split
-                if TAIL_BY_STEP:
-                    do_merge = do_merge & (tl.load(header_ptr + 5) != 0)
-                if do_merge:
+                if split:
                     _tail_merge(part_o_ptr, part_lse_ptr, pair_desc_ptr, merge_sem_ptr, pid, b, h, B, out_ptr,
                                 stride_ot, stride_oh, Q_LEN, G, HEAD_DIM, D_PAD, R_PAD, TAIL_STAGES, TAIL_GROUP)
             left -= n
@@ -629,7 +623,7 @@ def decode_combine_kernel(
     part_o_ptr, part_lse_ptr, out_ptr, header_ptr, cum_ptr, last_b_ptr, stride_ot, stride_oh,
     Q_LEN: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CB: tl.constexpr,
     USE_PDL: tl.constexpr = False, MERGE_DESC: tl.constexpr = False, PDL_NEXT: tl.constexpr = False,
-    MERGE_SLICES: tl.constexpr = 1, SKIP_TAIL_STEP: tl.constexpr = False,
+    MERGE_SLICES: tl.constexpr = 1,
 ):
     """Program (k, row) merges `row` of the split (head, request) that starts in program k's bucket and leaves it.
 
@@ -646,8 +640,6 @@ def decode_combine_kernel(
     of CB · MERGE_SLICES partials (one round up to 256 at head_dim 128, where one program takes 4): its owner
     (slice 0) and the programs just after it, inside the split, which have nothing of their own to merge; the
     plan writes their merge_desc rows as the owner's, so a row's slice is k − first_slot // 2.
-    SKIP_TAIL_STEP (with MERGE_DESC; `DecodeConfig.tail_max_parts`): nothing to merge on a step whose plan header gives
-    the merge to the attention kernel's tail (header[5]).
     """
     k = tl.program_id(0)
     row = tl.program_id(1)
@@ -663,8 +655,6 @@ def decode_combine_kernel(
         h = tl.load(md + 1)
         first_slot = tl.load(md + 2)
         n_chunks = tl.load(md + 3)
-        if SKIP_TAIL_STEP:
-            b = tl.where(tl.load(header_ptr + 5) != 0, -1, b)
         if b >= 0:
             if USE_PDL:
                 gdc_wait()

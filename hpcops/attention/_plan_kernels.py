@@ -58,7 +58,7 @@ def _in_stream(x, cnt, lo, hi, s_cost, s_total, unit, task_cost, snap):
 @triton.jit
 def plan_decode_kernel(
     seq_lens_ptr, cum_ptr, header_ptr, first_b_ptr, last_b_ptr, task_desc_ptr, merge_desc_ptr, pair_desc_ptr,
-    merge_sem_ptr, B, num_kv_heads, num_programs, min_tiles, unit, task_cost, snap, split_cost, num_sms, tail_max_parts,
+    merge_sem_ptr, B, num_kv_heads, num_programs, min_tiles, unit, task_cost, snap, split_cost, num_sms,
     TILE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr, ONE_BLOCK: tl.constexpr = False,
     DESC: tl.constexpr = False, PAIRS: tl.constexpr = False, SLICES: tl.constexpr = 1,
 ):
@@ -80,9 +80,6 @@ def plan_decode_kernel(
     SLICES (> 1, with DESC; `DecodeConfig.merge_slices`): a split of more than 16 pieces (an unsnapped cut) gets
     merge helpers: the SLICES − 1 programs after its owner, all inside it (nothing of their own to merge), have
     their merge_desc row written as the owner's (the combine kernel's MERGE_SLICES).
-    header[5], the step's merge (`DecodeConfig.tail_max_parts`): 1 where a tail-merging attention kernel merges this
-    step's splits itself (tail_max_parts 0, or no pair in more pieces than tail_max_parts: the largest request's cost
-    over the bucket, ceil(c_max / bucket) + 1, bounds them), 0 where it leaves them to the combine.
     """
     pid = tl.program_id(0)
     offs_b = tl.arange(0, BLOCK_B)
@@ -130,8 +127,6 @@ def plan_decode_kernel(
         tl.store(header_ptr + 2, total)
         tl.store(header_ptr + 3, (total - unit) // bucket + 1)
         tl.store(header_ptr + 4, snap)
-        step_tail = (tail_max_parts == 0) | ((c_max + bucket - 1) // bucket + 1 <= tail_max_parts)
-        tl.store(header_ptr + 5, step_tail.to(tl.int32))
     # each plan entry's cost range [x0, x1); locate both ends among the requests' first-tile starts
     offs_c = pid * BLOCK_C + tl.arange(0, BLOCK_C)
     x0 = tl.minimum(offs_c * bucket, total)

@@ -124,15 +124,6 @@ class DecodeConfig:
         the `tl` kernel + tail is level with its combine over the bench (`hpcops-tail`, geomean 1.006: h64/8
         2-9 % faster, long h8/1 batches up to 14 % slower); the Gluon kernel at 3 programs an SM gains most
         (`hpcops-fp8q` rows at `a686226`: h64/8 fp8 15-23 % faster than the `tl` kernel).
-    tail_max_parts: with the tail merge on (tail_merge True, or a tail plan), a step takes it only where no (request,
-        kv head) pair splits into more than this many partials (the plan's bound from its largest request and its
-        bucket, written by the plan kernel in its header each step: no host sync); the other steps leave their
-        splits to the combine kernel, which is then launched every step and returns at once on a tail step (its
-        program (0, 0) still waits for the attention grid under PDL). The tail saves the combine's launch where the
-        pairs are cut in a few pieces (64x0.5K h8/1 fp8 on the Gluon kernel, ~3 partials a pair: 9.8 µs with the
-        tail, 12.4 with the combine) and loses where a pair's merge is long and serial (64x4K h8/1, ~7: 28.3 against
-        26.5; 1x64K+15x4K 19.9 / 18.1; H200, bench/results/decode_tune_tail_merge_pps.md). 0 (default): every
-        step of a tail-merging launch merges in the tail, no combine. Needs task_desc.
     tail_group: with tail_merge, a split of more partials than this is merged in two levels: groups of
         tail_group consecutive partials, each merged into its first slot by the program that completes it,
         then the groups by the program that completes the last group; so no program merges a long split
@@ -231,7 +222,6 @@ class DecodeConfig:
     row_path: bool | None = None
     tail_merge: bool | None = None
     tail_group: int | None = None
-    tail_max_parts: int = 0
     merge_prefetch: bool = True
     merge_round: int | None = None
     split_cost: int | None = None
@@ -248,11 +238,6 @@ class DecodeConfig:
             raise ValueError(f"DecodeConfig.max_regs must be None or an int in 32..255, got {self.max_regs!r}")
         if self.tail_merge and not self.task_desc:
             raise ValueError("DecodeConfig.tail_merge needs task_desc (the plan's pair table is written with it)")
-        ts = self.tail_max_parts
-        if type(ts) is not int or not 0 <= ts <= 64:
-            raise ValueError(f"DecodeConfig.tail_max_parts must be an int in 0..64 (partials a pair), got {ts!r}")
-        if ts and not self.task_desc:
-            raise ValueError("DecodeConfig.tail_max_parts needs task_desc (the tail merge reads the plan's pair table)")
         tg = self.tail_group
         if tg is not None and (type(tg) is not int or not (tg == 0 or 2 <= tg <= 4096)):
             raise ValueError(f"DecodeConfig.tail_group must be None, 0 or an int in 2..4096, got {tg!r}")
@@ -687,10 +672,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         # spill 16 bytes: tests/test_decode_compile.py)
         tl_tail = dict(TAIL_MERGE=True, R_PAD=r_pad, TAIL_GROUP=_tail_group(parts, max_tiles),
                        TAIL_STAGES=1 if use_tma else 3)
-        if _CONFIG.tail_max_parts:  # the plan's header says each step whether the tail merges it, else the combine
-            gluon_tail["TAIL_BY_STEP"] = tl_tail["TAIL_BY_STEP"] = True
-    by_step = tail and bool(_CONFIG.tail_max_parts)
-    if (not tail or by_step) and plan.merge_slices != _CONFIG.merge_slices_used():  # the combine reads the helpers
+    if not tail and plan.merge_slices != _CONFIG.merge_slices_used():  # the combine reads the plan's merge helpers
         raise ValueError(f"plan was built with DecodeConfig.merge_slices={plan.merge_slices}, the decode runs with "
                          f"{_CONFIG.merge_slices_used()}: re-plan with hpcops.plan_decode under the same config")
     if use_gluon:
@@ -704,15 +686,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             q_scale if q_fp8 else dummy, *args_kv,
             sm_scale * LOG2E, b, hq, block_table.shape[1], nb, *strides,
             BLOCK_SIZE=bs, TILE=TILE, BLOCK_N=block_n, KV_FP8=kv_fp8, Q_FP8=q_fp8, NUM_STAGES=_num_stages(),
-            num_warps=num_warps, M_PAD=m_pad, USE_TMA=use_tma, USE_PDL=pdl and (by_step or not tail),
+            num_warps=num_warps, M_PAD=m_pad, USE_TMA=use_tma, USE_PDL=pdl and not tail,
             TASK_DESC=_CONFIG.task_desc, **attn_knobs, **common, **tl_tail, **pdl_wait)
-    if tail and not by_step:
+    if tail:
         return out
     decode_combine_kernel[(plan.num_programs, rows)](
         part_o, part_lse, out, plan.header, plan.cum, plan.merge_desc if _CONFIG.task_desc else plan.last_b,
         out.stride(0), out.stride(1),
         CB=_combine_chunks(d), USE_PDL=pdl, MERGE_DESC=_CONFIG.task_desc, num_warps=_CONFIG.combine_warps, **common,
-        **pdl_launch, **({"SKIP_TAIL_STEP": True} if by_step else {}),
+        **pdl_launch,
         **({"PDL_NEXT": True} if pdl and pdl_wait else {}),
         **({"MERGE_SLICES": plan.merge_slices} if plan.merge_slices > 1 else {}))
     return out
@@ -734,7 +716,7 @@ def _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, out, part_o, part_
     decode_gluon_kernel[(plan.num_programs,)](
         q, gluon_kv_descriptor(k_cache, min(TILE, bs)), gluon_kv_descriptor(v_cache, min(TILE, bs)), block_table,
         seq_lens, out,
-        part_o, part_lse, plan.task_desc, plan.header,
+        part_o, part_lse, plan.task_desc,
         plan.pair_desc if tail_knobs else seq_lens, plan.merge_sem if tail_knobs else seq_lens,
         q_scale if q_scale is not None else seq_lens, *args_kv,
         sm_scale * LOG2E, seq_lens.shape[0], q.shape[1], block_table.shape[1], nb,

@@ -22,11 +22,10 @@ device in O(B) work by one launch (no host sync, no cross-program waits) into bu
 once for ``max_batch``, so that one decode step (plan + every layer) can be captured in a CUDA graph
 and replayed with new lengths:
 
-* ``header`` int32 [6]: bucket (cost units), S (tiles of one kv head = Σ_b T_b), total (cost units:
+* ``header`` int32 [5]: bucket (cost units), S (tiles of one kv head = Σ_b T_b), total (cost units:
   Hkv·(unit·S + task_cost·B)), active programs (programs past them hold no tile; a snap can also
   leave some of them empty), the snap the cut used (cost units; int32 max: the whole cut, no request split,
-  ``DecodeConfig.split_cost``), the step's merge (1: a tail-merging attention kernel merges this step's splits, 0:
-  the combine does, ``DecodeConfig.tail_max_parts``);
+  ``DecodeConfig.split_cost``);
 * ``cum`` int32 [max_batch + 1]: prefix sums of T_b = max(1, ceil(L_b / 64));
 * ``first_b`` / ``last_b`` int32 [num_programs]: the request holding each program's first / last
   tile (−1 for an idle program);
@@ -233,7 +232,7 @@ class DecodePlan:
     def host_tables(self) -> dict[str, list[int]]:
         """The plan's tables on the host (syncs; for display and tests)."""
         h = self.header.tolist()
-        t = {"header": h[:4], "used_snap": h[4], "tail_step": h[5], "cum": self.cum[: self.batch + 1].tolist(),
+        t = {"header": h[:4], "used_snap": h[4], "cum": self.cum[: self.batch + 1].tolist(),
              "first_b": self.first_b.tolist(), "last_b": self.last_b.tolist()}
         if self.has_desc:
             t.update(task_desc=self.task_desc[:, :5].tolist(), merge_desc=self.merge_desc.tolist())
@@ -435,7 +434,7 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
             min_tiles=max(1, min_tiles if min_tiles is not None else mt0), max_batch=cap,
             batch=seq_lens.shape[0], task_cost=tc0 if task_cost is None else task_cost,
             snap=DEFAULT_SNAP if snap is None else snap, split_cost=sc0,
-            header=torch.zeros(6, dtype=torch.int32, device=dev),
+            header=torch.zeros(5, dtype=torch.int32, device=dev),
             cum=torch.zeros(cap + 1, dtype=torch.int32, device=dev),
             first_b=torch.full((c,), -1, dtype=torch.int32, device=dev),
             last_b=torch.full((c,), -1, dtype=torch.int32, device=dev),
@@ -514,7 +513,7 @@ def _launch_plan(plan: DecodePlan, seq_lens: torch.Tensor) -> None:
         seq_lens, plan.cum, plan.header, plan.first_b, plan.last_b, plan.task_desc, plan.merge_desc,
         plan.pair_desc if plan.has_pairs else plan.merge_desc, plan.merge_sem if plan.has_pairs else plan.cum,
         b, plan.num_kv_heads, plan.num_programs, plan.min_tiles, cost_unit(cost), cost,
-        plan.cut_snap, split_cost_for(plan.kernel, plan.split_cost) if cost else 0, plan.num_sms, cfg.tail_max_parts,
+        plan.cut_snap, split_cost_for(plan.kernel, plan.split_cost) if cost else 0, plan.num_sms,
         TILE=TILE, BLOCK_B=block_b, BLOCK_C=block_c, ONE_BLOCK=cfg.plan_one_pass and b <= block_b,
         DESC=cfg.task_desc, PAIRS=plan.has_pairs, SLICES=plan.merge_slices,
         num_warps=warps,

@@ -70,16 +70,14 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
     lens = seq_lens.long().cpu().tolist()
     for n in lens:
         cum.append(cum[-1] + max(1, -(-n // TILE)))
-    header = [0, 0, 0, 0, 0, 0]
+    header = [0, 0, 0, 0, 0]
     first_b, last_b = [-1] * c, [-1] * c
     task_desc = [[-1, 0, 0, 0, 0] for _ in range(c)]
     merge_desc = [[-1, 0, 0, 0] for _ in range(c)]
     if b:
         cs = CostStream.cut(cum, num_kv_heads, cost, c, mt, cut_snap, split_cost_for(kernel, own_split) if cost else 0,
                             num_sms=sms)
-        most = decode_config().tail_max_parts
-        c_max = cs.unit * max(y - x for x, y in zip(cum, cum[1:])) + cost  # the largest (head, request)'s cost
-        header = [cs.bucket, cs.s, cs.total, cs.active, cs.snap, int(most == 0 or -(-c_max // cs.bucket) + 1 <= most)]
+        header = [cs.bucket, cs.s, cs.total, cs.active, cs.snap]
         ranges = [cs.program_range(k) for k in range(min(c, cs.active))]
         for k, (g0, g1) in enumerate(ranges):
             if g1 <= g0:
@@ -100,7 +98,7 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
     plan = out or DecodePlan(kernel=kernel, tail=tail, num_sms=sms, num_kv_heads=num_kv_heads, q_len=q_len,
                              block_size=block_size, num_programs=c, min_tiles=mt, max_batch=cap, batch=b,
                              task_cost=asked, snap=asked_snap, split_cost=own_split,
-                             header=torch.empty(6, dtype=torch.int32, device=dev),
+                             header=torch.empty(5, dtype=torch.int32, device=dev),
                              cum=torch.empty(cap + 1, dtype=torch.int32, device=dev),
                              first_b=torch.empty(c, dtype=torch.int32, device=dev),
                              last_b=torch.empty(c, dtype=torch.int32, device=dev),

@@ -9,8 +9,6 @@ Implementations, each timed on the same inputs in the same run (L2-cold, one CUD
 - `hpcops-static` — the same inner loop over a classic static split-KV grid (the blog's ablation);
 - `hpcops-fp8q` — fp8 KV with an fp8 query (as the fused prologue emits it): by default, on an H200, the
   Gluon kernel with the tail merge and 3 programs an SM (the plan told the call's dtypes: `plan_kernel`);
-- `hpcops-fp8q-parts4` — `hpcops-fp8q` with the tail merge by step (`DecodeConfig.tail_max_parts` 4: the combine
-  on a step whose pairs can split in more than 4 partials);
 - `hpcops-gluon` — the dynamic schedule on the Hopper kernel forced (`DecodeConfig.gluon`; fp8 q over fp8 KV, bf16 q
   over bf16 KV), `unavailable` where it does not apply (`gluon_unsupported_reason`: a CPU, a GPU other than sm_90);
 - `hpcops-plan` — the plan step alone (once per decode step, not per layer);
@@ -210,8 +208,6 @@ def cases(opts: dict[str, Any]) -> Iterator[Case]:
                  Impl("hpcops-static", _ours("static"), ours=True)]
         if sc.fp8:
             impls.append(Impl("hpcops-fp8q", _ours("dynamic", fp8q=True), ours=True))
-            impls.append(Impl("hpcops-fp8q-parts4", _ours("dynamic", fp8q=True, knobs=dict(tail_max_parts=4)),
-                              ours=True))
         impls += [Impl("hpcops-gluon", _gluon(), ours=True),
                   Impl("hpcops-plan", _plan_step, ours=True, per_step=True),
                   Impl("flashinfer-decode", _flashinfer(False)),

@@ -84,11 +84,6 @@ DECODE_SPACE = (
     knob(("gluon", "tail_merge", "tail_group", "pps"), (True, True, 8, 3), (True, True, 32, 3), (True, True, 0, 3),
          near=None),
     knob(("tail_merge", "tail_group"), (True, 8), (True, 0), near=None),
-    # the tail merge by step (DecodeConfig.tail_max_parts): only on steps whose pairs split in at most 3 / 4 / 8
-    # partials, the combine on the others (on a tail plan: the Gluon kernel's, the tl kernel's at h64/8; forced on
-    # elsewhere)
-    knob("tail_max_parts", 3, 4, 8, near=None),
-    knob(("tail_merge", "tail_max_parts"), (True, 4), (True, 8), near=None),
     # the combine kernel instead of the tail merge on a Gluon plan, at 2 or 3 programs an SM (the bench's
     # `hpcops-gluon` row, combine at 2: an H100 ran it ~1.10x faster than `hpcops-fp8q` on the long h8/1 fp8 rows)
     knob(("tail_merge", "pps"), (False, 2), (False, 3), near=None),
