@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -332,3 +333,54 @@ def test_decode_targets_rejects_other_reports(tmp_path):
     res = subprocess.run([sys.executable, os.path.join(SCRIPTS, "decode_targets.py"), str(_decode_report(tmp_path)),
                           "--floor-group", "h8 bf16"], capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "--floor-group must be" in res.stderr
+
+
+def _read_floor():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("decode_read_floor", os.path.join(SCRIPTS, "decode_read_floor.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_read_floor_counts_every_used_page_of_k_and_v():
+    from hpcops.bench.suites.decode import make_decode_inputs
+
+    mod = _read_floor()
+    x = make_decode_inputs([100, 64, 1], 8, 2, False, seed=0, device="cpu", page=16, head_dim=64)
+    assert mod.kv_bytes(x) == (7 + 4 + 1) * 16 * 2 * 2 * 64 * 2  # pages · page · kv heads · K and V · D · bf16
+    x8 = make_decode_inputs([100], 8, 1, True, seed=0, device="cpu", page=16, head_dim=64)
+    assert mod.kv_bytes(x8) == 7 * 16 * 1 * 2 * 64  # fp8: a byte a value
+
+
+def test_read_floor_fixed_cost_and_report():
+    mod = _read_floor()
+    floors, peers = [5.0, 40.0], [15.0, 50.0]
+    c = mod.fixed_cost_for(1.3, floors, peers)
+    assert c > 0 and abs(mod.geomean([p / (f + c) for f, p in zip(floors, peers)]) - 1.3) < 1e-6
+    assert mod.fixed_cost_for(10.0, floors, peers) == 0.0  # out of reach even at the floor
+    rows = [dict(case="a h8/1 bf16", kv_bytes=5_000_000, floor_us=5.0, floor_grid="4/SM",
+                 us={"hpcops": 8.0, "flashinfer-tc": 15.0, "flashinfer-decode": 20.0}),
+            dict(case="b h8/1 fp8", kv_bytes=40_000_000, floor_us=40.0, floor_grid="flat",
+                 us={"hpcops": 60.0, "hpcops-fp8q": 45.0, "flashinfer-tc": None, "flashinfer-decode": 50.0})]
+    text = mod.report(rows, 1.3, "G")
+    assert "| a h8/1 bf16 | 5.0 | 5.0 | 4/SM | hpcops | 8.0 | 3.0 | flashinfer-tc | 15.0 | 1.875 | 3.000 |" in text
+    assert "| b h8/1 fp8 | 40.0 | 40.0 | flat | hpcops-fp8q | 45.0 | 5.0 | flashinfer-decode | 50.0 | 1.111 |" in text
+    assert f"ratio **{math.sqrt(15 / 8 * 50 / 45):.3f}**" in text and f"+ {c:.2f} µs reaches 1.3" in text
+    assert "3.0–5.0 µs over its floor" in text
+    assert "out of reach" in mod.report(rows, 10.0, "G")
+
+
+def test_read_floor_kernel_reads_every_value():
+    """probe_read_floor's kernel (the floor's reader) sums all it reads, on any grid (interpreter on a CPU)."""
+    import torch
+
+    sys.path.insert(0, SCRIPTS)
+    from probe_read_floor import stream_read_kernel
+
+    src = torch.randn(5000)
+    for programs in (1, 3, 8):
+        out = torch.full((programs,), float("nan"))
+        stream_read_kernel[(programs,)](src, out, src.numel(), BLOCK=256)
+        assert abs(out.double().sum().item() - src.double().sum().item()) < 1e-3
