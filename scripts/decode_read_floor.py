@@ -86,16 +86,25 @@ def read_floor_us(nbytes: int, layers: int, device: torch.device) -> tuple[float
     return best
 
 
-def measure(only: str, device: torch.device) -> list[dict]:
-    from hpcops.bench.registry import PeerUnavailable
+def selected_cases(only: str) -> list:
+    """The `hpcops bench decode` cases `only` selects (as its --only); SystemExit naming the choices if none."""
     from hpcops.bench.runner import case_selected
     from hpcops.bench.suites.decode import cases
+
+    every = list(cases({}))
+    chosen = [c for c in every if case_selected(c.name, only)]
+    if not chosen:
+        raise SystemExit(f"no `hpcops bench decode` case matches --only {only!r}; cases: "
+                         + ", ".join(c.name for c in every))
+    return chosen
+
+
+def measure(chosen: list, device: torch.device) -> list[dict]:
+    from hpcops.bench.registry import PeerUnavailable
     from hpcops.bench.timing import graph_time_us, layers_for
 
     rows = []
-    for case in cases({}):
-        if not case_selected(case.name, only):
-            continue
+    for case in chosen:
         layers = layers_for(case.bytes)
         inputs = [case.make_inputs(i) for i in range(layers)]
         row = {"case": case.name, "layers": layers, "kv_bytes": kv_bytes(inputs[0]), "us": {}}
@@ -160,10 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="h8/1 bf16", help="bench decode cases, as `hpcops bench decode --only`")
     ap.add_argument("--target", type=float, default=1.3, help="the geomean target the fixed cost is solved for")
     a = ap.parse_args(argv)
+    chosen = selected_cases(a.only)
     if not torch.cuda.is_available():
         raise SystemExit("decode_read_floor.py needs a CUDA GPU")
     dev = torch.device("cuda")
-    rows = measure(a.only, dev)
+    rows = measure(chosen, dev)
     text = report(rows, a.target, torch.cuda.get_device_name())
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "decode_read_floor.md").write_text(text)

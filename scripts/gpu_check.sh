@@ -6,6 +6,7 @@
 #                                             prefill, prefill-gluon),
 #                                             ep2 (two-GPU expert parallelism, scripts/moe_ep2.py),
 #                                             profile:decode (ncu), profile:decode-kernels (per-kernel µs of a step),
+#                                             floor:decode (the h8/1 rows against their KV read time, decode_read_floor.py),
 #                                             profile:prefill (ncu on the bf16 and fp8 Gluon prefill kernels),
 #                                             profile:moe (per-kernel µs, scripts/profile_moe.py;
 #                                             PROFILE_ARGS adds options), smoke (the smallest complete run of every GPU
@@ -188,6 +189,18 @@ for st in "${stages[@]}"; do
       eval "pargs=(${PROFILE_ARGS:-})"  # shell quoting kept: --configs 'reduce_block_h=256;prequant_x=0'
       timeout 420 python3 scripts/profile_moe.py "${pargs[@]}" 2>&1 | tee -a "$OUT/results/profile_moe.txt" | tail -80 \
         || status=1 ;;
+    floor:decode)
+      # issue 10's h8/1 rows against the time of reading their KV alone (scripts/decode_read_floor.py): the bf16 rows
+      # (target 1.3), then the fp8 ones (1.5); results/decode_read_floor{,_fp8}.{md,json}. FLOOR_ARGS adds options.
+      eval "fargs=(${FLOOR_ARGS:-})"
+      timeout 200 python3 scripts/decode_read_floor.py --out "$OUT/results" "${fargs[@]}" 2>&1 | tail -20 || status=1
+      mkdir -p "$OUT/floor_fp8"
+      timeout 200 python3 scripts/decode_read_floor.py --only 'h8/1 fp8' --target 1.5 --out "$OUT/floor_fp8" \
+        "${fargs[@]}" 2>&1 | tail -20 || status=1
+      for e in md json; do
+        [ -f "$OUT/floor_fp8/decode_read_floor.$e" ] && mv "$OUT/floor_fp8/decode_read_floor.$e" \
+          "$OUT/results/decode_read_floor_fp8.$e"
+      done ;;
     tune:*)
       # `hpcops tune <op>` for each op: <op>_tune.{md,json} (+ moe_tuned.json) in results/; TUNE_ARGS adds options
       IFS=, read -ra ops <<< "${st#tune:}"

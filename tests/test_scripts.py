@@ -384,3 +384,17 @@ def test_read_floor_kernel_reads_every_value():
         out = torch.full((programs,), float("nan"))
         stream_read_kernel[(programs,)](src, out, src.numel(), BLOCK=256)
         assert abs(out.double().sum().item() - src.double().sum().item()) < 1e-3
+
+
+def test_read_floor_selection_and_gpu_check_stage():
+    """decode_read_floor.py names the cases when --only matches none (before it asks for a GPU), picks the six h8/1
+    bf16 rows by default; gpu_check.sh runs it as its floor:decode stage."""
+    mod = _read_floor()
+    assert [c.name for c in mod.selected_cases("h8/1 bf16")] == [
+        f"{s} h8/1 bf16" for s in ("64x0.5K", "64x4K", "32x0.125K+32x4K", "2x32K+30x4K", "1x64K+15x4K", "1x128K+31x4K")]
+    res = subprocess.run([sys.executable, os.path.join(SCRIPTS, "decode_read_floor.py"), "--out", "/tmp/x", "--only",
+                          "nope"], capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+    assert res.returncode != 0 and "no `hpcops bench decode` case matches --only 'nope'" in res.stderr
+    with open(os.path.join(SCRIPTS, "gpu_check.sh")) as f:
+        sh = f.read()
+    assert "    floor:decode)" in sh and "scripts/decode_read_floor.py" in sh
