@@ -9,6 +9,9 @@ imports vLLM at module level. Written against vLLM's 0.30+ interfaces (see `_ver
   strided ``[num_blocks, block_size, Hkv, D]`` views, exactly what the hpcops kernels take.
 * KV write: ``forward_includes_kv_cache_update = False``; vLLM calls `do_kv_cache_update` (a torch
   scatter, fp8-quantized with ``layer._k_scale/_v_scale`` for an fp8 cache) before `forward`.
+* Prefill over an fp8 cache: q quantized per (token, head) to e4m3 and the fp8-q kernels
+  (`prefill_attention(quantize_q=True)`), as vLLM's FlashAttention backend quantizes q over an fp8 cache;
+  ``HPCOPS_PREFILL_QUANT_Q=0`` keeps the 16-bit q. Decode keeps the 16-bit q.
 * Metadata: decodes first (``reorder_batch_threshold`` = 1 + speculative tokens); `build` runs
   `hpcops.plan_decode` once per step into a plan allocated in ``__init__`` for
   (max_num_seqs, max_model_len); every layer's decode reads it.
@@ -45,6 +48,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout, KVCacheSpec
 import hpcops  # noqa: E402
 from hpcops.attention.decode import MAX_GQA  # noqa: E402
 from hpcops.attention.plan import MAX_Q_LEN  # noqa: E402
+from hpcops.integrations.vllm._env import prefill_quantize_q  # noqa: E402
 
 BACKEND_NAME = "HPCOPS"
 FP8 = torch.float8_e4m3fn
@@ -252,6 +256,8 @@ class HpcopsAttentionImpl(AttentionImpl[HpcopsAttentionMetadata]):
         self.num_kv_heads = num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_fp8 = kv_cache_dtype in FP8_KV_DTYPES
+        # over an fp8 cache prefill runs the fp8-q path, as vLLM's FlashAttention backend does (HPCOPS_PREFILL_QUANT_Q)
+        self.prefill_quantize_q = self.kv_fp8 and prefill_quantize_q()
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.supports_quant_query_input = False
 
@@ -313,7 +319,7 @@ class HpcopsAttentionImpl(AttentionImpl[HpcopsAttentionMetadata]):
             hpcops.prefill_attention(query[ndt:end], k_cache, v_cache, md.block_table[nd:nreq],
                                      md.seq_lens[nd:nreq], md.prefill_cu_seqlens,
                                      max_seqlen_q=md.prefill_max_query_len, scale=self.scale,
-                                     out=output[ndt:end], **scales)
+                                     out=output[ndt:end], quantize_q=self.prefill_quantize_q, **scales)
         return output
 
 
