@@ -60,7 +60,7 @@ def fixed_cost_for(target: float, floors: list[float], peers: list[float]) -> fl
 def read_floor_us(nbytes: int, layers: int, device: torch.device) -> tuple[float, str]:
     """Best graph time per layer of a streaming read of `nbytes` (a buffer a layer), over GRIDS."""
     import triton
-    from probe_read_floor import stream_read_kernel
+    from probe_read_floor import check_read_all, read_fn
 
     from hpcops._platform import num_sms
     from hpcops.bench.timing import graph_time_us
@@ -72,12 +72,9 @@ def read_floor_us(nbytes: int, layers: int, device: torch.device) -> tuple[float
     for kind, per_sm in GRIDS:
         programs = per_sm * num_sms(device) if kind == "per-sm" else triton.cdiv(n, block)
         outs = [torch.empty(programs, device=device) for _ in range(layers)]
-        fns = [lambda s=s, o=o, g=programs: stream_read_kernel[(g,)](s, o, n, BLOCK=block, num_warps=8)
-               for s, o in zip(srcs, outs)]
+        fns = [read_fn(s, o, programs, block) for s, o in zip(srcs, outs)]
         fns[0]()
-        got, want = outs[0].double().sum().item(), srcs[0].double().sum().item()
-        if abs(got - want) > 1e-3 * max(1.0, srcs[0].abs().double().sum().item()):
-            raise RuntimeError(f"stream_read_kernel sums {got}, torch {want} ({nbytes} bytes, {kind} {per_sm})")
+        check_read_all(srcs[0], outs[0], f"{nbytes} bytes ({kind} {per_sm})")
         us = min(graph_time_us(fns, replays=20) for _ in range(2))
         best = min(best, (us, f"{per_sm}/SM" if kind == "per-sm" else f"{programs} programs"))
         del outs

@@ -46,6 +46,14 @@ def read_fn(src: torch.Tensor, out: torch.Tensor, programs: int, block: int = 40
     return lambda: stream_read_kernel[(programs,)](src, out, n, BLOCK=block, num_warps=8)
 
 
+def check_read_all(src: torch.Tensor, out: torch.Tensor, what: str) -> None:
+    """The per-program sums `read_fn` wrote add up to torch's sum of `src`: a read that got the sum right read every
+    byte (RuntimeError naming `what` otherwise)."""
+    got, want = out.double().sum().item(), src.double().sum().item()
+    if abs(got - want) > 1e-3 * max(1.0, src.abs().double().sum().item()):
+        raise RuntimeError(f"stream_read_kernel sums {got} over {what}, torch {want}")
+
+
 def probe(mb: float, per_sm: int, device: torch.device, *, calls: int = 5) -> dict:
     n = int(mb * 1e6) // 4
     layers = layers_for(n * 4)
@@ -54,10 +62,7 @@ def probe(mb: float, per_sm: int, device: torch.device, *, calls: int = 5) -> di
     outs = [torch.empty(programs, device=device) for _ in range(layers)]
     fns = [read_fn(s, o, programs) for s, o in zip(srcs, outs)]
     fns[0]()
-    got = outs[0].sum().item()  # a read that got the sum right read every byte
-    want = srcs[0].double().sum().item()
-    if abs(got - want) > 1e-3 * max(1.0, srcs[0].abs().double().sum().item()):
-        raise RuntimeError(f"stream_read_kernel sums {got} over {mb} MB, torch {want}")
+    check_read_all(srcs[0], outs[0], f"{mb} MB")
     kernel_us = profiler_kernel_time_us(fns, "stream_read_kernel", calls=calls)
     graph_us = graph_time_us(fns, replays=20)
     return {"mb": mb, "per_sm": per_sm, "layers": layers, "kernel_us": kernel_us, "graph_us": graph_us,

@@ -384,6 +384,11 @@ def test_read_floor_kernel_reads_every_value():
         out = torch.full((programs,), float("nan"))
         stream_read_kernel[(programs,)](src, out, src.numel(), BLOCK=256)
         assert abs(out.double().sum().item() - src.double().sum().item()) < 1e-3
+    from probe_read_floor import check_read_all
+
+    check_read_all(src, out, "the last grid")
+    with pytest.raises(RuntimeError, match="over a short read"):
+        check_read_all(src, out[:1], "a short read")
 
 
 def test_read_floor_selection_and_gpu_check_stage():
