@@ -27,7 +27,7 @@ from hpcops.attention.plan import (
     split_cost_for,
 )
 
-__all__ = ["decode_attention", "plan_decode", "prefill_attention"]
+__all__ = ["decode_attention", "plan_decode", "prefill_attention", "store_kv"]
 
 
 def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, block_size: int = 64,
@@ -180,3 +180,20 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         out.copy_(res)
         return out
     return res
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor, *, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+             check: bool | None = None) -> None:
+    """Reference for `hpcops.store_kv`: the rows of slots >= 0 scattered in torch (fp8: e4m3(x / scale),
+    saturated). `check` is accepted for signature parity."""
+    del check
+    keep = (slot_mapping >= 0).nonzero().reshape(-1)
+    slots = slot_mapping[keep].long()
+    bs = k_cache.shape[1]
+    blk, off = slots // bs, slots % bs
+    for x, cache, scale in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
+        rows = x[keep]
+        if cache.dtype == torch.float8_e4m3fn:
+            rows = (rows.float() / scale.float().reshape(())).clamp(-448.0, 448.0)
+        cache[blk, off] = rows.to(cache.dtype)
