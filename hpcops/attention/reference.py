@@ -15,9 +15,7 @@ import torch
 from hpcops import _platform
 from hpcops.attention._prefill_reference import prefill_attention
 from hpcops.attention.plan import (
-    DEFAULT_MIN_TILES,
     DEFAULT_SNAP,
-    DEFAULT_TASK_COST,
     TILE,
     CostStream,
     DecodePlan,
@@ -40,7 +38,7 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
     `plan.CostStream` (the descriptor tables always; `has_desc`, which `host_tables` shows them by,
     and so the task cost the cut charges, as the kernel's); the same kernel choice from the same hints."""
     del max_seq_len
-    from hpcops.attention.decode import decode_config, plan_costs, plan_kernel, plan_programs_per_sm, plan_tail
+    from hpcops.attention.decode import decode_config, plan_defaults, plan_kernel, plan_programs_per_sm
 
     _validate_plan_args(seq_lens, num_kv_heads, q_len, block_size, out.max_batch if out else max_batch, task_cost,
                         snap, num_sms)
@@ -51,11 +49,9 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
     per_sm = plan_programs_per_sm(kernel, num_kv_heads, q_len, num_q_heads=num_q_heads, head_dim=head_dim,
                                   kv_dtype=kv_dtype)
     c = out.num_programs if out else (num_programs or default_num_programs(q_len, dev, programs_per_sm=per_sm))
-    tail = out.tail if out else plan_tail(kernel, num_kv_heads, q_len, c, num_q_heads=num_q_heads, head_dim=head_dim,
-                                          q_dtype=q_dtype, kv_dtype=kv_dtype)
-    own = plan_costs(kernel, tail, num_kv_heads, q_len, num_q_heads=num_q_heads, head_dim=head_dim, q_dtype=q_dtype,
-                     kv_dtype=kv_dtype)
-    mt0, tc0, sc0 = own or (DEFAULT_MIN_TILES, DEFAULT_TASK_COST, None)
+    tail, mt0, tc0, sc0 = plan_defaults(kernel, num_kv_heads, q_len, c, num_q_heads=num_q_heads, head_dim=head_dim,
+                                        q_dtype=q_dtype, kv_dtype=kv_dtype)
+    tail = out.tail if out else tail
     own_split = out.split_cost if out else sc0
     mt = out.min_tiles if out else max(1, min_tiles if min_tiles is not None else mt0)
     cap = out.max_batch if out else max(max_batch or b, 1)
