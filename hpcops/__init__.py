@@ -24,6 +24,7 @@ _EXPORTS = {
     "decode_attention": "hpcops.attention.decode",
     "prefill_attention": "hpcops.attention.prefill",
     "rope_norm_store_kv": "hpcops.rope.prologue",
+    "store_kv": "hpcops.attention.kv_store",
     "fused_moe": "hpcops.moe.fused_moe",
     "select_experts": "hpcops.moe.routing",
     "route": "hpcops.moe.routing",

@@ -38,11 +38,12 @@ OPS = ("decode", "moe", "rope", "prefill", "router")
 # kernel modules of each op, and the modules that import kernels by name (patched too)
 KERNEL_MODULES = {"decode": ("hpcops.attention._decode_kernels", "hpcops.attention._plan_kernels",
                               "hpcops.attention._decode_gluon"),
-                  "moe": ("hpcops.moe._moe_kernels",), "rope": ("hpcops.rope._rope_kernels",),
+                  "moe": ("hpcops.moe._moe_kernels",),
+                  "rope": ("hpcops.rope._rope_kernels", "hpcops.attention._kv_store_kernels"),
                   "prefill": ("hpcops.attention._prefill_kernels", "hpcops.attention._prefill_gluon"),
                   "router": ("hpcops.moe._moe_kernels",)}
 USER_MODULES = {"decode": ("hpcops.attention.plan", "hpcops.attention.decode"), "moe": ("hpcops.moe.fused_moe",),
-                "rope": ("hpcops.rope.prologue",), "prefill": ("hpcops.attention.prefill",),
+                "rope": ("hpcops.rope.prologue", "hpcops.attention.kv_store"), "prefill": ("hpcops.attention.prefill",),
                 "router": ("hpcops.moe.routing",)}
 
 
@@ -216,6 +217,8 @@ def _op_of(row: dict) -> str:
     k = row["kernel"]
     if k.startswith(("router_", "select_")):
         return "router"
+    if k.startswith("store_kv"):  # hpcops.store_kv: timed in the rope suite, beside the fused prologue
+        return "rope"
     return "decode" if k.startswith(("decode_", "plan_")) else k.split("_")[0]
 
 

@@ -36,6 +36,7 @@ class Case:
     packed: bool = False
     config: PrefillConfig | None = field(default_factory=lambda: SMALL)
     pad_rows: int = 0  # rows of q past cu_seqlens_q[-1] (CUDA-graph padding): must stay untouched
+    quantize_q: bool = False  # prefill_attention(quantize_q=True): a 16-bit q run as fp8
 
     def __str__(self) -> str:
         return self.name
@@ -200,6 +201,12 @@ def _default_gluon_fp8(case: Case, device: str) -> bool:
 
 
 def _tolerance(case: Case, device: str) -> dict:
+    if case.quantize_q:  # the fp8 Gluon kernel on q8 (its P in e4m3), or the tl kernel's own quantization (below)
+        fp8_path = dataclasses.replace(case, q_fp8=True, quantize_q=False)
+        if _default_gluon_fp8(fp8_path, device) and case.q_dtype == torch.bfloat16:
+            return _tolerance(fp8_path, device)
+        case = dataclasses.replace(case, quantize_q=False, config=dataclasses.replace(
+            case.config or PrefillConfig(), quant_q=True))
     gluon_fp8 = (case.config is not None and case.config.gluon_ws and case.q_fp8) or _default_gluon_fp8(case, device)
     if gluon_fp8 or (case.config is not None and case.config.pv_fp8 and (case.q_fp8 or case.config.quant_q)):
         # P is rounded to e4m3 (3 mantissa bits) before P·V: ~2^-5 relative error per weight
@@ -221,9 +228,9 @@ def _run_case(case: Case, device: str) -> None:
     kw = {"max_seqlen_q": max(case.q_lens), "k_scale": kv.k_scale, "v_scale": kv.v_scale, "q_scale": q_scale}
     out_dtype = torch.bfloat16 if case.q_fp8 else case.q_dtype
     out = torch.full(q.shape, float("nan"), dtype=out_dtype, device=device)
-    got = prefill_attention(*args, **kw, out=out, config=case.config)
+    got = prefill_attention(*args, **kw, out=out, config=case.config, quantize_q=case.quantize_q)
     assert got is out
-    if case.config is not None and case.config.quant_q and not case.q_fp8:
+    if case.quantize_q or (case.config is not None and case.config.quant_q and not case.q_fp8):
         # the kernel quantizes q per (token, head) as quantize_per_token_head does: compare with that q
         q8, qs8 = quantize_per_token_head(q)
         want = reference(q8, *args[1:], **dict(kw, q_scale=qs8)).to(out_dtype)
@@ -582,6 +589,82 @@ def test_opcheck(device: str):
 
 # ---- GPU tier ----------------------------------------------------------------------------------------------
 
+QUANTIZE_Q_CASES = [
+    Case("quantize-q-heuristic", [41, 7], [41, 3], hq=8, hkv=2, kv_dtype=FP8, config=None, quantize_q=True),
+    Case("quantize-q-fp16-small", [39, 26], [13, 26], q_dtype=torch.float16, kv_dtype=FP8, quantize_q=True),
+    Case("quantize-q-tma-page32", [33, 64], [9, 64], hq=4, hkv=1, block_size=32, kv_dtype=FP8, config=TMA,
+         quantize_q=True),
+]
+
+
+@pytest.mark.parametrize("case", QUANTIZE_Q_CASES, ids=str)
+def test_prefill_quantize_q_matches_reference(case: Case, device: str):
+    """quantize_q=True runs a 16-bit q over fp8 KV as the fp8 q `quantize_per_token_head` gives (on the CPU: the tl
+    kernel quantizing its tiles), the output in q's dtype."""
+    _run_case(case, device)
+
+
+def test_reference_quantize_q_is_the_fp8_q_reference():
+    case = Case("ref", [30, 12], [30, 4], hq=4, hkv=2, kv_dtype=FP8)
+    q, kv, cu, _ = _inputs(case, "cpu")
+    args = (kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, cu)
+    kw = {"max_seqlen_q": 30, "k_scale": kv.k_scale, "v_scale": kv.v_scale}
+    got = reference(q, *args, **kw, quantize_q=True)
+    q8, qs = quantize_per_token_head(q)
+    want = reference(q8, *args, **kw, q_scale=qs)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    assert not torch.equal(got, reference(q, *args, **kw))  # the rounding of q shows
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_quantize_q_kernel_matches_quantize_per_token_head(dtype: torch.dtype, d: int, device: str):
+    """The quantizing kernel rounds as its torch reference, bit for bit: q rows of a fused qkv (strided tokens), a
+    zero row, a row at the edge of fp16's range, a row count that is no multiple of the kernel's block."""
+    gen = torch.Generator().manual_seed(d)
+    t, h = 7, 5
+    qkv = torch.randn((t, h + 3, d), generator=gen) * 3
+    qkv[2, 1] = 0.0
+    qkv[4, 0, 0] = 6e4
+    qkv = qkv.to(dtype).to(device)
+    q = qkv[:, :h]
+    from hpcops.attention.prefill import quantize_q
+
+    q8, qs = quantize_q(q)
+    want8, want_s = quantize_per_token_head(q)
+    assert q8.shape == (t, h, d) and q8.is_contiguous() and qs.shape == (t, h) and qs.dtype == torch.float32
+    assert torch.equal(qs, want_s)
+    assert torch.equal(q8.view(torch.uint8), want8.view(torch.uint8))
+
+
+def test_quantize_q_argument_errors():
+    from hpcops.attention.prefill import quantize_q
+
+    with pytest.raises(TypeError, match="q must have dtype"):
+        quantize_q(torch.zeros(2, 2, 64))
+    with pytest.raises(ValueError, match="contiguous along head_dim"):
+        quantize_q(torch.zeros(2, 64, 2, dtype=torch.bfloat16).transpose(1, 2))
+    q8, qs = quantize_q(torch.zeros(0, 4, 64, dtype=torch.bfloat16))  # no rows: nothing launched
+    assert q8.shape == (0, 4, 64) and qs.shape == (0, 4)
+
+
+@pytest.mark.parametrize(
+    "mutate, exc, match",
+    [
+        (lambda a, k: k.update(quantize_q=True), ValueError, "quantize_q=True takes a 16-bit q over an fp8 KV"),
+        (lambda a, k: k.update(quantize_q=1), TypeError, "quantize_q must be a bool"),
+        (lambda a, k: k.update(quantize_q=True, q_scale=torch.ones(14, 4, dtype=torch.float32))
+         or a.update(q=a["q"].to(FP8), k_cache=a["k_cache"].to(FP8), v_cache=a["v_cache"].to(FP8))
+         or k.update(k_scale=torch.ones(1), v_scale=torch.ones(1)), ValueError, "quantize_q=True takes a 16-bit q"),
+    ],
+)
+def test_quantize_q_errors(mutate, exc, match):
+    args, kw = _valid()
+    mutate(args, kw)
+    with pytest.raises(exc, match=match):
+        _call(args, kw)
+
+
 def _hy3(name: str, seq_lens: list[int], q_lens: list[int], **kw) -> Case:
     """A GPU case on Hy3's full attention shape: h64/8, head_dim 128, page 64, default config."""
     kw = {"hq": 64, "hkv": 8, "head_dim": 128, "block_size": 64, "config": None, **kw}
@@ -646,6 +729,52 @@ def test_prefill_gpu_fp8_default_kernel(case: Case, gluon: bool, monkeypatch):
     assert bool(launched) == gluon, f"{case.name}: Gluon launched {len(launched)} times, expected {gluon}"
     if gluon:
         assert launched[0].gluon_ws and launched[0].block_m == 128
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "case,gluon",
+    [
+        (_hy3("quantize-q-h64/8", [3000, 700], [1024, 300], kv_dtype=FP8, quantize_q=True), True),
+        (Case("quantize-q-h8/1-packed", [4096, 2048], [2048, 1024], hq=8, hkv=1, head_dim=128, block_size=64,
+              kv_dtype=FP8, packed=True, config=None, quantize_q=True), True),
+        # an fp16 q (the fp8 kernel writes bf16) and under 64 q rows a kv head: the tl kernel quantizes its tiles
+        (_hy3("quantize-q-fp16", [1500, 64], [1500, 64], q_dtype=torch.float16, kv_dtype=FP8, quantize_q=True),
+         False),
+        (Case("quantize-q-short", [700, 33], [4, 2], hq=8, hkv=1, head_dim=128, block_size=64, kv_dtype=FP8,
+              config=None, quantize_q=True), False),
+    ],
+    ids=lambda v: v.name if isinstance(v, Case) else ("gluon" if v else "tl"),
+)
+def test_prefill_gpu_quantize_q(case: Case, gluon: bool, monkeypatch):
+    """quantize_q=True on the GPU: a bf16 q with enough rows goes through the quantizing kernel to the fp8 Gluon
+    kernel (sm_90), the rest to the tl kernel's own quantization; right against the reference on q8 either way."""
+    from hpcops.attention import prefill as prefill_mod
+
+    on_hopper = torch.cuda.get_device_capability()[0] == 9
+    launched, quantized = [], []
+    real_launch, real_quant = prefill_mod._launch_gluon, prefill_mod.quantize_q
+    monkeypatch.setattr(prefill_mod, "_launch_gluon", lambda *a, **k: launched.append(a[-4]) or real_launch(*a, **k))
+    monkeypatch.setattr(prefill_mod, "quantize_q", lambda q: quantized.append(q.shape) or real_quant(q))
+    _run_case(case, "cuda")
+    want = gluon and on_hopper
+    assert bool(launched) == want and bool(quantized) == want, (case.name, len(launched), len(quantized))
+    if want:
+        assert launched[0].gluon_ws and launched[0].block_m == 128
+
+
+@pytest.mark.gpu
+def test_quantize_q_kernel_gpu_real_size():
+    """The quantizing kernel at Hy3's prefill size (8K tokens, 64 heads) against its torch reference, bit for bit."""
+    from hpcops.attention.prefill import quantize_q
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    qkv = torch.randn((8192, 80, 128), generator=gen, device="cuda", dtype=torch.bfloat16) * 4
+    q = qkv[:, :64]
+    q8, qs = quantize_q(q)
+    want8, want_s = quantize_per_token_head(q)
+    assert torch.equal(qs, want_s)
+    assert torch.equal(q8.view(torch.uint8), want8.view(torch.uint8))
 
 
 @pytest.mark.gpu

@@ -327,3 +327,34 @@ def test_gluon_ws_prefill_kernel_builds_for_sm90(name):
         assert r["q_reg_wgmma"] >= 2 * (d // k_step), r
     else:
         assert r["q_reg_wgmma"] == 0 or GLUON_WS_BUILDS[name][6:7] == (True,), r
+
+
+QUANT_BUILD = textwrap.dedent("""
+import json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from hpcops.attention._prefill_kernels import quantize_q_kernel as k
+
+out = {}
+for dtype in ("bf16", "fp16"):
+    sig = {"x_ptr": f"*{dtype}", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "n_rows": "i32", "num_heads": "i32",
+           "stride_xt": "i32", "stride_xh": "i32", "HEAD_DIM": "constexpr", "D_PAD": "constexpr",
+           "BLOCK_R": "constexpr"}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(k.arg_names)
+             if a in ("x_ptr", "q_ptr", "s_ptr", "stride_xt", "stride_xh")}
+    src = ASTSource(k, sig, {"HEAD_DIM": 128, "D_PAD": 128, "BLOCK_R": 32}, attrs)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+    out[dtype] = {"cvt_e4m3": len(re.findall(r"cvt\\.rn\\.satfinite\\.e4m3x2", ptx)), "local": ptx.count(".local"),
+                  "div_rn": len(re.findall(r"div\\.rn\\.f32", ptx))}
+print(json.dumps(out))
+""")
+
+
+def test_quantize_q_kernel_compiles_for_sm90():
+    """prefill_attention(quantize_q=True)'s quantizing kernel builds for sm_90: packed e4m3 conversions, the
+    correctly rounded divisions that make it bit-exact with its torch reference, no local memory."""
+    pytest.importorskip("triton.backends.nvidia")
+    res = sm90_build_in_subprocess(QUANT_BUILD, None)
+    for dtype, r in res.items():
+        assert r["cvt_e4m3"] > 0 and r["div_rn"] > 0 and r["local"] == 0, (dtype, r)

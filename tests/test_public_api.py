@@ -1,7 +1,7 @@
 import hpcops
 
 EXPECTED = {
-    "DecodePlan", "plan_decode", "decode_attention", "prefill_attention", "rope_norm_store_kv",
+    "DecodePlan", "plan_decode", "decode_attention", "prefill_attention", "rope_norm_store_kv", "store_kv",
     "fused_moe", "select_experts", "route", "Fp8PerTensor", "Fp8Block128", "__version__",
 }
 

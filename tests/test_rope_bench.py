@@ -13,9 +13,27 @@ from hpcops.testing import assert_close
 def test_cases_are_listed():
     cases = list(get_suite("rope")({}))
     names = [c.name for c in cases]
-    assert len(names) == len(set(names)) == 2 * 2 * len(rope.TOKENS)
+    assert len(names) == len(set(names)) == 2 * 2 * len(rope.TOKENS) + 2 * 2 * len(rope.STORE_TOKENS)
     assert all(c.bytes > 0 and c.check is not None and c.impls[0].ours for c in cases)
-    assert len(list(get_suite("rope")({"quick": True}))) == 2 * len(rope.QUICK_TOKENS)
+    assert len(list(get_suite("rope")({"quick": True}))) == 2 * len(rope.QUICK_TOKENS) + 2 * 2
+
+
+@pytest.mark.parametrize("t,fp8", [(1, True), (3, False), (5, True)])
+def test_store_kv_gate_and_torch_peer(t, fp8, device):
+    """The store-kv cases: the gate (store_kv against its reference, bit for bit) passes, and the torch peer (the
+    vLLM backend's old scatter) writes the same cache."""
+    import torch
+
+    s = rope.Scenario(t, 8, 1, fp8)
+    x = rope._make_inputs(s, 0, device=device)
+    rope._store_check(s)(x)
+    kc, vc = x["k_cache"], x["v_cache"]
+    rope._store_ours(s)(x)()
+    ours = kc.clone(), vc.clone()
+    kc.zero_(), vc.zero_()
+    rope._store_torch(s)(x)()
+    for a, b in zip(ours, (kc, vc)):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 @pytest.mark.parametrize("t,fp8", [(1, True), (3, False)])

@@ -369,15 +369,30 @@ def _run_forward(vllm_config, batch: Batch, kv_cache_dtype: str, k_scale=1.0, v_
         ks.append(kk)
         vs.append(vv)
         t0 += ql
-    ref = _torch_attention(query.float(), ks, vs, batch.q_lens, batch.kv_lens, scale)
+    qref = query.float()
+    if impl.prefill_quantize_q:  # over an fp8 cache prefill rows run on q rounded to e4m3 per (token, head)
+        from hpcops.quant import quantize_per_token_head
+
+        q8, qs = quantize_per_token_head(query[md.num_decode_tokens:])
+        qref[md.num_decode_tokens:] = q8.float() * qs[..., None]
+    ref = _torch_attention(qref, ks, vs, batch.q_lens, batch.kv_lens, scale)
     return output, ref, md
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
-def test_forward_mixed_batch_matches_torch(vllm_config, kv_cache_dtype):
+@pytest.mark.parametrize("kv_cache_dtype,quant_q", [("auto", "1"), ("fp8_e4m3", "1"), ("fp8_e4m3", "0")],
+                         ids=["auto", "fp8", "fp8-bf16-q"])
+def test_forward_mixed_batch_matches_torch(vllm_config, kv_cache_dtype, quant_q, monkeypatch):
+    """A mixed step against torch attention on the cache's contents; over an fp8 cache the prefill rows take q
+    rounded to e4m3 per (token, head) (`prefill_attention(quantize_q=True)`, as vLLM's FlashAttention quantizes q
+    there), unless HPCOPS_PREFILL_QUANT_Q=0."""
+    monkeypatch.setenv("HPCOPS_PREFILL_QUANT_Q", quant_q)
+    calls = []
+    real = hpcops.prefill_attention
+    monkeypatch.setattr(hpcops, "prefill_attention", lambda *a, **k: calls.append(k.get("quantize_q")) or real(*a, **k))
     batch = Batch(q_lens=[1, 1, 1, 6, 11], kv_lens=[33, 16, 1, 38, 11])  # page ±1, 1-token seq, extend, prefill
     k_scale, v_scale = (0.05, 0.03) if kv_cache_dtype != "auto" else (1.0, 1.0)
     out, ref, md = _run_forward(vllm_config, batch, kv_cache_dtype, k_scale, v_scale)
+    assert calls == [kv_cache_dtype != "auto" and quant_q == "1"]
     assert md.num_decodes == 3 and md.num_prefills == 2
     assert not out.isnan().any()
     # bf16 output; fp8 KV compared against the dequantized cache contents, so similar tolerances
@@ -425,8 +440,7 @@ def test_kv_update_skips_padding_slots():
     impl.do_kv_cache_update(_Layer(), key, 2 * key, kv_cache, torch.tensor([BS + 2, -1, 3 * BS], dtype=torch.int64))
     k_view, v_view = kv_cache.transpose(1, 2).split(D, dim=-1)
     assert torch.equal(k_view[1, 2], key[0]) and torch.equal(v_view[3, 0], 2 * key[2])
-    assert k_view[1:].float().sum() == 2 * HKV * D  # nothing else written outside the null block
-    assert k_view[2].float().abs().sum() == 0
+    assert k_view.float().sum() == 2 * HKV * D and v_view.float().sum() == 4 * HKV * D  # the padding token: nowhere
 
 
 # ---------------------------------------------------------------- MoE experts

@@ -328,3 +328,25 @@ def prefill_attention_fwd_kernel(
     o_rows = (q_start + tok).to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
     o_ptrs = out_ptr + o_rows[:, None] + offs_d[None, :] * stride_od
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+
+
+@triton.jit
+def quantize_q_kernel(x_ptr, q_ptr, s_ptr, n_rows, num_heads, stride_xt, stride_xh,
+                      HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_R: tl.constexpr):
+    """`prefill_attention(quantize_q=True)`'s q before the fp8 kernel: BLOCK_R rows (token, head) of a 16-bit q
+    [T, H, D] (any token and head strides, a contiguous D) to e4m3 with scale amax / 448, as
+    `quantize_per_token_head` rounds them (the scale and each x / scale correctly rounded): q8 [T, H, D]
+    contiguous, scale fp32 [T, H]."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, D_PAD)
+    ok = rows < n_rows
+    tok = (rows // num_heads).to(tl.int64)
+    head = rows % num_heads
+    m = ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    x = tl.load(x_ptr + (tok * stride_xt + head * stride_xh)[:, None] + offs_d[None, :], mask=m, other=0.0)
+    x = x.to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)
+    scale = tl.math.div_rn(tl.maximum(amax, 1e-12), tl.full(amax.shape, 448.0, tl.float32))
+    y = tl.clamp(tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape)), -448.0, 448.0)
+    tl.store(q_ptr + rows.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], y.to(tl.float8e4nv), mask=m)
+    tl.store(s_ptr + rows, scale, mask=ok)

@@ -23,11 +23,13 @@ def prefill_attention(
     v_scale: torch.Tensor | None = None,
     q_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    quantize_q: bool = False,
 ) -> torch.Tensor:
     """Reference for `hpcops.prefill_attention`: query i of request b (the last q_len_b tokens of its
     sequence) attends to keys [0, seq_len_b - q_len_b + i]. Rows past cu_seqlens_q[-1] are untouched.
 
-    `max_seqlen_q` is accepted for signature parity and not used.
+    `max_seqlen_q` is accepted for signature parity and not used. `quantize_q`: q rounded to e4m3 per (token, head)
+    first (`quantize_per_token_head`), the output still in q's dtype.
     """
     del max_seqlen_q
     total_q, hq, d = q.shape
@@ -35,6 +37,10 @@ def prefill_attention(
     group = hq // hkv
     sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
     out_dtype = torch.bfloat16 if q.dtype == FP8 else q.dtype
+    if quantize_q:
+        from hpcops.quant import quantize_per_token_head
+
+        q, q_scale = quantize_per_token_head(q)
     if out is None:
         out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
     qf = q.float()

@@ -484,6 +484,20 @@ def plan_costs(kernel: str, tail: bool, num_kv_heads: int, q_len: int, *, num_q_
     return TAIL_TILE_COSTS if tail else CONVERT_TILE_COSTS
 
 
+def plan_defaults(kernel: str, num_kv_heads: int, q_len: int, num_programs: int, *, num_q_heads: int | None = None,
+                  head_dim: int | None = None, q_dtype: torch.dtype | None = None,
+                  kv_dtype: torch.dtype | None = None) -> tuple[bool, int, int, int | None]:
+    """A new plan's (tail, min_tiles, task_cost, split_cost) from `plan_decode`'s hints: `plan_tail`, then
+    `plan_costs` or the defaults (`plan.DEFAULT_MIN_TILES`, `DEFAULT_TASK_COST`, None: the kernel's split cost).
+    The device plan and its torch reference both take them from here."""
+    from hpcops.attention.plan import DEFAULT_MIN_TILES, DEFAULT_TASK_COST
+
+    hints = dict(num_q_heads=num_q_heads, head_dim=head_dim, q_dtype=q_dtype, kv_dtype=kv_dtype)
+    tail = plan_tail(kernel, num_kv_heads, q_len, num_programs, **hints)
+    costs = plan_costs(kernel, tail, num_kv_heads, q_len, **hints) or (DEFAULT_MIN_TILES, DEFAULT_TASK_COST, None)
+    return (tail, *costs)
+
+
 def _converting_tile(num_kv_heads: int, q_len: int, num_q_heads: int | None, head_dim: int | None,
                      q_dtype: torch.dtype | None, kv_dtype: torch.dtype | None) -> bool:
     """Whether the `tl` kernel runs these hints as its MMA tile over fp8 KV under a 16-bit q, converting K and V

@@ -414,7 +414,7 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
         plan = out
         plan.batch = seq_lens.shape[0]
     else:
-        from hpcops.attention.decode import plan_costs, plan_kernel, plan_programs_per_sm, plan_tail
+        from hpcops.attention.decode import plan_defaults, plan_kernel, plan_programs_per_sm
 
         dev = seq_lens.device
         cap = max(max_batch or seq_lens.shape[0], 1)
@@ -423,11 +423,8 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
         per_sm = plan_programs_per_sm(kernel, num_kv_heads, q_len, num_q_heads=num_q_heads, head_dim=head_dim,
                                       kv_dtype=kv_dtype)
         c = num_programs or default_num_programs(q_len, dev, programs_per_sm=per_sm)
-        tail = plan_tail(kernel, num_kv_heads, q_len, c, num_q_heads=num_q_heads, head_dim=head_dim, q_dtype=q_dtype,
-                         kv_dtype=kv_dtype)
-        own = plan_costs(kernel, tail, num_kv_heads, q_len, num_q_heads=num_q_heads, head_dim=head_dim,
-                         q_dtype=q_dtype, kv_dtype=kv_dtype)
-        mt0, tc0, sc0 = own or (DEFAULT_MIN_TILES, DEFAULT_TASK_COST, None)
+        tail, mt0, tc0, sc0 = plan_defaults(kernel, num_kv_heads, q_len, c, num_q_heads=num_q_heads,
+                                            head_dim=head_dim, q_dtype=q_dtype, kv_dtype=kv_dtype)
         plan = DecodePlan(
             kernel=kernel, tail=tail, num_sms=num_sms or _platform.num_sms(dev), num_kv_heads=num_kv_heads, q_len=q_len,
             block_size=block_size, num_programs=c,

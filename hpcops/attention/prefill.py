@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -20,7 +20,7 @@ from hpcops._checks import (
 from hpcops._library import register
 from hpcops._platform import num_sms
 from hpcops.attention import decode as _decode
-from hpcops.attention._prefill_kernels import prefill_attention_fwd_kernel
+from hpcops.attention._prefill_kernels import prefill_attention_fwd_kernel, quantize_q_kernel
 from hpcops.attention._tma import gluon_kv_descriptor, kv_descriptor, kv_tma_unsupported_reason, tma_unsupported_reason
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -578,6 +578,44 @@ def _launch(
     )
 
 
+def quantize_q(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A 16-bit q [T, H, D] (any token and head strides, a contiguous D) to (q8 e4m3 [T, H, D] contiguous, scale
+    fp32 [T, H]) with scale = amax over D / 448, rounded as `hpcops.quant.quantize_per_token_head` (its torch
+    reference, same signature) rounds: one kernel, no host sync."""
+    check_tensor("q", q, dtypes=HALF_DTYPES, ndim=3)
+    if q.stride(-1) != 1:
+        raise ValueError("q must be contiguous along head_dim (its last dimension)")
+    t, h, d = q.shape
+    q8 = torch.empty((t, h, d), dtype=FP8_E4M3, device=q.device)
+    qs = torch.empty((t, h), dtype=torch.float32, device=q.device)
+    check_kernel_device("q", q)
+    if t * h:
+        block_r = 32
+        quantize_q_kernel[(triton.cdiv(t * h, block_r),)](q, q8, qs, t * h, h, q.stride(0), q.stride(1), HEAD_DIM=d,
+                                                           D_PAD=triton.next_power_of_2(d), BLOCK_R=block_r,
+                                                           num_warps=4)
+    return q8, qs
+
+
+def _quantized_q_for_gluon(q, k_cache, v_cache, max_seqlen_q, scale, out, config):
+    """`quantize_q`'s q8 and scales where the fp8 Gluon kernel will serve the fp8-q call (`config`, or the
+    heuristic's, picks it and `gluon_unsupported_reason` has no objection; a bf16 q, whose output dtype the fp8
+    kernel writes), else None (nothing launched)."""
+    if q.dtype != torch.bfloat16:
+        return None
+    total_q, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
+    cfg = config or prefill_config(head_dim=d, group=hq // hkv, max_seqlen_q=max_seqlen_q, q_dtype=FP8_E4M3,
+                                   kv_dtype=FP8_E4M3, gluon=None, num_kv_heads=hkv, total_q=total_q)
+    if cfg.gluon is False:
+        return None
+    stand_in = torch.empty((0, hq, d), dtype=FP8_E4M3, device=q.device)  # what the reason reads: dtype, D, strides
+    if gluon_unsupported_reason(stand_in, k_cache, v_cache, cfg, sm_scale, out) is not None:
+        return None
+    return quantize_q(q)
+
+
 def prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -594,6 +632,7 @@ def prefill_attention(
     out: torch.Tensor | None = None,
     check: bool | None = None,
     config: PrefillConfig | None = None,
+    quantize_q: bool = False,
 ) -> torch.Tensor:
     """Causal attention of the new tokens of each request over its whole paged sequence.
 
@@ -612,6 +651,12 @@ def prefill_attention(
     Gluon kernel), the probabilities rounded to e4m3(P·256), ~2^-5 relative error a weight (the GPU tier's
     bound against the fp32 reference: max 6e-2, rms 3e-2); `config=prefill_config(..., gluon=False)` keeps
     the tl kernel with a bf16 P·V (1.5x slower at h64/8 q8k on the H200).
+    quantize_q: with a 16-bit q over an fp8 KV cache, run the fp8-q path: each q row (token, head) to e4m3 with
+    scale amax/448, as `quantize_per_token_head` and `rope_norm_store_kv(quantize_q=True)` round it (fp8-q
+    accuracy, as above; what vLLM's FlashAttention backend does with an fp8 cache, with a per-tensor scale there).
+    Where the fp8 Gluon kernel serves the call (a bf16 q on an sm_90 GPU), a quantizing kernel writes q8 and its
+    scales first (one pass over q) and the fp8 kernel runs; elsewhere the tl kernel quantizes its q tile as it
+    loads it (`PrefillConfig.quant_q`). `out` stays in q's dtype.
     Returns `out`.
     """
     out_dtype = _validate(
@@ -628,8 +673,22 @@ def prefill_attention(
         out,
         check,
     )
+    if not isinstance(quantize_q, bool):
+        raise TypeError(f"quantize_q must be a bool, got {type(quantize_q).__name__}")
+    if quantize_q and (q.dtype not in HALF_DTYPES or k_cache.dtype != FP8_E4M3):
+        raise ValueError(f"quantize_q=True takes a 16-bit q over an fp8 KV cache; q is {q.dtype}, the cache "
+                         f"{k_cache.dtype}")
     if out is None:
         out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
+    if quantize_q:
+        q8 = _quantized_q_for_gluon(q, k_cache, v_cache, max_seqlen_q, scale, out, config)
+        if q8 is not None:  # the fp8 Gluon kernel serves it: q quantized by its own kernel first
+            q, q_scale = q8
+        else:  # the tl kernel quantizes its q tiles as it loads them
+            d = q.shape[-1]
+            config = replace(config or prefill_config(head_dim=d, group=q.shape[1] // k_cache.shape[2],
+                                                      max_seqlen_q=max_seqlen_q, q_dtype=q.dtype,
+                                                      kv_dtype=k_cache.dtype), quant_q=True)
     _launch(
         q,
         k_cache,
@@ -697,4 +756,5 @@ __all__ = [
     "prefill_attention",
     "prefill_config",
     "prefill_attention_op",
+    "quantize_q",
 ]

@@ -15,9 +15,7 @@ import torch
 from hpcops import _platform
 from hpcops.attention._prefill_reference import prefill_attention
 from hpcops.attention.plan import (
-    DEFAULT_MIN_TILES,
     DEFAULT_SNAP,
-    DEFAULT_TASK_COST,
     TILE,
     CostStream,
     DecodePlan,
@@ -27,7 +25,7 @@ from hpcops.attention.plan import (
     split_cost_for,
 )
 
-__all__ = ["decode_attention", "plan_decode", "prefill_attention"]
+__all__ = ["decode_attention", "plan_decode", "prefill_attention", "store_kv"]
 
 
 def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, block_size: int = 64,
@@ -40,7 +38,7 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
     `plan.CostStream` (the descriptor tables always; `has_desc`, which `host_tables` shows them by,
     and so the task cost the cut charges, as the kernel's); the same kernel choice from the same hints."""
     del max_seq_len
-    from hpcops.attention.decode import decode_config, plan_costs, plan_kernel, plan_programs_per_sm, plan_tail
+    from hpcops.attention.decode import decode_config, plan_defaults, plan_kernel, plan_programs_per_sm
 
     _validate_plan_args(seq_lens, num_kv_heads, q_len, block_size, out.max_batch if out else max_batch, task_cost,
                         snap, num_sms)
@@ -51,11 +49,9 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
     per_sm = plan_programs_per_sm(kernel, num_kv_heads, q_len, num_q_heads=num_q_heads, head_dim=head_dim,
                                   kv_dtype=kv_dtype)
     c = out.num_programs if out else (num_programs or default_num_programs(q_len, dev, programs_per_sm=per_sm))
-    tail = out.tail if out else plan_tail(kernel, num_kv_heads, q_len, c, num_q_heads=num_q_heads, head_dim=head_dim,
-                                          q_dtype=q_dtype, kv_dtype=kv_dtype)
-    own = plan_costs(kernel, tail, num_kv_heads, q_len, num_q_heads=num_q_heads, head_dim=head_dim, q_dtype=q_dtype,
-                     kv_dtype=kv_dtype)
-    mt0, tc0, sc0 = own or (DEFAULT_MIN_TILES, DEFAULT_TASK_COST, None)
+    tail, mt0, tc0, sc0 = plan_defaults(kernel, num_kv_heads, q_len, c, num_q_heads=num_q_heads, head_dim=head_dim,
+                                        q_dtype=q_dtype, kv_dtype=kv_dtype)
+    tail = out.tail if out else tail
     own_split = out.split_cost if out else sc0
     mt = out.min_tiles if out else max(1, min_tiles if min_tiles is not None else mt0)
     cap = out.max_batch if out else max(max_batch or b, 1)
@@ -180,3 +176,20 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         out.copy_(res)
         return out
     return res
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor, *, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+             check: bool | None = None) -> None:
+    """Reference for `hpcops.store_kv`: the rows of slots >= 0 scattered in torch (fp8: e4m3(x / scale),
+    saturated). `check` is accepted for signature parity."""
+    del check
+    keep = (slot_mapping >= 0).nonzero().reshape(-1)
+    slots = slot_mapping[keep].long()
+    bs = k_cache.shape[1]
+    blk, off = slots // bs, slots % bs
+    for x, cache, scale in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
+        rows = x[keep]
+        if cache.dtype == torch.float8_e4m3fn:
+            rows = (rows.float() / scale.float().reshape(())).clamp(-448.0, 448.0)
+        cache[blk, off] = rows.to(cache.dtype)

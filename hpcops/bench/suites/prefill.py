@@ -13,7 +13,9 @@ h8/1 (one TP8 rank), head_dim 128, page 64, bf16 and fp8 KV. FLOPs are those of 
 - `sdpa-cudnn`, `sdpa-flash`: torch SDPA on the dense-equivalent problem (K/V gathered to contiguous
   tensors and expanded to Hq heads beforehand), bottom-right causal mask.
 With fp8 KV we time bf16 q (`hpcops`) and fp8 q with per-token-head scales (`hpcops-fp8q`), plus the
-variant `hpcops-quant-q` (bf16 q quantized per row inside the kernel, PrefillConfig(quant_q=True)).
+variants `hpcops-quantize-q` (bf16 q, `prefill_attention(quantize_q=True)`: q quantized per token-head, then the fp8
+path; what the vLLM backend runs over an fp8 cache) and `hpcops-quant-q` (bf16 q quantized per row inside the tl
+kernel, PrefillConfig(quant_q=True)).
 `hpcops-notma` (PrefillConfig(tma=False)) tracks the pointer path now that TMA is the default;
 with 16-bit q and KV the default (`hpcops`) takes the Hopper kernel in Gluon where `gluon_config` picks it (the
 warp-specialized FA3-style kernel at h64/8 from q1ks2k), and `hpcops-tl` (PrefillConfig(gluon=False)) times the
@@ -170,7 +172,8 @@ def _ours(fp8_q: bool, variant: dict | None = None, *, check: bool = True):
         out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
         args = (q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, x["cu"])
         config = None
-        fields = config_override(variant)
+        quantize_q = bool((variant or {}).get("quantize_q"))  # prefill_attention's argument, not a config field
+        fields = config_override({k: v for k, v in variant.items() if k != "quantize_q"} if variant else None)
         if fields:
             base = prefill_config(
                 head_dim=HEAD_DIM,
@@ -184,6 +187,8 @@ def _ours(fp8_q: bool, variant: dict | None = None, *, check: bool = True):
         kw = dict(
             max_seqlen_q=x["max_q"], k_scale=kv.k_scale, v_scale=kv.v_scale, q_scale=q_scale, out=out, config=config
         )
+        if quantize_q:
+            kw["quantize_q"] = True
         run = lambda: prefill_attention(*args, **kw)  # noqa: E731
         if variant is None:
             x["out_fp8q" if fp8_q else "out"] = out
@@ -211,13 +216,15 @@ def _check_variant(x, run, out, fp8_q: bool, variant: dict) -> None:
 
     out.fill_(float("nan"))
     run()
-    quantized = fp8_q or bool(variant.get("quant_q"))
+    quantized = fp8_q or bool(variant.get("quant_q")) or bool(variant.get("quantize_q"))
     q, q_scale = (x["q8"], x["q_scale"]) if quantized else (x["q"], None)
     rows, heads, want = _sampled_reference(x, q, q_scale)
-    gluon_fp8 = fp8_q and variant.get("gluon", True) is not False
+    gluon_fp8 = (fp8_q or bool(variant.get("quantize_q"))) and variant.get("gluon", True) is not False
     # quant_q rounds q to e4m3 in the kernel, not bit for bit as x["q8"]: the fp8 budget on any device
-    tol = dict(FP8_BUDGET) if variant.get("quant_q") else _e4m3_p_tolerance(x) if gluon_fp8 or variant.get(
-        "pv_fp8") else {}
+    if variant.get("quant_q") or variant.get("quantize_q"):
+        tol = dict(FP8_BUDGET)
+    else:
+        tol = _e4m3_p_tolerance(x) if gluon_fp8 or variant.get("pv_fp8") else {}
     assert_close(want, out[rows][:, heads], name=f"prefill {'fp8' if fp8_q else 'bf16'} q, variant {variant}", **tol)
 
 
@@ -377,6 +384,11 @@ def cases(opts: dict) -> Iterator[Case]:
                 if fp8:
                     impls.append(Impl("hpcops-fp8q", _ours(True), ours=True,
                                       note="fp8 q per token-head (on an H200 the warp-specialized Gluon kernel)"))
+                    impls.append(
+                        Impl("hpcops-quantize-q", _ours(False, {"quantize_q": True}),
+                             note="variant: bf16 q, prefill_attention(quantize_q=True): quantized per token-head, "
+                             "then the fp8 path (on an H200 a quantizing kernel and the fp8 Gluon kernel)")
+                    )
                     impls.append(
                         Impl("hpcops-quant-q", _ours(False, {"quant_q": True}), note="variant: bf16 q, quant_q=True")
                     )

@@ -7,6 +7,8 @@ prefill (requests of 2048 new tokens). Peers, each on the same inputs:
 - `torch-unfused`: the reference sequence run eagerly (norm, rope, cache write, quant), capturable;
 - `flashinfer`: apply_rope_with_cos_sin_cache_inplace + append_paged_kv_cache (no QK-norm and no q
   quant; fp8 K/V cast in torch first): a lower bound on FlashInfer's cost of the same step.
+The `store-kv-*` cases time `store_kv` alone (the paged K/V write, no rope: the vLLM backend's KV update) against
+`torch-scatter`, the torch ops that backend ran before it.
 """
 
 from __future__ import annotations
@@ -226,6 +228,88 @@ def _check(s: Scenario):
     return check
 
 
+STORE_TOKENS = (1, 64, 256, 8192)
+
+
+def _kv_views(s: Scenario, x: dict[str, Any]):
+    """The new tokens' key and value heads: strided views of qkv, as an attention layer receives them."""
+    d = HEAD_DIM
+    qkv = x["qkv"].view(s.t, s.hq + 2 * s.hkv, d)
+    return qkv[:, s.hq:s.hq + s.hkv], qkv[:, s.hq + s.hkv:]
+
+
+def _store_scales(s: Scenario, x: dict[str, Any]) -> dict[str, Any]:
+    return dict(k_scale=x["k_scale"], v_scale=x["v_scale"]) if s.fp8 else {}
+
+
+def _store_ours(s: Scenario):
+    def prepare(x):
+        from hpcops.attention.kv_store import store_kv
+
+        k, v = _kv_views(s, x)
+        kw = _store_scales(s, x)
+        return lambda: store_kv(k, v, x["k_cache"], x["v_cache"], x["slot_mapping"], **kw)
+    return prepare
+
+
+def _store_torch(s: Scenario):
+    """What the vLLM backend ran before `store_kv`: index maths, the fp8 conversion chain, two index_put (padding
+    redirected to block 0, vLLM's null block: capturable)."""
+    def prepare(x):
+        k, v = _kv_views(s, x)
+        kc, vc = x["k_cache"], x["v_cache"]
+
+        def run():
+            slots = x["slot_mapping"].long().clamp_min(0)
+            blk, off = slots // PAGE, slots % PAGE
+            kk, vv = k, v
+            if s.fp8:
+                kk = (kk.float() / x["k_scale"].reshape(())).clamp(-448.0, 448.0).to(FP8)
+                vv = (vv.float() / x["v_scale"].reshape(())).clamp(-448.0, 448.0).to(FP8)
+            kc[blk, off] = kk
+            vc[blk, off] = vv
+        return run
+    return prepare
+
+
+def _store_check(s: Scenario):
+    def check(x):
+        from hpcops.attention import reference
+        from hpcops.attention.kv_store import store_kv
+
+        k, v = _kv_views(s, x)
+        kw = _store_scales(s, x)
+        kc, vc = x["k_cache"].clone(), x["v_cache"].clone()
+        rkc, rvc = x["k_cache"].clone(), x["v_cache"].clone()
+        store_kv(k, v, kc, vc, x["slot_mapping"], **kw)
+        reference.store_kv(k, v, rkc, rvc, x["slot_mapping"], **kw)
+        for name, out, want in (("k_cache", kc, rkc), ("v_cache", vc, rvc)):
+            if not torch.equal(out.view(torch.uint8), want.view(torch.uint8)):
+                raise AssertionError(f"store_kv: {name} differs from the reference")
+    return check
+
+
+def store_cases(quick: bool = False) -> Iterator[Case]:
+    """`store_kv` alone (the paged K/V write of an attention layer whose rope is not ours: the vLLM backend's
+    do_kv_cache_update), against the torch scatter the backend ran before it."""
+    for hq, hkv in HEADS[:1] if quick else HEADS:
+        for fp8 in (False, True):
+            for t in STORE_TOKENS[:2] if quick else STORE_TOKENS:
+                s = Scenario(t, hq, hkv, fp8)
+                kvb = 1 if fp8 else 2
+                yield Case(
+                    suite="rope", name="store-kv-" + s.name,
+                    make_inputs=lambda layer, device="cuda", s=s: _make_inputs(s, layer, device),
+                    impls=[Impl("hpcops", _store_ours(s), ours=True),
+                           Impl("torch-scatter", _store_torch(s),
+                                note="the vLLM backend's KV write before store_kv: torch ops in the graph")],
+                    check=_store_check(s), bytes=t * hkv * HEAD_DIM * 2 * (2 + kvb),
+                    params={"T": t, "hq": hq, "hkv": hkv, "head_dim": HEAD_DIM, "kv": "fp8" if fp8 else "bf16",
+                            "page": PAGE, "op": "store_kv"},
+                    command=f"hpcops bench rope --only store-kv-{s.name}",
+                )
+
+
 def cases(opts: dict[str, Any]) -> Iterator[Case]:
     quick = bool(opts.get("quick"))
     sweep = _sweep_configs()
@@ -248,3 +332,4 @@ def cases(opts: dict[str, Any]) -> Iterator[Case]:
                             "order": "norm_rope", "style": "neox", "page": PAGE},
                     command=f"hpcops bench rope --only {s.name}",
                 )
+    yield from store_cases(quick)

@@ -93,8 +93,6 @@ DECODE_SPACE = (
     knob("combine_warps", 2, 4),
     knob(("merge_slices", "combine_warps"), (1, 4), (8, 4), near=None),
     knob("merge_prefetch", False, True),
-    # a short uniform batch cut equal at one program an SM (each request in about two halves) instead of whole
-    knob(("split_cost", "pps"), (0, 1), near=None),
     # the tl kernel over fp8 KV under a bf16 q builds to 189 registers (the static kernel: 150; 64x0.5K h8/1 under
     # Nsight Compute, session 52): capped at 152 / 128 (24 / 16 bytes spilled, sm_90 build) for 3 / 4 programs an SM,
     # with the equal cut and without
@@ -149,9 +147,10 @@ DECODE_SPACE = (
     # what a split costs (DecodeConfig.split_cost): up to that much longer buckets of whole requests, no split
     knob("split_cost", 0, 8, 16, 24, 32, 64, 128, near=None),
     knob(("split_cost", "min_tiles"), (32, 2), (64, 2), (32, 1), near=None),
-    # the equal cut at 2 / 3 programs an SM: the static split's shape (64x0.5K h8/1, bf16 q over fp8 KV: static
-    # 11.7 µs against the dynamic plan's 13.3 on the H200; pps 1 with the equal cut 12.8)
-    knob(("split_cost", "pps"), (0, 2), (0, 3), near=None),
+    # the equal cut at 1 / 2 / 3 programs an SM: at 1 a short uniform batch's requests in about two halves instead
+    # of whole; at 2 / 3 the static split's shape (64x0.5K h8/1, bf16 q over fp8 KV: static 11.7 µs against the
+    # dynamic plan's 13.3 on the H200; pps 1 with the equal cut 12.8)
+    knob(("split_cost", "pps"), (0, 1), (0, 2), (0, 3), near=None),
     # the equal-tile cut (no task cost) with a 2-tile floor: on a uniform batch of 8-tile requests every program
     # holds one request's 2-tile chunk, the static split's cut, one task a program
     knob(("split_cost", "task_cost", "min_tiles", "pps"), (0, 0, 2, 2), (0, 0, 2, 3), (0, 0, 1, 2), (0, 0, 4, 2),
@@ -160,11 +159,10 @@ DECODE_SPACE = (
     # the cost model scaled for a dearer tile (a 16-bit q over fp8 KV: the tl kernel converts every tile): a task
     # start, a split and the tile floor worth fewer tiles; on 64x0.5K h8/1 task cost 4 with a 2-tile floor cuts
     # each request in four 2-tile pieces, as the equal cut does, and a split cost under 18 lets it split (the
-    # default there since dc4b7c9's tune: `decode.plan_costs`)
+    # default there since dc4b7c9's tune: `decode.plan_costs`); last, the plain tile's costs (the defaults without
+    # `decode.plan_costs`), where the plan took the converting tile's
     knob(("split_cost", "task_cost", "min_tiles"), (16, 4, 2), (0, 4, 2), (12, 4, 2), (16, 2, 2), (16, 4, 1),
-         (16, 6, 2), (24, 4, 2), near=None),
-    # the plain tile's costs (the defaults without `decode.plan_costs`), where the plan took the converting tile's
-    knob(("split_cost", "task_cost", "min_tiles"), (40, 8, 4), near=None),
+         (16, 6, 2), (24, 4, 2), (40, 8, 4), near=None),
     knob("pdl", False, True),
     # the attention kernel itself launched with PDL (waits before its first read; the launch gap overlapped)
     knob("pdl_wait", False, True),

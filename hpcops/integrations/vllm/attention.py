@@ -7,8 +7,11 @@ imports vLLM at module level. Written against vLLM's 0.30+ interfaces (see `_ver
   whose physical order is the resolved `KVCacheLayout` (we ask for LBNHC, vLLM's default: memory
   ``[num_blocks, block_size, Hkv, K|V]``). ``kv_cache.transpose(1, 2).split(D, -1)`` gives two
   strided ``[num_blocks, block_size, Hkv, D]`` views, exactly what the hpcops kernels take.
-* KV write: ``forward_includes_kv_cache_update = False``; vLLM calls `do_kv_cache_update` (a torch
-  scatter, fp8-quantized with ``layer._k_scale/_v_scale`` for an fp8 cache) before `forward`.
+* KV write: ``forward_includes_kv_cache_update = False``; vLLM calls `do_kv_cache_update` before `forward`:
+  `hpcops.store_kv`, one launch (fp8-quantized with ``layer._k_scale/_v_scale`` for an fp8 cache).
+* Prefill over an fp8 cache: q quantized per (token, head) to e4m3 and the fp8-q kernels
+  (`prefill_attention(quantize_q=True)`), as vLLM's FlashAttention backend quantizes q over an fp8 cache;
+  ``HPCOPS_PREFILL_QUANT_Q=0`` keeps the 16-bit q. Decode keeps the 16-bit q.
 * Metadata: decodes first (``reorder_batch_threshold`` = 1 + speculative tokens); `build` runs
   `hpcops.plan_decode` once per step into a plan allocated in ``__init__`` for
   (max_num_seqs, max_model_len); every layer's decode reads it.
@@ -45,6 +48,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout, KVCacheSpec
 import hpcops  # noqa: E402
 from hpcops.attention.decode import MAX_GQA  # noqa: E402
 from hpcops.attention.plan import MAX_Q_LEN  # noqa: E402
+from hpcops.integrations.vllm._env import prefill_quantize_q  # noqa: E402
 
 BACKEND_NAME = "HPCOPS"
 FP8 = torch.float8_e4m3fn
@@ -252,6 +256,8 @@ class HpcopsAttentionImpl(AttentionImpl[HpcopsAttentionMetadata]):
         self.num_kv_heads = num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_fp8 = kv_cache_dtype in FP8_KV_DTYPES
+        # over an fp8 cache prefill runs the fp8-q path, as vLLM's FlashAttention backend does (HPCOPS_PREFILL_QUANT_Q)
+        self.prefill_quantize_q = self.kv_fp8 and prefill_quantize_q()
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.supports_quant_query_input = False
 
@@ -266,24 +272,15 @@ class HpcopsAttentionImpl(AttentionImpl[HpcopsAttentionMetadata]):
 
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor) -> None:
-        """Scatter the new tokens' K/V into the paged cache (fp8: stored as fp8(x / scale), saturated).
-
-        Slots < 0 (padding) are redirected to slot 0 of block 0, vLLM's reserved null block, which
-        no request reads: one scatter, no host sync, no data-dependent shapes (graph safe).
-        """
+        """The new tokens' K/V into the paged cache: `hpcops.store_kv`, one launch (fp8: e4m3(x / scale),
+        saturated, with ``layer._k_scale/_v_scale``). Slots < 0 (padding) write nothing. No host sync, no
+        data-dependent shapes (graph safe)."""
         k_cache, v_cache = self._kv_views(kv_cache)
         n = slot_mapping.shape[0]
-        key, value = key[:n], value[:n]
-        bs = k_cache.shape[1]
-        slots = slot_mapping.long().clamp_min(0)
-        blk, off = slots // bs, slots % bs
+        scales = {}
         if self.kv_fp8:
-            key = _to_fp8(key, layer._k_scale)
-            value = _to_fp8(value, layer._v_scale)
-        else:
-            key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)
-        k_cache[blk, off] = key
-        v_cache[blk, off] = value
+            scales = dict(k_scale=layer._k_scale.float().reshape(1), v_scale=layer._v_scale.float().reshape(1))
+        hpcops.store_kv(key[:n], value[:n], k_cache, v_cache, slot_mapping, **scales)
 
     # ---- attention
 
@@ -313,9 +310,6 @@ class HpcopsAttentionImpl(AttentionImpl[HpcopsAttentionMetadata]):
             hpcops.prefill_attention(query[ndt:end], k_cache, v_cache, md.block_table[nd:nreq],
                                      md.seq_lens[nd:nreq], md.prefill_cu_seqlens,
                                      max_seqlen_q=md.prefill_max_query_len, scale=self.scale,
-                                     out=output[ndt:end], **scales)
+                                     out=output[ndt:end], quantize_q=self.prefill_quantize_q, **scales)
         return output
 
-
-def _to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return (x.float() / scale.float().reshape(())).clamp(-448.0, 448.0).to(FP8)
