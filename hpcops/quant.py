@@ -50,9 +50,12 @@ def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor | None = None) -> t
 
 
 def quantize_per_token_head(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: [T, H, D] → (fp8 [T, H, D], scale fp32 [T, H]) with scale = amax over D / 448."""
+    """x: [T, H, D] → (fp8 [T, H, D], scale fp32 [T, H]) with scale = amax over D / 448, correctly rounded on every
+    device (the divisor a tensor: CUDA torch turns a division by a Python number into a product with its reciprocal,
+    one ulp off now and then, where the CPU divides)."""
     xf = x.float()
-    scale = xf.abs().amax(dim=-1).clamp_min(1e-12) / FP8_MAX
+    amax = xf.abs().amax(dim=-1).clamp_min(1e-12)
+    scale = amax / torch.full_like(amax, FP8_MAX)
     q = (xf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q, scale
 

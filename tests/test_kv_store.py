@@ -62,8 +62,8 @@ def test_store_kv_fp16_and_int32_slots(device):
     _check_against_reference(args, kw)
 
 
-def test_store_kv_fp8_saturates():
-    args, kw = _case(4, 1, 64, 16, 2, FP8)
+def test_store_kv_fp8_saturates(device):
+    args, kw = _case(4, 1, 64, 16, 2, FP8, device=device)
     key = args[0]
     key[1, 0, :3] = torch.tensor([1e4, -1e4, 0.0], dtype=key.dtype)
     args[4][1] = 5
@@ -111,8 +111,8 @@ def test_store_kv_signature_is_the_reference():
     assert params(hpcops.store_kv) == params(reference.store_kv)
 
 
-def test_store_kv_no_tokens():
-    args, kw = _case(3, 1, 64, 16, 2, torch.bfloat16)
+def test_store_kv_no_tokens(device):
+    args, kw = _case(3, 1, 64, 16, 2, torch.bfloat16, device=device)
     empty = [x[:0] for x in args[:2]] + list(args[2:4]) + [args[4][:0]]
     hpcops.store_kv(*empty, **kw)
     assert args[2].float().isnan().all()

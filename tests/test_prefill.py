@@ -637,14 +637,14 @@ def test_quantize_q_kernel_matches_quantize_per_token_head(dtype: torch.dtype, d
     assert torch.equal(q8.view(torch.uint8), want8.view(torch.uint8))
 
 
-def test_quantize_q_argument_errors():
+def test_quantize_q_argument_errors(device: str):
     from hpcops.attention.prefill import quantize_q
 
     with pytest.raises(TypeError, match="q must have dtype"):
-        quantize_q(torch.zeros(2, 2, 64))
+        quantize_q(torch.zeros(2, 2, 64, device=device))
     with pytest.raises(ValueError, match="contiguous along head_dim"):
-        quantize_q(torch.zeros(2, 64, 2, dtype=torch.bfloat16).transpose(1, 2))
-    q8, qs = quantize_q(torch.zeros(0, 4, 64, dtype=torch.bfloat16))  # no rows: nothing launched
+        quantize_q(torch.zeros(2, 64, 2, dtype=torch.bfloat16, device=device).transpose(1, 2))
+    q8, qs = quantize_q(torch.zeros(0, 4, 64, dtype=torch.bfloat16, device=device))  # no rows: nothing launched
     assert q8.shape == (0, 4, 64) and qs.shape == (0, 4)
 
 

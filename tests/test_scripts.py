@@ -372,16 +372,16 @@ def test_read_floor_fixed_cost_and_report():
     assert "out of reach" in mod.report(rows, 10.0, "G")
 
 
-def test_read_floor_kernel_reads_every_value():
+def test_read_floor_kernel_reads_every_value(device):
     """probe_read_floor's kernel (the floor's reader) sums all it reads, on any grid (interpreter on a CPU)."""
     import torch
 
     sys.path.insert(0, SCRIPTS)
     from probe_read_floor import stream_read_kernel
 
-    src = torch.randn(5000)
+    src = torch.randn(5000, device=device)
     for programs in (1, 3, 8):
-        out = torch.full((programs,), float("nan"))
+        out = torch.full((programs,), float("nan"), device=device)
         stream_read_kernel[(programs,)](src, out, src.numel(), BLOCK=256)
         assert abs(out.double().sum().item() - src.double().sum().item()) < 1e-3
     from probe_read_floor import check_read_all
