@@ -403,3 +403,43 @@ def test_read_floor_selection_and_gpu_check_stage():
     with open(os.path.join(SCRIPTS, "gpu_check.sh")) as f:
         sh = f.read()
     assert "    floor:decode)" in sh and "scripts/decode_read_floor.py" in sh
+
+
+SHIM_PYTHON = """#!/usr/bin/env bash
+echo "$*" >> "$SHIM_LOG"
+case "$*" in *gpu_tests_report.py*) echo "summary: stub";; esac
+exit 0
+"""
+
+
+@pytest.mark.parametrize("builds", [False, True], ids=["default", "GPU_TIER_BUILDS=1"])
+def test_gpu_check_tier_leaves_the_cpu_only_builds_to_ci(tmp_path, builds):
+    """gpu_check.sh's `tests` stage (python3 and nvidia-smi stubbed) starts pytest on every test file but the CPU-only
+    builds (*_compile.py, test_measured_kernels.py), which gpu_tests.txt names as left to the CPU tier; with
+    GPU_TIER_BUILDS=1, on every file."""
+    import glob
+    import tarfile
+
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    (shim / "python3").write_text(SHIM_PYTHON)
+    (shim / "nvidia-smi").write_text("#!/usr/bin/env bash\necho stub\n")
+    for f in shim.iterdir():
+        f.chmod(0o755)
+    log, out = tmp_path / "calls.log", tmp_path / "out"
+    env = {**os.environ, "PATH": f"{shim}:{os.environ['PATH']}", "SHIM_LOG": str(log), "OUT": str(out),
+           "GPU_TIER_BUILDS": "1" if builds else "0"}
+    proc = subprocess.run(["bash", os.path.join(SCRIPTS, "gpu_check.sh"), "tests"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    ran = {os.path.basename(w) for line in log.read_text().splitlines() if "-m pytest" in line
+           for w in line.split() if w.startswith("tests/test_")}
+    every = {os.path.basename(f) for f in glob.glob(os.path.join(SCRIPTS, "..", "tests", "test_*.py"))}
+    cpu_only = {f for f in every if f.endswith("_compile.py") or f == "test_measured_kernels.py"}
+    assert cpu_only and "test_decode_compile.py" in cpu_only
+    assert ran == (every if builds else every - cpu_only)
+    with tarfile.open(out / "results.tar.gz") as t:
+        report = t.extractfile("results/gpu_tests.txt").read().decode()
+    assert ("left to the CPU tier" in report) != builds
+    if not builds:
+        assert all(f in report for f in cpu_only)
