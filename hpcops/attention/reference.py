@@ -24,6 +24,7 @@ from hpcops.attention.plan import (
     pair_buffers,
     split_cost_for,
 )
+from hpcops.quant import FP8, quantize_per_tensor
 
 __all__ = ["decode_attention", "plan_decode", "prefill_attention", "store_kv"]
 
@@ -190,6 +191,4 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     blk, off = slots // bs, slots % bs
     for x, cache, scale in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
         rows = x[keep]
-        if cache.dtype == torch.float8_e4m3fn:
-            rows = (rows.float() / scale.float().reshape(())).clamp(-448.0, 448.0)
-        cache[blk, off] = rows.to(cache.dtype)
+        cache[blk, off] = quantize_per_tensor(rows, scale)[0] if cache.dtype == FP8 else rows.to(cache.dtype)
