@@ -470,6 +470,29 @@ def _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, out,
                                                       num_warps=config.num_warps, **softmax)
 
 
+def _choose_kernel(q, k_cache, v_cache, max_seqlen_q, sm_scale, out,
+                   config: PrefillConfig | None) -> tuple[PrefillConfig, str | None]:
+    """The config a call runs and why the Gluon kernel does not serve it (None: it does). Without `config`, the
+    heuristic: the Gluon kernel where it runs and is the faster one, else the tl kernel's tiles; `config.gluon`
+    True that cannot serve the call is a ValueError. `q` is read for its dtype, head_dim and strides only."""
+    total_q, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    why = "not asked for"
+    if config is None:
+        config = prefill_config(head_dim=d, group=hq // hkv, max_seqlen_q=max_seqlen_q, q_dtype=q.dtype,
+                                kv_dtype=k_cache.dtype, gluon=None, num_kv_heads=hkv, total_q=total_q)
+        if config.gluon is None:
+            why = gluon_unsupported_reason(q, k_cache, v_cache, config, sm_scale, out)
+            if why is not None:
+                config = prefill_config(head_dim=d, group=hq // hkv, max_seqlen_q=max_seqlen_q, q_dtype=q.dtype,
+                                        kv_dtype=k_cache.dtype)
+    elif config.gluon is not False:
+        why = gluon_unsupported_reason(q, k_cache, v_cache, config, sm_scale, out)
+        if why is not None and config.gluon:
+            raise ValueError(f"PrefillConfig(gluon=True) cannot serve this call: {why}")
+    return config, why
+
+
 def _launch(
     q,
     k_cache,
@@ -484,6 +507,7 @@ def _launch(
     v_scale,
     q_scale,
     config: PrefillConfig | None,
+    chosen: tuple[PrefillConfig, str | None] | None = None,
 ) -> None:
     total_q, hq, d = q.shape
     page, hkv = k_cache.shape[1], k_cache.shape[2]
@@ -492,20 +516,7 @@ def _launch(
     q_fp8 = q.dtype == FP8_E4M3
     kv_fp8 = k_cache.dtype == FP8_E4M3
     sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
-    why = "not asked for"  # why the Gluon kernel does not run (None: it does)
-    if config is None:
-        # the heuristic: the Gluon kernel where it runs and is the faster one, else the tl kernel's tiles
-        config = prefill_config(head_dim=d, group=group, max_seqlen_q=max_seqlen_q, q_dtype=q.dtype,
-                                kv_dtype=k_cache.dtype, gluon=None, num_kv_heads=hkv, total_q=total_q)
-        if config.gluon is None:
-            why = gluon_unsupported_reason(q, k_cache, v_cache, config, sm_scale, out)
-            if why is not None:
-                config = prefill_config(head_dim=d, group=group, max_seqlen_q=max_seqlen_q, q_dtype=q.dtype,
-                                        kv_dtype=k_cache.dtype)
-    elif config.gluon is not False:
-        why = gluon_unsupported_reason(q, k_cache, v_cache, config, sm_scale, out)
-        if why is not None and config.gluon:
-            raise ValueError(f"PrefillConfig(gluon=True) cannot serve this call: {why}")
+    config, why = chosen or _choose_kernel(q, k_cache, v_cache, max_seqlen_q, sm_scale, out, config)
     if config.block_m < group:
         raise ValueError(f"PrefillConfig.block_m ({config.block_m}) must be >= the GQA group size ({group})")
     use_gluon = why is None
@@ -598,22 +609,22 @@ def quantize_q(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _quantized_q_for_gluon(q, k_cache, v_cache, max_seqlen_q, scale, out, config):
-    """`quantize_q`'s q8 and scales where the fp8 Gluon kernel will serve the fp8-q call (`config`, or the
-    heuristic's, picks it and `gluon_unsupported_reason` has no objection; a bf16 q, whose output dtype the fp8
-    kernel writes), else None (nothing launched)."""
+    """Where the fp8 Gluon kernel will serve the call with q quantized (a bf16 q, whose output dtype the fp8 kernel
+    writes; `_choose_kernel` for an fp8 q picks it): (q8, its scales, the kernel choice for `_launch`), q
+    quantized by `quantize_q`; else None (nothing launched)."""
     if q.dtype != torch.bfloat16:
         return None
-    total_q, hq, d = q.shape
-    hkv = k_cache.shape[2]
-    sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
-    cfg = config or prefill_config(head_dim=d, group=hq // hkv, max_seqlen_q=max_seqlen_q, q_dtype=FP8_E4M3,
-                                   kv_dtype=FP8_E4M3, gluon=None, num_kv_heads=hkv, total_q=total_q)
-    if cfg.gluon is False:
+    sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    stand_in = torch.empty((0, *q.shape[1:]), dtype=FP8_E4M3, device=q.device)  # dtype, D and strides: an fp8 q
+    if config is not None and config.gluon is False:
         return None
-    stand_in = torch.empty((0, hq, d), dtype=FP8_E4M3, device=q.device)  # what the reason reads: dtype, D, strides
-    if gluon_unsupported_reason(stand_in, k_cache, v_cache, cfg, sm_scale, out) is not None:
+    try:
+        chosen = _choose_kernel(stand_in, k_cache, v_cache, max_seqlen_q, sm_scale, out, config)
+    except ValueError:  # gluon=True that cannot serve it: the tl route below says so for the 16-bit q
         return None
-    return quantize_q(q)
+    if chosen[1] is not None:
+        return None
+    return (*quantize_q(q), chosen)
 
 
 def prefill_attention(
@@ -680,10 +691,11 @@ def prefill_attention(
                          f"{k_cache.dtype}")
     if out is None:
         out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
+    chosen = None
     if quantize_q:
         q8 = _quantized_q_for_gluon(q, k_cache, v_cache, max_seqlen_q, scale, out, config)
         if q8 is not None:  # the fp8 Gluon kernel serves it: q quantized by its own kernel first
-            q, q_scale = q8
+            q, q_scale, chosen = q8
         else:  # the tl kernel quantizes its q tiles as it loads them
             d = q.shape[-1]
             config = replace(config or prefill_config(head_dim=d, group=q.shape[1] // k_cache.shape[2],
@@ -703,6 +715,7 @@ def prefill_attention(
         v_scale,
         q_scale,
         config,
+        chosen,
     )
     return out
 
