@@ -170,17 +170,23 @@ for cache in ("bf16", "fp8e4nv"):
     ptx = triton.compile(ASTSource(k, sig, consts), target=GPUTarget("cuda", 90, 32),
                          options={"num_warps": 4}).asm["ptx"]
     out[cache] = {"cvt_e4m3": len(re.findall(r"cvt\\.rn\\.satfinite\\.e4m3x2", ptx)),
-                  "local": ptx.count(".local"), "st": len(re.findall(r"st\\.global", ptx))}
+                  "local": ptx.count(".local"), "st": len(re.findall(r"st\\.global", ptx)),
+                  # the fill of each masked 16-bit K/V load: a register moved in before the predicated load
+                  "fills": sorted(set(re.findall(r"mov\\.u16 %rs\\d+, (\\S+);\\s*@%p\\d+ ld\\.global\\.b16", ptx))),
+                  "bf16_one": len(re.findall(r"mov\\.b16\\s+%rs\\d+, 16256;", ptx))}
 print(json.dumps(out))
 """
 
 
 def test_store_kv_kernel_compiles_for_sm90():
     """The store kernel builds for sm_90 (bf16 and fp8 caches): e4m3 conversions on the fp8 path only, no local
-    memory."""
+    memory, and its masked K/V loads fill with 1.0 (a 0 dividend takes the IEEE division's slow path)."""
     pytest.importorskip("triton.backends.nvidia")
     from hpcops.testing import sm90_build_in_subprocess
 
     res = sm90_build_in_subprocess(STORE_BUILD, None)
     assert res["fp8e4nv"]["cvt_e4m3"] > 0 and res["bf16"]["cvt_e4m3"] == 0, res
     assert all(r["local"] == 0 and r["st"] > 0 for r in res.values()), res
+    # the K/V lanes off the mask read bf16 1.0, not 0 (0 / scale takes div.rn.f32's slow path on the fp8 path)
+    fp8 = res["fp8e4nv"]
+    assert fp8["fills"] and "0x0" not in fp8["fills"] and fp8["bf16_one"] > 0, res
