@@ -69,7 +69,7 @@ def calls_for(x: dict, variant: dict, q16: bool = False):
         with dec.decode_config_changed(**knobs):
             plan = hpcops.plan_decode(x["seq_lens"], num_kv_heads=hkv, block_size=page, num_programs=programs,
                                       num_q_heads=q.shape[1], head_dim=d, q_dtype=q.dtype,
-                                      kv_dtype=x["k_cache"].dtype, **plan_args)
+                                      kv_dtype=x["k_cache"].dtype, max_seq_len=x["max_seq_len"], **plan_args)
 
     def run():
         with dec.decode_config_changed(**knobs):

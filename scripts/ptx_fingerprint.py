@@ -91,7 +91,8 @@ def _decode_runs(label):
                     q, qs = (x["q8"], x["q_scale"]) if fp8q else (x["q"], None)
                     plan = None
                     if sched == "dynamic":
-                        hints = dict(num_q_heads=hq, head_dim=128, q_dtype=q.dtype, kv_dtype=x["k_cache"].dtype)
+                        hints = dict(num_q_heads=hq, head_dim=128, q_dtype=q.dtype, kv_dtype=x["k_cache"].dtype,
+                                     max_seq_len=x["max_seq_len"])
                         try:
                             plan = hpcops.plan_decode(x["seq_lens"], num_kv_heads=hkv, block_size=64, **hints)
                         except TypeError:  # an older tree without the hints

@@ -410,10 +410,11 @@ def test_decode_bf16_q_past_fp16_range_over_fp8_kv(schedule, device):
     assert_close(want, got)
 
 
-def test_plan_tail_default_is_the_gluon_kernels_and_a_16bit_q_over_fp8_kv_with_few_programs_a_kv_head():
-    """`decode.plan_tail`: the Gluon kernel always; the tl kernel only on a 16-bit q over fp8 KV with 2 or more q rows
-    a kv head, head_dim up to 128 and at most TAIL_ONE_LEVEL_MAX programs a kv head (h64/8 at 264 programs, not
-    h8/1); never without the hints."""
+def test_plan_tail_default_is_few_programs_a_kv_head_or_a_short_step_on_the_gluon_kernel():
+    """`decode.plan_tail`: the Gluon kernel where a pair gathers at most TAIL_ONE_LEVEL_MAX partials (h64/8) or the
+    step's requests are told short (max_seq_len <= GLUON_TAIL_MAX_SEQ); the tl kernel only on a 16-bit q over fp8
+    KV with 2 or more q rows a kv head, head_dim up to 128 and at most TAIL_ONE_LEVEL_MAX programs a kv head (h64/8
+    at 264 programs, not h8/1), whatever max_seq_len says; never without the hints."""
     from hpcops.attention import decode as dec
 
     h64 = dict(num_q_heads=64, head_dim=128, q_dtype=torch.bfloat16, kv_dtype=FP8)
@@ -428,7 +429,37 @@ def test_plan_tail_default_is_the_gluon_kernels_and_a_16bit_q_over_fp8_kv_with_f
     assert not dec.plan_tail("tl", 8, 1, 264, **{**h64, "num_q_heads": 8})  # one q row a kv head: the row path
     assert dec.plan_tail("tl", 8, 2, 264, **{**h64, "num_q_heads": 8})  # ... unless q_len makes it 2
     assert not dec.plan_tail("tl", 8, 1, 264)
-    assert dec.plan_tail("gluon", 1, 1, 396)
+    assert not dec.plan_tail("tl", 1, 1, 264, **{**h64, "num_q_heads": 8}, max_seq_len=512)
+    assert dec.plan_tail("gluon", 8, 1, 396)  # h64/8: 49.5 partials a pair at most
+    assert not dec.plan_tail("gluon", 1, 1, 396)  # h8/1, lengths untold: the combine
+    assert dec.plan_tail("gluon", 1, 1, 396, max_seq_len=512)  # a short step: the tail
+    assert dec.plan_tail("gluon", 1, 1, 396, max_seq_len=dec.GLUON_TAIL_MAX_SEQ)
+    assert not dec.plan_tail("gluon", 1, 1, 396, max_seq_len=dec.GLUON_TAIL_MAX_SEQ + 1)
+    assert not dec.plan_tail("gluon", 1, 1, 264, max_seq_len=4096)
+
+
+@pytest.mark.parametrize("max_seq_len, tail, per_sm", [(None, False, 2), (512, True, 3), (4096, False, 2)])
+def test_gluon_plan_merges_in_its_tail_only_for_a_short_step_at_h8(monkeypatch, max_seq_len, tail, per_sm, device):
+    """An h8/1 plan for the Gluon kernel (its choice stubbed to an H200's): the tail merge at 3 programs an SM where
+    max_seq_len tells a short step, else no pair table (the combine kernel) at 2 an SM; the torch reference plan
+    makes the same choice and the same tables, and `out=` keeps the plan's own."""
+    from hpcops._platform import num_sms
+    from hpcops.attention import decode as dec
+
+    monkeypatch.setattr(dec, "_hopper", lambda device: None)
+    seq_lens = torch.tensor([512, 300, 64, 511, 129], dtype=torch.int32, device=device)
+    kw = dict(num_kv_heads=1, block_size=64, num_q_heads=8, head_dim=128, q_dtype=FP8, kv_dtype=FP8,
+              max_seq_len=max_seq_len)
+    want = ref.plan_decode(seq_lens, **kw)
+    got = hpcops.plan_decode(seq_lens, **kw)
+    for plan in (want, got):
+        assert (plan.kernel, plan.tail) == ("gluon", tail)
+        assert plan.num_programs == per_sm * num_sms(seq_lens.device)
+    assert got.has_pairs == tail  # the pair table written for the tail merge only (the reference writes it always)
+    want.has_pairs = got.has_pairs
+    assert got.host_tables() == want.host_tables()
+    again = hpcops.plan_decode(seq_lens, num_kv_heads=1, block_size=64, out=got, max_seq_len=1)
+    assert (again.tail, again.num_programs) == (tail, per_sm * num_sms(seq_lens.device))
 
 
 @pytest.mark.parametrize("kv_kind", ["fp8", "bf16"])

@@ -233,6 +233,10 @@ def test_plan_programs_per_sm_follow_the_kernels_registers():
     hints = dict(num_q_heads=8, head_dim=256, kv_dtype=bf16)
     assert dec.plan_programs_per_sm("gluon", 1, 1, **{**hints, "head_dim": 128}) == GLUON_PROGRAMS_PER_SM
     assert dec.plan_programs_per_sm("gluon", 1, 1, **hints) == 2  # head_dim 256: 180 registers, 99 KB shared
+    # the combine kernel merging the splits (no tail): 2 an SM, 3 at head_dim 64 (the H100 grid tune)
+    assert dec.plan_programs_per_sm("gluon", 1, 1, **{**hints, "head_dim": 128}, tail=False) == 2
+    assert dec.plan_programs_per_sm("gluon", 1, 1, **hints, tail=False) == 2
+    assert dec.plan_programs_per_sm("gluon", 1, 1, **{**hints, "head_dim": 64}, tail=False) == GLUON_PROGRAMS_PER_SM
     assert dec.plan_programs_per_sm("tl", 1, 1, **hints) == 1
     assert dec.plan_programs_per_sm("tl", 1, 1, **{**hints, "kv_dtype": fp8}) == 1  # the MMA tile over fp8 KV
     assert dec.plan_programs_per_sm("tl", 8, 1, **hints) == 1  # one q row a kv head over bf16 KV: the MMA tile
@@ -265,10 +269,13 @@ def test_plan_with_hints_off_hopper_is_the_tl_plan(device):
 
 
 @pytest.mark.gpu
-def test_gpu_default_plan_takes_gluon_for_fp8_q():
-    """On an H200 a plan told fp8 q over fp8 KV (h8/1) is the Gluon kernel's (3 programs an SM, the pair table);
-    decode_attention then runs the Gluon kernel with the tail merge by default, and one captured step (plan +
-    2 layers) replayed with new lengths matches the reference; told a bf16 q, the plan stays the tl kernel's."""
+@pytest.mark.parametrize("max_seq_len", [None, 512], ids=["untold", "told-short"])
+def test_gpu_default_plan_takes_gluon_for_fp8_q(max_seq_len):
+    """On an H200 a plan told fp8 q over fp8 KV (h8/1) is the Gluon kernel's: with its lengths untold, the combine
+    kernel at 2 programs an SM (no pair table); told a short step (`max_seq_len` 512, here a wrong hint: the
+    lengths reach 6000), the tail merge at 3 an SM, the pair table written. decode_attention then runs the Gluon
+    kernel so by default, and one captured step (plan + 2 layers) replayed with new lengths matches the reference
+    either way (a wrong hint costs speed, not correctness); told a bf16 q, the plan stays the tl kernel's."""
     from hpcops._platform import num_sms
     from hpcops.bench.suites.decode import make_decode_inputs
 
@@ -281,8 +288,9 @@ def test_gpu_default_plan_takes_gluon_for_fp8_q():
     kw = dict(num_kv_heads=1, block_size=64)
     hints = dict(num_q_heads=8, head_dim=128, kv_dtype=x["k_cache"].dtype)
     assert hpcops.plan_decode(seq_lens, q_dtype=torch.bfloat16, **kw, **hints).kernel == "tl"
-    plan = hpcops.plan_decode(seq_lens, q_dtype=x["q8"].dtype, **kw, **hints)
-    assert (plan.kernel, plan.num_programs, plan.has_pairs) == ("gluon", 3 * num_sms(), True)
+    plan = hpcops.plan_decode(seq_lens, q_dtype=x["q8"].dtype, **kw, **hints, max_seq_len=max_seq_len)
+    tail = max_seq_len is not None
+    assert (plan.kernel, plan.num_programs, plan.has_pairs) == ("gluon", (3 if tail else 2) * num_sms(), tail)
     outs = [nan_like(y["out"]) for y in layers]
 
     def step():

@@ -456,17 +456,32 @@ def plan_kernel(num_kv_heads: int, q_len: int, block_size: int, device, *, num_q
 
 def plan_tail(kernel: str, num_kv_heads: int, q_len: int, num_programs: int, *, num_q_heads: int | None = None,
               head_dim: int | None = None, q_dtype: torch.dtype | None = None,
-              kv_dtype: torch.dtype | None = None) -> bool:
+              kv_dtype: torch.dtype | None = None, max_seq_len: int | None = None) -> bool:
     """Whether a new plan is built for the tail merge by default (`DecodeConfig.tail_merge` None; `plan_decode`'s
-    hints): the Gluon kernel always; the `tl` kernel on a 16-bit q over fp8 KV (the MMA tile, 2 or more q rows a kv
-    head, head_dim up to 128) where a pair gathers at most TAIL_ONE_LEVEL_MAX partials (num_programs / kv heads):
-    the H100 tunes at 2e12d99 (bench/results/decode_tune_q16_all_h100_2e12d99.md, _bf16_tail_) have every h64/8
-    row with a bf16 q over fp8 KV 1.015-1.047x faster with it (64x4K 198.8 -> 189.7 µs), while at h8/1 (264
-    partials a pair) the long splits' merge costs 3-17 % and over bf16 KV it is level (0.99-1.01x at h64/8)."""
+    hints), where a pair (request, kv head) can gather at most num_programs / kv heads partials:
+
+    - the Gluon kernel where that is at most TAIL_ONE_LEVEL_MAX (h64/8: the H200 tunes have the tail level with the
+      combine or faster there), or where the step's requests are short (`max_seq_len` told, at most
+      GLUON_TAIL_MAX_SEQ): a combine kernel's fixed cost is what such a step notices (64x0.5K h8/1 fp8 on the
+      H100, 10.4 against 12.9 µs). Past that, at h8/1 or h16/1, one program merging a long request's many
+      partials ends the kernel late: the combine kernel is 6-19 % faster on every long case of the H100 grid tune
+      (bench/results/decode-grid_tune_tail_pps_h100_c5844fd.md: 32x8K h8/1 35.5 -> 32.2 µs, 1x256K+15x2K
+      39.2 -> 34.9, d256 65.9 -> 54.7) and 6-12 % on the H200's (decode_tune_tail_merge_pps.md);
+    - the `tl` kernel on a 16-bit q over fp8 KV (the MMA tile, 2 or more q rows a kv head, head_dim up to 128)
+      where it is at most TAIL_ONE_LEVEL_MAX: the H100 tunes at 2e12d99 (bench/results/
+      decode_tune_q16_all_h100_2e12d99.md, _bf16_tail_) have every h64/8 row with a bf16 q over fp8 KV
+      1.015-1.047x faster with it (64x4K 198.8 -> 189.7 µs), while at h8/1 (264 partials a pair) the long splits'
+      merge costs 3-17 % and over bf16 KV it is level (0.99-1.01x at h64/8)."""
+    few = -(-num_programs // num_kv_heads) <= TAIL_ONE_LEVEL_MAX
     if kernel == "gluon":
-        return True
-    return _converting_tile(num_kv_heads, q_len, num_q_heads, head_dim, q_dtype, kv_dtype) and \
-        -(-num_programs // num_kv_heads) <= TAIL_ONE_LEVEL_MAX
+        return few or (max_seq_len is not None and max_seq_len <= GLUON_TAIL_MAX_SEQ)
+    return few and _converting_tile(num_kv_heads, q_len, num_q_heads, head_dim, q_dtype, kv_dtype)
+
+
+# The longest request (tokens) of a step the Gluon kernel still merges in its tail at h8/1-like plans (many
+# partials a pair; `plan_tail`): 64x0.5K keeps the tail (1.24x the combine on the H100), 64x4K and every longer
+# case takes the combine; between them unmeasured (scripts/probe_tail_threshold.py times 64x1K..64x4K).
+GLUON_TAIL_MAX_SEQ = 1024
 
 
 def plan_costs(kernel: str, tail: bool, num_kv_heads: int, q_len: int, *, num_q_heads: int | None = None,
@@ -484,18 +499,24 @@ def plan_costs(kernel: str, tail: bool, num_kv_heads: int, q_len: int, *, num_q_
     return TAIL_TILE_COSTS if tail else CONVERT_TILE_COSTS
 
 
-def plan_defaults(kernel: str, num_kv_heads: int, q_len: int, num_programs: int, *, num_q_heads: int | None = None,
-                  head_dim: int | None = None, q_dtype: torch.dtype | None = None,
-                  kv_dtype: torch.dtype | None = None) -> tuple[bool, int, int, int | None]:
-    """A new plan's (tail, min_tiles, task_cost, split_cost) from `plan_decode`'s hints: `plan_tail`, then
-    `plan_costs` or the defaults (`plan.DEFAULT_MIN_TILES`, `DEFAULT_TASK_COST`, None: the kernel's split cost).
-    The device plan and its torch reference both take them from here."""
-    from hpcops.attention.plan import DEFAULT_MIN_TILES, DEFAULT_TASK_COST
+def plan_defaults(kernel: str, num_kv_heads: int, q_len: int, device, *, num_programs: int | None = None,
+                  num_q_heads: int | None = None, head_dim: int | None = None, q_dtype: torch.dtype | None = None,
+                  kv_dtype: torch.dtype | None = None,
+                  max_seq_len: int | None = None) -> tuple[int, bool, int, int, int | None]:
+    """A new plan's (num_programs, tail, min_tiles, task_cost, split_cost) from `plan_decode`'s hints: the tail
+    merge (`plan_tail`, judged on the grid of a tail plan), then the programs (`num_programs`, else
+    `plan_programs_per_sm` for that merge × SMs), then `plan_costs` or the defaults (`plan.DEFAULT_MIN_TILES`,
+    `DEFAULT_TASK_COST`, None: the kernel's split cost). The device plan and its torch reference both take them
+    from here."""
+    from hpcops.attention.plan import DEFAULT_MIN_TILES, DEFAULT_TASK_COST, default_num_programs
 
-    hints = dict(num_q_heads=num_q_heads, head_dim=head_dim, q_dtype=q_dtype, kv_dtype=kv_dtype)
-    tail = plan_tail(kernel, num_kv_heads, q_len, num_programs, **hints)
-    costs = plan_costs(kernel, tail, num_kv_heads, q_len, **hints) or (DEFAULT_MIN_TILES, DEFAULT_TASK_COST, None)
-    return (tail, *costs)
+    hints = dict(num_q_heads=num_q_heads, head_dim=head_dim, kv_dtype=kv_dtype)
+    grid = lambda tail: num_programs or default_num_programs(  # noqa: E731
+        q_len, device, programs_per_sm=plan_programs_per_sm(kernel, num_kv_heads, q_len, **hints, tail=tail))
+    tail = plan_tail(kernel, num_kv_heads, q_len, grid(True), **hints, q_dtype=q_dtype, max_seq_len=max_seq_len)
+    costs = plan_costs(kernel, tail, num_kv_heads, q_len, **hints, q_dtype=q_dtype) or \
+        (DEFAULT_MIN_TILES, DEFAULT_TASK_COST, None)
+    return (grid(tail), tail, *costs)
 
 
 def _converting_tile(num_kv_heads: int, q_len: int, num_q_heads: int | None, head_dim: int | None,
@@ -508,12 +529,16 @@ def _converting_tile(num_kv_heads: int, q_len: int, num_q_heads: int | None, hea
 
 
 def plan_programs_per_sm(kernel: str, num_kv_heads: int, q_len: int, *, num_q_heads: int | None = None,
-                         head_dim: int | None = None, kv_dtype: torch.dtype | None = None) -> int | None:
+                         head_dim: int | None = None, kv_dtype: torch.dtype | None = None,
+                         tail: bool = True) -> int | None:
     """Persistent programs an SM for a new plan (`plan_decode`'s hints; None: `DEFAULT_PROGRAMS_PER_SM`).
 
-    The Gluon kernel: `GLUON_PROGRAMS_PER_SM`, 2 at head_dim 256, where a program takes 180 registers a thread and
-    99 KB of shared memory (sm_90 ptxas; the H200 grid at 94c7162 timed the d256 fp8 Gluon kernel at 49.1 µs on a
-    plan of 2 an SM against 61.2 on one of 3 at 32x8K h8/1, 61.6 against 70.8 at logmix32). The `tl` kernel's MMA
+    The Gluon kernel: with the tail merge (`tail`) `GLUON_PROGRAMS_PER_SM`, 2 at head_dim 256, where a program
+    takes 180 registers a thread and 99 KB of shared memory (sm_90 ptxas; the H200 grid at 94c7162 timed the d256
+    fp8 Gluon kernel at 49.1 µs on a plan of 2 an SM against 61.2 on one of 3 at 32x8K h8/1, 61.6 against 70.8 at
+    logmix32). Its splits merged by the combine kernel, 2 at head_dim 128 and 256 and 3 at 64 (the H100 grid tune,
+    bench/results/decode-grid_tune_tail_pps_h100_c5844fd.md: 32x8K h8/1 d128 32.2 µs on 2 against 33.7 on 3,
+    logmix32 37.5 / 38.6; d64 20.7 / 19.4 and 23.8 / 22.0). The `tl` kernel's MMA
     tile above head_dim 128 runs on 8 warps with 172 (bf16 KV) to 190 (fp8 KV) registers a thread
     (tests/test_decode_compile.py): one program fills more than half of an SM's 64 K registers, so a plan of 2 an
     SM would run as two waves, the long requests' splits in the second: 1 there (the H200 grid tune,
@@ -523,7 +548,9 @@ def plan_programs_per_sm(kernel: str, num_kv_heads: int, q_len: int, *, num_q_he
     from hpcops.attention.plan import GLUON_PROGRAMS_PER_SM
 
     if kernel == "gluon":  # at head_dim 256 (fp8, 3 buffers, tail merge): 180 registers and 99 KB of shared memory
-        return 2 if head_dim is not None and head_dim > 128 else GLUON_PROGRAMS_PER_SM
+        if head_dim is not None and head_dim > 128:
+            return 2
+        return GLUON_PROGRAMS_PER_SM if tail or head_dim == 64 else 2
     if None in (num_q_heads, head_dim, kv_dtype) or head_dim <= 128 or _CONFIG.num_warps not in (None, 8):
         return None
     rows = q_len * num_q_heads // num_kv_heads

@@ -379,7 +379,11 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
         q_len: query tokens per request (1..8; speculative decode > 1).
         block_size: KV page size (validated here; `decode_attention` checks it against the cache's).
         max_batch: capacity of the plan's buffers (default: B); re-plan with `out=`.
-        max_seq_len: accepted for API symmetry with capacity planning; buffers do not depend on it.
+        max_seq_len: the longest `seq_lens` value the plan will serve (tokens; this step's longest, or a capacity
+            such as a model's context): a hint, never checked (a wrong one costs speed, not correctness). Told
+            with the hints below, a step of short requests keeps the Gluon kernel's tail merge where a pair
+            gathers many partials (h8/1; `decode.plan_tail`); untold, such plans take the combine kernel.
+            Buffers do not depend on it. With `out=`, the plan's own.
         num_programs: persistent programs (default: programs-per-SM × SMs).
         min_tiles: minimum 64-token tiles per program (default `DEFAULT_MIN_TILES`, or the hints' tile costs:
             `decode.plan_costs`).
@@ -393,14 +397,15 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
         num_q_heads, head_dim, q_dtype, kv_dtype: what the step's `decode_attention` calls take (all four, or
             none). With them the plan picks its kernel (`DecodePlan.kernel`, `decode.plan_kernel`): an fp8 q
             over fp8 KV on an sm_90 GPU, 2–16 q rows a kv head (q_len·G), head_dim 64/128/256 and pages the
-            Hopper kernel reads take the Gluon kernel with the tail merge and 3 programs an SM (the H200
-            bench: h8/1 fp8 1.39× FlashInfer against 1.32× for the `tl` kernel, h64/8 fp8 15–23 % faster;
-            bench/results/README.md); anything else, or no hints, the `tl` kernel with 2. With `out=`, the
-            plan's own. `DecodeConfig.gluon` False keeps every plan on the `tl` kernel.
+            Hopper kernel reads take the Gluon kernel (the H200 bench: h8/1 fp8 1.39× FlashInfer against
+            1.32× for the `tl` kernel, h64/8 fp8 15–23 % faster; bench/results/README.md), with the tail
+            merge and 3 programs an SM where a pair gathers few partials or `max_seq_len` is short, else
+            with the combine kernel and 2 (`decode.plan_tail`, `plan_programs_per_sm`); anything else, or no
+            hints, the `tl` kernel with 2. With `out=`, the plan's own. `DecodeConfig.gluon` False keeps every
+            plan on the `tl` kernel.
         num_sms: the SMs the attention grid runs on, which the cost model weighs a whole cut by (`whole_pays`;
             default: the device's, `DEFAULT_NUM_SMS` off a GPU). With `out=`, the plan's own.
     """
-    del max_seq_len  # buffers are sized by batch and program count only
     _validate_plan_args(seq_lens, num_kv_heads, q_len, block_size, out.max_batch if out is not None else max_batch,
                         task_cost, snap, num_sms)
     check_kernel_device("seq_lens", seq_lens)
@@ -414,17 +419,15 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
         plan = out
         plan.batch = seq_lens.shape[0]
     else:
-        from hpcops.attention.decode import plan_defaults, plan_kernel, plan_programs_per_sm
+        from hpcops.attention.decode import plan_defaults, plan_kernel
 
         dev = seq_lens.device
         cap = max(max_batch or seq_lens.shape[0], 1)
         kernel = plan_kernel(num_kv_heads, q_len, block_size, dev, num_q_heads=num_q_heads, head_dim=head_dim,
                              q_dtype=q_dtype, kv_dtype=kv_dtype)
-        per_sm = plan_programs_per_sm(kernel, num_kv_heads, q_len, num_q_heads=num_q_heads, head_dim=head_dim,
-                                      kv_dtype=kv_dtype)
-        c = num_programs or default_num_programs(q_len, dev, programs_per_sm=per_sm)
-        tail, mt0, tc0, sc0 = plan_defaults(kernel, num_kv_heads, q_len, c, num_q_heads=num_q_heads,
-                                            head_dim=head_dim, q_dtype=q_dtype, kv_dtype=kv_dtype)
+        c, tail, mt0, tc0, sc0 = plan_defaults(kernel, num_kv_heads, q_len, dev, num_programs=num_programs,
+                                               num_q_heads=num_q_heads, head_dim=head_dim, q_dtype=q_dtype,
+                                               kv_dtype=kv_dtype, max_seq_len=max_seq_len)
         plan = DecodePlan(
             kernel=kernel, tail=tail, num_sms=num_sms or _platform.num_sms(dev), num_kv_heads=num_kv_heads, q_len=q_len,
             block_size=block_size, num_programs=c,

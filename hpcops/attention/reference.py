@@ -20,7 +20,6 @@ from hpcops.attention.plan import (
     CostStream,
     DecodePlan,
     _validate_plan_args,
-    default_num_programs,
     pair_buffers,
     split_cost_for,
 )
@@ -38,8 +37,7 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
     """Host reference of `hpcops.plan_decode`: the same tables, computed in Python integers with
     `plan.CostStream` (the descriptor tables always; `has_desc`, which `host_tables` shows them by,
     and so the task cost the cut charges, as the kernel's); the same kernel choice from the same hints."""
-    del max_seq_len
-    from hpcops.attention.decode import decode_config, plan_defaults, plan_kernel, plan_programs_per_sm
+    from hpcops.attention.decode import decode_config, plan_defaults, plan_kernel
 
     _validate_plan_args(seq_lens, num_kv_heads, q_len, block_size, out.max_batch if out else max_batch, task_cost,
                         snap, num_sms)
@@ -47,11 +45,10 @@ def plan_decode(seq_lens: torch.Tensor, *, num_kv_heads: int, q_len: int = 1, bl
     b = seq_lens.shape[0]
     kernel = out.kernel if out else plan_kernel(num_kv_heads, q_len, block_size, dev, num_q_heads=num_q_heads,
                                                 head_dim=head_dim, q_dtype=q_dtype, kv_dtype=kv_dtype)
-    per_sm = plan_programs_per_sm(kernel, num_kv_heads, q_len, num_q_heads=num_q_heads, head_dim=head_dim,
-                                  kv_dtype=kv_dtype)
-    c = out.num_programs if out else (num_programs or default_num_programs(q_len, dev, programs_per_sm=per_sm))
-    tail, mt0, tc0, sc0 = plan_defaults(kernel, num_kv_heads, q_len, c, num_q_heads=num_q_heads, head_dim=head_dim,
-                                        q_dtype=q_dtype, kv_dtype=kv_dtype)
+    c, tail, mt0, tc0, sc0 = plan_defaults(kernel, num_kv_heads, q_len, dev,
+                                           num_programs=out.num_programs if out else num_programs,
+                                           num_q_heads=num_q_heads, head_dim=head_dim, q_dtype=q_dtype,
+                                           kv_dtype=kv_dtype, max_seq_len=max_seq_len)
     tail = out.tail if out else tail
     own_split = out.split_cost if out else sc0
     mt = out.min_tiles if out else max(1, min_tiles if min_tiles is not None else mt0)

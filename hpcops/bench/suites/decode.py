@@ -66,7 +66,8 @@ class Scenario:
 def make_decode_inputs(lens: list[int], hq: int, hkv: int, fp8: bool, seed: int, device: str = "cuda", *,
                        page: int = PAGE, head_dim: int = HEAD_DIM) -> dict:
     """Random paged caches (vLLM's packed K|V layout, `page` tokens per block), shuffled pages, bf16 q
-    `[B, hq, head_dim]` (and its fp8 quantization)."""
+    `[B, hq, head_dim]` (and its fp8 quantization); `max_seq_len`, the step's longest request as a host int (what a
+    serving step knows, and tells `plan_decode`)."""
     g = torch.Generator(device=device).manual_seed(seed)
     nblk = [-(-n // page) for n in lens]
     num_blocks = sum(nblk) + 1
@@ -83,7 +84,8 @@ def make_decode_inputs(lens: list[int], hq: int, hkv: int, fp8: bool, seed: int,
         cursor += n
     q = torch.randn((len(lens), hq, head_dim), generator=g, device=device, dtype=torch.bfloat16)
     x = dict(q=q, k_cache=packed[..., :head_dim], v_cache=packed[..., head_dim:], block_table=table,
-             seq_lens=torch.tensor(lens, dtype=torch.int32, device=device), packed=packed,
+             seq_lens=torch.tensor(lens, dtype=torch.int32, device=device), max_seq_len=max(lens, default=0),
+             packed=packed,
              k_scale=torch.tensor([K_SCALE], device=device) if fp8 else None,
              v_scale=torch.tensor([V_SCALE], device=device) if fp8 else None)
     if fp8:
@@ -104,7 +106,8 @@ def _ours(schedule: str, fp8q: bool = False, knobs: dict | None = None):
             _, page, hkv, d = x["k_cache"].shape
             with decode_config_changed(**(knobs or {})):
                 plan = hpcops.plan_decode(x["seq_lens"], num_kv_heads=hkv, block_size=page, num_q_heads=q.shape[1],
-                                          head_dim=d, q_dtype=q.dtype, kv_dtype=x["k_cache"].dtype)
+                                          head_dim=d, q_dtype=q.dtype, kv_dtype=x["k_cache"].dtype,
+                                          max_seq_len=x["max_seq_len"])
 
         def run():
             with decode_config_changed(**(knobs or {})):

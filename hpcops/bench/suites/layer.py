@@ -248,7 +248,7 @@ def make_inputs(s: Scenario, layer: int, device: str = "cuda") -> dict[str, Any]
         "w13": w13, "w2": w2, "quant": quant, "emap": emap,
         "k_cache": kv["k_cache"], "v_cache": kv["v_cache"], "packed": kv["packed"],
         "k_scale": kv["k_scale"], "v_scale": kv["v_scale"], "block_table": table, "seq_lens": seq_lens,
-        "positions": pos, "slot_mapping": slots, "cos_sin": cos_sin_cache(max(lens), device),
+        "max_seq_len": max(lens), "positions": pos, "slot_mapping": slots, "cos_sin": cos_sin_cache(max(lens), device),
         "q_out": torch.empty((t, HQ, d), dtype=FP8 if s.kv == "fp8" else torch.bfloat16, device=device),
         "attn_out": torch.empty((t, HQ, d), dtype=torch.bfloat16, device=device),
         "moe_out": torch.empty((t, H), dtype=torch.bfloat16, device=device),
@@ -405,7 +405,7 @@ def plan_for(x: dict[str, Any]):
         return None
     # what the step's decode takes (the prologue's fp8 q over an fp8 cache: the Gluon kernel on an H200)
     return plan_decode(x["seq_lens"], num_kv_heads=HKV, block_size=PAGE, num_q_heads=HQ, head_dim=x["q_out"].shape[-1],
-                       q_dtype=x["q_out"].dtype, kv_dtype=x["k_cache"].dtype)
+                       q_dtype=x["q_out"].dtype, kv_dtype=x["k_cache"].dtype, max_seq_len=x["max_seq_len"])
 
 
 SHARED_MODES = ("fused", "aux", "inline")

@@ -271,7 +271,7 @@ class DecodeTune(TuneOp):
                                       num_programs=cand["pps"] * num_sms(x["q"].device) if cand["pps"] else None,
                                       min_tiles=cand["min_tiles"], task_cost=cand["task_cost"],
                                       snap=cand["snap"], num_q_heads=q.shape[1], head_dim=d, q_dtype=q.dtype,
-                                      kv_dtype=x["k_cache"].dtype)
+                                      kv_dtype=x["k_cache"].dtype, max_seq_len=x["max_seq_len"])
             return lambda: hpcops.decode_attention(q, x["k_cache"], x["v_cache"], x["block_table"],
                                                    x["seq_lens"], plan=plan, k_scale=x["k_scale"],
                                                    v_scale=x["v_scale"], q_scale=q_scale, out=x["out"])
