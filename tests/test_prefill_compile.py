@@ -346,15 +346,18 @@ for dtype in ("bf16", "fp16"):
     src = ASTSource(k, sig, {"HEAD_DIM": 128, "D_PAD": 128, "BLOCK_R": 32}, attrs)
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
     out[dtype] = {"cvt_e4m3": len(re.findall(r"cvt\\.rn\\.satfinite\\.e4m3x2", ptx)), "local": ptx.count(".local"),
-                  "div_rn": len(re.findall(r"div\\.rn\\.f32", ptx))}
+                  "div_rn": len(re.findall(r"div\\.rn\\.f32", ptx)),
+                  # the masked lanes' dividend swapped for 1.0 (a 0 takes div.rn.f32's slow path)
+                  "one_fill": len(re.findall(r"selp\\.f32[^\\n]*0f3F800000", ptx))}
 print(json.dumps(out))
 """)
 
 
 def test_quantize_q_kernel_compiles_for_sm90():
     """prefill_attention(quantize_q=True)'s quantizing kernel builds for sm_90: packed e4m3 conversions, the
-    correctly rounded divisions that make it bit-exact with its torch reference, no local memory."""
+    correctly rounded divisions that make it bit-exact with its torch reference, no local memory, and the masked
+    lanes dividing 1.0 rather than the 0 they load (a 0 dividend takes the IEEE division's slow path)."""
     pytest.importorskip("triton.backends.nvidia")
     res = sm90_build_in_subprocess(QUANT_BUILD, None)
     for dtype, r in res.items():
-        assert r["cvt_e4m3"] > 0 and r["div_rn"] > 0 and r["local"] == 0, (dtype, r)
+        assert r["cvt_e4m3"] > 0 and r["div_rn"] > 0 and r["local"] == 0 and r["one_fill"] > 0, (dtype, r)

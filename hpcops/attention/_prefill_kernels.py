@@ -347,6 +347,8 @@ def quantize_q_kernel(x_ptr, q_ptr, s_ptr, n_rows, num_heads, stride_xt, stride_
     x = x.to(tl.float32)
     amax = tl.max(tl.abs(x), axis=1)
     scale = tl.math.div_rn(tl.maximum(amax, 1e-12), tl.full(amax.shape, 448.0, tl.float32))
-    y = tl.clamp(tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape)), -448.0, 448.0)
+    # lanes off the mask (rows past the last, a padded head_dim) divide 1.0, never stored: the 0 that feeds amax
+    # would send each of their divisions down the IEEE division's slow path
+    y = tl.clamp(tl.math.div_rn(tl.where(m, x, 1.0), tl.broadcast_to(scale[:, None], x.shape)), -448.0, 448.0)
     tl.store(q_ptr + rows.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], y.to(tl.float8e4nv), mask=m)
     tl.store(s_ptr + rows, scale, mask=ok)
