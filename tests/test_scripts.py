@@ -335,6 +335,64 @@ def test_decode_targets_rejects_other_reports(tmp_path):
     assert res.returncode == 2 and "--floor-group must be" in res.stderr
 
 
+def _prefill_targets():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("prefill_targets", os.path.join(SCRIPTS, "prefill_targets.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _prefill_report(tmp_path):
+    """A prefill report: our bf16 1.1x faster than FlashInfer and 0.8x cuDNN's speed at h64/8 q4k, cuDNN absent at
+    h8/1 q4k; the fp8q rows 1.25x (h64/8) and 1.4x (h8/1) our bf16 at q4k; q8k not run."""
+    rows = []
+
+    def row(case, impl, us, flops=0, status="ok"):
+        rows.append(dict(suite="prefill", case=case, impl=impl, ours=impl.startswith("hpcops"), us=us, status=status,
+                         flops=flops))
+
+    row("h64x8-bf16-q4k", "hpcops", 100.0, flops=int(5e10))
+    row("h64x8-bf16-q4k", "flashinfer", 110.0)
+    row("h64x8-bf16-q4k", "sdpa-cudnn", 80.0)
+    row("h64x8-fp8-q4k", "hpcops-fp8q", 80.0, flops=int(5e10))
+    row("h8x1-bf16-q4k", "hpcops", 50.0)
+    row("h8x1-bf16-q4k", "flashinfer", 60.0)
+    row("h8x1-bf16-q4k", "sdpa-cudnn", 1.0, status="error: boom")  # a failed peer row is not counted
+    row("h8x1-fp8-q4k", "hpcops-fp8q", 50.0 / 1.4)
+    path = tmp_path / "prefill.json"
+    path.write_text(json.dumps(dict(suite="prefill", machine=dict(gpu="G", gemm_tflops_bf16=800.0), rows=rows)))
+    return path
+
+
+def test_prefill_targets_ratios_and_flags(tmp_path):
+    pt = _prefill_targets()
+    machine, cases = pt.load(_prefill_report(tmp_path))
+    bf16 = pt.bf16_markdown(cases)
+    assert "| h64x8-bf16-q4k | 100.0 | 500 | flashinfer | 110.0 | 1.100 | >= 0.9 | pass |" in bf16
+    assert "| h64x8-bf16-q4k | 100.0 | 500 | sdpa-cudnn | 80.0 | 0.800 | >= 0.85 | **short** |" in bf16
+    assert "| h8x1-bf16-q4k | 50.0 |  | sdpa-cudnn | — | — | >= 0.85 | peer did not run |" in bf16
+    assert "| h64x8-bf16-q8k | — | | | | — | | not run |" in bf16  # absent: named, not passed
+    fp8 = pt.fp8_markdown(machine, cases)
+    # 1.25x: short, the fp8q row must reach 100 / 1.3 µs, i.e. 5e10 FLOP in 76.9 µs = 650 TFLOP/s
+    assert "| h64x8 q4k | 100.0 | 500 | 80.0 | 625 | 1.250 | >= 1.3 | **short** | 76.9 | 650 |" in fp8
+    assert "| h8x1 q4k | 50.0 |  | 35.7 |  | 1.400 | >= 1.3 | pass |" in fp8
+    assert "| h8x1 q8k | — | | — | | — | >= 1.3 | not run | | |" in fp8
+    assert "800.0 TFLOP/s" in fp8
+
+
+def test_prefill_targets_rejects_other_reports(tmp_path):
+    bad = tmp_path / "decode.json"
+    bad.write_text(json.dumps(dict(suite="decode", machine={}, rows=[])))
+    res = subprocess.run([sys.executable, os.path.join(SCRIPTS, "prefill_targets.py"), str(bad)],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "not a prefill bench report" in res.stderr
+    res = subprocess.run([sys.executable, os.path.join(SCRIPTS, "prefill_targets.py"), str(_prefill_report(tmp_path))],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and "# Issue 12 prefill targets (G," in res.stdout
+
+
 def _read_floor():
     import importlib.util
 
