@@ -126,6 +126,11 @@ for st in "${stages[@]}"; do
           python3 scripts/decode_targets.py "$OUT/results/decode.json" > "$OUT/results/decode_targets.md" 2>&1 \
             && cat "$OUT/results/decode_targets.md"
         fi
+        # issue 12's targets of this run (scripts/prefill_targets.py)
+        if [ "$s" = prefill ] && [ -f "$OUT/results/prefill.json" ]; then
+          python3 scripts/prefill_targets.py "$OUT/results/prefill.json" > "$OUT/results/prefill_targets.md" 2>&1 \
+            && cat "$OUT/results/prefill_targets.md"
+        fi
       done ;;
     layer:*)
       # the layer sweep in parts (each under the device's per-command limit): one `--only <part>` run a part, into
