@@ -36,11 +36,7 @@ PEERS = ("flashinfer-decode", "flashinfer-tc")
 
 def load(path: str | Path) -> tuple[dict, dict[str, dict[str, report.Row]]]:
     """The report's machine and its timed ok rows as {case: {impl: row}}."""
-    result = report.load(path)
-    if result.suite != "decode":
-        raise ValueError(f"{path}: not a decode bench report (suite {result.suite!r})")
-    cases = {c: {r.impl: r for r in rows if r.status == "ok" and r.us} for c, rows in report.by_case(result).items()}
-    return result.machine, cases
+    return report.timed_cases(path, "decode")
 
 
 def ours_impl(case: str) -> str:

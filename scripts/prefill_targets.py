@@ -34,11 +34,7 @@ FP8_GOAL = 1.3
 
 def load(path: str | Path) -> tuple[dict, dict[str, dict[str, report.Row]]]:
     """The report's machine and its timed ok rows as {case: {impl: row}}."""
-    result = report.load(path)
-    if result.suite != "prefill":
-        raise ValueError(f"{path}: not a prefill bench report (suite {result.suite!r})")
-    cases = {c: {r.impl: r for r in rows if r.status == "ok" and r.us} for c, rows in report.by_case(result).items()}
-    return result.machine, cases
+    return report.timed_cases(path, "prefill")
 
 
 def _verdict(value: float, goal: float) -> str:

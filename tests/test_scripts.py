@@ -264,13 +264,18 @@ def test_ab_bench_prepare_and_summary(tmp_path):
     assert res.returncode == 2 and "prepare REV" in res.stderr
 
 
-def _decode_targets():
+def _script(name: str):
+    """scripts/<name>.py imported as a module."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("decode_targets", os.path.join(SCRIPTS, "decode_targets.py"))
+    spec = importlib.util.spec_from_file_location(name, os.path.join(SCRIPTS, f"{name}.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def _decode_targets():
+    return _script("decode_targets")
 
 
 def _decode_report(tmp_path, scale_bf16: float = 1.0):
@@ -336,12 +341,7 @@ def test_decode_targets_rejects_other_reports(tmp_path):
 
 
 def _prefill_targets():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("prefill_targets", os.path.join(SCRIPTS, "prefill_targets.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return _script("prefill_targets")
 
 
 def _prefill_report(tmp_path):
@@ -394,12 +394,7 @@ def test_prefill_targets_rejects_other_reports(tmp_path):
 
 
 def _read_floor():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("decode_read_floor", os.path.join(SCRIPTS, "decode_read_floor.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return _script("decode_read_floor")
 
 
 def test_read_floor_counts_every_used_page_of_k_and_v():

@@ -129,6 +129,16 @@ def load(path: str | Path) -> SuiteResult:
     return SuiteResult(d["suite"], rows, d["machine"])
 
 
+def timed_cases(path: str | Path, suite: str) -> tuple[dict, dict[str, dict[str, Row]]]:
+    """A `suite` report's machine and its timed ok rows as {case: {impl: row}} (the targets scripts' view);
+    ValueError naming the file if it is another suite's report."""
+    result = load(path)
+    if result.suite != suite:
+        raise ValueError(f"{path}: not a {suite} bench report (suite {result.suite!r})")
+    cases = {c: {r.impl: r for r in rows if r.status == "ok" and r.us} for c, rows in by_case(result).items()}
+    return result.machine, cases
+
+
 def write(result: SuiteResult, out_dir: str | Path) -> list[Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
