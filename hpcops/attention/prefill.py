@@ -612,12 +612,10 @@ def _quantized_q_for_gluon(q, k_cache, v_cache, max_seqlen_q, scale, out, config
     """Where the fp8 Gluon kernel will serve the call with q quantized (a bf16 q, whose output dtype the fp8 kernel
     writes; `_choose_kernel` for an fp8 q picks it): (q8, its scales, the kernel choice for `_launch`), q
     quantized by `quantize_q`; else None (nothing launched)."""
-    if q.dtype != torch.bfloat16:
+    if q.dtype != torch.bfloat16 or (config is not None and config.gluon is False):
         return None
     sm_scale = float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     stand_in = torch.empty((0, *q.shape[1:]), dtype=FP8_E4M3, device=q.device)  # dtype, D and strides: an fp8 q
-    if config is not None and config.gluon is False:
-        return None
     try:
         chosen = _choose_kernel(stand_in, k_cache, v_cache, max_seqlen_q, sm_scale, out, config)
     except ValueError:  # gluon=True that cannot serve it: the tl route below says so for the 16-bit q
