@@ -158,10 +158,10 @@ for st in "${stages[@]}"; do
           python3 scripts/profile_decode.py $args 2>&1 | tee -a "$OUT/results/ncu_decode.txt" | tail -60
       done ;;
     profile:prefill)
-      # Nsight Compute on the prefill kernels at h64/8 q8k: the bf16 default (the warp-specialized Gluon kernel) and
-      # the fp8 default (the Gluon kernel in fp8), one launch each: stall reasons, issue, pipes, and shared memory's
-      # instructions, wavefronts and bank conflicts (loads, stores) beside the tensor pipe; SourceCounters names the
-      # instructions with the most stall samples and excess shared wavefronts
+      # Nsight Compute on the prefill kernels (h64/8 q8k unless PROFILE_SHAPE says otherwise): the bf16 default (the
+      # warp-specialized Gluon kernel) and the fp8 default (the Gluon kernel in fp8), one launch each: stall reasons,
+      # issue, pipes, and shared memory's instructions, wavefronts and bank conflicts (loads, stores) beside the tensor
+      # pipe; SourceCounters names the instructions with the most stall samples and excess shared wavefronts
       smem=l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_st.sum
       smem=$smem,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum
       smem=$smem,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum
@@ -170,6 +170,8 @@ for st in "${stages[@]}"; do
       # every stall reason (cycles a warp waits, per issued instruction) and every pipe's utilization (MUFU: xu)
       smem=$smem,'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio'
       smem=$smem,'regex:sm__inst_executed_pipe_.*\.avg\.pct_of_peak_sustained_active$'
+      # PROFILE_SHAPE: the case (profile_prefill.py's options, default "--spec q8k --heads 64/8"; e.g. "--spec q8k
+      # --heads 8/1", where issue 12's fp8 / bf16 ratio is the kernels' compute alone);
       # PROFILE_QS: which q dtypes (default "bf16 fp8"); PROFILE_CONFIGS: fp8 variants beside the default, each an
       # HPCOPS_PREFILL_CONFIG string, ';'-separated (e.g. "gluon=1,gluon_p_dbuf=1"), each profiled (and with NCU_SASS
       # its SASS written) under its own heading
@@ -183,7 +185,7 @@ for st in "${stages[@]}"; do
         HPCOPS_PREFILL_CONFIG=$c ncu_one prefill_gluon \
           --section LaunchStats --section Occupancy --section SpeedOfLight --section ComputeWorkloadAnalysis \
           --section MemoryWorkloadAnalysis --section SchedulerStats --section WarpStateStats --metrics "$smem" \
-          --section SourceCounters python3 scripts/profile_prefill.py --q "$q" 2>&1 \
+          --section SourceCounters python3 scripts/profile_prefill.py --q "$q" ${PROFILE_SHAPE:-} 2>&1 \
           | tee -a "$OUT/results/ncu_prefill.txt" | tail -60
         # NCU_SASS=1: an fp8 kernel's SASS with each instruction's executed count and stall samples (the source
         # page as CSV): which instructions the warps wait at
@@ -191,7 +193,7 @@ for st in "${stages[@]}"; do
           sass="$OUT/results/ncu_prefill_sass${c:+_$(echo "$c" | tr -c 'a-zA-Z0-9_\n' _)}.csv"
           HPCOPS_PREFILL_CONFIG=$c ncu_one prefill_gluon \
             --section SourceCounters --section WarpStateStats --page source --print-source sass --csv \
-            python3 scripts/profile_prefill.py --q fp8 > "$sass" 2>&1
+            python3 scripts/profile_prefill.py --q fp8 ${PROFILE_SHAPE:-} > "$sass" 2>&1
           tail -3 "$sass"
         fi
       done ;;

@@ -150,6 +150,8 @@ def test_profile_prefill_options_and_gpu_check_stage():
     stage = stage[:stage.index(";;")]
     assert "${PROFILE_QS:-bf16 fp8}" in stage and "bank_conflicts_pipe_lsu_mem_shared_op_st" in stage
     assert "PROFILE_CONFIGS" in stage and "HPCOPS_PREFILL_CONFIG=$c" in stage
+    assert stage.count('profile_prefill.py --q "$q" ${PROFILE_SHAPE:-}') == 1  # the case reaches both ncu runs
+    assert stage.count("profile_prefill.py --q fp8 ${PROFILE_SHAPE:-}") == 1
 
 
 FAKE_CHECK = """#!/usr/bin/env bash
