@@ -121,15 +121,12 @@ for st in "${stages[@]}"; do
       for s in "${suites[@]}"; do
         timeout "${BENCH_TIMEOUT:-0}" python3 -m hpcops bench "$s" --out "$OUT/results" --no-progress "${bargs[@]}" 2>&1 \
           | tee -a "$OUT/bench.log" | grep -v '^\[' | tail -60 || status=1
-        # issue 10's targets and the copy-floor bound of this run (scripts/decode_targets.py), beside the report
-        if [ "$s" = decode ] && [ -f "$OUT/results/decode.json" ] && [[ " ${bargs[*]:-} " != *" --grid "* ]]; then
-          python3 scripts/decode_targets.py "$OUT/results/decode.json" > "$OUT/results/decode_targets.md" 2>&1 \
-            && cat "$OUT/results/decode_targets.md"
-        fi
-        # issue 12's targets of this run (scripts/prefill_targets.py)
-        if [ "$s" = prefill ] && [ -f "$OUT/results/prefill.json" ]; then
-          python3 scripts/prefill_targets.py "$OUT/results/prefill.json" > "$OUT/results/prefill_targets.md" 2>&1 \
-            && cat "$OUT/results/prefill_targets.md"
+        # the issue targets of this run beside the report, where the suite has a script for them
+        # (scripts/decode_targets.py: issue 10 and the copy-floor bound; scripts/prefill_targets.py: issue 12)
+        if [ -f "scripts/${s}_targets.py" ] && [ -f "$OUT/results/$s.json" ] && [[ " ${bargs[*]:-} " != *" --grid "* ]]
+        then
+          python3 "scripts/${s}_targets.py" "$OUT/results/$s.json" > "$OUT/results/${s}_targets.md" 2>&1 \
+            && cat "$OUT/results/${s}_targets.md"
         fi
       done ;;
     layer:*)
