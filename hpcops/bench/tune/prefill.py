@@ -117,6 +117,7 @@ GLUON_SPACE = (
     knob("gluon_mma_sum", False, True),
     knob("gluon_persist", False, True),
     knob("gluon_q_regs", False, True),
+    knob("gluon_turn", 0, 1, 2),
 )
 
 
