@@ -406,20 +406,11 @@ def test_gluon_config_and_reasons(monkeypatch):
                                    rep(cfg, block_n=64), 0.1)),
         ("q is not contiguous", (torch.zeros(300, 16, 256, dtype=bf16)[..., ::2], kv.k_cache, kv.v_cache, cfg, 0.1)),
         ("k_cache: blocks are not back to back", (q, hnd, kv.v_cache, cfg, 0.1)),
-        ("gluon_turn is for the warp-specialized", (q, kv.k_cache, kv.v_cache,
-                                                    rep(cfg, gluon_turn=1, gluon_ws=False, block_m=64, num_warps=4),
-                                                    0.1)),
-        ("not gluon_persist", (q8, fp8kv.k_cache, fp8kv.v_cache, rep(cfg, gluon_turn=1, gluon_persist=True), 0.1)),
     ]:
         got = gluon_unsupported_reason(*args)
         assert got is not None and why in got, (why, got)
     assert gluon_unsupported_reason(q, page16.k_cache, page16.v_cache, cfg, 0.1) is None  # a TMA box a page
     assert gluon_unsupported_reason(q8, fp8kv.k_cache, fp8kv.v_cache, cfg, 0.1) is None  # fp8 on the WS kernel
-    for turn in (1, 2):  # the turns on named barriers or none: both kernels
-        assert gluon_unsupported_reason(q8, fp8kv.k_cache, fp8kv.v_cache, rep(cfg, gluon_turn=turn), 0.1) is None
-        assert gluon_unsupported_reason(q, kv.k_cache, kv.v_cache, rep(cfg, gluon_turn=turn), 0.1) is None
-    with pytest.raises(ValueError, match="gluon_turn must be 0"):
-        PrefillConfig(gluon_turn=3)
     assert "out is not contiguous" in gluon_unsupported_reason(q, kv.k_cache, kv.v_cache, cfg, 0.1,
                                                              torch.zeros(300, 16, 256, dtype=bf16)[..., ::2])
 
@@ -813,11 +804,11 @@ def test_prefill_gpu_configs(config: PrefillConfig):
 def _gluon(name: str, seq_lens: list[int], q_lens: list[int], *, block_m: int = 128, block_n: int = 128,
             stages: int = 2, heads_inner: bool = True, ws: bool = False, p_regs: bool = False, tree: bool = False,
             p_dbuf: bool = False, pvo: bool = False, msum: bool = False, persist: bool = False,
-            qregs: bool = False, turn: int = 0, **kw) -> Case:
+            qregs: bool = False, **kw) -> Case:
     cfg = PrefillConfig(block_m=block_m, block_n=block_n, num_warps=block_m // 16, num_stages=stages,
                         heads_inner=heads_inner, gluon=True, gluon_ws=ws, gluon_p_regs=p_regs, gluon_tree=tree,
                         gluon_p_dbuf=p_dbuf, gluon_pv_overlap=pvo, gluon_mma_sum=msum, gluon_persist=persist,
-                        gluon_q_regs=qregs, gluon_turn=turn)
+                        gluon_q_regs=qregs)
     kw = {"hq": 64, "hkv": 8, "head_dim": 128, "block_size": 64, **kw}
     return Case(name, seq_lens, q_lens, config=cfg, **kw)
 
@@ -917,22 +908,6 @@ GLUON_CASES = [
            hq=8, hkv=1, pad_rows=5, ws=True, kv_dtype=FP8, q_fp8=True, stages=3, msum=True, qregs=True, persist=True),
     _gluon("gluon-ws-fp8-qregs-pdbuf-tree-q2k-h64/8", [2048], [2048], ws=True, kv_dtype=FP8, q_fp8=True, stages=3,
            qregs=True, p_dbuf=True, tree=True),
-    # PrefillConfig.gluon_turn: the consumers' turns on named barriers (1) or none (2): the fp8 default (q tiles of
-    # 1 to 33 K/V steps, a 1-token request, so the last-pass skip meets every count), bf16, d64 fp16, 64-key tiles
-    _gluon("gluon-ws-fp8-turn-named-extend-mixed-h8/1", [4096, 3000, 1, 700, 129], [1024, 1, 1, 700, 64], hq=8,
-           hkv=1, pad_rows=5, ws=True, kv_dtype=FP8, q_fp8=True, stages=3, msum=True, qregs=True, turn=1),
-    _gluon("gluon-ws-fp8-turn-named-q2k-h64/8", [2048], [2048], ws=True, kv_dtype=FP8, q_fp8=True, stages=3,
-           msum=True, qregs=True, turn=1),
-    _gluon("gluon-ws-fp8-turn-free-extend-mixed-h64/8", [4096, 3000, 1, 700, 129], [1024, 1, 1, 700, 64],
-           pad_rows=5, ws=True, kv_dtype=FP8, q_fp8=True, stages=3, msum=True, qregs=True, turn=2),
-    _gluon("gluon-ws-turn-named-extend-mixed-h64/8-3buf", [4096, 3000, 1, 700, 129], [1024, 1, 1, 700, 64],
-           pad_rows=5, stages=3, ws=True, turn=1),
-    _gluon("gluon-ws-turn-named-fp16-d64-gqa3-page32", [777, 129], [777, 64], hq=12, hkv=4, head_dim=64,
-           block_size=32, q_dtype=torch.float16, kv_dtype=torch.float16, ws=True, turn=1),
-    _gluon("gluon-ws-turn-free-2q1ks4k-h8/1-128x64", [4096, 4096], [1024, 1024], hq=8, hkv=1, block_n=64, ws=True,
-           turn=2),
-    _gluon("gluon-ws-fp8-turn-free-persist-mha-page16-bn64", [1000, 513], [1000, 17], hq=4, hkv=4, block_size=16,
-           block_n=64, ws=True, kv_dtype=FP8, q_fp8=True, msum=True, persist=True, turn=2),
 ]
 
 

@@ -204,7 +204,7 @@ from hpcops.attention.prefill import GLUON_WS_PERSIST_REGS
 from hpcops.testing import sm90_resources
 
 d, g, tile, page, stages, dt, *flags = json.loads(sys.argv[1])
-p_regs, tree, p_dbuf, pvo, msum, persist, qregs, turn = (flags + [False] * 7 + [0])[:8]
+p_regs, tree, p_dbuf, pvo, msum, persist, qregs = (flags + [False] * 7)[:7]
 gdt = {"bf16": gl.bfloat16, "fp16": gl.float16, "fp8e4nv": gl.float8e4nv}[dt]
 box = min(tile, page)
 desc = f"tensordesc<{dt}[{box}, {d}],{gl.NVMMASharedLayout.get_default_for([box, d], gdt)}>"
@@ -218,8 +218,7 @@ consts = dict(D=d, G=g, TILE=tile, PAGE=page, BLOCK_B=16, STAGES=stages, HEADS_I
               CONSUMER_REGS=GLUON_WS_CONSUMER_REGS, num_warps=4,
               FP8=(2 if p_regs else 3 if p_dbuf else 1) if dt == "fp8e4nv" else 0,
               FP8_CONSUMER_REGS=GLUON_WS_FP8_REGS[0], FP8_PRODUCER_REGS=GLUON_WS_FP8_REGS[1],
-              SOFTMAX=(1 if tree else 0) | (2 if pvo else 0) | (4 if msum else 0) | (32 if qregs else 0)
-                      | {0: 0, 1: 64, 2: 128}[turn])
+              SOFTMAX=(1 if tree else 0) | (2 if pvo else 0) | (4 if msum else 0) | (32 if qregs else 0))
 if persist:  # PrefillConfig.gluon_persist: the kernel as a persistent grid, its own register splits
     consts.update(FP8_CONSUMER_REGS=GLUON_WS_FP8_PERSIST_REGS[0], FP8_PRODUCER_REGS=GLUON_WS_FP8_PERSIST_REGS[1],
                   CONSUMER_REGS=GLUON_WS_PERSIST_REGS[0], PRODUCER_REGS=GLUON_WS_PERSIST_REGS[1])
@@ -232,8 +231,6 @@ ptx = c.asm["ptx"]
 r["setmaxnreg"] = sorted({int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)})
 r["cta_barriers"] = len(re.findall(r"\bbar\.sync\s+0;", ptx))  # bar.sync 0 without a thread count: the whole CTA
 r["byte_stores"] = len(re.findall(r"\bst\.shared\.b8\b", ptx))
-r["named_turns"] = sorted(set(re.findall(r"\bbar\.(sync|arrive) (1[45]), 256;", ptx)))  # gluon_turn=1's barriers
-r["mbar_arrives"] = len(re.findall(r"\bmbarrier\.arrive\.shared", ptx))
 r["b16_stores"] = len(re.findall(r"\bst\.shared\.b16\b", ptx))  # the fp8 P's 2-byte pieces
 r["v4_stores"] = len(re.findall(r"\bst\.shared\.v4\.b32\b", ptx))
 # the SASS between a loop's S wait (DEPBAR.LE gsb0, 0x1; gluon_mma_sum 0x2: P·1 too) and its P·V wait (0x0):
@@ -283,18 +280,7 @@ GLUON_WS_BUILDS = {  # name: (head_dim, G, block_n, page, stages, dtype)
     "fp8-d128-mha-64-page16-msum-qregs": (128, 1, 64, 16, 3, "fp8e4nv", False, False, False, False, True, False, True),
     "fp8-d128-h8/1-128-3buf-msum-qregs-persist": (128, 8, 128, 64, 3, "fp8e4nv", False, False, False, False, True,
                                                   True, True),
-    # PrefillConfig.gluon_turn: the fp8 default and the bf16 tile with the turns on named barriers (1) or none (2)
-    "fp8-d128-h8/1-128-3buf-msum-qregs-turn-named": (128, 8, 128, 64, 3, "fp8e4nv", False, False, False, False, True,
-                                                     False, True, 1),
-    "fp8-d128-h8/1-128-3buf-msum-qregs-turn-free": (128, 8, 128, 64, 3, "fp8e4nv", False, False, False, False, True,
-                                                    False, True, 2),
-    "d128-128-3buf-turn-named": (128, 8, 128, 64, 3, "bf16", False, False, False, False, False, False, False, 1),
-    "d128-128-3buf-turn-free": (128, 8, 128, 64, 3, "bf16", False, False, False, False, False, False, False, 2),
 }
-
-
-# the builds without a turn knob, by their first 13 fields padded: the turn builds' baselines
-GLUON_WS_BUILDS_BY_FLAGS = [((v + (False,) * 13)[:13], k) for k, v in GLUON_WS_BUILDS.items() if len(v) <= 13]
 
 
 @pytest.mark.parametrize("name", list(GLUON_WS_BUILDS))
@@ -337,16 +323,6 @@ def test_gluon_ws_prefill_kernel_builds_for_sm90(name):
         # the permuted key order (_vt_perm): each consumer stores its 64 x 128 P in 16-byte pieces, 4 a thread, in
         # the prologue and the loop (2 consumers), not 2 bytes at a time
         assert r["b16_stores"] == 0 and r["v4_stores"] >= 2 * 2 * 4, r
-    turn = (GLUON_WS_BUILDS[name][13:14] or (0,))[0]
-    if turn == 1:  # each consumer waits on its barrier (14 + WG) and passes on the other's: all four named barriers
-        assert r["named_turns"] == [["arrive", "14"], ["arrive", "15"], ["sync", "14"], ["sync", "15"]], r
-    else:
-        assert r["named_turns"] == [], r
-    if turn:  # no turn mbarrier passed: one arrive fewer in each consumer's loop than the mbarrier turns have
-        base = dict(GLUON_WS_BUILDS_BY_FLAGS).get(GLUON_WS_BUILDS[name][:13])
-        if base is not None:
-            r0 = sm90_build_in_subprocess(GLUON_WS_BUILD, GLUON_WS_BUILDS[base])
-            assert r["mbar_arrives"] == r0["mbar_arrives"] - 2, (r, r0)
     if GLUON_WS_BUILDS[name][12:13] == (True,):  # gluon_q_regs: S wgmmas take q from registers (both consumers)
         assert r["q_reg_wgmma"] >= 2 * (d // k_step), r
     else:

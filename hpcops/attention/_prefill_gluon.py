@@ -316,27 +316,6 @@ def _ring(j, g0, PERSIST: gl.constexpr):
         return j
 
 
-# `PrefillConfig.gluon_turn` 1: the consumers' turns on two hardware named barriers (FA3's scheduler barriers) instead
-# of mbarriers. Ids 14 and 15 (Triton's warp specialization numbers its own from 0 up, one a partition and a few
-# more); each counts the 256 threads of both consumer warpgroups: one's `bar.sync` and the other's `bar.arrive`.
-TURN_BAR0 = gl.constexpr(14)
-
-
-@gluon.constexpr_function
-def _named_barrier_asm(BAR, SYNC):
-    """The PTX of `_named_barrier`: predicated on $1, a dummy result in $0."""
-    op = "bar.sync" if SYNC else "bar.arrive"
-    return f"{{ .reg .pred p; setp.ne.u32 p, $1, 0; @p {op} {BAR}, 256; mov.u32 $0, 0; }}"
-
-
-@gluon.jit
-def _named_barrier(BAR: gl.constexpr, go, SYNC: gl.constexpr):
-    """`bar.sync` (SYNC: wait) or `bar.arrive` (pass) on named barrier `BAR` for the 256 consumer threads, where
-    `go` (a warpgroup-uniform scalar) holds. No shared memory is touched, so Gluon adds no CTA barrier around it."""
-    gl.inline_asm_elementwise(_named_barrier_asm(BAR, SYNC), "=r,r", [go.to(gl.int32)], dtype=gl.int32,
-                              is_pure=False, pack=1)
-
-
 @gluon.jit
 def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, turn, bt_row, bt_width, num_blocks,
             k_col, v_col, n, q_start, q_len, first_tok, ctx_len, seq_len, kv_head, c, stride_qt, stride_qh,
@@ -373,8 +352,7 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
     row; each tile's wgmma starts from zero and its sums join l in fp32 (4 FADD a thread), as the fp8 wgmma keeps
     only ~14 bits where it adds to a large accumulator. SOFTMAX & 32 (`PrefillConfig.gluon_q_regs`, fp8):
     q in registers as S's A operand (loaded once; fp8: 16 registers a thread) instead of read from shared memory by
-    every S wgmma. SOFTMAX & 64 / 128 (`PrefillConfig.gluon_turn` 1 / 2, warp-specialized): the turns on
-    two named barriers (`_named_barrier`), or none. PERSIST (`PrefillConfig.gluon_persist`, fp8 with P in shared
+    every S wgmma. PERSIST (`PrefillConfig.gluon_persist`, fp8 with P in shared
     memory: a program walking several q tiles): this q tile's K/V steps are steps G0.. of the program's ring (slots,
     phases, Vᵀ buffers) and its turns T0..; the last Vᵀ buffer is given back too (the producer refills it for the
     next q tile)."""
@@ -387,9 +365,6 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
     MSUM: gl.constexpr = (SOFTMAX & 4) != 0 and FP8 != 0 and FP8 != 2  # the row sums as l += P8·1 (wgmma N = 8)
     Q_REGS: gl.constexpr = (SOFTMAX & 32) != 0  # q as S's register operand
     VT_PERM: gl.constexpr = FP8 != 2 and _vt_perm(TILE, D)  # P and Vᵀ in the permuted key order
-    NAMED_TURN: gl.constexpr = (SOFTMAX & 64) != 0 and WS  # turns on named barriers (`_named_barrier`)
-    FREE_TURN: gl.constexpr = (SOFTMAX & 128) != 0 and WS  # no turns: each warpgroup issues when it is ready
-    gl.static_assert(not (NAMED_TURN and PERSIST), "named-barrier turns: one q tile a program")
     gl.static_assert(WS or not FP8, "the fp8 loop runs on the warp-specialized kernel only")
     gl.static_assert(not PERSIST or (WS and FP8 != 2), "the persistent loop: warp-specialized, P not in fp8 registers")
     DT: gl.constexpr = k_desc.dtype
@@ -468,11 +443,7 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
         mbarrier.wait(full.index(nxt), ((rj + 1) // STAGES) & 1)
         if FP8:  # Vᵀ_j from the producer
             mbarrier.wait(vt_full.index(rj % 2), (rj // 2) & 1)
-        if NAMED_TURN:  # warpgroup 0's first turn is free; then each waits for the other's last issue
-            _named_barrier(TURN_BAR0 + WG, (j > 0) | (WG == 1), True)
-        elif FREE_TURN:
-            pass
-        elif WS:  # my turn at the tensor cores: warpgroup 0 first (its first wait passes on the initial phase)
+        if WS:  # my turn at the tensor cores: warpgroup 0 first (its first wait passes on the initial phase)
             mbarrier.wait(turn.index(WG), (_ring(j, T0, PERSIST) & 1) ^ (1 - WG))
         s_tok = warpgroup_mma(q_op, k_smem.index(nxt).permute((1, 0)),
                               gl.zeros([ROWS, TILE], gl.float32, layout=s_layout), use_acc=False, is_async=True)
@@ -491,11 +462,7 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
             # adds its products to a large accumulator, so summing into l_acc itself cut off late small P
             l_tok = warpgroup_mma(p_buf.index(2 * WG + j % 2) if P_DBUF else p_buf, ones_buf.permute((1, 0)), l_zero,
                                   use_acc=False, is_async=True)
-        if NAMED_TURN:  # warpgroup 1's last pass would have no wait to meet: skipped
-            _named_barrier(TURN_BAR0 + 1 - WG, (j < n - 2) | (WG == 0), False)
-        elif FREE_TURN:
-            pass
-        elif WS:
+        if WS:
             mbarrier.arrive(turn.index(1 - WG), count=1)
         s = warpgroup_mma_wait(2 if MSUM else 1, deps=[s_tok])  # S_{j+1} done, P_j·V_j may still run
         p_next, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, c, (j + 1) * TILE, kv_limit, keys, j + 1 >= full_end,

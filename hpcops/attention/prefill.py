@@ -93,12 +93,6 @@ class PrefillConfig:
     the Vᵀ transpose and P). `gluon_config(fp8=True)` turns it on: H200, same run, 0.986-0.991x the time of q from
     shared memory at every fp8 q4k/q8k case (`bench/results/prefill_fexp_qregs_633e984.md`; bench row
     `hpcops-fp8q-smemq` beside it). A 16-bit q in registers spills (24 bytes a consumer at head_dim 128).
-    `gluon_turn` (the warp-specialized kernel): how its two consumer warpgroups take turns at the tensor cores. 0
-    (default): on two mbarriers; Gluon makes each pass a single-thread arrive behind a warpgroup barrier, and each
-    wait an mbarrier poll. 1: on two hardware named barriers (FA3's scheduler barriers: `bar.sync` to wait,
-    `bar.arrive` to pass, every thread; one warpgroup barrier a tile less); one q tile a program (not
-    `gluon_persist`). 2: no turns: each warpgroup issues its wgmmas as soon as it is ready. Opt-in until measured
-    (bench rows `hpcops-fp8q-turn-named`, `hpcops-fp8q-turn-free`, `hpcops-turn-named`, `hpcops-turn-free`).
     `tma`, `pv_fp8`, `quant_q` and `fma_scale` are the `tl` kernel's (the Gluon kernel always reads by TMA and
     scales inside exp2).
     """
@@ -121,16 +115,12 @@ class PrefillConfig:
     gluon_mma_sum: bool = False
     gluon_persist: bool = False
     gluon_q_regs: bool = False
-    gluon_turn: int = 0
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"PrefillConfig.{name} must be a power of two >= 16, got {v}")
-        if self.gluon_turn not in (0, 1, 2):
-            raise ValueError(f"PrefillConfig.gluon_turn must be 0 (mbarriers), 1 (named barriers) or 2 (none), got "
-                             f"{self.gluon_turn!r}")
         if self.pv_fp8 and self.block_n < 32:
             raise ValueError(
                 f"PrefillConfig.pv_fp8 needs block_n >= 32 (an fp8 P·V dot has K = block_n and fp8 MMAs "
@@ -402,10 +392,6 @@ def gluon_config_reason(config: PrefillConfig, *, fp8: bool, head_dim: int, grou
     if config.gluon_q_regs and not fp8:
         return ("gluon_q_regs is for an fp8 q over fp8 KV (a 16-bit q in registers spills: 24 bytes a consumer at "
                 "head_dim 128 in ptxas)")
-    if config.gluon_turn and not config.gluon_ws:
-        return "gluon_turn is for the warp-specialized kernel (gluon_ws): its two consumer warpgroups take turns"
-    if config.gluon_turn == 1 and config.gluon_persist:
-        return "gluon_turn=1 (named barriers) runs one q tile a program (not gluon_persist)"
     if fp8 and d > 128:
         return f"head_dim {d} with fp8 (the fp8 consumer's registers spill above 128: 496 bytes at 256 in ptxas)"
     if fp8 and config.block_n % 32:
@@ -454,7 +440,7 @@ def _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, out,
     common = dict(D=d, G=hq // hkv, TILE=config.block_n, PAGE=page, BLOCK_B=block_b, STAGES=config.num_stages,
                   HEADS_INNER=bool(config.heads_inner))
     bits = (1 if config.gluon_tree else 0) | (2 if config.gluon_pv_overlap else 0) | (4 if config.gluon_mma_sum else 0)
-    bits |= (32 if config.gluon_q_regs else 0) | {0: 0, 1: 64, 2: 128}[config.gluon_turn]
+    bits |= 32 if config.gluon_q_regs else 0
     softmax = {"SOFTMAX": bits} if bits else {}  # the defaults' launches keep their signature
     if config.gluon_ws:
         fp8 = q.dtype == FP8_E4M3

@@ -419,12 +419,6 @@ def cases(opts: dict) -> Iterator[Case]:
                         Impl("hpcops-fp8q-tree", _ours(True, {**GLUON_FP8, "gluon_tree": True}),
                              note="variant: the Gluon fp8 kernel with its row max and sum as trees (gluon_tree=True)")
                     )
-                    for turn, how in ((1, "on named barriers"), (2, "free: no turns")):
-                        impls.append(
-                            Impl(f"hpcops-fp8q-turn-{'named' if turn == 1 else 'free'}",
-                                 _ours(True, {**GLUON_FP8_MSUM, "gluon_turn": turn}),
-                                 note=f"variant: the fp8 default, its consumers' turns {how} (gluon_turn={turn})")
-                        )
                 if not fp8:
                     # the tl kernel beside the default, which takes the Gluon kernel here on an H200 (gluon_config)
                     impls.append(
@@ -440,13 +434,6 @@ def cases(opts: dict) -> Iterator[Case]:
                              note="variant: the bf16 default's kernel as a persistent grid (gluon_tree=True, "
                              "gluon_persist=True)")
                     )
-                    for turn, how in ((1, "on named barriers"), (2, "free: no turns")):
-                        impls.append(
-                            Impl(f"hpcops-turn-{'named' if turn == 1 else 'free'}",
-                                 _ours(False, {**GLUON_FP8, "gluon_turn": turn}),
-                                 note=f"variant: the warp-specialized bf16 kernel (the default's tile at q2k-q8k), "
-                                 f"its consumers' turns {how} (gluon_turn={turn})")
-                        )
                 # variants timed in the same run: the pointer path (TMA is the default where the layout allows)
                 impls.append(
                     Impl(

@@ -117,7 +117,6 @@ GLUON_SPACE = (
     knob("gluon_mma_sum", False, True),
     knob("gluon_persist", False, True),
     knob("gluon_q_regs", False, True),
-    knob("gluon_turn", 0, 1, 2),
 )
 
 
