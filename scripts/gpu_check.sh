@@ -191,7 +191,8 @@ for st in "${stages[@]}"; do
           HPCOPS_PREFILL_CONFIG=$c ncu_one prefill_gluon \
             --section SourceCounters --section WarpStateStats --page source --print-source sass --csv \
             python3 scripts/profile_prefill.py --q fp8 ${PROFILE_SHAPE:-} > "$sass" 2>&1
-          tail -3 "$sass"
+          # the stall samples by opcode and reason in each consumer's softmax loop (scripts/ncu_sass_summary.py)
+          python3 scripts/ncu_sass_summary.py "$sass" > "${sass%.csv}_summary.txt" 2>&1 && head -12 "${sass%.csv}_summary.txt"
         fi
       done ;;
     profile:decode-kernels)

@@ -498,3 +498,39 @@ def test_gpu_check_tier_leaves_the_cpu_only_builds_to_ci(tmp_path, builds):
     assert ("left to the CPU tier" in report) != builds
     if not builds:
         assert all(f in report for f in cpu_only)
+
+
+def test_ncu_sass_summary_finds_the_softmax_loop_and_sums_its_stalls(tmp_path):
+    """ncu_sass_summary.py on a made-up SASS page: the loop closed by a backward branch around 60 MUFU.EX2 is found
+    (an outer loop around it and a loop without exp2 are not listed), its samples are summed by opcode (predicate and
+    modifiers dropped) and by reason, and a file with no SASS table is a clear error."""
+    import csv
+    import gzip
+
+    mod = _script("ncu_sass_summary")
+    cols = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed", "stall_wait",
+            "stall_barrier", "stall_wait (Not Issued)"]
+    base = 0x7F0000001000
+    prog = ["MOV R1, R2", "LOOP_TOP: FFMA R3, R4, R5, R6"] + ["MUFU.EX2 R7, R8"] * 60 + [
+        "@!P0 BAR.SYNC.DEFER_BLOCKING 0x2, 0x80", "@P1 BRA 0x10", "IADD3 R1, R1, 1, RZ", "@P2 BRA 0x0", "EXIT"]
+    rows = []
+    for i, src in enumerate(prog):
+        src = src.replace("LOOP_TOP: ", "")
+        wait = 2 if src.startswith("MUFU") else 0
+        bar = 5 if "BAR" in src else 0
+        rows.append([f"{base + 16 * i:#x}", src, str(wait + bar), "10", str(wait), str(bar), "0"])
+    path = tmp_path / "sass.csv.gz"
+    with gzip.open(path, "wt", newline="") as f:
+        f.write("==PROF== some report text above the table\n")
+        w = csv.writer(f, quoting=csv.QUOTE_ALL)
+        w.writerow(cols)
+        w.writerows(rows)
+    loops = mod.softmax_loops(mod.read_rows(str(path)), 60)
+    assert loops == [(1, 63)], loops  # FFMA .. the inner BRA (to offset 0x10), not the outer loop from 0x0
+    text = mod.report(str(path))
+    assert "loop 0x7f0000001010..0x7f00000013f0: 63 instructions, 125 samples (100.0 %), 630 executed" in text
+    assert "by opcode: MUFU 120, BAR 5" in text and "by reason: wait 120, barrier 5" in text
+    assert mod.opcode("@!P3 BAR.SYNC.DEFER_BLOCKING 0x2, 0x80") == "BAR"
+    (tmp_path / "empty.csv").write_text("no table here\n")
+    with pytest.raises(ValueError, match="no SASS source table"):
+        mod.read_rows(str(tmp_path / "empty.csv"))
