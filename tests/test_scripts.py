@@ -502,8 +502,8 @@ def test_gpu_check_tier_leaves_the_cpu_only_builds_to_ci(tmp_path, builds):
 
 def test_ncu_sass_summary_finds_the_softmax_loop_and_sums_its_stalls(tmp_path):
     """ncu_sass_summary.py on a made-up SASS page: the loop closed by a backward branch around 60 MUFU.EX2 is found
-    (an outer loop around it and a loop without exp2 are not listed), its samples are summed by opcode (predicate and
-    modifiers dropped) and by reason, and a file with no SASS table is a clear error."""
+    (the outer loop around it is not listed), its samples are summed by opcode (predicate and modifiers dropped) and
+    by reason, and a file with no SASS table is a clear error."""
     import csv
     import gzip
 
