@@ -280,6 +280,13 @@ def _decode_targets():
     return _script("decode_targets")
 
 
+def _write_report(tmp_path, suite: str, machine: dict, rows: list[dict]):
+    """A suite report `<suite>.json` as the bench writes it (suite, machine, rows) in tmp_path; its path."""
+    path = tmp_path / f"{suite}.json"
+    path.write_text(json.dumps(dict(suite=suite, machine=machine, rows=rows)))
+    return path
+
+
 def _decode_report(tmp_path, scale_bf16: float = 1.0):
     """A decode report: FlashInfer's best 1.2x our time on every h8/1 bf16 row (flashinfer-decode slower still),
     1.6x on the fp8q rows, the dynamic plan 1.05x its static split on 64x0.5K h8/1 fp8 only."""
@@ -301,9 +308,7 @@ def _decode_report(tmp_path, scale_bf16: float = 1.0):
         row(f"{s} h8/1 fp8", "flashinfer-tc", 1.2 * ours)
     row("64x0.5K h8/1 bf16", "flashinfer-tc", 99.0)  # a failed peer row is not counted
     rows[-1]["status"] = "error: boom"
-    path = tmp_path / "decode.json"
-    path.write_text(json.dumps(dict(suite="decode", machine=dict(gpu="G", copy_gbps=10.0), rows=rows)))
-    return path
+    return _write_report(tmp_path, "decode", dict(gpu="G", copy_gbps=10.0), rows)
 
 
 def test_decode_targets_groups_and_flags(tmp_path):
@@ -363,9 +368,7 @@ def _prefill_report(tmp_path):
     row("h8x1-bf16-q4k", "flashinfer", 60.0)
     row("h8x1-bf16-q4k", "sdpa-cudnn", 1.0, status="error: boom")  # a failed peer row is not counted
     row("h8x1-fp8-q4k", "hpcops-fp8q", 50.0 / 1.4)
-    path = tmp_path / "prefill.json"
-    path.write_text(json.dumps(dict(suite="prefill", machine=dict(gpu="G", gemm_tflops_bf16=800.0), rows=rows)))
-    return path
+    return _write_report(tmp_path, "prefill", dict(gpu="G", gemm_tflops_bf16=800.0), rows)
 
 
 def test_prefill_targets_ratios_and_flags(tmp_path):
