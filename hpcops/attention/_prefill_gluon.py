@@ -223,6 +223,16 @@ def _vt_perm(TILE, D):
 
 
 @gluon.constexpr_function
+def _pv_halves(TILE, D, FP8):
+    """2 where the fp8 kernel (FP8 1: one P buffer a consumer) runs 256-key tiles with its P·V side in two 128-key
+    halves, else 1. S and the softmax take the whole tile (one N = 256 wgmma: half the per-tile work of two 128-key
+    tiles: the turns, the barriers, the O rescale, the row-max shuffles); each half has its own Vᵀ and P buffer in
+    a 128-key tile's permuted order (`_vt_perm`), so the transpose and the P stores stay at their minimum
+    wavefronts and the producer transposes 128 keys at a time, in the registers it has."""
+    return 2 if FP8 == 1 and TILE == 256 and D in (64, 128) else 1
+
+
+@gluon.constexpr_function
 def _vt_perm_bases(D):
     """[key, d] bases of the permuted transpose's V tile [128, D]. D = 128: registers d0–d3 and k3–k5, lanes
     k0–k2, k6, d4, warps d5, d6. D = 64 (64-byte rows, the 64-byte swizzle: chunk c of row r at c ^ (r / 2 % 4),
@@ -307,6 +317,52 @@ def _p_e4m3(p, ROWS: gl.constexpr, PERM: gl.constexpr):
 
 
 @gluon.jit
+def _p8_parts(p, ROWS: gl.constexpr, PERM: gl.constexpr, HALVES: gl.constexpr):
+    """A consumer's P·256 as the e4m3 its P buffer takes: (P, P), or (HALVES 2) its two 128-key halves, each
+    `_p_e4m3`'s tile (the top column bit of a wgmma accumulator is a register bit: the split moves no data)."""
+    if HALVES == 2:
+        a, b = gl.split(gl.permute(gl.reshape(p, [ROWS, 2, p.shape[1] // 2]), (0, 2, 1)))
+        parts = _p_e4m3(a, ROWS, PERM), _p_e4m3(b, ROWS, PERM)
+    else:
+        p8 = _p_e4m3(p, ROWS, PERM)
+        parts = p8, p8
+    return parts
+
+
+@gluon.jit
+def _store_p8(p_buf, parts, WG: gl.constexpr, HALVES: gl.constexpr):
+    """`_p8_parts` into consumer WG's P buffer (HALVES 2: `p_buf` holds all four halves, WG's at 2·WG and 2·WG + 1)."""
+    if HALVES == 2:
+        p_buf.index(2 * WG).store(parts[0])
+        p_buf.index(2 * WG + 1).store(parts[1])
+    else:
+        p_buf.store(parts[0])
+
+
+@gluon.jit
+def _pv_mma(p_buf, vt_buf, b, o, WG: gl.constexpr, HALVES: gl.constexpr, IS_ASYNC: gl.constexpr):
+    """O += P·V over Vᵀ buffer b: one wgmma, or (HALVES 2) one a key half, the second on the first's accumulator."""
+    if HALVES == 2:
+        o = warpgroup_mma(p_buf.index(2 * WG), vt_buf.index(2 * b).permute((1, 0)), o, is_async=True)
+        o = warpgroup_mma(p_buf.index(2 * WG + 1), vt_buf.index(2 * b + 1).permute((1, 0)), o, is_async=IS_ASYNC)
+    else:
+        o = warpgroup_mma(p_buf, vt_buf.index(b).permute((1, 0)), o, is_async=IS_ASYNC)
+    return o
+
+
+@gluon.jit
+def _sum_mma(p_buf, ones_buf, l_zero, WG: gl.constexpr, HALVES: gl.constexpr, IS_ASYNC: gl.constexpr):
+    """gluon_mma_sum's P·1 of a tile from zero (HALVES 2: the halves summed on one accumulator, as one 256-key
+    wgmma would)."""
+    if HALVES == 2:
+        acc = warpgroup_mma(p_buf.index(2 * WG), ones_buf.permute((1, 0)), l_zero, use_acc=False, is_async=True)
+        acc = warpgroup_mma(p_buf.index(2 * WG + 1), ones_buf.permute((1, 0)), acc, is_async=IS_ASYNC)
+    else:
+        acc = warpgroup_mma(p_buf, ones_buf.permute((1, 0)), l_zero, use_acc=False, is_async=IS_ASYNC)
+    return acc
+
+
+@gluon.jit
 def _ring(j, g0, PERSIST: gl.constexpr):
     """K/V step j of a q tile as a step of the program's ring: j itself, or (PERSIST, a program that walks several
     q tiles) g0 + j, g0 the steps of its earlier tiles, so that slots, phases and turns go on across its tiles."""
@@ -364,7 +420,9 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
     PV_OVERLAP: gl.constexpr = (SOFTMAX & 2) != 0 and WS and not FP8
     MSUM: gl.constexpr = (SOFTMAX & 4) != 0 and FP8 != 0 and FP8 != 2  # the row sums as l += P8·1 (wgmma N = 8)
     Q_REGS: gl.constexpr = (SOFTMAX & 32) != 0  # q as S's register operand
-    VT_PERM: gl.constexpr = FP8 != 2 and _vt_perm(TILE, D)  # P and Vᵀ in the permuted key order
+    HALVES: gl.constexpr = _pv_halves(TILE, D, FP8)  # P·V on 128-key halves of a 256-key tile
+    VT_PERM: gl.constexpr = FP8 != 2 and _vt_perm(TILE // HALVES, D)  # P and Vᵀ in the permuted key order
+    gl.static_assert(HALVES == 1 or (SOFTMAX & 32) != 0, "256-key fp8 tiles keep q in registers (gluon_q_regs)")
     gl.static_assert(WS or not FP8, "the fp8 loop runs on the warp-specialized kernel only")
     gl.static_assert(not PERSIST or (WS and FP8 != 2), "the persistent loop: warp-specialized, P not in fp8 registers")
     DT: gl.constexpr = k_desc.dtype
@@ -382,14 +440,19 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
     rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-    # the q rows into shared memory; rows past q_len are 0
-    rq = ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, ld_layout))
-    dq = gl.arange(0, D, layout=gl.SliceLayout(0, ld_layout))
+    # the q rows into shared memory; rows past q_len are 0. HALVES 2 (q in registers, no q buffer): loaded straight
+    # in the A operand's layout, since a layout conversion would take 16 KB of scratch the 256-key tile does not have
+    q_ld_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=4) if HALVES == 2 \
+        else ld_layout
+    rq = ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, q_ld_layout))
+    dq = gl.arange(0, D, layout=gl.SliceLayout(0, q_ld_layout))
     tok_q = first_tok + rq // G
     q_rows = (q_start + tok_q).to(gl.int64) * stride_qt + (kv_head * G + rq % G).to(gl.int64) * stride_qh
     q_val = gl.load(q_ptr + q_rows[:, None] + dq[None, :], mask=(tok_q < q_len)[:, None] & (dq < D)[None, :],
                     other=0.0)
-    if Q_REGS:  # S's A operand for the whole loop
+    if HALVES == 2:
+        q_op = q_val
+    elif Q_REGS:  # S's A operand for the whole loop
         q_op = gl.convert_layout(q_val, gl.DotOperandLayout(operand_index=0, parent=s_layout,
                                                             k_width=4 if FP8 else 2))
     else:
@@ -429,7 +492,10 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
         p = gl.convert_layout(_p_operand(p, DT, True), p_layout)
         mbarrier.arrive(empty.index(r0 % STAGES), count=1)  # K_0 is read (and the producer transposes V_0 itself)
     elif FP8:  # P·V's A operand from shared memory (an 8-bit register operand cannot be kept alive across the wait)
-        (p_buf.index(2 * WG) if P_DBUF else p_buf).store(_p_e4m3(p, ROWS, VT_PERM))
+        if P_DBUF:
+            p_buf.index(2 * WG).store(_p_e4m3(p, ROWS, VT_PERM))
+        else:
+            _store_p8(p_buf, _p8_parts(p, ROWS, VT_PERM, HALVES), WG, HALVES)
         fence_async_shared()
         mbarrier.arrive(empty.index(r0 % STAGES), count=1)
     else:
@@ -454,17 +520,17 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
             o_tok = warpgroup_mma(p_buf.index(2 * WG + j % 2), vt_buf.index(rj % 2).permute((1, 0)), o,
                                   is_async=True)
         elif FP8:
-            o_tok = warpgroup_mma(p_buf, vt_buf.index(rj % 2).permute((1, 0)), o, is_async=True)
+            o_tok = _pv_mma(p_buf, vt_buf, rj % 2, o, WG, HALVES, True)
         else:
             o_tok = warpgroup_mma(p, v_smem.index(slot), o, is_async=True)
         if MSUM:  # P_j's row sums (P_DBUF: the buffer P·V reads)
             # a fresh accumulator a tile, added to l_acc in fp32 below: Hopper's fp8 wgmma keeps ~14 bits where it
             # adds its products to a large accumulator, so summing into l_acc itself cut off late small P
-            l_tok = warpgroup_mma(p_buf.index(2 * WG + j % 2) if P_DBUF else p_buf, ones_buf.permute((1, 0)), l_zero,
-                                  use_acc=False, is_async=True)
+            l_tok = _sum_mma(p_buf.index(2 * WG + j % 2) if P_DBUF else p_buf, ones_buf, l_zero, WG, HALVES, True)
         if WS:
             mbarrier.arrive(turn.index(1 - WG), count=1)
-        s = warpgroup_mma_wait(2 if MSUM else 1, deps=[s_tok])  # S_{j+1} done, P_j·V_j may still run
+        # S_{j+1} done, P_j·V_j may still run (each asynchronous wgmma is a group: HALVES of P·V and of P·1)
+        s = warpgroup_mma_wait((2 if MSUM else 1) * HALVES, deps=[s_tok])
         p_next, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, c, (j + 1) * TILE, kv_limit, keys, j + 1 >= full_end,
                                                 FP8, P_EXP, TREE, not MSUM)
         if P_REGS:
@@ -483,14 +549,14 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
             mbarrier.arrive(vt_empty.index(rj % 2), count=1)  # P_j·V_j is done with Vᵀ_j
         elif FP8:
             mbarrier.arrive(empty.index(nxt), count=1)  # K_{j+1} is read
-            p8 = _p_e4m3(p_next, ROWS, VT_PERM)
+            p8 = _p8_parts(p_next, ROWS, VT_PERM, HALVES)
             if MSUM:
                 o, l_t = warpgroup_mma_wait(0, deps=[o_tok, l_tok])
                 l_acc = l_acc + l_t
             else:
                 o = warpgroup_mma_wait(0, deps=[o_tok])
             mbarrier.arrive(vt_empty.index(rj % 2), count=1)  # P_j·V_j is done with Vᵀ_j and with p_buf
-            p_buf.store(p8)
+            _store_p8(p_buf, p8, WG, HALVES)
             fence_async_shared()
         else:
             p_next = gl.convert_layout(_p_operand(p_next, DT, False), p_layout)
@@ -515,10 +581,10 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
         if P_DBUF:
             o = warpgroup_mma(p_buf.index(2 * WG + (n - 1) % 2), vt_buf.index(rl % 2).permute((1, 0)), o)
         else:
-            o = warpgroup_mma(p if P_REGS else p_buf, vt_buf.index(rl % 2).permute((1, 0)), o)
+            o = _pv_mma(p if P_REGS else p_buf, vt_buf, rl % 2, o, WG, HALVES, False)
         if MSUM:
-            l_acc = l_acc + warpgroup_mma(p_buf.index(2 * WG + (n - 1) % 2) if P_DBUF else p_buf,
-                                          ones_buf.permute((1, 0)), l_zero, use_acc=False)
+            l_acc = l_acc + _sum_mma(p_buf.index(2 * WG + (n - 1) % 2) if P_DBUF else p_buf, ones_buf, l_zero, WG,
+                                     HALVES, False)
             l_i = gl.convert_layout(gl.max(l_acc, axis=1), rows_s)
         if PERSIST:  # the last Vᵀ buffer back to the producer too: it fills it again for the next q tile
             mbarrier.arrive(vt_empty.index(rl % 2), count=1)
@@ -634,7 +700,7 @@ def _ws_producer_fp8(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr,
     _produce_fp8_first(k_desc, v_desc, k_smem, v_smem, full, empty, bt_row, bt_width, num_blocks, k_col, v_col, n, 0,
                        D, TILE, PAGE, STAGES)
     if (SOFTMAX & 4) != 0 and FP8 != 2:
-        _store_ones(ones_smem, k_desc.dtype, TILE)
+        _store_ones(ones_smem, k_desc.dtype, TILE // _pv_halves(TILE, D, FP8))
     _produce_fp8_steps(k_desc, v_desc, k_smem, v_smem, full, empty, vt_smem, vt_full, vt_empty, bt_row, bt_width,
                        num_blocks, k_col, v_col, n, seq_len, 0, D, TILE, PAGE, STAGES, FP8)
 
@@ -670,8 +736,11 @@ def _produce_fp8_steps(k_desc, v_desc, k_smem, v_smem, full, empty, vt_smem, vt_
                        num_blocks, k_col, v_col, n, seq_len, g0, D: gl.constexpr, TILE: gl.constexpr,
                        PAGE: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr, PERSIST: gl.constexpr = False):
     """A q tile's K/V steps in the producer: the refills (tile j-1+STAGES at step j) and each V_j transposed into
-    Vᵀ buffer (ring step) % 2. PERSIST: ring steps g0.. (`_ring`)."""
+    Vᵀ buffer (ring step) % 2 (`_pv_halves`: its two halves into buffers 2·(step % 2) + h). PERSIST: ring steps
+    g0.. (`_ring`)."""
     KV_BYTES: gl.constexpr = 2 * TILE * D * k_desc.dtype.primitive_bitwidth // 8
+    HALVES: gl.constexpr = _pv_halves(TILE, D, FP8)
+    HALF: gl.constexpr = TILE // 2
     for j in range(n):
         rj = _ring(j, g0, PERSIST)
         slot = rj % STAGES
@@ -683,7 +752,13 @@ def _produce_fp8_steps(k_desc, v_desc, k_smem, v_smem, full, empty, vt_smem, vt_
                             k_col, v_col, prev, True, PAGE, TILE, KV_BYTES)
         mbarrier.wait(full.index(slot), (rj // STAGES) & 1)
         mbarrier.wait(vt_empty.index(rj % 2), ((rj // 2) & 1) ^ 1)  # P·V_{j-2} is done in both consumers
-        _transpose_v(v_smem.index(slot), vt_smem.index(rj % 2), j, seq_len, TILE, D, FP8 != 2 and _vt_perm(TILE, D))
+        if HALVES == 2:  # each 128-key half into its own Vᵀ buffer, as a 128-key tile
+            for h in gl.static_range(2):
+                _transpose_v(v_smem.index(slot).slice(h * HALF, HALF), vt_smem.index(2 * (rj % 2) + h), 2 * j + h,
+                             seq_len, HALF, D, _vt_perm(HALF, D))
+        else:
+            _transpose_v(v_smem.index(slot), vt_smem.index(rj % 2), j, seq_len, TILE, D,
+                         FP8 != 2 and _vt_perm(TILE, D))
         gl.thread_barrier()  # all 4 warps' Vᵀ stores (each fenced for the async proxy) before the arrivals
         mbarrier.arrive(vt_full.index(rj % 2), count=1)
         mbarrier.arrive(empty.index(slot), count=1)
@@ -696,7 +771,7 @@ def _ws_consume(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE
      v_col, n, q_start, q_len, first_tok, ctx_len, seq_len, kv_head, c, stride_qt, stride_qh, stride_ot,
      stride_oh, q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, vt_smem, p_smem, vt_full,
      vt_empty, ones_smem) = args
-    if FP8 == 3:  # all four P buffers, two a consumer: `_attend` picks 2·WG + tile % 2
+    if FP8 == 3 or _pv_halves(TILE, D, FP8) == 2:  # all four P buffers: `_attend` picks 2·WG + tile % 2 or + half
         p_bufs = p_smem
     else:
         p_bufs = p_smem.index(WG)
@@ -724,18 +799,21 @@ def _ws_consumer1(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PA
 def _fp8_buffers(DT: gl.constexpr, D: gl.constexpr, TILE: gl.constexpr, FP8: gl.constexpr, SOFTMAX: gl.constexpr):
     """The fp8 kernel's shared memory beside q and the K/V ring: two Vᵀ buffers (the fp8 P·V's B operand, keys
     contiguous), each consumer's e4m3 P (the A operand; two each with FP8 3, none with P in registers), their
-    mbarriers (initialized), and gluon_mma_sum's [8, TILE] ones: (vt, p, vt_full, vt_empty, ones)."""
-    vt_smem = gl.allocate_shared_memory(DT, [2, D, TILE], gl.NVMMASharedLayout.get_default_for([D, TILE], DT))
+    mbarriers (initialized), and gluon_mma_sum's [8, TILE] ones: (vt, p, vt_full, vt_empty, ones). `_pv_halves`:
+    each of those Vᵀ and P buffers as two of a half tile, the ones a half tile."""
+    HALVES: gl.constexpr = _pv_halves(TILE, D, FP8)
+    PT: gl.constexpr = TILE // HALVES
+    vt_smem = gl.allocate_shared_memory(DT, [2 * HALVES, D, PT], gl.NVMMASharedLayout.get_default_for([D, PT], DT))
     if FP8 == 2:
         p_smem = vt_smem  # P stays in registers: not read
     elif FP8 == 3:  # two P buffers a consumer
         p_smem = gl.allocate_shared_memory(DT, [4, 64, TILE], gl.NVMMASharedLayout.get_default_for([64, TILE], DT))
     else:
-        p_smem = gl.allocate_shared_memory(DT, [2, 64, TILE], gl.NVMMASharedLayout.get_default_for([64, TILE], DT))
+        p_smem = gl.allocate_shared_memory(DT, [2 * HALVES, 64, PT], gl.NVMMASharedLayout.get_default_for([64, PT], DT))
     vt_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     vt_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     if SOFTMAX & 4:  # gluon_mma_sum: [8, TILE] e4m3 ones, P·1's B operand (N = 8, keys contiguous)
-        ones_smem = gl.allocate_shared_memory(DT, [8, TILE], gl.NVMMASharedLayout.get_default_for([8, TILE], DT))
+        ones_smem = gl.allocate_shared_memory(DT, [8, PT], gl.NVMMASharedLayout.get_default_for([8, PT], DT))
     else:
         ones_smem = vt_smem  # not read
     for ib in gl.static_range(2):
@@ -752,8 +830,14 @@ def _ws_buffers(k_desc, v_desc, D: gl.constexpr, TILE: gl.constexpr, STAGES: gl.
     their mbarriers and the ones; 16-bit: the row-sum scratch (SOFTMAX & 2, `_attend`'s PV_OVERLAP) and stand-ins
     for the fp8 buffers, never read."""
     DT: gl.constexpr = k_desc.dtype
-    q_smem = gl.allocate_shared_memory(DT, [2, 64, D], gl.NVMMASharedLayout.get_default_for([64, D], DT))
+    # gluon_q_regs on 256-key fp8 tiles (`_pv_halves`): q lives in the consumers' registers, and its 16 KB are the
+    # ones that make the tile fit in shared memory
+    NO_Q: gl.constexpr = (SOFTMAX & 32) != 0 and _pv_halves(TILE, D, FP8) == 2
+    if not NO_Q:
+        q_smem = gl.allocate_shared_memory(DT, [2, 64, D], gl.NVMMASharedLayout.get_default_for([64, D], DT))
     k_smem = gl.allocate_shared_memory(DT, [STAGES, TILE, D], k_desc.layout)
+    if NO_Q:
+        q_smem = k_smem  # not read
     v_smem = gl.allocate_shared_memory(DT, [STAGES, TILE, D], v_desc.layout)
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -851,13 +935,13 @@ def _ws_persist(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE
      stride_qt, stride_qh, stride_ot, stride_oh, q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr,
      vt_smem, p_smem, vt_full, vt_empty, ones_smem) = args
     if ROLE < 2:
-        if FP8 == 3:  # all four P buffers, two a consumer: `_attend` picks 2·WG + tile % 2
+        if FP8 == 3 or _pv_halves(TILE, D, FP8) == 2:  # all four P buffers (`_attend` picks them)
             p_bufs = p_smem
         else:
             p_bufs = p_smem.index(ROLE)
     if ROLE == 2:
         if (SOFTMAX & 4) != 0:
-            _store_ones(ones_smem, k_desc.dtype, TILE)  # published by the first vt_full
+            _store_ones(ones_smem, k_desc.dtype, TILE // _pv_halves(TILE, D, FP8))  # published by the first vt_full
     TOKENS: gl.constexpr = 128 // G
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)

@@ -411,6 +411,11 @@ def cases(opts: dict) -> Iterator[Case]:
                              "(gluon_persist=True)")
                     )
                     impls.append(
+                        Impl("hpcops-fp8q-n256", _ours(True, {**GLUON_FP8_MSUM, "block_n": 256, "num_stages": 2}),
+                             note="variant: the fp8 default on 256-key tiles, P·V on two 128-key halves "
+                             "(block_n=256, num_stages=2)")
+                    )
+                    impls.append(
                         Impl("hpcops-fp8q-smemq", _ours(True, {**GLUON_FP8_MSUM, "gluon_q_regs": False}),
                              note="variant: the fp8 default with q read from shared memory by every S wgmma "
                              "(gluon_q_regs=False)")
