@@ -933,6 +933,8 @@ GLUON_CASES = [
            block_n=256, ws=True, kv_dtype=FP8, q_fp8=True, msum=True, qregs=True, heads_inner=False),
     _gluon("gluon-ws-fp8-n256-page256", [2500, 300], [2000, 300], hq=16, hkv=2, block_size=256, block_n=256,
            ws=True, kv_dtype=FP8, q_fp8=True, qregs=True),
+    _gluon("gluon-ws-fp8-n256-tree-extend-mixed-h64/8", [4096, 3000, 1, 700, 129], [1024, 1, 1, 700, 64],
+           pad_rows=5, ws=True, kv_dtype=FP8, q_fp8=True, block_n=256, msum=True, qregs=True, tree=True),
 ]
 
 

@@ -416,6 +416,12 @@ def cases(opts: dict) -> Iterator[Case]:
                              "(block_n=256, num_stages=2)")
                     )
                     impls.append(
+                        Impl("hpcops-fp8q-n256-tree",
+                             _ours(True, {**GLUON_FP8_MSUM, "block_n": 256, "num_stages": 2, "gluon_tree": True}),
+                             note="variant: hpcops-fp8q-n256 with the row max as a tree (gluon_tree=True: 64 scores "
+                             "a thread and row, a chain of 63 FMNMX otherwise)")
+                    )
+                    impls.append(
                         Impl("hpcops-fp8q-smemq", _ours(True, {**GLUON_FP8_MSUM, "gluon_q_regs": False}),
                              note="variant: the fp8 default with q read from shared memory by every S wgmma "
                              "(gluon_q_regs=False)")
