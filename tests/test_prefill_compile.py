@@ -280,10 +280,9 @@ GLUON_WS_BUILDS = {  # name: (head_dim, G, block_n, page, stages, dtype)
     "fp8-d128-mha-64-page16-msum-qregs": (128, 1, 64, 16, 3, "fp8e4nv", False, False, False, False, True, False, True),
     "fp8-d128-h8/1-128-3buf-msum-qregs-persist": (128, 8, 128, 64, 3, "fp8e4nv", False, False, False, False, True,
                                                   True, True),
-    # 256-key fp8 tiles (`_pv_halves`): S on the whole tile, P·V and P·1 on two 128-key halves, q in registers
-    "fp8-d128-h8/1-256-2buf-msum-qregs": (128, 8, 256, 64, 2, "fp8e4nv", False, False, False, False, True, False,
-                                          True),
-    "fp8-d64-gqa3-256-page32-qregs": (64, 3, 256, 32, 2, "fp8e4nv", False, False, False, False, False, False, True),
+    # 256-key fp8 tiles (`_pv_halves`): S on the whole tile, P·V and P·1 on two 128-key halves, V in one slot
+    "fp8-d128-h8/1-256-2buf-msum": (128, 8, 256, 64, 2, "fp8e4nv", False, False, False, False, True),
+    "fp8-d64-gqa3-256-page32": (64, 3, 256, 32, 2, "fp8e4nv"),
 }
 
 
@@ -300,9 +299,9 @@ def test_gluon_ws_prefill_kernel_builds_for_sm90(name):
     persist = GLUON_WS_BUILDS[name][11:12] == (True,)
     # the persistent kernel: a few registers of the tile walk's state spilled where a q tile starts and ends (ptxas at
     # fp8's (216, 72): none in the consumers' K/V loop; d256's consumers spill 112 bytes); every other build none
-    # and 256-key fp8 tiles: the consumers' q (16 registers a thread beside S's 128 and O's 64) through local memory
-    # around the S wgmmas (152 bytes in ptxas at d128)
-    assert r["spill_bytes"] <= ((128 if d > 128 else 64) if persist else 160 if tile == 256 else 0), r
+    # and 256-key fp8 tiles (S's 128 registers and O's 64 of a consumer's 224: 128 bytes in ptxas at d128, a few
+    # values at the loop's top and most of it in the epilogue)
+    assert r["spill_bytes"] <= ((128 if d > 128 else 64) if persist else 128 if tile == 256 else 0), r
     k_step = 32 if dt == "fp8e4nv" else 16  # an fp8 wgmma takes 32 of K a step
     msum = GLUON_WS_BUILDS[name][10:11] == (True,)  # gluon_mma_sum: P·1 in the loop and after it, N = 8
     assert r["wgmma"] == 2 * (2 * (d // k_step) + (4 if msum else 2) * (tile // k_step)), r

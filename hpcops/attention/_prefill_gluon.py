@@ -26,6 +26,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
+    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -422,7 +423,8 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
     Q_REGS: gl.constexpr = (SOFTMAX & 32) != 0  # q as S's register operand
     HALVES: gl.constexpr = _pv_halves(TILE, D, FP8)  # P·V on 128-key halves of a 256-key tile
     VT_PERM: gl.constexpr = FP8 != 2 and _vt_perm(TILE // HALVES, D)  # P and Vᵀ in the permuted key order
-    gl.static_assert(HALVES == 1 or (SOFTMAX & 32) != 0, "256-key fp8 tiles keep q in registers (gluon_q_regs)")
+    gl.static_assert(HALVES == 1 or (SOFTMAX & 32) == 0, "256-key fp8 tiles read q from shared memory (its 16 "
+                     "registers would spill beside S's 128 and O's 64)")
     gl.static_assert(WS or not FP8, "the fp8 loop runs on the warp-specialized kernel only")
     gl.static_assert(not PERSIST or (WS and FP8 != 2), "the persistent loop: warp-specialized, P not in fp8 registers")
     DT: gl.constexpr = k_desc.dtype
@@ -440,19 +442,14 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
     rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-    # the q rows into shared memory; rows past q_len are 0. HALVES 2 (q in registers, no q buffer): loaded straight
-    # in the A operand's layout, since a layout conversion would take 16 KB of scratch the 256-key tile does not have
-    q_ld_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=4) if HALVES == 2 \
-        else ld_layout
-    rq = ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, q_ld_layout))
-    dq = gl.arange(0, D, layout=gl.SliceLayout(0, q_ld_layout))
+    # the q rows into shared memory; rows past q_len are 0
+    rq = ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, ld_layout))
+    dq = gl.arange(0, D, layout=gl.SliceLayout(0, ld_layout))
     tok_q = first_tok + rq // G
     q_rows = (q_start + tok_q).to(gl.int64) * stride_qt + (kv_head * G + rq % G).to(gl.int64) * stride_qh
     q_val = gl.load(q_ptr + q_rows[:, None] + dq[None, :], mask=(tok_q < q_len)[:, None] & (dq < D)[None, :],
                     other=0.0)
-    if HALVES == 2:
-        q_op = q_val
-    elif Q_REGS:  # S's A operand for the whole loop
+    if Q_REGS:  # S's A operand for the whole loop
         q_op = gl.convert_layout(q_val, gl.DotOperandLayout(operand_index=0, parent=s_layout,
                                                             k_width=4 if FP8 else 2))
     else:
@@ -698,7 +695,7 @@ def _ws_producer_fp8(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr,
      stride_oh, q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, vt_smem, p_smem, vt_full,
      vt_empty, ones_smem) = args
     _produce_fp8_first(k_desc, v_desc, k_smem, v_smem, full, empty, bt_row, bt_width, num_blocks, k_col, v_col, n, 0,
-                       D, TILE, PAGE, STAGES)
+                       D, TILE, PAGE, STAGES, False, FP8)
     if (SOFTMAX & 4) != 0 and FP8 != 2:
         _store_ones(ones_smem, k_desc.dtype, TILE // _pv_halves(TILE, D, FP8))
     _produce_fp8_steps(k_desc, v_desc, k_smem, v_smem, full, empty, vt_smem, vt_full, vt_empty, bt_row, bt_width,
@@ -719,16 +716,23 @@ def _store_ones(ones_smem, DT: gl.constexpr, TILE: gl.constexpr):
 @gluon.jit
 def _produce_fp8_first(k_desc, v_desc, k_smem, v_smem, full, empty, bt_row, bt_width, num_blocks, k_col, v_col, n,
                        g0, D: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
-                       PERSIST: gl.constexpr = False):
+                       PERSIST: gl.constexpr = False, FP8: gl.constexpr = 1):
     """A q tile's first STAGES K/V tiles into the ring. PERSIST: they are ring steps g0.., and each waits until its
     buffer's previous load (an earlier q tile's) is released by both consumers and the transpose."""
     KV_BYTES: gl.constexpr = 2 * TILE * D * k_desc.dtype.primitive_bitwidth // 8
-    for i0 in gl.static_range(STAGES):
-        r = _ring(i0, g0, PERSIST)
-        if PERSIST:
-            mbarrier.wait(empty.index(r % STAGES), ((r // STAGES) & 1) ^ 1, pred=i0 < n)
-        _issue_tile(k_desc, v_desc, k_smem, v_smem, full, bt_row, bt_width, num_blocks, i0, k_col, v_col,
-                    r % STAGES, i0 < n, PAGE, TILE, KV_BYTES)
+    if _pv_halves(TILE, D, FP8) == 2 and not PERSIST:  # K_0.. into the K ring, V_0 into V's one slot (`_ws_buffers`)
+        for i0 in gl.static_range(STAGES):
+            _issue_rows(k_desc, k_smem.index(i0), full.index(i0), bt_row, bt_width, num_blocks, i0, k_col, i0 < n,
+                        PAGE, TILE, KV_BYTES // 2)
+        _issue_rows(v_desc, v_smem.index(0), full.index(STAGES), bt_row, bt_width, num_blocks, 0, v_col, n > 0,
+                    PAGE, TILE, KV_BYTES // 2)
+    else:
+        for i0 in gl.static_range(STAGES):
+            r = _ring(i0, g0, PERSIST)
+            if PERSIST:
+                mbarrier.wait(empty.index(r % STAGES), ((r // STAGES) & 1) ^ 1, pred=i0 < n)
+            _issue_tile(k_desc, v_desc, k_smem, v_smem, full, bt_row, bt_width, num_blocks, i0, k_col, v_col,
+                        r % STAGES, i0 < n, PAGE, TILE, KV_BYTES)
 
 
 @gluon.jit
@@ -740,28 +744,71 @@ def _produce_fp8_steps(k_desc, v_desc, k_smem, v_smem, full, empty, vt_smem, vt_
     g0.. (`_ring`)."""
     KV_BYTES: gl.constexpr = 2 * TILE * D * k_desc.dtype.primitive_bitwidth // 8
     HALVES: gl.constexpr = _pv_halves(TILE, D, FP8)
+    if HALVES == 2:
+        gl.static_assert(not PERSIST, "256-key fp8 tiles: a program a q tile")
+        _produce_v1_steps(k_desc, v_desc, k_smem, v_smem, full, empty, vt_smem, vt_full, vt_empty, bt_row, bt_width,
+                          num_blocks, k_col, v_col, n, seq_len, D, TILE, PAGE, STAGES)
+    else:
+        for j in range(n):
+            rj = _ring(j, g0, PERSIST)
+            slot = rj % STAGES
+            if j >= 1:  # refill the previous tile's buffer with tile j-1+STAGES
+                prev = (rj - 1) % STAGES
+                if j - 1 + STAGES < n:
+                    mbarrier.wait(empty.index(prev), ((rj - 1) // STAGES) & 1)
+                    _issue_tile(k_desc, v_desc, k_smem, v_smem, full, bt_row, bt_width, num_blocks, j - 1 + STAGES,
+                                k_col, v_col, prev, True, PAGE, TILE, KV_BYTES)
+            mbarrier.wait(full.index(slot), (rj // STAGES) & 1)
+            mbarrier.wait(vt_empty.index(rj % 2), ((rj // 2) & 1) ^ 1)  # P·V_{j-2} is done in both consumers
+            _transpose_v(v_smem.index(slot), vt_smem.index(rj % 2), j, seq_len, TILE, D, FP8 != 2 and _vt_perm(TILE, D))
+            gl.thread_barrier()  # all 4 warps' Vᵀ stores (each fenced for the async proxy) before the arrivals
+            mbarrier.arrive(vt_full.index(rj % 2), count=1)
+            mbarrier.arrive(empty.index(slot), count=1)
+
+
+@gluon.jit
+def _issue_rows(desc, dst, bar, bt_row, bt_width, num_blocks, tile, col, ok, PAGE: gl.constexpr, TILE: gl.constexpr,
+                BYTES: gl.constexpr):
+    """One tensor's (K's or V's) tile `tile` by TMA into `dst` on `bar` (nothing when not `ok`): `_issue_tile`'s
+    boxes (one inside a page, or one a page), a bad page id read past the cache (zeros)."""
+    SUBS: gl.constexpr = TILE // PAGE if PAGE < TILE else 1
+    mbarrier.expect(bar, BYTES, pred=ok)
+    for sub in gl.static_range(SUBS):
+        col_b = (tile * TILE + sub * PAGE) // PAGE
+        page = gl.load(bt_row + col_b, mask=ok & (col_b < bt_width), other=-1)
+        good = (page >= 0) & (page < num_blocks)
+        row0 = gl.where(good, page, num_blocks) * PAGE + (tile * TILE) % PAGE
+        if PAGE >= TILE:
+            tma.async_copy_global_to_shared(desc, [row0, col], bar, dst, pred=ok)
+        else:
+            tma.async_copy_global_to_shared(desc, [row0, col], bar, dst.slice(sub * PAGE, PAGE), pred=ok)
+
+
+@gluon.jit
+def _produce_v1_steps(k_desc, v_desc, k_smem, v_smem, full, empty, vt_smem, vt_full, vt_empty, bt_row, bt_width,
+                      num_blocks, k_col, v_col, n, seq_len, D: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr,
+                      STAGES: gl.constexpr):
+    """`_produce_fp8_steps` on 256-key tiles (`_pv_halves`): K refills as there (the consumers release K alone),
+    V from its one slot (full[STAGES], phase j % 2): each half transposed into its own Vᵀ buffer (2·(j % 2) + h) as
+    a 128-key tile, then, the slot read by all 4 warps, V_{j+1} loaded into it."""
+    BYTES: gl.constexpr = TILE * D * k_desc.dtype.primitive_bitwidth // 8
     HALF: gl.constexpr = TILE // 2
     for j in range(n):
-        rj = _ring(j, g0, PERSIST)
-        slot = rj % STAGES
-        if j >= 1:  # refill the previous tile's buffer with tile j-1+STAGES
-            prev = (rj - 1) % STAGES
+        if j >= 1:  # refill the previous tile's K slot with tile j-1+STAGES
+            prev = (j - 1) % STAGES
             if j - 1 + STAGES < n:
-                mbarrier.wait(empty.index(prev), ((rj - 1) // STAGES) & 1)
-                _issue_tile(k_desc, v_desc, k_smem, v_smem, full, bt_row, bt_width, num_blocks, j - 1 + STAGES,
-                            k_col, v_col, prev, True, PAGE, TILE, KV_BYTES)
-        mbarrier.wait(full.index(slot), (rj // STAGES) & 1)
-        mbarrier.wait(vt_empty.index(rj % 2), ((rj // 2) & 1) ^ 1)  # P·V_{j-2} is done in both consumers
-        if HALVES == 2:  # each 128-key half into its own Vᵀ buffer, as a 128-key tile
-            for h in gl.static_range(2):
-                _transpose_v(v_smem.index(slot).slice(h * HALF, HALF), vt_smem.index(2 * (rj % 2) + h), 2 * j + h,
-                             seq_len, HALF, D, _vt_perm(HALF, D))
-        else:
-            _transpose_v(v_smem.index(slot), vt_smem.index(rj % 2), j, seq_len, TILE, D,
-                         FP8 != 2 and _vt_perm(TILE, D))
-        gl.thread_barrier()  # all 4 warps' Vᵀ stores (each fenced for the async proxy) before the arrivals
-        mbarrier.arrive(vt_full.index(rj % 2), count=1)
-        mbarrier.arrive(empty.index(slot), count=1)
+                mbarrier.wait(empty.index(prev), ((j - 1) // STAGES) & 1)
+                _issue_rows(k_desc, k_smem.index(prev), full.index(prev), bt_row, bt_width, num_blocks,
+                            j - 1 + STAGES, k_col, True, PAGE, TILE, BYTES)
+        mbarrier.wait(full.index(STAGES), j & 1)  # V_j landed
+        mbarrier.wait(vt_empty.index(j % 2), ((j // 2) & 1) ^ 1)  # P·V_{j-2} is done in both consumers
+        for h in gl.static_range(2):
+            _transpose_v(v_smem.index(0).slice(h * HALF, HALF), vt_smem.index(2 * (j % 2) + h), 2 * j + h, seq_len,
+                         HALF, D, _vt_perm(HALF, D))
+        gl.thread_barrier()  # all 4 warps' Vᵀ stores and V loads (each fenced for the async proxy) are done
+        mbarrier.arrive(vt_full.index(j % 2), count=1)
+        _issue_rows(v_desc, v_smem.index(0), full.index(STAGES), bt_row, bt_width, num_blocks, j + 1, v_col,
+                    j + 1 < n, PAGE, TILE, BYTES)
 
 
 @gluon.jit
@@ -830,16 +877,13 @@ def _ws_buffers(k_desc, v_desc, D: gl.constexpr, TILE: gl.constexpr, STAGES: gl.
     their mbarriers and the ones; 16-bit: the row-sum scratch (SOFTMAX & 2, `_attend`'s PV_OVERLAP) and stand-ins
     for the fp8 buffers, never read."""
     DT: gl.constexpr = k_desc.dtype
-    # gluon_q_regs on 256-key fp8 tiles (`_pv_halves`): q lives in the consumers' registers, and its 16 KB are the
-    # ones that make the tile fit in shared memory
-    NO_Q: gl.constexpr = (SOFTMAX & 32) != 0 and _pv_halves(TILE, D, FP8) == 2
-    if not NO_Q:
-        q_smem = gl.allocate_shared_memory(DT, [2, 64, D], gl.NVMMASharedLayout.get_default_for([64, D], DT))
+    # 256-key fp8 tiles (`_pv_halves`): V in a ring of its own one slot deep, its mbarrier full[STAGES] (the
+    # producer reads V once, to transpose it, and loads the next V right after: 32 KB less, which q's buffer needs)
+    V1: gl.constexpr = _pv_halves(TILE, D, FP8) == 2
+    q_smem = gl.allocate_shared_memory(DT, [2, 64, D], gl.NVMMASharedLayout.get_default_for([64, D], DT))
     k_smem = gl.allocate_shared_memory(DT, [STAGES, TILE, D], k_desc.layout)
-    if NO_Q:
-        q_smem = k_smem  # not read
-    v_smem = gl.allocate_shared_memory(DT, [STAGES, TILE, D], v_desc.layout)
-    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_smem = gl.allocate_shared_memory(DT, [1 if V1 else STAGES, TILE, D], v_desc.layout)
+    full = gl.allocate_shared_memory(gl.int64, [STAGES + (1 if V1 else 0), 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     if FP8:
@@ -855,7 +899,10 @@ def _ws_buffers(k_desc, v_desc, D: gl.constexpr, TILE: gl.constexpr, STAGES: gl.
         ones_smem = q_smem  # not read
     for ib in gl.static_range(STAGES):
         mbarrier.init(full.index(ib), count=1)
-        mbarrier.init(empty.index(ib), count=3 if FP8 else 2)  # both consumers (fp8: and the producer's transpose)
+        # both consumers (fp8: and the producer's transpose, which V1 waits for on its own)
+        mbarrier.init(empty.index(ib), count=3 if FP8 and not V1 else 2)
+    if V1:
+        mbarrier.init(full.index(STAGES), count=1)
     for ib in gl.static_range(2):
         mbarrier.init(turn.index(ib), count=1)
     return q_smem, k_smem, v_smem, full, empty, turn, vt_smem, p_smem, vt_full, vt_empty, ones_smem

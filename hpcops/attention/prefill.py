@@ -93,12 +93,12 @@ class PrefillConfig:
     the Vᵀ transpose and P). `gluon_config(fp8=True)` turns it on: H200, same run, 0.986-0.991x the time of q from
     shared memory at every fp8 q4k/q8k case (`bench/results/prefill_fexp_qregs_633e984.md`; bench row
     `hpcops-fp8q-smemq` beside it). A 16-bit q in registers spills (24 bytes a consumer at head_dim 128).
-    `block_n=256` with the fp8 kernel (one P buffer, `gluon_q_regs`, two buffers, not persistent): 256-key tiles, S
-    and the softmax on the whole tile (one N = 256 wgmma; the turns, barriers, O rescale and row-max shuffles once
-    per 256 keys instead of twice), P·V and P·1 on two 128-key halves, each with its own Vᵀ and P buffer in a
-    128-key tile's permuted order; no q buffer (the 16 KB that let the tile fit in 225 KB). Opt-in until measured
-    (bench row `hpcops-fp8q-n256`); sm_90 SASS at head_dim 128: 732 instructions a step on the unmasked path
-    against 818 for two 128-key steps, q's registers spilled around the S wgmmas (152 bytes).
+    `block_n=256` with the fp8 kernel (one P buffer, q from shared memory, two K buffers, not persistent): 256-key
+    tiles, S and the softmax on the whole tile (one N = 256 wgmma; the turns, barriers, O rescale and row-max
+    shuffles once per 256 keys instead of twice), P·V and P·1 on two 128-key halves, each with its own Vᵀ and P
+    buffer in a 128-key tile's permuted order, and V in a one-slot ring of its own (209 KB). Opt-in until measured
+    (bench row `hpcops-fp8q-n256`); sm_90 SASS at head_dim 128: 688 instructions a step on the unmasked path against
+    818 for two 128-key steps.
     `tma`, `pv_fp8`, `quant_q` and `fma_scale` are the `tl` kernel's (the Gluon kernel always reads by TMA and
     scales inside exp2).
     """
@@ -199,20 +199,18 @@ GLUON_MIN_Q = 512  # up to this q_len with many tiles the heuristic keeps the tl
 
 
 def gluon_smem_bytes(block_m: int, block_n: int, stages: int, head_dim: int, elem_bytes: int = 2,
-                     fp8: bool = False, p_bufs: int = 1, row_sums: bool = False, mma_sum: bool = False,
-                     q_regs: bool = False) -> int:
+                     fp8: bool = False, p_bufs: int = 1, row_sums: bool = False, mma_sum: bool = False) -> int:
     """Shared memory of a Gluon prefill program: its q tile and `stages` K/V buffer pairs; `fp8` (the
     warp-specialized kernel over fp8 q and KV, 1-byte elements) adds the two Vᵀ [D, block_n] buffers and each
     consumer's `p_bufs` e4m3 P [64, block_n] (2 with `gluon_p_dbuf`); `row_sums` (`gluon_pv_overlap`) the two
-    consumers' [64] fp32 scratch; `mma_sum` (`gluon_mma_sum`, fp8) the [8, block_n] e4m3 ones (a half tile's on
-    256-key tiles, whose P·V runs on two 128-key halves). `q_regs` (`gluon_q_regs`, fp8) on 256-key tiles: no q tile
-    (the consumers load q straight into registers; at 128 keys the kernel keeps the buffer, where the conversion's
-    scratch lives)."""
+    consumers' [64] fp32 scratch; `mma_sum` (`gluon_mma_sum`, fp8) the [8, block_n] e4m3 ones. 256-key fp8 tiles
+    (P·V on two 128-key halves): V in one slot of its own beside the `stages` K buffers, a half tile of ones."""
     if fp8:
-        halves = block_n == 256 and p_bufs == 1
-        ones = (8 * block_n // (2 if halves else 1)) if mma_sum else 0
-        q = 0 if halves and q_regs else block_m * head_dim
-        return q + 2 * stages * block_n * head_dim + 2 * (head_dim + 64 * p_bufs) * block_n + ones
+        if block_n == 256 and p_bufs == 1:
+            ones = 4 * block_n if mma_sum else 0
+            return (block_m + (stages + 1) * block_n) * head_dim + 2 * (head_dim + 64) * block_n + ones
+        ones = 8 * block_n if mma_sum else 0
+        return (block_m + 2 * stages * block_n) * head_dim + 2 * (head_dim + 64 * p_bufs) * block_n + ones
     return (block_m + 2 * stages * block_n) * head_dim * elem_bytes + (2 * 64 * 4 if row_sums else 0)
 
 
@@ -409,9 +407,9 @@ def gluon_config_reason(config: PrefillConfig, *, fp8: bool, head_dim: int, grou
     if fp8 and config.block_n % 32:
         return f"block_n {config.block_n} with fp8 (an fp8 P·V dot has K = block_n: a multiple of 32)"
     if fp8 and config.block_n == 256 and (config.gluon_p_regs or config.gluon_p_dbuf or config.gluon_persist
-                                          or not config.gluon_q_regs):
-        return ("block_n 256 with fp8: one P buffer a consumer, q in registers (gluon_q_regs) and a program a q tile "
-                "(not gluon_p_regs, gluon_p_dbuf or gluon_persist)")
+                                          or config.gluon_q_regs):
+        return ("block_n 256 with fp8: one P buffer a consumer, q from shared memory and a program a q tile (not "
+                "gluon_p_regs, gluon_p_dbuf, gluon_q_regs or gluon_persist: q's registers would spill beside S's)")
     bm, bn = config.block_m, config.block_n
     if bm not in (64, 128) or config.num_warps != bm // 16:
         return f"block_m {bm} on {config.num_warps} warps (64 or 128 rows, 16 a warp)"
@@ -424,7 +422,7 @@ def gluon_config_reason(config: PrefillConfig, *, fp8: bool, head_dim: int, grou
     if page < bn and (page < 8 or bn % page):
         return f"block_size {page} (pages under block_n {bn} must divide it, 8 tokens at least)"
     smem = gluon_smem_bytes(bm, bn, config.num_stages, d, elem_bytes, fp8, 2 if config.gluon_p_dbuf else 1,
-                            config.gluon_pv_overlap, config.gluon_mma_sum, config.gluon_q_regs)
+                            config.gluon_pv_overlap, config.gluon_mma_sum)
     what = f"q and {config.num_stages} K/V buffers" + (", two Vᵀ buffers and each consumer's P" if fp8 else "")
     if smem > GLUON_SMEM_BYTES:
         return f"{smem} bytes of shared memory for {what} (at most {GLUON_SMEM_BYTES})"
