@@ -309,7 +309,7 @@ def test_gluon_config_and_reasons(monkeypatch):
     """PrefillConfig.gluon: the heuristic's Gluon tiles, and `gluon_unsupported_reason` for every call the kernel
     cannot take (checked on CPU tensors with the device test patched to pass: the GPU tier runs the kernel)."""
     from hpcops.attention import decode as decode_mod
-    from hpcops.attention.prefill import gluon_config, gluon_smem_bytes, gluon_unsupported_reason
+    from hpcops.attention.prefill import gluon_config, gluon_unsupported_reason
     from hpcops.testing import make_paged_kv
 
     bf16 = torch.bfloat16
@@ -404,14 +404,6 @@ def test_gluon_config_and_reasons(monkeypatch):
                                                     num_warps=4), 0.1)),
         ("head_dim 256 with fp8", (torch.zeros(300, 16, 256, dtype=FP8), fp8kv256.k_cache, fp8kv256.v_cache,
                                    rep(cfg, block_n=64), 0.1)),
-        # 256-key fp8 tiles: one P buffer, q from shared memory (in registers it spills), not persistent
-        ("block_n 256 with fp8", (q8, fp8kv.k_cache, fp8kv.v_cache,
-                                  rep(cfg, block_n=256, num_stages=2, gluon_q_regs=True), 0.1)),
-        ("block_n 256 with fp8", (q8, fp8kv.k_cache, fp8kv.v_cache, rep(cfg, block_n=256, num_stages=2,
-                                                                        gluon_p_dbuf=True), 0.1)),
-        ("block_n 256 with fp8", (q8, fp8kv.k_cache, fp8kv.v_cache, rep(cfg, block_n=256, num_stages=2,
-                                                                        gluon_persist=True), 0.1)),
-        ("shared memory", (q8, fp8kv.k_cache, fp8kv.v_cache, rep(cfg, block_n=256, num_stages=3), 0.1)),
         ("q is not contiguous", (torch.zeros(300, 16, 256, dtype=bf16)[..., ::2], kv.k_cache, kv.v_cache, cfg, 0.1)),
         ("k_cache: blocks are not back to back", (q, hnd, kv.v_cache, cfg, 0.1)),
     ]:
@@ -419,10 +411,6 @@ def test_gluon_config_and_reasons(monkeypatch):
         assert got is not None and why in got, (why, got)
     assert gluon_unsupported_reason(q, page16.k_cache, page16.v_cache, cfg, 0.1) is None  # a TMA box a page
     assert gluon_unsupported_reason(q8, fp8kv.k_cache, fp8kv.v_cache, cfg, 0.1) is None  # fp8 on the WS kernel
-    n256 = rep(cfg, block_n=256, num_stages=2, gluon_mma_sum=True)  # q, 2 K + 1 V slots, Vᵀ, P, ones: 209 KB
-    assert gluon_unsupported_reason(q8, fp8kv.k_cache, fp8kv.v_cache, n256, 0.1) is None
-    assert gluon_smem_bytes(128, 256, 2, 128, 1, True, mma_sum=True) == (128 + 3 * 256) * 128 + 2 * (
-        128 + 64) * 256 + 8 * 128
     assert "out is not contiguous" in gluon_unsupported_reason(q, kv.k_cache, kv.v_cache, cfg, 0.1,
                                                              torch.zeros(300, 16, 256, dtype=bf16)[..., ::2])
 
@@ -920,20 +908,6 @@ GLUON_CASES = [
            hq=8, hkv=1, pad_rows=5, ws=True, kv_dtype=FP8, q_fp8=True, stages=3, msum=True, qregs=True, persist=True),
     _gluon("gluon-ws-fp8-qregs-pdbuf-tree-q2k-h64/8", [2048], [2048], ws=True, kv_dtype=FP8, q_fp8=True, stages=3,
            qregs=True, p_dbuf=True, tree=True),
-    # 256-key fp8 tiles (S and the softmax on the whole tile, P·V on 128-key halves, V in one slot): the mixed
-    # extend batch (a tile's second half past the sequence, 1-token requests), q2k, d64, 16- and 256-token pages,
-    # request-major order
-    _gluon("gluon-ws-fp8-n256-extend-mixed-h8/1", [4096, 3000, 1, 700, 129], [1024, 1, 1, 700, 64], hq=8, hkv=1,
-           pad_rows=5, ws=True, kv_dtype=FP8, q_fp8=True, block_n=256, msum=True),
-    _gluon("gluon-ws-fp8-n256-q2k-h64/8", [2048], [2048], ws=True, kv_dtype=FP8, q_fp8=True, block_n=256, msum=True),
-    _gluon("gluon-ws-fp8-n256-d64-gqa3-page32", [777, 129], [777, 64], hq=12, hkv=4, head_dim=64, block_size=32,
-           ws=True, kv_dtype=FP8, q_fp8=True, block_n=256, msum=True),
-    _gluon("gluon-ws-fp8-n256-mha-page16-head-major", [1000, 513], [1000, 17], hq=4, hkv=4, block_size=16,
-           block_n=256, ws=True, kv_dtype=FP8, q_fp8=True, msum=True, heads_inner=False),
-    _gluon("gluon-ws-fp8-n256-page256", [2500, 300], [2000, 300], hq=16, hkv=2, block_size=256, block_n=256,
-           ws=True, kv_dtype=FP8, q_fp8=True),
-    _gluon("gluon-ws-fp8-n256-tree-extend-mixed-h64/8", [4096, 3000, 1, 700, 129], [1024, 1, 1, 700, 64],
-           pad_rows=5, ws=True, kv_dtype=FP8, q_fp8=True, block_n=256, msum=True, tree=True),
 ]
 
 

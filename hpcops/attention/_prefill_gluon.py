@@ -26,7 +26,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -224,16 +223,6 @@ def _vt_perm(TILE, D):
 
 
 @gluon.constexpr_function
-def _pv_halves(TILE, D, FP8):
-    """2 where the fp8 kernel (FP8 1: one P buffer a consumer) runs 256-key tiles with its P·V side in two 128-key
-    halves, else 1. S and the softmax take the whole tile (one N = 256 wgmma: half the per-tile work of two 128-key
-    tiles: the turns, the barriers, the O rescale, the row-max shuffles); each half has its own Vᵀ and P buffer in
-    a 128-key tile's permuted order (`_vt_perm`), so the transpose and the P stores stay at their minimum
-    wavefronts and the producer transposes 128 keys at a time, in the registers it has."""
-    return 2 if FP8 == 1 and TILE == 256 and D in (64, 128) else 1
-
-
-@gluon.constexpr_function
 def _vt_perm_bases(D):
     """[key, d] bases of the permuted transpose's V tile [128, D]. D = 128: registers d0–d3 and k3–k5, lanes
     k0–k2, k6, d4, warps d5, d6. D = 64 (64-byte rows, the 64-byte swizzle: chunk c of row r at c ^ (r / 2 % 4),
@@ -318,52 +307,6 @@ def _p_e4m3(p, ROWS: gl.constexpr, PERM: gl.constexpr):
 
 
 @gluon.jit
-def _p8_parts(p, ROWS: gl.constexpr, PERM: gl.constexpr, HALVES: gl.constexpr):
-    """A consumer's P·256 as the e4m3 its P buffer takes: (P, P), or (HALVES 2) its two 128-key halves, each
-    `_p_e4m3`'s tile (the top column bit of a wgmma accumulator is a register bit: the split moves no data)."""
-    if HALVES == 2:
-        a, b = gl.split(gl.permute(gl.reshape(p, [ROWS, 2, p.shape[1] // 2]), (0, 2, 1)))
-        parts = _p_e4m3(a, ROWS, PERM), _p_e4m3(b, ROWS, PERM)
-    else:
-        p8 = _p_e4m3(p, ROWS, PERM)
-        parts = p8, p8
-    return parts
-
-
-@gluon.jit
-def _store_p8(p_buf, parts, WG: gl.constexpr, HALVES: gl.constexpr):
-    """`_p8_parts` into consumer WG's P buffer (HALVES 2: `p_buf` holds all four halves, WG's at 2·WG and 2·WG + 1)."""
-    if HALVES == 2:
-        p_buf.index(2 * WG).store(parts[0])
-        p_buf.index(2 * WG + 1).store(parts[1])
-    else:
-        p_buf.store(parts[0])
-
-
-@gluon.jit
-def _pv_mma(p_buf, vt_buf, b, o, WG: gl.constexpr, HALVES: gl.constexpr, IS_ASYNC: gl.constexpr):
-    """O += P·V over Vᵀ buffer b: one wgmma, or (HALVES 2) one a key half, the second on the first's accumulator."""
-    if HALVES == 2:
-        o = warpgroup_mma(p_buf.index(2 * WG), vt_buf.index(2 * b).permute((1, 0)), o, is_async=True)
-        o = warpgroup_mma(p_buf.index(2 * WG + 1), vt_buf.index(2 * b + 1).permute((1, 0)), o, is_async=IS_ASYNC)
-    else:
-        o = warpgroup_mma(p_buf, vt_buf.index(b).permute((1, 0)), o, is_async=IS_ASYNC)
-    return o
-
-
-@gluon.jit
-def _sum_mma(p_buf, ones_buf, l_zero, WG: gl.constexpr, HALVES: gl.constexpr, IS_ASYNC: gl.constexpr):
-    """gluon_mma_sum's P·1 of a tile from zero (HALVES 2: the halves summed on one accumulator, as one 256-key
-    wgmma would)."""
-    if HALVES == 2:
-        acc = warpgroup_mma(p_buf.index(2 * WG), ones_buf.permute((1, 0)), l_zero, use_acc=False, is_async=True)
-        acc = warpgroup_mma(p_buf.index(2 * WG + 1), ones_buf.permute((1, 0)), acc, is_async=IS_ASYNC)
-    else:
-        acc = warpgroup_mma(p_buf, ones_buf.permute((1, 0)), l_zero, use_acc=False, is_async=IS_ASYNC)
-    return acc
-
-
-@gluon.jit
 def _ring(j, g0, PERSIST: gl.constexpr):
     """K/V step j of a q tile as a step of the program's ring: j itself, or (PERSIST, a program that walks several
     q tiles) g0 + j, g0 the steps of its earlier tiles, so that slots, phases and turns go on across its tiles."""
@@ -421,10 +364,7 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
     PV_OVERLAP: gl.constexpr = (SOFTMAX & 2) != 0 and WS and not FP8
     MSUM: gl.constexpr = (SOFTMAX & 4) != 0 and FP8 != 0 and FP8 != 2  # the row sums as l += P8·1 (wgmma N = 8)
     Q_REGS: gl.constexpr = (SOFTMAX & 32) != 0  # q as S's register operand
-    HALVES: gl.constexpr = _pv_halves(TILE, D, FP8)  # P·V on 128-key halves of a 256-key tile
-    VT_PERM: gl.constexpr = FP8 != 2 and _vt_perm(TILE // HALVES, D)  # P and Vᵀ in the permuted key order
-    gl.static_assert(HALVES == 1 or (SOFTMAX & 32) == 0, "256-key fp8 tiles read q from shared memory (its 16 "
-                     "registers would spill beside S's 128 and O's 64)")
+    VT_PERM: gl.constexpr = FP8 != 2 and _vt_perm(TILE, D)  # P and Vᵀ in the permuted key order
     gl.static_assert(WS or not FP8, "the fp8 loop runs on the warp-specialized kernel only")
     gl.static_assert(not PERSIST or (WS and FP8 != 2), "the persistent loop: warp-specialized, P not in fp8 registers")
     DT: gl.constexpr = k_desc.dtype
@@ -489,10 +429,7 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
         p = gl.convert_layout(_p_operand(p, DT, True), p_layout)
         mbarrier.arrive(empty.index(r0 % STAGES), count=1)  # K_0 is read (and the producer transposes V_0 itself)
     elif FP8:  # P·V's A operand from shared memory (an 8-bit register operand cannot be kept alive across the wait)
-        if P_DBUF:
-            p_buf.index(2 * WG).store(_p_e4m3(p, ROWS, VT_PERM))
-        else:
-            _store_p8(p_buf, _p8_parts(p, ROWS, VT_PERM, HALVES), WG, HALVES)
+        (p_buf.index(2 * WG) if P_DBUF else p_buf).store(_p_e4m3(p, ROWS, VT_PERM))
         fence_async_shared()
         mbarrier.arrive(empty.index(r0 % STAGES), count=1)
     else:
@@ -517,17 +454,17 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
             o_tok = warpgroup_mma(p_buf.index(2 * WG + j % 2), vt_buf.index(rj % 2).permute((1, 0)), o,
                                   is_async=True)
         elif FP8:
-            o_tok = _pv_mma(p_buf, vt_buf, rj % 2, o, WG, HALVES, True)
+            o_tok = warpgroup_mma(p_buf, vt_buf.index(rj % 2).permute((1, 0)), o, is_async=True)
         else:
             o_tok = warpgroup_mma(p, v_smem.index(slot), o, is_async=True)
         if MSUM:  # P_j's row sums (P_DBUF: the buffer P·V reads)
             # a fresh accumulator a tile, added to l_acc in fp32 below: Hopper's fp8 wgmma keeps ~14 bits where it
             # adds its products to a large accumulator, so summing into l_acc itself cut off late small P
-            l_tok = _sum_mma(p_buf.index(2 * WG + j % 2) if P_DBUF else p_buf, ones_buf, l_zero, WG, HALVES, True)
+            l_tok = warpgroup_mma(p_buf.index(2 * WG + j % 2) if P_DBUF else p_buf, ones_buf.permute((1, 0)), l_zero,
+                                  use_acc=False, is_async=True)
         if WS:
             mbarrier.arrive(turn.index(1 - WG), count=1)
-        # S_{j+1} done, P_j·V_j may still run (each asynchronous wgmma is a group: HALVES of P·V and of P·1)
-        s = warpgroup_mma_wait((2 if MSUM else 1) * HALVES, deps=[s_tok])
+        s = warpgroup_mma_wait(2 if MSUM else 1, deps=[s_tok])  # S_{j+1} done, P_j·V_j may still run
         p_next, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, c, (j + 1) * TILE, kv_limit, keys, j + 1 >= full_end,
                                                 FP8, P_EXP, TREE, not MSUM)
         if P_REGS:
@@ -546,14 +483,14 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
             mbarrier.arrive(vt_empty.index(rj % 2), count=1)  # P_j·V_j is done with Vᵀ_j
         elif FP8:
             mbarrier.arrive(empty.index(nxt), count=1)  # K_{j+1} is read
-            p8 = _p8_parts(p_next, ROWS, VT_PERM, HALVES)
+            p8 = _p_e4m3(p_next, ROWS, VT_PERM)
             if MSUM:
                 o, l_t = warpgroup_mma_wait(0, deps=[o_tok, l_tok])
                 l_acc = l_acc + l_t
             else:
                 o = warpgroup_mma_wait(0, deps=[o_tok])
             mbarrier.arrive(vt_empty.index(rj % 2), count=1)  # P_j·V_j is done with Vᵀ_j and with p_buf
-            _store_p8(p_buf, p8, WG, HALVES)
+            p_buf.store(p8)
             fence_async_shared()
         else:
             p_next = gl.convert_layout(_p_operand(p_next, DT, False), p_layout)
@@ -578,10 +515,10 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
         if P_DBUF:
             o = warpgroup_mma(p_buf.index(2 * WG + (n - 1) % 2), vt_buf.index(rl % 2).permute((1, 0)), o)
         else:
-            o = _pv_mma(p if P_REGS else p_buf, vt_buf, rl % 2, o, WG, HALVES, False)
+            o = warpgroup_mma(p if P_REGS else p_buf, vt_buf.index(rl % 2).permute((1, 0)), o)
         if MSUM:
-            l_acc = l_acc + _sum_mma(p_buf.index(2 * WG + (n - 1) % 2) if P_DBUF else p_buf, ones_buf, l_zero, WG,
-                                     HALVES, False)
+            l_acc = l_acc + warpgroup_mma(p_buf.index(2 * WG + (n - 1) % 2) if P_DBUF else p_buf,
+                                          ones_buf.permute((1, 0)), l_zero, use_acc=False)
             l_i = gl.convert_layout(gl.max(l_acc, axis=1), rows_s)
         if PERSIST:  # the last Vᵀ buffer back to the producer too: it fills it again for the next q tile
             mbarrier.arrive(vt_empty.index(rl % 2), count=1)
@@ -695,9 +632,9 @@ def _ws_producer_fp8(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr,
      stride_oh, q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, vt_smem, p_smem, vt_full,
      vt_empty, ones_smem) = args
     _produce_fp8_first(k_desc, v_desc, k_smem, v_smem, full, empty, bt_row, bt_width, num_blocks, k_col, v_col, n, 0,
-                       D, TILE, PAGE, STAGES, False, FP8)
+                       D, TILE, PAGE, STAGES)
     if (SOFTMAX & 4) != 0 and FP8 != 2:
-        _store_ones(ones_smem, k_desc.dtype, TILE // _pv_halves(TILE, D, FP8))
+        _store_ones(ones_smem, k_desc.dtype, TILE)
     _produce_fp8_steps(k_desc, v_desc, k_smem, v_smem, full, empty, vt_smem, vt_full, vt_empty, bt_row, bt_width,
                        num_blocks, k_col, v_col, n, seq_len, 0, D, TILE, PAGE, STAGES, FP8)
 
@@ -716,23 +653,16 @@ def _store_ones(ones_smem, DT: gl.constexpr, TILE: gl.constexpr):
 @gluon.jit
 def _produce_fp8_first(k_desc, v_desc, k_smem, v_smem, full, empty, bt_row, bt_width, num_blocks, k_col, v_col, n,
                        g0, D: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
-                       PERSIST: gl.constexpr = False, FP8: gl.constexpr = 1):
+                       PERSIST: gl.constexpr = False):
     """A q tile's first STAGES K/V tiles into the ring. PERSIST: they are ring steps g0.., and each waits until its
     buffer's previous load (an earlier q tile's) is released by both consumers and the transpose."""
     KV_BYTES: gl.constexpr = 2 * TILE * D * k_desc.dtype.primitive_bitwidth // 8
-    if _pv_halves(TILE, D, FP8) == 2 and not PERSIST:  # K_0.. into the K ring, V_0 into V's one slot (`_ws_buffers`)
-        for i0 in gl.static_range(STAGES):
-            _issue_rows(k_desc, k_smem.index(i0), full.index(i0), bt_row, bt_width, num_blocks, i0, k_col, i0 < n,
-                        PAGE, TILE, KV_BYTES // 2)
-        _issue_rows(v_desc, v_smem.index(0), full.index(STAGES), bt_row, bt_width, num_blocks, 0, v_col, n > 0,
-                    PAGE, TILE, KV_BYTES // 2)
-    else:
-        for i0 in gl.static_range(STAGES):
-            r = _ring(i0, g0, PERSIST)
-            if PERSIST:
-                mbarrier.wait(empty.index(r % STAGES), ((r // STAGES) & 1) ^ 1, pred=i0 < n)
-            _issue_tile(k_desc, v_desc, k_smem, v_smem, full, bt_row, bt_width, num_blocks, i0, k_col, v_col,
-                        r % STAGES, i0 < n, PAGE, TILE, KV_BYTES)
+    for i0 in gl.static_range(STAGES):
+        r = _ring(i0, g0, PERSIST)
+        if PERSIST:
+            mbarrier.wait(empty.index(r % STAGES), ((r // STAGES) & 1) ^ 1, pred=i0 < n)
+        _issue_tile(k_desc, v_desc, k_smem, v_smem, full, bt_row, bt_width, num_blocks, i0, k_col, v_col,
+                    r % STAGES, i0 < n, PAGE, TILE, KV_BYTES)
 
 
 @gluon.jit
@@ -740,75 +670,23 @@ def _produce_fp8_steps(k_desc, v_desc, k_smem, v_smem, full, empty, vt_smem, vt_
                        num_blocks, k_col, v_col, n, seq_len, g0, D: gl.constexpr, TILE: gl.constexpr,
                        PAGE: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr, PERSIST: gl.constexpr = False):
     """A q tile's K/V steps in the producer: the refills (tile j-1+STAGES at step j) and each V_j transposed into
-    Vᵀ buffer (ring step) % 2 (`_pv_halves`: its two halves into buffers 2·(step % 2) + h). PERSIST: ring steps
-    g0.. (`_ring`)."""
+    Vᵀ buffer (ring step) % 2. PERSIST: ring steps g0.. (`_ring`)."""
     KV_BYTES: gl.constexpr = 2 * TILE * D * k_desc.dtype.primitive_bitwidth // 8
-    HALVES: gl.constexpr = _pv_halves(TILE, D, FP8)
-    if HALVES == 2:
-        gl.static_assert(not PERSIST, "256-key fp8 tiles: a program a q tile")
-        _produce_v1_steps(k_desc, v_desc, k_smem, v_smem, full, empty, vt_smem, vt_full, vt_empty, bt_row, bt_width,
-                          num_blocks, k_col, v_col, n, seq_len, D, TILE, PAGE, STAGES)
-    else:
-        for j in range(n):
-            rj = _ring(j, g0, PERSIST)
-            slot = rj % STAGES
-            if j >= 1:  # refill the previous tile's buffer with tile j-1+STAGES
-                prev = (rj - 1) % STAGES
-                if j - 1 + STAGES < n:
-                    mbarrier.wait(empty.index(prev), ((rj - 1) // STAGES) & 1)
-                    _issue_tile(k_desc, v_desc, k_smem, v_smem, full, bt_row, bt_width, num_blocks, j - 1 + STAGES,
-                                k_col, v_col, prev, True, PAGE, TILE, KV_BYTES)
-            mbarrier.wait(full.index(slot), (rj // STAGES) & 1)
-            mbarrier.wait(vt_empty.index(rj % 2), ((rj // 2) & 1) ^ 1)  # P·V_{j-2} is done in both consumers
-            _transpose_v(v_smem.index(slot), vt_smem.index(rj % 2), j, seq_len, TILE, D, FP8 != 2 and _vt_perm(TILE, D))
-            gl.thread_barrier()  # all 4 warps' Vᵀ stores (each fenced for the async proxy) before the arrivals
-            mbarrier.arrive(vt_full.index(rj % 2), count=1)
-            mbarrier.arrive(empty.index(slot), count=1)
-
-
-@gluon.jit
-def _issue_rows(desc, dst, bar, bt_row, bt_width, num_blocks, tile, col, ok, PAGE: gl.constexpr, TILE: gl.constexpr,
-                BYTES: gl.constexpr):
-    """One tensor's (K's or V's) tile `tile` by TMA into `dst` on `bar` (nothing when not `ok`): `_issue_tile`'s
-    boxes (one inside a page, or one a page), a bad page id read past the cache (zeros)."""
-    SUBS: gl.constexpr = TILE // PAGE if PAGE < TILE else 1
-    mbarrier.expect(bar, BYTES, pred=ok)
-    for sub in gl.static_range(SUBS):
-        col_b = (tile * TILE + sub * PAGE) // PAGE
-        page = gl.load(bt_row + col_b, mask=ok & (col_b < bt_width), other=-1)
-        good = (page >= 0) & (page < num_blocks)
-        row0 = gl.where(good, page, num_blocks) * PAGE + (tile * TILE) % PAGE
-        if PAGE >= TILE:
-            tma.async_copy_global_to_shared(desc, [row0, col], bar, dst, pred=ok)
-        else:
-            tma.async_copy_global_to_shared(desc, [row0, col], bar, dst.slice(sub * PAGE, PAGE), pred=ok)
-
-
-@gluon.jit
-def _produce_v1_steps(k_desc, v_desc, k_smem, v_smem, full, empty, vt_smem, vt_full, vt_empty, bt_row, bt_width,
-                      num_blocks, k_col, v_col, n, seq_len, D: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr,
-                      STAGES: gl.constexpr):
-    """`_produce_fp8_steps` on 256-key tiles (`_pv_halves`): K refills as there (the consumers release K alone),
-    V from its one slot (full[STAGES], phase j % 2): each half transposed into its own Vᵀ buffer (2·(j % 2) + h) as
-    a 128-key tile, then, the slot read by all 4 warps, V_{j+1} loaded into it."""
-    BYTES: gl.constexpr = TILE * D * k_desc.dtype.primitive_bitwidth // 8
-    HALF: gl.constexpr = TILE // 2
     for j in range(n):
-        if j >= 1:  # refill the previous tile's K slot with tile j-1+STAGES
-            prev = (j - 1) % STAGES
+        rj = _ring(j, g0, PERSIST)
+        slot = rj % STAGES
+        if j >= 1:  # refill the previous tile's buffer with tile j-1+STAGES
+            prev = (rj - 1) % STAGES
             if j - 1 + STAGES < n:
-                mbarrier.wait(empty.index(prev), ((j - 1) // STAGES) & 1)
-                _issue_rows(k_desc, k_smem.index(prev), full.index(prev), bt_row, bt_width, num_blocks,
-                            j - 1 + STAGES, k_col, True, PAGE, TILE, BYTES)
-        mbarrier.wait(full.index(STAGES), j & 1)  # V_j landed
-        mbarrier.wait(vt_empty.index(j % 2), ((j // 2) & 1) ^ 1)  # P·V_{j-2} is done in both consumers
-        for h in gl.static_range(2):
-            _transpose_v(v_smem.index(0).slice(h * HALF, HALF), vt_smem.index(2 * (j % 2) + h), 2 * j + h, seq_len,
-                         HALF, D, _vt_perm(HALF, D))
-        gl.thread_barrier()  # all 4 warps' Vᵀ stores and V loads (each fenced for the async proxy) are done
-        mbarrier.arrive(vt_full.index(j % 2), count=1)
-        _issue_rows(v_desc, v_smem.index(0), full.index(STAGES), bt_row, bt_width, num_blocks, j + 1, v_col,
-                    j + 1 < n, PAGE, TILE, BYTES)
+                mbarrier.wait(empty.index(prev), ((rj - 1) // STAGES) & 1)
+                _issue_tile(k_desc, v_desc, k_smem, v_smem, full, bt_row, bt_width, num_blocks, j - 1 + STAGES,
+                            k_col, v_col, prev, True, PAGE, TILE, KV_BYTES)
+        mbarrier.wait(full.index(slot), (rj // STAGES) & 1)
+        mbarrier.wait(vt_empty.index(rj % 2), ((rj // 2) & 1) ^ 1)  # P·V_{j-2} is done in both consumers
+        _transpose_v(v_smem.index(slot), vt_smem.index(rj % 2), j, seq_len, TILE, D, FP8 != 2 and _vt_perm(TILE, D))
+        gl.thread_barrier()  # all 4 warps' Vᵀ stores (each fenced for the async proxy) before the arrivals
+        mbarrier.arrive(vt_full.index(rj % 2), count=1)
+        mbarrier.arrive(empty.index(slot), count=1)
 
 
 @gluon.jit
@@ -818,7 +696,7 @@ def _ws_consume(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE
      v_col, n, q_start, q_len, first_tok, ctx_len, seq_len, kv_head, c, stride_qt, stride_qh, stride_ot,
      stride_oh, q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, vt_smem, p_smem, vt_full,
      vt_empty, ones_smem) = args
-    if FP8 == 3 or _pv_halves(TILE, D, FP8) == 2:  # all four P buffers: `_attend` picks 2·WG + tile % 2 or + half
+    if FP8 == 3:  # all four P buffers, two a consumer: `_attend` picks 2·WG + tile % 2
         p_bufs = p_smem
     else:
         p_bufs = p_smem.index(WG)
@@ -846,21 +724,18 @@ def _ws_consumer1(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PA
 def _fp8_buffers(DT: gl.constexpr, D: gl.constexpr, TILE: gl.constexpr, FP8: gl.constexpr, SOFTMAX: gl.constexpr):
     """The fp8 kernel's shared memory beside q and the K/V ring: two Vᵀ buffers (the fp8 P·V's B operand, keys
     contiguous), each consumer's e4m3 P (the A operand; two each with FP8 3, none with P in registers), their
-    mbarriers (initialized), and gluon_mma_sum's [8, TILE] ones: (vt, p, vt_full, vt_empty, ones). `_pv_halves`:
-    each of those Vᵀ and P buffers as two of a half tile, the ones a half tile."""
-    HALVES: gl.constexpr = _pv_halves(TILE, D, FP8)
-    PT: gl.constexpr = TILE // HALVES
-    vt_smem = gl.allocate_shared_memory(DT, [2 * HALVES, D, PT], gl.NVMMASharedLayout.get_default_for([D, PT], DT))
+    mbarriers (initialized), and gluon_mma_sum's [8, TILE] ones: (vt, p, vt_full, vt_empty, ones)."""
+    vt_smem = gl.allocate_shared_memory(DT, [2, D, TILE], gl.NVMMASharedLayout.get_default_for([D, TILE], DT))
     if FP8 == 2:
         p_smem = vt_smem  # P stays in registers: not read
     elif FP8 == 3:  # two P buffers a consumer
         p_smem = gl.allocate_shared_memory(DT, [4, 64, TILE], gl.NVMMASharedLayout.get_default_for([64, TILE], DT))
     else:
-        p_smem = gl.allocate_shared_memory(DT, [2 * HALVES, 64, PT], gl.NVMMASharedLayout.get_default_for([64, PT], DT))
+        p_smem = gl.allocate_shared_memory(DT, [2, 64, TILE], gl.NVMMASharedLayout.get_default_for([64, TILE], DT))
     vt_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     vt_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     if SOFTMAX & 4:  # gluon_mma_sum: [8, TILE] e4m3 ones, P·1's B operand (N = 8, keys contiguous)
-        ones_smem = gl.allocate_shared_memory(DT, [8, PT], gl.NVMMASharedLayout.get_default_for([8, PT], DT))
+        ones_smem = gl.allocate_shared_memory(DT, [8, TILE], gl.NVMMASharedLayout.get_default_for([8, TILE], DT))
     else:
         ones_smem = vt_smem  # not read
     for ib in gl.static_range(2):
@@ -877,13 +752,10 @@ def _ws_buffers(k_desc, v_desc, D: gl.constexpr, TILE: gl.constexpr, STAGES: gl.
     their mbarriers and the ones; 16-bit: the row-sum scratch (SOFTMAX & 2, `_attend`'s PV_OVERLAP) and stand-ins
     for the fp8 buffers, never read."""
     DT: gl.constexpr = k_desc.dtype
-    # 256-key fp8 tiles (`_pv_halves`): V in a ring of its own one slot deep, its mbarrier full[STAGES] (the
-    # producer reads V once, to transpose it, and loads the next V right after: 32 KB less, which q's buffer needs)
-    V1: gl.constexpr = _pv_halves(TILE, D, FP8) == 2
     q_smem = gl.allocate_shared_memory(DT, [2, 64, D], gl.NVMMASharedLayout.get_default_for([64, D], DT))
     k_smem = gl.allocate_shared_memory(DT, [STAGES, TILE, D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(DT, [1 if V1 else STAGES, TILE, D], v_desc.layout)
-    full = gl.allocate_shared_memory(gl.int64, [STAGES + (1 if V1 else 0), 1], mbarrier.MBarrierLayout())
+    v_smem = gl.allocate_shared_memory(DT, [STAGES, TILE, D], v_desc.layout)
+    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     if FP8:
@@ -899,10 +771,7 @@ def _ws_buffers(k_desc, v_desc, D: gl.constexpr, TILE: gl.constexpr, STAGES: gl.
         ones_smem = q_smem  # not read
     for ib in gl.static_range(STAGES):
         mbarrier.init(full.index(ib), count=1)
-        # both consumers (fp8: and the producer's transpose, which V1 waits for on its own)
-        mbarrier.init(empty.index(ib), count=3 if FP8 and not V1 else 2)
-    if V1:
-        mbarrier.init(full.index(STAGES), count=1)
+        mbarrier.init(empty.index(ib), count=3 if FP8 else 2)  # both consumers (fp8: and the producer's transpose)
     for ib in gl.static_range(2):
         mbarrier.init(turn.index(ib), count=1)
     return q_smem, k_smem, v_smem, full, empty, turn, vt_smem, p_smem, vt_full, vt_empty, ones_smem
@@ -982,13 +851,13 @@ def _ws_persist(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE
      stride_qt, stride_qh, stride_ot, stride_oh, q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr,
      vt_smem, p_smem, vt_full, vt_empty, ones_smem) = args
     if ROLE < 2:
-        if FP8 == 3 or _pv_halves(TILE, D, FP8) == 2:  # all four P buffers (`_attend` picks them)
+        if FP8 == 3:  # all four P buffers, two a consumer: `_attend` picks 2·WG + tile % 2
             p_bufs = p_smem
         else:
             p_bufs = p_smem.index(ROLE)
     if ROLE == 2:
         if (SOFTMAX & 4) != 0:
-            _store_ones(ones_smem, k_desc.dtype, TILE // _pv_halves(TILE, D, FP8))  # published by the first vt_full
+            _store_ones(ones_smem, k_desc.dtype, TILE)  # published by the first vt_full
     TOKENS: gl.constexpr = 128 // G
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)

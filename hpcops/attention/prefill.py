@@ -93,12 +93,6 @@ class PrefillConfig:
     the Vᵀ transpose and P). `gluon_config(fp8=True)` turns it on: H200, same run, 0.986-0.991x the time of q from
     shared memory at every fp8 q4k/q8k case (`bench/results/prefill_fexp_qregs_633e984.md`; bench row
     `hpcops-fp8q-smemq` beside it). A 16-bit q in registers spills (24 bytes a consumer at head_dim 128).
-    `block_n=256` with the fp8 kernel (one P buffer, q from shared memory, two K buffers, not persistent): 256-key
-    tiles, S and the softmax on the whole tile (one N = 256 wgmma; the turns, barriers, O rescale and row-max
-    shuffles once per 256 keys instead of twice), P·V and P·1 on two 128-key halves, each with its own Vᵀ and P
-    buffer in a 128-key tile's permuted order, and V in a one-slot ring of its own (209 KB). Opt-in until measured
-    (bench row `hpcops-fp8q-n256`); sm_90 SASS at head_dim 128: 688 instructions a step on the unmasked path against
-    818 for two 128-key steps.
     `tma`, `pv_fp8`, `quant_q` and `fma_scale` are the `tl` kernel's (the Gluon kernel always reads by TMA and
     scales inside exp2).
     """
@@ -203,12 +197,8 @@ def gluon_smem_bytes(block_m: int, block_n: int, stages: int, head_dim: int, ele
     """Shared memory of a Gluon prefill program: its q tile and `stages` K/V buffer pairs; `fp8` (the
     warp-specialized kernel over fp8 q and KV, 1-byte elements) adds the two Vᵀ [D, block_n] buffers and each
     consumer's `p_bufs` e4m3 P [64, block_n] (2 with `gluon_p_dbuf`); `row_sums` (`gluon_pv_overlap`) the two
-    consumers' [64] fp32 scratch; `mma_sum` (`gluon_mma_sum`, fp8) the [8, block_n] e4m3 ones. 256-key fp8 tiles
-    (P·V on two 128-key halves): V in one slot of its own beside the `stages` K buffers, a half tile of ones."""
+    consumers' [64] fp32 scratch; `mma_sum` (`gluon_mma_sum`, fp8) the [8, block_n] e4m3 ones."""
     if fp8:
-        if block_n == 256 and p_bufs == 1:
-            ones = 4 * block_n if mma_sum else 0
-            return (block_m + (stages + 1) * block_n) * head_dim + 2 * (head_dim + 64) * block_n + ones
         ones = 8 * block_n if mma_sum else 0
         return (block_m + 2 * stages * block_n) * head_dim + 2 * (head_dim + 64 * p_bufs) * block_n + ones
     return (block_m + 2 * stages * block_n) * head_dim * elem_bytes + (2 * 64 * 4 if row_sums else 0)
@@ -406,10 +396,6 @@ def gluon_config_reason(config: PrefillConfig, *, fp8: bool, head_dim: int, grou
         return f"head_dim {d} with fp8 (the fp8 consumer's registers spill above 128: 496 bytes at 256 in ptxas)"
     if fp8 and config.block_n % 32:
         return f"block_n {config.block_n} with fp8 (an fp8 P·V dot has K = block_n: a multiple of 32)"
-    if fp8 and config.block_n == 256 and (config.gluon_p_regs or config.gluon_p_dbuf or config.gluon_persist
-                                          or config.gluon_q_regs):
-        return ("block_n 256 with fp8: one P buffer a consumer, q from shared memory and a program a q tile (not "
-                "gluon_p_regs, gluon_p_dbuf, gluon_q_regs or gluon_persist: q's registers would spill beside S's)")
     bm, bn = config.block_m, config.block_n
     if bm not in (64, 128) or config.num_warps != bm // 16:
         return f"block_m {bm} on {config.num_warps} warps (64 or 128 rows, 16 a warp)"

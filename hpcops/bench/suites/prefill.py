@@ -411,19 +411,6 @@ def cases(opts: dict) -> Iterator[Case]:
                              "(gluon_persist=True)")
                     )
                     impls.append(
-                        Impl("hpcops-fp8q-n256",
-                             _ours(True, {**GLUON_FP8_MSUM, "block_n": 256, "num_stages": 2, "gluon_q_regs": False}),
-                             note="variant: the fp8 default on 256-key tiles, P·V on two 128-key halves, V in one "
-                             "slot, q from shared memory (block_n=256, num_stages=2, gluon_q_regs=False)")
-                    )
-                    impls.append(
-                        Impl("hpcops-fp8q-n256-tree",
-                             _ours(True, {**GLUON_FP8_MSUM, "block_n": 256, "num_stages": 2, "gluon_q_regs": False,
-                                          "gluon_tree": True}),
-                             note="variant: hpcops-fp8q-n256 with the row max as a tree (gluon_tree=True: 64 scores "
-                             "a thread and row, a chain of 63 FMNMX otherwise)")
-                    )
-                    impls.append(
                         Impl("hpcops-fp8q-smemq", _ours(True, {**GLUON_FP8_MSUM, "gluon_q_regs": False}),
                              note="variant: the fp8 default with q read from shared memory by every S wgmma "
                              "(gluon_q_regs=False)")
