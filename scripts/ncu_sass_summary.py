@@ -91,10 +91,9 @@ def report(path: str, min_ex2: int = 60) -> str:
     rows = read_rows(path)
     whole = summarize(rows)
     out = [f"# {path}: {whole['instructions']} instructions, {whole['samples']:.0f} stall samples"]
-    parts = [(f"loop {rows[a]['Address']}..{rows[b]['Address']}", rows[a:b + 1])
+    parts = [(f"loop {rows[a]['Address']}..{rows[b]['Address']}", summarize(rows[a:b + 1]))
              for a, b in softmax_loops(rows, min_ex2)]
-    for name, sel in parts + [("whole kernel", rows)]:
-        s = summarize(sel)
+    for name, s in parts + [("whole kernel", whole)]:
         share = 100 * s["samples"] / max(whole["samples"], 1)
         out.append(f"\n## {name}: {s['instructions']} instructions, {s['samples']:.0f} samples ({share:.1f} %), "
                    f"{s['executed']:.0f} executed")
