@@ -1,10 +1,11 @@
-"""The sm_90 SASS of a warp-specialized Gluon prefill build, loop by loop, on the CPU (no GPU needed).
+"""The sm_90 SASS of a warp-specialized Gluon prefill build, its softmax loops one by one, on the CPU (no GPU).
 
 Builds one entry of `tests/test_prefill_compile.py`'s GLUON_WS_BUILDS (Triton 3.6's ptxas, as the CPU tier does),
 disassembles the whole cubin with Triton's bundled `cuobjdump -sass` (Triton's own `asm["sass"]` holds one consumer
-only) and prints every backward-branch region of at least `--min` instructions: its size and opcode counts, and with
-`--seq` the opcodes in order, runs collapsed ("MUFU x2 | F2FP x1 | ..."): where ptxas put what, e.g. the O rescale's
-FMULs after P's fence. Session 63 used it to place `gluon_late_scale`'s FMULs before running it.
+only) and prints every innermost loop with at least `--min-ex2` MUFU.EX2 (each consumer's softmax loop; found as
+`ncu_sass_summary.py` finds them on a GPU profile): its size and opcode counts, and with `--seq` the opcodes in order,
+runs collapsed ("MUFU x2 | F2FP x1 | ..."): where ptxas put what, e.g. the O rescale's FMULs after P's fence.
+Session 63 used it to place `gluon_late_scale`'s FMULs before running it.
 
     python3 scripts/sass_loops.py fp8-d128-h8/1-128-3buf-msum-qregs [--softmax-extra 64] [--out F.sass] [--seq]
     python3 scripts/sass_loops.py --list
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import json
 import os
 import re
@@ -23,17 +25,19 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "scripts")]
 
+from ncu_sass_summary import opcode, softmax_loops  # noqa: E402
 from test_prefill_compile import GLUON_WS_BUILD, GLUON_WS_BUILDS  # noqa: E402
 
 DUMP = """
 import os, subprocess, tempfile
 cob = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-    f.write(c.asm["cubin"])
-open(os.environ["SASS_OUT"], "w").write(subprocess.run([cob, "-sass", f.name], capture_output=True, text=True,
-                                                       check=True).stdout)
+with tempfile.TemporaryDirectory() as d:
+    cubin = os.path.join(d, "k.cubin")
+    open(cubin, "wb").write(c.asm["cubin"])
+    sass = subprocess.run([cob, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+open(os.environ["SASS_OUT"], "w").write(sass)
 print(json.dumps(r))"""
 
 
@@ -53,68 +57,49 @@ def build_sass(name: str, extra: int, out: Path) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def instructions(sass: str) -> list[tuple[int, str]]:
-    """(address, instruction text) of every instruction in a cuobjdump listing."""
-    return [(int(m.group(1), 16), m.group(2).strip()) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-
-
-def opcode(text: str) -> str:
-    """The base opcode of an instruction, its predicate and modifiers dropped (`@!P3 MUFU.EX2 R1, R2` → MUFU)."""
-    return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
-
-
-def loops(ins: list[tuple[int, str]], minimum: int) -> list[tuple[int, int]]:
-    """(first, last) instruction indices of each region a backward branch closes, at least `minimum` long."""
-    index = {a: i for i, (a, _) in enumerate(ins)}
-    found = []
-    for i, (a, t) in enumerate(ins):
-        m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", t)
-        if m and int(m.group(1), 16) < a and int(m.group(1), 16) in index:
-            s = index[int(m.group(1), 16)]
-            if i - s + 1 >= minimum:
-                found.append((s, i))
-    return found
+def instruction_rows(sass: str) -> list[dict]:
+    """A cuobjdump listing's instructions as `ncu_sass_summary`'s rows: {"Address": "0x…", "Source": text}."""
+    return [{"Address": f"0x{m.group(1)}", "Source": m.group(2).strip()}
+            for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
 
 
 def runs(ops: list[str]) -> str:
-    out, prev, n = [], None, 0
-    for op in ops + [None]:
-        if op == prev:
-            n += 1
-            continue
-        if prev is not None:
-            out.append(f"{prev} x{n}")
-        prev, n = op, 1
-    return " | ".join(out)
+    """The opcodes in order with repeats collapsed: ["MUFU", "MUFU", "F2FP"] → "MUFU x2 | F2FP x1"."""
+    return " | ".join(f"{op} x{len(list(group))}" for op, group in itertools.groupby(ops))
+
+
+def loop_lines(sass: str, min_ex2: int, seq: bool) -> list[str]:
+    """Each softmax loop of the listing: its address range, size and opcode counts (and with `seq`, the order)."""
+    rows = instruction_rows(sass)
+    out = []
+    for a, b in softmax_loops(rows, min_ex2):
+        ops = [opcode(r["Source"]) for r in rows[a:b + 1]]
+        out.append(f"loop {rows[a]['Address']}-{rows[b]['Address']}: {len(ops)} instructions")
+        out.append("  " + ", ".join(f"{k} {v}" for k, v in collections.Counter(ops).most_common()))
+        if seq:
+            out.append("  " + runs(ops))
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("build", nargs="?", help="a GLUON_WS_BUILDS name (--list shows them)")
+    ap.add_argument("--list", action="store_true", help="the build names")
     ap.add_argument("--softmax-extra", type=int, default=0, help="SOFTMAX bits or-ed into the build's")
-    ap.add_argument("--min", type=int, default=300, help="shortest region shown (instructions)")
-    ap.add_argument("--max", type=int, default=1200, help="longest region shown (the whole partitions are longer)")
+    ap.add_argument("--min-ex2", type=int, default=60, help="MUFU.EX2 a loop needs to be listed")
     ap.add_argument("--seq", action="store_true", help="also the opcodes in order, runs collapsed")
     ap.add_argument("--out", type=Path, help="keep the SASS listing here")
     args = ap.parse_args()
-    if args.build is None:
+    if args.list or args.build is None:
         print("\n".join(GLUON_WS_BUILDS))
         return
     if args.build not in GLUON_WS_BUILDS:
         raise SystemExit(f"unknown build {args.build!r}; --list shows the names")
-    out = args.out or Path(tempfile.mkstemp(suffix=".sass")[1])
-    r = build_sass(args.build, args.softmax_extra, out)
-    print(f"{args.build} (SOFTMAX extra {args.softmax_extra}): {r}\nSASS: {out}")
-    ins = instructions(out.read_text())
-    for s, e in loops(ins, args.min):
-        if e - s + 1 > args.max:
-            continue
-        ops = [opcode(t) for _, t in ins[s:e + 1]]
-        counts = collections.Counter(ops).most_common()
-        print(f"\nloop {ins[s][0]:#x}-{ins[e][0]:#x}: {e - s + 1} instructions")
-        print("  " + ", ".join(f"{k} {v}" for k, v in counts))
-        if args.seq:
-            print("  " + runs(ops))
+    with tempfile.TemporaryDirectory() as d:
+        out = args.out or Path(d) / "build.sass"
+        r = build_sass(args.build, args.softmax_extra, out)
+        print(f"{args.build} (SOFTMAX extra {args.softmax_extra}): {r}" + (f"\nSASS: {out}" if args.out else ""))
+        print("\n".join(loop_lines(out.read_text(), args.min_ex2, args.seq)))
 
 
 if __name__ == "__main__":

@@ -537,3 +537,21 @@ def test_ncu_sass_summary_finds_the_softmax_loop_and_sums_its_stalls(tmp_path):
     (tmp_path / "empty.csv").write_text("no table here\n")
     with pytest.raises(ValueError, match="no SASS source table"):
         mod.read_rows(str(tmp_path / "empty.csv"))
+
+
+def test_sass_loops_lists_a_cuobjdump_listings_softmax_loop():
+    """sass_loops.py on a made-up cuobjdump listing: the innermost loop around 60 MUFU.EX2 is listed (not the outer
+    one, not a loop without exp2), its opcodes counted with predicates and modifiers dropped and, in order, their
+    repeats collapsed."""
+    mod = _script("sass_loops")
+    prog = ["MOV R1, R2", "FFMA R3, R4, R5, R6"] + ["MUFU.EX2 R7, R8"] * 60 + [
+        "@!P0 BAR.SYNC.DEFER_BLOCKING 0x2, 0x80", "@P1 BRA 0x10", "SYNCS.PHASECHK.TRANS64.TRYWAIT P2, [UR4], RZ",
+        "@!P2 BRA 0x3f0", "@P2 BRA 0x0", "EXIT"]
+    listing = "\n".join(f"        /*{16 * i:04x}*/                   {src} ;  /* 0x000fe20000000f00 */"
+                        for i, src in enumerate(prog))
+    assert mod.loop_lines(listing, 60, seq=True) == [
+        "loop 0x0010-0x03f0: 63 instructions",
+        "  MUFU 60, FFMA 1, BAR 1, BRA 1",
+        "  FFMA x1 | MUFU x60 | BAR x1 | BRA x1",
+    ]
+    assert mod.loop_lines(listing, 61, seq=False) == []
