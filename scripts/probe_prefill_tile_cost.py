@@ -1,0 +1,132 @@
+"""Probe: what a q tile costs the Gluon prefill kernels besides its K/V steps (issue 12).
+
+A linear fit of the bench's h8/1 rows (q4k: ~2 q tiles an SM of ~16 steps, q8k: ~4 of ~32) puts the fp8 kernel's
+step at ~1.28 µs and ~7.7 µs more for every q tile, the bf16 kernel's at ~1.75 µs and ~4.4 µs a tile (H100, session
+63): if so, the per-tile cost, not the step, is what keeps h8/1 fp8 short of 1.3x our bf16. This measures it
+directly, with no load imbalance: R requests of 16 new tokens at h8/1 (one 128-row q tile each: 16 tokens x 8
+heads), each over n·128 keys (n K/V steps, the last one masked), R = a multiple of the SM count, so every SM runs
+R / SMs tiles of the same n. Per kernel and R, the time against n is a line: slope = a step, intercept / (R / SMs) =
+a tile's fixed cost (launch, q load, first S and softmax, the producer's fill, the epilogue).
+
+Kernels: `bf16` (the warp-specialized bf16 kernel on the bf16 default's tile at h8/1 q4k, `gluon_config`), `fp8`
+(the fp8-q default, `gluon_config(fp8=True)`), `fp8-persist` (the same as a persistent grid), `fp8-smemq` (q from
+shared memory: no conversion of q into the wgmma's register layout when a tile starts). CUDA-graph µs a layer,
+L2-cold as the bench.
+
+    python3 scripts/probe_prefill_tile_cost.py --out DIR [--steps 1,2,4,8,16,32] [--per-sm 1,2] [--kernels fp8,bf16]
+        [--label NAME]
+
+`--label` names the files (probe_prefill_tile_cost_NAME.{md,json}) and the tree in the title: an A/B of two trees in
+one device call runs the script twice, the other tree first on PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+
+from hpcops._platform import num_sms
+from hpcops.attention.prefill import gluon_config, prefill_attention
+from hpcops.bench.suites.prefill import HEAD_DIM, Scenario, _make_inputs
+from hpcops.bench.timing import graph_time_us, layers_for
+
+HQ, HKV = 8, 1
+
+
+def _configs() -> dict:
+    bf16 = gluon_config(head_dim=HEAD_DIM, group=HQ // HKV, max_seqlen_q=4096, num_kv_heads=HKV, total_q=4096)
+    fp8 = gluon_config(head_dim=HEAD_DIM, group=HQ // HKV, max_seqlen_q=4096, fp8=True)
+    return {"bf16": bf16, "fp8": fp8, "fp8-persist": dataclasses.replace(fp8, gluon_persist=True),
+            "fp8-smemq": dataclasses.replace(fp8, gluon_q_regs=False)}
+
+
+def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return slope, my - slope * mx
+
+
+def _report(out: Path, label: str, kernels: list[str], steps: list[int], sms: int, rows: list[dict],
+            fits: list[dict]) -> str:
+    """Write the tables so far (rewritten after every kernel: a call cut short keeps what it measured)."""
+    import hpcops
+
+    tree = f", {label}: {Path(hpcops.__file__).parent}" if label else ""
+    lines = [f"# Prefill q-tile cost probe ({torch.cuda.get_device_name()}, {sms} SMs{tree})", "",
+             "`python3 scripts/probe_prefill_tile_cost.py` (h8/1, 16 new tokens a request = one 128-row q tile, "
+             "n·128 keys, R = tiles an SM × SMs requests; CUDA-graph µs a layer, L2-cold)", "",
+             "| kernel | tiles / SM | " + " | ".join(f"n={n}" for n in steps) + " |",
+             "|---|---:|" + "---:|" * len(steps)]
+    for per_sm in sorted({r["tiles_per_sm"] for r in rows}):
+        for name in kernels:
+            ts = [r["us"] for r in rows if r["kernel"] == name and r["tiles_per_sm"] == per_sm]
+            lines.append(f"| {name} | {per_sm} | " + " | ".join(f"{t:.2f}" for t in ts) + " |")
+    lines += ["", "Least-squares line over n (x = steps an SM): µs a K/V step, and the intercept per q tile.", "",
+              "| kernel | tiles / SM | µs a step | µs a q tile (intercept / tiles) |", "|---|---:|---:|---:|"]
+    lines += [f"| {f['kernel']} | {f['tiles_per_sm']} | {f['step_us']:.3f} | {f['tile_us']:.2f} |" for f in fits]
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "probe_prefill_tile_cost" + (f"_{label}" if label else "")
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    (out / f"{stem}.json").write_text(json.dumps({"label": label, "rows": rows, "fits": fits}, indent=1))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--steps", default="1,2,4,8,16,32")
+    ap.add_argument("--per-sm", default="1,2")
+    ap.add_argument("--kernels", default=",".join(_configs()), help="a comma list of: " + ", ".join(_configs()))
+    ap.add_argument("--label", default="", help="names the output files and the tree")
+    args = ap.parse_args()
+    configs = _configs()
+    kernels = args.kernels.split(",")
+    unknown = sorted(set(kernels) - set(configs))
+    if unknown:
+        ap.error(f"--kernels: unknown {unknown}; choose from {sorted(configs)}")
+    steps = [int(s) for s in args.steps.split(",")]
+    if len(set(steps)) < 2:
+        ap.error("--steps: two step counts at least (the fit is a line)")
+    sms = num_sms()
+    rows, fits = [], []
+    for per_sm in (int(s) for s in args.per_sm.split(",")):
+        reqs = per_sm * sms
+        for name in kernels:
+            config = configs[name]
+            fp8 = name.startswith("fp8")
+            times = []
+            for n in steps:
+                s = Scenario(f"{reqs}q16s{n * 128}", HQ, HKV, fp8)
+                layers = layers_for(s.bytes, maximum=32)
+                fns, outs = [], []
+                for layer in range(layers):
+                    x = _make_inputs(s, layer)
+                    kv = x["kv"]
+                    q, q_scale = (x["q8"], x["q_scale"]) if fp8 else (x["q"], None)
+                    out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=q.device)
+                    outs.append(out)
+                    kw = dict(max_seqlen_q=x["max_q"], k_scale=kv.k_scale, v_scale=kv.v_scale, q_scale=q_scale,
+                              out=out, config=config)
+                    fns.append(lambda q=q, kv=kv, x=x, kw=kw: prefill_attention(
+                        q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, x["cu"], **kw))
+                fns[0]()
+                torch.cuda.synchronize()
+                if not torch.isfinite(outs[0]).all():  # every row is written (the outputs start NaN)
+                    raise RuntimeError(f"{name} {s.spec}: non-finite output")
+                us = graph_time_us(fns)
+                times.append(us)
+                rows.append({"kernel": name, "tiles_per_sm": per_sm, "steps": n, "us": us})
+                print(f"{name:12s} {per_sm} tile(s)/SM  n={n:3d}  {us:8.2f} µs", flush=True)
+            slope, icpt = _fit([per_sm * n for n in steps], times)
+            fits.append({"kernel": name, "tiles_per_sm": per_sm, "step_us": slope, "tile_us": icpt / per_sm})
+            _report(args.out, args.label, kernels, steps, sms, rows, fits)
+    print(_report(args.out, args.label, kernels, steps, sms, rows, fits))
+
+
+if __name__ == "__main__":
+    main()
