@@ -14,7 +14,14 @@ shared memory: no conversion of q into the wgmma's register layout when a tile s
 L2-cold as the bench.
 
     python3 scripts/probe_prefill_tile_cost.py --out DIR [--steps 1,2,4,8,16,32] [--per-sm 1,2] [--kernels fp8,bf16]
-        [--label NAME]
+        [--label NAME] [--shared-kv] [--api]
+
+The kernel is launched on exactly R programs (`prefill._launch_gluon`); `--api` goes through `prefill_attention`,
+whose grid is a bound from host shapes, (Σ q_len + B·(T − 1)) / T = ~2R here: R programs find no tile and exit
+(the first run, session 64, did that). Every request reads its
+own pages (L2-cold, as the bench's inputs: the step then costs its K/V's DRAM time, 64 KB bf16 or 32 KB fp8 an SM);
+`--shared-kv` points every request's block table at request 0's pages, so the K/V stay in L2 as the bench's h8/1
+rows' (one request: every q tile reads the same keys) and the step costs its compute.
 
 `--label` names the files (probe_prefill_tile_cost_NAME.{md,json}) and the tree in the title: an A/B of two trees in
 one device call runs the script twice, the other tree first on PYTHONPATH.
@@ -30,7 +37,7 @@ from pathlib import Path
 import torch
 
 from hpcops._platform import num_sms
-from hpcops.attention.prefill import gluon_config, prefill_attention
+from hpcops.attention.prefill import _launch_gluon, gluon_config, prefill_attention
 from hpcops.bench.suites.prefill import HEAD_DIM, Scenario, _make_inputs
 from hpcops.bench.timing import graph_time_us, layers_for
 
@@ -51,7 +58,7 @@ def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return slope, my - slope * mx
 
 
-def _report(out: Path, label: str, kernels: list[str], steps: list[int], sms: int, rows: list[dict],
+def _report(out: Path, label: str, mode: str, kernels: list[str], steps: list[int], sms: int, rows: list[dict],
             fits: list[dict]) -> str:
     """Write the tables so far (rewritten after every kernel: a call cut short keeps what it measured)."""
     import hpcops
@@ -59,7 +66,7 @@ def _report(out: Path, label: str, kernels: list[str], steps: list[int], sms: in
     tree = f", {label}: {Path(hpcops.__file__).parent}" if label else ""
     lines = [f"# Prefill q-tile cost probe ({torch.cuda.get_device_name()}, {sms} SMs{tree})", "",
              "`python3 scripts/probe_prefill_tile_cost.py` (h8/1, 16 new tokens a request = one 128-row q tile, "
-             "n·128 keys, R = tiles an SM × SMs requests; CUDA-graph µs a layer, L2-cold)", "",
+             "n·128 keys, R = tiles an SM × SMs requests; CUDA-graph µs a layer, L2-cold)", "", mode, "",
              "| kernel | tiles / SM | " + " | ".join(f"n={n}" for n in steps) + " |",
              "|---|---:|" + "---:|" * len(steps)]
     for per_sm in sorted({r["tiles_per_sm"] for r in rows}):
@@ -83,6 +90,8 @@ def main() -> None:
     ap.add_argument("--per-sm", default="1,2")
     ap.add_argument("--kernels", default=",".join(_configs()), help="a comma list of: " + ", ".join(_configs()))
     ap.add_argument("--label", default="", help="names the output files and the tree")
+    ap.add_argument("--shared-kv", action="store_true", help="every request reads request 0's pages (L2-resident)")
+    ap.add_argument("--api", action="store_true", help="through prefill_attention (its grid: ~2R programs)")
     args = ap.parse_args()
     configs = _configs()
     kernels = args.kernels.split(",")
@@ -93,6 +102,8 @@ def main() -> None:
     if len(set(steps)) < 2:
         ap.error("--steps: two step counts at least (the fit is a line)")
     sms = num_sms()
+    mode = (f"Grid: {'prefill_attention (~2R programs)' if args.api else 'exactly R programs'}; K/V: "
+            f"{'request 0 pages for all (L2-resident)' if args.shared_kv else 'own pages a request (L2-cold)'}.")
     rows, fits = [], []
     for per_sm in (int(s) for s in args.per_sm.split(",")):
         reqs = per_sm * sms
@@ -110,10 +121,20 @@ def main() -> None:
                     q, q_scale = (x["q8"], x["q_scale"]) if fp8 else (x["q"], None)
                     out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=q.device)
                     outs.append(out)
-                    kw = dict(max_seqlen_q=x["max_q"], k_scale=kv.k_scale, v_scale=kv.v_scale, q_scale=q_scale,
-                              out=out, config=config)
-                    fns.append(lambda q=q, kv=kv, x=x, kw=kw: prefill_attention(
-                        q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, x["cu"], **kw))
+                    bt = kv.block_table
+                    if args.shared_kv:
+                        bt = bt[:1].expand_as(bt).contiguous()
+                    if args.api:
+                        kw = dict(max_seqlen_q=x["max_q"], k_scale=kv.k_scale, v_scale=kv.v_scale, q_scale=q_scale,
+                                  out=out, config=config)
+                        fns.append(lambda q=q, kv=kv, x=x, bt=bt, kw=kw: prefill_attention(
+                            q, kv.k_cache, kv.v_cache, bt, kv.seq_lens, x["cu"], **kw))
+                    else:  # R programs, one a q tile (block_b as prefill_attention picks it)
+                        fns.append(lambda q=q, kv=kv, x=x, bt=bt, out=out, q_scale=q_scale, config=config,
+                                   reqs=reqs:
+                                   _launch_gluon(q, kv.k_cache, kv.v_cache, bt, kv.seq_lens, x["cu"], out, x["scale"],
+                                                 reqs, max(16, 1 << (reqs - 1).bit_length()), config, q_scale,
+                                                 kv.k_scale, kv.v_scale))
                 fns[0]()
                 torch.cuda.synchronize()
                 if not torch.isfinite(outs[0]).all():  # every row is written (the outputs start NaN)
@@ -124,8 +145,8 @@ def main() -> None:
                 print(f"{name:12s} {per_sm} tile(s)/SM  n={n:3d}  {us:8.2f} µs", flush=True)
             slope, icpt = _fit([per_sm * n for n in steps], times)
             fits.append({"kernel": name, "tiles_per_sm": per_sm, "step_us": slope, "tile_us": icpt / per_sm})
-            _report(args.out, args.label, kernels, steps, sms, rows, fits)
-    print(_report(args.out, args.label, kernels, steps, sms, rows, fits))
+            _report(args.out, args.label, mode, kernels, steps, sms, rows, fits)
+    print(_report(args.out, args.label, mode, kernels, steps, sms, rows, fits))
 
 
 if __name__ == "__main__":
