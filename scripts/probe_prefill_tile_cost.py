@@ -32,9 +32,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 from pathlib import Path
 
 import torch
+import triton
 
 from hpcops._platform import num_sms
 from hpcops.attention.prefill import _launch_gluon, gluon_config, prefill_attention
@@ -51,13 +53,6 @@ def _configs() -> dict:
             "fp8-smemq": dataclasses.replace(fp8, gluon_q_regs=False)}
 
 
-def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    return slope, my - slope * mx
-
-
 def _report(out: Path, label: str, mode: str, kernels: list[str], steps: list[int], sms: int, rows: list[dict],
             fits: list[dict]) -> str:
     """Write the tables so far (rewritten after every kernel: a call cut short keeps what it measured)."""
@@ -66,7 +61,8 @@ def _report(out: Path, label: str, mode: str, kernels: list[str], steps: list[in
     tree = f", {label}: {Path(hpcops.__file__).parent}" if label else ""
     lines = [f"# Prefill q-tile cost probe ({torch.cuda.get_device_name()}, {sms} SMs{tree})", "",
              "`python3 scripts/probe_prefill_tile_cost.py` (h8/1, 16 new tokens a request = one 128-row q tile, "
-             "n·128 keys, R = tiles an SM × SMs requests; CUDA-graph µs a layer, L2-cold)", "", mode, "",
+             "n·128 keys, R = tiles an SM × SMs requests; CUDA-graph µs a layer, each layer its own inputs)", "", mode,
+             "",
              "| kernel | tiles / SM | " + " | ".join(f"n={n}" for n in steps) + " |",
              "|---|---:|" + "---:|" * len(steps)]
     for per_sm in sorted({r["tiles_per_sm"] for r in rows}):
@@ -129,11 +125,11 @@ def main() -> None:
                                   out=out, config=config)
                         fns.append(lambda q=q, kv=kv, x=x, bt=bt, kw=kw: prefill_attention(
                             q, kv.k_cache, kv.v_cache, bt, kv.seq_lens, x["cu"], **kw))
-                    else:  # R programs, one a q tile (block_b as prefill_attention picks it)
+                    else:  # R programs, one a q tile (block_b by prefill_attention's rule)
                         fns.append(lambda q=q, kv=kv, x=x, bt=bt, out=out, q_scale=q_scale, config=config,
                                    reqs=reqs:
                                    _launch_gluon(q, kv.k_cache, kv.v_cache, bt, kv.seq_lens, x["cu"], out, x["scale"],
-                                                 reqs, max(16, 1 << (reqs - 1).bit_length()), config, q_scale,
+                                                 reqs, max(16, triton.next_power_of_2(reqs)), config, q_scale,
                                                  kv.k_scale, kv.v_scale))
                 fns[0]()
                 torch.cuda.synchronize()
@@ -143,7 +139,7 @@ def main() -> None:
                 times.append(us)
                 rows.append({"kernel": name, "tiles_per_sm": per_sm, "steps": n, "us": us})
                 print(f"{name:12s} {per_sm} tile(s)/SM  n={n:3d}  {us:8.2f} µs", flush=True)
-            slope, icpt = _fit([per_sm * n for n in steps], times)
+            slope, icpt = statistics.linear_regression([per_sm * n for n in steps], times)
             fits.append({"kernel": name, "tiles_per_sm": per_sm, "step_us": slope, "tile_us": icpt / per_sm})
             _report(args.out, args.label, mode, kernels, steps, sms, rows, fits)
     print(_report(args.out, args.label, mode, kernels, steps, sms, rows, fits))
