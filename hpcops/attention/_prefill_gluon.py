@@ -39,19 +39,31 @@ def _add(a, b):
 
 
 @gluon.jit
-def _tile_of(cu_seqlens_q_ptr, num_reqs, tiles_per_head, num_kv_heads, TOKENS: gl.constexpr, BLOCK_B: gl.constexpr,
-             HEADS_INNER: gl.constexpr, WARPS: gl.constexpr):
-    """This program's (kv head, request, q tile of the request, ok) from the flat tile list: request b owns tiles
-    [cum[b] − n[b], cum[b]) with n[b] = cdiv(q_len[b], TOKENS), its heaviest (last) tile first; ok is False for
-    the programs past Σ n[b] (the grid is a bound from host shapes)."""
-    return _tile_at(gl.program_id(0), cu_seqlens_q_ptr, num_reqs, tiles_per_head, num_kv_heads, TOKENS, BLOCK_B,
-                    HEADS_INNER, WARPS)
+def _add2(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
 
 
 @gluon.jit
-def _tile_at(pid, cu_seqlens_q_ptr, num_reqs, tiles_per_head, num_kv_heads, TOKENS: gl.constexpr,
-             BLOCK_B: gl.constexpr, HEADS_INNER: gl.constexpr, WARPS: gl.constexpr):
-    """`_tile_of` for flat tile `pid` (a persistent program's tiles)."""
+def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
+    return a0 + b0, a1 + b1, a2 + b2, a3 + b3
+
+
+@gluon.jit
+def _tile_of(cu_seqlens_q_ptr, seq_lens_ptr, num_reqs, tiles_per_head, num_kv_heads, TOKENS: gl.constexpr,
+             TILE: gl.constexpr, BLOCK_B: gl.constexpr, HEADS_INNER: gl.constexpr, WARPS: gl.constexpr):
+    """This program's q tile from the flat tile list: request b owns tiles [cum[b] − n[b], cum[b]) with
+    n[b] = cdiv(q_len[b], TOKENS), its heaviest (last) tile first; see `_tile_at`."""
+    return _tile_at(gl.program_id(0), cu_seqlens_q_ptr, seq_lens_ptr, num_reqs, tiles_per_head, num_kv_heads, TOKENS,
+                    TILE, BLOCK_B, HEADS_INNER, WARPS)
+
+
+@gluon.jit
+def _tile_at(pid, cu_seqlens_q_ptr, seq_lens_ptr, num_reqs, tiles_per_head, num_kv_heads, TOKENS: gl.constexpr,
+             TILE: gl.constexpr, BLOCK_B: gl.constexpr, HEADS_INNER: gl.constexpr, WARPS: gl.constexpr):
+    """Flat tile `pid`: (kv_head, req, ok, q_start, q_len, seq_len, ctx_len, first_tok, n), ok False past Σ n[b]
+    (the grid is a bound from host shapes), n the K/V tiles up to the tile's last row's diagonal. `seq_lens` is
+    read with `cu_seqlens_q`, in one round trip: a tile's start is a chain of dependent global loads (this, then
+    the block table and the first K/V tile, or q), each a DRAM latency when the metadata is cold."""
     b_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[WARPS],
                                               order=[0])
     if HEADS_INNER:
@@ -64,26 +76,21 @@ def _tile_at(pid, cu_seqlens_q_ptr, num_reqs, tiles_per_head, num_kv_heads, TOKE
     b_ok = offs_b < num_reqs
     q_lo = gl.load(cu_seqlens_q_ptr + offs_b, mask=b_ok, other=0)
     q_hi = gl.load(cu_seqlens_q_ptr + offs_b + 1, mask=b_ok, other=0)
+    s_len = gl.load(seq_lens_ptr + offs_b, mask=b_ok, other=0)
     n_tiles = (q_hi - q_lo + TOKENS - 1) // TOKENS
     cum = gl.associative_scan(n_tiles, 0, _add)
-    req = gl.sum((cum <= tile).to(gl.int32), axis=0)
+    # two reductions (each a barrier across the warps): the request and the tile count, then the request's fields
+    req, total = gl.reduce(((cum <= tile).to(gl.int32), n_tiles), 0, _add2)
     sel = offs_b == req
-    req_tiles = gl.sum(gl.where(sel, n_tiles, 0), axis=0)
-    req_first = gl.sum(gl.where(sel, cum, 0), axis=0) - req_tiles
-    return kv_head, req, req_tiles - 1 - (tile - req_first), tile < gl.sum(n_tiles, axis=0)
-
-
-@gluon.jit
-def _request_span(cu_seqlens_q_ptr, seq_lens_ptr, req, m_blk, TOKENS: gl.constexpr, TILE: gl.constexpr):
-    """Request `req`'s q tile `m_blk`: (q_start, q_len, seq_len, ctx_len, first_tok, n), n the K/V tiles up to
-    the tile's last row's diagonal."""
-    q_start = gl.load(cu_seqlens_q_ptr + req)
-    q_len = gl.load(cu_seqlens_q_ptr + req + 1) - q_start
-    seq_len = gl.load(seq_lens_ptr + req)
+    req_end, q_start, q_len, seq_len = gl.reduce((gl.where(sel, cum, 0), gl.where(sel, q_lo, 0),
+                                                  gl.where(sel, q_hi - q_lo, 0), gl.where(sel, s_len, 0)), 0, _add4)
+    req_tiles = (q_len + TOKENS - 1) // TOKENS
+    m_blk = req_tiles - 1 - (tile - (req_end - req_tiles))
     ctx_len = seq_len - q_len
     first_tok = m_blk * TOKENS
     last_tok = gl.minimum(first_tok + TOKENS, q_len) - 1
-    return q_start, q_len, seq_len, ctx_len, first_tok, (ctx_len + last_tok + TILE) // TILE
+    ok = tile < total
+    return kv_head, req, ok, q_start, q_len, seq_len, ctx_len, first_tok, (ctx_len + last_tok + TILE) // TILE
 
 
 @gluon.jit
@@ -382,6 +389,14 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
     rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
+    r_s = ROW0 + gl.arange(0, ROWS, layout=rows_s)
+    if FP8:  # the scales first: their loads then share q's round trip (after q's layout conversion they were another)
+        q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, vt_buf, p_buf, vt_full, vt_empty = fp8_args[:9]
+        tok_s = first_tok + r_s // G
+        qs = gl.load(q_scale_ptr + (q_start + tok_s).to(gl.int64) * stride_qst + (kv_head * G + r_s % G) * stride_qsh,
+                     mask=tok_s < q_len, other=0.0)
+        k_scale = gl.load(k_scale_ptr)
+        out_scale = gl.load(v_scale_ptr)  # P and l both carry 2^P_EXP: it cancels in O / l
     # the q rows into shared memory; rows past q_len are 0
     rq = ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, ld_layout))
     dq = gl.arange(0, D, layout=gl.SliceLayout(0, ld_layout))
@@ -401,17 +416,10 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
         l_acc = l_zero
     fence_async_shared()
 
-    r_s = ROW0 + gl.arange(0, ROWS, layout=rows_s)
     keys = gl.arange(0, TILE, layout=gl.SliceLayout(0, s_layout))
     kv_limit = ctx_len + gl.minimum(first_tok + r_s // G, q_len - 1)  # the last key row r sees
-    if FP8:
-        q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, vt_buf, p_buf, vt_full, vt_empty = fp8_args[:9]
-        tok_s = first_tok + r_s // G
-        qs = gl.load(q_scale_ptr + (q_start + tok_s).to(gl.int64) * stride_qst + (kv_head * G + r_s % G) * stride_qsh,
-                     mask=tok_s < q_len, other=0.0)
-        # one logit scale a row; > 0 so that −inf · c never makes a NaN (a zero q scale only zeroes the logits)
-        c = gl.maximum(qs * (gl.load(k_scale_ptr) * c), 1e-30)
-        out_scale = gl.load(v_scale_ptr)  # P and l both carry 2^P_EXP: it cancels in O / l
+    if FP8:  # one logit scale a row; > 0 so that −inf · c never makes a NaN (a zero q scale only zeroes the logits)
+        c = gl.maximum(qs * (k_scale * c), 1e-30)
     if PV_OVERLAP:
         p_buf = fp8_args[6]
     full_end = (ctx_len + first_tok + ROW0 // G + 1) // TILE  # tiles all these rows see entirely: no mask
@@ -514,11 +522,17 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
         mbarrier.wait(vt_full.index(rl % 2), (rl // 2) & 1)
         if P_DBUF:
             o = warpgroup_mma(p_buf.index(2 * WG + (n - 1) % 2), vt_buf.index(rl % 2).permute((1, 0)), o)
+        elif MSUM:  # the last P·V and P·1 issued together, one wait for both
+            o_tok = warpgroup_mma(p_buf, vt_buf.index(rl % 2).permute((1, 0)), o, is_async=True)
+            l_tok = warpgroup_mma(p_buf, ones_buf.permute((1, 0)), l_zero, use_acc=False, is_async=True)
+            o, l_t = warpgroup_mma_wait(0, deps=[o_tok, l_tok])
+            l_acc = l_acc + l_t
         else:
             o = warpgroup_mma(p if P_REGS else p_buf, vt_buf.index(rl % 2).permute((1, 0)), o)
         if MSUM:
-            l_acc = l_acc + warpgroup_mma(p_buf.index(2 * WG + (n - 1) % 2) if P_DBUF else p_buf,
-                                          ones_buf.permute((1, 0)), l_zero, use_acc=False)
+            if P_DBUF:
+                l_acc = l_acc + warpgroup_mma(p_buf.index(2 * WG + (n - 1) % 2), ones_buf.permute((1, 0)), l_zero,
+                                              use_acc=False)
             l_i = gl.convert_layout(gl.max(l_acc, axis=1), rows_s)
         if PERSIST:  # the last Vᵀ buffer back to the producer too: it fills it again for the next q tile
             mbarrier.arrive(vt_empty.index(rl % 2), count=1)
@@ -555,12 +569,11 @@ def prefill_gluon_kernel(
     TOKENS: gl.constexpr = BLOCK_M // G
     DT: gl.constexpr = k_desc.dtype
     KV_BYTES: gl.constexpr = 2 * TILE * D * DT.primitive_bitwidth // 8
-    kv_head, req, m_blk, ok = _tile_of(cu_seqlens_q_ptr, num_reqs, tiles_per_head, num_kv_heads, TOKENS, BLOCK_B,
-                                       HEADS_INNER, num_warps)
+    kv_head, req, ok, q_start, q_len, seq_len, ctx_len, first_tok, n = _tile_of(
+        cu_seqlens_q_ptr, seq_lens_ptr, num_reqs, tiles_per_head, num_kv_heads, TOKENS, TILE, BLOCK_B, HEADS_INNER,
+        num_warps)
     if not ok:
         return
-    q_start, q_len, seq_len, ctx_len, first_tok, n = _request_span(cu_seqlens_q_ptr, seq_lens_ptr, req, m_blk,
-                                                                  TOKENS, TILE)
 
     q_smem = gl.allocate_shared_memory(DT, [BLOCK_M, D], gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], DT))
     k_smem = gl.allocate_shared_memory(DT, [STAGES, TILE, D], k_desc.layout)
@@ -798,12 +811,11 @@ def prefill_gluon_ws_kernel(
     gl.static_assert(STAGES >= 2, "two K/V buffers at least")
     BLOCK_M: gl.constexpr = 128  # two consumer warpgroups of 64 rows
     TOKENS: gl.constexpr = BLOCK_M // G
-    kv_head, req, m_blk, ok = _tile_of(cu_seqlens_q_ptr, num_reqs, tiles_per_head, num_kv_heads, TOKENS, BLOCK_B,
-                                       HEADS_INNER, num_warps)
+    kv_head, req, ok, q_start, q_len, seq_len, ctx_len, first_tok, n = _tile_of(
+        cu_seqlens_q_ptr, seq_lens_ptr, num_reqs, tiles_per_head, num_kv_heads, TOKENS, TILE, BLOCK_B, HEADS_INNER,
+        num_warps)
     if not ok:
         return
-    q_start, q_len, seq_len, ctx_len, first_tok, n = _request_span(cu_seqlens_q_ptr, seq_lens_ptr, req, m_blk,
-                                                                  TOKENS, TILE)
 
     q_smem, k_smem, v_smem, full, empty, turn, vt_smem, p_smem, vt_full, vt_empty, ones_smem = _ws_buffers(
         k_desc, v_desc, D, TILE, STAGES, FP8, SOFTMAX)
@@ -866,11 +878,10 @@ def _ws_persist(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE
     t0 = pid * 0  # turns of its earlier tiles (a tile of n K/V tiles takes n - 1)
     for i in range(gl.cdiv(bound, nprog)):
         t = _snake(i, pid, nprog)
-        kv_head, req, m_blk, ok = _tile_at(t, cu_seqlens_q_ptr, num_reqs, tiles_per_head, num_kv_heads, TOKENS,
-                                           BLOCK_B, HEADS_INNER, 1 if ROLE == 3 else 4)
+        kv_head, req, ok, q_start, q_len, seq_len, ctx_len, first_tok, n = _tile_at(
+            t, cu_seqlens_q_ptr, seq_lens_ptr, num_reqs, tiles_per_head, num_kv_heads, TOKENS, TILE, BLOCK_B,
+            HEADS_INNER, 1 if ROLE == 3 else 4)
         if ok & (t < bound):
-            q_start, q_len, seq_len, ctx_len, first_tok, n = _request_span(cu_seqlens_q_ptr, seq_lens_ptr, req, m_blk,
-                                                                          TOKENS, TILE)
             bt_row = bt_ptr + req.to(gl.int64) * stride_bt
             k_col = kv_head * stride_kh
             v_col = kv_head * stride_vh
