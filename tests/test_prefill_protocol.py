@@ -34,7 +34,8 @@ def _ring_bars(S, releases):
 def run(tiles, S, seed, prefetch=False):
     """`prefetch` (`PrefillConfig.gluon_prefetch`, `_ws_prefetch`): the producer publishes tile i+1's metadata and
     TMAs its q into ring slot (i+1) % 2 (`q_full`, once both consumers have read the slot's tile before: `q_empty`)
-    between tile i's first K/V loads and its steps; a consumer waits for its tile's slot, reads it and releases it.
+    after tile i's first K/V loads and first Vt, before its other steps; a consumer waits for its tile's slot,
+    reads it and releases it.
     A tile of n = 0 K/V tiles stands for a program step past the last tile (published, never attended)."""
     rnd = random.Random(seed)
     full, empty, turn = _ring_bars(S, 3)  # K released by each consumer's S, V by the producer's transpose
@@ -65,7 +66,7 @@ def run(tiles, S, seed, prefetch=False):
                 if i0 < n:
                     yield lambda r=r: empty[r % S].passes(((r // S) & 1) ^ 1)
                     pending.append((r, r % S))
-            if prefetch:
+            if prefetch and not n:
                 yield from publish(i + 1)
             for j in range(n):
                 rj = g0 + j
@@ -79,6 +80,8 @@ def run(tiles, S, seed, prefetch=False):
                 vt[rj % 2] = rj
                 vt_full[rj % 2].arrive()
                 empty[s].arrive()
+                if prefetch and j == 0:  # the next tile after this one's first Vt
+                    yield from publish(i + 1)
             g0 += n
         log.append("producer done")
 

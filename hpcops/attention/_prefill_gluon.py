@@ -690,11 +690,15 @@ def _produce_fp8_first(k_desc, v_desc, k_smem, v_smem, full, empty, bt_row, bt_w
 @gluon.jit
 def _produce_fp8_steps(k_desc, v_desc, k_smem, v_smem, full, empty, vt_smem, vt_full, vt_empty, bt_row, bt_width,
                        num_blocks, k_col, v_col, n, seq_len, g0, D: gl.constexpr, TILE: gl.constexpr,
-                       PAGE: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr, PERSIST: gl.constexpr = False):
+                       PAGE: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr, PERSIST: gl.constexpr = False,
+                       PART: gl.constexpr = 0):
     """A q tile's K/V steps in the producer: the refills (tile j-1+STAGES at step j) and each V_j transposed into
-    Vᵀ buffer (ring step) % 2. PERSIST: ring steps g0.. (`_ring`)."""
+    Vᵀ buffer (ring step) % 2. PERSIST: ring steps g0.. (`_ring`). PART 1: step 0 alone, PART 2: the steps after it
+    (`gluon_prefetch` publishes the next tile between them), 0: all."""
     KV_BYTES: gl.constexpr = 2 * TILE * D * k_desc.dtype.primitive_bitwidth // 8
-    for j in range(n):
+    j_lo = 1 if PART == 2 else 0
+    j_hi = gl.minimum(n, 1) if PART == 1 else n
+    for j in range(j_lo, j_hi):
         rj = _ring(j, g0, PERSIST)
         slot = rj % STAGES
         if j >= 1:  # refill the previous tile's buffer with tile j-1+STAGES
@@ -1052,7 +1056,8 @@ def _ws_prefetch(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAG
                  HEADS_INNER: gl.constexpr, ROLE: gl.constexpr):
     """A partition of `prefill_gluon_ws_prefetch_kernel`: ROLE 0 / 1 consumer warpgroup ROLE, 2 the producer
     warpgroup. Every partition walks the program's tiles as `_ws_persist`'s do; the producer publishes tile i+1
-    (`_publish_tile`) between tile i's first K/V loads and its steps, the consumers read tile i from the ring."""
+    (`_publish_tile`) after tile i's first K/V loads and first Vᵀ (the consumers' first needs: the next tile's
+    metadata load would delay them), before its other steps; the consumers read tile i from the ring."""
     (q_ptr, out_ptr, k_desc, v_desc, q_desc, qs_desc, q_ring, qs_ring, info_smem, q_full, q_empty, k_smem, v_smem,
      full, empty, turn, bt_ptr, stride_bt, bt_width, num_blocks, stride_kh, stride_vh, cu_seqlens_q_ptr,
      seq_lens_ptr, num_reqs, tiles_per_head, num_kv_heads, c, stride_qt, stride_qh, stride_ot, stride_oh,
@@ -1073,11 +1078,14 @@ def _ws_prefetch(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAG
             bt_row = bt_ptr + req.to(gl.int64) * stride_bt
             k_col = kv_head * stride_kh
             v_col = kv_head * stride_vh
-            if ok:
+            if ok:  # the tile's first K/V loads and its first Vᵀ, which the consumers need first
                 _produce_fp8_first(k_desc, v_desc, k_smem, v_smem, full, empty, bt_row, bt_width, num_blocks, k_col,
                                    v_col, n, g0, D, TILE, PAGE, STAGES, True)
-            # the next tile's metadata and q while this one's first K/V are in flight (a tile past the program's
-            # last is published as no tile: the consumers never read it)
+                _produce_fp8_steps(k_desc, v_desc, k_smem, v_smem, full, empty, vt_smem, vt_full, vt_empty, bt_row,
+                                   bt_width, num_blocks, k_col, v_col, n, seq_len, g0, D, TILE, PAGE, STAGES, FP8,
+                                   True, 1)
+            # then the next tile's metadata and q (a tile past the program's last is published as no tile: the
+            # consumers never read it), then this tile's other steps
             nkv_head, nreq, nok, nseq_len, nn = _publish_tile(
                 q_desc, qs_desc, q_ring, qs_ring, info_smem, q_full, q_empty, i + 1, _snake(i + 1, pid, nprog),
                 bound, cu_seqlens_q_ptr, seq_lens_ptr, num_reqs, tiles_per_head, num_kv_heads, G, TILE, BLOCK_B,
@@ -1085,7 +1093,7 @@ def _ws_prefetch(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAG
             if ok:
                 _produce_fp8_steps(k_desc, v_desc, k_smem, v_smem, full, empty, vt_smem, vt_full, vt_empty, bt_row,
                                    bt_width, num_blocks, k_col, v_col, n, seq_len, g0, D, TILE, PAGE, STAGES, FP8,
-                                   True)
+                                   True, 2)
                 g0 += n
             kv_head, req, ok, seq_len, n = nkv_head, nreq, nok, nseq_len, nn
     else:
