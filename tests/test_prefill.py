@@ -406,11 +406,22 @@ def test_gluon_config_and_reasons(monkeypatch):
                                    rep(cfg, block_n=64), 0.1)),
         ("q is not contiguous", (torch.zeros(300, 16, 256, dtype=bf16)[..., ::2], kv.k_cache, kv.v_cache, cfg, 0.1)),
         ("k_cache: blocks are not back to back", (q, hnd, kv.v_cache, cfg, 0.1)),
+        # PrefillConfig.gluon_prefetch: the persistent fp8 kernel with q in registers, groups of 8-64 heads, q by TMA
+        ("gluon_prefetch is for the persistent fp8", (q8, fp8kv.k_cache, fp8kv.v_cache,
+                                                      rep(cfg, gluon_prefetch=True, gluon_q_regs=True), 0.1)),
+        ("gluon_prefetch is for the persistent fp8", (q, kv.k_cache, kv.v_cache,
+                                                      rep(cfg, gluon_prefetch=True, gluon_persist=True), 0.1)),
+        ("GQA group of 4 heads", (q8[:, :8], fp8kv.k_cache, fp8kv.v_cache,
+                                  rep(cfg, gluon_prefetch=True, gluon_persist=True, gluon_q_regs=True), 0.1)),
+        ("q must be contiguous", (torch.zeros(300, 32, 128, dtype=FP8)[:, ::2], fp8kv.k_cache, fp8kv.v_cache,
+                                  rep(cfg, gluon_prefetch=True, gluon_persist=True, gluon_q_regs=True), 0.1)),
     ]:
         got = gluon_unsupported_reason(*args)
         assert got is not None and why in got, (why, got)
     assert gluon_unsupported_reason(q, page16.k_cache, page16.v_cache, cfg, 0.1) is None  # a TMA box a page
     assert gluon_unsupported_reason(q8, fp8kv.k_cache, fp8kv.v_cache, cfg, 0.1) is None  # fp8 on the WS kernel
+    pre = rep(cfg, gluon_prefetch=True, gluon_persist=True, gluon_q_regs=True, gluon_mma_sum=True)
+    assert gluon_unsupported_reason(q8, fp8kv.k_cache, fp8kv.v_cache, pre, 0.1) is None
     assert "out is not contiguous" in gluon_unsupported_reason(q, kv.k_cache, kv.v_cache, cfg, 0.1,
                                                              torch.zeros(300, 16, 256, dtype=bf16)[..., ::2])
 
@@ -804,11 +815,11 @@ def test_prefill_gpu_configs(config: PrefillConfig):
 def _gluon(name: str, seq_lens: list[int], q_lens: list[int], *, block_m: int = 128, block_n: int = 128,
             stages: int = 2, heads_inner: bool = True, ws: bool = False, p_regs: bool = False, tree: bool = False,
             p_dbuf: bool = False, pvo: bool = False, msum: bool = False, persist: bool = False,
-            qregs: bool = False, **kw) -> Case:
+            qregs: bool = False, prefetch: bool = False, **kw) -> Case:
     cfg = PrefillConfig(block_m=block_m, block_n=block_n, num_warps=block_m // 16, num_stages=stages,
                         heads_inner=heads_inner, gluon=True, gluon_ws=ws, gluon_p_regs=p_regs, gluon_tree=tree,
                         gluon_p_dbuf=p_dbuf, gluon_pv_overlap=pvo, gluon_mma_sum=msum, gluon_persist=persist,
-                        gluon_q_regs=qregs)
+                        gluon_q_regs=qregs, gluon_prefetch=prefetch)
     kw = {"hq": 64, "hkv": 8, "head_dim": 128, "block_size": 64, **kw}
     return Case(name, seq_lens, q_lens, config=cfg, **kw)
 
@@ -908,6 +919,25 @@ GLUON_CASES = [
            hq=8, hkv=1, pad_rows=5, ws=True, kv_dtype=FP8, q_fp8=True, stages=3, msum=True, qregs=True, persist=True),
     _gluon("gluon-ws-fp8-qregs-pdbuf-tree-q2k-h64/8", [2048], [2048], ws=True, kv_dtype=FP8, q_fp8=True, stages=3,
            qregs=True, p_dbuf=True, tree=True),
+    # PrefillConfig.gluon_prefetch: the persistent fp8 kernel whose producer TMAs each tile's q and scales ahead (the
+    # mixed extend batch with a 1-token request and q padding rows, q2k over ~8 tiles a program, head-major order,
+    # many requests shorter than a tile (their rows past q_len read the next request's q), G = 16 over 16-token
+    # pages and 64-key tiles, two P buffers over two K/V buffers)
+    _gluon("gluon-ws-fp8-prefetch-extend-mixed-h8/1-3buf", [4096, 3000, 1, 700, 129], [1024, 1, 1, 700, 64], hq=8,
+           hkv=1, pad_rows=5, ws=True, kv_dtype=FP8, q_fp8=True, stages=3, msum=True, qregs=True, persist=True,
+           prefetch=True),
+    _gluon("gluon-ws-fp8-prefetch-q2k-h64/8", [2048], [2048], ws=True, kv_dtype=FP8, q_fp8=True, stages=3,
+           msum=True, qregs=True, persist=True, prefetch=True),
+    _gluon("gluon-ws-fp8-prefetch-extend-mixed-h64/8-head-major", [4096, 3000, 1, 700, 129], [1024, 1, 1, 700, 64],
+           pad_rows=5, ws=True, kv_dtype=FP8, q_fp8=True, stages=3, msum=True, qregs=True, persist=True,
+           prefetch=True, heads_inner=False),
+    _gluon("gluon-ws-fp8-prefetch-short-requests-h8/1", [300 + 7 * i for i in range(40)],
+           [1 + i % 23 for i in range(40)], hq=8, hkv=1, ws=True, kv_dtype=FP8, q_fp8=True, stages=3, msum=True,
+           qregs=True, persist=True, prefetch=True),
+    _gluon("gluon-ws-fp8-prefetch-g16-page16-bn64", [1000, 513], [1000, 17], hq=32, hkv=2, block_size=16, block_n=64,
+           ws=True, kv_dtype=FP8, q_fp8=True, msum=True, qregs=True, persist=True, prefetch=True),
+    _gluon("gluon-ws-fp8-prefetch-pdbuf-2buf-h8/1", [3000, 2048, 65], [3000, 1024, 65], hq=8, hkv=1, ws=True,
+           kv_dtype=FP8, q_fp8=True, stages=2, p_dbuf=True, qregs=True, persist=True, prefetch=True),
 ]
 
 

@@ -26,6 +26,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
+    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -329,7 +330,7 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
             stride_ot, stride_oh, fp8_args, ROW0: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr,
             D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
             WS: gl.constexpr, WG: gl.constexpr, FP8: gl.constexpr = False, SOFTMAX: gl.constexpr = 0,
-            G0=0, T0=0, PERSIST: gl.constexpr = False):
+            G0=0, T0=0, PERSIST: gl.constexpr = False, PRE: gl.constexpr = False, pre=None):
     """Rows [ROW0, ROW0 + ROWS) of the q tile (row r: token first_tok + r // G, head kv_head·G + r % G) over the
     request's first n K/V tiles, on WARPS warps (16 rows a warp), into `out`. The tiles arrive in the STAGES-deep
     ring on `full`. Not WS: this routine refills the ring (tile j + STAGES once tile j is done). WS (consumer
@@ -362,7 +363,9 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
     every S wgmma. PERSIST (`PrefillConfig.gluon_persist`, fp8 with P in shared
     memory: a program walking several q tiles): this q tile's K/V steps are steps G0.. of the program's ring (slots,
     phases, Vᵀ buffers) and its turns T0..; the last Vᵀ buffer is given back too (the producer refills it for the
-    next q tile)."""
+    next q tile). PRE (`PrefillConfig.gluon_prefetch`, persistent fp8 with q in registers): `pre` = (q's A
+    operand, the rows' q scales, k_scale, v_scale), read by the caller from the shared memory the producer's TMA
+    filled ahead of the tile (`_ws_persist`): no global load before the first S."""
     P_REGS: gl.constexpr = FP8 == 2
     P_DBUF: gl.constexpr = FP8 == 3  # two P buffers a consumer: P_{j+1} is stored before P_j·V_j is waited for
     P_EXP: gl.constexpr = 8 if FP8 else 0  # fp8: P as e4m3(P·256)
@@ -390,26 +393,32 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
     r_s = ROW0 + gl.arange(0, ROWS, layout=rows_s)
-    if FP8:  # the scales first: their loads then share q's round trip (after q's layout conversion they were another)
+    if PRE:  # q, its scales and the KV scales from the caller (the producer's prefetch)
+        gl.static_assert(FP8 != 0 and Q_REGS, "the prefetch: fp8 with q in registers")
         q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, vt_buf, p_buf, vt_full, vt_empty = fp8_args[:9]
-        tok_s = first_tok + r_s // G
-        qs = gl.load(q_scale_ptr + (q_start + tok_s).to(gl.int64) * stride_qst + (kv_head * G + r_s % G) * stride_qsh,
-                     mask=tok_s < q_len, other=0.0)
-        k_scale = gl.load(k_scale_ptr)
-        out_scale = gl.load(v_scale_ptr)  # P and l both carry 2^P_EXP: it cancels in O / l
-    # the q rows into shared memory; rows past q_len are 0
-    rq = ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, ld_layout))
-    dq = gl.arange(0, D, layout=gl.SliceLayout(0, ld_layout))
-    tok_q = first_tok + rq // G
-    q_rows = (q_start + tok_q).to(gl.int64) * stride_qt + (kv_head * G + rq % G).to(gl.int64) * stride_qh
-    q_val = gl.load(q_ptr + q_rows[:, None] + dq[None, :], mask=(tok_q < q_len)[:, None] & (dq < D)[None, :],
-                    other=0.0)
-    if Q_REGS:  # S's A operand for the whole loop
-        q_op = gl.convert_layout(q_val, gl.DotOperandLayout(operand_index=0, parent=s_layout,
-                                                            k_width=4 if FP8 else 2))
+        q_op, qs, k_scale, out_scale = pre
     else:
-        q_buf.store(q_val)
-        q_op = q_buf
+        if FP8:  # the scales first: their loads then share q's round trip (after q's conversion they were another)
+            q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, vt_buf, p_buf, vt_full, vt_empty = \
+                fp8_args[:9]
+            tok_s = first_tok + r_s // G
+            qs = gl.load(q_scale_ptr + (q_start + tok_s).to(gl.int64) * stride_qst + (kv_head * G + r_s % G)
+                         * stride_qsh, mask=tok_s < q_len, other=0.0)
+            k_scale = gl.load(k_scale_ptr)
+            out_scale = gl.load(v_scale_ptr)  # P and l both carry 2^P_EXP: it cancels in O / l
+        # the q rows into shared memory; rows past q_len are 0
+        rq = ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, ld_layout))
+        dq = gl.arange(0, D, layout=gl.SliceLayout(0, ld_layout))
+        tok_q = first_tok + rq // G
+        q_rows = (q_start + tok_q).to(gl.int64) * stride_qt + (kv_head * G + rq % G).to(gl.int64) * stride_qh
+        q_val = gl.load(q_ptr + q_rows[:, None] + dq[None, :], mask=(tok_q < q_len)[:, None] & (dq < D)[None, :],
+                        other=0.0)
+        if Q_REGS:  # S's A operand for the whole loop
+            q_op = gl.convert_layout(q_val, gl.DotOperandLayout(operand_index=0, parent=s_layout,
+                                                                k_width=4 if FP8 else 2))
+        else:
+            q_buf.store(q_val)
+            q_op = q_buf
     if MSUM:  # P is summed against the producer's ones (all 8 columns: each is the row sum)
         ones_buf = fp8_args[9]
         l_zero = gl.zeros([ROWS, 8], gl.float32, layout=l_layout)  # each tile's sums start from 0 (see below)
@@ -681,11 +690,15 @@ def _produce_fp8_first(k_desc, v_desc, k_smem, v_smem, full, empty, bt_row, bt_w
 @gluon.jit
 def _produce_fp8_steps(k_desc, v_desc, k_smem, v_smem, full, empty, vt_smem, vt_full, vt_empty, bt_row, bt_width,
                        num_blocks, k_col, v_col, n, seq_len, g0, D: gl.constexpr, TILE: gl.constexpr,
-                       PAGE: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr, PERSIST: gl.constexpr = False):
+                       PAGE: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr, PERSIST: gl.constexpr = False,
+                       PART: gl.constexpr = 0):
     """A q tile's K/V steps in the producer: the refills (tile j-1+STAGES at step j) and each V_j transposed into
-    Vᵀ buffer (ring step) % 2. PERSIST: ring steps g0.. (`_ring`)."""
+    Vᵀ buffer (ring step) % 2. PERSIST: ring steps g0.. (`_ring`). PART 1: step 0 alone, PART 2: the steps after it
+    (`gluon_prefetch` publishes the next tile between them), 0: all."""
     KV_BYTES: gl.constexpr = 2 * TILE * D * k_desc.dtype.primitive_bitwidth // 8
-    for j in range(n):
+    j_lo = 1 if PART == 2 else 0
+    j_hi = gl.minimum(n, 1) if PART == 1 else n
+    for j in range(j_lo, j_hi):
         rj = _ring(j, g0, PERSIST)
         slot = rj % STAGES
         if j >= 1:  # refill the previous tile's buffer with tile j-1+STAGES
@@ -973,3 +986,219 @@ def prefill_gluon_ws_persist_kernel(
                             (_ws_producer_persist, (args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX, BLOCK_B,
                                                     HEADS_INNER))],
                            [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# ---- persistent fp8 variant with a prefetched tile start (PrefillConfig.gluon_prefetch) ------------------------------
+# `prefill_gluon_ws_persist_kernel`'s consumers still begin every q tile with a chain of global round trips (the tile's
+# metadata, then q and its scales) before their first S, with the tensor cores idle (bench/results
+# probe_prefill_tile_cost_*: ~10 µs a q tile for both dtypes at one tile a wave). Here the producer walks the tiles one
+# ahead: while the consumers work on tile i it reads tile i+1's metadata, publishes it in shared memory and TMAs its q
+# (fp8 rows, G a box: one token's heads) and q scales into a ring of two slots; a consumer starts a tile from shared
+# memory alone (`_attend`'s PRE).
+
+
+@gluon.jit
+def _pack8(a0, a1, a2, a3, a4, a5, a6, a7, layout: gl.constexpr):
+    """Eight int32 scalars as an [8] vector (a tile's metadata in the prefetch's shared ring)."""
+    k = gl.arange(0, 8, layout=layout)
+    return (gl.where(k == 0, a0, 0) + gl.where(k == 1, a1, 0) + gl.where(k == 2, a2, 0) + gl.where(k == 3, a3, 0)
+            + gl.where(k == 4, a4, 0) + gl.where(k == 5, a5, 0) + gl.where(k == 6, a6, 0) + gl.where(k == 7, a7, 0))
+
+
+@gluon.jit
+def _field(v, K: gl.constexpr, layout: gl.constexpr):
+    """Element K of `_pack8`'s vector (every thread holds all eight: no shuffle)."""
+    return gl.sum(gl.where(gl.arange(0, 8, layout=layout) == K, v, 0), axis=0)
+
+
+@gluon.jit
+def _publish_tile(q_desc, qs_desc, q_ring, qs_ring, info_smem, q_full, q_empty, i, t, bound, cu_seqlens_q_ptr,
+                  seq_lens_ptr, num_reqs, tiles_per_head, num_kv_heads, G: gl.constexpr, TILE: gl.constexpr,
+                  BLOCK_B: gl.constexpr, HEADS_INNER: gl.constexpr):
+    """The producer's prefetch of the program's i-th tile (flat tile t) into ring slot i % 2: once both consumers
+    have read the slot's previous tile (`q_empty`), its metadata into `info_smem[slot]` and, for a real tile, q's
+    128 rows (one [G, D] box a token, consumer w's 64 rows into `q_ring[2·slot + w]`) and their scales (one
+    [TOKENS / 2, G] box a consumer into `qs_ring`) by TMA on `q_full[slot]`. Rows past the request's q_len read the
+    next request's (finite; never stored), rows past the last token zeros. Returns what the producer needs of the
+    tile: (kv_head, req, ok, seq_len, n)."""
+    TOKENS: gl.constexpr = 128 // G
+    HALF: gl.constexpr = TOKENS // 2
+    info_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[8], threads_per_warp=[32], warps_per_cta=[4],
+                                                 order=[0])
+    kv_head, req, ok, q_start, q_len, seq_len, ctx_len, first_tok, n = _tile_at(
+        t, cu_seqlens_q_ptr, seq_lens_ptr, num_reqs, tiles_per_head, num_kv_heads, TOKENS, TILE, BLOCK_B,
+        HEADS_INNER, 4)
+    ok = ok & (t < bound)
+    slot = i % 2
+    mbarrier.wait(q_empty.index(slot), ((i // 2) & 1) ^ 1)  # the slot's tile before (i - 2) is read
+    info_smem.index(slot).store(_pack8(ok.to(gl.int32), kv_head, req, q_start, q_len, seq_len, first_tok, n,
+                                       info_layout))
+    gl.thread_barrier()  # the 4 warps' stores before the arrival that publishes them
+    Q_BYTES: gl.constexpr = 128 * q_desc.block_type.shape[1] * q_desc.dtype.primitive_bitwidth // 8 + 128 * 4
+    bar = q_full.index(slot)
+    mbarrier.expect(bar, Q_BYTES, pred=ok)
+    mbarrier.arrive(bar, count=1, pred=ok == 0)  # no tile: the metadata alone (ok = 0 ends nothing early)
+    tok0 = q_start + first_tok
+    head0 = kv_head * G
+    hq = num_kv_heads * G
+    for tok in gl.static_range(TOKENS):
+        tma.async_copy_global_to_shared(q_desc, [(tok0 + tok) * hq + head0, 0], bar,
+                                        q_ring.index(2 * slot + tok // HALF).slice((tok % HALF) * G, G), pred=ok)
+    for w in gl.static_range(2):
+        tma.async_copy_global_to_shared(qs_desc, [tok0 + w * HALF, head0], bar, qs_ring.index(2 * slot + w),
+                                        pred=ok)
+    return kv_head, req, ok, seq_len, n
+
+
+@gluon.jit
+def _ws_prefetch(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr,
+                 STAGES: gl.constexpr, FP8: gl.constexpr, SOFTMAX: gl.constexpr, BLOCK_B: gl.constexpr,
+                 HEADS_INNER: gl.constexpr, ROLE: gl.constexpr):
+    """A partition of `prefill_gluon_ws_prefetch_kernel`: ROLE 0 / 1 consumer warpgroup ROLE, 2 the producer
+    warpgroup. Every partition walks the program's tiles as `_ws_persist`'s do; the producer publishes tile i+1
+    (`_publish_tile`) after tile i's first K/V loads and first Vᵀ (the consumers' first needs: the next tile's
+    metadata load would delay them), before its other steps; the consumers read tile i from the ring."""
+    (q_ptr, out_ptr, k_desc, v_desc, q_desc, qs_desc, q_ring, qs_ring, info_smem, q_full, q_empty, k_smem, v_smem,
+     full, empty, turn, bt_ptr, stride_bt, bt_width, num_blocks, stride_kh, stride_vh, cu_seqlens_q_ptr,
+     seq_lens_ptr, num_reqs, tiles_per_head, num_kv_heads, c, stride_qt, stride_qh, stride_ot, stride_oh,
+     q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, vt_smem, p_smem, vt_full, vt_empty,
+     ones_smem) = args
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    bound = tiles_per_head * num_kv_heads
+    steps = gl.cdiv(bound, nprog)
+    g0 = pid * 0  # ring steps of this program's earlier tiles
+    if ROLE == 2:
+        if (SOFTMAX & 4) != 0:
+            _store_ones(ones_smem, k_desc.dtype, TILE)  # published by the first vt_full
+        kv_head, req, ok, seq_len, n = _publish_tile(
+            q_desc, qs_desc, q_ring, qs_ring, info_smem, q_full, q_empty, 0, _snake(0, pid, nprog), bound,
+            cu_seqlens_q_ptr, seq_lens_ptr, num_reqs, tiles_per_head, num_kv_heads, G, TILE, BLOCK_B, HEADS_INNER)
+        for i in range(steps):
+            bt_row = bt_ptr + req.to(gl.int64) * stride_bt
+            k_col = kv_head * stride_kh
+            v_col = kv_head * stride_vh
+            if ok:  # the tile's first K/V loads and its first Vᵀ, which the consumers need first
+                _produce_fp8_first(k_desc, v_desc, k_smem, v_smem, full, empty, bt_row, bt_width, num_blocks, k_col,
+                                   v_col, n, g0, D, TILE, PAGE, STAGES, True)
+                _produce_fp8_steps(k_desc, v_desc, k_smem, v_smem, full, empty, vt_smem, vt_full, vt_empty, bt_row,
+                                   bt_width, num_blocks, k_col, v_col, n, seq_len, g0, D, TILE, PAGE, STAGES, FP8,
+                                   True, 1)
+            # then the next tile's metadata and q (a tile past the program's last is published as no tile: the
+            # consumers never read it), then this tile's other steps
+            nkv_head, nreq, nok, nseq_len, nn = _publish_tile(
+                q_desc, qs_desc, q_ring, qs_ring, info_smem, q_full, q_empty, i + 1, _snake(i + 1, pid, nprog),
+                bound, cu_seqlens_q_ptr, seq_lens_ptr, num_reqs, tiles_per_head, num_kv_heads, G, TILE, BLOCK_B,
+                HEADS_INNER)
+            if ok:
+                _produce_fp8_steps(k_desc, v_desc, k_smem, v_smem, full, empty, vt_smem, vt_full, vt_empty, bt_row,
+                                   bt_width, num_blocks, k_col, v_col, n, seq_len, g0, D, TILE, PAGE, STAGES, FP8,
+                                   True, 2)
+                g0 += n
+            kv_head, req, ok, seq_len, n = nkv_head, nreq, nok, nseq_len, nn
+    else:
+        if FP8 == 3:  # all four P buffers, two a consumer: `_attend` picks 2·WG + tile % 2
+            p_bufs = p_smem
+        else:
+            p_bufs = p_smem.index(ROLE)
+        info_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[8], threads_per_warp=[32], warps_per_cta=[4],
+                                                     order=[0])
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, TILE, 32])
+        q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=4)
+        flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        k_scale = gl.load(k_scale_ptr)  # once a program
+        v_scale = gl.load(v_scale_ptr)
+        t0 = pid * 0  # turns of its earlier tiles (a tile of n K/V tiles takes n - 1)
+        for i in range(steps):
+            slot = i % 2
+            mbarrier.wait(q_full.index(slot), (i // 2) & 1)
+            v = info_smem.index(slot).load(info_layout)
+            ok = _field(v, 0, info_layout) != 0
+            if ok:
+                kv_head = _field(v, 1, info_layout)
+                req = _field(v, 2, info_layout)
+                q_start = _field(v, 3, info_layout)
+                q_len = _field(v, 4, info_layout)
+                seq_len = _field(v, 5, info_layout)
+                first_tok = _field(v, 6, info_layout)
+                n = _field(v, 7, info_layout)
+                q_op = q_ring.index(2 * slot + ROLE).load(q_layout)
+                qs = qs_ring.index(2 * slot + ROLE)._reinterpret(gl.float32, [64], flat).load(
+                    gl.SliceLayout(1, s_layout))
+                mbarrier.arrive(q_empty.index(slot), count=1)  # this consumer's q is in registers
+                bt_row = bt_ptr + req.to(gl.int64) * stride_bt
+                _attend(q_ptr, out_ptr, k_desc, v_desc, q_ring.index(ROLE), k_smem, v_smem, full, empty, turn,
+                        bt_row, bt_width, num_blocks, kv_head * stride_kh, kv_head * stride_vh, n, q_start, q_len,
+                        first_tok, seq_len - q_len, seq_len, kv_head, c, stride_qt, stride_qh, stride_ot, stride_oh,
+                        (q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, vt_smem, p_bufs, vt_full,
+                         vt_empty, ones_smem),
+                        ROLE * 64, 64, 4, D, G, TILE, PAGE, STAGES, True, ROLE, FP8, SOFTMAX, g0, t0, True,
+                        True, (q_op, qs, k_scale, v_scale))
+                g0 += n
+                t0 += n - 1
+            else:
+                mbarrier.arrive(q_empty.index(slot), count=1)
+
+
+@gluon.jit
+def _ws_consumer0_prefetch(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr,
+                           STAGES: gl.constexpr, FP8: gl.constexpr, SOFTMAX: gl.constexpr, BLOCK_B: gl.constexpr,
+                           HEADS_INNER: gl.constexpr):
+    _ws_prefetch(args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX, BLOCK_B, HEADS_INNER, 0)
+
+
+@gluon.jit
+def _ws_consumer1_prefetch(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr,
+                           STAGES: gl.constexpr, FP8: gl.constexpr, SOFTMAX: gl.constexpr, BLOCK_B: gl.constexpr,
+                           HEADS_INNER: gl.constexpr):
+    _ws_prefetch(args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX, BLOCK_B, HEADS_INNER, 1)
+
+
+@gluon.jit
+def _ws_producer_prefetch(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr,
+                          STAGES: gl.constexpr, FP8: gl.constexpr, SOFTMAX: gl.constexpr, BLOCK_B: gl.constexpr,
+                          HEADS_INNER: gl.constexpr):
+    _ws_prefetch(args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX, BLOCK_B, HEADS_INNER, 2)
+
+
+@gluon.jit
+def prefill_gluon_ws_prefetch_kernel(
+    q_ptr, k_desc, v_desc, bt_ptr, seq_lens_ptr, cu_seqlens_q_ptr, out_ptr, sm_scale_log2,
+    num_reqs, tiles_per_head, num_kv_heads, bt_width, num_blocks,
+    stride_qt, stride_qh, stride_kh, stride_vh, stride_bt, stride_ot, stride_oh,
+    q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, q_desc, qs_desc,
+    D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr, BLOCK_B: gl.constexpr,
+    STAGES: gl.constexpr, HEADS_INNER: gl.constexpr, num_warps: gl.constexpr, FP8: gl.constexpr = 1,
+    FP8_CONSUMER_REGS: gl.constexpr = 216, FP8_PRODUCER_REGS: gl.constexpr = 72, SOFTMAX: gl.constexpr = 0,
+):
+    """`prefill_gluon_ws_persist_kernel`'s fp8 mode (q in registers) with the producer prefetching each tile's
+    metadata, q and q scales (`_ws_prefetch`): `q_desc` over q as [tokens·heads, D] (box [G, D]), `qs_desc` over
+    q_scale [tokens, heads] (box [128 / G / 2, G]). Its own shared memory beside `_ws_buffers`': two slots of q
+    (both consumers' 64 rows), scales and metadata, and their `q_full` / `q_empty` mbarriers."""
+    gl.static_assert(num_warps == 4, "the default partition is consumer warpgroup 0")
+    gl.static_assert(FP8 == 1 or FP8 == 3, "fp8 with P in shared memory")
+    gl.static_assert((SOFTMAX & 32) != 0, "q in registers (gluon_q_regs)")
+    gl.static_assert(G % 8 == 0 and 64 % G == 0, "q boxes of whole 8-row swizzle atoms (G = 8, 16, 32, 64)")
+    q_smem, k_smem, v_smem, full, empty, turn, vt_smem, p_smem, vt_full, vt_empty, ones_smem = _ws_buffers(
+        k_desc, v_desc, D, TILE, STAGES, FP8, SOFTMAX)
+    q_ring = gl.allocate_shared_memory(q_desc.dtype, [4, 64, D], q_desc.layout)
+    qs_ring = gl.allocate_shared_memory(gl.float32, [4, 64 // G, G], qs_desc.layout)
+    info_smem = gl.allocate_shared_memory(gl.int32, [2, 8], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    q_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for ib in gl.static_range(2):
+        mbarrier.init(q_full.index(ib), count=1)
+        mbarrier.init(q_empty.index(ib), count=2)  # both consumers
+    args = (q_ptr, out_ptr, k_desc, v_desc, q_desc, qs_desc, q_ring, qs_ring, info_smem, q_full, q_empty, k_smem,
+            v_smem, full, empty, turn, bt_ptr, stride_bt, bt_width, num_blocks, stride_kh, stride_vh,
+            cu_seqlens_q_ptr, seq_lens_ptr, num_reqs, tiles_per_head, num_kv_heads, sm_scale_log2, stride_qt,
+            stride_qh, stride_ot, stride_oh, q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, vt_smem,
+            p_smem, vt_full, vt_empty, ones_smem)
+    gl.warp_specialize([(_ws_consumer0_prefetch, (args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX, BLOCK_B,
+                                                  HEADS_INNER)),
+                        (_ws_consumer1_prefetch, (args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX, BLOCK_B,
+                                                  HEADS_INNER)),
+                        (_ws_producer_prefetch, (args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX, BLOCK_B,
+                                                 HEADS_INNER))],
+                       [4, 4], [FP8_CONSUMER_REGS, FP8_PRODUCER_REGS])

@@ -93,6 +93,12 @@ class PrefillConfig:
     the Vᵀ transpose and P). `gluon_config(fp8=True)` turns it on: H200, same run, 0.986-0.991x the time of q from
     shared memory at every fp8 q4k/q8k case (`bench/results/prefill_fexp_qregs_633e984.md`; bench row
     `hpcops-fp8q-smemq` beside it). A 16-bit q in registers spills (24 bytes a consumer at head_dim 128).
+    `gluon_prefetch` (the persistent fp8 kernel with q in registers, `gluon_persist` and `gluon_q_regs`, GQA groups
+    of 8, 16, 32 or 64 heads): its producer walks the tiles one ahead and, while the consumers work on a tile, reads
+    the next tile's metadata and TMAs its q and q scales into shared memory (`prefill_gluon_ws_prefetch_kernel`), so
+    a consumer starts a tile without a global load: in the persistent kernel a tile's start is still a chain of
+    dependent round trips (metadata, then q and its scales) before its first S. Opt-in until measured (bench row
+    `hpcops-fp8q-prefetch`).
     `tma`, `pv_fp8`, `quant_q` and `fma_scale` are the `tl` kernel's (the Gluon kernel always reads by TMA and
     scales inside exp2).
     """
@@ -115,6 +121,7 @@ class PrefillConfig:
     gluon_mma_sum: bool = False
     gluon_persist: bool = False
     gluon_q_regs: bool = False
+    gluon_prefetch: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
@@ -188,6 +195,9 @@ GLUON_WS_FP8_PERSIST_REGS = (216, 72)
 # the persistent 16-bit kernel: consumers and the 1-warp producer, which walks the tiles too (at 24 it spilled 48
 # bytes in ptxas, at 40 24)
 GLUON_WS_PERSIST_REGS = (240, 40)
+# the prefetching persistent fp8 kernel (`gluon_prefetch`): the producer also carries the next tile's metadata (at
+# (216, 72) ptxas spilled 72 bytes, at (208, 88) 48)
+GLUON_WS_FP8_PREFETCH_REGS = (208, 88)
 GLUON_FEW_TILES = 96  # fewer 128-row tiles than this (of an H200's 132 SMs) run on 64-row tiles
 GLUON_MIN_Q = 512  # up to this q_len with many tiles the heuristic keeps the tl kernel (faster at h64/8 q512)
 
@@ -367,6 +377,8 @@ def gluon_unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                               elem_bytes=q.element_size())
     if why is not None:
         return why
+    if config.gluon_prefetch and (q.stride(1) != d or q.stride(0) != q.shape[1] * d or q.data_ptr() % 16):
+        return "gluon_prefetch reads q by TMA as [tokens·heads, head_dim]: q must be contiguous and 16-byte aligned"
     return kv_tma_unsupported_reason(k_cache, v_cache, min(config.block_n, page))
 
 
@@ -389,6 +401,11 @@ def gluon_config_reason(config: PrefillConfig, *, fp8: bool, head_dim: int, grou
     if config.gluon_persist and (not config.gluon_ws or config.gluon_p_regs):
         return ("gluon_persist is for the warp-specialized kernel (gluon_ws), fp8 with P in shared memory "
                 "(not gluon_p_regs)")
+    if config.gluon_prefetch and not (fp8 and config.gluon_persist and config.gluon_q_regs):
+        return "gluon_prefetch is for the persistent fp8 kernel with q in registers (gluon_persist, gluon_q_regs)"
+    if config.gluon_prefetch and group not in (8, 16, 32, 64):
+        return (f"gluon_prefetch with a GQA group of {group} heads (its q boxes are one token's heads: whole 8-row "
+                "swizzle atoms of a 64-row q, so 8, 16, 32 or 64)")
     if config.gluon_q_regs and not fp8:
         return ("gluon_q_regs is for an fp8 q over fp8 KV (a 16-bit q in registers spills: 24 bytes a consumer at "
                 "head_dim 128 in ptxas)")
@@ -415,6 +432,23 @@ def gluon_config_reason(config: PrefillConfig, *, fp8: bool, head_dim: int, grou
     return None
 
 
+def _prefetch_descriptors(q: torch.Tensor, q_scale: torch.Tensor, group: int):
+    """`gluon_prefetch`'s TMA descriptors: q as [tokens·heads, head_dim] with one token's `group` heads a box, and
+    q_scale [tokens, heads] with a consumer's 64 rows (64 / group tokens) a box (q_scale made contiguous if not)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    t, h, d = q.shape
+    q2 = q.view(t * h, d)
+    q_desc = TensorDescriptor(q2, [t * h, d], [d, 1], [group, d],
+                              gl.NVMMASharedLayout.get_default_for([group, d], gl.float8e4nv))
+    aligned = q_scale.stride() == (h, 1) and q_scale.data_ptr() % 16 == 0
+    qs = q_scale if aligned else q_scale.clone(memory_format=torch.contiguous_format)  # a fresh, aligned copy
+    qs_desc = TensorDescriptor(qs, [t, h], [h, 1], [64 // group, group],
+                               gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
+    return q_desc, qs_desc
+
+
 def _fp8_mode(config: PrefillConfig) -> int:
     """The fp8 kernel's FP8 constexpr: 1 P through one shared buffer, 2 P in registers, 3 two P buffers."""
     return 2 if config.gluon_p_regs else 3 if config.gluon_p_dbuf else 1
@@ -428,6 +462,7 @@ def _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, out,
         prefill_gluon_kernel,
         prefill_gluon_ws_kernel,
         prefill_gluon_ws_persist_kernel,
+        prefill_gluon_ws_prefetch_kernel,
     )
 
     hq, d = q.shape[1], q.shape[2]
@@ -450,6 +485,14 @@ def _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, out,
         # 3 warpgroups (consumer 0 = the default partition, consumer 1, the producer warp rounded up; fp8: a 4-warp
         # producer): 168 registers each at launch, moved by setmaxnreg to 240 / 240 / 24 (fp8: 224 / 224 / 56)
         # inside the specialized region
+        if config.gluon_prefetch:  # persistent, the producer prefetching each tile's q (gluon_config_reason: fp8)
+            grid = (max(1, min(tiles_per_head * hkv, num_sms(q.device))),)
+            prefill_gluon_ws_prefetch_kernel[grid](*args, *scales, *_prefetch_descriptors(q, q_scale, hq // hkv),
+                                                   **common, num_warps=4, FP8=_fp8_mode(config),
+                                                   FP8_CONSUMER_REGS=GLUON_WS_FP8_PREFETCH_REGS[0],
+                                                   FP8_PRODUCER_REGS=GLUON_WS_FP8_PREFETCH_REGS[1], maxnreg=168,
+                                                   **softmax)
+            return
         if config.gluon_persist:  # a program an SM, each walking q tiles
             grid = (max(1, min(tiles_per_head * hkv, num_sms(q.device))),)
             prefill_gluon_ws_persist_kernel[grid](*args, *scales, **common, num_warps=4,

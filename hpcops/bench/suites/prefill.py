@@ -133,7 +133,8 @@ GLUON_FP8_MSUM = {**GLUON_FP8, "gluon_mma_sum": True, "gluon_q_regs": True}
 GLUON_BF16_TREE = {**GLUON_FP8, "gluon_tree": True}
 
 BOOL_FIELDS = ("pv_fp8", "quant_q", "fma_scale", "heads_inner", "gluon", "gluon_ws", "gluon_p_regs", "gluon_tree",
-               "gluon_p_dbuf", "gluon_pv_overlap", "gluon_mma_sum", "gluon_persist", "gluon_q_regs")
+               "gluon_p_dbuf", "gluon_pv_overlap", "gluon_mma_sum", "gluon_persist", "gluon_q_regs",
+               "gluon_prefetch")
 
 
 def config_override(variant: dict | None = None):
@@ -409,6 +410,12 @@ def cases(opts: dict) -> Iterator[Case]:
                         Impl("hpcops-fp8q-persist", _ours(True, {**GLUON_FP8_MSUM, "gluon_persist": True}),
                              note="variant: the fp8 default as a persistent grid, a program an SM walking the tiles "
                              "(gluon_persist=True)")
+                    )
+                    impls.append(
+                        Impl("hpcops-fp8q-prefetch", _ours(True, {**GLUON_FP8_MSUM, "gluon_persist": True,
+                                                                  "gluon_prefetch": True}),
+                             note="variant: the persistent fp8 kernel whose producer TMAs each tile's metadata, q and "
+                             "q scales ahead (gluon_prefetch=True)")
                     )
                     impls.append(
                         Impl("hpcops-fp8q-smemq", _ours(True, {**GLUON_FP8_MSUM, "gluon_q_regs": False}),
