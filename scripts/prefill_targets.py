@@ -10,7 +10,8 @@ A ratio is the other row's µs over ours in the same case and run: > 1 means our
 
 For an fp8 case short of its goal the table gives the time it must reach (bf16 µs / 1.3) and the TFLOP/s that
 is, beside the run's measured bf16 GEMM ceiling. A case absent from the report (a `--only` run) is named as not
-run, never passed.
+run, never passed. A last table puts every fp8-q variant row of the run (`hpcops-fp8q-*`, opt-in configs: the
+candidates for the default) against the same bf16 row and against the default fp8q row: which would pass.
 
     python scripts/prefill_targets.py bench/results/prefill.json
 """
@@ -88,6 +89,26 @@ def fp8_markdown(machine: dict, cases: dict[str, dict[str, report.Row]]) -> str:
     return "\n".join(out) + "\n"
 
 
+def variants_markdown(cases: dict[str, dict[str, report.Row]]) -> str:
+    """Each `hpcops-fp8q-*` variant at q4k/q8k: its µs, our bf16 over it (the goal's ratio), the default fp8q row's
+    µs over it (> 1: the variant is faster). Empty where the run has no variant rows."""
+    out = []
+    for heads in HEADS:
+        for spec in FP8_SPECS:
+            bf16 = cases.get(f"{heads}-bf16-{spec}", {}).get("hpcops")
+            rows = cases.get(f"{heads}-fp8-{spec}", {})
+            default = rows.get("hpcops-fp8q")
+            for impl in sorted(i for i in rows if i.startswith("hpcops-fp8q-")):
+                us = rows[impl].us
+                goal = f"{bf16.us / us:.3f} | {_verdict(bf16.us / us, FP8_GOAL)}" if bf16 else "— | bf16 not run"
+                vs = f"{default.us / us:.3f}" if default else "—"
+                out.append(f"| {heads} {spec} | {impl} | {us:.1f} | {goal} | {vs} |")
+    if not out:
+        return ""
+    return "\n".join(["| case | variant | µs | bf16 / variant | >= 1.3 | fp8q default / variant |",
+                      "|---|---|---:|---:|---|---:|", *out]) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("report", help="prefill.json written by `hpcops bench prefill --out DIR`")
@@ -101,6 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     print(bf16_markdown(cases))
     print("## fp8 KV with an fp8 q against our bf16\n")
     print(fp8_markdown(machine, cases), end="")
+    variants = variants_markdown(cases)
+    if variants:
+        print("\n## fp8-q variants (opt-in configs) against our bf16 and the fp8q default\n")
+        print(variants, end="")
     return 0
 
 

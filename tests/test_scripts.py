@@ -368,6 +368,8 @@ def _prefill_report(tmp_path):
     row("h8x1-bf16-q4k", "flashinfer", 60.0)
     row("h8x1-bf16-q4k", "sdpa-cudnn", 1.0, status="error: boom")  # a failed peer row is not counted
     row("h8x1-fp8-q4k", "hpcops-fp8q", 50.0 / 1.4)
+    row("h64x8-fp8-q4k", "hpcops-fp8q-prefetch", 75.0)  # an opt-in variant: 1.333x our bf16
+    row("h64x8-fp8-q4k", "hpcops-fp8q-tl", 160.0)
     return _write_report(tmp_path, "prefill", dict(gpu="G", gemm_tflops_bf16=800.0), rows)
 
 
@@ -385,6 +387,11 @@ def test_prefill_targets_ratios_and_flags(tmp_path):
     assert "| h8x1 q4k | 50.0 |  | 35.7 |  | 1.400 | >= 1.3 | pass |" in fp8
     assert "| h8x1 q8k | — | | — | | — | >= 1.3 | not run | | |" in fp8
     assert "800.0 TFLOP/s" in fp8
+    var = pt.variants_markdown(cases)
+    assert "| h64x8 q4k | hpcops-fp8q-prefetch | 75.0 | 1.333 | pass | 1.067 |" in var
+    assert "| h64x8 q4k | hpcops-fp8q-tl | 160.0 | 0.625 | **short** | 0.500 |" in var
+    assert "h8x1" not in var  # no variant rows there
+    assert pt.variants_markdown({}) == ""
 
 
 def test_prefill_targets_rejects_other_reports(tmp_path):
