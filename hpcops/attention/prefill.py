@@ -100,7 +100,7 @@ class PrefillConfig:
     dependent round trips (metadata, then q and its scales) before its first S. Measured on an H100 (session 65,
     `bench/results/prefill_prefetch_h100_a8aeb15.md`, bench row `hpcops-fp8q-prefetch`): 4-6 % faster than
     `gluon_persist` at every fp8 q4k/q8k case, 0.92-1.03x the default's time (h64/8 q4k 407.7 against 443.0 µs,
-    q8k 1578.2 against 1535.4: the persistent walk's fixed order loses there). Opt-in.
+    q8k 1578.2 against 1535.4: the persistent walk's fixed order, or the bench's row order, see PREFILL.md). Opt-in.
     `tma`, `pv_fp8`, `quant_q` and `fma_scale` are the `tl` kernel's (the Gluon kernel always reads by TMA and
     scales inside exp2).
     """
