@@ -100,13 +100,20 @@ class PrefillConfig:
     dependent round trips (metadata, then q and its scales) before its first S. Measured on an H100 (session 65,
     `bench/results/prefill_prefetch_h100_a8aeb15.md`, bench row `hpcops-fp8q-prefetch`): 4-6 % faster than
     `gluon_persist` at every fp8 q4k/q8k case, 0.92-1.03x the default's time (h64/8 q4k 407.7 against 443.0 µs,
-    q8k 1578.2 against 1535.4: the persistent walk's fixed order, or the bench's row order, see PREFILL.md). Opt-in.
+    q8k 1578.2 against 1535.4). The q8k deficit was the bench's row order (the clocks drift over a case): in two
+    interleaved rounds (session 66, H100, `bench/results/prefill_queue_h100_ca47d45.md`) it runs 0.91x / 0.96x the
+    default's time at h64/8 q4k / q8k (405.1 / 1539.6 against 445.1 / 1596.9 µs: fp8 / bf16 1.303 / 1.306) and
+    1.00x at h8/1 (56.8 / 188.5 against 57.0 / 188.4). Opt-in until the whole GPU tier has run with it as the fp8
+    default.
     `gluon_queue` (with `gluon_prefetch`): the producer takes each next tile from a counter a launch (one relaxed
     atomic add, `_take_tile`) instead of the snake's fixed walk, so a program that finishes early takes the next
     heaviest tile, as the hardware's block scheduler hands tiles to the non-persistent kernel; the consumers walk
     until the slot they read says the end. The counter (int32, one a device and stream: `_tile_queue`) is 0 before
     a launch and put back to 0 by its last take: no memset, CUDA-graph safe; launches of one counter must not run
-    concurrently (two streams: two counters). Opt-in until measured (bench row `hpcops-fp8q-queue`).
+    concurrently (two streams: two counters). Measured slower than the snake (session 66, H100, same run as above,
+    µs queue / prefetch: h64/8 q4k 408.1 / 405.1, q8k 1573.6 / 1539.6, h8/1 q4k 73.7 / 56.8, q8k 194.8 / 188.5):
+    the next tile is taken when the current one starts, so at two tiles a program heavy tiles pair at random where
+    the snake pairs the heaviest with the lightest (PREFILL.md). Opt-in (bench row `hpcops-fp8q-queue`).
     `tma`, `pv_fp8`, `quant_q` and `fma_scale` are the `tl` kernel's (the Gluon kernel always reads by TMA and
     scales inside exp2).
     """
