@@ -349,10 +349,6 @@ def test_gluon_config_and_reasons(monkeypatch):
     # the fp8 kernel sums its rows on the tensor cores (gluon_mma_sum); the 16-bit one has no such form
     assert few8.gluon_mma_sum and d64_8.gluon_mma_sum
     assert few8.gluon_q_regs and d64_8.gluon_q_regs  # and keeps q in registers (a 16-bit q would spill)
-    # for GQA groups of 8-64 heads the persistent kernel whose producer prefetches q (gluon_prefetch), not the queue
-    assert fp8.gluon_persist and fp8.gluon_prefetch and not fp8.gluon_queue and d64_8.gluon_prefetch
-    g4 = gluon_config(head_dim=128, group=4, max_seqlen_q=4096, fp8=True)
-    assert g4.gluon_ws and not (g4.gluon_persist or g4.gluon_prefetch)
     assert not gluon_config(head_dim=128, group=8, max_seqlen_q=4096).gluon_q_regs
     assert not gluon_config(head_dim=128, group=8, max_seqlen_q=4096).gluon_mma_sum
     # a 16-bit q over fp8 KV has no Gluon kernel: the tl tiles
@@ -431,14 +427,6 @@ def test_gluon_config_and_reasons(monkeypatch):
     assert gluon_unsupported_reason(q8, fp8kv.k_cache, fp8kv.v_cache, pre, 0.1) is None
     assert "out is not contiguous" in gluon_unsupported_reason(q, kv.k_cache, kv.v_cache, cfg, 0.1,
                                                              torch.zeros(300, 16, 256, dtype=bf16)[..., ::2])
-    # the heuristic's fp8 kernel where q's layout does not suit the prefetch's TMA: the non-persistent one
-    from hpcops.attention.prefill import _choose_kernel
-
-    strided = torch.zeros(300, 32, 128, dtype=FP8)[:, ::2]  # heads 2·D apart: no [G, D] box over q
-    chosen, why = _choose_kernel(strided, fp8kv.k_cache, fp8kv.v_cache, 300, 0.1, None, None)
-    assert why is None and chosen.gluon_ws and not (chosen.gluon_persist or chosen.gluon_prefetch)
-    chosen, why = _choose_kernel(q8, fp8kv.k_cache, fp8kv.v_cache, 300, 0.1, None, None)
-    assert why is None and chosen.gluon_persist and chosen.gluon_prefetch
 
 
 def test_gluon_true_raises_where_it_cannot_run(device: str):

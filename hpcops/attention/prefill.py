@@ -103,8 +103,8 @@ class PrefillConfig:
     q8k 1578.2 against 1535.4). The q8k deficit was the bench's row order (the clocks drift over a case): in two
     interleaved rounds (session 66, H100, `bench/results/prefill_queue_h100_ca47d45.md`) it runs 0.91x / 0.96x the
     default's time at h64/8 q4k / q8k (405.1 / 1539.6 against 445.1 / 1596.9 µs: fp8 / bf16 1.303 / 1.306) and
-    1.00x at h8/1 (56.8 / 188.5 against 57.0 / 188.4). `gluon_config(fp8=True)` turns it on (with `gluon_persist`)
-    for groups of 8-64 heads; bench row `hpcops-fp8q-plain`: the kernel a program a tile beside it.
+    1.00x at h8/1 (56.8 / 188.5 against 57.0 / 188.4). Opt-in until the whole GPU tier has run with it as the fp8
+    default.
     `gluon_queue` (with `gluon_prefetch`): the producer takes each next tile from a counter a launch (one relaxed
     atomic add, `_take_tile`) instead of the snake's fixed walk, so a program that finishes early takes the next
     heaviest tile, as the hardware's block scheduler hands tiles to the non-persistent kernel; the consumers walk
@@ -242,21 +242,15 @@ def gluon_config(*, head_dim: int, group: int, max_seqlen_q: int, num_kv_heads: 
     `fp8` (an fp8 q over fp8 KV): the warp-specialized kernel in fp8 on 128×128 tiles and three K/V buffers for
     every query of 64 rows and more (faster than the tl fp8-q kernel at every case of the prefill suite, h8/1 q512's
     32 tiles included: 0.68-0.96x its time, bench/results/prefill.md), its row sums on the tensor cores
-    (`gluon_mma_sum`) and q in registers (`gluon_q_regs`), None below; for GQA groups of 8, 16, 32 or 64 heads as the
-    persistent kernel whose producer prefetches each tile's q (`gluon_persist`, `gluon_prefetch`: on an H100, in two
-    interleaved rounds, 0.91x / 0.96x the time of the non-persistent kernel at h64/8 q4k / q8k and level at h8/1,
-    `bench/results/prefill_queue_h100_ca47d45.md`; where q's layout does not suit its TMA, `prefill_attention`
-    takes the non-persistent kernel, `_without_prefetch`)."""
+    (`gluon_mma_sum`) and q in registers (`gluon_q_regs`), None below."""
     rows = group * max(int(max_seqlen_q), 1)
     if fp8:
         if gluon is None and rows < 64:
             return None
         block_n = 128 if head_dim <= 128 else 64
         stages = 3 if gluon_smem_bytes(128, block_n, 3, head_dim, 1, True, mma_sum=True) <= GLUON_SMEM_BYTES else 2
-        prefetch = group in (8, 16, 32, 64)
         return PrefillConfig(block_m=128, block_n=block_n, num_warps=8, num_stages=stages, heads_inner=True,
-                             gluon=gluon, gluon_ws=True, gluon_mma_sum=True, gluon_q_regs=True,
-                             gluon_persist=prefetch, gluon_prefetch=prefetch)
+                             gluon=gluon, gluon_ws=True, gluon_mma_sum=True, gluon_q_regs=True)
     tiles = None
     if num_kv_heads is not None and total_q is not None:
         tiles = num_kv_heads * triton.cdiv(max(int(total_q), 1) * group, 128)
@@ -450,8 +444,6 @@ def gluon_config_reason(config: PrefillConfig, *, fp8: bool, head_dim: int, grou
         return f"block_size {page} (pages under block_n {bn} must divide it, 8 tokens at least)"
     smem = gluon_smem_bytes(bm, bn, config.num_stages, d, elem_bytes, fp8, 2 if config.gluon_p_dbuf else 1,
                             config.gluon_pv_overlap, config.gluon_mma_sum)
-    if config.gluon_prefetch:  # its ring of two q tiles, their scales and metadata (an upper bound: sm_90 builds
-        smem += 2 * 128 * d + 2 * 128 * 4 + 128  # at the default tile measured 182888 bytes against 198784 here)
     what = f"q and {config.num_stages} K/V buffers" + (", two Vᵀ buffers and each consumer's P" if fp8 else "")
     if smem > GLUON_SMEM_BYTES:
         return f"{smem} bytes of shared memory for {what} (at most {GLUON_SMEM_BYTES})"
@@ -555,12 +547,6 @@ def _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, out,
                                                       num_warps=config.num_warps, **softmax)
 
 
-def _without_prefetch(config: PrefillConfig) -> PrefillConfig:
-    """The fp8 heuristic's config without the prefetching persistent kernel: the non-persistent warp-specialized
-    kernel on the same tiles (q read by each consumer's loads, no TMA box over q)."""
-    return replace(config, gluon_persist=False, gluon_prefetch=False, gluon_queue=False)
-
-
 def _choose_kernel(q, k_cache, v_cache, max_seqlen_q, sm_scale, out,
                    config: PrefillConfig | None) -> tuple[PrefillConfig, str | None]:
     """The config a call runs and why the Gluon kernel does not serve it (None: it does). Without `config`, the
@@ -574,10 +560,6 @@ def _choose_kernel(q, k_cache, v_cache, max_seqlen_q, sm_scale, out,
                                 kv_dtype=k_cache.dtype, gluon=None, num_kv_heads=hkv, total_q=total_q)
         if config.gluon is None:
             why = gluon_unsupported_reason(q, k_cache, v_cache, config, sm_scale, out)
-            if why is not None and config.gluon_prefetch:  # e.g. a q whose layout its TMA cannot read
-                plain = _without_prefetch(config)
-                if gluon_unsupported_reason(q, k_cache, v_cache, plain, sm_scale, out) is None:
-                    config, why = plain, None
             if why is not None:
                 config = prefill_config(head_dim=d, group=hq // hkv, max_seqlen_q=max_seqlen_q, q_dtype=q.dtype,
                                         kv_dtype=k_cache.dtype)
