@@ -97,23 +97,8 @@ class PrefillConfig:
     of 8, 16, 32 or 64 heads): its producer walks the tiles one ahead and, while the consumers work on a tile, reads
     the next tile's metadata and TMAs its q and q scales into shared memory (`prefill_gluon_ws_prefetch_kernel`), so
     a consumer starts a tile without a global load: in the persistent kernel a tile's start is still a chain of
-    dependent round trips (metadata, then q and its scales) before its first S. Measured on an H100 (session 65,
-    `bench/results/prefill_prefetch_h100_a8aeb15.md`, bench row `hpcops-fp8q-prefetch`): 4-6 % faster than
-    `gluon_persist` at every fp8 q4k/q8k case, 0.92-1.03x the default's time (h64/8 q4k 407.7 against 443.0 µs,
-    q8k 1578.2 against 1535.4). The q8k deficit was the bench's row order (the clocks drift over a case): in two
-    interleaved rounds (session 66, H100, `bench/results/prefill_queue_h100_ca47d45.md`) it runs 0.91x / 0.96x the
-    default's time at h64/8 q4k / q8k (405.1 / 1539.6 against 445.1 / 1596.9 µs: fp8 / bf16 1.303 / 1.306) and
-    1.00x at h8/1 (56.8 / 188.5 against 57.0 / 188.4). Opt-in until the whole GPU tier has run with it as the fp8
-    default.
-    `gluon_queue` (with `gluon_prefetch`): the producer takes each next tile from a counter a launch (one relaxed
-    atomic add, `_take_tile`) instead of the snake's fixed walk, so a program that finishes early takes the next
-    heaviest tile, as the hardware's block scheduler hands tiles to the non-persistent kernel; the consumers walk
-    until the slot they read says the end. The counter (int32, one a device and stream: `_tile_queue`) is 0 before
-    a launch and put back to 0 by its last take: no memset, CUDA-graph safe; launches of one counter must not run
-    concurrently (two streams: two counters). Measured slower than the snake (session 66, H100, same run as above,
-    µs queue / prefetch: h64/8 q4k 408.1 / 405.1, q8k 1573.6 / 1539.6, h8/1 q4k 73.7 / 56.8, q8k 194.8 / 188.5):
-    the next tile is taken when the current one starts, so at two tiles a program heavy tiles pair at random where
-    the snake pairs the heaviest with the lightest (PREFILL.md). Opt-in (bench row `hpcops-fp8q-queue`).
+    dependent round trips (metadata, then q and its scales) before its first S. Opt-in until measured (bench row
+    `hpcops-fp8q-prefetch`).
     `tma`, `pv_fp8`, `quant_q` and `fma_scale` are the `tl` kernel's (the Gluon kernel always reads by TMA and
     scales inside exp2).
     """
@@ -137,7 +122,6 @@ class PrefillConfig:
     gluon_persist: bool = False
     gluon_q_regs: bool = False
     gluon_prefetch: bool = False
-    gluon_queue: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
@@ -419,8 +403,6 @@ def gluon_config_reason(config: PrefillConfig, *, fp8: bool, head_dim: int, grou
                 "(not gluon_p_regs)")
     if config.gluon_prefetch and not (fp8 and config.gluon_persist and config.gluon_q_regs):
         return "gluon_prefetch is for the persistent fp8 kernel with q in registers (gluon_persist, gluon_q_regs)"
-    if config.gluon_queue and not config.gluon_prefetch:
-        return "gluon_queue is for the prefetching persistent fp8 kernel (gluon_prefetch)"
     if config.gluon_prefetch and group not in (8, 16, 32, 64):
         return (f"gluon_prefetch with a GQA group of {group} heads (its q boxes are one token's heads: whole 8-row "
                 "swizzle atoms of a 64-row q, so 8, 16, 32 or 64)")
@@ -467,21 +449,6 @@ def _prefetch_descriptors(q: torch.Tensor, q_scale: torch.Tensor, group: int):
     return q_desc, qs_desc
 
 
-_TILE_QUEUES: dict[tuple[int, int], torch.Tensor] = {}
-
-
-def _tile_queue(device: torch.device) -> torch.Tensor:
-    """`gluon_queue`'s tile counter for the current stream of `device`: one int32, zero when made and put back to
-    zero by every launch's last take (`_take_tile`), so it needs no memset a call. One a (device, stream): launches
-    on one stream run one after another; two streams get two counters."""
-    stream = torch.cuda.current_stream(device)
-    key = (device.index if device.index is not None else torch.cuda.current_device(), stream.cuda_stream)
-    counter = _TILE_QUEUES.get(key)
-    if counter is None:
-        counter = _TILE_QUEUES[key] = torch.zeros(1, dtype=torch.int32, device=device)
-    return counter
-
-
 def _fp8_mode(config: PrefillConfig) -> int:
     """The fp8 kernel's FP8 constexpr: 1 P through one shared buffer, 2 P in registers, 3 two P buffers."""
     return 2 if config.gluon_p_regs else 3 if config.gluon_p_dbuf else 1
@@ -520,12 +487,11 @@ def _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, out,
         # inside the specialized region
         if config.gluon_prefetch:  # persistent, the producer prefetching each tile's q (gluon_config_reason: fp8)
             grid = (max(1, min(tiles_per_head * hkv, num_sms(q.device))),)
-            queue = _tile_queue(q.device) if config.gluon_queue else seq_lens  # a placeholder it does not read
             prefill_gluon_ws_prefetch_kernel[grid](*args, *scales, *_prefetch_descriptors(q, q_scale, hq // hkv),
-                                                   queue, **common, num_warps=4, FP8=_fp8_mode(config),
+                                                   **common, num_warps=4, FP8=_fp8_mode(config),
                                                    FP8_CONSUMER_REGS=GLUON_WS_FP8_PREFETCH_REGS[0],
                                                    FP8_PRODUCER_REGS=GLUON_WS_FP8_PREFETCH_REGS[1], maxnreg=168,
-                                                   QUEUE=bool(config.gluon_queue), **softmax)
+                                                   **softmax)
             return
         if config.gluon_persist:  # a program an SM, each walking q tiles
             grid = (max(1, min(tiles_per_head * hkv, num_sms(q.device))),)

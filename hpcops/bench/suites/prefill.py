@@ -418,12 +418,6 @@ def cases(opts: dict) -> Iterator[Case]:
                              "q scales ahead (gluon_prefetch=True)")
                     )
                     impls.append(
-                        Impl("hpcops-fp8q-queue", _ours(True, {**GLUON_FP8_MSUM, "gluon_persist": True,
-                                                               "gluon_prefetch": True, "gluon_queue": True}),
-                             note="variant: the prefetching persistent fp8 kernel taking its tiles from a counter "
-                             "(gluon_queue=True)")
-                    )
-                    impls.append(
                         Impl("hpcops-fp8q-smemq", _ours(True, {**GLUON_FP8_MSUM, "gluon_q_regs": False}),
                              note="variant: the fp8 default with q read from shared memory by every S wgmma "
                              "(gluon_q_regs=False)")
