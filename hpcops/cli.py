@@ -120,6 +120,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default="bench/results", help="output folder (default: bench/results)")
     b.add_argument("--layers", type=int, default=None, help="layers per CUDA graph (default: L2-cold count)")
     b.add_argument("--no-check", action="store_true", help="skip the correctness gate (not recommended)")
+    b.add_argument("--rounds", type=int, default=1,
+                   help="time each case's rows in N interleaved rounds (order reversed every other round, 50/N "
+                        "replays each) and report the medians: for A/B rows within a few %% (default: 1)")
     b.add_argument("--quick", action="store_true", help="a reduced case list (smoke test)")
     b.add_argument("--grid", action="store_true",
                    help="decode: issue 10's generality grid (GQA, head_dim, page, KV dtype, lengths) against "
@@ -148,6 +151,9 @@ def _bench(args) -> int:
         if n not in SUITES:
             print(f"unknown suite {n!r}; choose from {sorted(SUITES)} or 'all'", file=sys.stderr)
             return 2
+    if args.rounds < 1:
+        print(f"--rounds must be >= 1, got {args.rounds}", file=sys.stderr)
+        return 2
     opts = {"quick": args.quick}
     if args.layers:
         opts["layers"] = args.layers
@@ -163,7 +169,7 @@ def _bench(args) -> int:
             return res, report.write(res, args.out) + extra
 
         result = run_suite(n, opts, check=not args.no_check, only=args.only, progress=not args.no_progress,
-                           machine=machine, on_case=write)
+                           machine=machine, on_case=write, rounds=args.rounds)
         result, paths = write(result)
         print(report.markdown(result))
         print("wrote " + ", ".join(str(p) for p in paths))

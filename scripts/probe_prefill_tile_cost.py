@@ -9,9 +9,11 @@ R / SMs tiles of the same n. Per kernel and R, the time against n is a line: slo
 a tile's fixed cost (launch, q load, first S and softmax, the producer's fill, the epilogue).
 
 Kernels: `bf16` (the warp-specialized bf16 kernel on the bf16 default's tile at h8/1 q4k, `gluon_config`), `fp8`
-(the fp8-q default, `gluon_config(fp8=True)`), `fp8-persist` (the same as a persistent grid), `fp8-smemq` (q from
+(the fp8 kernel a program a q tile: `gluon_config(fp8=True)` without its persistent prefetch, the fp8-q default until
+session 66), `fp8-persist` (the same as a persistent grid), `fp8-smemq` (q from
 shared memory: no conversion of q into the wgmma's register layout when a tile starts), `fp8-prefetch` (persistent,
-the producer TMAs each tile's metadata, q and scales ahead: `gluon_prefetch`). CUDA-graph µs a layer,
+the producer TMAs each tile's metadata, q and scales ahead: `gluon_prefetch`), `fp8-queue` (the same taking its
+tiles from a counter: `gluon_queue`). CUDA-graph µs a layer,
 L2-cold as the bench.
 
     python3 scripts/probe_prefill_tile_cost.py --out DIR [--steps 1,2,4,8,16,32] [--per-sm 1,2] [--kernels fp8,bf16]
@@ -49,10 +51,12 @@ HQ, HKV = 8, 1
 
 def _configs() -> dict:
     bf16 = gluon_config(head_dim=HEAD_DIM, group=HQ // HKV, max_seqlen_q=4096, num_kv_heads=HKV, total_q=4096)
-    fp8 = gluon_config(head_dim=HEAD_DIM, group=HQ // HKV, max_seqlen_q=4096, fp8=True)
+    fp8 = dataclasses.replace(gluon_config(head_dim=HEAD_DIM, group=HQ // HKV, max_seqlen_q=4096, fp8=True),
+                              gluon_persist=False, gluon_prefetch=False)
     return {"bf16": bf16, "fp8": fp8, "fp8-persist": dataclasses.replace(fp8, gluon_persist=True),
             "fp8-smemq": dataclasses.replace(fp8, gluon_q_regs=False),
-            "fp8-prefetch": dataclasses.replace(fp8, gluon_persist=True, gluon_prefetch=True)}
+            "fp8-prefetch": dataclasses.replace(fp8, gluon_persist=True, gluon_prefetch=True),
+            "fp8-queue": dataclasses.replace(fp8, gluon_persist=True, gluon_prefetch=True, gluon_queue=True)}
 
 
 def _report(out: Path, label: str, mode: str, kernels: list[str], steps: list[int], sms: int, rows: list[dict],

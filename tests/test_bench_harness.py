@@ -167,6 +167,43 @@ def test_runner_times_each_impl_its_way(monkeypatch):
         Impl("g", ok, kernel_filter="k")
 
 
+def test_interleaved_rounds_alternate_the_order_and_take_medians(monkeypatch):
+    """`hpcops bench --rounds N`: the impls are timed round-robin, the order reversed every other round, with
+    50 / N replays (at least 10) each; a row's µs is the median of its rounds; an impl that fails is not timed
+    again; the runner rejects rounds < 1."""
+    from hpcops.bench import runner, timing
+    from hpcops.bench.registry import Case, Impl
+
+    order, clock = [], iter(range(100))
+
+    def fake(fns, replays=50):
+        order.append((fns[0](), replays))
+        return 10.0 + next(clock)  # a clock that drifts: later timings are slower
+
+    monkeypatch.setattr(timing, "graph_time_us", fake)
+    calls = {"b": 0}
+
+    def flaky(x):  # b's own check fails in its second round
+        calls["b"] += 1
+        if calls["b"] == 2:
+            raise AssertionError("drifted")
+        return lambda: "b"
+
+    case = Case("prefill", "c", make_inputs=lambda layer: layer,
+                impls=[Impl("a", lambda x: (lambda: "a"), ours=True), Impl("b", flaky),
+                       Impl("c", lambda x: (lambda: "c"))])
+    steps = []
+    got = runner._run_rounds(case, [0], True, 3, steps.append)
+    assert [o for o, _ in order] == ["a", "b", "c", "c", "a", "a", "c"]  # b failed in round 2, skipped in round 3
+    assert {r for _, r in order} == {16}  # 50 // 3 replays a timing
+    assert got["a"] == ("ok", 14.0, "10.0, 14.0, 15.0")
+    assert got["c"] == ("ok", 13.0, "12.0, 13.0, 16.0")
+    assert got["b"][0].startswith("check-failed: drifted") and got["b"][1] is None
+    assert len(steps) == 9  # every impl a round, the skipped one included (the progress bar's count)
+    with pytest.raises(ValueError, match="rounds must be >= 1"):
+        runner.run_suite("prefill", rounds=0)
+
+
 def test_report_compares_rows_timed_alike(tmp_path):
     """Kernel-timed rows are compared with our kernel-timed row, graph-timed ones with our graph row; the
     report says how the kernel rows were timed and lists every impl's note."""

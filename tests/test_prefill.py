@@ -349,6 +349,10 @@ def test_gluon_config_and_reasons(monkeypatch):
     # the fp8 kernel sums its rows on the tensor cores (gluon_mma_sum); the 16-bit one has no such form
     assert few8.gluon_mma_sum and d64_8.gluon_mma_sum
     assert few8.gluon_q_regs and d64_8.gluon_q_regs  # and keeps q in registers (a 16-bit q would spill)
+    # for GQA groups of 8-64 heads the persistent kernel whose producer prefetches q (gluon_prefetch), not the queue
+    assert fp8.gluon_persist and fp8.gluon_prefetch and not fp8.gluon_queue and d64_8.gluon_prefetch
+    g4 = gluon_config(head_dim=128, group=4, max_seqlen_q=4096, fp8=True)
+    assert g4.gluon_ws and not (g4.gluon_persist or g4.gluon_prefetch)
     assert not gluon_config(head_dim=128, group=8, max_seqlen_q=4096).gluon_q_regs
     assert not gluon_config(head_dim=128, group=8, max_seqlen_q=4096).gluon_mma_sum
     # a 16-bit q over fp8 KV has no Gluon kernel: the tl tiles
@@ -415,6 +419,9 @@ def test_gluon_config_and_reasons(monkeypatch):
                                   rep(cfg, gluon_prefetch=True, gluon_persist=True, gluon_q_regs=True), 0.1)),
         ("q must be contiguous", (torch.zeros(300, 32, 128, dtype=FP8)[:, ::2], fp8kv.k_cache, fp8kv.v_cache,
                                   rep(cfg, gluon_prefetch=True, gluon_persist=True, gluon_q_regs=True), 0.1)),
+        ("gluon_queue is for the prefetching", (q8, fp8kv.k_cache, fp8kv.v_cache,
+                                                rep(cfg, gluon_queue=True, gluon_persist=True, gluon_q_regs=True),
+                                                0.1)),
     ]:
         got = gluon_unsupported_reason(*args)
         assert got is not None and why in got, (why, got)
@@ -424,6 +431,14 @@ def test_gluon_config_and_reasons(monkeypatch):
     assert gluon_unsupported_reason(q8, fp8kv.k_cache, fp8kv.v_cache, pre, 0.1) is None
     assert "out is not contiguous" in gluon_unsupported_reason(q, kv.k_cache, kv.v_cache, cfg, 0.1,
                                                              torch.zeros(300, 16, 256, dtype=bf16)[..., ::2])
+    # the heuristic's fp8 kernel where q's layout does not suit the prefetch's TMA: the non-persistent one
+    from hpcops.attention.prefill import _choose_kernel
+
+    strided = torch.zeros(300, 32, 128, dtype=FP8)[:, ::2]  # heads 2·D apart: no [G, D] box over q
+    chosen, why = _choose_kernel(strided, fp8kv.k_cache, fp8kv.v_cache, 300, 0.1, None, None)
+    assert why is None and chosen.gluon_ws and not (chosen.gluon_persist or chosen.gluon_prefetch)
+    chosen, why = _choose_kernel(q8, fp8kv.k_cache, fp8kv.v_cache, 300, 0.1, None, None)
+    assert why is None and chosen.gluon_persist and chosen.gluon_prefetch
 
 
 def test_gluon_true_raises_where_it_cannot_run(device: str):
@@ -815,11 +830,11 @@ def test_prefill_gpu_configs(config: PrefillConfig):
 def _gluon(name: str, seq_lens: list[int], q_lens: list[int], *, block_m: int = 128, block_n: int = 128,
             stages: int = 2, heads_inner: bool = True, ws: bool = False, p_regs: bool = False, tree: bool = False,
             p_dbuf: bool = False, pvo: bool = False, msum: bool = False, persist: bool = False,
-            qregs: bool = False, prefetch: bool = False, **kw) -> Case:
+            qregs: bool = False, prefetch: bool = False, queue: bool = False, **kw) -> Case:
     cfg = PrefillConfig(block_m=block_m, block_n=block_n, num_warps=block_m // 16, num_stages=stages,
                         heads_inner=heads_inner, gluon=True, gluon_ws=ws, gluon_p_regs=p_regs, gluon_tree=tree,
                         gluon_p_dbuf=p_dbuf, gluon_pv_overlap=pvo, gluon_mma_sum=msum, gluon_persist=persist,
-                        gluon_q_regs=qregs, gluon_prefetch=prefetch)
+                        gluon_q_regs=qregs, gluon_prefetch=prefetch, gluon_queue=queue)
     kw = {"hq": 64, "hkv": 8, "head_dim": 128, "block_size": 64, **kw}
     return Case(name, seq_lens, q_lens, config=cfg, **kw)
 
@@ -938,6 +953,19 @@ GLUON_CASES = [
            ws=True, kv_dtype=FP8, q_fp8=True, msum=True, qregs=True, persist=True, prefetch=True),
     _gluon("gluon-ws-fp8-prefetch-pdbuf-2buf-h8/1", [3000, 2048, 65], [3000, 1024, 65], hq=8, hkv=1, ws=True,
            kv_dtype=FP8, q_fp8=True, stages=2, p_dbuf=True, qregs=True, persist=True, prefetch=True),
+    # PrefillConfig.gluon_queue: the prefetching kernel taking its tiles from a counter (the mixed extend batch,
+    # q2k, many short requests, fewer tiles than SMs (two requests of one tile), G = 16 with two P buffers)
+    _gluon("gluon-ws-fp8-queue-extend-mixed-h8/1-3buf", [4096, 3000, 1, 700, 129], [1024, 1, 1, 700, 64], hq=8,
+           hkv=1, pad_rows=5, ws=True, kv_dtype=FP8, q_fp8=True, stages=3, msum=True, qregs=True, persist=True,
+           prefetch=True, queue=True),
+    _gluon("gluon-ws-fp8-queue-q2k-h64/8", [2048], [2048], ws=True, kv_dtype=FP8, q_fp8=True, stages=3,
+           msum=True, qregs=True, persist=True, prefetch=True, queue=True),
+    _gluon("gluon-ws-fp8-queue-short-requests-h8/1", [300 + 7 * i for i in range(40)],
+           [1 + i % 23 for i in range(40)], hq=8, hkv=1, ws=True, kv_dtype=FP8, q_fp8=True, stages=3, msum=True,
+           qregs=True, persist=True, prefetch=True, queue=True),
+    _gluon("gluon-ws-fp8-queue-two-tiles-g16-pdbuf", [1000, 513], [8, 5], hq=32, hkv=2, block_size=16, block_n=64,
+           ws=True, kv_dtype=FP8, q_fp8=True, stages=2, p_dbuf=True, qregs=True, persist=True, prefetch=True,
+           queue=True),
 ]
 
 
@@ -962,6 +990,33 @@ def test_prefill_gluon_gpu_cuda_graph(ws: bool):
     graph.replay()
     torch.cuda.synchronize()
     assert_close(reference(*args, max_seqlen_q=512), out)
+
+
+@pytest.mark.gpu
+def test_prefill_gluon_queue_resets_and_replays():
+    """gluon_queue's counter is 0 after every launch (its last take puts it back), so eager calls and the replays of
+    a captured one each walk every tile: all equal the reference, NaN-filled before each."""
+    from hpcops.attention.prefill import _tile_queue
+
+    case = _gluon("gluon-queue-graph", [4096, 2048, 100], [1024, 512, 100], hq=8, hkv=1, ws=True, kv_dtype=FP8,
+                  q_fp8=True, stages=3, msum=True, qregs=True, persist=True, prefetch=True, queue=True)
+    q, kv, cu, q_scale = _inputs(case, "cuda")
+    args = (q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, cu)
+    kw = dict(max_seqlen_q=1024, k_scale=kv.k_scale, v_scale=kv.v_scale, q_scale=q_scale)
+    want = reference(*args, **kw)
+    out = nan_like(want)
+    for _ in range(3):
+        out.fill_(float("nan"))
+        prefill_attention(*args, out=out, config=case.config, **kw)
+        torch.cuda.synchronize()
+        assert int(_tile_queue(q.device).item()) == 0
+        assert_close(want, out, name=case.name, **_tolerance(case, "cuda"))
+    graph, _ = capture_graph(lambda: prefill_attention(*args, out=out, config=case.config, **kw))
+    for _ in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(want, out, name=case.name, **_tolerance(case, "cuda"))
 
 
 @pytest.mark.gpu

@@ -339,7 +339,7 @@ from hpcops.attention._prefill_gluon import prefill_gluon_ws_prefetch_kernel
 from hpcops.attention.prefill import GLUON_WS_FP8_PREFETCH_REGS
 from hpcops.testing import sm90_resources
 
-d, g, tile, page, stages, p_dbuf = json.loads(sys.argv[1])
+d, g, tile, page, stages, p_dbuf, queue = json.loads(sys.argv[1])
 dt, gdt = "fp8e4nv", gl.float8e4nv
 box = min(tile, page)
 desc = f"tensordesc<{dt}[{box}, {d}],{gl.NVMMASharedLayout.get_default_for([box, d], gdt)}>"
@@ -347,13 +347,13 @@ qdesc = f"tensordesc<{dt}[{g}, {d}],{gl.NVMMASharedLayout.get_default_for([g, d]
 qsdesc = f"tensordesc<fp32[{64 // g}, {g}],{gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)}>"
 sig = dict(q_ptr="*" + dt, k_desc=desc, v_desc=desc, bt_ptr="*i32", seq_lens_ptr="*i32", cu_seqlens_q_ptr="*i32",
            out_ptr="*bf16", sm_scale_log2="fp32", q_scale_ptr="*fp32", k_scale_ptr="*fp32", v_scale_ptr="*fp32",
-           q_desc=qdesc, qs_desc=qsdesc)
+           q_desc=qdesc, qs_desc=qsdesc, queue_ptr="*i32")
 sig.update({a: "i32" for a in ("num_reqs", "tiles_per_head", "num_kv_heads", "bt_width", "num_blocks", "stride_qt",
                                "stride_qh", "stride_kh", "stride_vh", "stride_bt", "stride_ot", "stride_oh",
                                "stride_qst", "stride_qsh")})
 consts = dict(D=d, G=g, TILE=tile, PAGE=page, BLOCK_B=16, STAGES=stages, HEADS_INNER=True, num_warps=4,
               FP8=3 if p_dbuf else 1, FP8_CONSUMER_REGS=GLUON_WS_FP8_PREFETCH_REGS[0],
-              FP8_PRODUCER_REGS=GLUON_WS_FP8_PREFETCH_REGS[1], SOFTMAX=(0 if p_dbuf else 4) | 32)
+              FP8_PRODUCER_REGS=GLUON_WS_FP8_PREFETCH_REGS[1], SOFTMAX=(0 if p_dbuf else 4) | 32, QUEUE=queue)
 sig.update({a: "constexpr" for a in consts})
 c = triton.compile(GluonASTSource(prefill_gluon_ws_prefetch_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": 4, "maxnreg": 168})
@@ -362,13 +362,19 @@ ptx = c.asm["ptx"]
 r["setmaxnreg"] = sorted({int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)})
 r["cta_barriers"] = len(re.findall(r"\bbar\.sync\s+0;", ptx))
 r["q_reg_wgmma"] = len(re.findall(r"GMMA\.64x\d+x\d+\.F32\.\w+\.\w+ R\d+, R\d+, gdesc", c.asm["sass"]))
+atoms = re.findall(r"^\s*(@!?%p\d+\s+)?atom\.([\w.]+)", ptx, re.M)
+r["atom_add"] = sum(1 for _, op in atoms if ".add." in op)
+r["atom_exch"] = sum(1 for _, op in atoms if ".exch." in op)
+r["atom_unpredicated"] = sum(1 for pred, _ in atoms if not pred)
 print(json.dumps(r))
 """)
 
-GLUON_PREFETCH_BUILDS = {  # name: (head_dim, G, block_n, page, stages, gluon_p_dbuf)
-    "fp8-d128-h8/1-128-3buf": (128, 8, 128, 64, 3, False),  # the fp8 default's tile, gluon_mma_sum
-    "fp8-d128-g16-64-page16": (128, 16, 64, 16, 3, False),  # 16-row q boxes, pages under a tile
-    "fp8-d128-h8/1-128-2buf-pdbuf": (128, 8, 128, 64, 2, True),
+GLUON_PREFETCH_BUILDS = {  # name: (head_dim, G, block_n, page, stages, gluon_p_dbuf, gluon_queue)
+    "fp8-d128-h8/1-128-3buf": (128, 8, 128, 64, 3, False, False),  # the fp8 default's tile, gluon_mma_sum
+    "fp8-d128-g16-64-page16": (128, 16, 64, 16, 3, False, False),  # 16-row q boxes, pages under a tile
+    "fp8-d128-h8/1-128-2buf-pdbuf": (128, 8, 128, 64, 2, True, False),
+    "fp8-d128-h8/1-128-3buf-queue": (128, 8, 128, 64, 3, False, True),  # gluon_queue
+    "fp8-d128-g16-64-page16-queue": (128, 16, 64, 16, 3, False, True),
 }
 
 
@@ -381,7 +387,7 @@ def test_gluon_prefetch_prefill_kernel_builds_for_sm90(name):
     pytest.importorskip("triton.backends.nvidia")
     from hpcops.attention.prefill import GLUON_WS_FP8_PREFETCH_REGS
 
-    d, g, tile, page, stages, p_dbuf = GLUON_PREFETCH_BUILDS[name]
+    d, g, tile, page, stages, p_dbuf, queue = GLUON_PREFETCH_BUILDS[name]
     r = sm90_build_in_subprocess(GLUON_PREFETCH_BUILD, GLUON_PREFETCH_BUILDS[name])
     print(name, r)
     assert r["spill_bytes"] <= 64, r
@@ -395,6 +401,10 @@ def test_gluon_prefetch_prefill_kernel_builds_for_sm90(name):
     assert set(GLUON_WS_FP8_PREFETCH_REGS) <= set(r["setmaxnreg"]), r
     assert r["cta_barriers"] == 0, r
     assert r["shared"] <= 227 * 1024, r
+    # gluon_queue: the take's add at the first tile and in the walk, the last take's reset beside each, every one
+    # predicated (issued by one thread); the snake walk has no atomic
+    assert (r["atom_add"], r["atom_exch"]) == ((2, 2) if queue else (0, 0)), r
+    assert r["atom_unpredicated"] == 0, r
 
 
 QUANT_BUILD = textwrap.dedent("""

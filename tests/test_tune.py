@@ -529,8 +529,11 @@ def test_prefill_gluon_tunes_bf16_and_fp8_q_on_its_kernels():
     assert not op.valid(fp8, {**base, "gluon_ws": False})
     assert op.valid(fp8, {**base, "num_stages": 4})  # 196608 bytes
     # the fp8 default sums its rows on the tensor cores, which P in registers cannot; the 16-bit kernel never
+    # and runs persistent with its producer prefetching q, which P in registers cannot either
     assert base["gluon_mma_sum"] and not op.valid(fp8, {**base, "gluon_p_regs": True})
-    assert op.valid(fp8, {**base, "gluon_p_regs": True, "gluon_mma_sum": False})
+    assert base["gluon_prefetch"] and not op.valid(fp8, {**base, "gluon_p_regs": True, "gluon_mma_sum": False})
+    assert op.valid(fp8, {**base, "gluon_p_regs": True, "gluon_mma_sum": False, "gluon_persist": False,
+                          "gluon_prefetch": False})
     assert gluon_smem_bytes(128, 128, 4, 128, 1, True) == 196608 <= GLUON_SMEM_BYTES
     bf16 = next(c for c in scen if not c.fp8_q and c.s.spec == "q8k")
     assert not op.valid(bf16, {**op.base(bf16), "num_stages": 4})  # 294912 bytes of bf16 tiles

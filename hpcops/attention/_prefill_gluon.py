@@ -365,7 +365,7 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
     phases, Vᵀ buffers) and its turns T0..; the last Vᵀ buffer is given back too (the producer refills it for the
     next q tile). PRE (`PrefillConfig.gluon_prefetch`, persistent fp8 with q in registers): `pre` = (q's A
     operand, the rows' q scales, k_scale, v_scale), read by the caller from the shared memory the producer's TMA
-    filled ahead of the tile (`_ws_persist`): no global load before the first S."""
+    filled ahead of the tile (`_ws_prefetch`): no global load before the first S."""
     P_REGS: gl.constexpr = FP8 == 2
     P_DBUF: gl.constexpr = FP8 == 3  # two P buffers a consumer: P_{j+1} is stored before P_j·V_j is waited for
     P_EXP: gl.constexpr = 8 if FP8 else 0  # fp8: P as e4m3(P·256)
@@ -1012,15 +1012,30 @@ def _field(v, K: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
+def _take_tile(queue_ptr, bound, nprog):
+    """`PrefillConfig.gluon_queue`: the next flat tile from the launch's counter (one relaxed atomic add; Triton
+    issues a scalar atomic from one thread and hands its result to the others through shared memory). Every program
+    takes tiles until its first take at or past `bound`, so a launch makes exactly bound + nprog takes and the
+    last one returns bound + nprog - 1: the program that gets it puts the counter back to 0 for the next launch
+    (every other take is already done: no memset, graph-safe)."""
+    t = gl.atomic_add(queue_ptr, 1, sem="relaxed")
+    if t == bound + nprog - 1:
+        gl.atomic_xchg(queue_ptr, 0, sem="relaxed")
+    return t
+
+
+@gluon.jit
 def _publish_tile(q_desc, qs_desc, q_ring, qs_ring, info_smem, q_full, q_empty, i, t, bound, cu_seqlens_q_ptr,
                   seq_lens_ptr, num_reqs, tiles_per_head, num_kv_heads, G: gl.constexpr, TILE: gl.constexpr,
-                  BLOCK_B: gl.constexpr, HEADS_INNER: gl.constexpr):
+                  BLOCK_B: gl.constexpr, HEADS_INNER: gl.constexpr, QUEUE: gl.constexpr = False):
     """The producer's prefetch of the program's i-th tile (flat tile t) into ring slot i % 2: once both consumers
     have read the slot's previous tile (`q_empty`), its metadata into `info_smem[slot]` and, for a real tile, q's
     128 rows (one [G, D] box a token, consumer w's 64 rows into `q_ring[2·slot + w]`) and their scales (one
     [TOKENS / 2, G] box a consumer into `qs_ring`) by TMA on `q_full[slot]`. Rows past the request's q_len read the
-    next request's (finite; never stored), rows past the last token zeros. Returns what the producer needs of the
-    tile: (kv_head, req, ok, seq_len, n)."""
+    next request's (finite; never stored), rows past the last token zeros. The metadata's first field is the
+    slot's state: 1 a tile, 0 none (a hole in the flat list, or past the program's last tile), 2 (QUEUE: t at or
+    past `bound`) the end of the program's walk. Returns what the producer needs of the tile: (kv_head, req, ok,
+    seq_len, n)."""
     TOKENS: gl.constexpr = 128 // G
     HALF: gl.constexpr = TOKENS // 2
     info_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[8], threads_per_warp=[32], warps_per_cta=[4],
@@ -1031,8 +1046,10 @@ def _publish_tile(q_desc, qs_desc, q_ring, qs_ring, info_smem, q_full, q_empty, 
     ok = ok & (t < bound)
     slot = i % 2
     mbarrier.wait(q_empty.index(slot), ((i // 2) & 1) ^ 1)  # the slot's tile before (i - 2) is read
-    info_smem.index(slot).store(_pack8(ok.to(gl.int32), kv_head, req, q_start, q_len, seq_len, first_tok, n,
-                                       info_layout))
+    state = ok.to(gl.int32)
+    if QUEUE:
+        state = gl.where(t < bound, state, 2)
+    info_smem.index(slot).store(_pack8(state, kv_head, req, q_start, q_len, seq_len, first_tok, n, info_layout))
     gl.thread_barrier()  # the 4 warps' stores before the arrival that publishes them
     Q_BYTES: gl.constexpr = 128 * q_desc.block_type.shape[1] * q_desc.dtype.primitive_bitwidth // 8 + 128 * 4
     bar = q_full.index(slot)
@@ -1051,115 +1068,168 @@ def _publish_tile(q_desc, qs_desc, q_ring, qs_ring, info_smem, q_full, q_empty, 
 
 
 @gluon.jit
-def _ws_prefetch(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr,
-                 STAGES: gl.constexpr, FP8: gl.constexpr, SOFTMAX: gl.constexpr, BLOCK_B: gl.constexpr,
-                 HEADS_INNER: gl.constexpr, ROLE: gl.constexpr):
-    """A partition of `prefill_gluon_ws_prefetch_kernel`: ROLE 0 / 1 consumer warpgroup ROLE, 2 the producer
-    warpgroup. Every partition walks the program's tiles as `_ws_persist`'s do; the producer publishes tile i+1
-    (`_publish_tile`) after tile i's first K/V loads and first Vᵀ (the consumers' first needs: the next tile's
-    metadata load would delay them), before its other steps; the consumers read tile i from the ring."""
+def _prefetch_produce(args, i, cur, g0, pid, nprog, bound, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr,
+                      PAGE: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr, BLOCK_B: gl.constexpr,
+                      HEADS_INNER: gl.constexpr, QUEUE: gl.constexpr):
+    """The producer's step i of `_ws_prefetch`: tile `cur` = (kv_head, req, ok, seq_len, n), already published.
+    Its first K/V loads and first Vᵀ (what the consumers need first), then the next tile (the snake's next, or
+    QUEUE the counter's) published into the other slot, then the tile's other steps. Returns (the next tile's
+    flat index, the next tile's `cur`, g0 past this tile)."""
     (q_ptr, out_ptr, k_desc, v_desc, q_desc, qs_desc, q_ring, qs_ring, info_smem, q_full, q_empty, k_smem, v_smem,
      full, empty, turn, bt_ptr, stride_bt, bt_width, num_blocks, stride_kh, stride_vh, cu_seqlens_q_ptr,
      seq_lens_ptr, num_reqs, tiles_per_head, num_kv_heads, c, stride_qt, stride_qh, stride_ot, stride_oh,
      q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, vt_smem, p_smem, vt_full, vt_empty,
-     ones_smem) = args
+     ones_smem, queue_ptr) = args
+    kv_head, req, ok, seq_len, n = cur
+    bt_row = bt_ptr + req.to(gl.int64) * stride_bt
+    k_col = kv_head * stride_kh
+    v_col = kv_head * stride_vh
+    if ok:
+        _produce_fp8_first(k_desc, v_desc, k_smem, v_smem, full, empty, bt_row, bt_width, num_blocks, k_col, v_col,
+                           n, g0, D, TILE, PAGE, STAGES, True)
+        _produce_fp8_steps(k_desc, v_desc, k_smem, v_smem, full, empty, vt_smem, vt_full, vt_empty, bt_row,
+                           bt_width, num_blocks, k_col, v_col, n, seq_len, g0, D, TILE, PAGE, STAGES, FP8, True, 1)
+    # the snake: a tile past the program's last is published as no tile (the consumers never read it)
+    if QUEUE:
+        t = _take_tile(queue_ptr, bound, nprog)
+    else:
+        t = _snake(i + 1, pid, nprog)
+    nxt = _publish_tile(q_desc, qs_desc, q_ring, qs_ring, info_smem, q_full, q_empty, i + 1, t, bound,
+                        cu_seqlens_q_ptr, seq_lens_ptr, num_reqs, tiles_per_head, num_kv_heads, G, TILE, BLOCK_B,
+                        HEADS_INNER, QUEUE)
+    if ok:
+        _produce_fp8_steps(k_desc, v_desc, k_smem, v_smem, full, empty, vt_smem, vt_full, vt_empty, bt_row,
+                           bt_width, num_blocks, k_col, v_col, n, seq_len, g0, D, TILE, PAGE, STAGES, FP8, True, 2)
+        g0 += n
+    return t, nxt, g0
+
+
+@gluon.jit
+def _prefetch_consume(args, i, g0, t0, k_scale, v_scale, p_bufs, D: gl.constexpr, G: gl.constexpr,
+                      TILE: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr,
+                      SOFTMAX: gl.constexpr, ROLE: gl.constexpr):
+    """Consumer ROLE's step i of `_ws_prefetch`: the slot's state, metadata, q and scales from the ring, then the
+    tile (`_attend`) if the state is 1. Returns (state, g0, t0) past it."""
+    (q_ptr, out_ptr, k_desc, v_desc, q_desc, qs_desc, q_ring, qs_ring, info_smem, q_full, q_empty, k_smem, v_smem,
+     full, empty, turn, bt_ptr, stride_bt, bt_width, num_blocks, stride_kh, stride_vh, cu_seqlens_q_ptr,
+     seq_lens_ptr, num_reqs, tiles_per_head, num_kv_heads, c, stride_qt, stride_qh, stride_ot, stride_oh,
+     q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, vt_smem, p_smem, vt_full, vt_empty,
+     ones_smem, queue_ptr) = args
+    info_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[8], threads_per_warp=[32], warps_per_cta=[4],
+                                                 order=[0])
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, TILE, 32])
+    q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=4)
+    flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    slot = i % 2
+    mbarrier.wait(q_full.index(slot), (i // 2) & 1)
+    v = info_smem.index(slot).load(info_layout)
+    state = _field(v, 0, info_layout)
+    if state == 1:
+        kv_head = _field(v, 1, info_layout)
+        req = _field(v, 2, info_layout)
+        q_start = _field(v, 3, info_layout)
+        q_len = _field(v, 4, info_layout)
+        seq_len = _field(v, 5, info_layout)
+        first_tok = _field(v, 6, info_layout)
+        n = _field(v, 7, info_layout)
+        q_op = q_ring.index(2 * slot + ROLE).load(q_layout)
+        qs = qs_ring.index(2 * slot + ROLE)._reinterpret(gl.float32, [64], flat).load(gl.SliceLayout(1, s_layout))
+        mbarrier.arrive(q_empty.index(slot), count=1)  # this consumer's q is in registers
+        bt_row = bt_ptr + req.to(gl.int64) * stride_bt
+        _attend(q_ptr, out_ptr, k_desc, v_desc, q_ring.index(ROLE), k_smem, v_smem, full, empty, turn,
+                bt_row, bt_width, num_blocks, kv_head * stride_kh, kv_head * stride_vh, n, q_start, q_len,
+                first_tok, seq_len - q_len, seq_len, kv_head, c, stride_qt, stride_qh, stride_ot, stride_oh,
+                (q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, vt_smem, p_bufs, vt_full,
+                 vt_empty, ones_smem),
+                ROLE * 64, 64, 4, D, G, TILE, PAGE, STAGES, True, ROLE, FP8, SOFTMAX, g0, t0, True,
+                True, (q_op, qs, k_scale, v_scale))
+        g0 += n
+        t0 += n - 1
+    else:
+        mbarrier.arrive(q_empty.index(slot), count=1)
+    return state, g0, t0
+
+
+@gluon.jit
+def _ws_prefetch(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr,
+                 STAGES: gl.constexpr, FP8: gl.constexpr, SOFTMAX: gl.constexpr, BLOCK_B: gl.constexpr,
+                 HEADS_INNER: gl.constexpr, QUEUE: gl.constexpr, ROLE: gl.constexpr):
+    """A partition of `prefill_gluon_ws_prefetch_kernel`: ROLE 0 / 1 consumer warpgroup ROLE, 2 the producer
+    warpgroup. The producer publishes tile i+1 (`_publish_tile`) after tile i's first K/V loads and first Vᵀ (the
+    consumers' first needs: the next tile's metadata load would delay them), before its other steps; the consumers
+    read tile i from the ring. Without QUEUE every partition walks the program's tiles as `_ws_persist`'s do (a
+    fixed number of steps); with QUEUE (`PrefillConfig.gluon_queue`) the producer takes each next tile from the
+    launch's counter (`_take_tile`), and the consumers walk until the slot they read says the end (state 2)."""
+    (q_ptr, out_ptr, k_desc, v_desc, q_desc, qs_desc, q_ring, qs_ring, info_smem, q_full, q_empty, k_smem, v_smem,
+     full, empty, turn, bt_ptr, stride_bt, bt_width, num_blocks, stride_kh, stride_vh, cu_seqlens_q_ptr,
+     seq_lens_ptr, num_reqs, tiles_per_head, num_kv_heads, c, stride_qt, stride_qh, stride_ot, stride_oh,
+     q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, vt_smem, p_smem, vt_full, vt_empty,
+     ones_smem, queue_ptr) = args
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     bound = tiles_per_head * num_kv_heads
-    steps = gl.cdiv(bound, nprog)
     g0 = pid * 0  # ring steps of this program's earlier tiles
     if ROLE == 2:
         if (SOFTMAX & 4) != 0:
             _store_ones(ones_smem, k_desc.dtype, TILE)  # published by the first vt_full
-        kv_head, req, ok, seq_len, n = _publish_tile(
-            q_desc, qs_desc, q_ring, qs_ring, info_smem, q_full, q_empty, 0, _snake(0, pid, nprog), bound,
-            cu_seqlens_q_ptr, seq_lens_ptr, num_reqs, tiles_per_head, num_kv_heads, G, TILE, BLOCK_B, HEADS_INNER)
-        for i in range(steps):
-            bt_row = bt_ptr + req.to(gl.int64) * stride_bt
-            k_col = kv_head * stride_kh
-            v_col = kv_head * stride_vh
-            if ok:  # the tile's first K/V loads and its first Vᵀ, which the consumers need first
-                _produce_fp8_first(k_desc, v_desc, k_smem, v_smem, full, empty, bt_row, bt_width, num_blocks, k_col,
-                                   v_col, n, g0, D, TILE, PAGE, STAGES, True)
-                _produce_fp8_steps(k_desc, v_desc, k_smem, v_smem, full, empty, vt_smem, vt_full, vt_empty, bt_row,
-                                   bt_width, num_blocks, k_col, v_col, n, seq_len, g0, D, TILE, PAGE, STAGES, FP8,
-                                   True, 1)
-            # then the next tile's metadata and q (a tile past the program's last is published as no tile: the
-            # consumers never read it), then this tile's other steps
-            nkv_head, nreq, nok, nseq_len, nn = _publish_tile(
-                q_desc, qs_desc, q_ring, qs_ring, info_smem, q_full, q_empty, i + 1, _snake(i + 1, pid, nprog),
-                bound, cu_seqlens_q_ptr, seq_lens_ptr, num_reqs, tiles_per_head, num_kv_heads, G, TILE, BLOCK_B,
-                HEADS_INNER)
-            if ok:
-                _produce_fp8_steps(k_desc, v_desc, k_smem, v_smem, full, empty, vt_smem, vt_full, vt_empty, bt_row,
-                                   bt_width, num_blocks, k_col, v_col, n, seq_len, g0, D, TILE, PAGE, STAGES, FP8,
-                                   True, 2)
-                g0 += n
-            kv_head, req, ok, seq_len, n = nkv_head, nreq, nok, nseq_len, nn
+        if QUEUE:
+            t = _take_tile(queue_ptr, bound, nprog)
+        else:
+            t = _snake(0, pid, nprog)
+        cur = _publish_tile(q_desc, qs_desc, q_ring, qs_ring, info_smem, q_full, q_empty, 0, t, bound,
+                            cu_seqlens_q_ptr, seq_lens_ptr, num_reqs, tiles_per_head, num_kv_heads, G, TILE, BLOCK_B,
+                            HEADS_INNER, QUEUE)
+        if QUEUE:  # until the counter passes the list (the end is published by the step that took it)
+            i = pid * 0
+            while t < bound:
+                t, cur, g0 = _prefetch_produce(args, i, cur, g0, pid, nprog, bound, D, G, TILE, PAGE, STAGES, FP8,
+                                               BLOCK_B, HEADS_INNER, QUEUE)
+                i += 1
+        else:
+            for i in range(gl.cdiv(bound, nprog)):
+                t, cur, g0 = _prefetch_produce(args, i, cur, g0, pid, nprog, bound, D, G, TILE, PAGE, STAGES, FP8,
+                                               BLOCK_B, HEADS_INNER, QUEUE)
     else:
         if FP8 == 3:  # all four P buffers, two a consumer: `_attend` picks 2·WG + tile % 2
             p_bufs = p_smem
         else:
             p_bufs = p_smem.index(ROLE)
-        info_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[8], threads_per_warp=[32], warps_per_cta=[4],
-                                                     order=[0])
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, TILE, 32])
-        q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=4)
-        flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
         k_scale = gl.load(k_scale_ptr)  # once a program
         v_scale = gl.load(v_scale_ptr)
         t0 = pid * 0  # turns of its earlier tiles (a tile of n K/V tiles takes n - 1)
-        for i in range(steps):
-            slot = i % 2
-            mbarrier.wait(q_full.index(slot), (i // 2) & 1)
-            v = info_smem.index(slot).load(info_layout)
-            ok = _field(v, 0, info_layout) != 0
-            if ok:
-                kv_head = _field(v, 1, info_layout)
-                req = _field(v, 2, info_layout)
-                q_start = _field(v, 3, info_layout)
-                q_len = _field(v, 4, info_layout)
-                seq_len = _field(v, 5, info_layout)
-                first_tok = _field(v, 6, info_layout)
-                n = _field(v, 7, info_layout)
-                q_op = q_ring.index(2 * slot + ROLE).load(q_layout)
-                qs = qs_ring.index(2 * slot + ROLE)._reinterpret(gl.float32, [64], flat).load(
-                    gl.SliceLayout(1, s_layout))
-                mbarrier.arrive(q_empty.index(slot), count=1)  # this consumer's q is in registers
-                bt_row = bt_ptr + req.to(gl.int64) * stride_bt
-                _attend(q_ptr, out_ptr, k_desc, v_desc, q_ring.index(ROLE), k_smem, v_smem, full, empty, turn,
-                        bt_row, bt_width, num_blocks, kv_head * stride_kh, kv_head * stride_vh, n, q_start, q_len,
-                        first_tok, seq_len - q_len, seq_len, kv_head, c, stride_qt, stride_qh, stride_ot, stride_oh,
-                        (q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, vt_smem, p_bufs, vt_full,
-                         vt_empty, ones_smem),
-                        ROLE * 64, 64, 4, D, G, TILE, PAGE, STAGES, True, ROLE, FP8, SOFTMAX, g0, t0, True,
-                        True, (q_op, qs, k_scale, v_scale))
-                g0 += n
-                t0 += n - 1
-            else:
-                mbarrier.arrive(q_empty.index(slot), count=1)
+        if QUEUE:
+            i = pid * 0
+            state = pid * 0
+            while state != 2:
+                state, g0, t0 = _prefetch_consume(args, i, g0, t0, k_scale, v_scale, p_bufs, D, G, TILE, PAGE,
+                                                  STAGES, FP8, SOFTMAX, ROLE)
+                i += 1
+        else:
+            for i in range(gl.cdiv(bound, nprog)):
+                state, g0, t0 = _prefetch_consume(args, i, g0, t0, k_scale, v_scale, p_bufs, D, G, TILE, PAGE,
+                                                  STAGES, FP8, SOFTMAX, ROLE)
 
 
 @gluon.jit
 def _ws_consumer0_prefetch(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr,
                            STAGES: gl.constexpr, FP8: gl.constexpr, SOFTMAX: gl.constexpr, BLOCK_B: gl.constexpr,
-                           HEADS_INNER: gl.constexpr):
-    _ws_prefetch(args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX, BLOCK_B, HEADS_INNER, 0)
+                           HEADS_INNER: gl.constexpr, QUEUE: gl.constexpr):
+    _ws_prefetch(args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX, BLOCK_B, HEADS_INNER, QUEUE, 0)
 
 
 @gluon.jit
 def _ws_consumer1_prefetch(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr,
                            STAGES: gl.constexpr, FP8: gl.constexpr, SOFTMAX: gl.constexpr, BLOCK_B: gl.constexpr,
-                           HEADS_INNER: gl.constexpr):
-    _ws_prefetch(args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX, BLOCK_B, HEADS_INNER, 1)
+                           HEADS_INNER: gl.constexpr, QUEUE: gl.constexpr):
+    _ws_prefetch(args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX, BLOCK_B, HEADS_INNER, QUEUE, 1)
 
 
 @gluon.jit
 def _ws_producer_prefetch(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr,
                           STAGES: gl.constexpr, FP8: gl.constexpr, SOFTMAX: gl.constexpr, BLOCK_B: gl.constexpr,
-                          HEADS_INNER: gl.constexpr):
-    _ws_prefetch(args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX, BLOCK_B, HEADS_INNER, 2)
+                          HEADS_INNER: gl.constexpr, QUEUE: gl.constexpr):
+    _ws_prefetch(args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX, BLOCK_B, HEADS_INNER, QUEUE, 2)
 
 
 @gluon.jit
@@ -1167,15 +1237,18 @@ def prefill_gluon_ws_prefetch_kernel(
     q_ptr, k_desc, v_desc, bt_ptr, seq_lens_ptr, cu_seqlens_q_ptr, out_ptr, sm_scale_log2,
     num_reqs, tiles_per_head, num_kv_heads, bt_width, num_blocks,
     stride_qt, stride_qh, stride_kh, stride_vh, stride_bt, stride_ot, stride_oh,
-    q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, q_desc, qs_desc,
+    q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, q_desc, qs_desc, queue_ptr,
     D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr, BLOCK_B: gl.constexpr,
     STAGES: gl.constexpr, HEADS_INNER: gl.constexpr, num_warps: gl.constexpr, FP8: gl.constexpr = 1,
     FP8_CONSUMER_REGS: gl.constexpr = 216, FP8_PRODUCER_REGS: gl.constexpr = 72, SOFTMAX: gl.constexpr = 0,
+    QUEUE: gl.constexpr = False,
 ):
     """`prefill_gluon_ws_persist_kernel`'s fp8 mode (q in registers) with the producer prefetching each tile's
     metadata, q and q scales (`_ws_prefetch`): `q_desc` over q as [tokens·heads, D] (box [G, D]), `qs_desc` over
     q_scale [tokens, heads] (box [128 / G / 2, G]). Its own shared memory beside `_ws_buffers`': two slots of q
-    (both consumers' 64 rows), scales and metadata, and their `q_full` / `q_empty` mbarriers."""
+    (both consumers' 64 rows), scales and metadata, and their `q_full` / `q_empty` mbarriers. QUEUE
+    (`PrefillConfig.gluon_queue`): the tiles from the int32 counter at `queue_ptr` (0 at launch, 0 again after it;
+    `_take_tile`) instead of the snake's fixed walk; without it `queue_ptr` is not read."""
     gl.static_assert(num_warps == 4, "the default partition is consumer warpgroup 0")
     gl.static_assert(FP8 == 1 or FP8 == 3, "fp8 with P in shared memory")
     gl.static_assert((SOFTMAX & 32) != 0, "q in registers (gluon_q_regs)")
@@ -1194,11 +1267,11 @@ def prefill_gluon_ws_prefetch_kernel(
             v_smem, full, empty, turn, bt_ptr, stride_bt, bt_width, num_blocks, stride_kh, stride_vh,
             cu_seqlens_q_ptr, seq_lens_ptr, num_reqs, tiles_per_head, num_kv_heads, sm_scale_log2, stride_qt,
             stride_qh, stride_ot, stride_oh, q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, vt_smem,
-            p_smem, vt_full, vt_empty, ones_smem)
+            p_smem, vt_full, vt_empty, ones_smem, queue_ptr)
     gl.warp_specialize([(_ws_consumer0_prefetch, (args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX, BLOCK_B,
-                                                  HEADS_INNER)),
+                                                  HEADS_INNER, QUEUE)),
                         (_ws_consumer1_prefetch, (args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX, BLOCK_B,
-                                                  HEADS_INNER)),
+                                                  HEADS_INNER, QUEUE)),
                         (_ws_producer_prefetch, (args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX, BLOCK_B,
-                                                 HEADS_INNER))],
+                                                 HEADS_INNER, QUEUE))],
                        [4, 4], [FP8_CONSUMER_REGS, FP8_PRODUCER_REGS])

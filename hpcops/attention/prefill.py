@@ -97,8 +97,23 @@ class PrefillConfig:
     of 8, 16, 32 or 64 heads): its producer walks the tiles one ahead and, while the consumers work on a tile, reads
     the next tile's metadata and TMAs its q and q scales into shared memory (`prefill_gluon_ws_prefetch_kernel`), so
     a consumer starts a tile without a global load: in the persistent kernel a tile's start is still a chain of
-    dependent round trips (metadata, then q and its scales) before its first S. Opt-in until measured (bench row
-    `hpcops-fp8q-prefetch`).
+    dependent round trips (metadata, then q and its scales) before its first S. Measured on an H100 (session 65,
+    `bench/results/prefill_prefetch_h100_a8aeb15.md`, bench row `hpcops-fp8q-prefetch`): 4-6 % faster than
+    `gluon_persist` at every fp8 q4k/q8k case, 0.92-1.03x the default's time (h64/8 q4k 407.7 against 443.0 µs,
+    q8k 1578.2 against 1535.4). The q8k deficit was the bench's row order (the clocks drift over a case): in two
+    interleaved rounds (session 66, H100, `bench/results/prefill_queue_h100_ca47d45.md`) it runs 0.91x / 0.96x the
+    default's time at h64/8 q4k / q8k (405.1 / 1539.6 against 445.1 / 1596.9 µs: fp8 / bf16 1.303 / 1.306) and
+    1.00x at h8/1 (56.8 / 188.5 against 57.0 / 188.4). `gluon_config(fp8=True)` turns it on (with `gluon_persist`)
+    for groups of 8-64 heads; bench row `hpcops-fp8q-plain`: the kernel a program a tile beside it.
+    `gluon_queue` (with `gluon_prefetch`): the producer takes each next tile from a counter a launch (one relaxed
+    atomic add, `_take_tile`) instead of the snake's fixed walk, so a program that finishes early takes the next
+    heaviest tile, as the hardware's block scheduler hands tiles to the non-persistent kernel; the consumers walk
+    until the slot they read says the end. The counter (int32, one a device and stream: `_tile_queue`) is 0 before
+    a launch and put back to 0 by its last take: no memset, CUDA-graph safe; launches of one counter must not run
+    concurrently (two streams: two counters). Measured slower than the snake (session 66, H100, same run as above,
+    µs queue / prefetch: h64/8 q4k 408.1 / 405.1, q8k 1573.6 / 1539.6, h8/1 q4k 73.7 / 56.8, q8k 194.8 / 188.5):
+    the next tile is taken when the current one starts, so at two tiles a program heavy tiles pair at random where
+    the snake pairs the heaviest with the lightest (PREFILL.md). Opt-in (bench row `hpcops-fp8q-queue`).
     `tma`, `pv_fp8`, `quant_q` and `fma_scale` are the `tl` kernel's (the Gluon kernel always reads by TMA and
     scales inside exp2).
     """
@@ -122,6 +137,7 @@ class PrefillConfig:
     gluon_persist: bool = False
     gluon_q_regs: bool = False
     gluon_prefetch: bool = False
+    gluon_queue: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
@@ -226,15 +242,21 @@ def gluon_config(*, head_dim: int, group: int, max_seqlen_q: int, num_kv_heads: 
     `fp8` (an fp8 q over fp8 KV): the warp-specialized kernel in fp8 on 128×128 tiles and three K/V buffers for
     every query of 64 rows and more (faster than the tl fp8-q kernel at every case of the prefill suite, h8/1 q512's
     32 tiles included: 0.68-0.96x its time, bench/results/prefill.md), its row sums on the tensor cores
-    (`gluon_mma_sum`) and q in registers (`gluon_q_regs`), None below."""
+    (`gluon_mma_sum`) and q in registers (`gluon_q_regs`), None below; for GQA groups of 8, 16, 32 or 64 heads as the
+    persistent kernel whose producer prefetches each tile's q (`gluon_persist`, `gluon_prefetch`: on an H100, in two
+    interleaved rounds, 0.91x / 0.96x the time of the non-persistent kernel at h64/8 q4k / q8k and level at h8/1,
+    `bench/results/prefill_queue_h100_ca47d45.md`; where q's layout does not suit its TMA, `prefill_attention`
+    takes the non-persistent kernel, `_without_prefetch`)."""
     rows = group * max(int(max_seqlen_q), 1)
     if fp8:
         if gluon is None and rows < 64:
             return None
         block_n = 128 if head_dim <= 128 else 64
         stages = 3 if gluon_smem_bytes(128, block_n, 3, head_dim, 1, True, mma_sum=True) <= GLUON_SMEM_BYTES else 2
+        prefetch = group in (8, 16, 32, 64)
         return PrefillConfig(block_m=128, block_n=block_n, num_warps=8, num_stages=stages, heads_inner=True,
-                             gluon=gluon, gluon_ws=True, gluon_mma_sum=True, gluon_q_regs=True)
+                             gluon=gluon, gluon_ws=True, gluon_mma_sum=True, gluon_q_regs=True,
+                             gluon_persist=prefetch, gluon_prefetch=prefetch)
     tiles = None
     if num_kv_heads is not None and total_q is not None:
         tiles = num_kv_heads * triton.cdiv(max(int(total_q), 1) * group, 128)
@@ -403,6 +425,8 @@ def gluon_config_reason(config: PrefillConfig, *, fp8: bool, head_dim: int, grou
                 "(not gluon_p_regs)")
     if config.gluon_prefetch and not (fp8 and config.gluon_persist and config.gluon_q_regs):
         return "gluon_prefetch is for the persistent fp8 kernel with q in registers (gluon_persist, gluon_q_regs)"
+    if config.gluon_queue and not config.gluon_prefetch:
+        return "gluon_queue is for the prefetching persistent fp8 kernel (gluon_prefetch)"
     if config.gluon_prefetch and group not in (8, 16, 32, 64):
         return (f"gluon_prefetch with a GQA group of {group} heads (its q boxes are one token's heads: whole 8-row "
                 "swizzle atoms of a 64-row q, so 8, 16, 32 or 64)")
@@ -426,6 +450,8 @@ def gluon_config_reason(config: PrefillConfig, *, fp8: bool, head_dim: int, grou
         return f"block_size {page} (pages under block_n {bn} must divide it, 8 tokens at least)"
     smem = gluon_smem_bytes(bm, bn, config.num_stages, d, elem_bytes, fp8, 2 if config.gluon_p_dbuf else 1,
                             config.gluon_pv_overlap, config.gluon_mma_sum)
+    if config.gluon_prefetch:  # its ring of two q tiles, their scales and metadata (an upper bound: sm_90 builds
+        smem += 2 * 128 * d + 2 * 128 * 4 + 128  # at the default tile measured 182888 bytes against 198784 here)
     what = f"q and {config.num_stages} K/V buffers" + (", two Vᵀ buffers and each consumer's P" if fp8 else "")
     if smem > GLUON_SMEM_BYTES:
         return f"{smem} bytes of shared memory for {what} (at most {GLUON_SMEM_BYTES})"
@@ -447,6 +473,21 @@ def _prefetch_descriptors(q: torch.Tensor, q_scale: torch.Tensor, group: int):
     qs_desc = TensorDescriptor(qs, [t, h], [h, 1], [64 // group, group],
                                gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
     return q_desc, qs_desc
+
+
+_TILE_QUEUES: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _tile_queue(device: torch.device) -> torch.Tensor:
+    """`gluon_queue`'s tile counter for the current stream of `device`: one int32, zero when made and put back to
+    zero by every launch's last take (`_take_tile`), so it needs no memset a call. One a (device, stream): launches
+    on one stream run one after another; two streams get two counters."""
+    stream = torch.cuda.current_stream(device)
+    key = (device.index if device.index is not None else torch.cuda.current_device(), stream.cuda_stream)
+    counter = _TILE_QUEUES.get(key)
+    if counter is None:
+        counter = _TILE_QUEUES[key] = torch.zeros(1, dtype=torch.int32, device=device)
+    return counter
 
 
 def _fp8_mode(config: PrefillConfig) -> int:
@@ -487,11 +528,12 @@ def _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, out,
         # inside the specialized region
         if config.gluon_prefetch:  # persistent, the producer prefetching each tile's q (gluon_config_reason: fp8)
             grid = (max(1, min(tiles_per_head * hkv, num_sms(q.device))),)
+            queue = _tile_queue(q.device) if config.gluon_queue else seq_lens  # a placeholder it does not read
             prefill_gluon_ws_prefetch_kernel[grid](*args, *scales, *_prefetch_descriptors(q, q_scale, hq // hkv),
-                                                   **common, num_warps=4, FP8=_fp8_mode(config),
+                                                   queue, **common, num_warps=4, FP8=_fp8_mode(config),
                                                    FP8_CONSUMER_REGS=GLUON_WS_FP8_PREFETCH_REGS[0],
                                                    FP8_PRODUCER_REGS=GLUON_WS_FP8_PREFETCH_REGS[1], maxnreg=168,
-                                                   **softmax)
+                                                   QUEUE=bool(config.gluon_queue), **softmax)
             return
         if config.gluon_persist:  # a program an SM, each walking q tiles
             grid = (max(1, min(tiles_per_head * hkv, num_sms(q.device))),)
@@ -513,6 +555,12 @@ def _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, out,
                                                       num_warps=config.num_warps, **softmax)
 
 
+def _without_prefetch(config: PrefillConfig) -> PrefillConfig:
+    """The fp8 heuristic's config without the prefetching persistent kernel: the non-persistent warp-specialized
+    kernel on the same tiles (q read by each consumer's loads, no TMA box over q)."""
+    return replace(config, gluon_persist=False, gluon_prefetch=False, gluon_queue=False)
+
+
 def _choose_kernel(q, k_cache, v_cache, max_seqlen_q, sm_scale, out,
                    config: PrefillConfig | None) -> tuple[PrefillConfig, str | None]:
     """The config a call runs and why the Gluon kernel does not serve it (None: it does). Without `config`, the
@@ -526,6 +574,10 @@ def _choose_kernel(q, k_cache, v_cache, max_seqlen_q, sm_scale, out,
                                 kv_dtype=k_cache.dtype, gluon=None, num_kv_heads=hkv, total_q=total_q)
         if config.gluon is None:
             why = gluon_unsupported_reason(q, k_cache, v_cache, config, sm_scale, out)
+            if why is not None and config.gluon_prefetch:  # e.g. a q whose layout its TMA cannot read
+                plain = _without_prefetch(config)
+                if gluon_unsupported_reason(q, k_cache, v_cache, plain, sm_scale, out) is None:
+                    config, why = plain, None
             if why is not None:
                 config = prefill_config(head_dim=d, group=hq // hkv, max_seqlen_q=max_seqlen_q, q_dtype=q.dtype,
                                         kv_dtype=k_cache.dtype)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import platform
+import statistics
 import sys
 import traceback
 from collections.abc import Callable
@@ -76,22 +77,25 @@ def machine_info(measure: bool = True) -> dict[str, Any]:
     return info
 
 
-def _time_impl(case: Case, impl, inputs: list[Any]) -> float:
+def _time_impl(case: Case, impl, inputs: list[Any], replays: int | None = None) -> float:
     # per-step work (the decode plan) is timed the same way, one call per layer's inputs in one
     # graph, so launch overhead is amortized alike; the report keeps it out of the ratios
     fns = [impl.prepare(x) for x in inputs]
     if impl.timing == "kernels":
         return timing.profiler_kernel_time_us(fns, impl.kernel_filter)
+    if replays is not None:
+        return timing.graph_time_us(fns, replays=replays)
     return timing.graph_time_us(fns)
 
 
-def _run_impl(case: Case, impl, inputs: list[Any], gate_ok: bool) -> tuple[str, float | None]:
+def _run_impl(case: Case, impl, inputs: list[Any], gate_ok: bool,
+              replays: int | None = None) -> tuple[str, float | None]:
     """(status, µs) of one implementation: ours is not timed when the case's gate failed; a peer whose
     own check (in its `prepare`) raises AssertionError is reported as check-failed, never ranked."""
     if impl.ours and not gate_ok:
         return "check-failed", None
     try:
-        return "ok", _time_impl(case, impl, inputs)
+        return "ok", _time_impl(case, impl, inputs, replays)
     except PeerUnavailable as exc:
         return f"unavailable: {exc}", None
     except AssertionError as exc:  # the peer's output disagrees with the reference (or its own asserts fired)
@@ -107,21 +111,48 @@ def case_selected(case: str, only: str | None) -> bool:
     return only is None or any(text in case for text in only.split(",") if text)
 
 
+def _run_rounds(case: Case, inputs: list[Any], gate_ok: bool, rounds: int,
+                step: Callable[[str], None]) -> dict[str, tuple[str, float | None, str]]:
+    """Every impl of `case` timed `rounds` times, round-robin, the order reversed every other round (a drift of
+    the GPU's clocks over a case, e.g. as it heats under long fp8 kernels, then falls on every impl alike instead
+    of on the later rows); each timing takes 50 / rounds replays (at least 10), so the case costs about what one
+    round of 50 does, plus a graph capture a round. Returns {impl: (status, median µs, the rounds' µs)}; an impl
+    that fails is not timed again."""
+    times: dict[str, list[float]] = {impl.name: [] for impl in case.impls}
+    status: dict[str, str] = {}
+    replays = max(10, 50 // rounds)
+    for r in range(rounds):
+        for impl in (case.impls if r % 2 == 0 else case.impls[::-1]):
+            if status.get(impl.name, "ok") != "ok":
+                step(f"{case.name} {impl.name}: {status[impl.name][:40]}")
+                continue
+            st, us = _run_impl(case, impl, inputs, gate_ok, replays)
+            status[impl.name] = st
+            if us is not None:
+                times[impl.name].append(us)
+            step(f"{case.name} {impl.name} round {r + 1}/{rounds}: " + (f"{us:.1f} us" if us is not None else st[:40]))
+    return {name: (status[name], statistics.median(v) if status[name] == "ok" else None,
+                   ", ".join(f"{x:.1f}" for x in v)) for name, v in times.items()}
+
+
 def run_suite(name: str, opts: dict[str, Any] | None = None, *, check: bool = True, only: str | None = None,
               progress: bool = True, machine: dict[str, Any] | None = None,
-              on_case: Callable[[SuiteResult], None] | None = None) -> SuiteResult:
+              on_case: Callable[[SuiteResult], None] | None = None, rounds: int = 1) -> SuiteResult:
     """Run every case of suite `name` (those whose name contains `only`, if given; `only` may list several texts
     separated by commas, a case matching any of them: "q4k,q8k").
 
     `on_case(partial_result)` runs after every case (the CLI rewrites its reports, so a run cut
-    short by a time limit keeps what it measured).
+    short by a time limit keeps what it measured). `rounds` > 1: each case's impls are timed in that many
+    interleaved rounds (`_run_rounds`) and a row's µs is their median, its note naming the rounds' values.
     """
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
     opts = dict(opts or {})
     if not torch.cuda.is_available():
         raise RuntimeError("hpcops bench times on a CUDA GPU; none is visible (run `hpcops demo` on the CPU)")
     cases = [c for c in get_suite(name)(opts) if case_selected(c.name, only)]
     machine = machine if machine is not None else machine_info()
-    bar = Progress(sum(len(c.impls) for c in cases), f"bench {name}", enabled=progress)
+    bar = Progress(rounds * sum(len(c.impls) for c in cases), f"bench {name}", enabled=progress)
     rows: list[Row] = []
     for case in cases:
         layers = case.layers or opts.get("layers") or timing.layers_for(case.bytes)
@@ -132,7 +163,8 @@ def run_suite(name: str, opts: dict[str, Any] | None = None, *, check: bool = Tr
         except Exception as exc:  # a case that cannot be built is reported, not fatal
             for impl in case.impls:
                 rows.append(Row(impl=impl.name, ours=impl.ours, us=None, status=f"error: inputs: {exc}", **base))
-                bar.step(f"{case.name} {impl.name}: inputs failed")
+                for _ in range(rounds):
+                    bar.step(f"{case.name} {impl.name}: inputs failed")
             continue
         gate_ok = True
         if check and case.check is not None:
@@ -141,12 +173,19 @@ def run_suite(name: str, opts: dict[str, Any] | None = None, *, check: bool = Tr
             except AssertionError as exc:
                 gate_ok = False
                 print(f"\n[check failed] {name}/{case.name}: {exc}", file=sys.stderr)
+        timed = _run_rounds(case, inputs, gate_ok, rounds, bar.step) if rounds > 1 else {}
         for impl in case.impls:
-            status, us = _run_impl(case, impl, inputs, gate_ok)
+            if rounds > 1:
+                status, us, values = timed[impl.name]
+            else:
+                status, us = _run_impl(case, impl, inputs, gate_ok)
             note = "per-step" if impl.per_step else impl.note
+            if rounds > 1 and us is not None:
+                note = f"{note} (median of {rounds} interleaved rounds: {values} µs)".lstrip()
             rows.append(Row(impl=impl.name, ours=impl.ours, us=us, status=status, note=note, timing=impl.timing,
                             **base))
-            bar.step(f"{case.name} {impl.name}: " + (f"{us:.1f} us" if us is not None else status[:40]))
+            if rounds == 1:
+                bar.step(f"{case.name} {impl.name}: " + (f"{us:.1f} us" if us is not None else status[:40]))
         del inputs
         if on_case is not None:
             on_case(SuiteResult(name, list(rows), machine))

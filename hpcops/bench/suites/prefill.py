@@ -122,11 +122,11 @@ def _make_inputs(s: Scenario, layer: int, device: str = "cuda") -> dict[str, Any
     return x
 
 
-# the warp-specialized Gluon kernel over an fp8 q and fp8 KV as a fixed config, its row sums on the CUDA cores (the
-# variants' base); and with them on the tensor cores and q in registers (gluon_mma_sum, gluon_q_regs: the fp8-q default
-# on an H200)
+# the warp-specialized Gluon kernel over an fp8 q and fp8 KV as a fixed config, a program a q tile (not persistent),
+# its row sums on the CUDA cores (the variants' base); and with them on the tensor cores and q in registers
+# (gluon_mma_sum, gluon_q_regs: the fp8-q default until session 66, which made it persistent and prefetching)
 GLUON_FP8 = {"gluon": True, "gluon_ws": True, "block_m": 128, "num_warps": 8, "block_n": 128, "num_stages": 3,
-             "heads_inner": True, "gluon_mma_sum": False}
+             "heads_inner": True, "gluon_mma_sum": False, "gluon_persist": False, "gluon_prefetch": False}
 GLUON_FP8_MSUM = {**GLUON_FP8, "gluon_mma_sum": True, "gluon_q_regs": True}
 
 # the bf16 warp-specialized Gluon kernel with gluon_tree, on the same tile (the bf16 default's at q2k-q8k)
@@ -384,7 +384,8 @@ def cases(opts: dict) -> Iterator[Case]:
                 impls = [Impl("hpcops", _ours(False), ours=True, note="bf16 q, fp8 KV" if fp8 else "")]
                 if fp8:
                     impls.append(Impl("hpcops-fp8q", _ours(True), ours=True,
-                                      note="fp8 q per token-head (on an H200 the warp-specialized Gluon kernel)"))
+                                      note="fp8 q per token-head (on Hopper the warp-specialized Gluon kernel, "
+                                      "persistent, its producer prefetching q)"))
                     impls.append(
                         Impl("hpcops-quantize-q", _ours(False, {"quantize_q": True}),
                              note="variant: bf16 q, prefill_attention(quantize_q=True): quantized per token-head, "
@@ -408,14 +409,19 @@ def cases(opts: dict) -> Iterator[Case]:
                     )
                     impls.append(
                         Impl("hpcops-fp8q-persist", _ours(True, {**GLUON_FP8_MSUM, "gluon_persist": True}),
-                             note="variant: the fp8 default as a persistent grid, a program an SM walking the tiles "
-                             "(gluon_persist=True)")
+                             note="variant: the persistent grid without the prefetch, a program an SM walking the "
+                             "tiles (gluon_persist=True, gluon_prefetch=False)")
                     )
                     impls.append(
-                        Impl("hpcops-fp8q-prefetch", _ours(True, {**GLUON_FP8_MSUM, "gluon_persist": True,
-                                                                  "gluon_prefetch": True}),
-                             note="variant: the persistent fp8 kernel whose producer TMAs each tile's metadata, q and "
-                             "q scales ahead (gluon_prefetch=True)")
+                        Impl("hpcops-fp8q-plain", _ours(True, GLUON_FP8_MSUM),
+                             note="variant: the fp8 kernel a program a q tile, not persistent (gluon_persist=False, "
+                             "gluon_prefetch=False: the fp8-q default until session 66)")
+                    )
+                    impls.append(
+                        Impl("hpcops-fp8q-queue", _ours(True, {**GLUON_FP8_MSUM, "gluon_persist": True,
+                                                               "gluon_prefetch": True, "gluon_queue": True}),
+                             note="variant: the prefetching persistent fp8 kernel taking its tiles from a counter "
+                             "(gluon_queue=True)")
                     )
                     impls.append(
                         Impl("hpcops-fp8q-smemq", _ours(True, {**GLUON_FP8_MSUM, "gluon_q_regs": False}),

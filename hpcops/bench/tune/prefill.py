@@ -116,6 +116,7 @@ GLUON_SPACE = (
     knob("gluon_pv_overlap", False, True),
     knob("gluon_mma_sum", False, True),
     knob("gluon_persist", False, True),
+    knob("gluon_prefetch", False, True),
     knob("gluon_q_regs", False, True),
 )
 
