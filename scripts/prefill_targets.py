@@ -6,7 +6,9 @@ A ratio is the other row's µs over ours in the same case and run: > 1 means our
 - bf16, h64/8 and h8/1, q2k-q8k and the extend cases (q1ks2k, 2q1ks4k): the default row `hpcops` at >= 0.9x
   FlashInfer (`flashinfer`) and >= 0.85x cuDNN SDPA (`sdpa-cudnn`) where cuDNN runs the shape;
 - fp8 KV with an fp8 q (`hpcops-fp8q`) at >= 1.3x our own bf16 (`hpcops` of the same shape over bf16 KV) at q4k
-  and q8k.
+  and q8k. Our bf16 is the fp8 case's own `hpcops-bf16kv` row where the report has it (timed beside the fp8 rows,
+  interleaved under `--rounds`, so clock drift over the minutes between two cases does not enter the ratio), else
+  the bf16 case's `hpcops` row; the table names which, and gives the other ratio beside it.
 
 For an fp8 case short of its goal the table gives the time it must reach (bf16 µs / 1.3) and the TFLOP/s that
 is, beside the run's measured bf16 GEMM ceiling. A case absent from the report (a `--only` run) is named as not
@@ -67,35 +69,46 @@ def bf16_markdown(cases: dict[str, dict[str, report.Row]]) -> str:
     return "\n".join(out) + "\n"
 
 
+def our_bf16(cases: dict[str, dict[str, report.Row]], heads: str, spec: str) -> tuple[report.Row | None, str]:
+    """Our bf16 row for the fp8 goal at (heads, spec) and where it comes from: the fp8 case's `hpcops-bf16kv` when
+    the report has it, else the bf16 case's `hpcops`."""
+    in_case = cases.get(f"{heads}-fp8-{spec}", {}).get("hpcops-bf16kv")
+    if in_case is not None:
+        return in_case, "in case"
+    return cases.get(f"{heads}-bf16-{spec}", {}).get("hpcops"), "bf16 case"
+
+
 def fp8_markdown(machine: dict, cases: dict[str, dict[str, report.Row]]) -> str:
     ceiling = machine.get("gemm_tflops_bf16")
-    out = ["| case | bf16 µs | bf16 TFLOP/s | fp8q µs | fp8q TFLOP/s | ratio | goal | | fp8q µs needed | "
-           "TFLOP/s needed |", "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
+    out = ["| case | bf16 µs | bf16 from | bf16 TFLOP/s | fp8q µs | fp8q TFLOP/s | ratio | goal | | fp8q µs needed | "
+           "TFLOP/s needed | other bf16 row's ratio |", "|---|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
     for heads in HEADS:
         for spec in FP8_SPECS:
-            bf16 = cases.get(f"{heads}-bf16-{spec}", {}).get("hpcops")
+            bf16, source = our_bf16(cases, heads, spec)
             fp8 = cases.get(f"{heads}-fp8-{spec}", {}).get("hpcops-fp8q")
             name = f"{heads} {spec}"
             if bf16 is None or fp8 is None:
-                out.append(f"| {name} | — | | — | | — | >= {FP8_GOAL} | not run | | |")
+                out.append(f"| {name} | — | | | — | | — | >= {FP8_GOAL} | not run | | | |")
                 continue
             r = bf16.us / fp8.us
             need_us = bf16.us / FP8_GOAL
             need = f"{need_us:.1f} | {fp8.flops / (need_us * 1e-6) / 1e12:.0f}" if r < FP8_GOAL and fp8.flops else " | "
-            out.append(f"| {name} | {bf16.us:.1f} | {_tflops(bf16)} | {fp8.us:.1f} | {_tflops(fp8)} | {r:.3f} | "
-                       f">= {FP8_GOAL} | {_verdict(r, FP8_GOAL)} | {need} |")
+            other = cases.get(f"{heads}-bf16-{spec}", {}).get("hpcops") if source == "in case" else None
+            other = f"{other.us / fp8.us:.3f} (bf16 case)" if other is not None else ""
+            out.append(f"| {name} | {bf16.us:.1f} | {source} | {_tflops(bf16)} | {fp8.us:.1f} | {_tflops(fp8)} | "
+                       f"{r:.3f} | >= {FP8_GOAL} | {_verdict(r, FP8_GOAL)} | {need} | {other} |")
     if ceiling:
         out += ["", f"The run's measured bf16 GEMM ceiling: {ceiling:.1f} TFLOP/s (torch matmul, 8192³)."]
     return "\n".join(out) + "\n"
 
 
 def variants_markdown(cases: dict[str, dict[str, report.Row]]) -> str:
-    """Each `hpcops-fp8q-*` variant at q4k/q8k: its µs, our bf16 over it (the goal's ratio), the default fp8q row's
-    µs over it (> 1: the variant is faster). Empty where the run has no variant rows."""
+    """Each `hpcops-fp8q-*` variant at q4k/q8k: its µs, our bf16 (`our_bf16`) over it (the goal's ratio), the default
+    fp8q row's µs over it (> 1: the variant is faster). Empty where the run has no variant rows."""
     out = []
     for heads in HEADS:
         for spec in FP8_SPECS:
-            bf16 = cases.get(f"{heads}-bf16-{spec}", {}).get("hpcops")
+            bf16, _ = our_bf16(cases, heads, spec)
             rows = cases.get(f"{heads}-fp8-{spec}", {})
             default = rows.get("hpcops-fp8q")
             for impl in sorted(i for i in rows if i.startswith("hpcops-fp8q-")):

@@ -82,3 +82,23 @@ def test_variants_gate_themselves(fp8_q, variant, device, monkeypatch):
         suite._ours(fp8_q, variant)(x)
     later = suite._make_inputs(s, 1, device=device)  # other layers are not checked again
     assert callable(suite._ours(fp8_q, variant)(later))
+
+
+def test_bf16_kv_row_in_the_fp8_case(device, monkeypatch):
+    """`hpcops-bf16kv` runs our bf16 default on the fp8 case's shape over its own bf16 cache, gated on layer 0 against
+    that cache's reference (a wrong output raises naming the row); the bf16 case has no such row."""
+    import hpcops.attention.prefill as impl
+
+    fp8_case = next(c for c in suite.cases({"quick": True}) if "-fp8-" in c.name)
+    bf16_case = next(c for c in suite.cases({"quick": True}) if "-bf16-" in c.name)
+    assert "hpcops-bf16kv" in [i.name for i in fp8_case.impls]
+    assert "hpcops-bf16kv" not in [i.name for i in bf16_case.impls]
+    s = suite.Scenario("2q5s40_q17", 4, 2, True)
+    x = suite._make_inputs(s, 0, device=device)
+    assert x["kv16"].k_cache.dtype == torch.bfloat16 and x["kv16"].k_cache.shape == x["kv"].k_cache.shape
+    out = suite._ours_bf16_kv(x)()
+    assert out.dtype == torch.bfloat16 and not out.isnan().any()
+    real = impl.prefill_attention
+    monkeypatch.setattr(impl, "prefill_attention", lambda *a, **kw: real(*a, **kw).mul_(1.5))
+    with pytest.raises(AssertionError, match="hpcops-bf16kv"):
+        suite._ours_bf16_kv(x)
