@@ -119,17 +119,6 @@ def _make_inputs(s: Scenario, layer: int, device: str = "cuda") -> dict[str, Any
     }
     if s.fp8:
         x["q8"], x["q_scale"] = quantize_per_token_head(q)
-        # the same shape over bf16 KV for `hpcops-bf16kv`: issue 12's fp8-q goal is a ratio to our bf16, and a row of
-        # this case is timed beside the fp8 rows (interleaved with --rounds), not minutes apart as the bf16 case
-        x["kv16"] = make_paged_kv(
-            [sl for _, sl in reqs],
-            num_kv_heads=s.hkv,
-            head_dim=HEAD_DIM,
-            block_size=PAGE,
-            dtype=torch.bfloat16,
-            device=device,
-            generator=torch.Generator().manual_seed(1000 * layer + 19),
-        )
     return x
 
 
@@ -215,11 +204,23 @@ FP8_BUDGET = {"maxtol": 6e-2, "rmstol": 3e-2}  # the fp8 error budget (PREFILL.m
 
 
 def _ours_bf16_kv(x):
-    """Our bf16 default (bf16 q, heuristic config) on the fp8 case's shape over bf16 KV (`x["kv16"]`), gated on layer
-    0 against the sampled reference of that cache."""
+    """Our bf16 default (bf16 q, heuristic config) on the fp8 case's shape over a bf16 cache of its own (`x["kv16"]`,
+    made here: the other rows, the tuner and the probes never pay for it), gated on layer 0 against the sampled
+    reference of that cache. Issue 12's fp8-q goal is a ratio to our bf16: this row is timed beside the fp8 rows
+    (interleaved with --rounds), not minutes apart as the bf16 case's."""
     from hpcops.attention.prefill import prefill_attention
-    from hpcops.testing import assert_close
+    from hpcops.testing import assert_close, make_paged_kv
 
+    if "kv16" not in x:
+        x["kv16"] = make_paged_kv(
+            [sl for _, sl in x["reqs"]],
+            num_kv_heads=x["kv"].k_cache.shape[2],
+            head_dim=HEAD_DIM,
+            block_size=PAGE,
+            dtype=torch.bfloat16,
+            device=x["q"].device,
+            generator=torch.Generator().manual_seed(1000 * x["layer"] + 19),
+        )
     kv, q = x["kv16"], x["q"]
     out = torch.empty_like(q)
     args = (q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, x["cu"])
