@@ -457,7 +457,8 @@ def cases(opts: dict) -> Iterator[Case]:
                              "(gluon_queue=True)")
                     )
                     impls.append(
-                        Impl("hpcops-fp8q-vt3", _ours(True, {"gluon_vt3": True}),
+                        Impl("hpcops-fp8q-vt3", _ours(True, {**GLUON_FP8_MSUM, "gluon_persist": True,
+                                                             "gluon_prefetch": True, "gluon_vt3": True}),
                              note="variant: the fp8 default with three Vᵀ buffers (gluon_vt3=True): the producer's "
                              "transpose a step further ahead")
                     )
