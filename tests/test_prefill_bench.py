@@ -103,3 +103,20 @@ def test_bf16_kv_row_in_the_fp8_case(device, monkeypatch):
     monkeypatch.setattr(impl, "prefill_attention", lambda *a, **kw: real(*a, **kw).mul_(1.5))
     with pytest.raises(AssertionError, match="hpcops-bf16kv"):
         suite._ours_bf16_kv(x)
+
+
+def test_variant_with_gluon_knobs_must_ask_for_the_gluon_kernel(device, monkeypatch):
+    """A variant that sets Gluon knobs on the tl heuristic (no gluon=True) would time the tl kernel under its
+    Gluon name (session 67's hpcops-fp8q-vt3 row did): a ValueError naming the knobs, from the variant dict or from
+    HPCOPS_PREFILL_CONFIG; with the Gluon fields it prepares."""
+    monkeypatch.delenv("HPCOPS_PREFILL_CONFIG", raising=False)
+    s = suite.Scenario("2q5s40_q17", 8, 1, True)
+    x = suite._make_inputs(s, 1, device=device)  # layer 1: no self-check, nothing launched
+    with pytest.raises(ValueError, match="gluon_persist"):
+        suite._ours(True, {"gluon_persist": True})(x)
+    monkeypatch.setenv("HPCOPS_PREFILL_CONFIG", "gluon_tree=1")
+    with pytest.raises(ValueError, match="gluon_tree"):
+        suite._ours(True, {"tma": False})(x)
+    monkeypatch.delenv("HPCOPS_PREFILL_CONFIG")
+    assert callable(suite._ours(True, {**suite.GLUON_FP8_MSUM, "gluon_persist": True}, check=False)(x))
+    assert callable(suite._ours(False, {"gluon": False, "gluon_tree": False})(x))  # knobs off: the tl kernel is meant

@@ -556,4 +556,4 @@ def test_prefill_tune_candidates_do_not_gate_themselves_when_prepared(monkeypatc
     assert x["layer"] == 0
     assert callable(op.prepare(case, op.base(case))(x))  # built, not run, not checked
     with pytest.raises(AssertionError, match="variant check ran"):
-        suite._ours(True, {"gluon_tree": True})(x)
+        suite._ours(True, {**suite.GLUON_FP8, "gluon_tree": True})(x)

@@ -159,7 +159,8 @@ def config_override(variant: dict | None = None):
 
 
 def _ours(fp8_q: bool, variant: dict | None = None, *, check: bool = True):
-    """Ours on the heuristic config, or (`variant`) on the heuristic updated by `variant`'s fields. A variant
+    """Ours on the heuristic config, or (`variant`) on the heuristic updated by `variant`'s fields (the tl kernel's
+    heuristic unless they set gluon=True: a variant with Gluon knobs and no gluon=True is a ValueError). A variant
     checks its own output against the sampled reference on layer 0 when it is prepared, so that a failing
     variant marks only its own row, never the case's default rows (which `_check` gates). check=False: no such
     check (the tuner gates its candidates itself, and its compile workers launch nothing: an output left NaN)."""
@@ -185,6 +186,10 @@ def _ours(fp8_q: bool, variant: dict | None = None, *, check: bool = True):
                 gluon=fields.get("gluon", False),
             )
             config = dataclasses.replace(base, **fields)
+            knobs = sorted(k for k, v in fields.items() if k.startswith("gluon_") and v)
+            if knobs and not config.gluon:  # the base is the tl heuristic unless the fields say gluon=True
+                raise ValueError(f"prefill variant {fields}: Gluon knobs {knobs} without gluon=True would time the "
+                                 "tl kernel (add the Gluon config's fields, e.g. GLUON_FP8_MSUM)")
         kw = dict(
             max_seqlen_q=x["max_q"], k_scale=kv.k_scale, v_scale=kv.v_scale, q_scale=q_scale, out=out, config=config
         )
