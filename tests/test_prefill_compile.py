@@ -339,7 +339,7 @@ from hpcops.attention._prefill_gluon import prefill_gluon_ws_prefetch_kernel
 from hpcops.attention.prefill import GLUON_WS_FP8_PREFETCH_REGS
 from hpcops.testing import sm90_resources
 
-d, g, tile, page, stages, p_dbuf, queue = json.loads(sys.argv[1])
+d, g, tile, page, stages, p_dbuf, queue, vt3 = json.loads(sys.argv[1])
 dt, gdt = "fp8e4nv", gl.float8e4nv
 box = min(tile, page)
 desc = f"tensordesc<{dt}[{box}, {d}],{gl.NVMMASharedLayout.get_default_for([box, d], gdt)}>"
@@ -353,7 +353,8 @@ sig.update({a: "i32" for a in ("num_reqs", "tiles_per_head", "num_kv_heads", "bt
                                "stride_qst", "stride_qsh")})
 consts = dict(D=d, G=g, TILE=tile, PAGE=page, BLOCK_B=16, STAGES=stages, HEADS_INNER=True, num_warps=4,
               FP8=3 if p_dbuf else 1, FP8_CONSUMER_REGS=GLUON_WS_FP8_PREFETCH_REGS[0],
-              FP8_PRODUCER_REGS=GLUON_WS_FP8_PREFETCH_REGS[1], SOFTMAX=(0 if p_dbuf else 4) | 32, QUEUE=queue)
+              FP8_PRODUCER_REGS=GLUON_WS_FP8_PREFETCH_REGS[1], SOFTMAX=(0 if p_dbuf else 4) | 32 | (64 if vt3 else 0),
+              QUEUE=queue)
 sig.update({a: "constexpr" for a in consts})
 c = triton.compile(GluonASTSource(prefill_gluon_ws_prefetch_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": 4, "maxnreg": 168})
@@ -369,12 +370,14 @@ r["atom_unpredicated"] = sum(1 for pred, _ in atoms if not pred)
 print(json.dumps(r))
 """)
 
-GLUON_PREFETCH_BUILDS = {  # name: (head_dim, G, block_n, page, stages, gluon_p_dbuf, gluon_queue)
-    "fp8-d128-h8/1-128-3buf": (128, 8, 128, 64, 3, False, False),  # the fp8 default's tile, gluon_mma_sum
-    "fp8-d128-g16-64-page16": (128, 16, 64, 16, 3, False, False),  # 16-row q boxes, pages under a tile
-    "fp8-d128-h8/1-128-2buf-pdbuf": (128, 8, 128, 64, 2, True, False),
-    "fp8-d128-h8/1-128-3buf-queue": (128, 8, 128, 64, 3, False, True),  # gluon_queue
-    "fp8-d128-g16-64-page16-queue": (128, 16, 64, 16, 3, False, True),
+GLUON_PREFETCH_BUILDS = {  # name: (head_dim, G, block_n, page, stages, gluon_p_dbuf, gluon_queue, gluon_vt3)
+    "fp8-d128-h8/1-128-3buf": (128, 8, 128, 64, 3, False, False, False),  # the fp8 default's tile, gluon_mma_sum
+    "fp8-d128-g16-64-page16": (128, 16, 64, 16, 3, False, False, False),  # 16-row q boxes, pages under a tile
+    "fp8-d128-h8/1-128-2buf-pdbuf": (128, 8, 128, 64, 2, True, False, False),
+    "fp8-d128-h8/1-128-3buf-queue": (128, 8, 128, 64, 3, False, True, False),  # gluon_queue
+    "fp8-d128-g16-64-page16-queue": (128, 16, 64, 16, 3, False, True, False),
+    "fp8-d128-h8/1-128-3buf-vt3": (128, 8, 128, 64, 3, False, False, True),  # gluon_vt3: three Vᵀ buffers
+    "fp8-d128-h8/1-128-2buf-pdbuf-vt3": (128, 8, 128, 64, 2, True, False, True),
 }
 
 
@@ -387,7 +390,7 @@ def test_gluon_prefetch_prefill_kernel_builds_for_sm90(name):
     pytest.importorskip("triton.backends.nvidia")
     from hpcops.attention.prefill import GLUON_WS_FP8_PREFETCH_REGS
 
-    d, g, tile, page, stages, p_dbuf, queue = GLUON_PREFETCH_BUILDS[name]
+    d, g, tile, page, stages, p_dbuf, queue, vt3 = GLUON_PREFETCH_BUILDS[name]
     r = sm90_build_in_subprocess(GLUON_PREFETCH_BUILD, GLUON_PREFETCH_BUILDS[name])
     print(name, r)
     assert r["spill_bytes"] <= 64, r
@@ -401,6 +404,8 @@ def test_gluon_prefetch_prefill_kernel_builds_for_sm90(name):
     assert set(GLUON_WS_FP8_PREFETCH_REGS) <= set(r["setmaxnreg"]), r
     assert r["cta_barriers"] == 0, r
     assert r["shared"] <= 227 * 1024, r
+    if vt3:  # the third Vᵀ [D, block_n] buffer: at the default tile 182888 bytes of shared memory become 199272
+        assert r["shared"] >= 182888 + d * tile - 1024 or p_dbuf, r
     # gluon_queue: the take's add at the first tile and in the walk, the last take's reset beside each, every one
     # predicated (issued by one thread); the snake walk has no atomic
     assert (r["atom_add"], r["atom_exch"]) == ((2, 2) if queue else (0, 0)), r

@@ -1,11 +1,12 @@
 """A model of the persistent fp8 prefill kernel's barrier protocol (`prefill_gluon_ws_persist_kernel`,
 `PrefillConfig.gluon_persist`): the producer and the two consumer warpgroups walk the same q tiles, and the K/V ring
-(`full` / `empty`), the two Vt buffers (`vt_full` / `vt_empty`) and the consumers' turns go on across tiles by ring
-step (`_ring`). Each partition is a generator that yields the mbarrier condition it waits on (parity semantics as
-PTX's try_wait.parity: a fresh barrier passes a wait on parity 1); TMA loads land at random times; a random scheduler
-runs whatever may run. A deadlock (nothing may run) or a buffer read that does not hold the load it should (a refill
-before every reader is done, or a parity wait that passed a phase early) fails. The code paths it mirrors:
-`_produce_fp8_first`, `_produce_fp8_steps`, `_attend` (FP8 1, PERSIST); `run_bf16` the 16-bit kernel's."""
+(`full` / `empty`), the Vt buffers (`vt_full` / `vt_empty`: 2, or 3 with `gluon_vt3`) and the consumers' turns go on
+across tiles by ring step (`_ring`). Each partition is a generator that yields the mbarrier condition it waits on
+(parity semantics as PTX's try_wait.parity: a fresh barrier passes a wait on parity 1); TMA loads land at random
+times; a random scheduler runs whatever may run. A deadlock (nothing may run) or a buffer read that does not hold the
+load it should (a refill before every reader is done, or a parity wait that passed a phase early) fails. The code
+paths it mirrors: `_produce_fp8_first`, `_produce_fp8_steps`, `_attend` (FP8 1, PERSIST); `run_bf16` the 16-bit
+kernel's."""
 import random
 
 import pytest
@@ -31,15 +32,15 @@ def _ring_bars(S, releases):
     return [Bar(1) for _ in range(S)], [Bar(releases) for _ in range(S)], [Bar(1) for _ in range(2)]
 
 
-def run(tiles, S, seed, prefetch=False):
+def run(tiles, S, seed, prefetch=False, VT=2):
     """`prefetch` (`PrefillConfig.gluon_prefetch`, `_ws_prefetch`): the producer publishes tile i+1's metadata and
     TMAs its q into ring slot (i+1) % 2 (`q_full`, once both consumers have read the slot's tile before: `q_empty`)
     after tile i's first K/V loads and first Vt, before its other steps; a consumer waits for its tile's slot,
-    reads it and releases it.
+    reads it and releases it. `VT`: the Vt buffers (3: `PrefillConfig.gluon_vt3`).
     A tile of n = 0 K/V tiles stands for a program step past the last tile (published, never attended)."""
     rnd = random.Random(seed)
     pending = []  # TMA loads in flight: (load index, slot, the slots, their barriers), K/V or q
-    actors = _program("", tiles, S, pending, prefetch)
+    actors = _program("", tiles, S, pending, prefetch, VT=VT)
     _schedule(actors, pending, rnd, ("deadlock", tiles, S, seed))
 
 
@@ -62,15 +63,15 @@ def run_queue(tiles, S, programs, seed):
     assert sorted(queue["attended"]) == sorted(real * 2), (queue["attended"], tiles)
 
 
-def _program(name, tiles, S, pending, prefetch, queue=None):
+def _program(name, tiles, S, pending, prefetch, queue=None, VT=2):
     """One persistent program's three partitions as generators (see the module's docstring), their TMA loads into
     the shared `pending`. `queue` (a dict shared by the programs): `gluon_queue`'s counter instead of the walk over
-    every entry of `tiles`."""
+    every entry of `tiles`. `VT`: the Vt buffers."""
     full, empty, turn = _ring_bars(S, 3)  # K released by each consumer's S, V by the producer's transpose
-    vt_full, vt_empty = [Bar(1) for _ in range(2)], [Bar(2) for _ in range(2)]
+    vt_full, vt_empty = [Bar(1) for _ in range(VT)], [Bar(2) for _ in range(VT)]
     q_full, q_empty = [Bar(1) for _ in range(2)], [Bar(2) for _ in range(2)]
     slot = [None] * S  # the load index a K/V buffer holds
-    vt = [None] * 2  # the load index a Vt buffer holds
+    vt = [None] * VT  # the load index a Vt buffer holds
     q_info, q_slot = [None] * 2, [None] * 2  # the step (and queue: tile, K/V steps, state) a prefetch slot holds
     bound = len(tiles)
 
@@ -133,10 +134,10 @@ def _program(name, tiles, S, pending, prefetch, queue=None):
                     yield lambda rj=rj: empty[(rj - 1) % S].passes(((rj - 1) // S) & 1)
                     pending.append((rj - 1 + S, (rj - 1) % S, slot, full))
                 yield lambda rj=rj, s=s: full[s].passes((rj // S) & 1)
-                yield lambda rj=rj: vt_empty[rj % 2].passes(((rj // 2) & 1) ^ 1)
+                yield lambda rj=rj: vt_empty[rj % VT].passes(((rj // VT) & 1) ^ 1)
                 assert slot[s] == rj, ("V read", name, slot[s], rj)
-                vt[rj % 2] = rj
-                vt_full[rj % 2].arrive()
+                vt[rj % VT] = rj
+                vt_full[rj % VT].arrive()
                 empty[s].arrive()
                 if prefetch and j == 0:  # the next tile after this one's first Vt
                     nxt = take() if queue is not None else None
@@ -185,20 +186,20 @@ def _program(name, tiles, S, pending, prefetch, queue=None):
                 rj = g0 + j
                 nxt = (rj + 1) % S
                 yield lambda rj=rj, nxt=nxt: full[nxt].passes(((rj + 1) // S) & 1)
-                yield lambda rj=rj: vt_full[rj % 2].passes((rj // 2) & 1)
+                yield lambda rj=rj: vt_full[rj % VT].passes((rj // VT) & 1)
                 yield lambda k=t0 + j: turn[w].passes((k & 1) ^ (1 - w))
-                assert slot[nxt] == rj + 1 and vt[rj % 2] == rj, ("S/PV issue", name, w, slot[nxt], vt[rj % 2], rj)
+                assert slot[nxt] == rj + 1 and vt[rj % VT] == rj, ("S/PV issue", name, w, slot[nxt], vt[rj % VT], rj)
                 turn[1 - w].arrive()
                 yield lambda: True  # the wgmmas run while others move
                 assert slot[nxt] == rj + 1, ("S read", name, w)
                 empty[nxt].arrive()
                 yield lambda: True
-                assert vt[rj % 2] == rj, ("PV read", name, w, vt[rj % 2], rj)
-                vt_empty[rj % 2].arrive()
+                assert vt[rj % VT] == rj, ("PV read", name, w, vt[rj % VT], rj)
+                vt_empty[rj % VT].arrive()
             rl = g0 + n - 1
-            yield lambda rl=rl: vt_full[rl % 2].passes((rl // 2) & 1)
-            assert vt[rl % 2] == rl, ("last PV", name, w, vt[rl % 2], rl)
-            vt_empty[rl % 2].arrive()
+            yield lambda rl=rl: vt_full[rl % VT].passes((rl // VT) & 1)
+            assert vt[rl % VT] == rl, ("last PV", name, w, vt[rl % VT], rl)
+            vt_empty[rl % VT].arrive()
             g0 += n
             t0 += n - 1
 
@@ -276,22 +277,24 @@ def test_persistent_bf16_ring_protocol_never_deadlocks_or_races(stages):
         run_bf16(tiles, stages, seed)
 
 
+@pytest.mark.parametrize("vt", [2, 3], ids=["vt2", "vt3"])
 @pytest.mark.parametrize("stages", [2, 3, 4])
-def test_persistent_fp8_ring_protocol_never_deadlocks_or_races(stages):
+def test_persistent_fp8_ring_protocol_never_deadlocks_or_races(stages, vt):
     for seed in range(300):
         rnd = random.Random(seed)
         tiles = [rnd.choice([1, 1, 2, 3, 5, 8]) for _ in range(rnd.randint(1, 6))]
-        run(tiles, stages, seed)
+        run(tiles, stages, seed, VT=vt)
 
 
+@pytest.mark.parametrize("vt", [2, 3], ids=["vt2", "vt3"])
 @pytest.mark.parametrize("stages", [2, 3, 4])
-def test_persistent_fp8_prefetch_protocol_never_deadlocks_or_races(stages):
+def test_persistent_fp8_prefetch_protocol_never_deadlocks_or_races(stages, vt):
     """`gluon_prefetch`: the q ring of two slots beside the K/V ring, tiles of 1-8 K/V steps and program steps with
-    no tile (n = 0) among them."""
+    no tile (n = 0) among them; two or three Vt buffers (`gluon_vt3`)."""
     for seed in range(300):
         rnd = random.Random(seed)
         tiles = [rnd.choice([0, 1, 1, 2, 3, 5, 8]) for _ in range(rnd.randint(1, 6))]
-        run(tiles, stages, seed, prefetch=True)
+        run(tiles, stages, seed, prefetch=True, VT=vt)
 
 
 @pytest.mark.parametrize("stages", [2, 3])
@@ -336,6 +339,6 @@ def test_the_model_sees_an_early_q_refill():
 def test_the_model_sees_a_missing_release():
     """The check can fail: without the last Vt buffer's release after a q tile (the consumers' `PERSIST` arrive at
     the end of `_attend`) the producer waits forever on the next tile's second transpose."""
-    ns = _mutant("            vt_empty[rl % 2].arrive()\n", "")
+    ns = _mutant("            vt_empty[rl % VT].arrive()\n", "")
     with pytest.raises(AssertionError, match="deadlock"):
         ns["run"]([3, 2], 2, 0)

@@ -535,6 +535,11 @@ def test_prefill_gluon_tunes_bf16_and_fp8_q_on_its_kernels():
     assert op.valid(fp8, {**base, "gluon_p_regs": True, "gluon_mma_sum": False, "gluon_persist": False,
                           "gluon_prefetch": False})
     assert gluon_smem_bytes(128, 128, 4, 128, 1, True) == 196608 <= GLUON_SMEM_BYTES
+    # gluon_vt3's third Vᵀ buffer (16 KB at the default tile) fits beside 3 K/V buffers and the prefetch, not 4
+    three = gluon_smem_bytes(128, 128, 3, 128, 1, True, vt_bufs=3)
+    assert three == gluon_smem_bytes(128, 128, 3, 128, 1, True) + 16384
+    assert op.valid(fp8, {**base, "gluon_vt3": True})
+    assert not op.valid(fp8, {**base, "gluon_vt3": True, "num_stages": 4})
     bf16 = next(c for c in scen if not c.fp8_q and c.s.spec == "q8k")
     assert not op.valid(bf16, {**op.base(bf16), "num_stages": 4})  # 294912 bytes of bf16 tiles
     assert not op.valid(bf16, {**op.base(bf16), "gluon_mma_sum": True})

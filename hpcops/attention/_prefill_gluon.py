@@ -341,7 +341,7 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
     v_scale_ptr, vt_buf, p_buf, vt_full, vt_empty)): S = q8·K8ᵀ as an fp8 wgmma with a logit scale a row
     (q_scale[token, head]·k_scale·c); P is quantized as e4m3(P·256) into this warpgroup's `p_buf` [ROWS, TILE] and
     O += P8·V8 is an fp8 wgmma over Vᵀ from `vt_buf` [2, D, TILE], which the producer warpgroup fills
-    (`_ws_producer_fp8`: tile j in buffer j % 2, announced on `vt_full`, given back on `vt_empty` by both
+    (`_ws_producer_fp8`: tile j in buffer j % VT, VT 2 or 3, announced on `vt_full`, given back on `vt_empty` by both
     consumers once their P·V_j is done). A consumer releases a K/V buffer (`empty`) as soon as its S is done: the
     producer has read V by then. The epilogue multiplies by v_scale / l (P and l both carry the 256, which the
     softmax puts in exp2's argument; the `tl` kernel's `pv_fp8` numerics: e4m3 probabilities, ~2 % RMS error on
@@ -360,7 +360,8 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
     row; each tile's wgmma starts from zero and its sums join l in fp32 (4 FADD a thread), as the fp8 wgmma keeps
     only ~14 bits where it adds to a large accumulator. SOFTMAX & 32 (`PrefillConfig.gluon_q_regs`, fp8):
     q in registers as S's A operand (loaded once; fp8: 16 registers a thread) instead of read from shared memory by
-    every S wgmma. PERSIST (`PrefillConfig.gluon_persist`, fp8 with P in shared
+    every S wgmma. SOFTMAX & 64 (`PrefillConfig.gluon_vt3`, fp8): three Vᵀ buffers (`_fp8_buffers`; VT here, their
+    count). PERSIST (`PrefillConfig.gluon_persist`, fp8 with P in shared
     memory: a program walking several q tiles): this q tile's K/V steps are steps G0.. of the program's ring (slots,
     phases, Vᵀ buffers) and its turns T0..; the last Vᵀ buffer is given back too (the producer refills it for the
     next q tile). PRE (`PrefillConfig.gluon_prefetch`, persistent fp8 with q in registers): `pre` = (q's A
@@ -396,11 +397,13 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
     if PRE:  # q, its scales and the KV scales from the caller (the producer's prefetch)
         gl.static_assert(FP8 != 0 and Q_REGS, "the prefetch: fp8 with q in registers")
         q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, vt_buf, p_buf, vt_full, vt_empty = fp8_args[:9]
+        VT: gl.constexpr = vt_buf.shape[0]  # Vᵀ buffers in the ring (`_fp8_buffers`)
         q_op, qs, k_scale, out_scale = pre
     else:
         if FP8:  # the scales first: their loads then share q's round trip (after q's conversion they were another)
             q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, vt_buf, p_buf, vt_full, vt_empty = \
                 fp8_args[:9]
+            VT: gl.constexpr = vt_buf.shape[0]  # Vᵀ buffers in the ring (`_fp8_buffers`)
             tok_s = first_tok + r_s // G
             qs = gl.load(q_scale_ptr + (q_start + tok_s).to(gl.int64) * stride_qst + (kv_head * G + r_s % G)
                          * stride_qsh, mask=tok_s < q_len, other=0.0)
@@ -459,19 +462,19 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
             _zero_v_tail(v_smem.index(slot), j, seq_len, TILE, ld_layout)
         mbarrier.wait(full.index(nxt), ((rj + 1) // STAGES) & 1)
         if FP8:  # Vᵀ_j from the producer
-            mbarrier.wait(vt_full.index(rj % 2), (rj // 2) & 1)
+            mbarrier.wait(vt_full.index(rj % VT), (rj // VT) & 1)
         if WS:  # my turn at the tensor cores: warpgroup 0 first (its first wait passes on the initial phase)
             mbarrier.wait(turn.index(WG), (_ring(j, T0, PERSIST) & 1) ^ (1 - WG))
         s_tok = warpgroup_mma(q_op, k_smem.index(nxt).permute((1, 0)),
                               gl.zeros([ROWS, TILE], gl.float32, layout=s_layout), use_acc=False, is_async=True)
         if P_REGS:  # synchronous: waits for S_{j+1} too
-            o = warpgroup_mma(p, vt_buf.index(rj % 2).permute((1, 0)), o)
+            o = warpgroup_mma(p, vt_buf.index(rj % VT).permute((1, 0)), o)
             o_tok = o
         elif P_DBUF:
-            o_tok = warpgroup_mma(p_buf.index(2 * WG + j % 2), vt_buf.index(rj % 2).permute((1, 0)), o,
+            o_tok = warpgroup_mma(p_buf.index(2 * WG + j % 2), vt_buf.index(rj % VT).permute((1, 0)), o,
                                   is_async=True)
         elif FP8:
-            o_tok = warpgroup_mma(p_buf, vt_buf.index(rj % 2).permute((1, 0)), o, is_async=True)
+            o_tok = warpgroup_mma(p_buf, vt_buf.index(rj % VT).permute((1, 0)), o, is_async=True)
         else:
             o_tok = warpgroup_mma(p, v_smem.index(slot), o, is_async=True)
         if MSUM:  # P_j's row sums (P_DBUF: the buffer P·V reads)
@@ -486,7 +489,7 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
                                                 FP8, P_EXP, TREE, not MSUM)
         if P_REGS:
             mbarrier.arrive(empty.index(nxt), count=1)  # K_{j+1} is read
-            mbarrier.arrive(vt_empty.index(rj % 2), count=1)  # P_j·V_j is done
+            mbarrier.arrive(vt_empty.index(rj % VT), count=1)  # P_j·V_j is done
             p = gl.convert_layout(_p_operand(p_next, DT, True), p_layout)
         elif P_DBUF:  # P_{j+1} into the buffer P_{j-1}·V_{j-1} read (waited for a step ago), then P_j·V_j
             mbarrier.arrive(empty.index(nxt), count=1)  # K_{j+1} is read
@@ -497,7 +500,7 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
                 l_acc = l_acc + l_t
             else:
                 o = warpgroup_mma_wait(0, deps=[o_tok])
-            mbarrier.arrive(vt_empty.index(rj % 2), count=1)  # P_j·V_j is done with Vᵀ_j
+            mbarrier.arrive(vt_empty.index(rj % VT), count=1)  # P_j·V_j is done with Vᵀ_j
         elif FP8:
             mbarrier.arrive(empty.index(nxt), count=1)  # K_{j+1} is read
             p8 = _p_e4m3(p_next, ROWS, VT_PERM)
@@ -506,7 +509,7 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
                 l_acc = l_acc + l_t
             else:
                 o = warpgroup_mma_wait(0, deps=[o_tok])
-            mbarrier.arrive(vt_empty.index(rj % 2), count=1)  # P_j·V_j is done with Vᵀ_j and with p_buf
+            mbarrier.arrive(vt_empty.index(rj % VT), count=1)  # P_j·V_j is done with Vᵀ_j and with p_buf
             p_buf.store(p8)
             fence_async_shared()
         else:
@@ -528,23 +531,23 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
     rl = _ring(n - 1, G0, PERSIST)
     last = rl % STAGES
     if FP8:
-        mbarrier.wait(vt_full.index(rl % 2), (rl // 2) & 1)
+        mbarrier.wait(vt_full.index(rl % VT), (rl // VT) & 1)
         if P_DBUF:
-            o = warpgroup_mma(p_buf.index(2 * WG + (n - 1) % 2), vt_buf.index(rl % 2).permute((1, 0)), o)
+            o = warpgroup_mma(p_buf.index(2 * WG + (n - 1) % 2), vt_buf.index(rl % VT).permute((1, 0)), o)
         elif MSUM:  # the last P·V and P·1 issued together, one wait for both
-            o_tok = warpgroup_mma(p_buf, vt_buf.index(rl % 2).permute((1, 0)), o, is_async=True)
+            o_tok = warpgroup_mma(p_buf, vt_buf.index(rl % VT).permute((1, 0)), o, is_async=True)
             l_tok = warpgroup_mma(p_buf, ones_buf.permute((1, 0)), l_zero, use_acc=False, is_async=True)
             o, l_t = warpgroup_mma_wait(0, deps=[o_tok, l_tok])
             l_acc = l_acc + l_t
         else:
-            o = warpgroup_mma(p if P_REGS else p_buf, vt_buf.index(rl % 2).permute((1, 0)), o)
+            o = warpgroup_mma(p if P_REGS else p_buf, vt_buf.index(rl % VT).permute((1, 0)), o)
         if MSUM:
             if P_DBUF:
                 l_acc = l_acc + warpgroup_mma(p_buf.index(2 * WG + (n - 1) % 2), ones_buf.permute((1, 0)), l_zero,
                                               use_acc=False)
             l_i = gl.convert_layout(gl.max(l_acc, axis=1), rows_s)
         if PERSIST:  # the last Vᵀ buffer back to the producer too: it fills it again for the next q tile
-            mbarrier.arrive(vt_empty.index(rl % 2), count=1)
+            mbarrier.arrive(vt_empty.index(rl % VT), count=1)
     else:
         _zero_v_tail(v_smem.index(last), n - 1, seq_len, TILE, ld_layout)
         o = warpgroup_mma(p, v_smem.index(last), o)
@@ -644,7 +647,7 @@ def _produce_tiles(k_desc, v_desc, k_smem, v_smem, full, empty, bt_row, bt_width
 def _ws_producer_fp8(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr,
                      STAGES: gl.constexpr, FP8: gl.constexpr, SOFTMAX: gl.constexpr = 0):
     """The fp8 kernel's producer warpgroup: the K/V ring as `_ws_producer` fills it, and V_j transposed into
-    Vᵀ buffer j % 2 (FA3 does the same in its producer): once V_j has landed and both consumers gave the buffer
+    Vᵀ buffer j % VT (FA3 does the same in its producer): once V_j has landed and both consumers gave the buffer
     back (`vt_empty`), `_transpose_v`, a barrier of the 4 warps, then `vt_full` and this warpgroup's release of
     the K/V buffer (`empty` takes 3 arrivals here: the consumers release K when their S is done). A buffer is
     refilled one tile late (tile j-1+STAGES at step j), when the consumers have long released it. SOFTMAX & 4
@@ -693,9 +696,10 @@ def _produce_fp8_steps(k_desc, v_desc, k_smem, v_smem, full, empty, vt_smem, vt_
                        PAGE: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr, PERSIST: gl.constexpr = False,
                        PART: gl.constexpr = 0):
     """A q tile's K/V steps in the producer: the refills (tile j-1+STAGES at step j) and each V_j transposed into
-    Vᵀ buffer (ring step) % 2. PERSIST: ring steps g0.. (`_ring`). PART 1: step 0 alone, PART 2: the steps after it
-    (`gluon_prefetch` publishes the next tile between them), 0: all."""
+    Vᵀ buffer (ring step) % VT (2, or 3 with SOFTMAX & 64: `_fp8_buffers`). PERSIST: ring steps g0.. (`_ring`).
+    PART 1: step 0 alone, PART 2: the steps after it (`gluon_prefetch` publishes the next tile between them), 0: all."""
     KV_BYTES: gl.constexpr = 2 * TILE * D * k_desc.dtype.primitive_bitwidth // 8
+    VT: gl.constexpr = vt_smem.shape[0]  # Vᵀ buffers (`_fp8_buffers`)
     j_lo = 1 if PART == 2 else 0
     j_hi = gl.minimum(n, 1) if PART == 1 else n
     for j in range(j_lo, j_hi):
@@ -708,10 +712,10 @@ def _produce_fp8_steps(k_desc, v_desc, k_smem, v_smem, full, empty, vt_smem, vt_
                 _issue_tile(k_desc, v_desc, k_smem, v_smem, full, bt_row, bt_width, num_blocks, j - 1 + STAGES,
                             k_col, v_col, prev, True, PAGE, TILE, KV_BYTES)
         mbarrier.wait(full.index(slot), (rj // STAGES) & 1)
-        mbarrier.wait(vt_empty.index(rj % 2), ((rj // 2) & 1) ^ 1)  # P·V_{j-2} is done in both consumers
-        _transpose_v(v_smem.index(slot), vt_smem.index(rj % 2), j, seq_len, TILE, D, FP8 != 2 and _vt_perm(TILE, D))
+        mbarrier.wait(vt_empty.index(rj % VT), ((rj // VT) & 1) ^ 1)  # P·V_{j-VT} is done in both consumers
+        _transpose_v(v_smem.index(slot), vt_smem.index(rj % VT), j, seq_len, TILE, D, FP8 != 2 and _vt_perm(TILE, D))
         gl.thread_barrier()  # all 4 warps' Vᵀ stores (each fenced for the async proxy) before the arrivals
-        mbarrier.arrive(vt_full.index(rj % 2), count=1)
+        mbarrier.arrive(vt_full.index(rj % VT), count=1)
         mbarrier.arrive(empty.index(slot), count=1)
 
 
@@ -749,22 +753,24 @@ def _ws_consumer1(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PA
 @gluon.jit
 def _fp8_buffers(DT: gl.constexpr, D: gl.constexpr, TILE: gl.constexpr, FP8: gl.constexpr, SOFTMAX: gl.constexpr):
     """The fp8 kernel's shared memory beside q and the K/V ring: two Vᵀ buffers (the fp8 P·V's B operand, keys
-    contiguous), each consumer's e4m3 P (the A operand; two each with FP8 3, none with P in registers), their
-    mbarriers (initialized), and gluon_mma_sum's [8, TILE] ones: (vt, p, vt_full, vt_empty, ones)."""
-    vt_smem = gl.allocate_shared_memory(DT, [2, D, TILE], gl.NVMMASharedLayout.get_default_for([D, TILE], DT))
+    contiguous; three with SOFTMAX & 64, `PrefillConfig.gluon_vt3`: the producer may transpose V_j as soon as P·V_{j-3}
+    is done instead of P·V_{j-2}), each consumer's e4m3 P (the A operand; two each with FP8 3, none with P in
+    registers), their mbarriers (initialized), and gluon_mma_sum's [8, TILE] ones: (vt, p, vt_full, vt_empty, ones)."""
+    VT: gl.constexpr = 3 if (SOFTMAX & 64) != 0 else 2
+    vt_smem = gl.allocate_shared_memory(DT, [VT, D, TILE], gl.NVMMASharedLayout.get_default_for([D, TILE], DT))
     if FP8 == 2:
         p_smem = vt_smem  # P stays in registers: not read
     elif FP8 == 3:  # two P buffers a consumer
         p_smem = gl.allocate_shared_memory(DT, [4, 64, TILE], gl.NVMMASharedLayout.get_default_for([64, TILE], DT))
     else:
         p_smem = gl.allocate_shared_memory(DT, [2, 64, TILE], gl.NVMMASharedLayout.get_default_for([64, TILE], DT))
-    vt_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    vt_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    vt_full = gl.allocate_shared_memory(gl.int64, [VT, 1], mbarrier.MBarrierLayout())
+    vt_empty = gl.allocate_shared_memory(gl.int64, [VT, 1], mbarrier.MBarrierLayout())
     if SOFTMAX & 4:  # gluon_mma_sum: [8, TILE] e4m3 ones, P·1's B operand (N = 8, keys contiguous)
         ones_smem = gl.allocate_shared_memory(DT, [8, TILE], gl.NVMMASharedLayout.get_default_for([8, TILE], DT))
     else:
         ones_smem = vt_smem  # not read
-    for ib in gl.static_range(2):
+    for ib in gl.static_range(VT):
         mbarrier.init(vt_full.index(ib), count=1)
         mbarrier.init(vt_empty.index(ib), count=2)  # both consumers' P·V
     return vt_smem, p_smem, vt_full, vt_empty, ones_smem

@@ -114,6 +114,11 @@ class PrefillConfig:
     µs queue / prefetch: h64/8 q4k 408.1 / 405.1, q8k 1573.6 / 1539.6, h8/1 q4k 73.7 / 56.8, q8k 194.8 / 188.5):
     the next tile is taken when the current one starts, so at two tiles a program heavy tiles pair at random where
     the snake pairs the heaviest with the lightest (PREFILL.md). Opt-in (bench row `hpcops-fp8q-queue`).
+    `gluon_vt3` (the fp8 kernels): three Vᵀ buffers instead of two (16 KB more shared memory at the default tile), so
+    the producer may transpose V_j once P·V_{j-3} is done in both consumers, not P·V_{j-2}. Nsight Compute on h8/1 q4k
+    (session 67, H100, `bench/results/ncu_prefill_q4k_h8_h100_84a654c.txt`) found the consumers' waits in their
+    softmax loops on `vt_full` (the transposed V) and the producer, whose transpose it is, busy 83 % of its samples:
+    with a step more of slack its transposes may run ahead. Opt-in (bench row `hpcops-fp8q-vt3`).
     `tma`, `pv_fp8`, `quant_q` and `fma_scale` are the `tl` kernel's (the Gluon kernel always reads by TMA and
     scales inside exp2).
     """
@@ -138,6 +143,7 @@ class PrefillConfig:
     gluon_q_regs: bool = False
     gluon_prefetch: bool = False
     gluon_queue: bool = False
+    gluon_vt3: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
@@ -219,14 +225,16 @@ GLUON_MIN_Q = 512  # up to this q_len with many tiles the heuristic keeps the tl
 
 
 def gluon_smem_bytes(block_m: int, block_n: int, stages: int, head_dim: int, elem_bytes: int = 2,
-                     fp8: bool = False, p_bufs: int = 1, row_sums: bool = False, mma_sum: bool = False) -> int:
+                     fp8: bool = False, p_bufs: int = 1, row_sums: bool = False, mma_sum: bool = False,
+                     vt_bufs: int = 2) -> int:
     """Shared memory of a Gluon prefill program: its q tile and `stages` K/V buffer pairs; `fp8` (the
-    warp-specialized kernel over fp8 q and KV, 1-byte elements) adds the two Vᵀ [D, block_n] buffers and each
-    consumer's `p_bufs` e4m3 P [64, block_n] (2 with `gluon_p_dbuf`); `row_sums` (`gluon_pv_overlap`) the two
-    consumers' [64] fp32 scratch; `mma_sum` (`gluon_mma_sum`, fp8) the [8, block_n] e4m3 ones."""
+    warp-specialized kernel over fp8 q and KV, 1-byte elements) adds the `vt_bufs` Vᵀ [D, block_n] buffers (3 with
+    `gluon_vt3`) and each consumer's `p_bufs` e4m3 P [64, block_n] (2 with `gluon_p_dbuf`); `row_sums`
+    (`gluon_pv_overlap`) the two consumers' [64] fp32 scratch; `mma_sum` (`gluon_mma_sum`, fp8) the [8, block_n]
+    e4m3 ones."""
     if fp8:
         ones = 8 * block_n if mma_sum else 0
-        return (block_m + 2 * stages * block_n) * head_dim + 2 * (head_dim + 64 * p_bufs) * block_n + ones
+        return (block_m + 2 * stages * block_n) * head_dim + (vt_bufs * head_dim + 2 * 64 * p_bufs) * block_n + ones
     return (block_m + 2 * stages * block_n) * head_dim * elem_bytes + (2 * 64 * 4 if row_sums else 0)
 
 
@@ -427,6 +435,8 @@ def gluon_config_reason(config: PrefillConfig, *, fp8: bool, head_dim: int, grou
         return "gluon_prefetch is for the persistent fp8 kernel with q in registers (gluon_persist, gluon_q_regs)"
     if config.gluon_queue and not config.gluon_prefetch:
         return "gluon_queue is for the prefetching persistent fp8 kernel (gluon_prefetch)"
+    if config.gluon_vt3 and not fp8:
+        return "gluon_vt3 is for an fp8 q over fp8 KV (the producer's Vᵀ buffers)"
     if config.gluon_prefetch and group not in (8, 16, 32, 64):
         return (f"gluon_prefetch with a GQA group of {group} heads (its q boxes are one token's heads: whole 8-row "
                 "swizzle atoms of a 64-row q, so 8, 16, 32 or 64)")
@@ -449,10 +459,11 @@ def gluon_config_reason(config: PrefillConfig, *, fp8: bool, head_dim: int, grou
     if page < bn and (page < 8 or bn % page):
         return f"block_size {page} (pages under block_n {bn} must divide it, 8 tokens at least)"
     smem = gluon_smem_bytes(bm, bn, config.num_stages, d, elem_bytes, fp8, 2 if config.gluon_p_dbuf else 1,
-                            config.gluon_pv_overlap, config.gluon_mma_sum)
+                            config.gluon_pv_overlap, config.gluon_mma_sum, 3 if config.gluon_vt3 else 2)
     if config.gluon_prefetch:  # its ring of two q tiles, their scales and metadata (an upper bound: sm_90 builds
         smem += 2 * 128 * d + 2 * 128 * 4 + 128  # at the default tile measured 182888 bytes against 198784 here)
-    what = f"q and {config.num_stages} K/V buffers" + (", two Vᵀ buffers and each consumer's P" if fp8 else "")
+    vts = "three" if config.gluon_vt3 else "two"
+    what = f"q and {config.num_stages} K/V buffers" + (f", {vts} Vᵀ buffers and each consumer's P" if fp8 else "")
     if smem > GLUON_SMEM_BYTES:
         return f"{smem} bytes of shared memory for {what} (at most {GLUON_SMEM_BYTES})"
     return None
@@ -516,7 +527,7 @@ def _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, out,
     common = dict(D=d, G=hq // hkv, TILE=config.block_n, PAGE=page, BLOCK_B=block_b, STAGES=config.num_stages,
                   HEADS_INNER=bool(config.heads_inner))
     bits = (1 if config.gluon_tree else 0) | (2 if config.gluon_pv_overlap else 0) | (4 if config.gluon_mma_sum else 0)
-    bits |= 32 if config.gluon_q_regs else 0
+    bits |= (32 if config.gluon_q_regs else 0) | (64 if config.gluon_vt3 else 0)
     softmax = {"SOFTMAX": bits} if bits else {}  # the defaults' launches keep their signature
     if config.gluon_ws:
         fp8 = q.dtype == FP8_E4M3
