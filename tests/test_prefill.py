@@ -420,6 +420,11 @@ def test_gluon_config_and_reasons(monkeypatch):
         ("q must be contiguous", (torch.zeros(300, 32, 128, dtype=FP8)[:, ::2], fp8kv.k_cache, fp8kv.v_cache,
                                   rep(cfg, gluon_prefetch=True, gluon_persist=True, gluon_q_regs=True), 0.1)),
         ("gluon_vt3 is for an fp8 q", (q, kv.k_cache, kv.v_cache, rep(cfg, gluon_vt3=True), 0.1)),
+        ("gluon_vt_prmt is for the permuted", (q, kv.k_cache, kv.v_cache, rep(cfg, gluon_vt_prmt=True), 0.1)),
+        ("gluon_vt_prmt is for the permuted", (q8, fp8kv.k_cache, fp8kv.v_cache,
+                                               rep(cfg, gluon_vt_prmt=True, block_n=64), 0.1)),
+        ("gluon_vt_prmt is for the permuted", (q8, fp8kv.k_cache, fp8kv.v_cache,
+                                               rep(cfg, gluon_vt_prmt=True, gluon_p_regs=True), 0.1)),
         ("gluon_queue is for the prefetching", (q8, fp8kv.k_cache, fp8kv.v_cache,
                                                 rep(cfg, gluon_queue=True, gluon_persist=True, gluon_q_regs=True),
                                                 0.1)),
@@ -831,11 +836,13 @@ def test_prefill_gpu_configs(config: PrefillConfig):
 def _gluon(name: str, seq_lens: list[int], q_lens: list[int], *, block_m: int = 128, block_n: int = 128,
             stages: int = 2, heads_inner: bool = True, ws: bool = False, p_regs: bool = False, tree: bool = False,
             p_dbuf: bool = False, pvo: bool = False, msum: bool = False, persist: bool = False,
-            qregs: bool = False, prefetch: bool = False, queue: bool = False, vt3: bool = False, **kw) -> Case:
+            qregs: bool = False, prefetch: bool = False, queue: bool = False, vt3: bool = False, prmt: bool = False,
+            **kw) -> Case:
     cfg = PrefillConfig(block_m=block_m, block_n=block_n, num_warps=block_m // 16, num_stages=stages,
                         heads_inner=heads_inner, gluon=True, gluon_ws=ws, gluon_p_regs=p_regs, gluon_tree=tree,
                         gluon_p_dbuf=p_dbuf, gluon_pv_overlap=pvo, gluon_mma_sum=msum, gluon_persist=persist,
-                        gluon_q_regs=qregs, gluon_prefetch=prefetch, gluon_queue=queue, gluon_vt3=vt3)
+                        gluon_q_regs=qregs, gluon_prefetch=prefetch, gluon_queue=queue, gluon_vt3=vt3,
+                        gluon_vt_prmt=prmt)
     kw = {"hq": 64, "hkv": 8, "head_dim": 128, "block_size": 64, **kw}
     return Case(name, seq_lens, q_lens, config=cfg, **kw)
 
@@ -983,6 +990,27 @@ GLUON_CASES = [
            pad_rows=5, ws=True, kv_dtype=FP8, q_fp8=True, stages=3, msum=True, qregs=True, persist=True, vt3=True),
     _gluon("gluon-ws-fp8-vt3-pregs-g16-page16-bn64", [1000, 513], [1000, 17], hq=32, hkv=2, block_size=16,
            block_n=64, ws=True, kv_dtype=FP8, q_fp8=True, p_regs=True, vt3=True),
+    # PrefillConfig.gluon_vt_prmt: the transpose by byte permutes, in the prefetching kernel (the mixed extend batch:
+    # tails under a tile, q2k, many short requests, head_dim 64, two P buffers with three Vᵀ), the persistent one
+    # and the kernel a program a tile
+    _gluon("gluon-ws-fp8-prmt-prefetch-extend-mixed-h8/1", [4096, 3000, 1, 700, 129], [1024, 1, 1, 700, 64], hq=8,
+           hkv=1, pad_rows=5, ws=True, kv_dtype=FP8, q_fp8=True, stages=3, msum=True, qregs=True, persist=True,
+           prefetch=True, prmt=True),
+    _gluon("gluon-ws-fp8-prmt-prefetch-q2k-h64/8", [2048], [2048], ws=True, kv_dtype=FP8, q_fp8=True, stages=3,
+           msum=True, qregs=True, persist=True, prefetch=True, prmt=True),
+    _gluon("gluon-ws-fp8-prmt-prefetch-short-requests-h8/1", [300 + 7 * i for i in range(40)],
+           [1 + i % 23 for i in range(40)], hq=8, hkv=1, ws=True, kv_dtype=FP8, q_fp8=True, stages=3, msum=True,
+           qregs=True, persist=True, prefetch=True, prmt=True),
+    _gluon("gluon-ws-fp8-prmt-prefetch-d64-h8/1", [3000, 700, 129], [1024, 700, 64], hq=8, hkv=1, head_dim=64,
+           ws=True, kv_dtype=FP8, q_fp8=True, stages=3, msum=True, qregs=True, persist=True, prefetch=True,
+           prmt=True),
+    _gluon("gluon-ws-fp8-prmt-vt3-prefetch-pdbuf-2buf-h8/1", [3000, 2048, 65], [3000, 1024, 65], hq=8, hkv=1,
+           ws=True, kv_dtype=FP8, q_fp8=True, stages=2, p_dbuf=True, qregs=True, persist=True, prefetch=True,
+           vt3=True, prmt=True),
+    _gluon("gluon-ws-fp8-prmt-persist-extend-mixed-h64/8", [4096, 3000, 1, 700, 129], [1024, 1, 1, 700, 64],
+           pad_rows=5, ws=True, kv_dtype=FP8, q_fp8=True, stages=3, msum=True, qregs=True, persist=True, prmt=True),
+    _gluon("gluon-ws-fp8-prmt-plain-page16-h64/8", [1000, 513], [1000, 17], block_size=16, ws=True, kv_dtype=FP8,
+           q_fp8=True, stages=3, msum=True, prmt=True),
 ]
 
 

@@ -204,7 +204,7 @@ from hpcops.attention.prefill import GLUON_WS_PERSIST_REGS
 from hpcops.testing import sm90_resources
 
 d, g, tile, page, stages, dt, *flags = json.loads(sys.argv[1])
-p_regs, tree, p_dbuf, pvo, msum, persist, qregs = (flags + [False] * 7)[:7]
+p_regs, tree, p_dbuf, pvo, msum, persist, qregs, prmt = (flags + [False] * 8)[:8]
 gdt = {"bf16": gl.bfloat16, "fp16": gl.float16, "fp8e4nv": gl.float8e4nv}[dt]
 box = min(tile, page)
 desc = f"tensordesc<{dt}[{box}, {d}],{gl.NVMMASharedLayout.get_default_for([box, d], gdt)}>"
@@ -218,7 +218,8 @@ consts = dict(D=d, G=g, TILE=tile, PAGE=page, BLOCK_B=16, STAGES=stages, HEADS_I
               CONSUMER_REGS=GLUON_WS_CONSUMER_REGS, num_warps=4,
               FP8=(2 if p_regs else 3 if p_dbuf else 1) if dt == "fp8e4nv" else 0,
               FP8_CONSUMER_REGS=GLUON_WS_FP8_REGS[0], FP8_PRODUCER_REGS=GLUON_WS_FP8_REGS[1],
-              SOFTMAX=(1 if tree else 0) | (2 if pvo else 0) | (4 if msum else 0) | (32 if qregs else 0))
+              SOFTMAX=(1 if tree else 0) | (2 if pvo else 0) | (4 if msum else 0) | (32 if qregs else 0)
+              | (128 if prmt else 0))
 if persist:  # PrefillConfig.gluon_persist: the kernel as a persistent grid, its own register splits
     consts.update(FP8_CONSUMER_REGS=GLUON_WS_FP8_PERSIST_REGS[0], FP8_PRODUCER_REGS=GLUON_WS_FP8_PERSIST_REGS[1],
                   CONSUMER_REGS=GLUON_WS_PERSIST_REGS[0], PRODUCER_REGS=GLUON_WS_PERSIST_REGS[1])
@@ -280,6 +281,11 @@ GLUON_WS_BUILDS = {  # name: (head_dim, G, block_n, page, stages, dtype)
     "fp8-d128-mha-64-page16-msum-qregs": (128, 1, 64, 16, 3, "fp8e4nv", False, False, False, False, True, False, True),
     "fp8-d128-h8/1-128-3buf-msum-qregs-persist": (128, 8, 128, 64, 3, "fp8e4nv", False, False, False, False, True,
                                                   True, True),
+    # PrefillConfig.gluon_vt_prmt: the producer's transpose by byte permutes, a program a tile and persistent
+    "fp8-d128-h8/1-128-3buf-msum-prmt": (128, 8, 128, 64, 3, "fp8e4nv", False, False, False, False, True, False,
+                                         False, True),
+    "fp8-d128-h8/1-128-3buf-msum-qregs-persist-prmt": (128, 8, 128, 64, 3, "fp8e4nv", False, False, False, False,
+                                                       True, True, True, True),
 }
 
 
@@ -330,7 +336,7 @@ def test_gluon_ws_prefill_kernel_builds_for_sm90(name):
 
 
 GLUON_PREFETCH_BUILD = textwrap.dedent(r"""
-import json, re, sys
+import json, os, re, subprocess, sys, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon import language as gl
@@ -339,7 +345,7 @@ from hpcops.attention._prefill_gluon import prefill_gluon_ws_prefetch_kernel
 from hpcops.attention.prefill import GLUON_WS_FP8_PREFETCH_REGS
 from hpcops.testing import sm90_resources
 
-d, g, tile, page, stages, p_dbuf, queue, vt3 = json.loads(sys.argv[1])
+d, g, tile, page, stages, p_dbuf, queue, vt3, prmt = json.loads(sys.argv[1])
 dt, gdt = "fp8e4nv", gl.float8e4nv
 box = min(tile, page)
 desc = f"tensordesc<{dt}[{box}, {d}],{gl.NVMMASharedLayout.get_default_for([box, d], gdt)}>"
@@ -353,8 +359,8 @@ sig.update({a: "i32" for a in ("num_reqs", "tiles_per_head", "num_kv_heads", "bt
                                "stride_qst", "stride_qsh")})
 consts = dict(D=d, G=g, TILE=tile, PAGE=page, BLOCK_B=16, STAGES=stages, HEADS_INNER=True, num_warps=4,
               FP8=3 if p_dbuf else 1, FP8_CONSUMER_REGS=GLUON_WS_FP8_PREFETCH_REGS[0],
-              FP8_PRODUCER_REGS=GLUON_WS_FP8_PREFETCH_REGS[1], SOFTMAX=(0 if p_dbuf else 4) | 32 | (64 if vt3 else 0),
-              QUEUE=queue)
+              FP8_PRODUCER_REGS=GLUON_WS_FP8_PREFETCH_REGS[1],
+              SOFTMAX=(0 if p_dbuf else 4) | 32 | (64 if vt3 else 0) | (128 if prmt else 0), QUEUE=queue)
 sig.update({a: "constexpr" for a in consts})
 c = triton.compile(GluonASTSource(prefill_gluon_ws_prefetch_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": 4, "maxnreg": 168})
@@ -367,17 +373,27 @@ atoms = re.findall(r"^\s*(@!?%p\d+\s+)?atom\.([\w.]+)", ptx, re.M)
 r["atom_add"] = sum(1 for _, op in atoms if ".add." in op)
 r["atom_exch"] = sum(1 for _, op in atoms if ".exch." in op)
 r["atom_unpredicated"] = sum(1 for pred, _ in atoms if not pred)
+r["prmt_asm"] = ptx.count("prmt.b32 t0,")  # `_transpose_v_prmt`'s inline asm, once per transpose in the code
+with tempfile.NamedTemporaryFile(suffix=".cubin") as f:  # every partition's SASS (asm["sass"] holds one)
+    f.write(c.asm["cubin"])
+    f.flush()
+    cob = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    sass = subprocess.run([cob, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+r["prmt_sass"] = len(re.findall(r"\bPRMT\b", sass))
 print(json.dumps(r))
 """)
 
-GLUON_PREFETCH_BUILDS = {  # name: (head_dim, G, block_n, page, stages, gluon_p_dbuf, gluon_queue, gluon_vt3)
-    "fp8-d128-h8/1-128-3buf": (128, 8, 128, 64, 3, False, False, False),  # the fp8 default's tile, gluon_mma_sum
-    "fp8-d128-g16-64-page16": (128, 16, 64, 16, 3, False, False, False),  # 16-row q boxes, pages under a tile
-    "fp8-d128-h8/1-128-2buf-pdbuf": (128, 8, 128, 64, 2, True, False, False),
-    "fp8-d128-h8/1-128-3buf-queue": (128, 8, 128, 64, 3, False, True, False),  # gluon_queue
-    "fp8-d128-g16-64-page16-queue": (128, 16, 64, 16, 3, False, True, False),
-    "fp8-d128-h8/1-128-3buf-vt3": (128, 8, 128, 64, 3, False, False, True),  # gluon_vt3: three Vᵀ buffers
-    "fp8-d128-h8/1-128-2buf-pdbuf-vt3": (128, 8, 128, 64, 2, True, False, True),
+GLUON_PREFETCH_BUILDS = {  # name: (head_dim, G, block_n, page, stages, gluon_p_dbuf, gluon_queue, gluon_vt3,
+    # gluon_vt_prmt)
+    "fp8-d128-h8/1-128-3buf": (128, 8, 128, 64, 3, False, False, False, False),  # the fp8 default's tile, mma_sum
+    "fp8-d128-g16-64-page16": (128, 16, 64, 16, 3, False, False, False, False),  # 16-row q boxes, pages under a tile
+    "fp8-d128-h8/1-128-2buf-pdbuf": (128, 8, 128, 64, 2, True, False, False, False),
+    "fp8-d128-h8/1-128-3buf-queue": (128, 8, 128, 64, 3, False, True, False, False),  # gluon_queue
+    "fp8-d128-g16-64-page16-queue": (128, 16, 64, 16, 3, False, True, False, False),
+    "fp8-d128-h8/1-128-3buf-vt3": (128, 8, 128, 64, 3, False, False, True, False),  # gluon_vt3: three Vᵀ buffers
+    "fp8-d128-h8/1-128-2buf-pdbuf-vt3": (128, 8, 128, 64, 2, True, False, True, False),
+    "fp8-d128-h8/1-128-3buf-prmt": (128, 8, 128, 64, 3, False, False, False, True),  # gluon_vt_prmt
+    "fp8-d64-h8/1-128-3buf-prmt": (64, 8, 128, 64, 3, False, False, False, True),
 }
 
 
@@ -390,7 +406,7 @@ def test_gluon_prefetch_prefill_kernel_builds_for_sm90(name):
     pytest.importorskip("triton.backends.nvidia")
     from hpcops.attention.prefill import GLUON_WS_FP8_PREFETCH_REGS
 
-    d, g, tile, page, stages, p_dbuf, queue, vt3 = GLUON_PREFETCH_BUILDS[name]
+    d, g, tile, page, stages, p_dbuf, queue, vt3, prmt = GLUON_PREFETCH_BUILDS[name]
     r = sm90_build_in_subprocess(GLUON_PREFETCH_BUILD, GLUON_PREFETCH_BUILDS[name])
     print(name, r)
     assert r["spill_bytes"] <= 64, r
@@ -410,6 +426,14 @@ def test_gluon_prefetch_prefill_kernel_builds_for_sm90(name):
     # predicated (issued by one thread); the snake walk has no atomic
     assert (r["atom_add"], r["atom_exch"]) == ((2, 2) if queue else (0, 0)), r
     assert r["atom_unpredicated"] == 0, r
+    # gluon_vt_prmt: the transpose's byte moves are the inline asm's (at the first tile's step and in the loop, as
+    # ptxas places them), 64 PRMT a thread and tile at D 128 where convert_layout of the fp8 tile takes 119: the
+    # whole kernel's SASS at the default tile has 192 PRMT, 750 without (Triton 3.6, session 68)
+    assert (r["prmt_asm"] > 0) == prmt, r
+    if prmt and d == 128:
+        assert r["prmt_sass"] <= 256, r
+    elif (d, tile, p_dbuf, vt3) == (128, 128, False, False):
+        assert r["prmt_sass"] >= 512, r
 
 
 QUANT_BUILD = textwrap.dedent("""

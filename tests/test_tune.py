@@ -540,6 +540,8 @@ def test_prefill_gluon_tunes_bf16_and_fp8_q_on_its_kernels():
     assert three == gluon_smem_bytes(128, 128, 3, 128, 1, True) + 16384
     assert op.valid(fp8, {**base, "gluon_vt3": True})
     assert not op.valid(fp8, {**base, "gluon_vt3": True, "num_stages": 4})
+    assert op.valid(fp8, {**base, "gluon_vt_prmt": True})  # the transpose by byte permutes at the default tile
+    assert not op.valid(fp8, {**base, "gluon_vt_prmt": True, "block_n": 64})
     bf16 = next(c for c in scen if not c.fp8_q and c.s.spec == "q8k")
     assert not op.valid(bf16, {**op.base(bf16), "num_stages": 4})  # 294912 bytes of bf16 tiles
     assert not op.valid(bf16, {**op.base(bf16), "gluon_mma_sum": True})

@@ -303,6 +303,65 @@ def _transpose_v(v_buf, vt_buf, tile, seq_len, TILE: gl.constexpr, D: gl.constex
     fence_async_shared()
 
 
+# The permuted transpose in 4×4 byte blocks (`PrefillConfig.gluon_vt_prmt`): V read as int32 words (4 d bytes of a
+# key) in `_vt_perm_load_layout`'s threads; a thread's keys k3 and k4 at one word column give 4 words that become
+# Vᵀ's 4 words of those d (4 bytes j0 j1 = k3 k4 each): two rounds of byte permutes, 8 PRMT for 16 bytes, 64 a thread
+# and tile at D 128, where `gl.convert_layout` of the fp8 tile takes 119 (sm_90 SASS, session 67's ncu: the
+# producer, busy 83 % of its samples, pacing the h8/1 step). Rows of D bytes keep their 16-byte chunks and swizzle
+# under the int32 view.
+_PRMT_4X4 = gl.constexpr("""{
+.reg .b32 t0, t1, t2, t3;
+prmt.b32 t0, $4, $5, 0x5140;
+prmt.b32 t1, $4, $5, 0x7362;
+prmt.b32 t2, $6, $7, 0x5140;
+prmt.b32 t3, $6, $7, 0x7362;
+prmt.b32 $0, t0, t2, 0x5410;
+prmt.b32 $1, t0, t2, 0x7632;
+prmt.b32 $2, t1, t3, 0x5410;
+prmt.b32 $3, t1, t3, 0x7632;
+}""")
+
+
+@gluon.constexpr_function
+def _words_layout(ROWS, D):
+    """The int32 view [ROWS, D / 4] of an fp8 [ROWS, D] tile in shared memory: the same bytes and swizzle."""
+    return gl.NVMMASharedLayout.get_default_for([ROWS, D // 4], gl.int32)
+
+
+@gluon.constexpr_function
+def _vt_words_load_layout(D):
+    """`_vt_perm_load_layout`'s threads over V's int32 words [128 keys, D / 4]: d2, d3 of the fp8 registers are
+    the word column's first two bits (d0, d1 are inside a word)."""
+    regs, lanes, warps = _vt_perm_bases(D)
+    word = lambda b: [b[0], b[1] >> 2]  # noqa: E731
+    return gl.DistributedLinearLayout(reg_bases=[word(b) for b in regs[2:]], lane_bases=[word(b) for b in lanes],
+                                      warp_bases=[word(b) for b in warps], block_bases=[], shape=[128, D // 4])
+
+
+@gluon.jit
+def _transpose_v_prmt(v_buf, vt_buf, tile, seq_len, D: gl.constexpr):
+    """`_transpose_v`'s permuted transpose (TILE 128, `_vt_perm`) by byte permutes (`_PRMT_4X4`): V [key, d] as
+    words X[key, w] (w = d / 4), the keys' bits (k6 k5 k4 k3, k2 k1 k0) as dims; the 4 words of keys k3 k4 at each
+    (k6, k5, k2..k0, w) go in, the 4 words of d = 4w + b come out (bytes j0 j1 = k3 k4). Vᵀ's word column is
+    j / 4 = (k6, k2..k0, k5) and its row d = (w, b)."""
+    W: gl.constexpr = D // 4
+    ld_layout: gl.constexpr = _vt_words_load_layout(D)
+    x = v_buf._reinterpret(gl.int32, [128, W], _words_layout(128, D)).load(ld_layout)
+    key = tile * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, ld_layout))
+    if (tile + 1) * 128 > seq_len:
+        x = gl.where((key < seq_len)[:, None], x, gl.zeros_like(x))
+    x = gl.permute(gl.reshape(x, [2, 2, 2, 2, 8, W]), (0, 1, 4, 5, 3, 2))  # [k6, k5, k2..k0, w, k3, k4]
+    x_k4_0, x_k4_1 = gl.split(x)
+    a0, a1 = gl.split(x_k4_0)  # keys +0, +8 (k3)
+    a2, a3 = gl.split(x_k4_1)  # keys +16, +24
+    b0, b1, b2, b3 = gl.inline_asm_elementwise(_PRMT_4X4, "=r,=r,=r,=r,r,r,r,r", [a0, a1, a2, a3],
+                                               dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1)
+    y = gl.join(gl.join(b0, b2), gl.join(b1, b3))  # [k6, k5, k2..k0, w, d1, d0] (a join's new dim is the last)
+    y = gl.reshape(gl.permute(y, (3, 4, 5, 0, 2, 1)), [D, 32])  # [d, (k6, k2..k0, k5)]
+    vt_buf._reinterpret(gl.int32, [D, 32], _words_layout(D, 128)).store(y)
+    fence_async_shared()
+
+
 @gluon.jit
 def _p_e4m3(p, ROWS: gl.constexpr, PERM: gl.constexpr):
     """A consumer's P·256 (fp32, the accumulator's layout) as the e4m3 tile its `p_buf` takes, PERM in the permuted
@@ -661,7 +720,8 @@ def _ws_producer_fp8(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr,
     if (SOFTMAX & 4) != 0 and FP8 != 2:
         _store_ones(ones_smem, k_desc.dtype, TILE)
     _produce_fp8_steps(k_desc, v_desc, k_smem, v_smem, full, empty, vt_smem, vt_full, vt_empty, bt_row, bt_width,
-                       num_blocks, k_col, v_col, n, seq_len, 0, D, TILE, PAGE, STAGES, FP8)
+                       num_blocks, k_col, v_col, n, seq_len, 0, D, TILE, PAGE, STAGES, FP8, False, 0,
+                       (SOFTMAX & 128) != 0)
 
 
 @gluon.jit
@@ -694,10 +754,12 @@ def _produce_fp8_first(k_desc, v_desc, k_smem, v_smem, full, empty, bt_row, bt_w
 def _produce_fp8_steps(k_desc, v_desc, k_smem, v_smem, full, empty, vt_smem, vt_full, vt_empty, bt_row, bt_width,
                        num_blocks, k_col, v_col, n, seq_len, g0, D: gl.constexpr, TILE: gl.constexpr,
                        PAGE: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr, PERSIST: gl.constexpr = False,
-                       PART: gl.constexpr = 0):
+                       PART: gl.constexpr = 0, PRMT: gl.constexpr = False):
     """A q tile's K/V steps in the producer: the refills (tile j-1+STAGES at step j) and each V_j transposed into
     Vᵀ buffer (ring step) % VT (2, or 3 with SOFTMAX & 64: `_fp8_buffers`). PERSIST: ring steps g0.. (`_ring`).
-    PART 1: step 0 alone, PART 2: the steps after it (`gluon_prefetch` publishes the next tile between them), 0: all."""
+    PART 1: step 0 alone, PART 2: the steps after it (`gluon_prefetch` publishes the next tile between them), 0: all.
+    PRMT (SOFTMAX & 128, `PrefillConfig.gluon_vt_prmt`): the permuted transpose by byte permutes."""
+    PERM: gl.constexpr = FP8 != 2 and _vt_perm(TILE, D)
     KV_BYTES: gl.constexpr = 2 * TILE * D * k_desc.dtype.primitive_bitwidth // 8
     VT: gl.constexpr = vt_smem.shape[0]  # Vᵀ buffers (`_fp8_buffers`)
     j_lo = 1 if PART == 2 else 0
@@ -713,7 +775,10 @@ def _produce_fp8_steps(k_desc, v_desc, k_smem, v_smem, full, empty, vt_smem, vt_
                             k_col, v_col, prev, True, PAGE, TILE, KV_BYTES)
         mbarrier.wait(full.index(slot), (rj // STAGES) & 1)
         mbarrier.wait(vt_empty.index(rj % VT), ((rj // VT) & 1) ^ 1)  # P·V_{j-VT} is done in both consumers
-        _transpose_v(v_smem.index(slot), vt_smem.index(rj % VT), j, seq_len, TILE, D, FP8 != 2 and _vt_perm(TILE, D))
+        if PRMT and PERM:
+            _transpose_v_prmt(v_smem.index(slot), vt_smem.index(rj % VT), j, seq_len, D)
+        else:
+            _transpose_v(v_smem.index(slot), vt_smem.index(rj % VT), j, seq_len, TILE, D, PERM)
         gl.thread_barrier()  # all 4 warps' Vᵀ stores (each fenced for the async proxy) before the arrivals
         mbarrier.arrive(vt_full.index(rj % VT), count=1)
         mbarrier.arrive(empty.index(slot), count=1)
@@ -916,7 +981,7 @@ def _ws_persist(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE
                                    v_col, n, g0, D, TILE, PAGE, STAGES, True)
                 _produce_fp8_steps(k_desc, v_desc, k_smem, v_smem, full, empty, vt_smem, vt_full, vt_empty, bt_row,
                                    bt_width, num_blocks, k_col, v_col, n, seq_len, g0, D, TILE, PAGE, STAGES, FP8,
-                                   True)
+                                   True, 0, (SOFTMAX & 128) != 0)
             else:
                 _produce_tiles(k_desc, v_desc, k_smem, v_smem, full, empty, bt_row, bt_width, num_blocks, k_col,
                                v_col, n, g0, D, TILE, PAGE, STAGES, True)
@@ -1076,7 +1141,7 @@ def _publish_tile(q_desc, qs_desc, q_ring, qs_ring, info_smem, q_full, q_empty, 
 @gluon.jit
 def _prefetch_produce(args, i, cur, g0, pid, nprog, bound, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr,
                       PAGE: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr, BLOCK_B: gl.constexpr,
-                      HEADS_INNER: gl.constexpr, QUEUE: gl.constexpr):
+                      HEADS_INNER: gl.constexpr, QUEUE: gl.constexpr, PRMT: gl.constexpr):
     """The producer's step i of `_ws_prefetch`: tile `cur` = (kv_head, req, ok, seq_len, n), already published.
     Its first K/V loads and first Vᵀ (what the consumers need first), then the next tile (the snake's next, or
     QUEUE the counter's) published into the other slot, then the tile's other steps. Returns (the next tile's
@@ -1094,7 +1159,8 @@ def _prefetch_produce(args, i, cur, g0, pid, nprog, bound, D: gl.constexpr, G: g
         _produce_fp8_first(k_desc, v_desc, k_smem, v_smem, full, empty, bt_row, bt_width, num_blocks, k_col, v_col,
                            n, g0, D, TILE, PAGE, STAGES, True)
         _produce_fp8_steps(k_desc, v_desc, k_smem, v_smem, full, empty, vt_smem, vt_full, vt_empty, bt_row,
-                           bt_width, num_blocks, k_col, v_col, n, seq_len, g0, D, TILE, PAGE, STAGES, FP8, True, 1)
+                           bt_width, num_blocks, k_col, v_col, n, seq_len, g0, D, TILE, PAGE, STAGES, FP8, True, 1,
+                           PRMT)
     # the snake: a tile past the program's last is published as no tile (the consumers never read it)
     if QUEUE:
         t = _take_tile(queue_ptr, bound, nprog)
@@ -1105,7 +1171,8 @@ def _prefetch_produce(args, i, cur, g0, pid, nprog, bound, D: gl.constexpr, G: g
                         HEADS_INNER, QUEUE)
     if ok:
         _produce_fp8_steps(k_desc, v_desc, k_smem, v_smem, full, empty, vt_smem, vt_full, vt_empty, bt_row,
-                           bt_width, num_blocks, k_col, v_col, n, seq_len, g0, D, TILE, PAGE, STAGES, FP8, True, 2)
+                           bt_width, num_blocks, k_col, v_col, n, seq_len, g0, D, TILE, PAGE, STAGES, FP8, True, 2,
+                           PRMT)
         g0 += n
     return t, nxt, g0
 
@@ -1190,12 +1257,12 @@ def _ws_prefetch(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAG
             i = pid * 0
             while t < bound:
                 t, cur, g0 = _prefetch_produce(args, i, cur, g0, pid, nprog, bound, D, G, TILE, PAGE, STAGES, FP8,
-                                               BLOCK_B, HEADS_INNER, QUEUE)
+                                               BLOCK_B, HEADS_INNER, QUEUE, (SOFTMAX & 128) != 0)
                 i += 1
         else:
             for i in range(gl.cdiv(bound, nprog)):
                 t, cur, g0 = _prefetch_produce(args, i, cur, g0, pid, nprog, bound, D, G, TILE, PAGE, STAGES, FP8,
-                                               BLOCK_B, HEADS_INNER, QUEUE)
+                                               BLOCK_B, HEADS_INNER, QUEUE, (SOFTMAX & 128) != 0)
     else:
         if FP8 == 3:  # all four P buffers, two a consumer: `_attend` picks 2·WG + tile % 2
             p_bufs = p_smem

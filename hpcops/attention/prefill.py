@@ -118,7 +118,14 @@ class PrefillConfig:
     the producer may transpose V_j once P·V_{j-3} is done in both consumers, not P·V_{j-2}. Nsight Compute on h8/1 q4k
     (session 67, H100, `bench/results/ncu_prefill_q4k_h8_h100_84a654c.txt`) found the consumers' waits in their
     softmax loops on `vt_full` (the transposed V) and the producer, whose transpose it is, busy 83 % of its samples:
-    with a step more of slack its transposes may run ahead. Opt-in (bench row `hpcops-fp8q-vt3`).
+    with a step more of slack its transposes may run ahead. Opt-in (bench row `hpcops-fp8q-vt3`). Measured level
+    with two (session 68, H100, `bench/results/prefill_fp8_rounds_h100_2064bf4.md`, µs vt3 / default: h64/8 q4k
+    405.2 / 401.7, q8k 1541.2 / 1533.4, h8/1 q4k 57.0 / 56.2, q8k 186.1 / 191.4): the producer is short of
+    throughput, not of slack.
+    `gluon_vt_prmt` (the fp8 kernels at block_n 128, head_dim 64 or 128, P in shared memory): the producer's
+    permuted V transpose as 4×4 byte blocks by inline-asm PRMT (`_transpose_v_prmt`: 64 PRMT a thread and tile at
+    D 128) instead of `convert_layout` of the fp8 tile (119 PRMT and more registers: sm_90 SASS). Opt-in (bench row
+    `hpcops-fp8q-prmt`).
     `tma`, `pv_fp8`, `quant_q` and `fma_scale` are the `tl` kernel's (the Gluon kernel always reads by TMA and
     scales inside exp2).
     """
@@ -144,6 +151,7 @@ class PrefillConfig:
     gluon_prefetch: bool = False
     gluon_queue: bool = False
     gluon_vt3: bool = False
+    gluon_vt_prmt: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
@@ -437,6 +445,9 @@ def gluon_config_reason(config: PrefillConfig, *, fp8: bool, head_dim: int, grou
         return "gluon_queue is for the prefetching persistent fp8 kernel (gluon_prefetch)"
     if config.gluon_vt3 and not fp8:
         return "gluon_vt3 is for an fp8 q over fp8 KV (the producer's Vᵀ buffers)"
+    if config.gluon_vt_prmt and not (fp8 and config.block_n == 128 and d in (64, 128) and not config.gluon_p_regs):
+        return ("gluon_vt_prmt is for the permuted Vᵀ transpose: an fp8 q over fp8 KV, block_n 128, head_dim 64 or "
+                "128, P in shared memory (not gluon_p_regs)")
     if config.gluon_prefetch and group not in (8, 16, 32, 64):
         return (f"gluon_prefetch with a GQA group of {group} heads (its q boxes are one token's heads: whole 8-row "
                 "swizzle atoms of a 64-row q, so 8, 16, 32 or 64)")
@@ -527,7 +538,7 @@ def _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, out,
     common = dict(D=d, G=hq // hkv, TILE=config.block_n, PAGE=page, BLOCK_B=block_b, STAGES=config.num_stages,
                   HEADS_INNER=bool(config.heads_inner))
     bits = (1 if config.gluon_tree else 0) | (2 if config.gluon_pv_overlap else 0) | (4 if config.gluon_mma_sum else 0)
-    bits |= (32 if config.gluon_q_regs else 0) | (64 if config.gluon_vt3 else 0)
+    bits |= (32 if config.gluon_q_regs else 0) | (64 if config.gluon_vt3 else 0) | (128 if config.gluon_vt_prmt else 0)
     softmax = {"SOFTMAX": bits} if bits else {}  # the defaults' launches keep their signature
     if config.gluon_ws:
         fp8 = q.dtype == FP8_E4M3

@@ -134,7 +134,7 @@ GLUON_BF16_TREE = {**GLUON_FP8, "gluon_tree": True}
 
 BOOL_FIELDS = ("pv_fp8", "quant_q", "fma_scale", "heads_inner", "gluon", "gluon_ws", "gluon_p_regs", "gluon_tree",
                "gluon_p_dbuf", "gluon_pv_overlap", "gluon_mma_sum", "gluon_persist", "gluon_q_regs",
-               "gluon_prefetch", "gluon_vt3")
+               "gluon_prefetch", "gluon_vt3", "gluon_vt_prmt")
 
 
 def config_override(variant: dict | None = None):
@@ -466,6 +466,12 @@ def cases(opts: dict) -> Iterator[Case]:
                                                              "gluon_prefetch": True, "gluon_vt3": True}),
                              note="variant: the fp8 default with three Vᵀ buffers (gluon_vt3=True): the producer's "
                              "transpose a step further ahead")
+                    )
+                    impls.append(
+                        Impl("hpcops-fp8q-prmt", _ours(True, {**GLUON_FP8_MSUM, "gluon_persist": True,
+                                                              "gluon_prefetch": True, "gluon_vt_prmt": True}),
+                             note="variant: the fp8 default with the producer's V transpose by inline-asm byte "
+                             "permutes (gluon_vt_prmt=True): 64 PRMT a thread and tile, not 119")
                     )
                     impls.append(
                         Impl("hpcops-fp8q-smemq", _ours(True, {**GLUON_FP8_MSUM, "gluon_q_regs": False}),
