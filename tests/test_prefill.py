@@ -353,6 +353,11 @@ def test_gluon_config_and_reasons(monkeypatch):
     assert fp8.gluon_persist and fp8.gluon_prefetch and not fp8.gluon_queue and d64_8.gluon_prefetch
     g4 = gluon_config(head_dim=128, group=4, max_seqlen_q=4096, fp8=True)
     assert g4.gluon_ws and not (g4.gluon_persist or g4.gluon_prefetch)
+    # the producer transposes V by byte permutes on 128-key tiles (head_dim 64, 128), not at head_dim 256's 64 keys
+    assert fp8.gluon_vt_prmt and d64_8.gluon_vt_prmt and g4.gluon_vt_prmt and few8.gluon_vt_prmt
+    d256 = gluon_config(head_dim=256, group=8, max_seqlen_q=4096, fp8=True)
+    assert d256.block_n == 64 and not d256.gluon_vt_prmt
+    assert not gluon_config(head_dim=128, group=8, max_seqlen_q=4096).gluon_vt_prmt
     assert not gluon_config(head_dim=128, group=8, max_seqlen_q=4096).gluon_q_regs
     assert not gluon_config(head_dim=128, group=8, max_seqlen_q=4096).gluon_mma_sum
     # a 16-bit q over fp8 KV has no Gluon kernel: the tl tiles

@@ -532,16 +532,20 @@ def test_prefill_gluon_tunes_bf16_and_fp8_q_on_its_kernels():
     # and runs persistent with its producer prefetching q, which P in registers cannot either
     assert base["gluon_mma_sum"] and not op.valid(fp8, {**base, "gluon_p_regs": True})
     assert base["gluon_prefetch"] and not op.valid(fp8, {**base, "gluon_p_regs": True, "gluon_mma_sum": False})
-    assert op.valid(fp8, {**base, "gluon_p_regs": True, "gluon_mma_sum": False, "gluon_persist": False,
-                          "gluon_prefetch": False})
+    # nor does the byte-permute transpose, whose P order is the permuted one in shared memory
+    p_regs = {**base, "gluon_p_regs": True, "gluon_mma_sum": False, "gluon_persist": False, "gluon_prefetch": False}
+    assert base["gluon_vt_prmt"] and not op.valid(fp8, p_regs)
+    assert op.valid(fp8, {**p_regs, "gluon_vt_prmt": False})
     assert gluon_smem_bytes(128, 128, 4, 128, 1, True) == 196608 <= GLUON_SMEM_BYTES
     # gluon_vt3's third Vᵀ buffer (16 KB at the default tile) fits beside 3 K/V buffers and the prefetch, not 4
     three = gluon_smem_bytes(128, 128, 3, 128, 1, True, vt_bufs=3)
     assert three == gluon_smem_bytes(128, 128, 3, 128, 1, True) + 16384
     assert op.valid(fp8, {**base, "gluon_vt3": True})
     assert not op.valid(fp8, {**base, "gluon_vt3": True, "num_stages": 4})
-    assert op.valid(fp8, {**base, "gluon_vt_prmt": True})  # the transpose by byte permutes at the default tile
-    assert not op.valid(fp8, {**base, "gluon_vt_prmt": True, "block_n": 64})
+    assert not op.valid(fp8, {**base, "block_n": 64})  # the byte-permute transpose needs 128-key tiles
+    assert op.valid(fp8, {**base, "block_n": 64, "gluon_vt_prmt": False})
+    knob = next(k for k in op.space if "gluon_vt_prmt" in k.fields and "block_n" in k.fields)  # which moves both
+    assert knob.options(base, fp8) == ((64, False), (128, True))
     bf16 = next(c for c in scen if not c.fp8_q and c.s.spec == "q8k")
     assert not op.valid(bf16, {**op.base(bf16), "num_stages": 4})  # 294912 bytes of bf16 tiles
     assert not op.valid(bf16, {**op.base(bf16), "gluon_mma_sum": True})

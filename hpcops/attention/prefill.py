@@ -124,8 +124,11 @@ class PrefillConfig:
     throughput, not of slack.
     `gluon_vt_prmt` (the fp8 kernels at block_n 128, head_dim 64 or 128, P in shared memory): the producer's
     permuted V transpose as 4×4 byte blocks by inline-asm PRMT (`_transpose_v_prmt`: 64 PRMT a thread and tile at
-    D 128) instead of `convert_layout` of the fp8 tile (119 PRMT and more registers: sm_90 SASS). Opt-in (bench row
-    `hpcops-fp8q-prmt`).
+    D 128) instead of `convert_layout` of the fp8 tile (119 PRMT and more registers: sm_90 SASS). Measured on an
+    H100 (session 68, `bench/results/prefill_prmt_h100_c060fea.md`, two interleaved rounds, µs against the
+    convert_layout transpose): h64/8 q4k 390.2 / 407.8, q8k 1498.7 / 1525.1, h8/1 q4k 55.7 / 56.0, q8k 180.1 /
+    191.6. `gluon_config(fp8=True)` turns it on where the tile allows; bench row `hpcops-fp8q-cvt`: the default
+    with the convert_layout transpose.
     `tma`, `pv_fp8`, `quant_q` and `fma_scale` are the `tl` kernel's (the Gluon kernel always reads by TMA and
     scales inside exp2).
     """
@@ -262,7 +265,8 @@ def gluon_config(*, head_dim: int, group: int, max_seqlen_q: int, num_kv_heads: 
     persistent kernel whose producer prefetches each tile's q (`gluon_persist`, `gluon_prefetch`: on an H100, in two
     interleaved rounds, 0.91x / 0.96x the time of the non-persistent kernel at h64/8 q4k / q8k and level at h8/1,
     `bench/results/prefill_queue_h100_ca47d45.md`; where q's layout does not suit its TMA, `prefill_attention`
-    takes the non-persistent kernel, `_without_prefetch`)."""
+    takes the non-persistent kernel, `_without_prefetch`); its producer transposes V by byte permutes where the
+    tile allows (`gluon_vt_prmt`: block_n 128 at head_dim 64 or 128)."""
     rows = group * max(int(max_seqlen_q), 1)
     if fp8:
         if gluon is None and rows < 64:
@@ -272,7 +276,8 @@ def gluon_config(*, head_dim: int, group: int, max_seqlen_q: int, num_kv_heads: 
         prefetch = group in (8, 16, 32, 64)
         return PrefillConfig(block_m=128, block_n=block_n, num_warps=8, num_stages=stages, heads_inner=True,
                              gluon=gluon, gluon_ws=True, gluon_mma_sum=True, gluon_q_regs=True,
-                             gluon_persist=prefetch, gluon_prefetch=prefetch)
+                             gluon_persist=prefetch, gluon_prefetch=prefetch,
+                             gluon_vt_prmt=block_n == 128 and head_dim in (64, 128))
     tiles = None
     if num_kv_heads is not None and total_q is not None:
         tiles = num_kv_heads * triton.cdiv(max(int(total_q), 1) * group, 128)

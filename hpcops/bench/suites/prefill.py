@@ -123,11 +123,12 @@ def _make_inputs(s: Scenario, layer: int, device: str = "cuda") -> dict[str, Any
 
 
 # the warp-specialized Gluon kernel over an fp8 q and fp8 KV as a fixed config, a program a q tile (not persistent),
-# its row sums on the CUDA cores (the variants' base); and with them on the tensor cores and q in registers
-# (gluon_mma_sum, gluon_q_regs: the fp8-q default until session 66, which made it persistent and prefetching)
+# its row sums on the CUDA cores (the variants' base); and with them on the tensor cores, q in registers and V
+# transposed by byte permutes (gluon_mma_sum, gluon_q_regs, gluon_vt_prmt: the fp8-q default but for the
+# persistent prefetching walk, which session 66 added)
 GLUON_FP8 = {"gluon": True, "gluon_ws": True, "block_m": 128, "num_warps": 8, "block_n": 128, "num_stages": 3,
              "heads_inner": True, "gluon_mma_sum": False, "gluon_persist": False, "gluon_prefetch": False}
-GLUON_FP8_MSUM = {**GLUON_FP8, "gluon_mma_sum": True, "gluon_q_regs": True}
+GLUON_FP8_MSUM = {**GLUON_FP8, "gluon_mma_sum": True, "gluon_q_regs": True, "gluon_vt_prmt": True}
 
 # the bf16 warp-specialized Gluon kernel with gluon_tree, on the same tile (the bf16 default's at q2k-q8k)
 GLUON_BF16_TREE = {**GLUON_FP8, "gluon_tree": True}
@@ -468,10 +469,10 @@ def cases(opts: dict) -> Iterator[Case]:
                              "transpose a step further ahead")
                     )
                     impls.append(
-                        Impl("hpcops-fp8q-prmt", _ours(True, {**GLUON_FP8_MSUM, "gluon_persist": True,
-                                                              "gluon_prefetch": True, "gluon_vt_prmt": True}),
-                             note="variant: the fp8 default with the producer's V transpose by inline-asm byte "
-                             "permutes (gluon_vt_prmt=True): 64 PRMT a thread and tile, not 119")
+                        Impl("hpcops-fp8q-cvt", _ours(True, {**GLUON_FP8_MSUM, "gluon_persist": True,
+                                                             "gluon_prefetch": True, "gluon_vt_prmt": False}),
+                             note="variant: the fp8 default with the producer's V transpose by convert_layout "
+                             "(gluon_vt_prmt=False: the default until session 68), not by byte permutes")
                     )
                     impls.append(
                         Impl("hpcops-fp8q-smemq", _ours(True, {**GLUON_FP8_MSUM, "gluon_q_regs": False}),

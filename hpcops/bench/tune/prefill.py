@@ -11,7 +11,7 @@ do (`_ours(fp8_q, variant)`) and is gated on the suite's sampled fp32 reference.
 and the fp8-q ones over fp8 KV (its dtypes; fp8 on the warp-specialized kernel only): the warp-specialized kernel or
 not, the (block_m, num_warps) tile, block_n, pipeline depth and launch order, P in registers or in two shared
 buffers (fp8), the softmax under its own P·V (16-bit: `gluon_pv_overlap`), the row sums on the tensor cores
-(fp8: `gluon_mma_sum`) and its tree reductions (`gluon_tree`).
+(fp8: `gluon_mma_sum`), its tree reductions (`gluon_tree`) and the fp8 V transpose by byte permutes (`gluon_vt_prmt`).
 """
 
 from __future__ import annotations
@@ -107,7 +107,8 @@ class PrefillTune(TuneOp):
 GLUON_SPACE = (
     knob("gluon_ws", False, True),
     knob(("block_m", "num_warps"), (128, 8), (64, 4), near=None),
-    knob("block_n", 64, 128),
+    # the byte-permute transpose (gluon_vt_prmt, the fp8 default) needs 128-key tiles: 64 keys go without it
+    knob(("block_n", "gluon_vt_prmt"), values_fn=lambda base, s: ((64, False), (128, base["gluon_vt_prmt"]))),
     knob("num_stages", 2, 3, 4),
     knob("heads_inner", False, True),
     knob("gluon_p_regs", False, True),
@@ -118,6 +119,7 @@ GLUON_SPACE = (
     knob("gluon_persist", False, True),
     knob("gluon_prefetch", False, True),
     knob("gluon_q_regs", False, True),
+    knob("gluon_vt_prmt", False, True),
 )
 
 
