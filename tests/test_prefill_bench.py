@@ -120,3 +120,35 @@ def test_variant_with_gluon_knobs_must_ask_for_the_gluon_kernel(device, monkeypa
     monkeypatch.delenv("HPCOPS_PREFILL_CONFIG")
     assert callable(suite._ours(True, {**suite.GLUON_FP8_MSUM, "gluon_persist": True}, check=False)(x))
     assert callable(suite._ours(False, {"gluon": False, "gluon_tree": False})(x))  # knobs off: the tl kernel is meant
+
+
+@pytest.mark.parametrize("heads", [(64, 8), (8, 1)], ids=lambda h: f"h{h[0]}x{h[1]}")
+def test_every_variant_row_resolves_to_a_config_its_kernel_takes(heads, monkeypatch):
+    """Every `_ours` row of the suite, at each q4k case, resolves (`variant_config`) to a config the launcher takes:
+    a Gluon config its kernel can run at the suite's shapes (`gluon_config_reason` is None), or the tl kernel's.
+    Session 68 made the byte-permute transpose the fp8 default, which P in registers cannot take: the
+    hpcops-fp8q-gluon-preg row inherited it from the heuristic and errored on the GPU until it turned it off."""
+    from hpcops.attention.prefill import FP8_E4M3, gluon_config_reason
+
+    monkeypatch.delenv("HPCOPS_PREFILL_CONFIG", raising=False)
+    hq, hkv = heads
+    rows = 0
+    for case in suite.cases({}):
+        if case.params["spec"] != "q4k" or (case.params["hq"], case.params["hkv"]) != heads:
+            continue
+        for impl in case.impls:
+            if not hasattr(impl.prepare, "variant"):
+                continue  # a peer, or the in-case bf16 row (its own heuristic)
+            variant = impl.prepare.variant
+            fp8_q = impl.name.startswith("hpcops-fp8q")
+            q_dtype = FP8_E4M3 if fp8_q else torch.bfloat16
+            kv_fp8 = case.params["kv"] == "fp8"
+            kv_dtype = FP8_E4M3 if kv_fp8 else torch.bfloat16
+            cfg = suite.variant_config(variant, group=hq // hkv, max_seqlen_q=4096, q_dtype=q_dtype,
+                                       kv_dtype=kv_dtype)
+            rows += 1
+            if cfg is not None and cfg.gluon:
+                why = gluon_config_reason(cfg, fp8=fp8_q and kv_fp8, head_dim=suite.HEAD_DIM,
+                                          group=hq // hkv, page=suite.PAGE, elem_bytes=1 if fp8_q else 2)
+                assert why is None, (case.name, impl.name, why)
+    assert rows >= 20, rows  # both dtypes' cases and the fp8 variants

@@ -166,31 +166,15 @@ def _ours(fp8_q: bool, variant: dict | None = None, *, check: bool = True):
     variant marks only its own row, never the case's default rows (which `_check` gates). check=False: no such
     check (the tuner gates its candidates itself, and its compile workers launch nothing: an output left NaN)."""
     def prepare(x):
-        import dataclasses
-
-        from hpcops.attention.prefill import prefill_attention, prefill_config
+        from hpcops.attention.prefill import prefill_attention
 
         kv = x["kv"]
         q, q_scale = (x["q8"], x["q_scale"]) if fp8_q else (x["q"], None)
         out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
         args = (q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, x["cu"])
-        config = None
         quantize_q = bool((variant or {}).get("quantize_q"))  # prefill_attention's argument, not a config field
-        fields = config_override({k: v for k, v in variant.items() if k != "quantize_q"} if variant else None)
-        if fields:
-            base = prefill_config(
-                head_dim=HEAD_DIM,
-                group=q.shape[1] // kv.k_cache.shape[2],
-                max_seqlen_q=x["max_q"],
-                q_dtype=q.dtype,
-                kv_dtype=kv.k_cache.dtype,
-                gluon=fields.get("gluon", False),
-            )
-            config = dataclasses.replace(base, **fields)
-            knobs = sorted(k for k, v in fields.items() if k.startswith("gluon_") and v)
-            if knobs and not config.gluon:  # the base is the tl heuristic unless the fields say gluon=True
-                raise ValueError(f"prefill variant {fields}: Gluon knobs {knobs} without gluon=True would time the "
-                                 "tl kernel (add the Gluon config's fields, e.g. GLUON_FP8_MSUM)")
+        config = variant_config(variant, group=q.shape[1] // kv.k_cache.shape[2], max_seqlen_q=x["max_q"],
+                                q_dtype=q.dtype, kv_dtype=kv.k_cache.dtype)
         kw = dict(
             max_seqlen_q=x["max_q"], k_scale=kv.k_scale, v_scale=kv.v_scale, q_scale=q_scale, out=out, config=config
         )
@@ -203,7 +187,31 @@ def _ours(fp8_q: bool, variant: dict | None = None, *, check: bool = True):
             _check_variant(x, run, out, fp8_q, variant)
         return run
 
+    prepare.variant = variant  # the row's config fields (tests resolve them with `variant_config`)
     return prepare
+
+
+def variant_config(variant: dict | None, *, group: int, max_seqlen_q: int, q_dtype: torch.dtype,
+                   kv_dtype: torch.dtype):
+    """The PrefillConfig a row of `_ours(…, variant)` runs (None: the launcher's heuristic): the heuristic for the
+    shape updated by `variant`'s fields and HPCOPS_PREFILL_CONFIG (`config_override`), on the Gluon heuristic
+    (`gluon_config`, its knobs included) where the fields say gluon=True, else the tl one; a variant with Gluon
+    knobs and no gluon=True is a ValueError (it would time the tl kernel under a Gluon row's name)."""
+    import dataclasses
+
+    from hpcops.attention.prefill import prefill_config
+
+    fields = config_override({k: v for k, v in variant.items() if k != "quantize_q"} if variant else None)
+    if not fields:
+        return None
+    base = prefill_config(head_dim=HEAD_DIM, group=group, max_seqlen_q=max_seqlen_q, q_dtype=q_dtype,
+                          kv_dtype=kv_dtype, gluon=fields.get("gluon", False))
+    config = dataclasses.replace(base, **fields)
+    knobs = sorted(k for k, v in fields.items() if k.startswith("gluon_") and v)
+    if knobs and not config.gluon:  # the base is the tl heuristic unless the fields say gluon=True
+        raise ValueError(f"prefill variant {fields}: Gluon knobs {knobs} without gluon=True would time the "
+                         "tl kernel (add the Gluon config's fields, e.g. GLUON_FP8_MSUM)")
+    return config
 
 
 FP8_BUDGET = {"maxtol": 6e-2, "rmstol": 3e-2}  # the fp8 error budget (PREFILL.md), against the fp32 reference
@@ -438,7 +446,8 @@ def cases(opts: dict) -> Iterator[Case]:
                              note="variant: fp8 q on the tl kernel, P·V in bf16 (PrefillConfig(gluon=False))")
                     )
                     impls.append(
-                        Impl("hpcops-fp8q-gluon-preg", _ours(True, {**GLUON_FP8, "gluon_p_regs": True}),
+                        Impl("hpcops-fp8q-gluon-preg", _ours(True, {**GLUON_FP8, "gluon_p_regs": True,
+                                                                    "gluon_vt_prmt": False}),
                              note="variant: the Gluon fp8 kernel with P in registers and a synchronous P·V "
                              "(gluon_p_regs=True)")
                     )
