@@ -478,6 +478,17 @@ def cases(opts: dict) -> Iterator[Case]:
                              "transpose a step further ahead")
                     )
                     impls.append(
+                        Impl("hpcops-fp8q-pdbuf", _ours(True, {**GLUON_FP8_MSUM, "gluon_persist": True,
+                                                               "gluon_prefetch": True, "gluon_p_dbuf": True}),
+                             note="variant: the fp8 default with two P buffers a consumer (gluon_p_dbuf=True): "
+                             "P_{j+1} stored before the P_j·V_j wait")
+                    )
+                    impls.append(
+                        Impl("hpcops-fp8q-4buf", _ours(True, {**GLUON_FP8_MSUM, "gluon_persist": True,
+                                                              "gluon_prefetch": True, "num_stages": 4}),
+                             note="variant: the fp8 default with four K/V buffers (num_stages=4)")
+                    )
+                    impls.append(
                         Impl("hpcops-fp8q-cvt", _ours(True, {**GLUON_FP8_MSUM, "gluon_persist": True,
                                                              "gluon_prefetch": True, "gluon_vt_prmt": False}),
                              note="variant: the fp8 default with the producer's V transpose by convert_layout "
