@@ -135,8 +135,7 @@ GLUON_BF16_TREE = {**GLUON_FP8, "gluon_tree": True}
 
 BOOL_FIELDS = ("pv_fp8", "quant_q", "fma_scale", "heads_inner", "gluon", "gluon_ws", "gluon_p_regs", "gluon_tree",
                "gluon_p_dbuf", "gluon_pv_overlap", "gluon_mma_sum", "gluon_persist", "gluon_q_regs",
-               "gluon_prefetch", "gluon_vt3", "gluon_vt_prmt",
-               "gluon_mask_split")
+               "gluon_prefetch", "gluon_vt3", "gluon_vt_prmt")
 
 
 def config_override(variant: dict | None = None):
@@ -479,11 +478,6 @@ def cases(opts: dict) -> Iterator[Case]:
                              "transpose a step further ahead")
                     )
                     impls.append(
-                        Impl("hpcops-fp8q-split", _ours(True, {"gluon": True, "gluon_mask_split": True}),
-                             note="variant: the fp8 default with the masked steps in a loop of their own "
-                             "(gluon_mask_split=True)")
-                    )
-                    impls.append(
                         Impl("hpcops-fp8q-pdbuf", _ours(True, {**GLUON_FP8_MSUM, "gluon_persist": True,
                                                                "gluon_prefetch": True, "gluon_p_dbuf": True}),
                              note="variant: the fp8 default with two P buffers a consumer (gluon_p_dbuf=True): "
@@ -513,11 +507,6 @@ def cases(opts: dict) -> Iterator[Case]:
                     # the tl kernel beside the default, which takes the Gluon kernel here on an H200 (gluon_config)
                     impls.append(
                         Impl("hpcops-tl", _ours(False, {"gluon": False}), note="variant: PrefillConfig(gluon=False)")
-                    )
-                    impls.append(
-                        Impl("hpcops-split", _ours(False, {"gluon": True, "gluon_mask_split": True}),
-                             note="variant: the bf16 default's Gluon kernel with the masked steps in a loop of their "
-                             "own (gluon_mask_split=True)")
                     )
                     impls.append(
                         Impl("hpcops-tree", _ours(False, GLUON_BF16_TREE),
