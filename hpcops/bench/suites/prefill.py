@@ -129,6 +129,21 @@ def _make_inputs(s: Scenario, layer: int, device: str = "cuda") -> dict[str, Any
 GLUON_FP8 = {"gluon": True, "gluon_ws": True, "block_m": 128, "num_warps": 8, "block_n": 128, "num_stages": 3,
              "heads_inner": True, "gluon_mma_sum": False, "gluon_persist": False, "gluon_prefetch": False}
 GLUON_FP8_MSUM = {**GLUON_FP8, "gluon_mma_sum": True, "gluon_q_regs": True, "gluon_vt_prmt": True}
+# the fp8-q default as fixed fields (persistent, its producer prefetching q), and its one-knob variants: (row name
+# after "hpcops-fp8q-", fields changed, note)
+GLUON_FP8_DEFAULT = {**GLUON_FP8_MSUM, "gluon_persist": True, "gluon_prefetch": True}
+FP8_DEFAULT_VARIANTS = (
+    ("queue", {"gluon_queue": True},
+     "the prefetching persistent fp8 kernel taking its tiles from a counter (gluon_queue=True)"),
+    ("vt3", {"gluon_vt3": True},
+     "the fp8 default with three Vᵀ buffers (gluon_vt3=True): the producer's transpose a step further ahead"),
+    ("pdbuf", {"gluon_p_dbuf": True},
+     "the fp8 default with two P buffers a consumer (gluon_p_dbuf=True): P_{j+1} stored before the P_j·V_j wait"),
+    ("4buf", {"num_stages": 4}, "the fp8 default with four K/V buffers (num_stages=4)"),
+    ("cvt", {"gluon_vt_prmt": False},
+     "the fp8 default with the producer's V transpose by convert_layout (gluon_vt_prmt=False: the default until "
+     "session 68), not by byte permutes"),
+)
 
 # the bf16 warp-specialized Gluon kernel with gluon_tree, on the same tile (the bf16 default's at q2k-q8k)
 GLUON_BF16_TREE = {**GLUON_FP8, "gluon_tree": True}
@@ -465,35 +480,8 @@ def cases(opts: dict) -> Iterator[Case]:
                              note="variant: the fp8 kernel a program a q tile, not persistent (gluon_persist=False, "
                              "gluon_prefetch=False: the fp8-q default until session 66)")
                     )
-                    impls.append(
-                        Impl("hpcops-fp8q-queue", _ours(True, {**GLUON_FP8_MSUM, "gluon_persist": True,
-                                                               "gluon_prefetch": True, "gluon_queue": True}),
-                             note="variant: the prefetching persistent fp8 kernel taking its tiles from a counter "
-                             "(gluon_queue=True)")
-                    )
-                    impls.append(
-                        Impl("hpcops-fp8q-vt3", _ours(True, {**GLUON_FP8_MSUM, "gluon_persist": True,
-                                                             "gluon_prefetch": True, "gluon_vt3": True}),
-                             note="variant: the fp8 default with three Vᵀ buffers (gluon_vt3=True): the producer's "
-                             "transpose a step further ahead")
-                    )
-                    impls.append(
-                        Impl("hpcops-fp8q-pdbuf", _ours(True, {**GLUON_FP8_MSUM, "gluon_persist": True,
-                                                               "gluon_prefetch": True, "gluon_p_dbuf": True}),
-                             note="variant: the fp8 default with two P buffers a consumer (gluon_p_dbuf=True): "
-                             "P_{j+1} stored before the P_j·V_j wait")
-                    )
-                    impls.append(
-                        Impl("hpcops-fp8q-4buf", _ours(True, {**GLUON_FP8_MSUM, "gluon_persist": True,
-                                                              "gluon_prefetch": True, "num_stages": 4}),
-                             note="variant: the fp8 default with four K/V buffers (num_stages=4)")
-                    )
-                    impls.append(
-                        Impl("hpcops-fp8q-cvt", _ours(True, {**GLUON_FP8_MSUM, "gluon_persist": True,
-                                                             "gluon_prefetch": True, "gluon_vt_prmt": False}),
-                             note="variant: the fp8 default with the producer's V transpose by convert_layout "
-                             "(gluon_vt_prmt=False: the default until session 68), not by byte permutes")
-                    )
+                    impls += [Impl(f"hpcops-fp8q-{name}", _ours(True, {**GLUON_FP8_DEFAULT, **fields}),
+                                   note=f"variant: {note}") for name, fields, note in FP8_DEFAULT_VARIANTS]
                     impls.append(
                         Impl("hpcops-fp8q-smemq", _ours(True, {**GLUON_FP8_MSUM, "gluon_q_regs": False}),
                              note="variant: the fp8 default with q read from shared memory by every S wgmma "
