@@ -852,6 +852,22 @@ def _gluon(name: str, seq_lens: list[int], q_lens: list[int], *, block_m: int = 
     return Case(name, seq_lens, q_lens, config=cfg, **kw)
 
 
+def _fp8_default_family(tag: str, **knob) -> list[Case]:
+    """A knob over the fp8 default's kernels (prefetching persistent, row sums on the tensor cores, q in
+    registers): the mixed extend batch (a 1-token request, q padding rows), q2k, many requests shorter than a tile,
+    and the mixed batch on the persistent kernel without the prefetch, named gluon-ws-fp8-{tag}-…"""
+    fp8 = dict(ws=True, kv_dtype=FP8, q_fp8=True, stages=3, msum=True, qregs=True, persist=True, **knob)
+    mixed = ([4096, 3000, 1, 700, 129], [1024, 1, 1, 700, 64])
+    return [
+        _gluon(f"gluon-ws-fp8-{tag}-prefetch-extend-mixed-h8/1", *mixed, hq=8, hkv=1, pad_rows=5, prefetch=True,
+               **fp8),
+        _gluon(f"gluon-ws-fp8-{tag}-prefetch-q2k-h64/8", [2048], [2048], prefetch=True, **fp8),
+        _gluon(f"gluon-ws-fp8-{tag}-prefetch-short-requests-h8/1", [300 + 7 * i for i in range(40)],
+               [1 + i % 23 for i in range(40)], hq=8, hkv=1, prefetch=True, **fp8),
+        _gluon(f"gluon-ws-fp8-{tag}-persist-extend-mixed-h64/8", *mixed, pad_rows=5, **fp8),
+    ]
+
+
 GLUON_CASES = [
     _gluon("gluon-q2k-h64/8", [2048], [2048]),
     _gluon("gluon-extend-mixed-h64/8", [4096, 3000, 1, 700, 129], [1024, 1, 1, 700, 64], pad_rows=5),
@@ -981,39 +997,21 @@ GLUON_CASES = [
            queue=True),
     # PrefillConfig.gluon_vt3: three Vᵀ buffers, in the prefetching kernel (the mixed extend batch, q2k, many short
     # requests, two P buffers), the persistent one and the kernel a program a tile, P in registers
-    _gluon("gluon-ws-fp8-vt3-prefetch-extend-mixed-h8/1", [4096, 3000, 1, 700, 129], [1024, 1, 1, 700, 64], hq=8,
-           hkv=1, pad_rows=5, ws=True, kv_dtype=FP8, q_fp8=True, stages=3, msum=True, qregs=True, persist=True,
-           prefetch=True, vt3=True),
-    _gluon("gluon-ws-fp8-vt3-prefetch-q2k-h64/8", [2048], [2048], ws=True, kv_dtype=FP8, q_fp8=True, stages=3,
-           msum=True, qregs=True, persist=True, prefetch=True, vt3=True),
-    _gluon("gluon-ws-fp8-vt3-prefetch-short-requests-h8/1", [300 + 7 * i for i in range(40)],
-           [1 + i % 23 for i in range(40)], hq=8, hkv=1, ws=True, kv_dtype=FP8, q_fp8=True, stages=3, msum=True,
-           qregs=True, persist=True, prefetch=True, vt3=True),
+    *_fp8_default_family("vt3", vt3=True),
     _gluon("gluon-ws-fp8-vt3-prefetch-pdbuf-2buf-h8/1", [3000, 2048, 65], [3000, 1024, 65], hq=8, hkv=1, ws=True,
            kv_dtype=FP8, q_fp8=True, stages=2, p_dbuf=True, qregs=True, persist=True, prefetch=True, vt3=True),
-    _gluon("gluon-ws-fp8-vt3-persist-extend-mixed-h64/8", [4096, 3000, 1, 700, 129], [1024, 1, 1, 700, 64],
-           pad_rows=5, ws=True, kv_dtype=FP8, q_fp8=True, stages=3, msum=True, qregs=True, persist=True, vt3=True),
     _gluon("gluon-ws-fp8-vt3-pregs-g16-page16-bn64", [1000, 513], [1000, 17], hq=32, hkv=2, block_size=16,
            block_n=64, ws=True, kv_dtype=FP8, q_fp8=True, p_regs=True, vt3=True),
     # PrefillConfig.gluon_vt_prmt: the transpose by byte permutes, in the prefetching kernel (the mixed extend batch:
     # tails under a tile, q2k, many short requests, head_dim 64, two P buffers with three Vᵀ), the persistent one
     # and the kernel a program a tile
-    _gluon("gluon-ws-fp8-prmt-prefetch-extend-mixed-h8/1", [4096, 3000, 1, 700, 129], [1024, 1, 1, 700, 64], hq=8,
-           hkv=1, pad_rows=5, ws=True, kv_dtype=FP8, q_fp8=True, stages=3, msum=True, qregs=True, persist=True,
-           prefetch=True, prmt=True),
-    _gluon("gluon-ws-fp8-prmt-prefetch-q2k-h64/8", [2048], [2048], ws=True, kv_dtype=FP8, q_fp8=True, stages=3,
-           msum=True, qregs=True, persist=True, prefetch=True, prmt=True),
-    _gluon("gluon-ws-fp8-prmt-prefetch-short-requests-h8/1", [300 + 7 * i for i in range(40)],
-           [1 + i % 23 for i in range(40)], hq=8, hkv=1, ws=True, kv_dtype=FP8, q_fp8=True, stages=3, msum=True,
-           qregs=True, persist=True, prefetch=True, prmt=True),
+    *_fp8_default_family("prmt", prmt=True),
     _gluon("gluon-ws-fp8-prmt-prefetch-d64-h8/1", [3000, 700, 129], [1024, 700, 64], hq=8, hkv=1, head_dim=64,
            ws=True, kv_dtype=FP8, q_fp8=True, stages=3, msum=True, qregs=True, persist=True, prefetch=True,
            prmt=True),
     _gluon("gluon-ws-fp8-prmt-vt3-prefetch-pdbuf-2buf-h8/1", [3000, 2048, 65], [3000, 1024, 65], hq=8, hkv=1,
            ws=True, kv_dtype=FP8, q_fp8=True, stages=2, p_dbuf=True, qregs=True, persist=True, prefetch=True,
            vt3=True, prmt=True),
-    _gluon("gluon-ws-fp8-prmt-persist-extend-mixed-h64/8", [4096, 3000, 1, 700, 129], [1024, 1, 1, 700, 64],
-           pad_rows=5, ws=True, kv_dtype=FP8, q_fp8=True, stages=3, msum=True, qregs=True, persist=True, prmt=True),
     _gluon("gluon-ws-fp8-prmt-plain-page16-h64/8", [1000, 513], [1000, 17], block_size=16, ws=True, kv_dtype=FP8,
            q_fp8=True, stages=3, msum=True, prmt=True),
 ]
