@@ -434,6 +434,7 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
     PV_OVERLAP: gl.constexpr = (SOFTMAX & 2) != 0 and WS and not FP8
     MSUM: gl.constexpr = (SOFTMAX & 4) != 0 and FP8 != 0 and FP8 != 2  # the row sums as l += P8·1 (wgmma N = 8)
     Q_REGS: gl.constexpr = (SOFTMAX & 32) != 0  # q as S's register operand
+    SPLIT: gl.constexpr = (SOFTMAX & 256) != 0  # the masked steps in a loop of their own (below)
     VT_PERM: gl.constexpr = FP8 != 2 and _vt_perm(TILE, D)  # P and Vᵀ in the permuted key order
     gl.static_assert(WS or not FP8, "the fp8 loop runs on the warp-specialized kernel only")
     gl.static_assert(not PERSIST or (WS and FP8 != 2), "the persistent loop: warp-specialized, P not in fp8 registers")
@@ -513,80 +514,87 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
         mbarrier.arrive(empty.index(r0 % STAGES), count=1)
     else:
         p = gl.convert_layout(_p_operand(p, DT, False), p_layout)
-    for j in range(n - 1):
-        rj = _ring(j, G0, PERSIST)  # this step's place in the program's ring (j itself unless PERSIST)
-        slot = rj % STAGES
-        nxt = (rj + 1) % STAGES
-        if not FP8:
-            _zero_v_tail(v_smem.index(slot), j, seq_len, TILE, ld_layout)
-        mbarrier.wait(full.index(nxt), ((rj + 1) // STAGES) & 1)
-        if FP8:  # Vᵀ_j from the producer
-            mbarrier.wait(vt_full.index(rj % VT), (rj // VT) & 1)
-        if WS:  # my turn at the tensor cores: warpgroup 0 first (its first wait passes on the initial phase)
-            mbarrier.wait(turn.index(WG), (_ring(j, T0, PERSIST) & 1) ^ (1 - WG))
-        s_tok = warpgroup_mma(q_op, k_smem.index(nxt).permute((1, 0)),
-                              gl.zeros([ROWS, TILE], gl.float32, layout=s_layout), use_acc=False, is_async=True)
-        if P_REGS:  # synchronous: waits for S_{j+1} too
-            o = warpgroup_mma(p, vt_buf.index(rj % VT).permute((1, 0)), o)
-            o_tok = o
-        elif P_DBUF:
-            o_tok = warpgroup_mma(p_buf.index(2 * WG + j % 2), vt_buf.index(rj % VT).permute((1, 0)), o,
-                                  is_async=True)
-        elif FP8:
-            o_tok = warpgroup_mma(p_buf, vt_buf.index(rj % VT).permute((1, 0)), o, is_async=True)
-        else:
-            o_tok = warpgroup_mma(p, v_smem.index(slot), o, is_async=True)
-        if MSUM:  # P_j's row sums (P_DBUF: the buffer P·V reads)
-            # a fresh accumulator a tile, added to l_acc in fp32 below: Hopper's fp8 wgmma keeps ~14 bits where it
-            # adds its products to a large accumulator, so summing into l_acc itself cut off late small P
-            l_tok = warpgroup_mma(p_buf.index(2 * WG + j % 2) if P_DBUF else p_buf, ones_buf.permute((1, 0)), l_zero,
-                                  use_acc=False, is_async=True)
-        if WS:
-            mbarrier.arrive(turn.index(1 - WG), count=1)
-        s = warpgroup_mma_wait(2 if MSUM else 1, deps=[s_tok])  # S_{j+1} done, P_j·V_j may still run
-        p_next, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, c, (j + 1) * TILE, kv_limit, keys, j + 1 >= full_end,
-                                                FP8, P_EXP, TREE, not MSUM)
-        if P_REGS:
-            mbarrier.arrive(empty.index(nxt), count=1)  # K_{j+1} is read
-            mbarrier.arrive(vt_empty.index(rj % VT), count=1)  # P_j·V_j is done
-            p = gl.convert_layout(_p_operand(p_next, DT, True), p_layout)
-        elif P_DBUF:  # P_{j+1} into the buffer P_{j-1}·V_{j-1} read (waited for a step ago), then P_j·V_j
-            mbarrier.arrive(empty.index(nxt), count=1)  # K_{j+1} is read
-            p_buf.index(2 * WG + (j + 1) % 2).store(_p_e4m3(p_next, ROWS, VT_PERM))
-            fence_async_shared()
-            if MSUM:
-                o, l_t = warpgroup_mma_wait(0, deps=[o_tok, l_tok])
-                l_acc = l_acc + l_t
+    # SPLIT (SOFTMAX & 256, `PrefillConfig.gluon_mask_split`): the steps whose tile lies wholly below every row's
+    # causal limit in a loop with no mask, the diagonal's steps (1-2 a q tile) in a second loop; with one loop the
+    # mask is a runtime flag that ptxas evaluates on every step (an ISETP and an FSEL an element: ~130 of the fp8
+    # loop's ~610 instructions a thread, sm_90 SASS)
+    j_mask = gl.minimum(gl.maximum(full_end - 1, 0), n - 1)  # the first step whose S_{j+1} needs the mask
+    for part in gl.static_range(2 if SPLIT else 1):
+        for j in range(j_mask if part == 1 else 0, j_mask if SPLIT and part == 0 else n - 1):
+            rj = _ring(j, G0, PERSIST)  # this step's place in the program's ring (j itself unless PERSIST)
+            slot = rj % STAGES
+            nxt = (rj + 1) % STAGES
+            if not FP8:
+                _zero_v_tail(v_smem.index(slot), j, seq_len, TILE, ld_layout)
+            mbarrier.wait(full.index(nxt), ((rj + 1) // STAGES) & 1)
+            if FP8:  # Vᵀ_j from the producer
+                mbarrier.wait(vt_full.index(rj % VT), (rj // VT) & 1)
+            if WS:  # my turn at the tensor cores: warpgroup 0 first (its first wait passes on the initial phase)
+                mbarrier.wait(turn.index(WG), (_ring(j, T0, PERSIST) & 1) ^ (1 - WG))
+            s_tok = warpgroup_mma(q_op, k_smem.index(nxt).permute((1, 0)),
+                                  gl.zeros([ROWS, TILE], gl.float32, layout=s_layout), use_acc=False, is_async=True)
+            if P_REGS:  # synchronous: waits for S_{j+1} too
+                o = warpgroup_mma(p, vt_buf.index(rj % VT).permute((1, 0)), o)
+                o_tok = o
+            elif P_DBUF:
+                o_tok = warpgroup_mma(p_buf.index(2 * WG + j % 2), vt_buf.index(rj % VT).permute((1, 0)), o,
+                                      is_async=True)
+            elif FP8:
+                o_tok = warpgroup_mma(p_buf, vt_buf.index(rj % VT).permute((1, 0)), o, is_async=True)
             else:
-                o = warpgroup_mma_wait(0, deps=[o_tok])
-            mbarrier.arrive(vt_empty.index(rj % VT), count=1)  # P_j·V_j is done with Vᵀ_j
-        elif FP8:
-            mbarrier.arrive(empty.index(nxt), count=1)  # K_{j+1} is read
-            p8 = _p_e4m3(p_next, ROWS, VT_PERM)
-            if MSUM:
-                o, l_t = warpgroup_mma_wait(0, deps=[o_tok, l_tok])
-                l_acc = l_acc + l_t
+                o_tok = warpgroup_mma(p, v_smem.index(slot), o, is_async=True)
+            if MSUM:  # P_j's row sums (P_DBUF: the buffer P·V reads)
+                # a fresh accumulator a tile, added to l_acc in fp32 below: Hopper's fp8 wgmma keeps ~14 bits where it
+                # adds its products to a large accumulator, so summing into l_acc itself cut off late small P
+                l_tok = warpgroup_mma(p_buf.index(2 * WG + j % 2) if P_DBUF else p_buf, ones_buf.permute((1, 0)),
+                                      l_zero, use_acc=False, is_async=True)
+            if WS:
+                mbarrier.arrive(turn.index(1 - WG), count=1)
+            s = warpgroup_mma_wait(2 if MSUM else 1, deps=[s_tok])  # S_{j+1} done, P_j·V_j may still run
+            masked = (part == 1) if SPLIT else j + 1 >= full_end  # a constexpr where SPLIT
+            p_next, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, c, (j + 1) * TILE, kv_limit, keys, masked, FP8,
+                                                    P_EXP, TREE, not MSUM)
+            if P_REGS:
+                mbarrier.arrive(empty.index(nxt), count=1)  # K_{j+1} is read
+                mbarrier.arrive(vt_empty.index(rj % VT), count=1)  # P_j·V_j is done
+                p = gl.convert_layout(_p_operand(p_next, DT, True), p_layout)
+            elif P_DBUF:  # P_{j+1} into the buffer P_{j-1}·V_{j-1} read (waited for a step ago), then P_j·V_j
+                mbarrier.arrive(empty.index(nxt), count=1)  # K_{j+1} is read
+                p_buf.index(2 * WG + (j + 1) % 2).store(_p_e4m3(p_next, ROWS, VT_PERM))
+                fence_async_shared()
+                if MSUM:
+                    o, l_t = warpgroup_mma_wait(0, deps=[o_tok, l_tok])
+                    l_acc = l_acc + l_t
+                else:
+                    o = warpgroup_mma_wait(0, deps=[o_tok])
+                mbarrier.arrive(vt_empty.index(rj % VT), count=1)  # P_j·V_j is done with Vᵀ_j
+            elif FP8:
+                mbarrier.arrive(empty.index(nxt), count=1)  # K_{j+1} is read
+                p8 = _p_e4m3(p_next, ROWS, VT_PERM)
+                if MSUM:
+                    o, l_t = warpgroup_mma_wait(0, deps=[o_tok, l_tok])
+                    l_acc = l_acc + l_t
+                else:
+                    o = warpgroup_mma_wait(0, deps=[o_tok])
+                mbarrier.arrive(vt_empty.index(rj % VT), count=1)  # P_j·V_j is done with Vᵀ_j and with p_buf
+                p_buf.store(p8)
+                fence_async_shared()
             else:
-                o = warpgroup_mma_wait(0, deps=[o_tok])
-            mbarrier.arrive(vt_empty.index(rj % VT), count=1)  # P_j·V_j is done with Vᵀ_j and with p_buf
-            p_buf.store(p8)
-            fence_async_shared()
-        else:
-            p_next = gl.convert_layout(_p_operand(p_next, DT, False), p_layout)
-            if PV_OVERLAP:  # a store that needs every exp2: ptxas cannot sink the softmax below the wait
-                p_buf.store(l_i)
-            o, p = warpgroup_mma_wait(0, deps=[o_tok, p])
-        # tile j's buffers are free (fp8: K released above, V the producer's)
-        if not WS:
-            _issue_tile(k_desc, v_desc, k_smem, v_smem, full, bt_row, bt_width, num_blocks, j + STAGES, k_col, v_col,
-                        slot, j + STAGES < n, PAGE, TILE, KV_BYTES)
-        elif not FP8:
-            mbarrier.arrive(empty.index(slot), count=1)
-        o = o * gl.convert_layout(alpha, rows_o)[:, None]
-        if MSUM:
-            l_acc = l_acc * gl.convert_layout(alpha, gl.SliceLayout(1, l_layout))[:, None]
-        if not FP8:
-            p = p_next
+                p_next = gl.convert_layout(_p_operand(p_next, DT, False), p_layout)
+                if PV_OVERLAP:  # a store that needs every exp2: ptxas cannot sink the softmax below the wait
+                    p_buf.store(l_i)
+                o, p = warpgroup_mma_wait(0, deps=[o_tok, p])
+            # tile j's buffers are free (fp8: K released above, V the producer's)
+            if not WS:
+                _issue_tile(k_desc, v_desc, k_smem, v_smem, full, bt_row, bt_width, num_blocks, j + STAGES, k_col,
+                            v_col, slot, j + STAGES < n, PAGE, TILE, KV_BYTES)
+            elif not FP8:
+                mbarrier.arrive(empty.index(slot), count=1)
+            o = o * gl.convert_layout(alpha, rows_o)[:, None]
+            if MSUM:
+                l_acc = l_acc * gl.convert_layout(alpha, gl.SliceLayout(1, l_layout))[:, None]
+            if not FP8:
+                p = p_next
     rl = _ring(n - 1, G0, PERSIST)
     last = rl % STAGES
     if FP8:

@@ -129,6 +129,11 @@ class PrefillConfig:
     convert_layout transpose): h64/8 q4k 390.2 / 407.8, q8k 1498.7 / 1525.1, h8/1 q4k 55.7 / 56.0, q8k 180.1 /
     191.6. `gluon_config(fp8=True)` turns it on where the tile allows; bench row `hpcops-fp8q-cvt`: the default
     with the convert_layout transpose.
+    `gluon_mask_split` (every Gluon kernel): each consumer's K/V loop in two, the steps whose tile lies wholly
+    below every row's causal limit with no mask, then the diagonal's steps (1-2 a q tile) with it. One loop takes
+    the mask as a runtime flag, and ptxas evaluates it on every step: the fp8 loop's ~610 instructions a thread
+    become 442 without it (sm_90 SASS, `scripts/sass_loops.py`), the masked loop ~910. Opt-in until measured
+    (bench rows `hpcops-split`, `hpcops-fp8q-split`).
     `tma`, `pv_fp8`, `quant_q` and `fma_scale` are the `tl` kernel's (the Gluon kernel always reads by TMA and
     scales inside exp2).
     """
@@ -155,6 +160,7 @@ class PrefillConfig:
     gluon_queue: bool = False
     gluon_vt3: bool = False
     gluon_vt_prmt: bool = False
+    gluon_mask_split: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
@@ -544,6 +550,7 @@ def _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, out,
                   HEADS_INNER=bool(config.heads_inner))
     bits = (1 if config.gluon_tree else 0) | (2 if config.gluon_pv_overlap else 0) | (4 if config.gluon_mma_sum else 0)
     bits |= (32 if config.gluon_q_regs else 0) | (64 if config.gluon_vt3 else 0) | (128 if config.gluon_vt_prmt else 0)
+    bits |= 256 if config.gluon_mask_split else 0
     softmax = {"SOFTMAX": bits} if bits else {}  # the defaults' launches keep their signature
     if config.gluon_ws:
         fp8 = q.dtype == FP8_E4M3
