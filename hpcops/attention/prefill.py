@@ -243,15 +243,18 @@ GLUON_MIN_Q = 512  # up to this q_len with many tiles the heuristic keeps the tl
 
 def gluon_smem_bytes(block_m: int, block_n: int, stages: int, head_dim: int, elem_bytes: int = 2,
                      fp8: bool = False, p_bufs: int = 1, row_sums: bool = False, mma_sum: bool = False,
-                     vt_bufs: int = 2) -> int:
+                     vt_bufs: int = 2, prefetch: bool = False) -> int:
     """Shared memory of a Gluon prefill program: its q tile and `stages` K/V buffer pairs; `fp8` (the
     warp-specialized kernel over fp8 q and KV, 1-byte elements) adds the `vt_bufs` Vᵀ [D, block_n] buffers (3 with
     `gluon_vt3`) and each consumer's `p_bufs` e4m3 P [64, block_n] (2 with `gluon_p_dbuf`); `row_sums`
     (`gluon_pv_overlap`) the two consumers' [64] fp32 scratch; `mma_sum` (`gluon_mma_sum`, fp8) the [8, block_n]
-    e4m3 ones."""
+    e4m3 ones; `prefetch` (`gluon_prefetch`, fp8) the producer's ring of two q tiles, their fp32 scales and their
+    metadata (an upper bound: the sm_90 build of the default tile has 182888 bytes where this counts 198784)."""
     if fp8:
         ones = 8 * block_n if mma_sum else 0
-        return (block_m + 2 * stages * block_n) * head_dim + (vt_bufs * head_dim + 2 * 64 * p_bufs) * block_n + ones
+        ring = 2 * block_m * head_dim + 2 * block_m * 4 + 128 if prefetch else 0
+        return ((block_m + 2 * stages * block_n) * head_dim + (vt_bufs * head_dim + 2 * 64 * p_bufs) * block_n + ones
+                + ring)
     return (block_m + 2 * stages * block_n) * head_dim * elem_bytes + (2 * 64 * 4 if row_sums else 0)
 
 
@@ -481,9 +484,8 @@ def gluon_config_reason(config: PrefillConfig, *, fp8: bool, head_dim: int, grou
     if page < bn and (page < 8 or bn % page):
         return f"block_size {page} (pages under block_n {bn} must divide it, 8 tokens at least)"
     smem = gluon_smem_bytes(bm, bn, config.num_stages, d, elem_bytes, fp8, 2 if config.gluon_p_dbuf else 1,
-                            config.gluon_pv_overlap, config.gluon_mma_sum, 3 if config.gluon_vt3 else 2)
-    if config.gluon_prefetch:  # its ring of two q tiles, their scales and metadata (an upper bound: sm_90 builds
-        smem += 2 * 128 * d + 2 * 128 * 4 + 128  # at the default tile measured 182888 bytes against 198784 here)
+                            config.gluon_pv_overlap, config.gluon_mma_sum, 3 if config.gluon_vt3 else 2,
+                            config.gluon_prefetch)
     vts = "three" if config.gluon_vt3 else "two"
     what = f"q and {config.num_stages} K/V buffers" + (f", {vts} Vᵀ buffers and each consumer's P" if fp8 else "")
     if smem > GLUON_SMEM_BYTES:
