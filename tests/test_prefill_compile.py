@@ -209,7 +209,7 @@ from hpcops.attention.prefill import GLUON_WS_PERSIST_REGS
 from hpcops.testing import sm90_resources
 
 d, g, tile, page, stages, dt, *flags = json.loads(sys.argv[1])
-p_regs, tree, p_dbuf, pvo, msum, persist, qregs, prmt, split = (flags + [False] * 9)[:9]
+p_regs, tree, p_dbuf, pvo, msum, persist, qregs, prmt, split, direct = (flags + [False] * 10)[:10]
 gdt = {"bf16": gl.bfloat16, "fp16": gl.float16, "fp8e4nv": gl.float8e4nv}[dt]
 box = min(tile, page)
 desc = f"tensordesc<{dt}[{box}, {d}],{gl.NVMMASharedLayout.get_default_for([box, d], gdt)}>"
@@ -224,7 +224,7 @@ consts = dict(D=d, G=g, TILE=tile, PAGE=page, BLOCK_B=16, STAGES=stages, HEADS_I
               FP8=(2 if p_regs else 3 if p_dbuf else 1) if dt == "fp8e4nv" else 0,
               FP8_CONSUMER_REGS=GLUON_WS_FP8_REGS[0], FP8_PRODUCER_REGS=GLUON_WS_FP8_REGS[1],
               SOFTMAX=(1 if tree else 0) | (2 if pvo else 0) | (4 if msum else 0) | (32 if qregs else 0)
-              | (128 if prmt else 0) | (256 if split else 0))
+              | (128 if prmt else 0) | (256 if split else 0) | (512 if direct else 0))
 if persist:  # PrefillConfig.gluon_persist: the kernel as a persistent grid, its own register splits
     consts.update(FP8_CONSUMER_REGS=GLUON_WS_FP8_PERSIST_REGS[0], FP8_PRODUCER_REGS=GLUON_WS_FP8_PERSIST_REGS[1],
                   CONSUMER_REGS=GLUON_WS_PERSIST_REGS[0], PRODUCER_REGS=GLUON_WS_PERSIST_REGS[1])
@@ -298,6 +298,12 @@ GLUON_WS_BUILDS = {  # name: (head_dim, G, block_n, page, stages, dtype)
                                          False, True),
     "d128-128-3buf-split": (128, 8, 128, 64, 3, "bf16", False, False, False, False, False, False, False, False,
                             True),
+    # PrefillConfig.gluon_p_direct: P in registers straight from S (the order σ), P·V and P·1 asynchronous,
+    # persistent and a program a tile, at head_dim 128 and 64
+    "fp8-d128-h8/1-128-3buf-msum-qregs-persist-prmt-direct": (128, 8, 128, 64, 3, "fp8e4nv", True, False, False,
+                                                              False, True, True, True, True, False, True),
+    "fp8-d64-gqa3-128-page32-msum-prmt-direct": (64, 3, 128, 32, 3, "fp8e4nv", True, False, False, False, True,
+                                                 False, False, True, False, True),
 }
 
 

@@ -132,8 +132,14 @@ class PrefillConfig:
     `gluon_mask_split` (every Gluon kernel): each consumer's K/V loop in two, the steps whose tile lies wholly
     below every row's causal limit with no mask, then the diagonal's steps (1-2 a q tile) with it. One loop takes
     the mask as a runtime flag, and ptxas evaluates it on every step: the fp8 loop's ~610 instructions a thread
-    become 442 without it (sm_90 SASS, `scripts/sass_loops.py`), the masked loop ~910. Opt-in until measured
-    (bench rows `hpcops-split`, `hpcops-fp8q-split`).
+    become 442 without it (sm_90 SASS, `scripts/sass_loops.py`), the masked loop ~910. Opt-in: measured level in
+    bf16 and 0.96-1.01x in fp8 (session 69, H100, `bench/results/prefill_split_h100_678aa8a.md`; bench rows
+    `hpcops-split`, `hpcops-fp8q-split`).
+    `gluon_p_direct` (with `gluon_p_regs` and `gluon_vt_prmt`): P·V runs over the key order in which S's fp32
+    accumulator already is P·V's fp8 register operand (`_sigma_keys`), so P goes from the softmax to the wgmma by
+    a cast alone (no shuffles, no shared memory, no fence), P·V and P·1 (`gluon_mma_sum`) run asynchronously, and
+    the producer writes Vᵀ in that order (the same byte permutes, another word column). Any fp8 kernel, the
+    persistent and prefetching ones included. Opt-in (bench row `hpcops-fp8q-direct`).
     `tma`, `pv_fp8`, `quant_q` and `fma_scale` are the `tl` kernel's (the Gluon kernel always reads by TMA and
     scales inside exp2).
     """
@@ -161,6 +167,7 @@ class PrefillConfig:
     gluon_vt3: bool = False
     gluon_vt_prmt: bool = False
     gluon_mask_split: bool = False
+    gluon_p_direct: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
@@ -448,20 +455,26 @@ def gluon_config_reason(config: PrefillConfig, *, fp8: bool, head_dim: int, grou
         return "gluon_p_dbuf is for an fp8 q over fp8 KV with P in shared memory (not gluon_p_regs)"
     if config.gluon_pv_overlap and (fp8 or not config.gluon_ws):
         return "gluon_pv_overlap is for the 16-bit warp-specialized kernel (fp8: gluon_p_dbuf)"
-    if config.gluon_mma_sum and (not fp8 or config.gluon_p_regs):
-        return "gluon_mma_sum is for an fp8 q over fp8 KV with P in shared memory (not gluon_p_regs)"
-    if config.gluon_persist and (not config.gluon_ws or config.gluon_p_regs):
-        return ("gluon_persist is for the warp-specialized kernel (gluon_ws), fp8 with P in shared memory "
-                "(not gluon_p_regs)")
+    direct = config.gluon_p_direct
+    if direct and not (fp8 and config.gluon_p_regs and config.gluon_vt_prmt):
+        return ("gluon_p_direct is for an fp8 q over fp8 KV with P in registers (gluon_p_regs) and the byte-permute "
+                "transpose (gluon_vt_prmt)")
+    if config.gluon_mma_sum and (not fp8 or (config.gluon_p_regs and not direct)):
+        return ("gluon_mma_sum is for an fp8 q over fp8 KV with P in shared memory or straight from S "
+                "(not gluon_p_regs alone)")
+    if config.gluon_persist and (not config.gluon_ws or (config.gluon_p_regs and not direct)):
+        return ("gluon_persist is for the warp-specialized kernel (gluon_ws), fp8 with P in shared memory or "
+                "straight from S (not gluon_p_regs alone)")
     if config.gluon_prefetch and not (fp8 and config.gluon_persist and config.gluon_q_regs):
         return "gluon_prefetch is for the persistent fp8 kernel with q in registers (gluon_persist, gluon_q_regs)"
     if config.gluon_queue and not config.gluon_prefetch:
         return "gluon_queue is for the prefetching persistent fp8 kernel (gluon_prefetch)"
     if config.gluon_vt3 and not fp8:
         return "gluon_vt3 is for an fp8 q over fp8 KV (the producer's Vᵀ buffers)"
-    if config.gluon_vt_prmt and not (fp8 and config.block_n == 128 and d in (64, 128) and not config.gluon_p_regs):
+    if config.gluon_vt_prmt and not (fp8 and config.block_n == 128 and d in (64, 128)
+                                     and (direct or not config.gluon_p_regs)):
         return ("gluon_vt_prmt is for the permuted Vᵀ transpose: an fp8 q over fp8 KV, block_n 128, head_dim 64 or "
-                "128, P in shared memory (not gluon_p_regs)")
+                "128, P in shared memory or straight from S (not gluon_p_regs alone)")
     if config.gluon_prefetch and group not in (8, 16, 32, 64):
         return (f"gluon_prefetch with a GQA group of {group} heads (its q boxes are one token's heads: whole 8-row "
                 "swizzle atoms of a 64-row q, so 8, 16, 32 or 64)")
@@ -483,7 +496,8 @@ def gluon_config_reason(config: PrefillConfig, *, fp8: bool, head_dim: int, grou
         return f"block_n {bn} / num_stages {config.num_stages} (at most 256 keys a tile, two buffers at least)"
     if page < bn and (page < 8 or bn % page):
         return f"block_size {page} (pages under block_n {bn} must divide it, 8 tokens at least)"
-    smem = gluon_smem_bytes(bm, bn, config.num_stages, d, elem_bytes, fp8, 2 if config.gluon_p_dbuf else 1,
+    smem = gluon_smem_bytes(bm, bn, config.num_stages, d, elem_bytes, fp8,
+                            0 if config.gluon_p_regs else 2 if config.gluon_p_dbuf else 1,
                             config.gluon_pv_overlap, config.gluon_mma_sum, 3 if config.gluon_vt3 else 2,
                             config.gluon_prefetch)
     vts = "three" if config.gluon_vt3 else "two"
@@ -552,7 +566,7 @@ def _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, out,
                   HEADS_INNER=bool(config.heads_inner))
     bits = (1 if config.gluon_tree else 0) | (2 if config.gluon_pv_overlap else 0) | (4 if config.gluon_mma_sum else 0)
     bits |= (32 if config.gluon_q_regs else 0) | (64 if config.gluon_vt3 else 0) | (128 if config.gluon_vt_prmt else 0)
-    bits |= 256 if config.gluon_mask_split else 0
+    bits |= (256 if config.gluon_mask_split else 0) | (512 if config.gluon_p_direct else 0)
     softmax = {"SOFTMAX": bits} if bits else {}  # the defaults' launches keep their signature
     if config.gluon_ws:
         fp8 = q.dtype == FP8_E4M3

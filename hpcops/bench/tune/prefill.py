@@ -121,6 +121,7 @@ GLUON_SPACE = (
     knob("gluon_q_regs", False, True),
     knob("gluon_vt_prmt", False, True),
     knob("gluon_mask_split", False, True),
+    knob("gluon_p_direct", False, True),
 )
 
 
