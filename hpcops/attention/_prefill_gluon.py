@@ -463,7 +463,10 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
     phases, Vᵀ buffers) and its turns T0..; the last Vᵀ buffer is given back too (the producer refills it for the
     next q tile). PRE (`PrefillConfig.gluon_prefetch`, persistent fp8 with q in registers): `pre` = (q's A
     operand, the rows' q scales, k_scale, v_scale), read by the caller from the shared memory the producer's TMA
-    filled ahead of the tile (`_ws_prefetch`): no global load before the first S."""
+    filled ahead of the tile (`_ws_prefetch`): no global load before the first S. SOFTMAX & 512
+    (`PrefillConfig.gluon_p_direct`, with FP8 == 2): P in registers straight from S's accumulator in the key order σ
+    (`_sigma_keys`; the producer's Vᵀ in the same order), cast right before its wgmma; P·V and P·1 asynchronous as
+    with P in shared memory, and the persistent loops take it."""
     P_REGS: gl.constexpr = FP8 == 2
     P_DBUF: gl.constexpr = FP8 == 3  # two P buffers a consumer: P_{j+1} is stored before P_j·V_j is waited for
     P_EXP: gl.constexpr = 8 if FP8 else 0  # fp8: P as e4m3(P·256)
