@@ -139,7 +139,10 @@ class PrefillConfig:
     accumulator already is P·V's fp8 register operand (`_sigma_keys`), so P goes from the softmax to the wgmma by
     a cast alone (no shuffles, no shared memory, no fence), P·V and P·1 (`gluon_mma_sum`) run asynchronously, and
     the producer writes Vᵀ in that order (the same byte permutes, another word column). Any fp8 kernel, the
-    persistent and prefetching ones included. Opt-in (bench row `hpcops-fp8q-direct`).
+    persistent and prefetching ones included. Opt-in: measured level with P through shared memory (session 69,
+    one H100, the fp8 default with it against without, `bench/results/prefill_direct_h100_4878b0e.md`, µs: h64/8
+    q4k 388.7 / 389.4, q8k 1445.0 / 1479.1, h8/1 q4k 54.6 / 55.0, q8k 183.7 / 178.0); bench rows
+    `hpcops-fp8q-direct`, `-direct-4buf`.
     `tma`, `pv_fp8`, `quant_q` and `fma_scale` are the `tl` kernel's (the Gluon kernel always reads by TMA and
     scales inside exp2).
     """
