@@ -606,16 +606,7 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
             masked = (part == 1) if SPLIT else j + 1 >= full_end  # a constexpr where SPLIT
             p_next, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, c, (j + 1) * TILE, kv_limit, keys, masked, FP8,
                                                     P_EXP, TREE, not MSUM)
-            if DIRECT:
-                mbarrier.arrive(empty.index(nxt), count=1)  # K_{j+1} is read
-                if MSUM:
-                    o, l_t = warpgroup_mma_wait(0, deps=[o_tok, l_tok])
-                    l_acc = l_acc + l_t
-                else:
-                    o = warpgroup_mma_wait(0, deps=[o_tok])  # (an 8-bit register operand cannot be a dep)
-                mbarrier.arrive(vt_empty.index(rj % VT), count=1)  # P_j·V_j is done with Vᵀ_j and with P_j
-                p = p_next
-            elif P_REGS:
+            if P_REGS and not DIRECT:
                 mbarrier.arrive(empty.index(nxt), count=1)  # K_{j+1} is read
                 mbarrier.arrive(vt_empty.index(rj % VT), count=1)  # P_j·V_j is done
                 p = gl.convert_layout(_p_operand(p_next, DT, True), p_layout)
@@ -629,17 +620,21 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
                 else:
                     o = warpgroup_mma_wait(0, deps=[o_tok])
                 mbarrier.arrive(vt_empty.index(rj % VT), count=1)  # P_j·V_j is done with Vᵀ_j
-            elif FP8:
+            elif FP8:  # P through one shared buffer, or (DIRECT) in registers: never a dep of the wait (8-bit)
                 mbarrier.arrive(empty.index(nxt), count=1)  # K_{j+1} is read
-                p8 = _p_e4m3(p_next, ROWS, VT_PERM)
+                if not DIRECT:
+                    p8 = _p_e4m3(p_next, ROWS, VT_PERM)
                 if MSUM:
                     o, l_t = warpgroup_mma_wait(0, deps=[o_tok, l_tok])
                     l_acc = l_acc + l_t
                 else:
                     o = warpgroup_mma_wait(0, deps=[o_tok])
-                mbarrier.arrive(vt_empty.index(rj % VT), count=1)  # P_j·V_j is done with Vᵀ_j and with p_buf
-                p_buf.store(p8)
-                fence_async_shared()
+                mbarrier.arrive(vt_empty.index(rj % VT), count=1)  # P_j·V_j is done with Vᵀ_j and with P_j
+                if DIRECT:
+                    p = p_next
+                else:
+                    p_buf.store(p8)
+                    fence_async_shared()
             else:
                 p_next = gl.convert_layout(_p_operand(p_next, DT, False), p_layout)
                 if PV_OVERLAP:  # a store that needs every exp2: ptxas cannot sink the softmax below the wait
