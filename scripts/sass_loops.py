@@ -45,10 +45,10 @@ def build_sass(name: str, extra: int, out: Path) -> dict:
     """Compile build `name` (SOFTMAX bits | extra) and write its full SASS to `out`; the build's resource dict."""
     src = GLUON_WS_BUILD.replace("print(json.dumps(r))", DUMP)
     if extra:  # the build script's SOFTMAX expression ends with q_regs' bit
-        tail = "(512 if direct else 0))"
+        tail = "(128 if prmt else 0))"
         if tail not in src:
             raise SystemExit("the build script's SOFTMAX expression changed: update --softmax-extra's patch")
-        src = src.replace(tail, f"(512 if direct else 0) | {extra})", 1)
+        src = src.replace(tail, f"(128 if prmt else 0) | {extra})", 1)
     env = dict(os.environ, SASS_OUT=str(out), PYTHONPATH=str(ROOT))
     res = subprocess.run([sys.executable, "-c", src, json.dumps(GLUON_WS_BUILDS[name])], capture_output=True,
                          text=True, env=env)

@@ -842,12 +842,12 @@ def _gluon(name: str, seq_lens: list[int], q_lens: list[int], *, block_m: int = 
             stages: int = 2, heads_inner: bool = True, ws: bool = False, p_regs: bool = False, tree: bool = False,
             p_dbuf: bool = False, pvo: bool = False, msum: bool = False, persist: bool = False,
             qregs: bool = False, prefetch: bool = False, queue: bool = False, vt3: bool = False, prmt: bool = False,
-            split: bool = False, direct: bool = False, **kw) -> Case:
+            **kw) -> Case:
     cfg = PrefillConfig(block_m=block_m, block_n=block_n, num_warps=block_m // 16, num_stages=stages,
                         heads_inner=heads_inner, gluon=True, gluon_ws=ws, gluon_p_regs=p_regs, gluon_tree=tree,
                         gluon_p_dbuf=p_dbuf, gluon_pv_overlap=pvo, gluon_mma_sum=msum, gluon_persist=persist,
                         gluon_q_regs=qregs, gluon_prefetch=prefetch, gluon_queue=queue, gluon_vt3=vt3,
-                        gluon_vt_prmt=prmt, gluon_mask_split=split, gluon_p_direct=direct)
+                        gluon_vt_prmt=prmt)
     kw = {"hq": 64, "hkv": 8, "head_dim": 128, "block_size": 64, **kw}
     return Case(name, seq_lens, q_lens, config=cfg, **kw)
 
@@ -1014,42 +1014,6 @@ GLUON_CASES = [
            vt3=True, prmt=True),
     _gluon("gluon-ws-fp8-prmt-plain-page16-h64/8", [1000, 513], [1000, 17], block_size=16, ws=True, kv_dtype=FP8,
            q_fp8=True, stages=3, msum=True, prmt=True),
-    # PrefillConfig.gluon_mask_split: the unmasked steps and the diagonal's in two loops, in every Gluon kernel: the
-    # fp8 default (prefetching, byte-permute transpose) over mixed extends (steps all masked, none masked, tails),
-    # q2k, many short requests; the persistent fp8 kernel, the one a program a tile with two P buffers; the 16-bit
-    # warp-specialized kernel (persistent with trees, and not), the 64-row kernel at head_dim 64, head_dim 256
-    _gluon("gluon-split-fp8-prefetch-extend-mixed-h8/1", [4096, 3000, 1, 700, 129, 300], [1024, 1, 1, 700, 64, 300],
-           hq=8, hkv=1, pad_rows=5, ws=True, kv_dtype=FP8, q_fp8=True, stages=3, msum=True, qregs=True, persist=True,
-           prefetch=True, prmt=True, split=True),
-    _gluon("gluon-split-fp8-prefetch-q2k-h64/8", [2048], [2048], ws=True, kv_dtype=FP8, q_fp8=True, stages=3,
-           msum=True, qregs=True, persist=True, prefetch=True, prmt=True, split=True),
-    _gluon("gluon-split-fp8-prefetch-short-requests-h8/1", [300 + 7 * i for i in range(40)],
-           [1 + i % 23 for i in range(40)], hq=8, hkv=1, ws=True, kv_dtype=FP8, q_fp8=True, stages=3, msum=True,
-           qregs=True, persist=True, prefetch=True, prmt=True, split=True),
-    _gluon("gluon-split-fp8-persist-extend-mixed-h64/8", [4096, 3000, 1, 700, 129], [1024, 1, 1, 700, 64],
-           pad_rows=5, ws=True, kv_dtype=FP8, q_fp8=True, stages=3, msum=True, qregs=True, persist=True, prmt=True,
-           split=True),
-    _gluon("gluon-split-fp8-pdbuf-page16-h64/8", [1000, 513], [1000, 17], block_size=16, ws=True, kv_dtype=FP8,
-           q_fp8=True, stages=3, p_dbuf=True, split=True),
-    _gluon("gluon-split-ws-persist-tree-extend-mixed-h8/1", [4096, 3000, 1, 700, 129], [1024, 1, 1, 700, 64], hq=8,
-           hkv=1, pad_rows=5, ws=True, stages=3, tree=True, persist=True, split=True),
-    _gluon("gluon-split-ws-q2k-h64/8", [2048], [2048], ws=True, stages=3, split=True),
-    _gluon("gluon-split-64row-d64-gqa3-page32", [777, 129], [777, 64], hq=12, hkv=4, head_dim=64, block_size=32,
-           block_m=64, block_n=64, split=True),
-    _gluon("gluon-split-ws-d256-h8/1", [1500, 300], [1500, 33], hq=8, hkv=1, head_dim=256, block_n=64, ws=True,
-           split=True),
-    # PrefillConfig.gluon_p_direct: P in registers straight from S in the order σ, P·V and P·1 asynchronous, Vᵀ by
-    # the byte permutes in that order: the fp8 default's kernels (prefetching: the mixed extend batch, q2k, short
-    # requests; persistent), head_dim 64, with four K/V buffers (P's shared memory is free), the kernel a program a
-    # tile with the row sums on the CUDA cores
-    *_fp8_default_family("direct", prmt=True, p_regs=True, direct=True),
-    _gluon("gluon-ws-fp8-direct-prefetch-d64-h8/1", [3000, 700, 129], [1024, 700, 64], hq=8, hkv=1, head_dim=64,
-           ws=True, kv_dtype=FP8, q_fp8=True, stages=3, msum=True, qregs=True, persist=True, prefetch=True,
-           prmt=True, p_regs=True, direct=True),
-    _gluon("gluon-ws-fp8-direct-prefetch-4buf-q2k-h64/8", [2048, 300], [2048, 1], ws=True, kv_dtype=FP8, q_fp8=True,
-           stages=4, msum=True, qregs=True, persist=True, prefetch=True, prmt=True, p_regs=True, direct=True),
-    _gluon("gluon-ws-fp8-direct-plain-fsum-page16-h64/8", [1000, 513], [1000, 17], block_size=16, ws=True,
-           kv_dtype=FP8, q_fp8=True, stages=3, prmt=True, p_regs=True, direct=True),
 ]
 
 

@@ -148,8 +148,7 @@ from triton.experimental.gluon import language as gl
 from hpcops.attention._prefill_gluon import prefill_gluon_kernel
 from hpcops.testing import compile_gluon_sm90, sm90_resources
 
-d, g, bm, tile, page, stages, dt, *flags = json.loads(sys.argv[1])
-tree, split = (flags + [False] * 2)[:2]
+d, g, bm, tile, page, stages, dt, *tree = json.loads(sys.argv[1])
 gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[dt]
 box = min(tile, page)  # the launcher's TMA box: a tile inside a page, or one page
 desc = f"tensordesc<{dt}[{box}, {d}],{gl.NVMMASharedLayout.get_default_for([box, d], gdt)}>"
@@ -158,7 +157,7 @@ sig = dict(q_ptr="*" + dt, k_desc=desc, v_desc=desc, bt_ptr="*i32", seq_lens_ptr
 sig.update({a: "i32" for a in ("num_reqs", "tiles_per_head", "num_kv_heads", "bt_width", "num_blocks", "stride_qt",
                                "stride_qh", "stride_kh", "stride_vh", "stride_bt", "stride_ot", "stride_oh")})
 consts = dict(D=d, G=g, BLOCK_M=bm, TILE=tile, PAGE=page, BLOCK_B=16, STAGES=stages, HEADS_INNER=True,
-              num_warps=bm // 16, SOFTMAX=(1 if tree else 0) | (256 if split else 0))
+              num_warps=bm // 16, SOFTMAX=1 if tree and tree[0] else 0)
 sig.update({a: "constexpr" for a in consts})
 print(json.dumps(sm90_resources(compile_gluon_sm90(prefill_gluon_kernel, sig, consts, num_warps=bm // 16))))
 """)
@@ -173,8 +172,6 @@ GLUON_BUILDS = {  # name: (head_dim, G, block_m, block_n, page, stages, dtype)
     "d256-128x64": (256, 2, 128, 64, 64, 2, "bf16"),
     "d256-64x64": (256, 2, 64, 64, 64, 2, "bf16"),
     "d128-64x128-tree": (128, 8, 64, 128, 64, 2, "bf16", True),  # PrefillConfig.gluon_tree
-    "d64-64x64-split": (64, 3, 64, 64, 32, 2, "bf16", False, True),  # PrefillConfig.gluon_mask_split
-    "d256-64x64-split": (256, 2, 64, 64, 64, 2, "bf16", False, True),
 }
 
 
@@ -185,15 +182,13 @@ def test_gluon_prefill_kernel_builds_for_sm90(name):
     loop, one refill in it; a box a page when pages are under a tile), shared memory within one SM's 227 KB."""
     pytest.importorskip("triton.backends.nvidia")
     d, g, bm, tile, page, stages, dt = GLUON_BUILDS[name][:7]
-    split = GLUON_BUILDS[name][8:9] == (True,)
     r = sm90_build_in_subprocess(GLUON_BUILD, GLUON_BUILDS[name])
     print(name, r)
     assert r["spill_bytes"] == 0 and 0 < r["registers"] <= 255, r
-    # the first tile's S and the loop's (D/16 K steps each), the loop's P·V and the last tile's (block_n/16); with
-    # gluon_mask_split the loop's twice (the unmasked steps' loop and the diagonal's)
-    assert r["wgmma"] == (3 if split else 2) * (d // 16) + (3 if split else 2) * (tile // 16), r
+    # the first tile's S and the loop's (D/16 K steps each), the loop's P·V and the last tile's (block_n/16)
+    assert r["wgmma"] == 2 * (d // 16) + 2 * (tile // 16), r
     boxes = max(1, tile // page)
-    assert r["tma_loads"] == 2 * (stages + (2 if split else 1)) * boxes, r  # the loop's refill in each loop
+    assert r["tma_loads"] == 2 * (stages + 1) * boxes, r
     assert r["shared"] <= 227 * 1024, r
 
 
@@ -209,7 +204,7 @@ from hpcops.attention.prefill import GLUON_WS_PERSIST_REGS
 from hpcops.testing import sm90_resources
 
 d, g, tile, page, stages, dt, *flags = json.loads(sys.argv[1])
-p_regs, tree, p_dbuf, pvo, msum, persist, qregs, prmt, split, direct = (flags + [False] * 10)[:10]
+p_regs, tree, p_dbuf, pvo, msum, persist, qregs, prmt = (flags + [False] * 8)[:8]
 gdt = {"bf16": gl.bfloat16, "fp16": gl.float16, "fp8e4nv": gl.float8e4nv}[dt]
 box = min(tile, page)
 desc = f"tensordesc<{dt}[{box}, {d}],{gl.NVMMASharedLayout.get_default_for([box, d], gdt)}>"
@@ -224,7 +219,7 @@ consts = dict(D=d, G=g, TILE=tile, PAGE=page, BLOCK_B=16, STAGES=stages, HEADS_I
               FP8=(2 if p_regs else 3 if p_dbuf else 1) if dt == "fp8e4nv" else 0,
               FP8_CONSUMER_REGS=GLUON_WS_FP8_REGS[0], FP8_PRODUCER_REGS=GLUON_WS_FP8_REGS[1],
               SOFTMAX=(1 if tree else 0) | (2 if pvo else 0) | (4 if msum else 0) | (32 if qregs else 0)
-              | (128 if prmt else 0) | (256 if split else 0) | (512 if direct else 0))
+              | (128 if prmt else 0))
 if persist:  # PrefillConfig.gluon_persist: the kernel as a persistent grid, its own register splits
     consts.update(FP8_CONSUMER_REGS=GLUON_WS_FP8_PERSIST_REGS[0], FP8_PRODUCER_REGS=GLUON_WS_FP8_PERSIST_REGS[1],
                   CONSUMER_REGS=GLUON_WS_PERSIST_REGS[0], PRODUCER_REGS=GLUON_WS_PERSIST_REGS[1])
@@ -291,19 +286,6 @@ GLUON_WS_BUILDS = {  # name: (head_dim, G, block_n, page, stages, dtype)
                                          False, True),
     "fp8-d128-h8/1-128-3buf-msum-qregs-persist-prmt": (128, 8, 128, 64, 3, "fp8e4nv", False, False, False, False,
                                                        True, True, True, True),
-    # PrefillConfig.gluon_mask_split: the unmasked steps in a loop of their own (fp8 persistent, bf16 both ways)
-    "fp8-d128-h8/1-128-3buf-msum-qregs-persist-prmt-split": (128, 8, 128, 64, 3, "fp8e4nv", False, False, False,
-                                                             False, True, True, True, True, True),
-    "d128-128-3buf-tree-persist-split": (128, 8, 128, 64, 3, "bf16", False, True, False, False, False, True, False,
-                                         False, True),
-    "d128-128-3buf-split": (128, 8, 128, 64, 3, "bf16", False, False, False, False, False, False, False, False,
-                            True),
-    # PrefillConfig.gluon_p_direct: P in registers straight from S (the order σ), P·V and P·1 asynchronous,
-    # persistent and a program a tile, at head_dim 128 and 64
-    "fp8-d128-h8/1-128-3buf-msum-qregs-persist-prmt-direct": (128, 8, 128, 64, 3, "fp8e4nv", True, False, False,
-                                                              False, True, True, True, True, False, True),
-    "fp8-d64-gqa3-128-page32-msum-prmt-direct": (64, 3, 128, 32, 3, "fp8e4nv", True, False, False, False, True,
-                                                 False, False, True, False, True),
 }
 
 
@@ -323,10 +305,7 @@ def test_gluon_ws_prefill_kernel_builds_for_sm90(name):
     assert r["spill_bytes"] <= ((128 if d > 128 else 64) if persist else 0), r
     k_step = 32 if dt == "fp8e4nv" else 16  # an fp8 wgmma takes 32 of K a step
     msum = GLUON_WS_BUILDS[name][10:11] == (True,)  # gluon_mma_sum: P·1 in the loop and after it, N = 8
-    # gluon_mask_split: the loop's S, P·V (and P·1) twice, in the unmasked steps' loop and the diagonal's
-    split = GLUON_WS_BUILDS[name][14:15] == (True,)
-    loop = d // k_step + (2 if msum else 1) * (tile // k_step)
-    assert r["wgmma"] == 2 * (2 * (d // k_step) + (4 if msum else 2) * (tile // k_step) + (loop if split else 0)), r
+    assert r["wgmma"] == 2 * (2 * (d // k_step) + (4 if msum else 2) * (tile // k_step)), r
     if msum:  # no row sum on the CUDA cores: a tile's P·1 joins l in 4 FADD a thread (the fp32 promotion) and a
         # handful are the epilogue's and the scale's, not 64 a tile
         assert r["fadd"] < 32 and r["ones_bits"], r

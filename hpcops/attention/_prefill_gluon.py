@@ -283,30 +283,6 @@ def _permute_keys(x, ROWS: gl.constexpr):
     return gl.reshape(x, [ROWS, 128])
 
 
-# P in registers straight from S's accumulator (`PrefillConfig.gluon_p_direct`, SOFTMAX bit 512): an m64n128 fp32
-# accumulator holds key bit c0 and c3–c6 in a thread's registers and c1, c2 in its lanes; the fp8 wgmma's A operand
-# (k_width 4) holds k0, k1 (the 4 bytes of a register), k4–k6 in registers and k2, k3 in lanes, with the rows
-# where the accumulator has them. So P·V over the key order k = σ(key), key bits (c0 … c6) at k bits
-# (4 2 3 0 1 5 6), takes P as the accumulator left it: a renaming of registers and a cast, where the natural order
-# costs ~270 shuffles, byte permutes and selects a thread and tile (`gluon_p_regs` alone, sm_90 SASS). k0, k1 = c3,
-# c4 (a register's 4 bytes) are the keys the byte-permute transpose puts in one Vᵀ word, so the producer writes Vᵀ
-# in this order with `_transpose_v_prmt`'s permutes and another word column.
-@gluon.jit
-def _sigma_keys(x, ROWS: gl.constexpr):
-    """x [ROWS, 128] with its columns in the order k = σ(key) (above): a relabelling, no data moves."""
-    x = gl.reshape(x, [ROWS, 2, 2, 2, 2, 2, 2, 2])  # dims 1..7: c6 c5 c4 c3 c2 c1 c0
-    x = gl.permute(x, (0, 1, 2, 7, 5, 6, 3, 4))  # k's bits from the top: c6 c5 c0 c2 c1 c4 c3
-    return gl.reshape(x, [ROWS, 128])
-
-
-@gluon.jit
-def _p_direct(p, ROWS: gl.constexpr, p_layout: gl.constexpr):
-    """A consumer's P·256 (fp32, the accumulator's layout) as P·V's e4m3 register operand in the order σ. The
-    layout moves while P is fp32 (a renaming of whole registers) and the cast comes after, so that each F2FP packs
-    two keys of one operand register (cast first, the bytes were shuffled: ~230 PRMT, LOP3 and SHF a thread)."""
-    return gl.convert_layout(_sigma_keys(p, ROWS), p_layout).to(gl.float8e4nv)
-
-
 @gluon.jit
 def _transpose_v(v_buf, vt_buf, tile, seq_len, TILE: gl.constexpr, D: gl.constexpr, PERM: gl.constexpr = False):
     """V tile `tile` ([TILE, D], as the cache holds it) into `vt_buf` as Vᵀ [D, TILE], on 4 warps: an fp8 wgmma's B
@@ -363,12 +339,11 @@ def _vt_words_load_layout(D):
 
 
 @gluon.jit
-def _transpose_v_prmt(v_buf, vt_buf, tile, seq_len, D: gl.constexpr, SIGMA: gl.constexpr = False):
+def _transpose_v_prmt(v_buf, vt_buf, tile, seq_len, D: gl.constexpr):
     """`_transpose_v`'s permuted transpose (TILE 128, `_vt_perm`) by byte permutes (`_PRMT_4X4`): V [key, d] as
     words X[key, w] (w = d / 4), the keys' bits (k6 k5 k4 k3, k2 k1 k0) as dims; the 4 words of keys k3 k4 at each
     (k6, k5, k2..k0, w) go in, the 4 words of d = 4w + b come out (bytes j0 j1 = k3 k4). Vᵀ's word column is
-    j / 4 = (k6, k2..k0, k5) and its row d = (w, b). SIGMA (`gluon_p_direct`): Vᵀ in the order σ (`_sigma_keys`),
-    the same words in the word column j / 4 = (k6, k5, k0, k2, k1)."""
+    j / 4 = (k6, k2..k0, k5) and its row d = (w, b)."""
     W: gl.constexpr = D // 4
     ld_layout: gl.constexpr = _vt_words_load_layout(D)
     x = v_buf._reinterpret(gl.int32, [128, W], _words_layout(128, D)).load(ld_layout)
@@ -382,22 +357,9 @@ def _transpose_v_prmt(v_buf, vt_buf, tile, seq_len, D: gl.constexpr, SIGMA: gl.c
     b0, b1, b2, b3 = gl.inline_asm_elementwise(_PRMT_4X4, "=r,=r,=r,=r,r,r,r,r", [a0, a1, a2, a3],
                                                dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1)
     y = gl.join(gl.join(b0, b2), gl.join(b1, b3))  # [k6, k5, k2..k0, w, d1, d0] (a join's new dim is the last)
-    if SIGMA:
-        y = gl.reshape(y, [2, 2, 2, 2, 2, W, 2, 2])  # [k6, k5, k2, k1, k0, w, d1, d0]
-        y = gl.reshape(gl.permute(y, (5, 6, 7, 0, 1, 4, 2, 3)), [D, 32])  # [d, (k6, k5, k0, k2, k1)]
-    else:
-        y = gl.reshape(gl.permute(y, (3, 4, 5, 0, 2, 1)), [D, 32])  # [d, (k6, k2..k0, k5)]
+    y = gl.reshape(gl.permute(y, (3, 4, 5, 0, 2, 1)), [D, 32])  # [d, (k6, k2..k0, k5)]
     vt_buf._reinterpret(gl.int32, [D, 32], _words_layout(D, 128)).store(y)
     fence_async_shared()
-
-
-@gluon.constexpr_function
-def _prmt_mode(SOFTMAX):
-    """The fp8 producer's transpose (`_produce_fp8_steps`' PRMT): 0 `gl.convert_layout`'s, 1 byte permutes into the
-    permuted order (SOFTMAX & 128, `gluon_vt_prmt`), 2 byte permutes into P in registers' order σ (also & 512)."""
-    if not SOFTMAX & 128:
-        return 0
-    return 2 if SOFTMAX & 512 else 1
 
 
 @gluon.jit
@@ -463,26 +425,18 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
     phases, Vᵀ buffers) and its turns T0..; the last Vᵀ buffer is given back too (the producer refills it for the
     next q tile). PRE (`PrefillConfig.gluon_prefetch`, persistent fp8 with q in registers): `pre` = (q's A
     operand, the rows' q scales, k_scale, v_scale), read by the caller from the shared memory the producer's TMA
-    filled ahead of the tile (`_ws_prefetch`): no global load before the first S. SOFTMAX & 512
-    (`PrefillConfig.gluon_p_direct`, with FP8 == 2): P in registers straight from S's accumulator in the key order σ
-    (`_sigma_keys`; the producer's Vᵀ in the same order), cast right before its wgmma; P·V and P·1 asynchronous as
-    with P in shared memory, and the persistent loops take it."""
+    filled ahead of the tile (`_ws_prefetch`): no global load before the first S."""
     P_REGS: gl.constexpr = FP8 == 2
     P_DBUF: gl.constexpr = FP8 == 3  # two P buffers a consumer: P_{j+1} is stored before P_j·V_j is waited for
     P_EXP: gl.constexpr = 8 if FP8 else 0  # fp8: P as e4m3(P·256)
     TREE: gl.constexpr = (SOFTMAX & 1) != 0  # the row max and sum as trees (`_row_reduce`)
     # 16-bit WS: the row sums into `p_buf` (a scratch) before the P·V wait, so the softmax runs under P·V
     PV_OVERLAP: gl.constexpr = (SOFTMAX & 2) != 0 and WS and not FP8
-    # P in registers straight from S's accumulator, P·V asynchronous (`gluon_p_direct`: the key order σ)
-    DIRECT: gl.constexpr = P_REGS and (SOFTMAX & 512) != 0
-    # the row sums as l += P8·1 (wgmma N = 8)
-    MSUM: gl.constexpr = (SOFTMAX & 4) != 0 and FP8 != 0 and (FP8 != 2 or DIRECT)
+    MSUM: gl.constexpr = (SOFTMAX & 4) != 0 and FP8 != 0 and FP8 != 2  # the row sums as l += P8·1 (wgmma N = 8)
     Q_REGS: gl.constexpr = (SOFTMAX & 32) != 0  # q as S's register operand
-    SPLIT: gl.constexpr = (SOFTMAX & 256) != 0  # the masked steps in a loop of their own (below)
     VT_PERM: gl.constexpr = FP8 != 2 and _vt_perm(TILE, D)  # P and Vᵀ in the permuted key order
     gl.static_assert(WS or not FP8, "the fp8 loop runs on the warp-specialized kernel only")
-    gl.static_assert(not PERSIST or (WS and (FP8 != 2 or DIRECT)),
-                     "the persistent loop: warp-specialized, P in shared memory or straight from S (gluon_p_direct)")
+    gl.static_assert(not PERSIST or (WS and FP8 != 2), "the persistent loop: warp-specialized, P not in fp8 registers")
     DT: gl.constexpr = k_desc.dtype
     KV_BYTES: gl.constexpr = 2 * TILE * D * DT.primitive_bitwidth // 8
     K_STEP: gl.constexpr = 32 if FP8 else 16
@@ -550,9 +504,7 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
     s = warpgroup_mma(q_op, k_smem.index(r0 % STAGES).permute((1, 0)),
                       gl.zeros([ROWS, TILE], gl.float32, layout=s_layout), use_acc=False)
     p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, c, 0, kv_limit, keys, full_end == 0, FP8, P_EXP, TREE, not MSUM)
-    if DIRECT:  # P stays fp32 until its wgmma (`_p_direct` there)
-        mbarrier.arrive(empty.index(r0 % STAGES), count=1)  # K_0 is read (and the producer transposes V_0 itself)
-    elif P_REGS:
+    if P_REGS:
         p = gl.convert_layout(_p_operand(p, DT, True), p_layout)
         mbarrier.arrive(empty.index(r0 % STAGES), count=1)  # K_0 is read (and the producer transposes V_0 itself)
     elif FP8:  # P·V's A operand from shared memory (an 8-bit register operand cannot be kept alive across the wait)
@@ -561,96 +513,80 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
         mbarrier.arrive(empty.index(r0 % STAGES), count=1)
     else:
         p = gl.convert_layout(_p_operand(p, DT, False), p_layout)
-    # SPLIT (SOFTMAX & 256, `PrefillConfig.gluon_mask_split`): the steps whose tile lies wholly below every row's
-    # causal limit in a loop with no mask, the diagonal's steps (1-2 a q tile) in a second loop; with one loop the
-    # mask is a runtime flag that ptxas evaluates on every step (an ISETP and an FSEL an element: ~130 of the fp8
-    # loop's ~610 instructions a thread, sm_90 SASS)
-    j_mask = gl.minimum(gl.maximum(full_end - 1, 0), n - 1)  # the first step whose S_{j+1} needs the mask
-    for part in gl.static_range(2 if SPLIT else 1):
-        for j in range(j_mask if part == 1 else 0, j_mask if SPLIT and part == 0 else n - 1):
-            rj = _ring(j, G0, PERSIST)  # this step's place in the program's ring (j itself unless PERSIST)
-            slot = rj % STAGES
-            nxt = (rj + 1) % STAGES
-            if not FP8:
-                _zero_v_tail(v_smem.index(slot), j, seq_len, TILE, ld_layout)
-            mbarrier.wait(full.index(nxt), ((rj + 1) // STAGES) & 1)
-            if FP8:  # Vᵀ_j from the producer
-                mbarrier.wait(vt_full.index(rj % VT), (rj // VT) & 1)
-            if WS:  # my turn at the tensor cores: warpgroup 0 first (its first wait passes on the initial phase)
-                mbarrier.wait(turn.index(WG), (_ring(j, T0, PERSIST) & 1) ^ (1 - WG))
-            s_tok = warpgroup_mma(q_op, k_smem.index(nxt).permute((1, 0)),
-                                  gl.zeros([ROWS, TILE], gl.float32, layout=s_layout), use_acc=False, is_async=True)
-            if DIRECT:  # asynchronous: P's registers stay put until the wait below (ptxas keeps a wgmma's operands)
-                # cast here, not where the softmax made P: an fp8 tensor carried round the loop is 64 single bytes
-                # that the operand's packing gathers again (~230 LOP3 / PRMT / SHF a thread, sm_90 SASS)
-                p8 = _p_direct(p, ROWS, p_layout)
-                o_tok = warpgroup_mma(p8, vt_buf.index(rj % VT).permute((1, 0)), o, is_async=True)
-            elif P_REGS:  # synchronous: waits for S_{j+1} too
-                o = warpgroup_mma(p, vt_buf.index(rj % VT).permute((1, 0)), o)
-                o_tok = o
-            elif P_DBUF:
-                o_tok = warpgroup_mma(p_buf.index(2 * WG + j % 2), vt_buf.index(rj % VT).permute((1, 0)), o,
-                                      is_async=True)
-            elif FP8:
-                o_tok = warpgroup_mma(p_buf, vt_buf.index(rj % VT).permute((1, 0)), o, is_async=True)
-            else:
-                o_tok = warpgroup_mma(p, v_smem.index(slot), o, is_async=True)
-            if MSUM:  # P_j's row sums (P_DBUF: the buffer P·V reads)
-                # a fresh accumulator a tile, added to l_acc in fp32 below: Hopper's fp8 wgmma keeps ~14 bits where it
-                # adds its products to a large accumulator, so summing into l_acc itself cut off late small P
-                l_tok = warpgroup_mma(p8 if DIRECT else p_buf.index(2 * WG + j % 2) if P_DBUF else p_buf,
-                                      ones_buf.permute((1, 0)), l_zero, use_acc=False, is_async=True)
-            if WS:
-                mbarrier.arrive(turn.index(1 - WG), count=1)
-            s = warpgroup_mma_wait(2 if MSUM else 1, deps=[s_tok])  # S_{j+1} done, P_j·V_j may still run
-            masked = (part == 1) if SPLIT else j + 1 >= full_end  # a constexpr where SPLIT
-            p_next, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, c, (j + 1) * TILE, kv_limit, keys, masked, FP8,
-                                                    P_EXP, TREE, not MSUM)
-            if P_REGS and not DIRECT:
-                mbarrier.arrive(empty.index(nxt), count=1)  # K_{j+1} is read
-                mbarrier.arrive(vt_empty.index(rj % VT), count=1)  # P_j·V_j is done
-                p = gl.convert_layout(_p_operand(p_next, DT, True), p_layout)
-            elif P_DBUF:  # P_{j+1} into the buffer P_{j-1}·V_{j-1} read (waited for a step ago), then P_j·V_j
-                mbarrier.arrive(empty.index(nxt), count=1)  # K_{j+1} is read
-                p_buf.index(2 * WG + (j + 1) % 2).store(_p_e4m3(p_next, ROWS, VT_PERM))
-                fence_async_shared()
-                if MSUM:
-                    o, l_t = warpgroup_mma_wait(0, deps=[o_tok, l_tok])
-                    l_acc = l_acc + l_t
-                else:
-                    o = warpgroup_mma_wait(0, deps=[o_tok])
-                mbarrier.arrive(vt_empty.index(rj % VT), count=1)  # P_j·V_j is done with Vᵀ_j
-            elif FP8:  # P through one shared buffer, or (DIRECT) in registers: never a dep of the wait (8-bit)
-                mbarrier.arrive(empty.index(nxt), count=1)  # K_{j+1} is read
-                if not DIRECT:
-                    p8 = _p_e4m3(p_next, ROWS, VT_PERM)
-                if MSUM:
-                    o, l_t = warpgroup_mma_wait(0, deps=[o_tok, l_tok])
-                    l_acc = l_acc + l_t
-                else:
-                    o = warpgroup_mma_wait(0, deps=[o_tok])
-                mbarrier.arrive(vt_empty.index(rj % VT), count=1)  # P_j·V_j is done with Vᵀ_j and with P_j
-                if DIRECT:
-                    p = p_next
-                else:
-                    p_buf.store(p8)
-                    fence_async_shared()
-            else:
-                p_next = gl.convert_layout(_p_operand(p_next, DT, False), p_layout)
-                if PV_OVERLAP:  # a store that needs every exp2: ptxas cannot sink the softmax below the wait
-                    p_buf.store(l_i)
-                o, p = warpgroup_mma_wait(0, deps=[o_tok, p])
-            # tile j's buffers are free (fp8: K released above, V the producer's)
-            if not WS:
-                _issue_tile(k_desc, v_desc, k_smem, v_smem, full, bt_row, bt_width, num_blocks, j + STAGES, k_col,
-                            v_col, slot, j + STAGES < n, PAGE, TILE, KV_BYTES)
-            elif not FP8:
-                mbarrier.arrive(empty.index(slot), count=1)
-            o = o * gl.convert_layout(alpha, rows_o)[:, None]
+    for j in range(n - 1):
+        rj = _ring(j, G0, PERSIST)  # this step's place in the program's ring (j itself unless PERSIST)
+        slot = rj % STAGES
+        nxt = (rj + 1) % STAGES
+        if not FP8:
+            _zero_v_tail(v_smem.index(slot), j, seq_len, TILE, ld_layout)
+        mbarrier.wait(full.index(nxt), ((rj + 1) // STAGES) & 1)
+        if FP8:  # Vᵀ_j from the producer
+            mbarrier.wait(vt_full.index(rj % VT), (rj // VT) & 1)
+        if WS:  # my turn at the tensor cores: warpgroup 0 first (its first wait passes on the initial phase)
+            mbarrier.wait(turn.index(WG), (_ring(j, T0, PERSIST) & 1) ^ (1 - WG))
+        s_tok = warpgroup_mma(q_op, k_smem.index(nxt).permute((1, 0)),
+                              gl.zeros([ROWS, TILE], gl.float32, layout=s_layout), use_acc=False, is_async=True)
+        if P_REGS:  # synchronous: waits for S_{j+1} too
+            o = warpgroup_mma(p, vt_buf.index(rj % VT).permute((1, 0)), o)
+            o_tok = o
+        elif P_DBUF:
+            o_tok = warpgroup_mma(p_buf.index(2 * WG + j % 2), vt_buf.index(rj % VT).permute((1, 0)), o,
+                                  is_async=True)
+        elif FP8:
+            o_tok = warpgroup_mma(p_buf, vt_buf.index(rj % VT).permute((1, 0)), o, is_async=True)
+        else:
+            o_tok = warpgroup_mma(p, v_smem.index(slot), o, is_async=True)
+        if MSUM:  # P_j's row sums (P_DBUF: the buffer P·V reads)
+            # a fresh accumulator a tile, added to l_acc in fp32 below: Hopper's fp8 wgmma keeps ~14 bits where it
+            # adds its products to a large accumulator, so summing into l_acc itself cut off late small P
+            l_tok = warpgroup_mma(p_buf.index(2 * WG + j % 2) if P_DBUF else p_buf, ones_buf.permute((1, 0)), l_zero,
+                                  use_acc=False, is_async=True)
+        if WS:
+            mbarrier.arrive(turn.index(1 - WG), count=1)
+        s = warpgroup_mma_wait(2 if MSUM else 1, deps=[s_tok])  # S_{j+1} done, P_j·V_j may still run
+        p_next, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, c, (j + 1) * TILE, kv_limit, keys, j + 1 >= full_end,
+                                                FP8, P_EXP, TREE, not MSUM)
+        if P_REGS:
+            mbarrier.arrive(empty.index(nxt), count=1)  # K_{j+1} is read
+            mbarrier.arrive(vt_empty.index(rj % VT), count=1)  # P_j·V_j is done
+            p = gl.convert_layout(_p_operand(p_next, DT, True), p_layout)
+        elif P_DBUF:  # P_{j+1} into the buffer P_{j-1}·V_{j-1} read (waited for a step ago), then P_j·V_j
+            mbarrier.arrive(empty.index(nxt), count=1)  # K_{j+1} is read
+            p_buf.index(2 * WG + (j + 1) % 2).store(_p_e4m3(p_next, ROWS, VT_PERM))
+            fence_async_shared()
             if MSUM:
-                l_acc = l_acc * gl.convert_layout(alpha, gl.SliceLayout(1, l_layout))[:, None]
-            if not FP8:
-                p = p_next
+                o, l_t = warpgroup_mma_wait(0, deps=[o_tok, l_tok])
+                l_acc = l_acc + l_t
+            else:
+                o = warpgroup_mma_wait(0, deps=[o_tok])
+            mbarrier.arrive(vt_empty.index(rj % VT), count=1)  # P_j·V_j is done with Vᵀ_j
+        elif FP8:
+            mbarrier.arrive(empty.index(nxt), count=1)  # K_{j+1} is read
+            p8 = _p_e4m3(p_next, ROWS, VT_PERM)
+            if MSUM:
+                o, l_t = warpgroup_mma_wait(0, deps=[o_tok, l_tok])
+                l_acc = l_acc + l_t
+            else:
+                o = warpgroup_mma_wait(0, deps=[o_tok])
+            mbarrier.arrive(vt_empty.index(rj % VT), count=1)  # P_j·V_j is done with Vᵀ_j and with p_buf
+            p_buf.store(p8)
+            fence_async_shared()
+        else:
+            p_next = gl.convert_layout(_p_operand(p_next, DT, False), p_layout)
+            if PV_OVERLAP:  # a store that needs every exp2: ptxas cannot sink the softmax below the wait
+                p_buf.store(l_i)
+            o, p = warpgroup_mma_wait(0, deps=[o_tok, p])
+        # tile j's buffers are free (fp8: K released above, V the producer's)
+        if not WS:
+            _issue_tile(k_desc, v_desc, k_smem, v_smem, full, bt_row, bt_width, num_blocks, j + STAGES, k_col, v_col,
+                        slot, j + STAGES < n, PAGE, TILE, KV_BYTES)
+        elif not FP8:
+            mbarrier.arrive(empty.index(slot), count=1)
+        o = o * gl.convert_layout(alpha, rows_o)[:, None]
+        if MSUM:
+            l_acc = l_acc * gl.convert_layout(alpha, gl.SliceLayout(1, l_layout))[:, None]
+        if not FP8:
+            p = p_next
     rl = _ring(n - 1, G0, PERSIST)
     last = rl % STAGES
     if FP8:
@@ -658,14 +594,12 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
         if P_DBUF:
             o = warpgroup_mma(p_buf.index(2 * WG + (n - 1) % 2), vt_buf.index(rl % VT).permute((1, 0)), o)
         elif MSUM:  # the last P·V and P·1 issued together, one wait for both
-            a_last = _p_direct(p, ROWS, p_layout) if DIRECT else p_buf
-            o_tok = warpgroup_mma(a_last, vt_buf.index(rl % VT).permute((1, 0)), o, is_async=True)
-            l_tok = warpgroup_mma(a_last, ones_buf.permute((1, 0)), l_zero, use_acc=False, is_async=True)
+            o_tok = warpgroup_mma(p_buf, vt_buf.index(rl % VT).permute((1, 0)), o, is_async=True)
+            l_tok = warpgroup_mma(p_buf, ones_buf.permute((1, 0)), l_zero, use_acc=False, is_async=True)
             o, l_t = warpgroup_mma_wait(0, deps=[o_tok, l_tok])
             l_acc = l_acc + l_t
         else:
-            o = warpgroup_mma(_p_direct(p, ROWS, p_layout) if DIRECT else p if P_REGS else p_buf,
-                              vt_buf.index(rl % VT).permute((1, 0)), o)
+            o = warpgroup_mma(p if P_REGS else p_buf, vt_buf.index(rl % VT).permute((1, 0)), o)
         if MSUM:
             if P_DBUF:
                 l_acc = l_acc + warpgroup_mma(p_buf.index(2 * WG + (n - 1) % 2), ones_buf.permute((1, 0)), l_zero,
@@ -783,11 +717,11 @@ def _ws_producer_fp8(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr,
      vt_empty, ones_smem) = args
     _produce_fp8_first(k_desc, v_desc, k_smem, v_smem, full, empty, bt_row, bt_width, num_blocks, k_col, v_col, n, 0,
                        D, TILE, PAGE, STAGES)
-    if (SOFTMAX & 4) != 0 and (FP8 != 2 or (SOFTMAX & 512) != 0):
+    if (SOFTMAX & 4) != 0 and FP8 != 2:
         _store_ones(ones_smem, k_desc.dtype, TILE)
     _produce_fp8_steps(k_desc, v_desc, k_smem, v_smem, full, empty, vt_smem, vt_full, vt_empty, bt_row, bt_width,
                        num_blocks, k_col, v_col, n, seq_len, 0, D, TILE, PAGE, STAGES, FP8, False, 0,
-                       _prmt_mode(SOFTMAX))
+                       (SOFTMAX & 128) != 0)
 
 
 @gluon.jit
@@ -820,13 +754,12 @@ def _produce_fp8_first(k_desc, v_desc, k_smem, v_smem, full, empty, bt_row, bt_w
 def _produce_fp8_steps(k_desc, v_desc, k_smem, v_smem, full, empty, vt_smem, vt_full, vt_empty, bt_row, bt_width,
                        num_blocks, k_col, v_col, n, seq_len, g0, D: gl.constexpr, TILE: gl.constexpr,
                        PAGE: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr, PERSIST: gl.constexpr = False,
-                       PART: gl.constexpr = 0, PRMT: gl.constexpr = 0):
+                       PART: gl.constexpr = 0, PRMT: gl.constexpr = False):
     """A q tile's K/V steps in the producer: the refills (tile j-1+STAGES at step j) and each V_j transposed into
     Vᵀ buffer (ring step) % VT (2, or 3 with SOFTMAX & 64: `_fp8_buffers`). PERSIST: ring steps g0.. (`_ring`).
     PART 1: step 0 alone, PART 2: the steps after it (`gluon_prefetch` publishes the next tile between them), 0: all.
-    PRMT (`_prmt_mode`): 1 the permuted transpose by byte permutes (SOFTMAX & 128, `PrefillConfig.gluon_vt_prmt`),
-    2 the same permutes into P in registers' order σ (SOFTMAX & 512, `gluon_p_direct`)."""
-    PERM: gl.constexpr = (FP8 != 2 or PRMT == 2) and _vt_perm(TILE, D)
+    PRMT (SOFTMAX & 128, `PrefillConfig.gluon_vt_prmt`): the permuted transpose by byte permutes."""
+    PERM: gl.constexpr = FP8 != 2 and _vt_perm(TILE, D)
     KV_BYTES: gl.constexpr = 2 * TILE * D * k_desc.dtype.primitive_bitwidth // 8
     VT: gl.constexpr = vt_smem.shape[0]  # Vᵀ buffers (`_fp8_buffers`)
     j_lo = 1 if PART == 2 else 0
@@ -842,8 +775,8 @@ def _produce_fp8_steps(k_desc, v_desc, k_smem, v_smem, full, empty, vt_smem, vt_
                             k_col, v_col, prev, True, PAGE, TILE, KV_BYTES)
         mbarrier.wait(full.index(slot), (rj // STAGES) & 1)
         mbarrier.wait(vt_empty.index(rj % VT), ((rj // VT) & 1) ^ 1)  # P·V_{j-VT} is done in both consumers
-        if PRMT != 0 and PERM:
-            _transpose_v_prmt(v_smem.index(slot), vt_smem.index(rj % VT), j, seq_len, D, PRMT == 2)
+        if PRMT and PERM:
+            _transpose_v_prmt(v_smem.index(slot), vt_smem.index(rj % VT), j, seq_len, D)
         else:
             _transpose_v(v_smem.index(slot), vt_smem.index(rj % VT), j, seq_len, TILE, D, PERM)
         gl.thread_barrier()  # all 4 warps' Vᵀ stores (each fenced for the async proxy) before the arrivals
@@ -1048,7 +981,7 @@ def _ws_persist(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE
                                    v_col, n, g0, D, TILE, PAGE, STAGES, True)
                 _produce_fp8_steps(k_desc, v_desc, k_smem, v_smem, full, empty, vt_smem, vt_full, vt_empty, bt_row,
                                    bt_width, num_blocks, k_col, v_col, n, seq_len, g0, D, TILE, PAGE, STAGES, FP8,
-                                   True, 0, _prmt_mode(SOFTMAX))
+                                   True, 0, (SOFTMAX & 128) != 0)
             else:
                 _produce_tiles(k_desc, v_desc, k_smem, v_smem, full, empty, bt_row, bt_width, num_blocks, k_col,
                                v_col, n, g0, D, TILE, PAGE, STAGES, True)
@@ -1098,11 +1031,10 @@ def prefill_gluon_ws_persist_kernel(
 ):
     """`prefill_gluon_ws_kernel` as a persistent grid (a program an SM, each walking q tiles `_snake`'s way): its
     16-bit mode (FP8 0: the 1-warp producer, CONSUMER_REGS / PRODUCER_REGS) or its fp8 mode with P in shared memory
-    (FP8 1 or 3) or straight from S (FP8 2 with SOFTMAX & 512, `gluon_p_direct`); same partitions and shared
-    memory."""
+    (FP8 1 or 3); same partitions and shared memory."""
     gl.static_assert(num_warps == 4, "the default partition is consumer warpgroup 0")
     gl.static_assert(STAGES >= 2, "two K/V buffers at least")
-    gl.static_assert(FP8 != 2 or (SOFTMAX & 512) != 0, "P in fp8 registers: persistent only straight from S")
+    gl.static_assert(FP8 != 2, "P in fp8 registers has no persistent form")
     q_smem, k_smem, v_smem, full, empty, turn, vt_smem, p_smem, vt_full, vt_empty, ones_smem = _ws_buffers(
         k_desc, v_desc, D, TILE, STAGES, FP8, SOFTMAX)
     args = (q_ptr, out_ptr, k_desc, v_desc, q_smem, k_smem, v_smem, full, empty, turn, bt_ptr, stride_bt, bt_width,
@@ -1325,12 +1257,12 @@ def _ws_prefetch(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAG
             i = pid * 0
             while t < bound:
                 t, cur, g0 = _prefetch_produce(args, i, cur, g0, pid, nprog, bound, D, G, TILE, PAGE, STAGES, FP8,
-                                               BLOCK_B, HEADS_INNER, QUEUE, _prmt_mode(SOFTMAX))
+                                               BLOCK_B, HEADS_INNER, QUEUE, (SOFTMAX & 128) != 0)
                 i += 1
         else:
             for i in range(gl.cdiv(bound, nprog)):
                 t, cur, g0 = _prefetch_produce(args, i, cur, g0, pid, nprog, bound, D, G, TILE, PAGE, STAGES, FP8,
-                                               BLOCK_B, HEADS_INNER, QUEUE, _prmt_mode(SOFTMAX))
+                                               BLOCK_B, HEADS_INNER, QUEUE, (SOFTMAX & 128) != 0)
     else:
         if FP8 == 3:  # all four P buffers, two a consumer: `_attend` picks 2·WG + tile % 2
             p_bufs = p_smem
@@ -1391,8 +1323,7 @@ def prefill_gluon_ws_prefetch_kernel(
     (`PrefillConfig.gluon_queue`): the tiles from the int32 counter at `queue_ptr` (0 at launch, 0 again after it;
     `_take_tile`) instead of the snake's fixed walk; without it `queue_ptr` is not read."""
     gl.static_assert(num_warps == 4, "the default partition is consumer warpgroup 0")
-    gl.static_assert(FP8 == 1 or FP8 == 3 or (FP8 == 2 and (SOFTMAX & 512) != 0),
-                     "fp8 with P in shared memory or straight from S (gluon_p_direct)")
+    gl.static_assert(FP8 == 1 or FP8 == 3, "fp8 with P in shared memory")
     gl.static_assert((SOFTMAX & 32) != 0, "q in registers (gluon_q_regs)")
     gl.static_assert(G % 8 == 0 and 64 % G == 0, "q boxes of whole 8-row swizzle atoms (G = 8, 16, 32, 64)")
     q_smem, k_smem, v_smem, full, empty, turn, vt_smem, p_smem, vt_full, vt_empty, ones_smem = _ws_buffers(

@@ -129,20 +129,6 @@ class PrefillConfig:
     convert_layout transpose): h64/8 q4k 390.2 / 407.8, q8k 1498.7 / 1525.1, h8/1 q4k 55.7 / 56.0, q8k 180.1 /
     191.6. `gluon_config(fp8=True)` turns it on where the tile allows; bench row `hpcops-fp8q-cvt`: the default
     with the convert_layout transpose.
-    `gluon_mask_split` (every Gluon kernel): each consumer's K/V loop in two, the steps whose tile lies wholly
-    below every row's causal limit with no mask, then the diagonal's steps (1-2 a q tile) with it. One loop takes
-    the mask as a runtime flag, and ptxas evaluates it on every step: the fp8 loop's ~610 instructions a thread
-    become 442 without it (sm_90 SASS, `scripts/sass_loops.py`), the masked loop ~910. Opt-in: measured level in
-    bf16 and 0.96-1.01x in fp8 (session 69, H100, `bench/results/prefill_split_h100_678aa8a.md`; bench rows
-    `hpcops-split`, `hpcops-fp8q-split`).
-    `gluon_p_direct` (with `gluon_p_regs` and `gluon_vt_prmt`): P·V runs over the key order in which S's fp32
-    accumulator already is P·V's fp8 register operand (`_sigma_keys`), so P goes from the softmax to the wgmma by
-    a cast alone (no shuffles, no shared memory, no fence), P·V and P·1 (`gluon_mma_sum`) run asynchronously, and
-    the producer writes Vᵀ in that order (the same byte permutes, another word column). Any fp8 kernel, the
-    persistent and prefetching ones included. Opt-in: measured level with P through shared memory (session 69,
-    one H100, the fp8 default with it against without, `bench/results/prefill_direct_h100_4878b0e.md`, µs: h64/8
-    q4k 388.7 / 389.4, q8k 1445.0 / 1479.1, h8/1 q4k 54.6 / 55.0, q8k 183.7 / 178.0); bench rows
-    `hpcops-fp8q-direct`, `-direct-4buf`.
     `tma`, `pv_fp8`, `quant_q` and `fma_scale` are the `tl` kernel's (the Gluon kernel always reads by TMA and
     scales inside exp2).
     """
@@ -169,8 +155,6 @@ class PrefillConfig:
     gluon_queue: bool = False
     gluon_vt3: bool = False
     gluon_vt_prmt: bool = False
-    gluon_mask_split: bool = False
-    gluon_p_direct: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
@@ -253,18 +237,15 @@ GLUON_MIN_Q = 512  # up to this q_len with many tiles the heuristic keeps the tl
 
 def gluon_smem_bytes(block_m: int, block_n: int, stages: int, head_dim: int, elem_bytes: int = 2,
                      fp8: bool = False, p_bufs: int = 1, row_sums: bool = False, mma_sum: bool = False,
-                     vt_bufs: int = 2, prefetch: bool = False) -> int:
+                     vt_bufs: int = 2) -> int:
     """Shared memory of a Gluon prefill program: its q tile and `stages` K/V buffer pairs; `fp8` (the
     warp-specialized kernel over fp8 q and KV, 1-byte elements) adds the `vt_bufs` Vᵀ [D, block_n] buffers (3 with
     `gluon_vt3`) and each consumer's `p_bufs` e4m3 P [64, block_n] (2 with `gluon_p_dbuf`); `row_sums`
     (`gluon_pv_overlap`) the two consumers' [64] fp32 scratch; `mma_sum` (`gluon_mma_sum`, fp8) the [8, block_n]
-    e4m3 ones; `prefetch` (`gluon_prefetch`, fp8) the producer's ring of two q tiles, their fp32 scales and their
-    metadata (an upper bound: the sm_90 build of the default tile has 182888 bytes where this counts 198784)."""
+    e4m3 ones."""
     if fp8:
         ones = 8 * block_n if mma_sum else 0
-        ring = 2 * block_m * head_dim + 2 * block_m * 4 + 128 if prefetch else 0
-        return ((block_m + 2 * stages * block_n) * head_dim + (vt_bufs * head_dim + 2 * 64 * p_bufs) * block_n + ones
-                + ring)
+        return (block_m + 2 * stages * block_n) * head_dim + (vt_bufs * head_dim + 2 * 64 * p_bufs) * block_n + ones
     return (block_m + 2 * stages * block_n) * head_dim * elem_bytes + (2 * 64 * 4 if row_sums else 0)
 
 
@@ -458,26 +439,20 @@ def gluon_config_reason(config: PrefillConfig, *, fp8: bool, head_dim: int, grou
         return "gluon_p_dbuf is for an fp8 q over fp8 KV with P in shared memory (not gluon_p_regs)"
     if config.gluon_pv_overlap and (fp8 or not config.gluon_ws):
         return "gluon_pv_overlap is for the 16-bit warp-specialized kernel (fp8: gluon_p_dbuf)"
-    direct = config.gluon_p_direct
-    if direct and not (fp8 and config.gluon_p_regs and config.gluon_vt_prmt):
-        return ("gluon_p_direct is for an fp8 q over fp8 KV with P in registers (gluon_p_regs) and the byte-permute "
-                "transpose (gluon_vt_prmt)")
-    if config.gluon_mma_sum and (not fp8 or (config.gluon_p_regs and not direct)):
-        return ("gluon_mma_sum is for an fp8 q over fp8 KV with P in shared memory or straight from S "
-                "(not gluon_p_regs alone)")
-    if config.gluon_persist and (not config.gluon_ws or (config.gluon_p_regs and not direct)):
-        return ("gluon_persist is for the warp-specialized kernel (gluon_ws), fp8 with P in shared memory or "
-                "straight from S (not gluon_p_regs alone)")
+    if config.gluon_mma_sum and (not fp8 or config.gluon_p_regs):
+        return "gluon_mma_sum is for an fp8 q over fp8 KV with P in shared memory (not gluon_p_regs)"
+    if config.gluon_persist and (not config.gluon_ws or config.gluon_p_regs):
+        return ("gluon_persist is for the warp-specialized kernel (gluon_ws), fp8 with P in shared memory "
+                "(not gluon_p_regs)")
     if config.gluon_prefetch and not (fp8 and config.gluon_persist and config.gluon_q_regs):
         return "gluon_prefetch is for the persistent fp8 kernel with q in registers (gluon_persist, gluon_q_regs)"
     if config.gluon_queue and not config.gluon_prefetch:
         return "gluon_queue is for the prefetching persistent fp8 kernel (gluon_prefetch)"
     if config.gluon_vt3 and not fp8:
         return "gluon_vt3 is for an fp8 q over fp8 KV (the producer's Vᵀ buffers)"
-    if config.gluon_vt_prmt and not (fp8 and config.block_n == 128 and d in (64, 128)
-                                     and (direct or not config.gluon_p_regs)):
+    if config.gluon_vt_prmt and not (fp8 and config.block_n == 128 and d in (64, 128) and not config.gluon_p_regs):
         return ("gluon_vt_prmt is for the permuted Vᵀ transpose: an fp8 q over fp8 KV, block_n 128, head_dim 64 or "
-                "128, P in shared memory or straight from S (not gluon_p_regs alone)")
+                "128, P in shared memory (not gluon_p_regs)")
     if config.gluon_prefetch and group not in (8, 16, 32, 64):
         return (f"gluon_prefetch with a GQA group of {group} heads (its q boxes are one token's heads: whole 8-row "
                 "swizzle atoms of a 64-row q, so 8, 16, 32 or 64)")
@@ -499,10 +474,10 @@ def gluon_config_reason(config: PrefillConfig, *, fp8: bool, head_dim: int, grou
         return f"block_n {bn} / num_stages {config.num_stages} (at most 256 keys a tile, two buffers at least)"
     if page < bn and (page < 8 or bn % page):
         return f"block_size {page} (pages under block_n {bn} must divide it, 8 tokens at least)"
-    smem = gluon_smem_bytes(bm, bn, config.num_stages, d, elem_bytes, fp8,
-                            0 if config.gluon_p_regs else 2 if config.gluon_p_dbuf else 1,
-                            config.gluon_pv_overlap, config.gluon_mma_sum, 3 if config.gluon_vt3 else 2,
-                            config.gluon_prefetch)
+    smem = gluon_smem_bytes(bm, bn, config.num_stages, d, elem_bytes, fp8, 2 if config.gluon_p_dbuf else 1,
+                            config.gluon_pv_overlap, config.gluon_mma_sum, 3 if config.gluon_vt3 else 2)
+    if config.gluon_prefetch:  # its ring of two q tiles, their scales and metadata (an upper bound: sm_90 builds
+        smem += 2 * 128 * d + 2 * 128 * 4 + 128  # at the default tile measured 182888 bytes against 198784 here)
     vts = "three" if config.gluon_vt3 else "two"
     what = f"q and {config.num_stages} K/V buffers" + (f", {vts} Vᵀ buffers and each consumer's P" if fp8 else "")
     if smem > GLUON_SMEM_BYTES:
@@ -569,7 +544,6 @@ def _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, out,
                   HEADS_INNER=bool(config.heads_inner))
     bits = (1 if config.gluon_tree else 0) | (2 if config.gluon_pv_overlap else 0) | (4 if config.gluon_mma_sum else 0)
     bits |= (32 if config.gluon_q_regs else 0) | (64 if config.gluon_vt3 else 0) | (128 if config.gluon_vt_prmt else 0)
-    bits |= (256 if config.gluon_mask_split else 0) | (512 if config.gluon_p_direct else 0)
     softmax = {"SOFTMAX": bits} if bits else {}  # the defaults' launches keep their signature
     if config.gluon_ws:
         fp8 = q.dtype == FP8_E4M3

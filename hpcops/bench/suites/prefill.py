@@ -140,13 +140,6 @@ FP8_DEFAULT_VARIANTS = (
     ("pdbuf", {"gluon_p_dbuf": True},
      "the fp8 default with two P buffers a consumer (gluon_p_dbuf=True): P_{j+1} stored before the P_j·V_j wait"),
     ("4buf", {"num_stages": 4}, "the fp8 default with four K/V buffers (num_stages=4)"),
-    ("split", {"gluon_mask_split": True},
-     "the fp8 default with the masked steps in a loop of their own (gluon_mask_split=True)"),
-    ("direct", {"gluon_p_regs": True, "gluon_p_direct": True},
-     "the fp8 default with P in registers straight from S (gluon_p_regs, gluon_p_direct: the key order sigma, P·V "
-     "asynchronous, no P in shared memory)"),
-    ("direct-4buf", {"gluon_p_regs": True, "gluon_p_direct": True, "num_stages": 4},
-     "hpcops-fp8q-direct with four K/V buffers in the shared memory P no longer takes (num_stages=4)"),
     ("cvt", {"gluon_vt_prmt": False},
      "the fp8 default with the producer's V transpose by convert_layout (gluon_vt_prmt=False: the default until "
      "session 68), not by byte permutes"),
@@ -157,8 +150,7 @@ GLUON_BF16_TREE = {**GLUON_FP8, "gluon_tree": True}
 
 BOOL_FIELDS = ("pv_fp8", "quant_q", "fma_scale", "heads_inner", "gluon", "gluon_ws", "gluon_p_regs", "gluon_tree",
                "gluon_p_dbuf", "gluon_pv_overlap", "gluon_mma_sum", "gluon_persist", "gluon_q_regs",
-               "gluon_prefetch", "gluon_vt3", "gluon_vt_prmt",
-               "gluon_mask_split", "gluon_p_direct")
+               "gluon_prefetch", "gluon_vt3", "gluon_vt_prmt")
 
 
 def config_override(variant: dict | None = None):
@@ -503,11 +495,6 @@ def cases(opts: dict) -> Iterator[Case]:
                     # the tl kernel beside the default, which takes the Gluon kernel here on an H200 (gluon_config)
                     impls.append(
                         Impl("hpcops-tl", _ours(False, {"gluon": False}), note="variant: PrefillConfig(gluon=False)")
-                    )
-                    impls.append(
-                        Impl("hpcops-split", _ours(False, {"gluon": True, "gluon_mask_split": True}),
-                             note="variant: the bf16 default's Gluon kernel with the masked steps in a loop of their "
-                             "own (gluon_mask_split=True)")
                     )
                     impls.append(
                         Impl("hpcops-tree", _ours(False, GLUON_BF16_TREE),

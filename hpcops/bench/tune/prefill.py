@@ -120,8 +120,6 @@ GLUON_SPACE = (
     knob("gluon_prefetch", False, True),
     knob("gluon_q_regs", False, True),
     knob("gluon_vt_prmt", False, True),
-    knob("gluon_mask_split", False, True),
-    knob("gluon_p_direct", False, True),
 )
 
 
