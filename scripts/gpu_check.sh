@@ -17,6 +17,8 @@
 # stage writes results/gpu_tests.txt; `smoke` writes results/smoke/). Set GIT_REV to the commit of the
 # working tree (the device copy has no .git): gpu_tests.txt names it as the tested tree.
 # FlashInfer (a peer) is installed from .whl/ when present (carry it: ../shared/tools/peer_wheels.sh .whl).
+# The bench's SM MHz column (hpcops.bench.clock, NVML) needs nvidia-ml-py there too: python3 -m pip download --no-deps
+# --only-binary=:all: -d .whl nvidia-ml-py (a pure-Python wheel).
 # The decode grid (issue 10): BENCH_ARGS="--grid --quick" bash scripts/gpu_check.sh bench:decode, carrying .whl
 # and .peers (vLLM's unified attention, its peer where FlashInfer cannot run); the full grid in parts: see
 # hpcops/bench/suites/decode_grid.py.

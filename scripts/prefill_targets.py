@@ -78,17 +78,25 @@ def our_bf16(cases: dict[str, dict[str, report.Row]], heads: str, spec: str) -> 
     return cases.get(f"{heads}-bf16-{spec}", {}).get("hpcops"), "bf16 case"
 
 
+def _clocks(bf16: report.Row, fp8: report.Row) -> str:
+    """'bf16 MHz / fp8q MHz | ratio in cycles' where both rows carry their median SM clock, else two empty cells."""
+    if not (bf16.sm_mhz and fp8.sm_mhz):
+        return " | "
+    return f"{bf16.sm_mhz:.0f} / {fp8.sm_mhz:.0f} | {bf16.us * bf16.sm_mhz / (fp8.us * fp8.sm_mhz):.3f}"
+
+
 def fp8_markdown(machine: dict, cases: dict[str, dict[str, report.Row]]) -> str:
     ceiling = machine.get("gemm_tflops_bf16")
     out = ["| case | bf16 µs | bf16 from | bf16 TFLOP/s | fp8q µs | fp8q TFLOP/s | ratio | goal | | fp8q µs needed | "
-           "TFLOP/s needed | other bf16 row's ratio |", "|---|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
+           "TFLOP/s needed | other bf16 row's ratio | SM MHz bf16 / fp8q | ratio in cycles |",
+           "|---|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
     for heads in HEADS:
         for spec in FP8_SPECS:
             bf16, source = our_bf16(cases, heads, spec)
             fp8 = cases.get(f"{heads}-fp8-{spec}", {}).get("hpcops-fp8q")
             name = f"{heads} {spec}"
             if bf16 is None or fp8 is None:
-                out.append(f"| {name} | — | | | — | | — | >= {FP8_GOAL} | not run | | | |")
+                out.append(f"| {name} | — | | | — | | — | >= {FP8_GOAL} | not run | | | | | |")
                 continue
             r = bf16.us / fp8.us
             need_us = bf16.us / FP8_GOAL
@@ -96,7 +104,9 @@ def fp8_markdown(machine: dict, cases: dict[str, dict[str, report.Row]]) -> str:
             other = cases.get(f"{heads}-bf16-{spec}", {}).get("hpcops") if source == "in case" else None
             other = f"{other.us / fp8.us:.3f} (bf16 case)" if other is not None else ""
             out.append(f"| {name} | {bf16.us:.1f} | {source} | {_tflops(bf16)} | {fp8.us:.1f} | {_tflops(fp8)} | "
-                       f"{r:.3f} | >= {FP8_GOAL} | {_verdict(r, FP8_GOAL)} | {need} | {other} |")
+                       f"{r:.3f} | >= {FP8_GOAL} | {_verdict(r, FP8_GOAL)} | {need} | {other} | {_clocks(bf16, fp8)} |")
+    out += ["", "The ratio in cycles is (bf16 µs x its median SM MHz) / (fp8q µs x its): the ratio at equal clocks, "
+            "where the run sampled them (NVML; `hpcops.bench.clock`). The goal is the µs ratio."]
     if ceiling:
         out += ["", f"The run's measured bf16 GEMM ceiling: {ceiling:.1f} TFLOP/s (torch matmul, 8192³)."]
     return "\n".join(out) + "\n"

@@ -20,7 +20,6 @@ import argparse
 import json
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -28,51 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout
 
 import torch  # noqa: E402
 
+from hpcops.bench.clock import ClockSampler  # noqa: E402
 from hpcops.bench.suites.prefill import Scenario, _make_inputs, _ours, _ours_bf16_kv  # noqa: E402
 from hpcops.bench.timing import graph_time_us, layers_for  # noqa: E402
 
 ROWS = (("hpcops-fp8q", _ours(True)), ("hpcops-bf16kv", _ours_bf16_kv))
-
-
-class ClockSampler:
-    """NVML samples (time, SM MHz, power W, throttle reason bits) on a thread, every `period` seconds."""
-
-    def __init__(self, period: float = 0.002):
-        import pynvml
-
-        self.nvml = pynvml
-        pynvml.nvmlInit()
-        self.handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
-        self.period, self.samples, self._stop = period, [], threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        n, h = self.nvml, self.handle
-        reasons = (getattr(n, "nvmlDeviceGetCurrentClocksEventReasons", None)
-                   or n.nvmlDeviceGetCurrentClocksThrottleReasons)
-        while not self._stop.is_set():
-            self.samples.append((time.monotonic(), n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_SM),
-                                 n.nvmlDeviceGetPowerUsage(h) / 1e3, reasons(h)))
-            time.sleep(self.period)
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def window(self, t0: float, t1: float) -> dict:
-        s = [x for x in self.samples if t0 <= x[0] <= t1]
-        if not s:
-            return {"samples": 0}
-        mhz = [x[1] for x in s]
-        reasons = 0
-        for x in s:
-            reasons |= x[3]
-        return {"samples": len(s), "mhz_median": statistics.median(mhz), "mhz_min": min(mhz), "mhz_max": max(mhz),
-                "watts_mean": statistics.fmean(x[2] for x in s), "reasons": hex(reasons)}
 
 
 def parse_case(text: str) -> Scenario:
@@ -91,7 +50,10 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = []
-    with ClockSampler() as clock:
+    clock = ClockSampler.start()
+    if clock is None:
+        raise SystemExit("no GPU, or no NVML (pip install nvidia-ml-py; on the device carry its wheel in .whl)")
+    try:
         for text in args.cases.split(","):
             s = parse_case(text.strip())
             layers = [_make_inputs(s, i) for i in range(layers_for(s.bytes))]
@@ -108,6 +70,8 @@ def main() -> None:
                     print(json.dumps(row), flush=True)
             del layers, runs
             torch.cuda.empty_cache()
+    finally:
+        clock.stop()
     (out / "probe_prefill_clock.json").write_text(json.dumps({"device": torch.cuda.get_device_name(),
                                                               "rows": results}, indent=1))
     lines = [f"# Prefill rows and the SM clock ({torch.cuda.get_device_name()})", "",

@@ -270,3 +270,134 @@ def test_profiler_kernel_time_us_on_gpu():
     assert 0 < reduce_only < every < 1000
     with pytest.raises(RuntimeError, match="no device events named"):
         profiler_kernel_time_us(fns, "no_such_kernel")
+
+
+def test_clock_summarize_picks_the_windows_samples():
+    """`clock.summarize`: only the samples inside a window count (several windows: the rounds of one row); their
+    median / lowest / highest MHz, mean W and the union of the reason bits; none inside: a count of 0."""
+    from hpcops.bench.clock import summarize
+
+    samples = [(0.5, 1980.0, 100.0, 0), (1.0, 1755.0, 400.0, 0x4), (1.5, 1590.0, 500.0, 0x4),
+               (2.0, 1980.0, 120.0, 0x1), (3.0, 1605.0, 480.0, 0x20)]
+    got = summarize(samples, [(0.9, 1.6), (2.9, 3.1)])
+    assert got == {"samples": 3, "mhz_median": 1605.0, "mhz_min": 1590.0, "mhz_max": 1755.0,
+                   "watts_mean": pytest.approx(460.0), "reasons": "0x24"}
+    assert summarize(samples, [(5.0, 6.0)]) == {"samples": 0}
+    assert summarize(samples, []) == {"samples": 0}
+
+
+class _FakeNvml:
+    """The pynvml calls `ClockSampler` makes, on canned values; `fail_after` samples, the clock query raises."""
+    NVML_CLOCK_SM = 1
+
+    def __init__(self, fail_after: int | None = None):
+        self.calls, self.fail_after = 0, fail_after
+
+    def nvmlDeviceGetClockInfo(self, handle, which):
+        assert handle == "h" and which == self.NVML_CLOCK_SM
+        self.calls += 1
+        if self.fail_after is not None and self.calls > self.fail_after:
+            raise RuntimeError("NVML gone")
+        return 1755
+
+    def nvmlDeviceGetPowerUsage(self, handle):
+        return 412_000  # mW
+
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle):
+        return 0x4
+
+
+def test_clock_sampler_samples_until_stopped():
+    """A sampler on a fake NVML: samples (time, MHz, W, reasons) until stop(); its window summarizes them; a
+    failing query ends the sampling (the run goes on without more samples)."""
+    import time
+
+    from hpcops.bench.clock import ClockSampler
+
+    s = ClockSampler(_FakeNvml(), "h", period=0.001)
+    t0 = time.monotonic()
+    s._thread.start()
+    deadline = time.monotonic() + 5
+    while len(s.samples) < 5 and time.monotonic() < deadline:
+        time.sleep(0.002)
+    s.stop()
+    n = len(s.samples)
+    assert n >= 5 and all(x[1:] == (1755.0, 412.0, 4) for x in s.samples)
+    got = s.window((t0, time.monotonic()))
+    assert got["samples"] == n and got["mhz_median"] == 1755.0 and got["reasons"] == "0x4"
+    time.sleep(0.01)
+    assert len(s.samples) == n  # stopped: no more samples
+    broken = ClockSampler(_FakeNvml(fail_after=3), "h", period=0.001)
+    broken._thread.start()
+    broken._thread.join(timeout=5)
+    assert not broken._thread.is_alive() and len(broken.samples) == 3
+    broken.stop()
+
+
+def test_clock_sampler_needs_a_gpu(monkeypatch):
+    """Without a CUDA device (the CPU tier) or without NVML, `ClockSampler.start` gives None: rows carry no clock."""
+    from hpcops.bench.clock import ClockSampler
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert ClockSampler.start() is None
+
+
+def test_runner_records_timing_windows(monkeypatch):
+    """`_run_impl` appends the (start, end) of a successful timing to `windows`, nothing for one that failed or was
+    not timed; `_run_rounds` keeps each impl's windows, one a round."""
+    from hpcops.bench import runner, timing
+    from hpcops.bench.registry import Case, Impl
+
+    monkeypatch.setattr(timing, "graph_time_us", lambda fns, replays=50: 10.0)
+
+    def bad(x):
+        raise AssertionError("no")
+
+    case = Case("prefill", "c", make_inputs=lambda layer: layer,
+                impls=[Impl("a", lambda x: (lambda: None), ours=True), Impl("b", bad)])
+    win = []
+    assert runner._run_impl(case, case.impls[0], [0], True, windows=win) == ("ok", 10.0)
+    assert len(win) == 1 and win[0][0] <= win[0][1]
+    assert runner._run_impl(case, case.impls[1], [0], True, windows=win)[0].startswith("check-failed")
+    assert runner._run_impl(case, case.impls[0], [0], False, windows=win) == ("check-failed", None)
+    assert len(win) == 1
+    windows = {}
+    runner._run_rounds(case, [0], True, 3, lambda msg: None, windows)
+    assert len(windows["a"]) == 3 and windows["b"] == []
+
+
+def test_report_shows_the_sm_clock_where_sampled(tmp_path):
+    """Rows with `sm_mhz` get an `SM MHz` column (and the table's note); a row without one leaves it empty; the
+    value survives the JSON round trip; a run without clocks keeps the old table (test_report_roundtrip)."""
+    res = _result()
+    res.rows[0].sm_mhz = 1590.4
+    res.rows[2].sm_mhz = 1980.0
+    md = report.markdown(res)
+    assert "| case | impl | µs | GB/s | % copy BW | TFLOP/s | x ours | SM MHz | status |" in md
+    assert "| c1 | **hpcops** | 10.0 | 1000 | 50% |  |  | 1590 | ok |" in md
+    assert "| c1 | peer | 25.0 | 400 | 20% |  | 2.50 | 1980 | ok |" in md
+    assert "| c1 | absent | — |  |  |  |  |  | unavailable: not installed |" in md
+    assert "`SM MHz`: the median SM clock" in md
+    back = report.load(report.write(res, tmp_path)[0])
+    assert [r.sm_mhz for r in back.rows] == [1590.4, None, 1980.0, None, None]
+
+
+@pytest.mark.gpu
+def test_clock_sampler_on_gpu():
+    """On the GPU (with the nvidia-ml-py wheel) the sampler reads a plausible SM clock while a kernel runs."""
+    pytest.importorskip("pynvml")
+    import time
+
+    from hpcops.bench.clock import ClockSampler
+
+    s = ClockSampler.start()
+    assert s is not None
+    t0 = time.monotonic()
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    for _ in range(50):
+        a = a @ a.T / 64
+    torch.cuda.synchronize()
+    time.sleep(0.05)
+    got = s.window((t0, time.monotonic()))
+    s.stop()
+    assert got["samples"] > 0 and 100 <= got["mhz_median"] <= 3500

@@ -37,14 +37,19 @@ def markdown(result: SuiteResult) -> str:
         times += (" Rows " + ", ".join(f"`{i}`" for i in kernel_timed) + " are timed otherwise: the median per "
                   "call of the device time their kernels cover (durations summed, an overlap once; torch.profiler, the "
                   "same layers, eager calls, no launch gaps); their `x ours` is against our row timed that way.")
+    clocked = any(r.sm_mhz for r in result.rows)  # a run that sampled the SM clock (NVML): a column for it
+    if clocked:
+        times += (" `SM MHz`: the median SM clock NVML read while the row was timed (a µs ratio of two rows at "
+                  "different clocks holds the clocks' ratio: the power cap slows long bf16 kernels more).")
     lines = [f"# hpcops bench {result.suite}", "",
              f"Machine: {m.get('gpu', 'cpu')}, {m.get('sms', '?')} SMs, torch {m.get('torch')}, "
              f"triton {m.get('triton')}; measured copy bandwidth {copy} GB/s"
              + (f", measured bf16 GEMM ceiling {m['gemm_tflops_bf16']} TFLOP/s (torch matmul, 8192³)"
                 if m.get("gemm_tflops_bf16") else "") + ".",
              times, "",
-             "| case | impl | µs | GB/s | % copy BW | TFLOP/s | x ours | status |",
-             "|---|---|---:|---:|---:|---:|---:|---|"]
+             "| case | impl | µs | GB/s | % copy BW | TFLOP/s | x ours |" + (" SM MHz |" if clocked else "")
+             + " status |",
+             "|---|---|---:|---:|---:|---:|---:|" + ("---:|" if clocked else "") + "---|"]
     for case, rows in by_case(result).items():
         for r in rows:
             prim = _primary(rows, r.timing)
@@ -54,7 +59,8 @@ def markdown(result: SuiteResult) -> str:
             ratio = f"{r.us / prim.us:.2f}" if prim and r.us and r is not prim and r.note != "per-step" else ""
             us = f"{r.us:.1f}" if r.us is not None else "—"
             name = f"**{r.impl}**" if r.ours else r.impl
-            lines.append(f"| {case} | {name} | {us} | {gb} | {pct} | {tf} | {ratio} | {r.status} |")
+            mhz = (f" {r.sm_mhz:.0f} |" if r.sm_mhz else "  |") if clocked else ""
+            lines.append(f"| {case} | {name} | {us} | {gb} | {pct} | {tf} | {ratio} |{mhz} {r.status} |")
     notes: dict[str, list[str]] = {}  # impl -> its notes' distinct "; "-separated parts, in order
     for r in result.rows:
         if r.note and r.note != "per-step":

@@ -6,6 +6,7 @@ import gc
 import platform
 import statistics
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -13,7 +14,7 @@ from typing import Any
 
 import torch
 
-from hpcops.bench import timing
+from hpcops.bench import clock, timing
 from hpcops.bench.progress import Progress
 from hpcops.bench.registry import Case, PeerUnavailable, get_suite
 
@@ -33,6 +34,7 @@ class Row:
     command: str = ""
     note: str = ""
     timing: str = "graph"  # registry.TIMINGS: how `us` was measured; ratios compare rows timed alike
+    sm_mhz: float | None = None  # the median SM clock NVML read while the row was timed (None: not sampled)
 
     @property
     def gbps(self) -> float | None:
@@ -89,13 +91,18 @@ def _time_impl(case: Case, impl, inputs: list[Any], replays: int | None = None) 
 
 
 def _run_impl(case: Case, impl, inputs: list[Any], gate_ok: bool,
-              replays: int | None = None) -> tuple[str, float | None]:
+              replays: int | None = None, windows: list[tuple[float, float]] | None = None) -> tuple[str, float | None]:
     """(status, µs) of one implementation: ours is not timed when the case's gate failed; a peer whose
-    own check (in its `prepare`) raises AssertionError is reported as check-failed, never ranked."""
+    own check (in its `prepare`) raises AssertionError is reported as check-failed, never ranked. `windows`: the
+    (start, end) monotonic seconds of a timing that succeeded are appended to it (the clock's window)."""
     if impl.ours and not gate_ok:
         return "check-failed", None
     try:
-        return "ok", _time_impl(case, impl, inputs, replays)
+        t0 = time.monotonic()
+        us = _time_impl(case, impl, inputs, replays)
+        if windows is not None:
+            windows.append((t0, time.monotonic()))
+        return "ok", us
     except PeerUnavailable as exc:
         return f"unavailable: {exc}", None
     except AssertionError as exc:  # the peer's output disagrees with the reference (or its own asserts fired)
@@ -111,13 +118,16 @@ def case_selected(case: str, only: str | None) -> bool:
     return only is None or any(text in case for text in only.split(",") if text)
 
 
-def _run_rounds(case: Case, inputs: list[Any], gate_ok: bool, rounds: int,
-                step: Callable[[str], None]) -> dict[str, tuple[str, float | None, str]]:
+Windows = dict[str, list[tuple[float, float]]]  # an impl's timing windows, (start, end) monotonic seconds
+
+
+def _run_rounds(case: Case, inputs: list[Any], gate_ok: bool, rounds: int, step: Callable[[str], None],
+                windows: Windows | None = None) -> dict[str, tuple[str, float | None, str]]:
     """Every impl of `case` timed `rounds` times, round-robin, the order reversed every other round (a drift of
     the GPU's clocks over a case, e.g. as it heats under long fp8 kernels, then falls on every impl alike instead
     of on the later rows); each timing takes 50 / rounds replays (at least 10), so the case costs about what one
     round of 50 does, plus a graph capture a round. Returns {impl: (status, median µs, the rounds' µs)}; an impl
-    that fails is not timed again."""
+    that fails is not timed again. `windows`: each impl's timing windows (`_run_impl`) go to windows[impl]."""
     times: dict[str, list[float]] = {impl.name: [] for impl in case.impls}
     status: dict[str, str] = {}
     replays = max(10, 50 // rounds)
@@ -126,7 +136,8 @@ def _run_rounds(case: Case, inputs: list[Any], gate_ok: bool, rounds: int,
             if status.get(impl.name, "ok") != "ok":
                 step(f"{case.name} {impl.name}: {status[impl.name][:40]}")
                 continue
-            st, us = _run_impl(case, impl, inputs, gate_ok, replays)
+            st, us = _run_impl(case, impl, inputs, gate_ok, replays,
+                               None if windows is None else windows.setdefault(impl.name, []))
             status[impl.name] = st
             if us is not None:
                 times[impl.name].append(us)
@@ -137,13 +148,15 @@ def _run_rounds(case: Case, inputs: list[Any], gate_ok: bool, rounds: int,
 
 def run_suite(name: str, opts: dict[str, Any] | None = None, *, check: bool = True, only: str | None = None,
               progress: bool = True, machine: dict[str, Any] | None = None,
-              on_case: Callable[[SuiteResult], None] | None = None, rounds: int = 1) -> SuiteResult:
+              on_case: Callable[[SuiteResult], None] | None = None, rounds: int = 1,
+              clocks: bool = True) -> SuiteResult:
     """Run every case of suite `name` (those whose name contains `only`, if given; `only` may list several texts
     separated by commas, a case matching any of them: "q4k,q8k").
 
     `on_case(partial_result)` runs after every case (the CLI rewrites its reports, so a run cut
     short by a time limit keeps what it measured). `rounds` > 1: each case's impls are timed in that many
     interleaved rounds (`_run_rounds`) and a row's µs is their median, its note naming the rounds' values.
+    `clocks`: each row's median SM clock over its timings (`Row.sm_mhz`), where NVML is there (`clock.ClockSampler`).
     """
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
@@ -153,6 +166,19 @@ def run_suite(name: str, opts: dict[str, Any] | None = None, *, check: bool = Tr
     cases = [c for c in get_suite(name)(opts) if case_selected(c.name, only)]
     machine = machine if machine is not None else machine_info()
     bar = Progress(rounds * sum(len(c.impls) for c in cases), f"bench {name}", enabled=progress)
+    sampler = clock.ClockSampler.start() if clocks else None
+    try:
+        return _run_cases(name, cases, opts, check, rounds, bar, sampler, machine, on_case)
+    finally:
+        if sampler is not None:
+            sampler.stop()
+        bar.close()
+
+
+def _run_cases(name: str, cases: list[Case], opts: dict[str, Any], check: bool, rounds: int, bar: Progress,
+               sampler: clock.ClockSampler | None, machine: dict[str, Any],
+               on_case: Callable[[SuiteResult], None] | None) -> SuiteResult:
+    """`run_suite`'s loop over its selected cases."""
     rows: list[Row] = []
     for case in cases:
         layers = case.layers or opts.get("layers") or timing.layers_for(case.bytes)
@@ -173,17 +199,19 @@ def run_suite(name: str, opts: dict[str, Any] | None = None, *, check: bool = Tr
             except AssertionError as exc:
                 gate_ok = False
                 print(f"\n[check failed] {name}/{case.name}: {exc}", file=sys.stderr)
-        timed = _run_rounds(case, inputs, gate_ok, rounds, bar.step) if rounds > 1 else {}
+        windows: Windows = {}
+        timed = _run_rounds(case, inputs, gate_ok, rounds, bar.step, windows) if rounds > 1 else {}
         for impl in case.impls:
             if rounds > 1:
                 status, us, values = timed[impl.name]
             else:
-                status, us = _run_impl(case, impl, inputs, gate_ok)
+                status, us = _run_impl(case, impl, inputs, gate_ok, windows=windows.setdefault(impl.name, []))
+            mhz = sampler.window(*windows.get(impl.name, [])).get("mhz_median") if sampler is not None else None
             note = "per-step" if impl.per_step else impl.note
             if rounds > 1 and us is not None:
                 note = f"{note} (median of {rounds} interleaved rounds: {values} µs)".lstrip()
             rows.append(Row(impl=impl.name, ours=impl.ours, us=us, status=status, note=note, timing=impl.timing,
-                            **base))
+                            sm_mhz=mhz if us is not None else None, **base))
             if rounds == 1:
                 bar.step(f"{case.name} {impl.name}: " + (f"{us:.1f} us" if us is not None else status[:40]))
         del inputs
@@ -191,5 +219,4 @@ def run_suite(name: str, opts: dict[str, Any] | None = None, *, check: bool = Tr
             on_case(SuiteResult(name, list(rows), machine))
         gc.collect()
         torch.cuda.empty_cache()
-    bar.close()
     return SuiteResult(name, rows, machine)
