@@ -61,10 +61,10 @@ def main() -> None:
             for r in range(args.rounds):
                 for name, fns in runs.items():
                     time.sleep(0.5)  # a pause between rows: each starts from the same idle state
-                    t0 = time.monotonic()
-                    us = graph_time_us(fns, replays=args.replays)
+                    win = []  # the timed replays' span (not the capture)
+                    us = graph_time_us(fns, replays=args.replays, window=win)
                     row = {"case": text.strip(), "impl": name, "round": r, "us": us, "layers": len(fns),
-                           **clock.window(t0, time.monotonic())}
+                           **clock.window(*win)}
                     row["mcycles"] = us * row.get("mhz_median", float("nan")) / 1e6 * 1e3  # k-cycles a layer
                     results.append(row)
                     print(json.dumps(row), flush=True)
@@ -76,7 +76,7 @@ def main() -> None:
                                                               "rows": results}, indent=1))
     lines = [f"# Prefill rows and the SM clock ({torch.cuda.get_device_name()})", "",
              "`python3 scripts/probe_prefill_clock.py` (issue 12): each row timed as the bench times it, NVML sampled "
-             "every ~2 ms in its window; k-cycles = µs x median SM MHz / 1000 (a layer).", "",
+             "every ~2 ms during its timed replays; k-cycles = µs x median SM MHz / 1000 (a layer).", "",
              "| case | impl | round | µs | SM MHz median | min | max | W mean | reasons | k-cycles |",
              "|---|---|---:|---:|---:|---:|---:|---:|---|---:|"]
     for r in results:

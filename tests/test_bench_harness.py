@@ -343,12 +343,17 @@ def test_clock_sampler_needs_a_gpu(monkeypatch):
 
 
 def test_runner_records_timing_windows(monkeypatch):
-    """`_run_impl` appends the (start, end) of a successful timing to `windows`, nothing for one that failed or was
-    not timed; `_run_rounds` keeps each impl's windows, one a round."""
+    """`_run_impl` appends the timed replays' (start, end) of a successful timing to `windows`, nothing for one that
+    failed or was not timed; `_run_rounds` keeps each impl's windows, one a round."""
     from hpcops.bench import runner, timing
     from hpcops.bench.registry import Case, Impl
 
-    monkeypatch.setattr(timing, "graph_time_us", lambda fns, replays=50: 10.0)
+    def fake(fns, replays=50, window=None):
+        if window is not None:
+            window.append((1.0, 2.0))  # the timed replays' span, as graph_time_us appends it
+        return 10.0
+
+    monkeypatch.setattr(timing, "graph_time_us", fake)
 
     def bad(x):
         raise AssertionError("no")
@@ -357,7 +362,7 @@ def test_runner_records_timing_windows(monkeypatch):
                 impls=[Impl("a", lambda x: (lambda: None), ours=True), Impl("b", bad)])
     win = []
     assert runner._run_impl(case, case.impls[0], [0], True, windows=win) == ("ok", 10.0)
-    assert len(win) == 1 and win[0][0] <= win[0][1]
+    assert win == [(1.0, 2.0)]
     assert runner._run_impl(case, case.impls[1], [0], True, windows=win)[0].startswith("check-failed")
     assert runner._run_impl(case, case.impls[0], [0], False, windows=win) == ("check-failed", None)
     assert len(win) == 1
@@ -399,5 +404,11 @@ def test_clock_sampler_on_gpu():
     torch.cuda.synchronize()
     time.sleep(0.05)
     got = s.window((t0, time.monotonic()))
+    from hpcops.bench.timing import graph_time_us
+
+    win = []
+    b = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+    assert graph_time_us([lambda: b @ b] * 4, replays=20, window=win) > 0
     s.stop()
     assert got["samples"] > 0 and 100 <= got["mhz_median"] <= 3500
+    assert len(win) == 1 and win[0][0] < win[0][1]  # the timed replays' span

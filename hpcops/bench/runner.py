@@ -6,7 +6,6 @@ import gc
 import platform
 import statistics
 import sys
-import time
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -79,29 +78,32 @@ def machine_info(measure: bool = True) -> dict[str, Any]:
     return info
 
 
-def _time_impl(case: Case, impl, inputs: list[Any], replays: int | None = None) -> float:
+def _time_impl(case: Case, impl, inputs: list[Any], replays: int | None = None,
+               window: list[tuple[float, float]] | None = None) -> float:
     # per-step work (the decode plan) is timed the same way, one call per layer's inputs in one
     # graph, so launch overhead is amortized alike; the report keeps it out of the ratios
     fns = [impl.prepare(x) for x in inputs]
+    kw: dict[str, Any] = {} if window is None else {"window": window}  # the timed part's (start, end), for the clock
     if impl.timing == "kernels":
-        return timing.profiler_kernel_time_us(fns, impl.kernel_filter)
+        return timing.profiler_kernel_time_us(fns, impl.kernel_filter, **kw)
     if replays is not None:
-        return timing.graph_time_us(fns, replays=replays)
-    return timing.graph_time_us(fns)
+        kw["replays"] = replays
+    return timing.graph_time_us(fns, **kw)
 
 
 def _run_impl(case: Case, impl, inputs: list[Any], gate_ok: bool,
               replays: int | None = None, windows: list[tuple[float, float]] | None = None) -> tuple[str, float | None]:
     """(status, µs) of one implementation: ours is not timed when the case's gate failed; a peer whose
     own check (in its `prepare`) raises AssertionError is reported as check-failed, never ranked. `windows`: the
-    (start, end) monotonic seconds of a timing that succeeded are appended to it (the clock's window)."""
+    (start, end) monotonic seconds of the timed part of a timing that succeeded (the replays, not the preparation
+    or the capture) are appended to it: the SM clock's window (`clock.ClockSampler`)."""
     if impl.ours and not gate_ok:
         return "check-failed", None
     try:
-        t0 = time.monotonic()
-        us = _time_impl(case, impl, inputs, replays)
+        window: list[tuple[float, float]] | None = None if windows is None else []
+        us = _time_impl(case, impl, inputs, replays, window)
         if windows is not None:
-            windows.append((t0, time.monotonic()))
+            windows += window
         return "ok", us
     except PeerUnavailable as exc:
         return f"unavailable: {exc}", None

@@ -5,6 +5,7 @@ time of the kernels a call launches (`profiler_kernel_time_us`)."""
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -24,12 +25,16 @@ def layers_for(bytes_per_layer: int, *, minimum: int = 8, maximum: int = 64, col
     return int(max(1, min(max(minimum, want), maximum, fit)))
 
 
-def graph_time_us(fns: Sequence[Callable[[], object]], *, replays: int = 50, warmup: int = 3) -> float:
-    """Median replay time of one CUDA graph holding every `fn` in order, divided by len(fns), in µs."""
+def graph_time_us(fns: Sequence[Callable[[], object]], *, replays: int = 50, warmup: int = 3,
+                  window: list[tuple[float, float]] | None = None) -> float:
+    """Median replay time of one CUDA graph holding every `fn` in order, divided by len(fns), in µs. `window`: the
+    timed replays' (start, end) in `time.monotonic()` seconds is appended to it (the SM clock's window,
+    `hpcops.bench.clock`: the capture and the warm-up replays are left out)."""
     graph, _ = capture_graph(lambda: [fn() for fn in fns])
     for _ in range(warmup):
         graph.replay()
     torch.cuda.synchronize()
+    t0 = time.monotonic()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
     for s, e in zip(starts, ends):
@@ -37,6 +42,8 @@ def graph_time_us(fns: Sequence[Callable[[], object]], *, replays: int = 50, war
         graph.replay()
         e.record()
     torch.cuda.synchronize()
+    if window is not None:
+        window.append((t0, time.monotonic()))
     times = [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
     del graph
     return statistics.median(times) / len(fns)
@@ -63,7 +70,7 @@ MARKER_KERNEL = "stream_copy_kernel"
 
 
 def profiler_kernel_time_us(fns: Sequence[Callable[[], object]], kernel_filter: str | tuple[str, ...] | None = None, *,
-                            calls: int = 5, warmup: int = 1) -> float:
+                            calls: int = 5, warmup: int = 1, window: list[tuple[float, float]] | None = None) -> float:
     """Median per-call device time of the kernels a call launches, in µs, from torch.profiler (CUDA activity).
 
     Runs every `fn` (one per layer, each with its own inputs, so L2 is as cold as in `graph_time_us`)
@@ -73,7 +80,7 @@ def profiler_kernel_time_us(fns: Sequence[Callable[[], object]], kernel_filter: 
     overlap (a kernel launched with programmatic dependent launch starts before the previous one ends) the overlap
     once. Launch
     gaps and host work are not counted: this is the GPU time of the kernels only, the same for hpcops and for a
-    peer.
+    peer. `window`: as `graph_time_us`'s (warm-up and profiled calls).
     """
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
@@ -83,9 +90,13 @@ def profiler_kernel_time_us(fns: Sequence[Callable[[], object]], kernel_filter: 
     src = torch.zeros(128, device="cuda")
     dst = torch.empty_like(src)
     marker = lambda: stream_copy_kernel[(1,)](src, dst, src.numel(), BLOCK=128)
-    return profile_per_call_us(fns, kernel_filter, calls=calls, warmup=warmup, marker=marker,
-                               marker_name=MARKER_KERNEL, activity=ProfilerActivity.CUDA,
-                               device_type=DeviceType.CUDA, sync=torch.cuda.synchronize)
+    t0 = time.monotonic()
+    us = profile_per_call_us(fns, kernel_filter, calls=calls, warmup=warmup, marker=marker,
+                             marker_name=MARKER_KERNEL, activity=ProfilerActivity.CUDA,
+                             device_type=DeviceType.CUDA, sync=torch.cuda.synchronize)
+    if window is not None:
+        window.append((t0, time.monotonic()))
+    return us
 
 
 def profile_per_call_us(fns: Sequence[Callable[[], object]], name_filter: str | tuple[str, ...] | None, *, calls: int,
