@@ -129,6 +129,9 @@ def _parser() -> argparse.ArgumentParser:
                         "FlashInfer, or vLLM's Triton unified attention where FlashInfer cannot run; suite "
                         "decode-grid, reports decode-grid.{md,json,png}; with --quick a 12-case subset")
     b.add_argument("--no-progress", action="store_true")
+    b.add_argument("--no-clock", action="store_true",
+                   help="do not sample the SM clock (NVML, with the nvidia-ml-py package) while rows are timed; by "
+                        "default each row reports its median SM MHz where NVML is there")
 
     from hpcops.bench.tune.cli import add_parser as add_tune_parser
 
@@ -169,7 +172,8 @@ def _bench(args) -> int:
             return res, report.write(res, args.out) + extra
 
         result = run_suite(n, opts, check=not args.no_check, only=args.only, progress=not args.no_progress,
-                           machine=machine, on_case=write, rounds=args.rounds)
+                           machine=machine, on_case=write, rounds=args.rounds,
+                           clocks=not args.no_clock)
         result, paths = write(result)
         print(report.markdown(result))
         print("wrote " + ", ".join(str(p) for p in paths))

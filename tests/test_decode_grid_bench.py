@@ -297,3 +297,16 @@ def test_suite_runs_through_the_runner(tiny, hermetic_peers, monkeypatch, device
         assert (s["peer"], s["ours"], s["ratio"], s["verdict"]) == ("vllm-unified", "hpcops-fp8q", 1.0, "pass")
     else:
         assert status["vllm-unified"].startswith("unavailable") and s["verdict"] == "—"
+
+
+def test_bench_no_clock_reaches_the_runner(monkeypatch, tmp_path):
+    """`hpcops bench --no-clock`: run_suite is asked not to sample the SM clock (by default it is)."""
+    import hpcops.bench
+    from hpcops.cli import main
+
+    seen = []
+    monkeypatch.setattr(hpcops.bench, "run_suite",
+                        lambda name, opts, **kw: seen.append(kw["clocks"]) or SuiteResult(name, [], {}))
+    assert main(["bench", "rope", "--out", str(tmp_path), "--no-progress"]) == 0
+    assert main(["bench", "rope", "--out", str(tmp_path), "--no-progress", "--no-clock"]) == 0
+    assert seen == [True, False]
