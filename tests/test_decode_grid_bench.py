@@ -284,7 +284,7 @@ def test_suite_runs_through_the_runner(tiny, hermetic_peers, monkeypatch, device
     real = grid.make_decode_inputs
     monkeypatch.setattr(grid, "make_decode_inputs", lambda *a, **kw: real(*a, **{**kw, "device": device}))
     monkeypatch.setattr(runner.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(timing, "graph_time_us", lambda fns: [fn() for fn in fns] and 10.0)
+    monkeypatch.setattr(timing, "graph_time_us", lambda fns, **kw: [fn() for fn in fns] and 10.0)
     res = runner.run_suite("decode-grid", {"quick": True, "layers": 1}, only="h16/1 d128 p64 fp8",
                            progress=False, machine={"gpu": "cpu", "copy_gbps": 1000.0})
     status = {r.impl: r.status for r in res.rows}

@@ -201,14 +201,15 @@ def _run_cases(name: str, cases: list[Case], opts: dict[str, Any], check: bool, 
             except AssertionError as exc:
                 gate_ok = False
                 print(f"\n[check failed] {name}/{case.name}: {exc}", file=sys.stderr)
-        windows: Windows = {}
+        windows: Windows | None = {} if sampler is not None else None  # the timed spans, where the clock is read
         timed = _run_rounds(case, inputs, gate_ok, rounds, bar.step, windows) if rounds > 1 else {}
         for impl in case.impls:
             if rounds > 1:
                 status, us, values = timed[impl.name]
             else:
-                status, us = _run_impl(case, impl, inputs, gate_ok, windows=windows.setdefault(impl.name, []))
-            mhz = sampler.window(*windows.get(impl.name, [])).get("mhz_median") if sampler is not None else None
+                status, us = _run_impl(case, impl, inputs, gate_ok,
+                                       windows=None if windows is None else windows.setdefault(impl.name, []))
+            mhz = None if windows is None else sampler.window(*windows.get(impl.name, [])).get("mhz_median")
             note = "per-step" if impl.per_step else impl.note
             if rounds > 1 and us is not None:
                 note = f"{note} (median of {rounds} interleaved rounds: {values} µs)".lstrip()
