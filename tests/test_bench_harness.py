@@ -342,6 +342,29 @@ def test_clock_sampler_needs_a_gpu(monkeypatch):
     assert ClockSampler.start() is None
 
 
+def test_clock_sampler_reads_the_visible_gpu(monkeypatch):
+    """`ClockSampler.start` opens the NVML handle of the CUDA device as NVML counts GPUs (CUDA_VISIBLE_DEVICES can
+    hide some: torch maps the index), and samples from it."""
+    import sys
+    import types
+
+    from hpcops.bench.clock import ClockSampler
+
+    fake = _FakeNvml()
+    opened = []
+    mod = types.SimpleNamespace(nvmlInit=lambda: None,
+                                nvmlDeviceGetHandleByIndex=lambda i: opened.append(i) or "h",
+                                **{k: getattr(fake, k) for k in dir(_FakeNvml) if k.startswith(("nvml", "NVML"))})
+    monkeypatch.setitem(sys.modules, "pynvml", mod)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "_get_nvml_device_index", lambda i: i + 3)  # visible GPU 0 = NVML's GPU 3
+    s = ClockSampler.start(period=0.001)
+    assert s is not None and opened == [3]
+    s.stop()
+    assert all(x[1] == 1755.0 for x in s.samples)
+
+
 def test_runner_records_timing_windows(monkeypatch):
     """`_run_impl` appends the timed replays' (start, end) of a successful timing to `windows`, nothing for one that
     failed or was not timed; `_run_rounds` keeps each impl's windows, one a round."""

@@ -55,7 +55,12 @@ class ClockSampler:
             if not torch.cuda.is_available():
                 return None
             pynvml.nvmlInit()
-            handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device() if index is None else index)
+            cuda_index = torch.cuda.current_device() if index is None else index
+            try:  # NVML counts every GPU; CUDA only the visible ones (CUDA_VISIBLE_DEVICES): torch maps the two
+                nvml_index = torch.cuda._get_nvml_device_index(cuda_index)
+            except Exception:
+                nvml_index = cuda_index
+            handle = pynvml.nvmlDeviceGetHandleByIndex(nvml_index)
         except Exception:  # no wheel, no driver library, no device: the rows go without a clock
             return None
         sampler = cls(pynvml, handle, period)
