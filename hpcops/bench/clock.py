@@ -1,4 +1,4 @@
-"""The GPU's SM clock while a row is timed: NVML sampled on a thread (`hpcops bench`, `scripts/probe_prefill_clock.py`).
+"""The GPU's SM clock while a row is timed: NVML sampled on a thread (`hpcops bench`'s `SM MHz` column).
 
 Two rows timed side by side can run at different clocks: on an H100 (700 W limit) our bf16 prefill at h64/8 q8k ran
 at a median 1590 MHz under the software power cap while the fp8 kernel of the same case ran at ~1750 and every h8/1

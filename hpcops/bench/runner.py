@@ -95,16 +95,12 @@ def _run_impl(case: Case, impl, inputs: list[Any], gate_ok: bool,
               replays: int | None = None, windows: list[tuple[float, float]] | None = None) -> tuple[str, float | None]:
     """(status, µs) of one implementation: ours is not timed when the case's gate failed; a peer whose
     own check (in its `prepare`) raises AssertionError is reported as check-failed, never ranked. `windows`: the
-    (start, end) monotonic seconds of the timed part of a timing that succeeded (the replays, not the preparation
-    or the capture) are appended to it: the SM clock's window (`clock.ClockSampler`)."""
+    timing function appends the (start, end) monotonic seconds of its timed part (the replays, not the preparation
+    or the capture) once it succeeded: the SM clock's window (`clock.ClockSampler`)."""
     if impl.ours and not gate_ok:
         return "check-failed", None
     try:
-        window: list[tuple[float, float]] | None = None if windows is None else []
-        us = _time_impl(case, impl, inputs, replays, window)
-        if windows is not None:
-            windows += window
-        return "ok", us
+        return "ok", _time_impl(case, impl, inputs, replays, windows)
     except PeerUnavailable as exc:
         return f"unavailable: {exc}", None
     except AssertionError as exc:  # the peer's output disagrees with the reference (or its own asserts fired)
