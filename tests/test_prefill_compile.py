@@ -204,7 +204,7 @@ from hpcops.attention.prefill import GLUON_WS_PERSIST_REGS
 from hpcops.testing import sm90_resources
 
 d, g, tile, page, stages, dt, *flags = json.loads(sys.argv[1])
-p_regs, tree, p_dbuf, pvo, msum, persist, qregs, prmt = (flags + [False] * 8)[:8]
+p_regs, tree, p_dbuf, pvo, msum, persist, qregs, prmt, trace = (flags + [False] * 9)[:9]
 gdt = {"bf16": gl.bfloat16, "fp16": gl.float16, "fp8e4nv": gl.float8e4nv}[dt]
 box = min(tile, page)
 desc = f"tensordesc<{dt}[{box}, {d}],{gl.NVMMASharedLayout.get_default_for([box, d], gdt)}>"
@@ -220,6 +220,9 @@ consts = dict(D=d, G=g, TILE=tile, PAGE=page, BLOCK_B=16, STAGES=stages, HEADS_I
               FP8_CONSUMER_REGS=GLUON_WS_FP8_REGS[0], FP8_PRODUCER_REGS=GLUON_WS_FP8_REGS[1],
               SOFTMAX=(1 if tree else 0) | (2 if pvo else 0) | (4 if msum else 0) | (32 if qregs else 0)
               | (128 if prmt else 0))
+if trace:  # the opt-in trace (scripts/probe_prefill_trace.py): clock stamps into an int32 buffer
+    consts["TRACE"] = True
+    sig["trace_ptr"] = "*i32"
 if persist:  # PrefillConfig.gluon_persist: the kernel as a persistent grid, its own register splits
     consts.update(FP8_CONSUMER_REGS=GLUON_WS_FP8_PERSIST_REGS[0], FP8_PRODUCER_REGS=GLUON_WS_FP8_PERSIST_REGS[1],
                   CONSUMER_REGS=GLUON_WS_PERSIST_REGS[0], PRODUCER_REGS=GLUON_WS_PERSIST_REGS[1])
@@ -232,6 +235,7 @@ ptx = c.asm["ptx"]
 r["setmaxnreg"] = sorted({int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)})
 r["cta_barriers"] = len(re.findall(r"\bbar\.sync\s+0;", ptx))  # bar.sync 0 without a thread count: the whole CTA
 r["byte_stores"] = len(re.findall(r"\bst\.shared\.b8\b", ptx))
+r["clock_reads"] = ptx.count("%clock")
 r["b16_stores"] = len(re.findall(r"\bst\.shared\.b16\b", ptx))  # the fp8 P's 2-byte pieces
 r["v4_stores"] = len(re.findall(r"\bst\.shared\.v4\.b32\b", ptx))
 # the SASS between a loop's S wait (DEPBAR.LE gsb0, 0x1; gluon_mma_sum 0x2: P·1 too) and its P·V wait (0x0):
@@ -286,6 +290,11 @@ GLUON_WS_BUILDS = {  # name: (head_dim, G, block_n, page, stages, dtype)
                                          False, True),
     "fp8-d128-h8/1-128-3buf-msum-qregs-persist-prmt": (128, 8, 128, 64, 3, "fp8e4nv", False, False, False, False,
                                                        True, True, True, True),
+    # the opt-in trace (`_stamp`): the bf16 default's tile at h8/1 q4k, the fp8 kernel a program a tile
+    "d128-128-3buf-trace": (128, 8, 128, 64, 3, "bf16", False, False, False, False, False, False, False, False,
+                            True),
+    "fp8-d128-h8/1-128-3buf-msum-qregs-prmt-trace": (128, 8, 128, 64, 3, "fp8e4nv", False, False, False, False,
+                                                     True, False, True, True, True),
 }
 
 
@@ -300,9 +309,11 @@ def test_gluon_ws_prefill_kernel_builds_for_sm90(name):
     r = sm90_build_in_subprocess(GLUON_WS_BUILD, GLUON_WS_BUILDS[name])
     print(name, r)
     persist = GLUON_WS_BUILDS[name][11:12] == (True,)
+    trace = GLUON_WS_BUILDS[name][14:15] == (True,)
     # the persistent kernel: a few registers of the tile walk's state spilled where a q tile starts and ends (ptxas at
-    # fp8's (216, 72): none in the consumers' K/V loop; d256's consumers spill 112 bytes); every other build none
-    assert r["spill_bytes"] <= ((128 if d > 128 else 64) if persist else 0), r
+    # fp8's (216, 72): none in the consumers' K/V loop; d256's consumers spill 112 bytes); the trace's stamps a few
+    # (a probe's build: 8 bytes at the bf16 tile); every other build none
+    assert r["spill_bytes"] <= ((128 if d > 128 else 64) if persist or trace else 0), r
     k_step = 32 if dt == "fp8e4nv" else 16  # an fp8 wgmma takes 32 of K a step
     msum = GLUON_WS_BUILDS[name][10:11] == (True,)  # gluon_mma_sum: P·1 in the loop and after it, N = 8
     assert r["wgmma"] == 2 * (2 * (d // k_step) + (4 if msum else 2) * (tile // k_step)), r
@@ -317,6 +328,9 @@ def test_gluon_ws_prefill_kernel_builds_for_sm90(name):
         assert set(GLUON_WS_PERSIST_REGS if persist else (24, 240)) <= set(r["setmaxnreg"]), r
     assert r["cta_barriers"] == 0, r
     assert r["shared"] <= 227 * 1024, r
+    # the trace's clock reads: none unless asked for; else at each consumer's tile and step waits (6 a step, fp8 7,
+    # and 4 a tile) and the producer's steps
+    assert (r["clock_reads"] >= 2 * (6 + 4) + 2) if trace else r["clock_reads"] == 0, r
     if dt == "fp8e4nv" and d == tile == 128:  # Vᵀ by 8-byte stores (_transpose_v's layouts), never byte by byte
         assert r["byte_stores"] == 0, r
     if GLUON_WS_BUILDS[name][6:7] == (True,):  # gluon_p_regs: P reaches the P·V wgmma in registers, never stored
@@ -345,7 +359,8 @@ from hpcops.attention._prefill_gluon import prefill_gluon_ws_prefetch_kernel
 from hpcops.attention.prefill import GLUON_WS_FP8_PREFETCH_REGS
 from hpcops.testing import sm90_resources
 
-d, g, tile, page, stages, p_dbuf, queue, vt3, prmt = json.loads(sys.argv[1])
+d, g, tile, page, stages, p_dbuf, queue, vt3, prmt, *rest = json.loads(sys.argv[1])
+trace = bool(rest and rest[0])
 dt, gdt = "fp8e4nv", gl.float8e4nv
 box = min(tile, page)
 desc = f"tensordesc<{dt}[{box}, {d}],{gl.NVMMASharedLayout.get_default_for([box, d], gdt)}>"
@@ -361,6 +376,9 @@ consts = dict(D=d, G=g, TILE=tile, PAGE=page, BLOCK_B=16, STAGES=stages, HEADS_I
               FP8=3 if p_dbuf else 1, FP8_CONSUMER_REGS=GLUON_WS_FP8_PREFETCH_REGS[0],
               FP8_PRODUCER_REGS=GLUON_WS_FP8_PREFETCH_REGS[1],
               SOFTMAX=(0 if p_dbuf else 4) | 32 | (64 if vt3 else 0) | (128 if prmt else 0), QUEUE=queue)
+if trace:  # the opt-in trace (scripts/probe_prefill_trace.py)
+    consts["TRACE"] = True
+    sig["trace_ptr"] = "*i32"
 sig.update({a: "constexpr" for a in consts})
 c = triton.compile(GluonASTSource(prefill_gluon_ws_prefetch_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": 4, "maxnreg": 168})
@@ -373,7 +391,8 @@ atoms = re.findall(r"^\s*(@!?%p\d+\s+)?atom\.([\w.]+)", ptx, re.M)
 r["atom_add"] = sum(1 for _, op in atoms if ".add." in op)
 r["atom_exch"] = sum(1 for _, op in atoms if ".exch." in op)
 r["atom_unpredicated"] = sum(1 for pred, _ in atoms if not pred)
-r["prmt_asm"] = ptx.count("prmt.b32 t0,")  # `_transpose_v_prmt`'s inline asm, once per transpose in the code
+r["prmt_asm"] = ptx.count("prmt.b32 t0,")
+r["clock_reads"] = ptx.count("%clock")  # `_transpose_v_prmt`'s inline asm, once per transpose in the code
 with tempfile.NamedTemporaryFile(suffix=".cubin") as f:  # every partition's SASS (asm["sass"] holds one)
     f.write(c.asm["cubin"])
     f.flush()
@@ -394,6 +413,8 @@ GLUON_PREFETCH_BUILDS = {  # name: (head_dim, G, block_n, page, stages, gluon_p_
     "fp8-d128-h8/1-128-2buf-pdbuf-vt3": (128, 8, 128, 64, 2, True, False, True, False),
     "fp8-d128-h8/1-128-3buf-prmt": (128, 8, 128, 64, 3, False, False, False, True),  # gluon_vt_prmt
     "fp8-d64-h8/1-128-3buf-prmt": (64, 8, 128, 64, 3, False, False, False, True),
+    # the opt-in trace (`_stamp`) on the fp8 default
+    "fp8-d128-h8/1-128-3buf-prmt-trace": (128, 8, 128, 64, 3, False, False, False, True, True),
 }
 
 
@@ -406,10 +427,13 @@ def test_gluon_prefetch_prefill_kernel_builds_for_sm90(name):
     pytest.importorskip("triton.backends.nvidia")
     from hpcops.attention.prefill import GLUON_WS_FP8_PREFETCH_REGS
 
-    d, g, tile, page, stages, p_dbuf, queue, vt3, prmt = GLUON_PREFETCH_BUILDS[name]
+    d, g, tile, page, stages, p_dbuf, queue, vt3, prmt, *rest = GLUON_PREFETCH_BUILDS[name]
     r = sm90_build_in_subprocess(GLUON_PREFETCH_BUILD, GLUON_PREFETCH_BUILDS[name])
     print(name, r)
     assert r["spill_bytes"] <= 64, r
+    # the trace's clock reads (`_stamp`): none unless asked for; else at each consumer's tile and step waits and the
+    # producer's tile and step events
+    assert (r["clock_reads"] >= 2 * (7 + 4) + 4 + 2) if rest and rest[0] else r["clock_reads"] == 0, r
     msum = not p_dbuf
     # each consumer: its first S and its loop's (K steps of 32), the loop's and the last P·V (and P·1, gluon_mma_sum)
     assert r["wgmma"] == 2 * (2 * (d // 32) + (4 if msum else 2) * (tile // 32)), r

@@ -49,6 +49,37 @@ def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
     return a0 + b0, a1 + b1, a2 + b2, a3 + b3
 
 
+# ---- opt-in trace (`scripts/probe_prefill_trace.py`): the SM clock where a program's partitions pass their waits ----
+# `TRACE` (a constexpr of the warp-specialized kernels, False by default: no code) and `trace_ptr`, an int32 buffer
+# [programs, 3 roles, TRACE_KINDS, TRACE_STEPS]: role 0 / 1 the consumer warpgroups, 2 the producer; a kind below
+# 8 is a q tile's event (index: the program's tile ordinal), 8 and up a K/V step's (index: the program's ring step).
+# Consumers: 0 tile start, 1 first P stored, 2 loop done, 3 last P·V done, 4 output stored, 5 the SM's id (not a
+# clock), 6 / 7 the global timer (ns, low 32 bits) at the tile's start / end; 8 step top, 9 K_{j+1} landed, 10 Vᵀ_j
+# ready (fp8), 11 turn taken, 12 S_{j+1} done, 13 softmax done, 14 P·V_j done. Producer: 0 tile start, 1 next tile
+# published (prefetch); fp8 steps 8 top, 9 V_j landed, 10 Vᵀ buffer free, 11 Vᵀ_j published; 16-bit steps 8 before
+# the buffer's release, 9 after it (loads issued).
+TRACE_KINDS = gl.constexpr(16)
+TRACE_STEPS = gl.constexpr(512)
+
+
+@gluon.jit
+def _stamp(trace, role: gl.constexpr, kind: gl.constexpr, step, TRACE: gl.constexpr):
+    """TRACE: record event `kind` of partition `role`, trace = (trace_ptr, program, tile ordinal): the SM clock
+    (kind 5: the SM's id, 6 and 7: the global ns timer), indexed by the tile ordinal (kinds below 8) or by `step`
+    (the others)."""
+    if TRACE:
+        if kind == 5:
+            t = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        elif kind == 6 or kind == 7:
+            t = gl.inline_asm_elementwise("mov.u32 $0, %globaltimer_lo;", "=r", [], dtype=gl.int32, is_pure=False,
+                                          pack=1)
+        else:
+            t = gl.inline_asm_elementwise("mov.u32 $0, %clock;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        idx = trace[2] if kind < 8 else step
+        gl.store(trace[0] + ((trace[1] * 3 + role) * TRACE_KINDS + kind) * TRACE_STEPS + idx, t,
+                 mask=idx < TRACE_STEPS)
+
+
 @gluon.jit
 def _tile_of(cu_seqlens_q_ptr, seq_lens_ptr, num_reqs, tiles_per_head, num_kv_heads, TOKENS: gl.constexpr,
              TILE: gl.constexpr, BLOCK_B: gl.constexpr, HEADS_INNER: gl.constexpr, WARPS: gl.constexpr):
@@ -389,7 +420,8 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
             stride_ot, stride_oh, fp8_args, ROW0: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr,
             D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
             WS: gl.constexpr, WG: gl.constexpr, FP8: gl.constexpr = False, SOFTMAX: gl.constexpr = 0,
-            G0=0, T0=0, PERSIST: gl.constexpr = False, PRE: gl.constexpr = False, pre=None):
+            G0=0, T0=0, PERSIST: gl.constexpr = False, PRE: gl.constexpr = False, pre=None,
+            TRACE: gl.constexpr = False, trace=None):
     """Rows [ROW0, ROW0 + ROWS) of the q tile (row r: token first_tok + r // G, head kv_head·G + r % G) over the
     request's first n K/V tiles, on WARPS warps (16 rows a warp), into `out`. The tiles arrive in the STAGES-deep
     ring on `full`. Not WS: this routine refills the ring (tile j + STAGES once tile j is done). WS (consumer
@@ -425,7 +457,8 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
     phases, Vᵀ buffers) and its turns T0..; the last Vᵀ buffer is given back too (the producer refills it for the
     next q tile). PRE (`PrefillConfig.gluon_prefetch`, persistent fp8 with q in registers): `pre` = (q's A
     operand, the rows' q scales, k_scale, v_scale), read by the caller from the shared memory the producer's TMA
-    filled ahead of the tile (`_ws_prefetch`): no global load before the first S."""
+    filled ahead of the tile (`_ws_prefetch`): no global load before the first S. TRACE (warp-specialized):
+    `_stamp`s at the tile's and each step's waits, `trace` = (trace_ptr, program, tile ordinal)."""
     P_REGS: gl.constexpr = FP8 == 2
     P_DBUF: gl.constexpr = FP8 == 3  # two P buffers a consumer: P_{j+1} is stored before P_j·V_j is waited for
     P_EXP: gl.constexpr = 8 if FP8 else 0  # fp8: P as e4m3(P·256)
@@ -452,6 +485,9 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
     rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
+    _stamp(trace, WG, 0, 0, TRACE)
+    _stamp(trace, WG, 5, 0, TRACE)
+    _stamp(trace, WG, 6, 0, TRACE)
     r_s = ROW0 + gl.arange(0, ROWS, layout=rows_s)
     if PRE:  # q, its scales and the KV scales from the caller (the producer's prefetch)
         gl.static_assert(FP8 != 0 and Q_REGS, "the prefetch: fp8 with q in registers")
@@ -513,17 +549,22 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
         mbarrier.arrive(empty.index(r0 % STAGES), count=1)
     else:
         p = gl.convert_layout(_p_operand(p, DT, False), p_layout)
+    _stamp(trace, WG, 1, 0, TRACE)
     for j in range(n - 1):
         rj = _ring(j, G0, PERSIST)  # this step's place in the program's ring (j itself unless PERSIST)
         slot = rj % STAGES
         nxt = (rj + 1) % STAGES
+        _stamp(trace, WG, 8, rj, TRACE)
         if not FP8:
             _zero_v_tail(v_smem.index(slot), j, seq_len, TILE, ld_layout)
         mbarrier.wait(full.index(nxt), ((rj + 1) // STAGES) & 1)
+        _stamp(trace, WG, 9, rj, TRACE)
         if FP8:  # Vᵀ_j from the producer
             mbarrier.wait(vt_full.index(rj % VT), (rj // VT) & 1)
+            _stamp(trace, WG, 10, rj, TRACE)
         if WS:  # my turn at the tensor cores: warpgroup 0 first (its first wait passes on the initial phase)
             mbarrier.wait(turn.index(WG), (_ring(j, T0, PERSIST) & 1) ^ (1 - WG))
+            _stamp(trace, WG, 11, rj, TRACE)
         s_tok = warpgroup_mma(q_op, k_smem.index(nxt).permute((1, 0)),
                               gl.zeros([ROWS, TILE], gl.float32, layout=s_layout), use_acc=False, is_async=True)
         if P_REGS:  # synchronous: waits for S_{j+1} too
@@ -544,8 +585,10 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
         if WS:
             mbarrier.arrive(turn.index(1 - WG), count=1)
         s = warpgroup_mma_wait(2 if MSUM else 1, deps=[s_tok])  # S_{j+1} done, P_j·V_j may still run
+        _stamp(trace, WG, 12, rj, TRACE)
         p_next, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, c, (j + 1) * TILE, kv_limit, keys, j + 1 >= full_end,
                                                 FP8, P_EXP, TREE, not MSUM)
+        _stamp(trace, WG, 13, rj, TRACE)
         if P_REGS:
             mbarrier.arrive(empty.index(nxt), count=1)  # K_{j+1} is read
             mbarrier.arrive(vt_empty.index(rj % VT), count=1)  # P_j·V_j is done
@@ -587,6 +630,8 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
             l_acc = l_acc * gl.convert_layout(alpha, gl.SliceLayout(1, l_layout))[:, None]
         if not FP8:
             p = p_next
+        _stamp(trace, WG, 14, rj, TRACE)
+    _stamp(trace, WG, 2, 0, TRACE)
     rl = _ring(n - 1, G0, PERSIST)
     last = rl % STAGES
     if FP8:
@@ -613,6 +658,7 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
         if PERSIST:  # the last K/V buffer back to the producer too (16-bit: released after P·V)
             mbarrier.arrive(empty.index(last), count=1)
 
+    _stamp(trace, WG, 3, 0, TRACE)
     l_o = gl.convert_layout(l_i, rows_o)
     if FP8:
         o = o * (out_scale / gl.where(l_o > 0.0, l_o, 1.0))[:, None]
@@ -624,6 +670,8 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
     o_rows = (q_start + tok_o).to(gl.int64) * stride_ot + (kv_head * G + r_o % G).to(gl.int64) * stride_oh
     gl.store(out_ptr + o_rows[:, None] + d_o[None, :], o.to(out_ptr.dtype.element_ty),
              mask=(tok_o < q_len)[:, None] & (d_o < D)[None, :])
+    _stamp(trace, WG, 4, 0, TRACE)
+    _stamp(trace, WG, 7, 0, TRACE)
 
 
 @gluon.jit
@@ -677,34 +725,37 @@ def prefill_gluon_kernel(
 
 @gluon.jit
 def _ws_producer(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr,
-                 STAGES: gl.constexpr, FP8: gl.constexpr):
+                 STAGES: gl.constexpr, FP8: gl.constexpr, TRACE: gl.constexpr = False, trace_ptr=None):
     (q_ptr, out_ptr, k_desc, v_desc, q_smem, k_smem, v_smem, full, empty, turn, bt_row, bt_width, num_blocks, k_col,
      v_col, n, q_start, q_len, first_tok, ctx_len, seq_len, kv_head, c, stride_qt, stride_qh, stride_ot,
      stride_oh, q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, vt_smem, p_smem, vt_full,
      vt_empty, ones_smem) = args
     _produce_tiles(k_desc, v_desc, k_smem, v_smem, full, empty, bt_row, bt_width, num_blocks, k_col, v_col, n, 0, D,
-                   TILE, PAGE, STAGES)
+                   TILE, PAGE, STAGES, False, TRACE, (trace_ptr, gl.program_id(0), 0))
 
 
 @gluon.jit
 def _produce_tiles(k_desc, v_desc, k_smem, v_smem, full, empty, bt_row, bt_width, num_blocks, k_col, v_col, n, g0,
                    D: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
-                   PERSIST: gl.constexpr = False):
+                   PERSIST: gl.constexpr = False, TRACE: gl.constexpr = False, trace=None):
     """The 16-bit producer warp's K/V loads of a q tile, each once both consumers released its buffer (after their
-    P·V of the tile it held). PERSIST: ring steps g0.. (`_ring`)."""
+    P·V of the tile it held). PERSIST: ring steps g0.. (`_ring`). TRACE: `_stamp`s around each release wait."""
     KV_BYTES: gl.constexpr = 2 * TILE * D * k_desc.dtype.primitive_bitwidth // 8
     for j in range(n):
         rj = _ring(j, g0, PERSIST)
         slot = rj % STAGES
+        _stamp(trace, 2, 8, rj, TRACE)
         # a buffer is free once both consumers released it (mbarriers start with phase 1 complete)
         mbarrier.wait(empty.index(slot), ((rj // STAGES) & 1) ^ 1)
+        _stamp(trace, 2, 9, rj, TRACE)
         _issue_tile(k_desc, v_desc, k_smem, v_smem, full, bt_row, bt_width, num_blocks, j, k_col, v_col, slot, True,
                     PAGE, TILE, KV_BYTES)
 
 
 @gluon.jit
 def _ws_producer_fp8(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr,
-                     STAGES: gl.constexpr, FP8: gl.constexpr, SOFTMAX: gl.constexpr = 0):
+                     STAGES: gl.constexpr, FP8: gl.constexpr, SOFTMAX: gl.constexpr = 0, TRACE: gl.constexpr = False,
+                     trace_ptr=None):
     """The fp8 kernel's producer warpgroup: the K/V ring as `_ws_producer` fills it, and V_j transposed into
     Vᵀ buffer j % VT (FA3 does the same in its producer): once V_j has landed and both consumers gave the buffer
     back (`vt_empty`), `_transpose_v`, a barrier of the 4 warps, then `vt_full` and this warpgroup's release of
@@ -721,7 +772,7 @@ def _ws_producer_fp8(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr,
         _store_ones(ones_smem, k_desc.dtype, TILE)
     _produce_fp8_steps(k_desc, v_desc, k_smem, v_smem, full, empty, vt_smem, vt_full, vt_empty, bt_row, bt_width,
                        num_blocks, k_col, v_col, n, seq_len, 0, D, TILE, PAGE, STAGES, FP8, False, 0,
-                       (SOFTMAX & 128) != 0)
+                       (SOFTMAX & 128) != 0, TRACE, (trace_ptr, gl.program_id(0), 0))
 
 
 @gluon.jit
@@ -754,11 +805,13 @@ def _produce_fp8_first(k_desc, v_desc, k_smem, v_smem, full, empty, bt_row, bt_w
 def _produce_fp8_steps(k_desc, v_desc, k_smem, v_smem, full, empty, vt_smem, vt_full, vt_empty, bt_row, bt_width,
                        num_blocks, k_col, v_col, n, seq_len, g0, D: gl.constexpr, TILE: gl.constexpr,
                        PAGE: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr, PERSIST: gl.constexpr = False,
-                       PART: gl.constexpr = 0, PRMT: gl.constexpr = False):
+                       PART: gl.constexpr = 0, PRMT: gl.constexpr = False, TRACE: gl.constexpr = False,
+                       trace=None):
     """A q tile's K/V steps in the producer: the refills (tile j-1+STAGES at step j) and each V_j transposed into
     Vᵀ buffer (ring step) % VT (2, or 3 with SOFTMAX & 64: `_fp8_buffers`). PERSIST: ring steps g0.. (`_ring`).
     PART 1: step 0 alone, PART 2: the steps after it (`gluon_prefetch` publishes the next tile between them), 0: all.
-    PRMT (SOFTMAX & 128, `PrefillConfig.gluon_vt_prmt`): the permuted transpose by byte permutes."""
+    PRMT (SOFTMAX & 128, `PrefillConfig.gluon_vt_prmt`): the permuted transpose by byte permutes. TRACE: `_stamp`s
+    at each step's waits."""
     PERM: gl.constexpr = FP8 != 2 and _vt_perm(TILE, D)
     KV_BYTES: gl.constexpr = 2 * TILE * D * k_desc.dtype.primitive_bitwidth // 8
     VT: gl.constexpr = vt_smem.shape[0]  # Vᵀ buffers (`_fp8_buffers`)
@@ -767,6 +820,7 @@ def _produce_fp8_steps(k_desc, v_desc, k_smem, v_smem, full, empty, vt_smem, vt_
     for j in range(j_lo, j_hi):
         rj = _ring(j, g0, PERSIST)
         slot = rj % STAGES
+        _stamp(trace, 2, 8, rj, TRACE)
         if j >= 1:  # refill the previous tile's buffer with tile j-1+STAGES
             prev = (rj - 1) % STAGES
             if j - 1 + STAGES < n:
@@ -774,7 +828,9 @@ def _produce_fp8_steps(k_desc, v_desc, k_smem, v_smem, full, empty, vt_smem, vt_
                 _issue_tile(k_desc, v_desc, k_smem, v_smem, full, bt_row, bt_width, num_blocks, j - 1 + STAGES,
                             k_col, v_col, prev, True, PAGE, TILE, KV_BYTES)
         mbarrier.wait(full.index(slot), (rj // STAGES) & 1)
+        _stamp(trace, 2, 9, rj, TRACE)
         mbarrier.wait(vt_empty.index(rj % VT), ((rj // VT) & 1) ^ 1)  # P·V_{j-VT} is done in both consumers
+        _stamp(trace, 2, 10, rj, TRACE)
         if PRMT and PERM:
             _transpose_v_prmt(v_smem.index(slot), vt_smem.index(rj % VT), j, seq_len, D)
         else:
@@ -782,11 +838,13 @@ def _produce_fp8_steps(k_desc, v_desc, k_smem, v_smem, full, empty, vt_smem, vt_
         gl.thread_barrier()  # all 4 warps' Vᵀ stores (each fenced for the async proxy) before the arrivals
         mbarrier.arrive(vt_full.index(rj % VT), count=1)
         mbarrier.arrive(empty.index(slot), count=1)
+        _stamp(trace, 2, 11, rj, TRACE)
 
 
 @gluon.jit
 def _ws_consume(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr,
-                STAGES: gl.constexpr, FP8: gl.constexpr, SOFTMAX: gl.constexpr, WG: gl.constexpr):
+                STAGES: gl.constexpr, FP8: gl.constexpr, SOFTMAX: gl.constexpr, WG: gl.constexpr,
+                TRACE: gl.constexpr = False, trace_ptr=None):
     (q_ptr, out_ptr, k_desc, v_desc, q_smem, k_smem, v_smem, full, empty, turn, bt_row, bt_width, num_blocks, k_col,
      v_col, n, q_start, q_len, first_tok, ctx_len, seq_len, kv_head, c, stride_qt, stride_qh, stride_ot,
      stride_oh, q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, vt_smem, p_smem, vt_full,
@@ -800,19 +858,22 @@ def _ws_consume(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE
             stride_qh, stride_ot, stride_oh,
             (q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, vt_smem, p_bufs, vt_full, vt_empty,
              ones_smem),
-            WG * 64, 64, 4, D, G, TILE, PAGE, STAGES, True, WG, FP8, SOFTMAX)
+            WG * 64, 64, 4, D, G, TILE, PAGE, STAGES, True, WG, FP8, SOFTMAX,
+            TRACE=TRACE, trace=(trace_ptr, gl.program_id(0), 0))
 
 
 @gluon.jit
 def _ws_consumer0(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr,
-                  STAGES: gl.constexpr, FP8: gl.constexpr, SOFTMAX: gl.constexpr):
-    _ws_consume(args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX, 0)
+                  STAGES: gl.constexpr, FP8: gl.constexpr, SOFTMAX: gl.constexpr, TRACE: gl.constexpr = False,
+                  trace_ptr=None):
+    _ws_consume(args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX, 0, TRACE, trace_ptr)
 
 
 @gluon.jit
 def _ws_consumer1(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr,
-                  STAGES: gl.constexpr, FP8: gl.constexpr, SOFTMAX: gl.constexpr):
-    _ws_consume(args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX, 1)
+                  STAGES: gl.constexpr, FP8: gl.constexpr, SOFTMAX: gl.constexpr, TRACE: gl.constexpr = False,
+                  trace_ptr=None):
+    _ws_consume(args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX, 1, TRACE, trace_ptr)
 
 
 @gluon.jit
@@ -883,14 +944,14 @@ def prefill_gluon_ws_kernel(
     D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr, BLOCK_B: gl.constexpr,
     STAGES: gl.constexpr, HEADS_INNER: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
     FP8: gl.constexpr = 0, FP8_CONSUMER_REGS: gl.constexpr = 224, FP8_PRODUCER_REGS: gl.constexpr = 56,
-    SOFTMAX: gl.constexpr = 0,
+    SOFTMAX: gl.constexpr = 0, TRACE: gl.constexpr = False, trace_ptr=None,
 ):
     """`prefill_gluon_kernel`'s maths on a 128-row q tile, warp-specialized: launched with num_warps = 4 (the
     default partition, consumer 0) plus a 4-warp worker (consumer 1, CONSUMER_REGS registers) and a 1-warp TMA
     producer (24 registers). FP8 (1; 2 with P in registers, 3 with two P buffers a consumer: `_attend`): an fp8 q
     (per token-head scales) over
     fp8 KV, both GEMMs in fp8, with a 4-warp producer that also transposes V (`_ws_producer_fp8`;
-    FP8_CONSUMER_REGS / FP8_PRODUCER_REGS)."""
+    FP8_CONSUMER_REGS / FP8_PRODUCER_REGS). TRACE: the partitions' `_stamp`s into `trace_ptr` (program = the tile)."""
     gl.static_assert(num_warps == 4, "the default partition is consumer warpgroup 0")
     gl.static_assert(STAGES >= 2, "two K/V buffers at least")
     BLOCK_M: gl.constexpr = 128  # two consumer warpgroups of 64 rows
@@ -909,14 +970,15 @@ def prefill_gluon_ws_kernel(
             sm_scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, q_scale_ptr, stride_qst, stride_qsh,
             k_scale_ptr, v_scale_ptr, vt_smem, p_smem, vt_full, vt_empty, ones_smem)
     if FP8:
-        gl.warp_specialize([(_ws_consumer0, (args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX)),
-                            (_ws_consumer1, (args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX)),
-                            (_ws_producer_fp8, (args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX))], [4, 4],
-                           [FP8_CONSUMER_REGS, FP8_PRODUCER_REGS])
+        gl.warp_specialize([(_ws_consumer0, (args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX, TRACE, trace_ptr)),
+                            (_ws_consumer1, (args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX, TRACE, trace_ptr)),
+                            (_ws_producer_fp8, (args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX, TRACE, trace_ptr))],
+                           [4, 4], [FP8_CONSUMER_REGS, FP8_PRODUCER_REGS])
     else:
-        gl.warp_specialize([(_ws_consumer0, (args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX)),
-                            (_ws_consumer1, (args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX)),
-                            (_ws_producer, (args, D, G, TILE, PAGE, STAGES, FP8))], [4, 1], [CONSUMER_REGS, 24])
+        gl.warp_specialize([(_ws_consumer0, (args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX, TRACE, trace_ptr)),
+                            (_ws_consumer1, (args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX, TRACE, trace_ptr)),
+                            (_ws_producer, (args, D, G, TILE, PAGE, STAGES, FP8, TRACE, trace_ptr))], [4, 1],
+                           [CONSUMER_REGS, 24])
 
 
 # ---- persistent fp8 variant (PrefillConfig.gluon_persist): one program an SM walks q tiles -----------------------
@@ -1141,7 +1203,8 @@ def _publish_tile(q_desc, qs_desc, q_ring, qs_ring, info_smem, q_full, q_empty, 
 @gluon.jit
 def _prefetch_produce(args, i, cur, g0, pid, nprog, bound, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr,
                       PAGE: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr, BLOCK_B: gl.constexpr,
-                      HEADS_INNER: gl.constexpr, QUEUE: gl.constexpr, PRMT: gl.constexpr):
+                      HEADS_INNER: gl.constexpr, QUEUE: gl.constexpr, PRMT: gl.constexpr, TRACE: gl.constexpr = False,
+                      trace_ptr=None):
     """The producer's step i of `_ws_prefetch`: tile `cur` = (kv_head, req, ok, seq_len, n), already published.
     Its first K/V loads and first Vᵀ (what the consumers need first), then the next tile (the snake's next, or
     QUEUE the counter's) published into the other slot, then the tile's other steps. Returns (the next tile's
@@ -1152,6 +1215,8 @@ def _prefetch_produce(args, i, cur, g0, pid, nprog, bound, D: gl.constexpr, G: g
      q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, vt_smem, p_smem, vt_full, vt_empty,
      ones_smem, queue_ptr) = args
     kv_head, req, ok, seq_len, n = cur
+    trace = (trace_ptr, pid, i)
+    _stamp(trace, 2, 0, 0, TRACE)
     bt_row = bt_ptr + req.to(gl.int64) * stride_bt
     k_col = kv_head * stride_kh
     v_col = kv_head * stride_vh
@@ -1160,7 +1225,7 @@ def _prefetch_produce(args, i, cur, g0, pid, nprog, bound, D: gl.constexpr, G: g
                            n, g0, D, TILE, PAGE, STAGES, True)
         _produce_fp8_steps(k_desc, v_desc, k_smem, v_smem, full, empty, vt_smem, vt_full, vt_empty, bt_row,
                            bt_width, num_blocks, k_col, v_col, n, seq_len, g0, D, TILE, PAGE, STAGES, FP8, True, 1,
-                           PRMT)
+                           PRMT, TRACE, trace)
     # the snake: a tile past the program's last is published as no tile (the consumers never read it)
     if QUEUE:
         t = _take_tile(queue_ptr, bound, nprog)
@@ -1169,10 +1234,11 @@ def _prefetch_produce(args, i, cur, g0, pid, nprog, bound, D: gl.constexpr, G: g
     nxt = _publish_tile(q_desc, qs_desc, q_ring, qs_ring, info_smem, q_full, q_empty, i + 1, t, bound,
                         cu_seqlens_q_ptr, seq_lens_ptr, num_reqs, tiles_per_head, num_kv_heads, G, TILE, BLOCK_B,
                         HEADS_INNER, QUEUE)
+    _stamp(trace, 2, 1, 0, TRACE)
     if ok:
         _produce_fp8_steps(k_desc, v_desc, k_smem, v_smem, full, empty, vt_smem, vt_full, vt_empty, bt_row,
                            bt_width, num_blocks, k_col, v_col, n, seq_len, g0, D, TILE, PAGE, STAGES, FP8, True, 2,
-                           PRMT)
+                           PRMT, TRACE, trace)
         g0 += n
     return t, nxt, g0
 
@@ -1180,7 +1246,7 @@ def _prefetch_produce(args, i, cur, g0, pid, nprog, bound, D: gl.constexpr, G: g
 @gluon.jit
 def _prefetch_consume(args, i, g0, t0, k_scale, v_scale, p_bufs, D: gl.constexpr, G: gl.constexpr,
                       TILE: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr,
-                      SOFTMAX: gl.constexpr, ROLE: gl.constexpr):
+                      SOFTMAX: gl.constexpr, ROLE: gl.constexpr, TRACE: gl.constexpr = False, trace_ptr=None):
     """Consumer ROLE's step i of `_ws_prefetch`: the slot's state, metadata, q and scales from the ring, then the
     tile (`_attend`) if the state is 1. Returns (state, g0, t0) past it."""
     (q_ptr, out_ptr, k_desc, v_desc, q_desc, qs_desc, q_ring, qs_ring, info_smem, q_full, q_empty, k_smem, v_smem,
@@ -1216,7 +1282,7 @@ def _prefetch_consume(args, i, g0, t0, k_scale, v_scale, p_bufs, D: gl.constexpr
                 (q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, vt_smem, p_bufs, vt_full,
                  vt_empty, ones_smem),
                 ROLE * 64, 64, 4, D, G, TILE, PAGE, STAGES, True, ROLE, FP8, SOFTMAX, g0, t0, True,
-                True, (q_op, qs, k_scale, v_scale))
+                True, (q_op, qs, k_scale, v_scale), TRACE, (trace_ptr, gl.program_id(0), i))
         g0 += n
         t0 += n - 1
     else:
@@ -1227,7 +1293,8 @@ def _prefetch_consume(args, i, g0, t0, k_scale, v_scale, p_bufs, D: gl.constexpr
 @gluon.jit
 def _ws_prefetch(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr,
                  STAGES: gl.constexpr, FP8: gl.constexpr, SOFTMAX: gl.constexpr, BLOCK_B: gl.constexpr,
-                 HEADS_INNER: gl.constexpr, QUEUE: gl.constexpr, ROLE: gl.constexpr):
+                 HEADS_INNER: gl.constexpr, QUEUE: gl.constexpr, ROLE: gl.constexpr, TRACE: gl.constexpr = False,
+                 trace_ptr=None):
     """A partition of `prefill_gluon_ws_prefetch_kernel`: ROLE 0 / 1 consumer warpgroup ROLE, 2 the producer
     warpgroup. The producer publishes tile i+1 (`_publish_tile`) after tile i's first K/V loads and first Vᵀ (the
     consumers' first needs: the next tile's metadata load would delay them), before its other steps; the consumers
@@ -1257,12 +1324,12 @@ def _ws_prefetch(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAG
             i = pid * 0
             while t < bound:
                 t, cur, g0 = _prefetch_produce(args, i, cur, g0, pid, nprog, bound, D, G, TILE, PAGE, STAGES, FP8,
-                                               BLOCK_B, HEADS_INNER, QUEUE, (SOFTMAX & 128) != 0)
+                                               BLOCK_B, HEADS_INNER, QUEUE, (SOFTMAX & 128) != 0, TRACE, trace_ptr)
                 i += 1
         else:
             for i in range(gl.cdiv(bound, nprog)):
                 t, cur, g0 = _prefetch_produce(args, i, cur, g0, pid, nprog, bound, D, G, TILE, PAGE, STAGES, FP8,
-                                               BLOCK_B, HEADS_INNER, QUEUE, (SOFTMAX & 128) != 0)
+                                               BLOCK_B, HEADS_INNER, QUEUE, (SOFTMAX & 128) != 0, TRACE, trace_ptr)
     else:
         if FP8 == 3:  # all four P buffers, two a consumer: `_attend` picks 2·WG + tile % 2
             p_bufs = p_smem
@@ -1276,33 +1343,33 @@ def _ws_prefetch(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAG
             state = pid * 0
             while state != 2:
                 state, g0, t0 = _prefetch_consume(args, i, g0, t0, k_scale, v_scale, p_bufs, D, G, TILE, PAGE,
-                                                  STAGES, FP8, SOFTMAX, ROLE)
+                                                  STAGES, FP8, SOFTMAX, ROLE, TRACE, trace_ptr)
                 i += 1
         else:
             for i in range(gl.cdiv(bound, nprog)):
                 state, g0, t0 = _prefetch_consume(args, i, g0, t0, k_scale, v_scale, p_bufs, D, G, TILE, PAGE,
-                                                  STAGES, FP8, SOFTMAX, ROLE)
+                                                  STAGES, FP8, SOFTMAX, ROLE, TRACE, trace_ptr)
 
 
 @gluon.jit
 def _ws_consumer0_prefetch(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr,
                            STAGES: gl.constexpr, FP8: gl.constexpr, SOFTMAX: gl.constexpr, BLOCK_B: gl.constexpr,
-                           HEADS_INNER: gl.constexpr, QUEUE: gl.constexpr):
-    _ws_prefetch(args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX, BLOCK_B, HEADS_INNER, QUEUE, 0)
+                           HEADS_INNER: gl.constexpr, QUEUE: gl.constexpr, TRACE: gl.constexpr = False, trace_ptr=None):
+    _ws_prefetch(args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX, BLOCK_B, HEADS_INNER, QUEUE, 0, TRACE, trace_ptr)
 
 
 @gluon.jit
 def _ws_consumer1_prefetch(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr,
                            STAGES: gl.constexpr, FP8: gl.constexpr, SOFTMAX: gl.constexpr, BLOCK_B: gl.constexpr,
-                           HEADS_INNER: gl.constexpr, QUEUE: gl.constexpr):
-    _ws_prefetch(args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX, BLOCK_B, HEADS_INNER, QUEUE, 1)
+                           HEADS_INNER: gl.constexpr, QUEUE: gl.constexpr, TRACE: gl.constexpr = False, trace_ptr=None):
+    _ws_prefetch(args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX, BLOCK_B, HEADS_INNER, QUEUE, 1, TRACE, trace_ptr)
 
 
 @gluon.jit
 def _ws_producer_prefetch(args, D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr,
                           STAGES: gl.constexpr, FP8: gl.constexpr, SOFTMAX: gl.constexpr, BLOCK_B: gl.constexpr,
-                          HEADS_INNER: gl.constexpr, QUEUE: gl.constexpr):
-    _ws_prefetch(args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX, BLOCK_B, HEADS_INNER, QUEUE, 2)
+                          HEADS_INNER: gl.constexpr, QUEUE: gl.constexpr, TRACE: gl.constexpr = False, trace_ptr=None):
+    _ws_prefetch(args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX, BLOCK_B, HEADS_INNER, QUEUE, 2, TRACE, trace_ptr)
 
 
 @gluon.jit
@@ -1314,14 +1381,15 @@ def prefill_gluon_ws_prefetch_kernel(
     D: gl.constexpr, G: gl.constexpr, TILE: gl.constexpr, PAGE: gl.constexpr, BLOCK_B: gl.constexpr,
     STAGES: gl.constexpr, HEADS_INNER: gl.constexpr, num_warps: gl.constexpr, FP8: gl.constexpr = 1,
     FP8_CONSUMER_REGS: gl.constexpr = 216, FP8_PRODUCER_REGS: gl.constexpr = 72, SOFTMAX: gl.constexpr = 0,
-    QUEUE: gl.constexpr = False,
+    QUEUE: gl.constexpr = False, TRACE: gl.constexpr = False, trace_ptr=None,
 ):
     """`prefill_gluon_ws_persist_kernel`'s fp8 mode (q in registers) with the producer prefetching each tile's
     metadata, q and q scales (`_ws_prefetch`): `q_desc` over q as [tokens·heads, D] (box [G, D]), `qs_desc` over
     q_scale [tokens, heads] (box [128 / G / 2, G]). Its own shared memory beside `_ws_buffers`': two slots of q
     (both consumers' 64 rows), scales and metadata, and their `q_full` / `q_empty` mbarriers. QUEUE
     (`PrefillConfig.gluon_queue`): the tiles from the int32 counter at `queue_ptr` (0 at launch, 0 again after it;
-    `_take_tile`) instead of the snake's fixed walk; without it `queue_ptr` is not read."""
+    `_take_tile`) instead of the snake's fixed walk; without it `queue_ptr` is not read. TRACE: the partitions'
+    `_stamp`s into `trace_ptr`."""
     gl.static_assert(num_warps == 4, "the default partition is consumer warpgroup 0")
     gl.static_assert(FP8 == 1 or FP8 == 3, "fp8 with P in shared memory")
     gl.static_assert((SOFTMAX & 32) != 0, "q in registers (gluon_q_regs)")
@@ -1342,9 +1410,9 @@ def prefill_gluon_ws_prefetch_kernel(
             stride_qh, stride_ot, stride_oh, q_scale_ptr, stride_qst, stride_qsh, k_scale_ptr, v_scale_ptr, vt_smem,
             p_smem, vt_full, vt_empty, ones_smem, queue_ptr)
     gl.warp_specialize([(_ws_consumer0_prefetch, (args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX, BLOCK_B,
-                                                  HEADS_INNER, QUEUE)),
+                                                  HEADS_INNER, QUEUE, TRACE, trace_ptr)),
                         (_ws_consumer1_prefetch, (args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX, BLOCK_B,
-                                                  HEADS_INNER, QUEUE)),
+                                                  HEADS_INNER, QUEUE, TRACE, trace_ptr)),
                         (_ws_producer_prefetch, (args, D, G, TILE, PAGE, STAGES, FP8, SOFTMAX, BLOCK_B,
-                                                 HEADS_INNER, QUEUE))],
+                                                 HEADS_INNER, QUEUE, TRACE, trace_ptr))],
                        [4, 4], [FP8_CONSUMER_REGS, FP8_PRODUCER_REGS])

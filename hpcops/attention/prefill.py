@@ -523,9 +523,11 @@ def _fp8_mode(config: PrefillConfig) -> int:
 
 
 def _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, out, sm_scale, tiles_per_head, block_b,
-                  config: PrefillConfig, q_scale=None, k_scale=None, v_scale=None) -> None:
+                  config: PrefillConfig, q_scale=None, k_scale=None, v_scale=None, trace=None) -> None:
     """The Gluon kernel (`PrefillConfig.gluon`) over the `tl` kernel's flat tile list; with an fp8 q (its
-    `q_scale`) over fp8 KV the warp-specialized kernel's FP8 mode."""
+    `q_scale`) over fp8 KV the warp-specialized kernel's FP8 mode. `trace` (`scripts/probe_prefill_trace.py`; the
+    warp-specialized kernel a program a tile, or the prefetching persistent one): an int32 buffer of [programs, 3,
+    TRACE_KINDS, TRACE_STEPS] that the kernel's `_stamp`s fill (`_prefill_gluon.py`'s trace section)."""
     from hpcops.attention._prefill_gluon import (
         prefill_gluon_kernel,
         prefill_gluon_ws_kernel,
@@ -545,6 +547,10 @@ def _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, out,
     bits = (1 if config.gluon_tree else 0) | (2 if config.gluon_pv_overlap else 0) | (4 if config.gluon_mma_sum else 0)
     bits |= (32 if config.gluon_q_regs else 0) | (64 if config.gluon_vt3 else 0) | (128 if config.gluon_vt_prmt else 0)
     softmax = {"SOFTMAX": bits} if bits else {}  # the defaults' launches keep their signature
+    if trace is not None:
+        if not config.gluon_ws or (config.gluon_persist and not config.gluon_prefetch):
+            raise ValueError("trace is for the warp-specialized kernel, non-persistent or prefetching")
+        softmax.update(TRACE=True, trace_ptr=trace)
     if config.gluon_ws:
         fp8 = q.dtype == FP8_E4M3
         # fp8: q's per token-head scales and the KV scales; else placeholders the kernel does not read

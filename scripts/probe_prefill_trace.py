@@ -1,0 +1,263 @@
+"""Probe: where a warp-specialized prefill kernel's time goes, from clock stamps inside it (issue 12).
+
+Nsight Compute gives stall totals; this gives the timeline. The kernels' opt-in trace (`_prefill_gluon.py`'s
+`_stamp`, `TRACE=True`) records the SM clock where each partition passes its waits: a consumer warpgroup at the
+start of a q tile, after its first P, after its loop, after its last P·V and after its output stores, and in every
+K/V step after the K wait, the Vᵀ wait (fp8), the turn, the S wait, the softmax and the P·V wait; the fp8 producer
+in every step after the V wait, the Vᵀ buffer's release and the transpose; plus the SM id and the global timer at a
+tile's start and end. From them, per case and kernel:
+
+- the SMs' timeline (global timer): when each SM starts its first tile and ends its last, against the launch's span
+  (idle SMs at the end = imbalance);
+- each q tile's phases in cycles (first S + softmax, the loop per step, the last P·V, the epilogue, and in the
+  persistent kernel the gap to the next tile);
+- each step's segments (the waits and the work between them), median over the steps;
+- the fp8 producer's step: waiting for V, for a free Vᵀ buffer, and the transpose.
+
+Kernels: `fp8` (the fp8-q default: persistent, the producer prefetching q; `gluon_config(fp8=True)`), `fp8-ws` (the
+same tile a program a q tile), `bf16` (the bf16 default over bf16 KV, a program a q tile). Inputs: the prefill
+bench's (`_make_inputs`, layer 0), L2 flushed before each launch. The stamps cost a few instructions each
+(ptxas spills a few bytes more): the traced launch's µs is printed beside the untraced one.
+
+    python3 scripts/probe_prefill_trace.py --out DIR [--cases 'h8x1-q4k,h64x8-q4k'] [--kernels fp8,fp8-ws,bf16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import numpy as np
+import torch
+import triton
+
+from hpcops.attention._prefill_gluon import TRACE_KINDS, TRACE_STEPS
+from hpcops.attention.prefill import _choose_kernel, _launch_gluon, _without_prefetch
+from hpcops.bench.suites.prefill import Scenario, _make_inputs
+
+KINDS, STEPS = int(TRACE_KINDS.value), int(TRACE_STEPS.value)
+MISSING = -(2**31)
+KERNELS = ("fp8", "fp8-ws", "bf16")
+# consumer step segments: (name, from kind, to kind); the fp8 loop waits for Vᵀ_j (kind 10) between K and the turn
+STEP_SEGMENTS_FP8 = (("wait K", 8, 9), ("wait Vt", 9, 10), ("turn", 10, 11), ("S wait", 11, 12),
+                     ("softmax", 12, 13), ("P.V wait + P", 13, 14), ("step", 8, 14))
+STEP_SEGMENTS_16 = (("wait K", 8, 9), ("turn", 9, 11), ("S wait", 11, 12), ("softmax", 12, 13),
+                    ("P.V wait + P", 13, 14), ("step", 8, 14))
+TILE_SEGMENTS = (("first S+softmax", 0, 1), ("loop", 1, 2), ("last P.V", 2, 3), ("epilogue", 3, 4))
+PRODUCER_SEGMENTS = (("wait V", 8, 9), ("wait Vt buffer", 9, 10), ("transpose", 10, 11), ("step", 8, 11))
+
+
+def _diff(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a - b of 32-bit counters (they wrap), as signed int64; NaN where either is missing."""
+    d = ((a.astype(np.int64) - b.astype(np.int64) + 2**31) % 2**32) - 2**31
+    return np.where((a == MISSING) | (b == MISSING), np.nan, d.astype(np.float64))
+
+
+def _med(x: np.ndarray) -> float:
+    x = x[np.isfinite(x)]
+    return float(np.median(x)) if x.size else float("nan")
+
+
+def _launch(case: str, kernel: str):
+    """(launch(trace) callable, programs, number of K/V steps in the case's tiles)."""
+    heads, spec = case.split("-")
+    hq, hkv = (int(h) for h in heads[1:].split("x"))
+    fp8 = kernel.startswith("fp8")
+    x = _make_inputs(Scenario(spec, hq, hkv, fp8), 0)  # fp8: fp8 KV and q; bf16: bf16 KV
+    kv = x["kv"]
+    q, q_scale = (x["q8"], x["q_scale"]) if fp8 else (x["q"], None)
+    out = torch.full(x["q"].shape, float("nan"), dtype=torch.bfloat16, device=q.device)
+    config, why = _choose_kernel(q, kv.k_cache, kv.v_cache, x["max_q"], x["scale"], out, None)
+    if kernel == "fp8-ws":
+        config = _without_prefetch(config)
+    if why is not None or not config.gluon_ws:
+        raise SystemExit(f"{case} {kernel}: the default is not a warp-specialized Gluon kernel ({why or config})")
+    group = hq // hkv
+    tokens = config.block_m // group
+    b = kv.block_table.shape[0]
+    total_q = q.shape[0]
+    tiles_per_head = (total_q + b * (tokens - 1)) // tokens
+    block_b = max(16, triton.next_power_of_2(b))
+    tiles = tiles_per_head * hkv
+    programs = min(tiles, torch.cuda.get_device_properties(q.device).multi_processor_count) \
+        if config.gluon_prefetch else tiles
+
+    def run(trace=None):
+        _launch_gluon(q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, x["cu"], out, x["scale"],
+                      tiles_per_head, block_b, config, q_scale, kv.k_scale, kv.v_scale, trace=trace)
+        return out
+
+    return run, programs, config
+
+
+def _time(fn, flush: torch.Tensor, reps: int = 7) -> float:
+    """Median µs of one launch after an L2 flush (CUDA events)."""
+    ts = []
+    for _ in range(reps):
+        flush.add_(1)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(ts)
+
+
+def analyse(tr: np.ndarray, persistent: bool, fp8: bool) -> dict:
+    """The summary of one traced launch, tr [programs, 3, KINDS, STEPS] int32."""
+    res: dict = {}
+    # the SMs' timeline, global timer ns: a tile's start / end over both consumers
+    start = tr[:, 0:2, 6, :]
+    end = tr[:, 0:2, 7, :]
+    smid = tr[:, 0, 5, 0]
+    seen = start[start != MISSING]
+    ref = np.full_like(seen, seen[0])
+    t0 = seen[int(np.argmin(_diff(seen, ref)))]  # the earliest tile start (the timer wraps: compare differences)
+    base = np.full_like(start[:, 0, :], t0)
+    s_ns = np.fmin(_diff(start[:, 0, :], base), _diff(start[:, 1, :], base))
+    e_ns = np.fmax(_diff(end[:, 0, :], base), _diff(end[:, 1, :], base))
+    valid_sm = smid != MISSING
+    sm_first = {}
+    sm_last = {}
+    sm_tiles = {}
+    for p in np.nonzero(valid_sm)[0]:
+        sm = int(smid[p])
+        fs = np.nanmin(s_ns[p]) if np.isfinite(s_ns[p]).any() else np.nan
+        le = np.nanmax(e_ns[p]) if np.isfinite(e_ns[p]).any() else np.nan
+        sm_first[sm] = min(sm_first.get(sm, np.inf), fs)
+        sm_last[sm] = max(sm_last.get(sm, -np.inf), le)
+        sm_tiles[sm] = sm_tiles.get(sm, 0) + int(np.isfinite(s_ns[p]).sum())
+    firsts = np.array(list(sm_first.values()))
+    lasts = np.array(list(sm_last.values()))
+    res["sms"] = len(sm_first)
+    res["span_us"] = float(np.nanmax(lasts)) / 1e3
+    res["sm_first_start_us"] = {"median": float(np.median(firsts)) / 1e3, "max": float(np.max(firsts)) / 1e3}
+    res["sm_last_end_us"] = {"min": float(np.min(lasts)) / 1e3, "median": float(np.median(lasts)) / 1e3,
+                             "max": float(np.max(lasts)) / 1e3}
+    res["tiles_per_sm"] = {"min": min(sm_tiles.values()), "max": max(sm_tiles.values())}
+    if not persistent:  # programs back to back on one SM: the gap between one's end and the next's start
+        gaps = []
+        by_sm: dict[int, list[tuple[float, float]]] = {}
+        for p in np.nonzero(valid_sm)[0]:
+            by_sm.setdefault(int(smid[p]), []).append((float(np.nanmin(s_ns[p])), float(np.nanmax(e_ns[p]))))
+        for lst in by_sm.values():
+            lst.sort()
+            gaps += [b[0] - a[1] for a, b in zip(lst, lst[1:])]
+        res["cta_gap_us"] = {"median": _med(np.array(gaps)) / 1e3, "n": len(gaps)} if gaps else None
+    # the clock rate: cycles over ns across a tile (consumer 0)
+    cyc = _diff(tr[:, 0, 4, :], tr[:, 0, 0, :])
+    ns = _diff(tr[:, 0, 7, :], tr[:, 0, 6, :])
+    good = np.isfinite(cyc) & np.isfinite(ns) & (ns >= 1000)
+    res["mhz"] = float(np.median(cyc[good] / ns[good]) * 1e3) if good.any() else float("nan")
+    mhz = res["mhz"] if np.isfinite(res["mhz"]) else 1980.0
+    # tile phases, cycles (both consumers)
+    phases = {}
+    for name, a, b in TILE_SEGMENTS:
+        d = _diff(tr[:, 0:2, b, :], tr[:, 0:2, a, :])
+        phases[name] = {"median": _med(d), "first_tile": _med(d[:, :, 0]), "later_tiles": _med(d[:, :, 1:])}
+    # the loop a step (a tile's loop over its steps: the step stamps between its kinds 1 and 2)
+    whole = _diff(tr[:, 0:2, 4, :], tr[:, 0:2, 0, :])
+    phases["whole tile"] = {"median": _med(whole), "first_tile": _med(whole[:, :, 0]),
+                            "later_tiles": _med(whole[:, :, 1:])}
+    if persistent:  # the end of tile i's stores to the start of tile i+1
+        gap = _diff(tr[:, 0:2, 0, 1:], tr[:, 0:2, 4, :-1])
+        phases["gap to next tile"] = {"median": _med(gap), "first_tile": _med(gap[:, :, 0]),
+                                      "later_tiles": _med(gap[:, :, 1:])}
+    res["tile_cycles"] = phases
+    steps = {}
+    for role in (0, 1):
+        for name, a, b in (STEP_SEGMENTS_FP8 if fp8 else STEP_SEGMENTS_16):
+            d = _diff(tr[:, role, b, :], tr[:, role, a, :])
+            steps.setdefault(name, {})[f"c{role}"] = _med(d)
+    # the gap from a step's end to the next step's top (the O rescale is inside the step; this is loop overhead)
+    res["step_cycles"] = steps
+    if fp8:
+        prod = {}
+        for name, a, b in PRODUCER_SEGMENTS:
+            prod[name] = _med(_diff(tr[:, 2, b, :], tr[:, 2, a, :]))
+        if persistent:
+            prod["first loads + first Vt + publish"] = _med(_diff(tr[:, 2, 1, :], tr[:, 2, 0, :]))
+        res["producer_cycles"] = prod
+    res["us_per_kcycle"] = 1e3 / mhz
+    return res
+
+
+def _table(name: str, r: dict) -> list[str]:
+    k = r["us_per_kcycle"] / 1e3
+    lines = [f"### {name}", "",
+             f"{r['us']:.1f} µs untraced, {r['us_traced']:.1f} traced (one launch after an L2 flush); "
+             f"{r['sms']} SMs, {r['tiles_per_sm']['min']}-{r['tiles_per_sm']['max']} tiles an SM, "
+             f"clock {r['mhz']:.0f} MHz (cycles over the global timer).", "",
+             f"SM timeline (global timer, from the first tile's start): first tile starts median "
+             f"{r['sm_first_start_us']['median']:.2f} µs, last {r['sm_first_start_us']['max']:.2f}; SMs end "
+             f"min {r['sm_last_end_us']['min']:.1f} / median {r['sm_last_end_us']['median']:.1f} / max "
+             f"{r['sm_last_end_us']['max']:.1f} µs." + (
+                 f" Back-to-back programs on one SM: {r['cta_gap_us']['median']:.2f} µs between one's end and the "
+                 f"next's start (median of {r['cta_gap_us']['n']})." if r.get("cta_gap_us") else ""), "",
+             "| q tile phase (cycles) | median | first tile | later tiles | median µs |", "|---|---:|---:|---:|---:|"]
+    for ph, v in r["tile_cycles"].items():
+        lines.append(f"| {ph} | {v['median']:.0f} | {v['first_tile']:.0f} | {v['later_tiles']:.0f} | "
+                     f"{v['median'] * k:.2f} |")
+    lines += ["", "| step segment (cycles, median) | consumer 0 | consumer 1 |", "|---|---:|---:|"]
+    for seg, v in r["step_cycles"].items():
+        lines.append(f"| {seg} | {v['c0']:.0f} | {v['c1']:.0f} |")
+    if "producer_cycles" in r:
+        lines += ["", "| producer (cycles, median) | |", "|---|---:|"]
+        lines += [f"| {seg} | {v:.0f} |" for seg, v in r["producer_cycles"].items()]
+    return lines + [""]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--cases", default="h8x1-q4k,h64x8-q4k", help="comma list of h<Hq>x<Hkv>-<bench spec>")
+    ap.add_argument("--kernels", default=",".join(KERNELS), help="comma list of: " + ", ".join(KERNELS))
+    ap.add_argument("--label", default="", help="names the output files")
+    ap.add_argument("--raw", action="store_true", help="also save the raw stamps (.npz, compressed)")
+    args = ap.parse_args()
+    kernels = args.kernels.split(",")
+    if set(kernels) - set(KERNELS):
+        ap.error(f"--kernels: unknown {sorted(set(kernels) - set(KERNELS))}")
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    results, raw = {}, {}
+    stem = "probe_prefill_trace" + (f"_{args.label}" if args.label else "")
+    args.out.mkdir(parents=True, exist_ok=True)
+    lines = [f"# Prefill kernel trace ({torch.cuda.get_device_name()})", "",
+             "`python3 scripts/probe_prefill_trace.py` (`_stamp`: SM clock cycles where the partitions pass their "
+             "waits; medians over tiles / steps / programs)", ""]
+    for case in args.cases.split(","):
+        for kernel in kernels:
+            run, programs, config = _launch(case, kernel)
+            run()
+            torch.cuda.synchronize()
+            us = _time(run, flush)
+            trace = torch.full((programs, 3, KINDS, STEPS), MISSING, dtype=torch.int32, device="cuda")
+            run(trace)  # compile the traced kernel
+            trace.fill_(MISSING)
+            flush.add_(1)
+            out = run(trace)
+            torch.cuda.synchronize()
+            if not torch.isfinite(out).all():
+                raise RuntimeError(f"{case} {kernel}: non-finite output under the trace")
+            tr = trace.cpu().numpy()
+            us_traced = _time(lambda run=run, trace=trace: run(trace), flush)
+            r = analyse(tr, bool(config.gluon_prefetch), kernel.startswith("fp8"))
+            r.update(us=us, us_traced=us_traced, programs=programs)
+            name = f"{case} {kernel}"
+            results[name] = r
+            if args.raw:
+                raw[name.replace(" ", "_")] = tr
+            print(f"{name}: {us:.1f} µs ({us_traced:.1f} traced)", flush=True)
+            lines += _table(name, r)
+            (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+            (args.out / f"{stem}.json").write_text(json.dumps(results, indent=1))
+    if raw:
+        np.savez_compressed(args.out / f"{stem}_raw.npz", **raw)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
