@@ -15,7 +15,10 @@ tile's start and end. From them, per case and kernel:
 - the fp8 producer's step: waiting for V, for a free Vᵀ buffer, and the transpose.
 
 Kernels: `fp8` (the fp8-q default: persistent, the producer prefetching q; `gluon_config(fp8=True)`), `fp8-ws` (the
-same tile a program a q tile), `bf16` (the bf16 default over bf16 KV, a program a q tile). Inputs: the prefill
+same tile a program a q tile), `bf16` (the bf16 default over bf16 KV, a program a q tile); `fp8-wstore`,
+`bf16-wstore`: the defaults storing the output in 16-byte pieces (`PrefillConfig.gluon_wide_store`). Beside the
+medians, the SMs that end last against the median SM: their tiles, steps and the cycles of each step segment summed
+(consumer 0), so that a late SM shows what it waited for. Inputs: the prefill
 bench's (`_make_inputs`, layer 0), L2 flushed before each launch. The stamps cost a few instructions each
 (ptxas spills a few bytes more): the traced launch's µs is printed beside the untraced one.
 
@@ -25,6 +28,7 @@ bench's (`_make_inputs`, layer 0), L2 flushed before each launch. The stamps cos
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 from pathlib import Path
@@ -39,7 +43,7 @@ from hpcops.bench.suites.prefill import Scenario, _make_inputs
 
 KINDS, STEPS = int(TRACE_KINDS.value), int(TRACE_STEPS.value)
 MISSING = -(2**31)
-KERNELS = ("fp8", "fp8-ws", "bf16")
+KERNELS = ("fp8", "fp8-ws", "bf16", "fp8-wstore", "bf16-wstore")
 # consumer step segments: (name, from kind, to kind); the fp8 loop waits for Vᵀ_j (kind 10) between K and the turn
 STEP_SEGMENTS_FP8 = (("wait K", 8, 9), ("wait Vt", 9, 10), ("turn", 10, 11), ("S wait", 11, 12),
                      ("softmax", 12, 13), ("P.V wait + P", 13, 14), ("step", 8, 14))
@@ -72,6 +76,8 @@ def _launch(case: str, kernel: str):
     config, why = _choose_kernel(q, kv.k_cache, kv.v_cache, x["max_q"], x["scale"], out, None)
     if kernel == "fp8-ws":
         config = _without_prefetch(config)
+    if kernel.endswith("-wstore"):
+        config = dataclasses.replace(config, gluon_wide_store=True)
     if why is not None or not config.gluon_ws:
         raise SystemExit(f"{case} {kernel}: the default is not a warp-specialized Gluon kernel ({why or config})")
     group = hq // hkv
@@ -182,6 +188,26 @@ def analyse(tr: np.ndarray, persistent: bool, fp8: bool) -> dict:
             prod["first loads + first Vt + publish"] = _med(_diff(tr[:, 2, 1, :], tr[:, 2, 0, :]))
         res["producer_cycles"] = prod
     res["us_per_kcycle"] = 1e3 / mhz
+    # per SM (consumer 0): its end, tiles, steps and each step segment summed; the latest SMs against the median one
+    segs = STEP_SEGMENTS_FP8 if fp8 else STEP_SEGMENTS_16
+    per_sm: dict[int, dict] = {}
+    for p in np.nonzero(valid_sm)[0]:
+        d = per_sm.setdefault(int(smid[p]), {"end_us": -np.inf, "tiles": 0, "steps": 0, "first_us": np.inf,
+                                             **{name: 0.0 for name, _, _ in segs},
+                                             **{name: 0.0 for name, _, _ in TILE_SEGMENTS}})
+        d["end_us"] = max(d["end_us"], float(np.nanmax(e_ns[p])) / 1e3)
+        d["first_us"] = min(d["first_us"], float(np.nanmin(s_ns[p])) / 1e3)
+        d["tiles"] += int(np.isfinite(s_ns[p]).sum())
+        top = tr[p, 0, 8, :] != MISSING
+        d["steps"] += int(top.sum())
+        for name, a, b in segs:
+            d[name] += float(np.nansum(_diff(tr[p, 0, b, :], tr[p, 0, a, :])))
+        for name, a, b in TILE_SEGMENTS:
+            d[name] += float(np.nansum(_diff(tr[p, 0, b, :], tr[p, 0, a, :])))
+    order = sorted(per_sm, key=lambda sm: per_sm[sm]["end_us"])
+    pick = [order[len(order) // 2]] + order[-3:]
+    res["sm_rows"] = [{"sm": sm, "role": "median" if k == 0 else f"late {4 - k}", **per_sm[sm]}
+                      for k, sm in enumerate(pick)]
     return res
 
 
@@ -207,6 +233,15 @@ def _table(name: str, r: dict) -> list[str]:
     if "producer_cycles" in r:
         lines += ["", "| producer (cycles, median) | |", "|---|---:|"]
         lines += [f"| {seg} | {v:.0f} |" for seg, v in r["producer_cycles"].items()]
+    if r.get("sm_rows"):
+        keys = [k for k in r["sm_rows"][0] if k not in ("sm", "role", "end_us", "first_us", "tiles", "steps")]
+        lines += ["", "The median SM and the three that end last (consumer 0; cycles summed over the SM's steps or "
+                  "tiles):", "",
+                  "| SM | | starts µs | ends µs | tiles | steps | " + " | ".join(keys) + " |",
+                  "|---|---|---:|---:|---:|---:|" + "---:|" * len(keys)]
+        for row in r["sm_rows"]:
+            lines.append(f"| {row['sm']} | {row['role']} | {row['first_us']:.2f} | {row['end_us']:.1f} | "
+                         f"{row['tiles']} | {row['steps']} | " + " | ".join(f"{row[k]:.0f}" for k in keys) + " |")
     return lines + [""]
 
 

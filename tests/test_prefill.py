@@ -842,12 +842,12 @@ def _gluon(name: str, seq_lens: list[int], q_lens: list[int], *, block_m: int = 
             stages: int = 2, heads_inner: bool = True, ws: bool = False, p_regs: bool = False, tree: bool = False,
             p_dbuf: bool = False, pvo: bool = False, msum: bool = False, persist: bool = False,
             qregs: bool = False, prefetch: bool = False, queue: bool = False, vt3: bool = False, prmt: bool = False,
-            **kw) -> Case:
+            wide: bool = False, **kw) -> Case:
     cfg = PrefillConfig(block_m=block_m, block_n=block_n, num_warps=block_m // 16, num_stages=stages,
                         heads_inner=heads_inner, gluon=True, gluon_ws=ws, gluon_p_regs=p_regs, gluon_tree=tree,
                         gluon_p_dbuf=p_dbuf, gluon_pv_overlap=pvo, gluon_mma_sum=msum, gluon_persist=persist,
                         gluon_q_regs=qregs, gluon_prefetch=prefetch, gluon_queue=queue, gluon_vt3=vt3,
-                        gluon_vt_prmt=prmt)
+                        gluon_vt_prmt=prmt, gluon_wide_store=wide)
     kw = {"hq": 64, "hkv": 8, "head_dim": 128, "block_size": 64, **kw}
     return Case(name, seq_lens, q_lens, config=cfg, **kw)
 
@@ -1014,6 +1014,20 @@ GLUON_CASES = [
            vt3=True, prmt=True),
     _gluon("gluon-ws-fp8-prmt-plain-page16-h64/8", [1000, 513], [1000, 17], block_size=16, ws=True, kv_dtype=FP8,
            q_fp8=True, stages=3, msum=True, prmt=True),
+    # PrefillConfig.gluon_wide_store: the output in 16-byte pieces (fp8: through the compiler's scratch; 16-bit:
+    # through q's buffer, also across a persistent program's tiles), rows past q_len and q padding rows unwritten
+    *_fp8_default_family("wstore", prmt=True, wide=True),
+    _gluon("gluon-ws-fp8-wstore-plain-page16-h64/8", [1000, 513], [1000, 17], block_size=16, ws=True, kv_dtype=FP8,
+           q_fp8=True, stages=3, msum=True, prmt=True, wide=True),
+    _gluon("gluon-ws-wstore-extend-mixed-h64/8-3buf", [4096, 3000, 1, 700, 129], [1024, 1, 1, 700, 64], pad_rows=5,
+           stages=3, ws=True, wide=True),
+    _gluon("gluon-ws-wstore-persist-extend-mixed-h8/1", [4096, 3000, 1, 700, 129], [1024, 1, 1, 700, 64], hq=8,
+           hkv=1, pad_rows=5, ws=True, stages=3, persist=True, wide=True),
+    _gluon("gluon-wstore-h8/1-64x128", [1500, 77], [1500, 3], hq=8, hkv=1, block_m=64, wide=True),
+    _gluon("gluon-ws-wstore-d64-gqa3-page32-fp16", [777, 129], [777, 64], hq=12, hkv=4, head_dim=64, block_size=32,
+           q_dtype=torch.float16, kv_dtype=torch.float16, ws=True, wide=True),
+    _gluon("gluon-ws-wstore-d256", [513, 2000], [513, 100], hq=8, hkv=2, head_dim=256, block_n=64, ws=True,
+           wide=True),
 ]
 
 
@@ -1024,6 +1038,47 @@ def test_prefill_gluon_gpu(case: Case):
     GQA 1–8, head_dim 64/128/256, pages under / equal to / over a tile, NaN in every unused cache slot, q padding
     rows left unwritten."""
     _run_case(case, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-ws", "fp8-prefetch"])
+def test_prefill_gluon_trace_gpu(fp8: bool):
+    """The opt-in trace (`_launch_gluon(trace=)`, scripts/probe_prefill_trace.py): the traced kernel's output equals
+    the reference, and its stamps are in order where they must be: every program's first tile starts, ends after
+    its first P and its epilogue, and each step's end follows its start."""
+    import triton
+
+    from hpcops.attention._prefill_gluon import TRACE_KINDS, TRACE_STEPS
+    from hpcops.attention.prefill import _launch_gluon
+
+    kw8 = dict(kv_dtype=FP8, q_fp8=True, msum=True, qregs=True, persist=True, prefetch=True, prmt=True) if fp8 else {}
+    case = _gluon("gluon-trace", [4096, 3000, 700], [1024, 1, 700], hq=8, hkv=1, ws=True, stages=3, **kw8)
+    q, kv, cu, q_scale = _inputs(case, "cuda")
+    args = (q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, cu)
+    scales = dict(k_scale=kv.k_scale, v_scale=kv.v_scale, q_scale=q_scale) if fp8 else {}
+    want = reference(*args, max_seqlen_q=1024, **scales)
+    out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    tokens = 128 // 8
+    tiles_per_head = (q.shape[0] + 3 * (tokens - 1)) // tokens
+    programs = min(tiles_per_head, torch.cuda.get_device_properties(0).multi_processor_count) if fp8 \
+        else tiles_per_head
+    trace = torch.full((programs, 3, TRACE_KINDS.value, TRACE_STEPS.value), -(2**31), dtype=torch.int32,
+                       device="cuda")
+    _launch_gluon(q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, cu, out, 1 / 128**0.5, tiles_per_head,
+                  max(16, triton.next_power_of_2(3)), case.config, q_scale, kv.k_scale if fp8 else None,
+                  kv.v_scale if fp8 else None, trace=trace)
+    torch.cuda.synchronize()
+    assert_close(want, out, name=case.name, **_tolerance(case, "cuda"))
+    tr = trace.cpu().long()
+    started = tr[:, 0, 0, 0] != -(2**31)
+    assert started.sum() >= min(programs, 64)  # programs with a tile (the rest find none: a bound from host shapes)
+    t = tr[started]
+    wrap = lambda d: (d + 2**31) % 2**32 - 2**31  # noqa: E731  (32-bit clocks)
+    for role in (0, 1):
+        assert (wrap(t[:, role, 1, 0] - t[:, role, 0, 0]) > 0).all()
+        assert (wrap(t[:, role, 4, 0] - t[:, role, 1, 0]) > 0).all()
+        steps = (t[:, role, 8] != -(2**31)) & (t[:, role, 14] != -(2**31))
+        assert steps.any() and (wrap(t[:, role, 14] - t[:, role, 8])[steps] > 0).all()
 
 
 @pytest.mark.gpu

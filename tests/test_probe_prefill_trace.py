@@ -70,3 +70,8 @@ def test_analyse_recovers_the_phases(fp8, wrap):
     assert r["sm_first_start_us"]["max"] == pytest.approx(0.05)
     last_end_ns = (1000 + TILE_GAP + 100 + 500 + STEPS_A_TILE * 1000 + 500) // 2 - 500
     assert r["sm_last_end_us"]["max"] == pytest.approx(last_end_ns / 1e3)
+    # per SM: the latest is SM 3 (program 1, 100 cycles late), with both tiles' steps and their segments summed
+    late = r["sm_rows"][-1]
+    assert late["sm"] == 3 and late["tiles"] == TILES and late["steps"] == TILES * STEPS_A_TILE
+    assert late["end_us"] == pytest.approx(last_end_ns / 1e3) and late["step"] == TILES * STEPS_A_TILE * 1000
+    assert late["epilogue"] == TILES * 200
