@@ -668,12 +668,12 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
         o = o * (out_scale / gl.where(l_o > 0.0, l_o, 1.0))[:, None]
     else:
         o = o / gl.where(l_o > 0.0, l_o, 1.0)[:, None]
-    o_out = o.to(out_ptr.dtype.element_ty)
-    if WIDE_STORE:  # 16 bytes a thread, whole rows a warp: through shared memory (convert_layout), 4 lines a store
+    if WIDE_STORE:  # 16 bytes a thread, whole rows a warp: through shared memory, 4 lines a store instruction
         CHUNKS: gl.constexpr = D * out_ptr.dtype.element_ty.primitive_bitwidth // 128  # 16-byte pieces a row
         TPR: gl.constexpr = CHUNKS if CHUNKS < 32 else 32
         st_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, D // TPR], threads_per_warp=[32 // TPR, TPR],
                                                    warps_per_cta=[WARPS, 1], order=[1, 0])
+        o_out = o.to(out_ptr.dtype.element_ty)
         if FP8:  # the compiler's shared scratch (the fp8 q buffer is too small for a 16-bit output)
             o_out = gl.convert_layout(o_out, st_layout)
         else:  # through q's buffer, free since the last S was waited for (3 K/V buffers leave no room for scratch)
@@ -683,12 +683,14 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
             gl.thread_barrier()  # and its loads before q's buffer is written again (a persistent kernel's next tile)
         r_o = ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, st_layout))
         d_o = gl.arange(0, D, layout=gl.SliceLayout(0, st_layout))
-    else:  # from the wgmma accumulator's layout: 4 bytes a thread, 8 rows (8 lines) a store
+    else:  # from the wgmma accumulator's layout: 4 bytes a thread, 8 rows (8 lines) a store instruction
+        o_out = o
         r_o = ROW0 + gl.arange(0, ROWS, layout=rows_o)
         d_o = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
     tok_o = first_tok + r_o // G
     o_rows = (q_start + tok_o).to(gl.int64) * stride_ot + (kv_head * G + r_o % G).to(gl.int64) * stride_oh
-    gl.store(out_ptr + o_rows[:, None] + d_o[None, :], o_out, mask=(tok_o < q_len)[:, None] & (d_o < D)[None, :])
+    gl.store(out_ptr + o_rows[:, None] + d_o[None, :], o_out.to(out_ptr.dtype.element_ty),
+             mask=(tok_o < q_len)[:, None] & (d_o < D)[None, :])
     _stamp(trace, WG, 4, 0, TRACE)
     _stamp(trace, WG, 7, 0, TRACE)
 
