@@ -117,6 +117,9 @@ def _parser() -> argparse.ArgumentParser:
                                                   "decode-grid, the decode grid, runs by --grid)")
     b.add_argument("--only", default=None,
                    help="run only cases whose name contains this text (several, comma-separated: any of them)")
+    b.add_argument("--impls", default=None,
+                   help="run only the rows (impls) with these names or shell patterns, comma-separated, e.g. "
+                        "'hpcops-fp8q,hpcops-bf16kv*' (the cases' correctness gates still run)")
     b.add_argument("--out", default="bench/results", help="output folder (default: bench/results)")
     b.add_argument("--layers", type=int, default=None, help="layers per CUDA graph (default: L2-cold count)")
     b.add_argument("--no-check", action="store_true", help="skip the correctness gate (not recommended)")
@@ -173,7 +176,7 @@ def _bench(args) -> int:
 
         result = run_suite(n, opts, check=not args.no_check, only=args.only, progress=not args.no_progress,
                            machine=machine, on_case=write, rounds=args.rounds,
-                           clocks=not args.no_clock)
+                           clocks=not args.no_clock, impls=args.impls)
         result, paths = write(result)
         print(report.markdown(result))
         print("wrote " + ", ".join(str(p) for p in paths))

@@ -137,6 +137,26 @@ def test_only_selects_any_of_its_texts():
     assert not [n for n in names if case_selected(n, "q16k")]
 
 
+def test_impls_selects_rows_by_name_or_pattern():
+    """--impls: only the named rows (exact names or shell patterns, comma-separated); a case left with no row is
+    dropped, the others keep their gate and order."""
+    from hpcops.bench.registry import Case, Impl
+    from hpcops.bench.runner import impl_selected, select_impls
+
+    def case(name, impls):
+        return Case(suite="prefill", name=name, make_inputs=lambda layer, device="cuda": None,
+                    impls=[Impl(i, lambda x: (lambda: None)) for i in impls], bytes=1, check=lambda x: None)
+
+    cases = [case("a", ["hpcops-fp8q", "hpcops-bf16kv", "hpcops-bf16kv-wstore", "flashinfer"]), case("b", ["sdpa"])]
+    assert select_impls(cases, None) is cases
+    kept = select_impls(cases, "hpcops-fp8q,hpcops-bf16kv*")
+    assert [c.name for c in kept] == ["a"] and kept[0].check is cases[0].check
+    assert [i.name for i in kept[0].impls] == ["hpcops-fp8q", "hpcops-bf16kv", "hpcops-bf16kv-wstore"]
+    assert [i.name for i in cases[0].impls][-1] == "flashinfer"  # the suite's own cases are not changed
+    assert impl_selected("hpcops-fp8q-wstore", "*wstore") and not impl_selected("hpcops-fp8q", "hpcops-fp8")
+    assert not select_impls(cases, "nothing,")
+
+
 def test_runner_times_each_impl_its_way(monkeypatch):
     """Impl.timing picks graph replay or the profiler's kernel sum (with the impl's filter); a peer whose
     own check fails is check-failed, a missing one unavailable, ours is not timed when the gate failed."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import fnmatch
 import gc
 import platform
 import statistics
@@ -116,6 +118,21 @@ def case_selected(case: str, only: str | None) -> bool:
     return only is None or any(text in case for text in only.split(",") if text)
 
 
+def impl_selected(impl: str, impls: str | None) -> bool:
+    """Whether `--impls` selects row `impl`: no filter, or it matches one of the comma-separated names or shell
+    patterns ("hpcops-fp8q,hpcops-bf16kv*")."""
+    return impls is None or any(fnmatch.fnmatchcase(impl, p) for p in impls.split(",") if p)
+
+
+def select_impls(cases: list[Case], impls: str | None) -> list[Case]:
+    """`cases` with only the rows `impls` selects (`impl_selected`); a case left with none is dropped. The case's
+    correctness gate still runs (it checks the default rows' outputs, which the other rows rely on)."""
+    if impls is None:
+        return cases
+    kept = [dataclasses.replace(c, impls=[i for i in c.impls if impl_selected(i.name, impls)]) for c in cases]
+    return [c for c in kept if c.impls]
+
+
 Windows = dict[str, list[tuple[float, float]]]  # an impl's timing windows, (start, end) monotonic seconds
 
 
@@ -147,9 +164,10 @@ def _run_rounds(case: Case, inputs: list[Any], gate_ok: bool, rounds: int, step:
 def run_suite(name: str, opts: dict[str, Any] | None = None, *, check: bool = True, only: str | None = None,
               progress: bool = True, machine: dict[str, Any] | None = None,
               on_case: Callable[[SuiteResult], None] | None = None, rounds: int = 1,
-              clocks: bool = True) -> SuiteResult:
+              clocks: bool = True, impls: str | None = None) -> SuiteResult:
     """Run every case of suite `name` (those whose name contains `only`, if given; `only` may list several texts
-    separated by commas, a case matching any of them: "q4k,q8k").
+    separated by commas, a case matching any of them: "q4k,q8k"); `impls`: only the rows it names
+    (`select_impls`: names or shell patterns, comma-separated).
 
     `on_case(partial_result)` runs after every case (the CLI rewrites its reports, so a run cut
     short by a time limit keeps what it measured). `rounds` > 1: each case's impls are timed in that many
@@ -161,7 +179,7 @@ def run_suite(name: str, opts: dict[str, Any] | None = None, *, check: bool = Tr
     opts = dict(opts or {})
     if not torch.cuda.is_available():
         raise RuntimeError("hpcops bench times on a CUDA GPU; none is visible (run `hpcops demo` on the CPU)")
-    cases = [c for c in get_suite(name)(opts) if case_selected(c.name, only)]
+    cases = select_impls([c for c in get_suite(name)(opts) if case_selected(c.name, only)], impls)
     machine = machine if machine is not None else machine_info()
     bar = Progress(rounds * sum(len(c.impls) for c in cases), f"bench {name}", enabled=progress)
     sampler = clock.ClockSampler.start() if clocks else None
