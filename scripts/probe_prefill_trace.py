@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +37,7 @@ import triton
 from hpcops.attention._prefill_gluon import TRACE_KINDS, TRACE_STEPS
 from hpcops.attention.prefill import _choose_kernel, _launch_gluon, _without_prefetch
 from hpcops.bench.suites.prefill import Scenario, _make_inputs
+from hpcops.bench.timing import eager_time_us
 
 KINDS, STEPS = int(TRACE_KINDS.value), int(TRACE_STEPS.value)
 MISSING = -(2**31)
@@ -94,18 +94,9 @@ def _launch(case: str, kernel: str):
     return run, programs, config
 
 
-def _time(fn, flush: torch.Tensor, reps: int = 7) -> float:
+def _time(fn, flush: torch.Tensor) -> float:
     """Median µs of one launch after an L2 flush (CUDA events)."""
-    ts = []
-    for _ in range(reps):
-        flush.add_(1)
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(ts)
+    return eager_time_us(fn, replays=7, warmup=0, before=lambda: flush.add_(1))
 
 
 def analyse(tr: np.ndarray, persistent: bool, fp8: bool) -> dict:

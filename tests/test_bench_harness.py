@@ -455,3 +455,28 @@ def test_clock_sampler_on_gpu():
     s.stop()
     assert got["samples"] > 0 and 100 <= got["mhz_median"] <= 3500
     assert len(win) == 1 and win[0][0] < win[0][1]  # the timed replays' span
+
+
+def test_eager_time_runs_before_outside_the_events(monkeypatch):
+    """`eager_time_us(before=)`: the hook runs ahead of every timed launch, never between its events (an L2 flush
+    must not be timed); the result is the median of the events' times."""
+    from hpcops.bench import timing
+
+    log = []
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.t = None
+
+        def record(self):
+            log.append("record")
+            self.t = len(log)
+
+        def elapsed_time(self, end):
+            return (end.t - self.t) / 1e3  # ms: each launch between them counts 1 µs
+
+    monkeypatch.setattr(timing.torch.cuda, "Event", Event)
+    monkeypatch.setattr(timing.torch.cuda, "synchronize", lambda: None)
+    us = timing.eager_time_us(lambda: log.append("fn"), replays=3, warmup=1, before=lambda: log.append("flush"))
+    assert log == ["fn"] + ["flush", "record", "fn", "record"] * 3
+    assert us == 2.0  # record, fn, record: two log entries apart

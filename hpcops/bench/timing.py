@@ -49,13 +49,17 @@ def graph_time_us(fns: Sequence[Callable[[], object]], *, replays: int = 50, war
     return statistics.median(times) / len(fns)
 
 
-def eager_time_us(fn: Callable[[], object], *, replays: int = 50, warmup: int = 3) -> float:
-    """Median time of `fn` launched eagerly (for steps that run once per decode step), in µs."""
+def eager_time_us(fn: Callable[[], object], *, replays: int = 50, warmup: int = 3,
+                  before: Callable[[], object] | None = None) -> float:
+    """Median time of `fn` launched eagerly (for steps that run once per decode step), in µs. `before`: run ahead of
+    each timed launch, outside its events (e.g. an L2 flush)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(replays):
+        if before is not None:
+            before()
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
         fn()
