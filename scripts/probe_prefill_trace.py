@@ -32,10 +32,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import triton
 
 from hpcops.attention._prefill_gluon import TRACE_KINDS, TRACE_STEPS
-from hpcops.attention.prefill import _choose_kernel, _launch_gluon, _without_prefetch
+from hpcops.attention.prefill import _choose_kernel, _launch_gluon, _without_prefetch, gluon_programs, tile_bounds
 from hpcops.bench.suites.prefill import Scenario, _make_inputs
 from hpcops.bench.timing import eager_time_us
 
@@ -63,7 +62,7 @@ def _med(x: np.ndarray) -> float:
 
 
 def _launch(case: str, kernel: str):
-    """(launch(trace) callable, programs, number of K/V steps in the case's tiles)."""
+    """(launch(trace=None) → out, the number of programs it launches, its PrefillConfig)."""
     heads, spec = case.split("-")
     hq, hkv = (int(h) for h in heads[1:].split("x"))
     fp8 = kernel.startswith("fp8")
@@ -76,15 +75,8 @@ def _launch(case: str, kernel: str):
         config = _without_prefetch(config)
     if why is not None or not config.gluon_ws:
         raise SystemExit(f"{case} {kernel}: the default is not a warp-specialized Gluon kernel ({why or config})")
-    group = hq // hkv
-    tokens = config.block_m // group
-    b = kv.block_table.shape[0]
-    total_q = q.shape[0]
-    tiles_per_head = (total_q + b * (tokens - 1)) // tokens
-    block_b = max(16, triton.next_power_of_2(b))
-    tiles = tiles_per_head * hkv
-    programs = min(tiles, torch.cuda.get_device_properties(q.device).multi_processor_count) \
-        if config.gluon_prefetch else tiles
+    tiles_per_head, block_b = tile_bounds(q.shape[0], kv.block_table.shape[0], config.block_m, hq // hkv)
+    programs = gluon_programs(config, tiles_per_head * hkv, q.device)
 
     def run(trace=None):
         _launch_gluon(q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, x["cu"], out, x["scale"],
@@ -113,24 +105,32 @@ def analyse(tr: np.ndarray, persistent: bool, fp8: bool) -> dict:
     s_ns = np.fmin(_diff(start[:, 0, :], base), _diff(start[:, 1, :], base))
     e_ns = np.fmax(_diff(end[:, 0, :], base), _diff(end[:, 1, :], base))
     valid_sm = smid != MISSING
-    sm_first = {}
-    sm_last = {}
-    sm_tiles = {}
+    # per SM (consumer 0): its first start and last end, tiles, steps and each step and tile segment summed
+    segs = STEP_SEGMENTS_FP8 if fp8 else STEP_SEGMENTS_16
+    per_sm: dict[int, dict] = {}
     for p in np.nonzero(valid_sm)[0]:
-        sm = int(smid[p])
-        fs = np.nanmin(s_ns[p]) if np.isfinite(s_ns[p]).any() else np.nan
-        le = np.nanmax(e_ns[p]) if np.isfinite(e_ns[p]).any() else np.nan
-        sm_first[sm] = min(sm_first.get(sm, np.inf), fs)
-        sm_last[sm] = max(sm_last.get(sm, -np.inf), le)
-        sm_tiles[sm] = sm_tiles.get(sm, 0) + int(np.isfinite(s_ns[p]).sum())
-    firsts = np.array(list(sm_first.values()))
-    lasts = np.array(list(sm_last.values()))
-    res["sms"] = len(sm_first)
-    res["span_us"] = float(np.nanmax(lasts)) / 1e3
-    res["sm_first_start_us"] = {"median": float(np.median(firsts)) / 1e3, "max": float(np.max(firsts)) / 1e3}
-    res["sm_last_end_us"] = {"min": float(np.min(lasts)) / 1e3, "median": float(np.median(lasts)) / 1e3,
-                             "max": float(np.max(lasts)) / 1e3}
-    res["tiles_per_sm"] = {"min": min(sm_tiles.values()), "max": max(sm_tiles.values())}
+        d = per_sm.setdefault(int(smid[p]), {"end_us": -np.inf, "tiles": 0, "steps": 0, "first_us": np.inf,
+                                             **{name: 0.0 for name, _, _ in segs},
+                                             **{name: 0.0 for name, _, _ in TILE_SEGMENTS}})
+        d["end_us"] = max(d["end_us"], float(np.nanmax(e_ns[p])) / 1e3)
+        d["first_us"] = min(d["first_us"], float(np.nanmin(s_ns[p])) / 1e3)
+        d["tiles"] += int(np.isfinite(s_ns[p]).sum())
+        d["steps"] += int((tr[p, 0, 8, :] != MISSING).sum())
+        for name, a, b in (*segs, *TILE_SEGMENTS):
+            d[name] += float(np.nansum(_diff(tr[p, 0, b, :], tr[p, 0, a, :])))
+    firsts = np.array([d["first_us"] for d in per_sm.values()])
+    lasts = np.array([d["end_us"] for d in per_sm.values()])
+    res["sms"] = len(per_sm)
+    res["span_us"] = float(np.nanmax(lasts))
+    res["sm_first_start_us"] = {"median": float(np.median(firsts)), "max": float(np.max(firsts))}
+    res["sm_last_end_us"] = {"min": float(np.min(lasts)), "median": float(np.median(lasts)),
+                             "max": float(np.max(lasts))}
+    tiles = [d["tiles"] for d in per_sm.values()]
+    res["tiles_per_sm"] = {"min": min(tiles), "max": max(tiles)}
+    order = sorted(per_sm, key=lambda sm: per_sm[sm]["end_us"])
+    pick = [order[len(order) // 2]] + order[-3:]  # the median SM and the three latest
+    res["sm_rows"] = [{"sm": sm, "role": "median" if k == 0 else f"late {4 - k}", **per_sm[sm]}
+                      for k, sm in enumerate(pick)]
     if not persistent:  # programs back to back on one SM: the gap between one's end and the next's start
         gaps = []
         by_sm: dict[int, list[tuple[float, float]]] = {}
@@ -151,7 +151,6 @@ def analyse(tr: np.ndarray, persistent: bool, fp8: bool) -> dict:
     for name, a, b in TILE_SEGMENTS:
         d = _diff(tr[:, 0:2, b, :], tr[:, 0:2, a, :])
         phases[name] = {"median": _med(d), "first_tile": _med(d[:, :, 0]), "later_tiles": _med(d[:, :, 1:])}
-    # the loop a step (a tile's loop over its steps: the step stamps between its kinds 1 and 2)
     whole = _diff(tr[:, 0:2, 4, :], tr[:, 0:2, 0, :])
     phases["whole tile"] = {"median": _med(whole), "first_tile": _med(whole[:, :, 0]),
                             "later_tiles": _med(whole[:, :, 1:])}
@@ -162,10 +161,9 @@ def analyse(tr: np.ndarray, persistent: bool, fp8: bool) -> dict:
     res["tile_cycles"] = phases
     steps = {}
     for role in (0, 1):
-        for name, a, b in (STEP_SEGMENTS_FP8 if fp8 else STEP_SEGMENTS_16):
+        for name, a, b in segs:
             d = _diff(tr[:, role, b, :], tr[:, role, a, :])
             steps.setdefault(name, {})[f"c{role}"] = _med(d)
-    # the gap from a step's end to the next step's top (the O rescale is inside the step; this is loop overhead)
     res["step_cycles"] = steps
     if fp8:
         prod = {}
@@ -175,26 +173,6 @@ def analyse(tr: np.ndarray, persistent: bool, fp8: bool) -> dict:
             prod["first loads + first Vt + publish"] = _med(_diff(tr[:, 2, 1, :], tr[:, 2, 0, :]))
         res["producer_cycles"] = prod
     res["us_per_kcycle"] = 1e3 / mhz
-    # per SM (consumer 0): its end, tiles, steps and each step segment summed; the latest SMs against the median one
-    segs = STEP_SEGMENTS_FP8 if fp8 else STEP_SEGMENTS_16
-    per_sm: dict[int, dict] = {}
-    for p in np.nonzero(valid_sm)[0]:
-        d = per_sm.setdefault(int(smid[p]), {"end_us": -np.inf, "tiles": 0, "steps": 0, "first_us": np.inf,
-                                             **{name: 0.0 for name, _, _ in segs},
-                                             **{name: 0.0 for name, _, _ in TILE_SEGMENTS}})
-        d["end_us"] = max(d["end_us"], float(np.nanmax(e_ns[p])) / 1e3)
-        d["first_us"] = min(d["first_us"], float(np.nanmin(s_ns[p])) / 1e3)
-        d["tiles"] += int(np.isfinite(s_ns[p]).sum())
-        top = tr[p, 0, 8, :] != MISSING
-        d["steps"] += int(top.sum())
-        for name, a, b in segs:
-            d[name] += float(np.nansum(_diff(tr[p, 0, b, :], tr[p, 0, a, :])))
-        for name, a, b in TILE_SEGMENTS:
-            d[name] += float(np.nansum(_diff(tr[p, 0, b, :], tr[p, 0, a, :])))
-    order = sorted(per_sm, key=lambda sm: per_sm[sm]["end_us"])
-    pick = [order[len(order) // 2]] + order[-3:]
-    res["sm_rows"] = [{"sm": sm, "role": "median" if k == 0 else f"late {4 - k}", **per_sm[sm]}
-                      for k, sm in enumerate(pick)]
     return res
 
 

@@ -1032,10 +1032,8 @@ def test_prefill_gluon_trace_gpu(fp8: bool):
     """The opt-in trace (`_launch_gluon(trace=)`, scripts/probe_prefill_trace.py): the traced kernel's output equals
     the reference, and its stamps are in order where they must be: every program's first tile starts, ends after
     its first P and its epilogue, and each step's end follows its start."""
-    import triton
-
     from hpcops.attention._prefill_gluon import TRACE_KINDS, TRACE_STEPS
-    from hpcops.attention.prefill import _launch_gluon
+    from hpcops.attention.prefill import _launch_gluon, gluon_programs, tile_bounds
 
     kw8 = dict(kv_dtype=FP8, q_fp8=True, msum=True, qregs=True, persist=True, prefetch=True, prmt=True) if fp8 else {}
     case = _gluon("gluon-trace", [4096, 3000, 700], [1024, 1, 700], hq=8, hkv=1, ws=True, stages=3, **kw8)
@@ -1044,14 +1042,12 @@ def test_prefill_gluon_trace_gpu(fp8: bool):
     scales = dict(k_scale=kv.k_scale, v_scale=kv.v_scale, q_scale=q_scale) if fp8 else {}
     want = reference(*args, max_seqlen_q=1024, **scales)
     out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
-    tokens = 128 // 8
-    tiles_per_head = (q.shape[0] + 3 * (tokens - 1)) // tokens
-    programs = min(tiles_per_head, torch.cuda.get_device_properties(0).multi_processor_count) if fp8 \
-        else tiles_per_head
+    tiles_per_head, block_b = tile_bounds(q.shape[0], 3, case.config.block_m, 8)
+    programs = gluon_programs(case.config, tiles_per_head, q.device)
     trace = torch.full((programs, 3, TRACE_KINDS.value, TRACE_STEPS.value), -(2**31), dtype=torch.int32,
                        device="cuda")
     _launch_gluon(q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, cu, out, 1 / 128**0.5, tiles_per_head,
-                  max(16, triton.next_power_of_2(3)), case.config, q_scale, kv.k_scale if fp8 else None,
+                  block_b, case.config, q_scale, kv.k_scale if fp8 else None,
                   kv.v_scale if fp8 else None, trace=trace)
     torch.cuda.synchronize()
     assert_close(want, out, name=case.name, **_tolerance(case, "cuda"))

@@ -522,6 +522,20 @@ def _fp8_mode(config: PrefillConfig) -> int:
     return 2 if config.gluon_p_regs else 3 if config.gluon_p_dbuf else 1
 
 
+def tile_bounds(total_q: int, num_reqs: int, block_m: int, group: int) -> tuple[int, int]:
+    """(tiles_per_head, block_b) of a launch, from host shapes (no sync): Σ_b cdiv(q_len_b, T) <= (Σ q_len_b +
+    B (T - 1)) / T with T = block_m / group tokens a tile, and the power-of-two block the kernels scan the requests
+    in."""
+    tokens = block_m // group
+    return (total_q + num_reqs * (tokens - 1)) // tokens, max(16, triton.next_power_of_2(num_reqs))
+
+
+def gluon_programs(config: PrefillConfig, tiles: int, device) -> int:
+    """How many programs `_launch_gluon` launches over `tiles` q tiles: a program an SM (at most one a tile) for the
+    persistent kernels, else a program a tile."""
+    return max(1, min(tiles, num_sms(device))) if config.gluon_persist else tiles
+
+
 def _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, out, sm_scale, tiles_per_head, block_b,
                   config: PrefillConfig, q_scale=None, k_scale=None, v_scale=None, trace=None) -> None:
     """The Gluon kernel (`PrefillConfig.gluon`) over the `tl` kernel's flat tile list; with an fp8 q (its
@@ -546,11 +560,11 @@ def _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, out,
                   HEADS_INNER=bool(config.heads_inner))
     bits = (1 if config.gluon_tree else 0) | (2 if config.gluon_pv_overlap else 0) | (4 if config.gluon_mma_sum else 0)
     bits |= (32 if config.gluon_q_regs else 0) | (64 if config.gluon_vt3 else 0) | (128 if config.gluon_vt_prmt else 0)
-    softmax = {"SOFTMAX": bits} if bits else {}  # the defaults' launches keep their signature
+    knobs = {"SOFTMAX": bits} if bits else {}  # the defaults' launches keep their signature
     if trace is not None:
         if not config.gluon_ws or (config.gluon_persist and not config.gluon_prefetch):
             raise ValueError("trace is for the warp-specialized kernel, non-persistent or prefetching")
-        softmax.update(TRACE=True, trace_ptr=trace)
+        knobs.update(TRACE=True, trace_ptr=trace)
     if config.gluon_ws:
         fp8 = q.dtype == FP8_E4M3
         # fp8: q's per token-head scales and the KV scales; else placeholders the kernel does not read
@@ -560,32 +574,32 @@ def _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, out,
         # producer): 168 registers each at launch, moved by setmaxnreg to 240 / 240 / 24 (fp8: 224 / 224 / 56)
         # inside the specialized region
         if config.gluon_prefetch:  # persistent, the producer prefetching each tile's q (gluon_config_reason: fp8)
-            grid = (max(1, min(tiles_per_head * hkv, num_sms(q.device))),)
+            grid = (gluon_programs(config, tiles_per_head * hkv, q.device),)
             queue = _tile_queue(q.device) if config.gluon_queue else seq_lens  # a placeholder it does not read
             prefill_gluon_ws_prefetch_kernel[grid](*args, *scales, *_prefetch_descriptors(q, q_scale, hq // hkv),
                                                    queue, **common, num_warps=4, FP8=_fp8_mode(config),
                                                    FP8_CONSUMER_REGS=GLUON_WS_FP8_PREFETCH_REGS[0],
                                                    FP8_PRODUCER_REGS=GLUON_WS_FP8_PREFETCH_REGS[1], maxnreg=168,
-                                                   QUEUE=bool(config.gluon_queue), **softmax)
+                                                   QUEUE=bool(config.gluon_queue), **knobs)
             return
         if config.gluon_persist:  # a program an SM, each walking q tiles
-            grid = (max(1, min(tiles_per_head * hkv, num_sms(q.device))),)
+            grid = (gluon_programs(config, tiles_per_head * hkv, q.device),)
             prefill_gluon_ws_persist_kernel[grid](*args, *scales, **common, num_warps=4,
                                                   FP8=_fp8_mode(config) if fp8 else 0,
                                                   FP8_CONSUMER_REGS=GLUON_WS_FP8_PERSIST_REGS[0],
                                                   FP8_PRODUCER_REGS=GLUON_WS_FP8_PERSIST_REGS[1],
                                                   CONSUMER_REGS=GLUON_WS_PERSIST_REGS[0],
-                                                  PRODUCER_REGS=GLUON_WS_PERSIST_REGS[1], maxnreg=168, **softmax)
+                                                  PRODUCER_REGS=GLUON_WS_PERSIST_REGS[1], maxnreg=168, **knobs)
             return
-        prefill_gluon_ws_kernel[(tiles_per_head * hkv,)](*args, *scales, **common,
+        prefill_gluon_ws_kernel[(gluon_programs(config, tiles_per_head * hkv, q.device),)](*args, *scales, **common,
                                                          CONSUMER_REGS=GLUON_WS_CONSUMER_REGS, num_warps=4,
                                                          FP8=_fp8_mode(config) if fp8 else 0,
                                                          FP8_CONSUMER_REGS=GLUON_WS_FP8_REGS[0],
                                                          FP8_PRODUCER_REGS=GLUON_WS_FP8_REGS[1], maxnreg=168,
-                                                         **softmax)
+                                                         **knobs)
     else:
         prefill_gluon_kernel[(tiles_per_head * hkv,)](*args, **common, BLOCK_M=config.block_m,
-                                                      num_warps=config.num_warps, **softmax)
+                                                      num_warps=config.num_warps, **knobs)
 
 
 def _without_prefetch(config: PrefillConfig) -> PrefillConfig:
@@ -652,10 +666,7 @@ def _launch(
     check_kernel_device("q", q)
     if total_q == 0 or b == 0:
         return
-    tokens = config.block_m // group
-    # Σ_b cdiv(q_len_b, T) <= (Σ q_len_b + B (T - 1)) / T: a bound from host shapes, no sync
-    tiles_per_head = (total_q + b * (tokens - 1)) // tokens
-    block_b = max(16, triton.next_power_of_2(b))
+    tiles_per_head, block_b = tile_bounds(total_q, b, config.block_m, group)
     if use_gluon:
         _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, out, sm_scale, tiles_per_head,
                       block_b, config, q_scale, k_scale, v_scale)
