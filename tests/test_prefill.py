@@ -842,12 +842,12 @@ def _gluon(name: str, seq_lens: list[int], q_lens: list[int], *, block_m: int = 
             stages: int = 2, heads_inner: bool = True, ws: bool = False, p_regs: bool = False, tree: bool = False,
             p_dbuf: bool = False, pvo: bool = False, msum: bool = False, persist: bool = False,
             qregs: bool = False, prefetch: bool = False, queue: bool = False, vt3: bool = False, prmt: bool = False,
-            **kw) -> Case:
+            wide: bool = False, **kw) -> Case:
     cfg = PrefillConfig(block_m=block_m, block_n=block_n, num_warps=block_m // 16, num_stages=stages,
                         heads_inner=heads_inner, gluon=True, gluon_ws=ws, gluon_p_regs=p_regs, gluon_tree=tree,
                         gluon_p_dbuf=p_dbuf, gluon_pv_overlap=pvo, gluon_mma_sum=msum, gluon_persist=persist,
                         gluon_q_regs=qregs, gluon_prefetch=prefetch, gluon_queue=queue, gluon_vt3=vt3,
-                        gluon_vt_prmt=prmt)
+                        gluon_vt_prmt=prmt, gluon_wide_store=wide)
     kw = {"hq": 64, "hkv": 8, "head_dim": 128, "block_size": 64, **kw}
     return Case(name, seq_lens, q_lens, config=cfg, **kw)
 
@@ -1014,6 +1014,20 @@ GLUON_CASES = [
            vt3=True, prmt=True),
     _gluon("gluon-ws-fp8-prmt-plain-page16-h64/8", [1000, 513], [1000, 17], block_size=16, ws=True, kv_dtype=FP8,
            q_fp8=True, stages=3, msum=True, prmt=True),
+    # PrefillConfig.gluon_wide_store: the output in 16-byte pieces (fp8: through the compiler's scratch; 16-bit:
+    # through q's buffer, also across a persistent program's tiles), rows past q_len and q padding rows unwritten
+    *_fp8_default_family("wstore", prmt=True, wide=True),
+    _gluon("gluon-ws-fp8-wstore-plain-page16-h64/8", [1000, 513], [1000, 17], block_size=16, ws=True, kv_dtype=FP8,
+           q_fp8=True, stages=3, msum=True, prmt=True, wide=True),
+    _gluon("gluon-ws-wstore-extend-mixed-h64/8-3buf", [4096, 3000, 1, 700, 129], [1024, 1, 1, 700, 64], pad_rows=5,
+           stages=3, ws=True, wide=True),
+    _gluon("gluon-ws-wstore-persist-extend-mixed-h8/1", [4096, 3000, 1, 700, 129], [1024, 1, 1, 700, 64], hq=8,
+           hkv=1, pad_rows=5, ws=True, stages=3, persist=True, wide=True),
+    _gluon("gluon-wstore-h8/1-64x128", [1500, 77], [1500, 3], hq=8, hkv=1, block_m=64, wide=True),
+    _gluon("gluon-ws-wstore-d64-gqa3-page32-fp16", [777, 129], [777, 64], hq=12, hkv=4, head_dim=64, block_size=32,
+           q_dtype=torch.float16, kv_dtype=torch.float16, ws=True, wide=True),
+    _gluon("gluon-ws-wstore-d256", [513, 2000], [513, 100], hq=8, hkv=2, head_dim=256, block_n=64, ws=True,
+           wide=True),
 ]
 
 

@@ -204,7 +204,7 @@ from hpcops.attention.prefill import GLUON_WS_PERSIST_REGS
 from hpcops.testing import sm90_resources
 
 d, g, tile, page, stages, dt, *flags = json.loads(sys.argv[1])
-p_regs, tree, p_dbuf, pvo, msum, persist, qregs, prmt, trace = (flags + [False] * 9)[:9]
+p_regs, tree, p_dbuf, pvo, msum, persist, qregs, prmt, trace, wide = (flags + [False] * 10)[:10]
 gdt = {"bf16": gl.bfloat16, "fp16": gl.float16, "fp8e4nv": gl.float8e4nv}[dt]
 box = min(tile, page)
 desc = f"tensordesc<{dt}[{box}, {d}],{gl.NVMMASharedLayout.get_default_for([box, d], gdt)}>"
@@ -223,12 +223,17 @@ consts = dict(D=d, G=g, TILE=tile, PAGE=page, BLOCK_B=16, STAGES=stages, HEADS_I
 if trace:  # the opt-in trace (scripts/probe_prefill_trace.py): clock stamps into an int32 buffer
     consts["TRACE"] = True
     sig["trace_ptr"] = "*i32"
+if wide:  # PrefillConfig.gluon_wide_store
+    consts["SOFTMAX"] |= 512
 if persist:  # PrefillConfig.gluon_persist: the kernel as a persistent grid, its own register splits
     consts.update(FP8_CONSUMER_REGS=GLUON_WS_FP8_PERSIST_REGS[0], FP8_PRODUCER_REGS=GLUON_WS_FP8_PERSIST_REGS[1],
                   CONSUMER_REGS=GLUON_WS_PERSIST_REGS[0], PRODUCER_REGS=GLUON_WS_PERSIST_REGS[1])
 sig.update({a: "constexpr" for a in consts})
 kernel = prefill_gluon_ws_persist_kernel if persist else prefill_gluon_ws_kernel
-c = triton.compile(GluonASTSource(kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
+# wide: the strides and pointers as a launch specializes them (multiples of 16), so that 16-byte stores can show
+attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(kernel.arg_names)
+         if wide and a in ("out_ptr", "stride_ot", "stride_oh")}
+c = triton.compile(GluonASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": 4, "maxnreg": 168})
 r = sm90_resources(c)
 ptx = c.asm["ptx"]
@@ -236,6 +241,8 @@ r["setmaxnreg"] = sorted({int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.al
 r["cta_barriers"] = len(re.findall(r"\bbar\.sync\s+0;", ptx))  # bar.sync 0 without a thread count: the whole CTA
 r["byte_stores"] = len(re.findall(r"\bst\.shared\.b8\b", ptx))
 r["clock_reads"] = ptx.count("%clock")
+r["global_stores"] = len(re.findall(r"\bst\.global\.", ptx))
+r["global_v4_stores"] = len(re.findall(r"\bst\.global\.v4\.", ptx))
 r["b16_stores"] = len(re.findall(r"\bst\.shared\.b16\b", ptx))  # the fp8 P's 2-byte pieces
 r["v4_stores"] = len(re.findall(r"\bst\.shared\.v4\.b32\b", ptx))
 # the SASS between a loop's S wait (DEPBAR.LE gsb0, 0x1; gluon_mma_sum 0x2: P·1 too) and its P·V wait (0x0):
@@ -295,6 +302,15 @@ GLUON_WS_BUILDS = {  # name: (head_dim, G, block_n, page, stages, dtype)
                             True),
     "fp8-d128-h8/1-128-3buf-msum-qregs-prmt-trace": (128, 8, 128, 64, 3, "fp8e4nv", False, False, False, False,
                                                      True, False, True, True, True),
+    # PrefillConfig.gluon_wide_store: the output in 16-byte pieces (16-bit: through q's buffer, the bf16 default's 3
+    # buffers and the persistent kernel; d256; fp8 a program a tile: the compiler's scratch)
+    "d128-128-3buf-wide": (128, 8, 128, 64, 3, "bf16", False, False, False, False, False, False, False, False, False,
+                           True),
+    "d128-128-3buf-persist-wide": (128, 8, 128, 64, 3, "bf16", False, False, False, False, False, True, False, False,
+                                   False, True),
+    "d256-64-wide": (256, 2, 64, 64, 2, "bf16", False, False, False, False, False, False, False, False, False, True),
+    "fp8-d128-h8/1-128-3buf-msum-qregs-prmt-wide": (128, 8, 128, 64, 3, "fp8e4nv", False, False, False, False, True,
+                                                    False, True, True, False, True),
 }
 
 
@@ -331,6 +347,10 @@ def test_gluon_ws_prefill_kernel_builds_for_sm90(name):
     # the trace's clock reads: none unless asked for; else at each consumer's tile and step waits (6 a step, fp8 7,
     # and 4 a tile) and the producer's steps
     assert (r["clock_reads"] >= 2 * (6 + 4) + 2) if trace else r["clock_reads"] == 0, r
+    if GLUON_WS_BUILDS[name][15:16] == (True,):  # gluon_wide_store: every output store 16 bytes, 64 rows x D a
+        # consumer in D / 8 pieces a row over 128 threads (16-bit), shared memory no larger than without it
+        assert r["global_stores"] == r["global_v4_stores"] == 2 * 64 * d // 8 // 128, r
+        assert r["shared"] <= 227 * 1024, r
     if dt == "fp8e4nv" and d == tile == 128:  # Vᵀ by 8-byte stores (_transpose_v's layouts), never byte by byte
         assert r["byte_stores"] == 0, r
     if GLUON_WS_BUILDS[name][6:7] == (True,):  # gluon_p_regs: P reaches the P·V wgmma in registers, never stored
@@ -360,7 +380,7 @@ from hpcops.attention.prefill import GLUON_WS_FP8_PREFETCH_REGS
 from hpcops.testing import sm90_resources
 
 d, g, tile, page, stages, p_dbuf, queue, vt3, prmt, *rest = json.loads(sys.argv[1])
-trace = bool(rest and rest[0])
+trace, wide = (rest + [False, False])[:2]
 dt, gdt = "fp8e4nv", gl.float8e4nv
 box = min(tile, page)
 desc = f"tensordesc<{dt}[{box}, {d}],{gl.NVMMASharedLayout.get_default_for([box, d], gdt)}>"
@@ -379,9 +399,13 @@ consts = dict(D=d, G=g, TILE=tile, PAGE=page, BLOCK_B=16, STAGES=stages, HEADS_I
 if trace:  # the opt-in trace (scripts/probe_prefill_trace.py)
     consts["TRACE"] = True
     sig["trace_ptr"] = "*i32"
+if wide:  # PrefillConfig.gluon_wide_store, the strides as a launch specializes them (multiples of 16)
+    consts["SOFTMAX"] |= 512
+attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(prefill_gluon_ws_prefetch_kernel.arg_names)
+         if wide and a in ("out_ptr", "stride_ot", "stride_oh")}
 sig.update({a: "constexpr" for a in consts})
-c = triton.compile(GluonASTSource(prefill_gluon_ws_prefetch_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
-                   options={"num_warps": 4, "maxnreg": 168})
+c = triton.compile(GluonASTSource(prefill_gluon_ws_prefetch_kernel, sig, consts, attrs),
+                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": 168})
 r = sm90_resources(c)
 ptx = c.asm["ptx"]
 r["setmaxnreg"] = sorted({int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)})
@@ -393,6 +417,8 @@ r["atom_exch"] = sum(1 for _, op in atoms if ".exch." in op)
 r["atom_unpredicated"] = sum(1 for pred, _ in atoms if not pred)
 r["prmt_asm"] = ptx.count("prmt.b32 t0,")  # `_transpose_v_prmt`'s inline asm, once per transpose in the code
 r["clock_reads"] = ptx.count("%clock")
+r["global_stores"] = len(re.findall(r"\bst\.global\.", ptx))
+r["global_v4_stores"] = len(re.findall(r"\bst\.global\.v4\.", ptx))
 with tempfile.NamedTemporaryFile(suffix=".cubin") as f:  # every partition's SASS (asm["sass"] holds one)
     f.write(c.asm["cubin"])
     f.flush()
@@ -415,6 +441,8 @@ GLUON_PREFETCH_BUILDS = {  # name: (head_dim, G, block_n, page, stages, gluon_p_
     "fp8-d64-h8/1-128-3buf-prmt": (64, 8, 128, 64, 3, False, False, False, True),
     # the opt-in trace (`_stamp`) on the fp8 default
     "fp8-d128-h8/1-128-3buf-prmt-trace": (128, 8, 128, 64, 3, False, False, False, True, True),
+    # PrefillConfig.gluon_wide_store on the fp8 default: 16-byte output stores through the compiler's scratch
+    "fp8-d128-h8/1-128-3buf-prmt-wide": (128, 8, 128, 64, 3, False, False, False, True, False, True),
 }
 
 
@@ -434,6 +462,8 @@ def test_gluon_prefetch_prefill_kernel_builds_for_sm90(name):
     # the trace's clock reads (`_stamp`): none unless asked for; else at each consumer's tile and step waits and the
     # producer's tile and step events
     assert (r["clock_reads"] >= 2 * (7 + 4) + 4 + 2) if rest and rest[0] else r["clock_reads"] == 0, r
+    if rest[1:2] == [True]:  # gluon_wide_store: every output store 16 bytes (64 rows x D bf16 a consumer)
+        assert r["global_stores"] == r["global_v4_stores"] == 2 * 64 * d // 8 // 128, r
     msum = not p_dbuf
     # each consumer: its first S and its loop's (K steps of 32), the loop's and the last P·V (and P·1, gluon_mma_sum)
     assert r["wgmma"] == 2 * (2 * (d // 32) + (4 if msum else 2) * (tile // 32)), r

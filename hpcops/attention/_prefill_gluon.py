@@ -457,7 +457,10 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
     phases, Vᵀ buffers) and its turns T0..; the last Vᵀ buffer is given back too (the producer refills it for the
     next q tile). PRE (`PrefillConfig.gluon_prefetch`, persistent fp8 with q in registers): `pre` = (q's A
     operand, the rows' q scales, k_scale, v_scale), read by the caller from the shared memory the producer's TMA
-    filled ahead of the tile (`_ws_prefetch`): no global load before the first S. TRACE (warp-specialized):
+    filled ahead of the tile (`_ws_prefetch`): no global load before the first S. SOFTMAX & 512
+    (`PrefillConfig.gluon_wide_store`): the output stored in 16-byte pieces, whole rows a warp, after a
+    `convert_layout` through shared memory, instead of 4-byte pieces from the accumulator's layout (a store
+    instruction there touches 8 rows: 8 lines). TRACE (warp-specialized):
     `_stamp`s at the tile's and each step's waits, `trace` = (trace_ptr, program, tile ordinal)."""
     P_REGS: gl.constexpr = FP8 == 2
     P_DBUF: gl.constexpr = FP8 == 3  # two P buffers a consumer: P_{j+1} is stored before P_j·V_j is waited for
@@ -468,6 +471,7 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
     MSUM: gl.constexpr = (SOFTMAX & 4) != 0 and FP8 != 0 and FP8 != 2  # the row sums as l += P8·1 (wgmma N = 8)
     Q_REGS: gl.constexpr = (SOFTMAX & 32) != 0  # q as S's register operand
     VT_PERM: gl.constexpr = FP8 != 2 and _vt_perm(TILE, D)  # P and Vᵀ in the permuted key order
+    WIDE_STORE: gl.constexpr = (SOFTMAX & 512) != 0  # the output in 16-byte pieces (`PrefillConfig.gluon_wide_store`)
     gl.static_assert(WS or not FP8, "the fp8 loop runs on the warp-specialized kernel only")
     gl.static_assert(not PERSIST or (WS and FP8 != 2), "the persistent loop: warp-specialized, P not in fp8 registers")
     DT: gl.constexpr = k_desc.dtype
@@ -664,11 +668,28 @@ def _attend(q_ptr, out_ptr, k_desc, v_desc, q_buf, k_smem, v_smem, full, empty, 
         o = o * (out_scale / gl.where(l_o > 0.0, l_o, 1.0))[:, None]
     else:
         o = o / gl.where(l_o > 0.0, l_o, 1.0)[:, None]
-    r_o = ROW0 + gl.arange(0, ROWS, layout=rows_o)
-    d_o = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+    if WIDE_STORE:  # 16 bytes a thread, whole rows a warp: through shared memory, 4 lines a store instruction
+        CHUNKS: gl.constexpr = D * out_ptr.dtype.element_ty.primitive_bitwidth // 128  # 16-byte pieces a row
+        TPR: gl.constexpr = CHUNKS if CHUNKS < 32 else 32
+        st_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, D // TPR], threads_per_warp=[32 // TPR, TPR],
+                                                   warps_per_cta=[WARPS, 1], order=[1, 0])
+        o_out = o.to(out_ptr.dtype.element_ty)
+        if FP8:  # the compiler's shared scratch (the fp8 q buffer is too small for a 16-bit output)
+            o_out = gl.convert_layout(o_out, st_layout)
+        else:  # through q's buffer, free since the last S was waited for (3 K/V buffers leave no room for scratch)
+            q_buf.store(o_out)
+            gl.thread_barrier()  # this warpgroup's stores before its loads
+            o_out = q_buf.load(st_layout)
+            gl.thread_barrier()  # and its loads before q's buffer is written again (a persistent kernel's next tile)
+        r_o = ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, st_layout))
+        d_o = gl.arange(0, D, layout=gl.SliceLayout(0, st_layout))
+    else:  # from the wgmma accumulator's layout: 4 bytes a thread, 8 rows (8 lines) a store instruction
+        o_out = o
+        r_o = ROW0 + gl.arange(0, ROWS, layout=rows_o)
+        d_o = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
     tok_o = first_tok + r_o // G
     o_rows = (q_start + tok_o).to(gl.int64) * stride_ot + (kv_head * G + r_o % G).to(gl.int64) * stride_oh
-    gl.store(out_ptr + o_rows[:, None] + d_o[None, :], o.to(out_ptr.dtype.element_ty),
+    gl.store(out_ptr + o_rows[:, None] + d_o[None, :], o_out.to(out_ptr.dtype.element_ty),
              mask=(tok_o < q_len)[:, None] & (d_o < D)[None, :])
     _stamp(trace, WG, 4, 0, TRACE)
     _stamp(trace, WG, 7, 0, TRACE)

@@ -129,6 +129,12 @@ class PrefillConfig:
     convert_layout transpose): h64/8 q4k 390.2 / 407.8, q8k 1498.7 / 1525.1, h8/1 q4k 55.7 / 56.0, q8k 180.1 /
     191.6. `gluon_config(fp8=True)` turns it on where the tile allows; bench row `hpcops-fp8q-cvt`: the default
     with the convert_layout transpose.
+    `gluon_wide_store` (every Gluon kernel): the epilogue stores the output in 16-byte pieces, a warp's store
+    covering whole rows (`convert_layout` through shared memory first), instead of 4 bytes a thread from the wgmma
+    accumulator's layout, where one store instruction touches 8 rows of the GQA-packed tile (8 lines). The kernel
+    trace (`scripts/probe_prefill_trace.py`, session 71, H100, `bench/results/probe_prefill_trace_h100.md`) put the
+    epilogue at ~2200 cycles a q tile in both dtypes: 32 such stores a thread on 8 warps, ~2048 lines through
+    the SM's load/store unit. Opt-in (bench rows `hpcops-fp8q-wstore`, `hpcops-wstore`).
     `tma`, `pv_fp8`, `quant_q` and `fma_scale` are the `tl` kernel's (the Gluon kernel always reads by TMA and
     scales inside exp2).
     """
@@ -155,6 +161,7 @@ class PrefillConfig:
     gluon_queue: bool = False
     gluon_vt3: bool = False
     gluon_vt_prmt: bool = False
+    gluon_wide_store: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
@@ -560,6 +567,7 @@ def _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, out,
                   HEADS_INNER=bool(config.heads_inner))
     bits = (1 if config.gluon_tree else 0) | (2 if config.gluon_pv_overlap else 0) | (4 if config.gluon_mma_sum else 0)
     bits |= (32 if config.gluon_q_regs else 0) | (64 if config.gluon_vt3 else 0) | (128 if config.gluon_vt_prmt else 0)
+    bits |= 512 if config.gluon_wide_store else 0
     knobs = {"SOFTMAX": bits} if bits else {}  # the defaults' launches keep their signature
     if trace is not None:
         if not config.gluon_ws or (config.gluon_persist and not config.gluon_prefetch):

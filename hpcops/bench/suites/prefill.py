@@ -143,14 +143,18 @@ FP8_DEFAULT_VARIANTS = (
     ("cvt", {"gluon_vt_prmt": False},
      "the fp8 default with the producer's V transpose by convert_layout (gluon_vt_prmt=False: the default until "
      "session 68), not by byte permutes"),
+    ("wstore", {"gluon_wide_store": True},
+     "the fp8 default storing its output in 16-byte pieces, whole rows a warp (gluon_wide_store=True)"),
 )
+# the bf16 warp-specialized Gluon kernel (the bf16 default's at q2k-q8k) storing its output in 16-byte pieces
+GLUON_BF16_WIDE = {"gluon": True, "gluon_wide_store": True}
 
 # the bf16 warp-specialized Gluon kernel with gluon_tree, on the same tile (the bf16 default's at q2k-q8k)
 GLUON_BF16_TREE = {**GLUON_FP8, "gluon_tree": True}
 
 BOOL_FIELDS = ("pv_fp8", "quant_q", "fma_scale", "heads_inner", "gluon", "gluon_ws", "gluon_p_regs", "gluon_tree",
                "gluon_p_dbuf", "gluon_pv_overlap", "gluon_mma_sum", "gluon_persist", "gluon_q_regs",
-               "gluon_prefetch", "gluon_vt3", "gluon_vt_prmt")
+               "gluon_prefetch", "gluon_vt3", "gluon_vt_prmt", "gluon_wide_store")
 
 
 def config_override(variant: dict | None = None):
@@ -232,11 +236,11 @@ def variant_config(variant: dict | None, *, group: int, max_seqlen_q: int, q_dty
 FP8_BUDGET = {"maxtol": 6e-2, "rmstol": 3e-2}  # the fp8 error budget (PREFILL.md), against the fp32 reference
 
 
-def _ours_bf16_kv(x):
-    """Our bf16 default (bf16 q, heuristic config) on the fp8 case's shape over a bf16 cache of its own (`x["kv16"]`,
-    made here: the other rows, the tuner and the probes never pay for it), gated on layer 0 against the sampled
-    reference of that cache. Issue 12's fp8-q goal is a ratio to our bf16: this row is timed beside the fp8 rows
-    (interleaved with --rounds), not minutes apart as the bf16 case's."""
+def _ours_bf16_kv(x, variant: dict | None = None):
+    """Our bf16 default (bf16 q, heuristic config; `variant`: its fields updated, as `_ours`) on the fp8 case's shape
+    over a bf16 cache of its own (`x["kv16"]`, made here: the other rows, the tuner and the probes never pay for
+    it), gated on layer 0 against the sampled reference of that cache. Issue 12's fp8-q goal is a ratio to our
+    bf16: this row is timed beside the fp8 rows (interleaved with --rounds), not minutes apart as the bf16 case's."""
     from hpcops.attention.prefill import prefill_attention
     from hpcops.testing import assert_close, make_paged_kv
 
@@ -253,7 +257,9 @@ def _ours_bf16_kv(x):
     kv, q = x["kv16"], x["q"]
     out = torch.empty_like(q)
     args = (q, kv.k_cache, kv.v_cache, kv.block_table, kv.seq_lens, x["cu"])
-    run = lambda: prefill_attention(*args, max_seqlen_q=x["max_q"], out=out)  # noqa: E731
+    config = variant_config(variant, group=q.shape[1] // kv.k_cache.shape[2], max_seqlen_q=x["max_q"],
+                            q_dtype=q.dtype, kv_dtype=kv.k_cache.dtype) if variant else None
+    run = lambda: prefill_attention(*args, max_seqlen_q=x["max_q"], out=out, config=config)  # noqa: E731
     if x["layer"] == 0:
         out.fill_(float("nan"))
         run()
@@ -483,6 +489,11 @@ def cases(opts: dict) -> Iterator[Case]:
                     impls += [Impl(f"hpcops-fp8q-{name}", _ours(True, {**GLUON_FP8_DEFAULT, **fields}),
                                    note=f"variant: {note}") for name, fields, note in FP8_DEFAULT_VARIANTS]
                     impls.append(
+                        Impl("hpcops-bf16kv-wstore", lambda x: _ours_bf16_kv(x, GLUON_BF16_WIDE),
+                             note="variant: hpcops-bf16kv storing its output in 16-byte pieces "
+                             "(gluon_wide_store=True): issue 12's ratio with both kernels so")
+                    )
+                    impls.append(
                         Impl("hpcops-fp8q-smemq", _ours(True, {**GLUON_FP8_MSUM, "gluon_q_regs": False}),
                              note="variant: the fp8 default with q read from shared memory by every S wgmma "
                              "(gluon_q_regs=False)")
@@ -500,6 +511,11 @@ def cases(opts: dict) -> Iterator[Case]:
                         Impl("hpcops-tree", _ours(False, GLUON_BF16_TREE),
                              note="variant: the warp-specialized Gluon kernel with its row max and sum as trees "
                              "(gluon_tree=True)")
+                    )
+                    impls.append(
+                        Impl("hpcops-wstore", _ours(False, GLUON_BF16_WIDE),
+                             note="variant: the warp-specialized Gluon kernel storing its output in 16-byte pieces "
+                             "(gluon_wide_store=True)")
                     )
                     impls.append(
                         Impl("hpcops-persist", _ours(False, {**GLUON_BF16_TREE, "gluon_persist": True}),
