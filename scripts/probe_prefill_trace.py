@@ -15,8 +15,9 @@ tile's start and end. From them, per case and kernel:
 - the fp8 producer's step: waiting for V, for a free Vᵀ buffer, and the transpose.
 
 Kernels: `fp8` (the fp8-q default: persistent, the producer prefetching q; `gluon_config(fp8=True)`), `fp8-ws` (the
-same tile a program a q tile), `bf16` (the bf16 default over bf16 KV, a program a q tile); `fp8-wstore`,
-`bf16-wstore`: the defaults storing the output in 16-byte pieces (`PrefillConfig.gluon_wide_store`). Beside the
+same tile a program a q tile), `bf16` (the bf16 default over bf16 KV, a program a q tile); `fp8-narrow`,
+`bf16-narrow`: the defaults storing the output in 4-byte pieces (`PrefillConfig.gluon_wide_store=False`, the default
+until session 72). Beside the
 medians, the SMs that end last against the median SM: their tiles, steps and the cycles of each step segment summed
 (consumer 0), so that a late SM shows what it waited for. Inputs: the prefill
 bench's (`_make_inputs`, layer 0), L2 flushed before each launch. The stamps cost a few instructions each
@@ -42,7 +43,7 @@ from hpcops.bench.timing import eager_time_us
 
 KINDS, STEPS = int(TRACE_KINDS.value), int(TRACE_STEPS.value)
 MISSING = -(2**31)
-KERNELS = ("fp8", "fp8-ws", "bf16", "fp8-wstore", "bf16-wstore")
+KERNELS = ("fp8", "fp8-ws", "bf16", "fp8-narrow", "bf16-narrow")
 # consumer step segments: (name, from kind, to kind); the fp8 loop waits for Vᵀ_j (kind 10) between K and the turn
 STEP_SEGMENTS_FP8 = (("wait K", 8, 9), ("wait Vt", 9, 10), ("turn", 10, 11), ("S wait", 11, 12),
                      ("softmax", 12, 13), ("P.V wait + P", 13, 14), ("step", 8, 14))
@@ -75,8 +76,8 @@ def _launch(case: str, kernel: str):
     config, why = _choose_kernel(q, kv.k_cache, kv.v_cache, x["max_q"], x["scale"], out, None)
     if kernel == "fp8-ws":
         config = _without_prefetch(config)
-    if kernel.endswith("-wstore"):
-        config = dataclasses.replace(config, gluon_wide_store=True)
+    if kernel.endswith("-narrow"):
+        config = dataclasses.replace(config, gluon_wide_store=False)
     if why is not None or not config.gluon_ws:
         raise SystemExit(f"{case} {kernel}: the default is not a warp-specialized Gluon kernel ({why or config})")
     tiles_per_head, block_b = tile_bounds(q.shape[0], kv.block_table.shape[0], config.block_m, hq // hkv)

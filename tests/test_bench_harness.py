@@ -147,13 +147,13 @@ def test_impls_selects_rows_by_name_or_pattern():
         return Case(suite="prefill", name=name, make_inputs=lambda layer, device="cuda": None,
                     impls=[Impl(i, lambda x: (lambda: None)) for i in impls], bytes=1, check=lambda x: None)
 
-    cases = [case("a", ["hpcops-fp8q", "hpcops-bf16kv", "hpcops-bf16kv-wstore", "flashinfer"]), case("b", ["sdpa"])]
+    cases = [case("a", ["hpcops-fp8q", "hpcops-bf16kv", "hpcops-bf16kv-narrow", "flashinfer"]), case("b", ["sdpa"])]
     assert select_impls(cases, None) is cases
     kept = select_impls(cases, "hpcops-fp8q,hpcops-bf16kv*")
     assert [c.name for c in kept] == ["a"] and kept[0].check is cases[0].check
-    assert [i.name for i in kept[0].impls] == ["hpcops-fp8q", "hpcops-bf16kv", "hpcops-bf16kv-wstore"]
+    assert [i.name for i in kept[0].impls] == ["hpcops-fp8q", "hpcops-bf16kv", "hpcops-bf16kv-narrow"]
     assert [i.name for i in cases[0].impls][-1] == "flashinfer"  # the suite's own cases are not changed
-    assert impl_selected("hpcops-fp8q-wstore", "*wstore") and not impl_selected("hpcops-fp8q", "hpcops-fp8")
+    assert impl_selected("hpcops-fp8q-narrow", "*narrow") and not impl_selected("hpcops-fp8q", "hpcops-fp8")
     assert not select_impls(cases, "nothing,")
 
 

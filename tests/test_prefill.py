@@ -360,6 +360,9 @@ def test_gluon_config_and_reasons(monkeypatch):
     assert not gluon_config(head_dim=128, group=8, max_seqlen_q=4096).gluon_vt_prmt
     assert not gluon_config(head_dim=128, group=8, max_seqlen_q=4096).gluon_q_regs
     assert not gluon_config(head_dim=128, group=8, max_seqlen_q=4096).gluon_mma_sum
+    # every Gluon tile stores its output in 16-byte pieces (gluon_wide_store), the 64-row one and fp8 included
+    assert all(c.gluon_wide_store for c in (g, small, d256, few, long, fp8, few8, d64_8, g4))
+    assert not PrefillConfig().gluon_wide_store and not tl8.gluon_wide_store
     # a 16-bit q over fp8 KV has no Gluon kernel: the tl tiles
     assert prefill_config(head_dim=128, group=8, max_seqlen_q=4096, q_dtype=bf16, kv_dtype=FP8,
                           gluon=None).gluon is False
@@ -379,6 +382,10 @@ def test_gluon_config_and_reasons(monkeypatch):
     q8 = q.to(FP8)
     fp8kv256 = make_paged_kv([300], num_kv_heads=2, head_dim=256, block_size=64, dtype=FP8, device="cpu")
     rep = dataclasses.replace
+    cfg8 = gluon_config(head_dim=128, group=8, max_seqlen_q=300, fp8=True)
+    assert gluon_unsupported_reason(q8, fp8kv.k_cache, fp8kv.v_cache, cfg8, 0.1) is None
+    assert gluon_unsupported_reason(q8, fp8kv.k_cache, fp8kv.v_cache,
+                                    rep(cfg8, num_stages=4, gluon_wide_store=False), 0.1) is None
     for why, args in [
         ("16-bit q", (q, fp8kv.k_cache, fp8kv.v_cache, cfg, 0.1)),
         ("16-bit q", (q.half(), kv.k_cache, kv.v_cache, cfg, 0.1)),
@@ -390,6 +397,8 @@ def test_gluon_config_and_reasons(monkeypatch):
         ("two buffers", (q, kv.k_cache, kv.v_cache, rep(cfg, num_stages=1), 0.1)),
         ("block_size 4", (q, page4.k_cache, page4.v_cache, cfg, 0.1)),
         ("shared memory", (q, kv.k_cache, kv.v_cache, rep(cfg, num_stages=4), 0.1)),
+        # the fp8 default's 16-byte stores take 16 KB of scratch: four K/V buffers no longer fit beside them
+        ("shared memory", (q8, fp8kv.k_cache, fp8kv.v_cache, rep(cfg8, num_stages=4), 0.1)),
         ("gluon_ws with block_m 64", (q, kv.k_cache, kv.v_cache, rep(cfg, block_m=64, num_warps=4), 0.1)),
         ("warp-specialized kernel only", (q8, fp8kv.k_cache, fp8kv.v_cache, rep(cfg, gluon_ws=False, block_m=64,
                                                                                 num_warps=4), 0.1)),

@@ -134,7 +134,11 @@ class PrefillConfig:
     accumulator's layout, where one store instruction touches 8 rows of the GQA-packed tile (8 lines). The kernel
     trace (`scripts/probe_prefill_trace.py`, session 71, H100, `bench/results/probe_prefill_trace_h100.md`) put the
     epilogue at ~2200 cycles a q tile in both dtypes: 32 such stores a thread on 8 warps, ~2048 lines through
-    the SM's load/store unit. Opt-in (bench rows `hpcops-fp8q-wstore`, `hpcops-wstore`).
+    the SM's load/store unit; the wide stores took it to ~1000 (session 72, same probe) and the SM-to-SM spread of
+    the fp8 kernel's end at h8/1 q4k from 51-62 µs to 51-54 µs. `gluon_config`'s default since session 72 (H100,
+    two and three interleaved rounds, `bench/results/prefill_wstore_h100_951d61e.md`: fp8 0.92-0.97x the time of
+    the 4-byte stores at h64/8 and h8/1 q4k / q8k but one run of h8/1 q8k at 1.01x, bf16 0.93-0.95x at q4k); bench
+    rows `hpcops-narrow`, `hpcops-bf16kv-narrow` and `hpcops-fp8q-narrow` time the 4-byte stores.
     `tma`, `pv_fp8`, `quant_q` and `fma_scale` are the `tl` kernel's (the Gluon kernel always reads by TMA and
     scales inside exp2).
     """
@@ -273,7 +277,9 @@ def gluon_config(*, head_dim: int, group: int, max_seqlen_q: int, num_kv_heads: 
     interleaved rounds, 0.91x / 0.96x the time of the non-persistent kernel at h64/8 q4k / q8k and level at h8/1,
     `bench/results/prefill_queue_h100_ca47d45.md`; where q's layout does not suit its TMA, `prefill_attention`
     takes the non-persistent kernel, `_without_prefetch`); its producer transposes V by byte permutes where the
-    tile allows (`gluon_vt_prmt`: block_n 128 at head_dim 64 or 128)."""
+    tile allows (`gluon_vt_prmt`: block_n 128 at head_dim 64 or 128). Every Gluon tile stores its output in 16-byte
+    pieces (`gluon_wide_store`: on an H100 0.92-0.97x the time of the 4-byte stores in fp8, 0.93-0.95x in bf16 at
+    q4k, `bench/results/prefill_wstore_h100_951d61e.md`)."""
     rows = group * max(int(max_seqlen_q), 1)
     if fp8:
         if gluon is None and rows < 64:
@@ -284,7 +290,7 @@ def gluon_config(*, head_dim: int, group: int, max_seqlen_q: int, num_kv_heads: 
         return PrefillConfig(block_m=128, block_n=block_n, num_warps=8, num_stages=stages, heads_inner=True,
                              gluon=gluon, gluon_ws=True, gluon_mma_sum=True, gluon_q_regs=True,
                              gluon_persist=prefetch, gluon_prefetch=prefetch,
-                             gluon_vt_prmt=block_n == 128 and head_dim in (64, 128))
+                             gluon_vt_prmt=block_n == 128 and head_dim in (64, 128), gluon_wide_store=True)
     tiles = None
     if num_kv_heads is not None and total_q is not None:
         tiles = num_kv_heads * triton.cdiv(max(int(total_q), 1) * group, 128)
@@ -295,7 +301,7 @@ def gluon_config(*, head_dim: int, group: int, max_seqlen_q: int, num_kv_heads: 
     block_n = 128 if head_dim <= 128 else 64
     stages = 3 if gluon_smem_bytes(block_m, block_n, 3, head_dim) <= GLUON_SMEM_BYTES else 2
     return PrefillConfig(block_m=block_m, block_n=block_n, num_warps=block_m // 16, num_stages=stages,
-                         heads_inner=True, gluon=gluon, gluon_ws=block_m == 128)
+                         heads_inner=True, gluon=gluon, gluon_ws=block_m == 128, gluon_wide_store=True)
 
 
 def _check_mode(check: bool | None, seq_lens: torch.Tensor) -> bool:
@@ -485,6 +491,8 @@ def gluon_config_reason(config: PrefillConfig, *, fp8: bool, head_dim: int, grou
                             config.gluon_pv_overlap, config.gluon_mma_sum, 3 if config.gluon_vt3 else 2)
     if config.gluon_prefetch:  # its ring of two q tiles, their scales and metadata (an upper bound: sm_90 builds
         smem += 2 * 128 * d + 2 * 128 * 4 + 128  # at the default tile measured 182888 bytes against 198784 here)
+    if config.gluon_wide_store and fp8:  # the output's layout conversion through the compiler's scratch: a
+        smem += 64 * d * 2  # consumer's 64 rows of 16-bit output (sm_90 builds: 16 KB more at head_dim 128)
     vts = "three" if config.gluon_vt3 else "two"
     what = f"q and {config.num_stages} K/V buffers" + (f", {vts} Vᵀ buffers and each consumer's P" if fp8 else "")
     if smem > GLUON_SMEM_BYTES:

@@ -139,15 +139,18 @@ FP8_DEFAULT_VARIANTS = (
      "the fp8 default with three Vᵀ buffers (gluon_vt3=True): the producer's transpose a step further ahead"),
     ("pdbuf", {"gluon_p_dbuf": True},
      "the fp8 default with two P buffers a consumer (gluon_p_dbuf=True): P_{j+1} stored before the P_j·V_j wait"),
-    ("4buf", {"num_stages": 4}, "the fp8 default with four K/V buffers (num_stages=4)"),
+    ("4buf", {"num_stages": 4, "gluon_wide_store": False},
+     "the fp8 default with four K/V buffers (num_stages=4) and 4-byte output stores (the 16-byte ones' scratch does "
+     "not fit beside four buffers)"),
     ("cvt", {"gluon_vt_prmt": False},
      "the fp8 default with the producer's V transpose by convert_layout (gluon_vt_prmt=False: the default until "
      "session 68), not by byte permutes"),
-    ("wstore", {"gluon_wide_store": True},
-     "the fp8 default storing its output in 16-byte pieces, whole rows a warp (gluon_wide_store=True)"),
+    ("narrow", {"gluon_wide_store": False},
+     "the fp8 default storing its output in 4-byte pieces from the accumulator's layout (gluon_wide_store=False: "
+     "the default until session 72)"),
 )
-# the bf16 warp-specialized Gluon kernel (the bf16 default's at q2k-q8k) storing its output in 16-byte pieces
-GLUON_BF16_WIDE = {"gluon": True, "gluon_wide_store": True}
+# the bf16 Gluon default storing its output in 4-byte pieces (the default until session 72)
+GLUON_BF16_NARROW = {"gluon": True, "gluon_wide_store": False}
 
 # the bf16 warp-specialized Gluon kernel with gluon_tree, on the same tile (the bf16 default's at q2k-q8k)
 GLUON_BF16_TREE = {**GLUON_FP8, "gluon_tree": True}
@@ -489,9 +492,9 @@ def cases(opts: dict) -> Iterator[Case]:
                     impls += [Impl(f"hpcops-fp8q-{name}", _ours(True, {**GLUON_FP8_DEFAULT, **fields}),
                                    note=f"variant: {note}") for name, fields, note in FP8_DEFAULT_VARIANTS]
                     impls.append(
-                        Impl("hpcops-bf16kv-wstore", lambda x: _ours_bf16_kv(x, GLUON_BF16_WIDE),
-                             note="variant: hpcops-bf16kv storing its output in 16-byte pieces "
-                             "(gluon_wide_store=True): issue 12's ratio with both kernels so")
+                        Impl("hpcops-bf16kv-narrow", lambda x: _ours_bf16_kv(x, GLUON_BF16_NARROW),
+                             note="variant: hpcops-bf16kv storing its output in 4-byte pieces "
+                             "(gluon_wide_store=False): issue 12's ratio with both kernels so")
                     )
                     impls.append(
                         Impl("hpcops-fp8q-smemq", _ours(True, {**GLUON_FP8_MSUM, "gluon_q_regs": False}),
@@ -513,9 +516,9 @@ def cases(opts: dict) -> Iterator[Case]:
                              "(gluon_tree=True)")
                     )
                     impls.append(
-                        Impl("hpcops-wstore", _ours(False, GLUON_BF16_WIDE),
-                             note="variant: the warp-specialized Gluon kernel storing its output in 16-byte pieces "
-                             "(gluon_wide_store=True)")
+                        Impl("hpcops-narrow", _ours(False, GLUON_BF16_NARROW),
+                             note="variant: the Gluon default storing its output in 4-byte pieces "
+                             "(gluon_wide_store=False: the default until session 72)")
                     )
                     impls.append(
                         Impl("hpcops-persist", _ours(False, {**GLUON_BF16_TREE, "gluon_persist": True}),
