@@ -135,7 +135,8 @@ class PrefillConfig:
     trace (`scripts/probe_prefill_trace.py`, session 71, H100, `bench/results/probe_prefill_trace_h100.md`) put the
     epilogue at ~2200 cycles a q tile in both dtypes: 32 such stores a thread on 8 warps, ~2048 lines through
     the SM's load/store unit; the wide stores took it to ~1000 (session 72, same probe) and the SM-to-SM spread of
-    the fp8 kernel's end at h8/1 q4k from 51-62 µs to 51-54 µs. `gluon_config`'s default since session 72 (H100,
+    the fp8 kernel's end at h8/1 q4k from 51-62 µs to 51-54 µs. `gluon_config`'s default for the 128-row tiles
+    (every fp8 one) since session 72; the 64-row tile (few tiles) not yet measured with it (H100,
     two and three interleaved rounds, `bench/results/prefill_wstore_h100_951d61e.md`: fp8 0.92-0.97x the time of
     the 4-byte stores at h64/8 and h8/1 q4k / q8k but one run of h8/1 q8k at 1.01x, bf16 0.93-0.95x at q4k); bench
     rows `hpcops-narrow`, `hpcops-bf16kv-narrow` and `hpcops-fp8q-narrow` time the 4-byte stores.
@@ -277,9 +278,10 @@ def gluon_config(*, head_dim: int, group: int, max_seqlen_q: int, num_kv_heads: 
     interleaved rounds, 0.91x / 0.96x the time of the non-persistent kernel at h64/8 q4k / q8k and level at h8/1,
     `bench/results/prefill_queue_h100_ca47d45.md`; where q's layout does not suit its TMA, `prefill_attention`
     takes the non-persistent kernel, `_without_prefetch`); its producer transposes V by byte permutes where the
-    tile allows (`gluon_vt_prmt`: block_n 128 at head_dim 64 or 128). Every Gluon tile stores its output in 16-byte
-    pieces (`gluon_wide_store`: on an H100 0.92-0.97x the time of the 4-byte stores in fp8, 0.93-0.95x in bf16 at
-    q4k, `bench/results/prefill_wstore_h100_951d61e.md`)."""
+    tile allows (`gluon_vt_prmt`: block_n 128 at head_dim 64 or 128). The 128-row tiles store their output in
+    16-byte pieces (`gluon_wide_store`: on an H100 0.92-0.97x the time of the 4-byte stores in fp8, 0.93-0.95x in
+    bf16 at q4k, `bench/results/prefill_wstore_h100_951d61e.md`); the 64-row tile keeps the 4-byte stores until it
+    is measured with them (its GPU cases pass either way)."""
     rows = group * max(int(max_seqlen_q), 1)
     if fp8:
         if gluon is None and rows < 64:
@@ -301,7 +303,7 @@ def gluon_config(*, head_dim: int, group: int, max_seqlen_q: int, num_kv_heads: 
     block_n = 128 if head_dim <= 128 else 64
     stages = 3 if gluon_smem_bytes(block_m, block_n, 3, head_dim) <= GLUON_SMEM_BYTES else 2
     return PrefillConfig(block_m=block_m, block_n=block_n, num_warps=block_m // 16, num_stages=stages,
-                         heads_inner=True, gluon=gluon, gluon_ws=block_m == 128, gluon_wide_store=True)
+                         heads_inner=True, gluon=gluon, gluon_ws=block_m == 128, gluon_wide_store=block_m == 128)
 
 
 def _check_mode(check: bool | None, seq_lens: torch.Tensor) -> bool:
