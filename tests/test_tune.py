@@ -527,7 +527,9 @@ def test_prefill_gluon_tunes_bf16_and_fp8_q_on_its_kernels():
     assert (base["block_m"], base["num_warps"], base["gluon_ws"], base["gluon"]) == (128, 8, True, True)
     assert op.valid(fp8, base)
     assert not op.valid(fp8, {**base, "gluon_ws": False})
-    assert op.valid(fp8, {**base, "num_stages": 4})  # 196608 bytes
+    # four K/V buffers fit (196608 bytes) with the 4-byte output stores, not beside the 16-byte ones' 16 KB scratch
+    assert base["gluon_wide_store"] and not op.valid(fp8, {**base, "num_stages": 4})
+    assert op.valid(fp8, {**base, "num_stages": 4, "gluon_wide_store": False})
     # the fp8 default sums its rows on the tensor cores, which P in registers cannot; the 16-bit kernel never
     # and runs persistent with its producer prefetching q, which P in registers cannot either
     assert base["gluon_mma_sum"] and not op.valid(fp8, {**base, "gluon_p_regs": True})

@@ -136,10 +136,12 @@ class PrefillConfig:
     epilogue at ~2200 cycles a q tile in both dtypes: 32 such stores a thread on 8 warps, ~2048 lines through
     the SM's load/store unit; the wide stores took it to ~1000 (session 72, same probe) and the SM-to-SM spread of
     the fp8 kernel's end at h8/1 q4k from 51-62 µs to 51-54 µs. `gluon_config`'s default for the 128-row tiles
-    (every fp8 one) since session 72; the 64-row tile (few tiles) not yet measured with it (H100,
-    two and three interleaved rounds, `bench/results/prefill_wstore_h100_951d61e.md`: fp8 0.92-0.97x the time of
-    the 4-byte stores at h64/8 and h8/1 q4k / q8k but one run of h8/1 q8k at 1.01x, bf16 0.93-0.95x at q4k); bench
-    rows `hpcops-narrow`, `hpcops-bf16kv-narrow` and `hpcops-fp8q-narrow` time the 4-byte stores.
+    (every fp8 one) since session 72 (H100, two and three interleaved rounds,
+    `bench/results/prefill_wstore_h100_951d61e.md`: fp8 0.92-0.97x the time of the 4-byte stores at h64/8 and h8/1
+    q4k / q8k but one run of h8/1 q8k at 1.01x, bf16 0.93-0.95x at q4k); the 64-row tile (few tiles) keeps the
+    4-byte stores until measured with these (bench row `hpcops-wide64`). Bench rows `hpcops-narrow`,
+    `hpcops-bf16kv-narrow` and `hpcops-fp8q-narrow` time the 4-byte stores. With fp8 the conversion takes 16 KB of
+    shared memory (the compiler's scratch): four K/V buffers no longer fit beside it.
     `tma`, `pv_fp8`, `quant_q` and `fma_scale` are the `tl` kernel's (the Gluon kernel always reads by TMA and
     scales inside exp2).
     """

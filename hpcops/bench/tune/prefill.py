@@ -120,6 +120,7 @@ GLUON_SPACE = (
     knob("gluon_prefetch", False, True),
     knob("gluon_q_regs", False, True),
     knob("gluon_vt_prmt", False, True),
+    knob("gluon_wide_store", False, True),
 )
 
 
