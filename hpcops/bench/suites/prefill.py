@@ -521,7 +521,8 @@ def cases(opts: dict) -> Iterator[Case]:
                     impls.append(
                         Impl("hpcops-narrow", _ours(False, GLUON_BF16_NARROW),
                              note="variant: the Gluon default storing its output in 4-byte pieces "
-                             "(gluon_wide_store=False: the default until session 72)")
+                             "(gluon_wide_store=False: the default until session 72; the 128-row tile at few-tile "
+                             "cases too, as a variant's base knows no tile count)")
                     )
                     impls.append(
                         Impl("hpcops-wide64", _ours(False, GLUON_BF16_WIDE64),
