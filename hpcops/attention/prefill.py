@@ -593,8 +593,8 @@ def _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, out,
         # 3 warpgroups (consumer 0 = the default partition, consumer 1, the producer warp rounded up; fp8: a 4-warp
         # producer): 168 registers each at launch, moved by setmaxnreg to 240 / 240 / 24 (fp8: 224 / 224 / 56)
         # inside the specialized region
+        grid = (gluon_programs(config, tiles_per_head * hkv, q.device),)
         if config.gluon_prefetch:  # persistent, the producer prefetching each tile's q (gluon_config_reason: fp8)
-            grid = (gluon_programs(config, tiles_per_head * hkv, q.device),)
             queue = _tile_queue(q.device) if config.gluon_queue else seq_lens  # a placeholder it does not read
             prefill_gluon_ws_prefetch_kernel[grid](*args, *scales, *_prefetch_descriptors(q, q_scale, hq // hkv),
                                                    queue, **common, num_warps=4, FP8=_fp8_mode(config),
@@ -603,7 +603,6 @@ def _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, out,
                                                    QUEUE=bool(config.gluon_queue), **knobs)
             return
         if config.gluon_persist:  # a program an SM, each walking q tiles
-            grid = (gluon_programs(config, tiles_per_head * hkv, q.device),)
             prefill_gluon_ws_persist_kernel[grid](*args, *scales, **common, num_warps=4,
                                                   FP8=_fp8_mode(config) if fp8 else 0,
                                                   FP8_CONSUMER_REGS=GLUON_WS_FP8_PERSIST_REGS[0],
@@ -611,12 +610,9 @@ def _launch_gluon(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, out,
                                                   CONSUMER_REGS=GLUON_WS_PERSIST_REGS[0],
                                                   PRODUCER_REGS=GLUON_WS_PERSIST_REGS[1], maxnreg=168, **knobs)
             return
-        prefill_gluon_ws_kernel[(gluon_programs(config, tiles_per_head * hkv, q.device),)](*args, *scales, **common,
-                                                         CONSUMER_REGS=GLUON_WS_CONSUMER_REGS, num_warps=4,
-                                                         FP8=_fp8_mode(config) if fp8 else 0,
-                                                         FP8_CONSUMER_REGS=GLUON_WS_FP8_REGS[0],
-                                                         FP8_PRODUCER_REGS=GLUON_WS_FP8_REGS[1], maxnreg=168,
-                                                         **knobs)
+        prefill_gluon_ws_kernel[grid](*args, *scales, **common, CONSUMER_REGS=GLUON_WS_CONSUMER_REGS, num_warps=4,
+                                      FP8=_fp8_mode(config) if fp8 else 0, FP8_CONSUMER_REGS=GLUON_WS_FP8_REGS[0],
+                                      FP8_PRODUCER_REGS=GLUON_WS_FP8_REGS[1], maxnreg=168, **knobs)
     else:
         prefill_gluon_kernel[(tiles_per_head * hkv,)](*args, **common, BLOCK_M=config.block_m,
                                                       num_warps=config.num_warps, **knobs)
