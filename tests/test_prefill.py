@@ -360,10 +360,10 @@ def test_gluon_config_and_reasons(monkeypatch):
     assert not gluon_config(head_dim=128, group=8, max_seqlen_q=4096).gluon_vt_prmt
     assert not gluon_config(head_dim=128, group=8, max_seqlen_q=4096).gluon_q_regs
     assert not gluon_config(head_dim=128, group=8, max_seqlen_q=4096).gluon_mma_sum
-    # the 128-row Gluon tiles (every fp8 one) store their output in 16-byte pieces (gluon_wide_store); the 64-row
-    # tile, not yet measured with them, keeps the 4-byte stores
-    assert all(c.gluon_wide_store for c in (g, d256, long, fp8, few8, d64_8, g4))
-    assert not (small.gluon_wide_store or few.gluon_wide_store)
+    # every Gluon tile (the 128-row ones since session 72, the 64-row one of few-tile shapes since 73) stores its
+    # output in 16-byte pieces (gluon_wide_store)
+    assert all(c.gluon_wide_store for c in (g, d256, long, fp8, few8, d64_8, g4, small, few))
+    assert small.block_m == few.block_m == 64
     assert not PrefillConfig().gluon_wide_store and not tl8.gluon_wide_store
     # a 16-bit q over fp8 KV has no Gluon kernel: the tl tiles
     assert prefill_config(head_dim=128, group=8, max_seqlen_q=4096, q_dtype=bf16, kv_dtype=FP8,

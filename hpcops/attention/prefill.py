@@ -138,10 +138,12 @@ class PrefillConfig:
     the fp8 kernel's end at h8/1 q4k from 51-62 µs to 51-54 µs. `gluon_config`'s default for the 128-row tiles
     (every fp8 one) since session 72 (H100, two and three interleaved rounds,
     `bench/results/prefill_wstore_h100_951d61e.md`: fp8 0.92-0.97x the time of the 4-byte stores at h64/8 and h8/1
-    q4k / q8k but one run of h8/1 q8k at 1.01x, bf16 0.93-0.95x at q4k); the 64-row tile (few tiles) keeps the
-    4-byte stores until measured with these (bench row `hpcops-wide64`). Bench rows `hpcops-narrow`,
-    `hpcops-bf16kv-narrow` and `hpcops-fp8q-narrow` time the 4-byte stores. With fp8 the conversion takes 16 KB of
-    shared memory (the compiler's scratch): four K/V buffers no longer fit beside it.
+    q4k / q8k but one run of h8/1 q8k at 1.01x, bf16 0.93-0.95x at q4k), and for the 64-row tile of few-tile
+    shapes since session 73 (H100, two interleaved rounds, `bench/results/prefill_wide64_h100_a23925e.md`: 10.8 /
+    27.8 µs against 11.4 / 28.5 at h8/1 q512 / q1ks2k). Bench rows `hpcops-narrow` (the 128-row tile),
+    `hpcops-narrow64` (the 64-row one), `hpcops-bf16kv-narrow` and `hpcops-fp8q-narrow` time the 4-byte stores.
+    With fp8 the conversion takes 16 KB of shared memory (the compiler's scratch): four K/V buffers no longer fit
+    beside it.
     `tma`, `pv_fp8`, `quant_q` and `fma_scale` are the `tl` kernel's (the Gluon kernel always reads by TMA and
     scales inside exp2).
     """
@@ -282,8 +284,8 @@ def gluon_config(*, head_dim: int, group: int, max_seqlen_q: int, num_kv_heads: 
     takes the non-persistent kernel, `_without_prefetch`); its producer transposes V by byte permutes where the
     tile allows (`gluon_vt_prmt`: block_n 128 at head_dim 64 or 128). The 128-row tiles store their output in
     16-byte pieces (`gluon_wide_store`: on an H100 0.92-0.97x the time of the 4-byte stores in fp8, 0.93-0.95x in
-    bf16 at q4k, `bench/results/prefill_wstore_h100_951d61e.md`); the 64-row tile keeps the 4-byte stores until it
-    is measured with them (its GPU cases pass either way)."""
+    bf16 at q4k, `bench/results/prefill_wstore_h100_951d61e.md`), and so does the 64-row tile of few-tile shapes
+    since session 73 (0.94x / 0.97x at h8/1 q512 / q1ks2k, `bench/results/prefill_wide64_h100_a23925e.md`)."""
     rows = group * max(int(max_seqlen_q), 1)
     if fp8:
         if gluon is None and rows < 64:
@@ -305,7 +307,7 @@ def gluon_config(*, head_dim: int, group: int, max_seqlen_q: int, num_kv_heads: 
     block_n = 128 if head_dim <= 128 else 64
     stages = 3 if gluon_smem_bytes(block_m, block_n, 3, head_dim) <= GLUON_SMEM_BYTES else 2
     return PrefillConfig(block_m=block_m, block_n=block_n, num_warps=block_m // 16, num_stages=stages,
-                         heads_inner=True, gluon=gluon, gluon_ws=block_m == 128, gluon_wide_store=block_m == 128)
+                         heads_inner=True, gluon=gluon, gluon_ws=block_m == 128, gluon_wide_store=True)
 
 
 def _check_mode(check: bool | None, seq_lens: torch.Tensor) -> bool:

@@ -152,8 +152,8 @@ FP8_DEFAULT_VARIANTS = (
 # the bf16 Gluon default storing its output in 4-byte pieces (the default until session 72)
 GLUON_BF16_NARROW = {"gluon": True, "gluon_wide_store": False}
 # the 64-row Gluon tile (one warpgroup, not specialized: the bf16 default where few 128-row tiles exist, h8/1 q512
-# and q1ks2k) storing its output in 16-byte pieces, which it does not by default until measured so
-GLUON_BF16_WIDE64 = {"gluon": True, "block_m": 64, "num_warps": 4, "gluon_ws": False, "gluon_wide_store": True}
+# and q1ks2k) storing its output in 4-byte pieces (its default until session 73)
+GLUON_BF16_NARROW64 = {"gluon": True, "block_m": 64, "num_warps": 4, "gluon_ws": False, "gluon_wide_store": False}
 
 # the bf16 warp-specialized Gluon kernel with gluon_tree, on the same tile (the bf16 default's at q2k-q8k)
 GLUON_BF16_TREE = {**GLUON_FP8, "gluon_tree": True}
@@ -525,9 +525,10 @@ def cases(opts: dict) -> Iterator[Case]:
                              "cases too, as a variant's base knows no tile count)")
                     )
                     impls.append(
-                        Impl("hpcops-wide64", _ours(False, GLUON_BF16_WIDE64),
+                        Impl("hpcops-narrow64", _ours(False, GLUON_BF16_NARROW64),
                              note="variant: the 64-row Gluon tile (the default at few tiles) storing its output in "
-                             "16-byte pieces (block_m=64, gluon_ws=False, gluon_wide_store=True)")
+                             "4-byte pieces (block_m=64, gluon_ws=False, gluon_wide_store=False: its default until "
+                             "session 73)")
                     )
                     impls.append(
                         Impl("hpcops-persist", _ours(False, {**GLUON_BF16_TREE, "gluon_persist": True}),
