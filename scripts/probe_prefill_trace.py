@@ -21,7 +21,10 @@ until session 72). Beside the
 medians, the SMs that end last against the median SM: their tiles, steps and the cycles of each step segment summed
 (consumer 0), so that a late SM shows what it waited for. Inputs: the prefill
 bench's (`_make_inputs`, layer 0), L2 flushed before each launch. The stamps cost a few instructions each
-(ptxas spills a few bytes more): the traced launch's µs is printed beside the untraced one.
+(ptxas spills a few bytes more): the traced launch's µs is printed beside the untraced one. In the fp8 kernel they
+also change the schedule: untraced, ptxas moves each consumer's K release, P·V wait and Vᵀ release above the
+softmax; the clock reads keep them after it, so the producer refills and transposes later under the trace
+(`hpcops/attention/PREFILL.md`, session 73): read the fp8 consumers' Vᵀ and turn waits as the traced kernel's.
 
     python3 scripts/probe_prefill_trace.py --out DIR [--cases 'h8x1-q4k,h64x8-q4k'] [--kernels fp8,fp8-ws,bf16]
 """
