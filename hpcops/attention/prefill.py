@@ -282,10 +282,8 @@ def gluon_config(*, head_dim: int, group: int, max_seqlen_q: int, num_kv_heads: 
     interleaved rounds, 0.91x / 0.96x the time of the non-persistent kernel at h64/8 q4k / q8k and level at h8/1,
     `bench/results/prefill_queue_h100_ca47d45.md`; where q's layout does not suit its TMA, `prefill_attention`
     takes the non-persistent kernel, `_without_prefetch`); its producer transposes V by byte permutes where the
-    tile allows (`gluon_vt_prmt`: block_n 128 at head_dim 64 or 128). The 128-row tiles store their output in
-    16-byte pieces (`gluon_wide_store`: on an H100 0.92-0.97x the time of the 4-byte stores in fp8, 0.93-0.95x in
-    bf16 at q4k, `bench/results/prefill_wstore_h100_951d61e.md`), and so does the 64-row tile of few-tile shapes
-    since session 73 (0.94x / 0.97x at h8/1 q512 / q1ks2k, `bench/results/prefill_wide64_h100_a23925e.md`)."""
+    tile allows (`gluon_vt_prmt`: block_n 128 at head_dim 64 or 128). Every Gluon tile stores its output in 16-byte
+    pieces (`gluon_wide_store`; its measurements in `PrefillConfig`'s docstring)."""
     rows = group * max(int(max_seqlen_q), 1)
     if fp8:
         if gluon is None and rows < 64:
